@@ -1,0 +1,283 @@
+"""One typed config for the whole workflow, loaded from YAML with `--set a.b=c` overrides.
+
+Every model forbids unknown keys, so a typo is reported with its dotted path and the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from workflows.errors import UserError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_name(value: str, what: str = "name") -> str:
+    """Names that become parts of paths/URIs: no separators, no '..', no leading dot."""
+    if not NAME_RE.match(value) or ".." in value:
+        raise ValueError(
+            f"invalid {what} {value!r}: use 1-64 letters, digits, '_', '-', '.', starting with a letter or digit"
+        )
+    return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class EmbeddedS3Config(Strict):
+    """moto's S3 server on this machine, persisted to `data_dir` between commands."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    data_dir: str = Field(".workflows/s3", description="local directory that persists the buckets")
+
+
+class StorageConfig(Strict):
+    root: str = Field("s3://workflows", description="URI under which processed data, runs and models live")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, ...); else AWS_ENDPOINT_URL or AWS")
+    region: str | None = Field(None, description="else AWS_REGION / AWS_DEFAULT_REGION")
+    embedded: EmbeddedS3Config = EmbeddedS3Config()
+    retries: int = Field(5, ge=0, description="S3 client retry attempts")
+
+
+class CacheConfig(Strict):
+    dir: str = Field("auto", description="per-node cache directory; 'auto' = /mnt/nvme/workflows-cache if it exists, else the user cache dir")
+
+    def resolved_dir(self) -> str:
+        if self.dir != "auto":
+            return os.path.abspath(os.path.expanduser(self.dir))
+        if os.path.isdir("/mnt/nvme"):
+            return "/mnt/nvme/workflows-cache"
+        return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "workflows")
+
+
+class RayConfig(Strict):
+    address: str | None = Field(None, description="Ray cluster address; None starts or joins a local one")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a newly started local cluster")
+
+
+class DataConfig(Strict):
+    source: str = Field(..., description="URI of a raw shard, a directory of shards or a glob")
+    format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"
+    text_columns: list[str] = Field(["text"], min_length=1)
+    label_column: str = "label"
+    builtin: Literal["quickstart"] | None = Field(
+        None, description="build this dataset into `source` when no shard is there"
+    )
+    builtin_rows_per_class: int = Field(900, ge=10)
+    val_fraction: float = Field(0.1, ge=0.0, lt=0.5)
+    test_fraction: float = Field(0.2, gt=0.0, lt=0.5)
+    split_seed: int = 0
+    max_rows: int | None = Field(None, ge=1, description="keep at most this many rows (a deterministic subset)")
+
+
+class PreprocessConfig(Strict):
+    tokenizer: str = Field("minilm", description="'minilm' (the packaged all-MiniLM-L6-v2) or a local HF directory")
+    max_length: int = Field(128, ge=8, le=4096)
+    batch_size: int = Field(256, ge=1)
+    concurrency: int = Field(2, ge=1, description="tokenizer actors")
+    rows_per_shard: int = Field(2000, ge=1)
+
+
+class ModelConfig(Strict):
+    name_or_path: str = Field("minilm", description="'minilm' or a local Hugging Face model directory")
+    dropout: float | None = Field(None, ge=0.0, lt=1.0)
+
+
+class TrainConfig(Strict):
+    num_workers: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(1, gt=0)
+    use_gpu: bool = False
+    strategy: Literal["fsdp", "ddp"] = "fsdp"
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(32, ge=1, description="per worker")
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_fraction: float = Field(0.1, ge=0, lt=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+    freeze_embeddings: bool = Field(False, description="keep the input embeddings fixed (half of MiniLM's weights): less compute and communication")
+    seed: int = 0
+    max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
+    num_to_keep: int = Field(1, ge=1)
+    max_failures: int = Field(1, ge=0)
+    torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
+
+
+class SearchDim(Strict):
+    uniform: tuple[float, float] | None = None
+    loguniform: tuple[float, float] | None = None
+    choice: list[Any] | None = None
+    grid: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def one_kind(self) -> "SearchDim":
+        kinds = [k for k in ("uniform", "loguniform", "choice", "grid") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("give exactly one of uniform, loguniform, choice, grid")
+        return self
+
+
+class TuneConfig(Strict):
+    enabled: bool = True
+    num_samples: int = Field(4, ge=1)
+    metric: str = "val_f1"
+    mode: Literal["max", "min"] = "max"
+    max_epochs: int = Field(2, ge=1)
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: float = Field(2, gt=1)
+    num_workers: int = Field(1, ge=1, description="Ray Train workers per trial")
+    max_train_rows: int | None = Field(None, ge=1, description="cap rows per trial epoch")
+    seed: int = 0
+    space: dict[str, SearchDim] = Field(default_factory=dict, description="dotted train.* field -> distribution")
+
+    @field_validator("space")
+    @classmethod
+    def train_fields_only(cls, space: dict[str, SearchDim]) -> dict[str, SearchDim]:
+        for key in space:
+            field = key.removeprefix("train.")
+            if not key.startswith("train.") or field not in TrainConfig.model_fields:
+                raise ValueError(f"search dimension {key!r} must name a train.* field")
+        return space
+
+
+class EvaluateConfig(Strict):
+    batch_size: int = Field(64, ge=1)
+
+
+class RegistryConfig(Strict):
+    name: str = Field("quickstart", description="the trained model is registered under this name")
+
+    @field_validator("name")
+    @classmethod
+    def valid(cls, v: str) -> str:
+        return check_name(v, "model name")
+
+
+class ServeConfig(Strict):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    cpus_per_replica: float = Field(1, gt=0)
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.01, ge=0)
+    max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
+    demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
+    keep_running: bool = Field(False, description="`workflows serve` blocks until Ctrl-C")
+
+
+class WorkflowConfig(Strict):
+    name: str = Field("quickstart", description="run name: prefixes runs and summaries")
+    seed: int = 0
+    output_dir: str = Field(".workflows/runs", description="local directory for JSON summaries and plots")
+    storage: StorageConfig = StorageConfig()
+    cache: CacheConfig = CacheConfig()
+    ray: RayConfig = RayConfig()
+    data: DataConfig
+    preprocess: PreprocessConfig = PreprocessConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    tune: TuneConfig = TuneConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    registry: RegistryConfig = RegistryConfig()
+    serve: ServeConfig = ServeConfig()
+
+    @field_validator("name")
+    @classmethod
+    def valid_name(cls, v: str) -> str:
+        return check_name(v, "run name")
+
+    # Where things live under the storage root.
+    def uri(self, *parts: str) -> str:
+        return "/".join([self.storage.root.rstrip("/"), *parts])
+
+
+def _parse_value(raw: str) -> Any:
+    """`--set` values are YAML scalars/lists: 3 -> int, 1e-4 -> float, [a,b] -> list, null -> None."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    # YAML 1.1 reads "1e-4" as a string; accept plain float literals too.
+    if isinstance(value, str):
+        try:
+            return float(value) if re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value) else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. train.lr=3e-5")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise UserError(f"--set {item!r}: empty part in key {key!r}")
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"--set {key}: {part!r} is not a section in {source}")
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            msg = e["msg"]
+            if "input" in e and not isinstance(e["input"], (dict, list)):
+                msg += f" (got {e['input']!r})"
+        lines.append(f"{source}: {key}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> WorkflowConfig:
+    """Read YAML at `path` (None = defaults only), apply overrides, validate."""
+    data: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise UserError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise UserError(f"{p}: not valid YAML: {e}".splitlines()[0]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        source = f"{source} (with --set)"
+        data = apply_overrides(data, overrides, source)
+    try:
+        return WorkflowConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_format_error(e, source)) from None
+
+
+def dump_config(cfg: WorkflowConfig) -> dict:
+    """A JSON-safe dict of the config (holds no credentials: they never enter the config)."""
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,62 @@
+"""Evaluation: weighted and per-class precision/recall/F1 against a majority-class baseline.
+
+Predictions come from the same predictor as serving, run as a Ray Data actor pool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from sklearn.metrics import accuracy_score, precision_recall_fscore_support
+
+from workflows.errors import UserError
+
+
+def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[str]) -> dict:
+    labels = sorted(set(labels) | set(y_true))
+    p, r, f, s = precision_recall_fscore_support(y_true, y_pred, labels=labels, zero_division=0)
+    wp, wr, wf, _ = precision_recall_fscore_support(y_true, y_pred, labels=labels, average="weighted", zero_division=0)
+    return {
+        "rows": len(y_true),
+        "accuracy": float(accuracy_score(y_true, y_pred)) if y_true else 0.0,
+        "weighted": {"precision": float(wp), "recall": float(wr), "f1": float(wf)},
+        "per_class": {lab: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]), "support": int(s[i])}
+                      for i, lab in enumerate(labels)},
+    }
+
+
+def evaluate_dataset(model_dir: str, meta: dict, ds, label_column: str | None = None, concurrency: int = 1) -> dict:
+    """Run the model over a Ray Dataset of raw rows (text columns + label) and score it."""
+    from workflows.serve.predictor import BatchPredictor
+
+    label_column = label_column or meta["label_column"]
+    names = set(ds.schema().names)
+    missing = [c for c in [*meta["text_columns"], label_column] if c not in names]
+    if missing:
+        raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
+    ds = ds.select_columns([*meta["text_columns"], label_column])
+    scored = ds.map_batches(BatchPredictor, fn_constructor_args=(model_dir,), batch_format="pandas",
+                            batch_size=64, concurrency=concurrency)
+    table: pd.DataFrame = scored.select_columns([label_column, "prediction"]).to_pandas()
+    table = table[table[label_column].notna()]
+    y_true = table[label_column].astype(str).tolist()
+    y_pred = table["prediction"].astype(str).tolist()
+    if not y_true:
+        raise UserError("evaluation data has no labelled rows")
+    metrics = classification_metrics(y_true, y_pred, meta["labels"])
+    majority = meta.get("majority_label") or pd.Series(y_true).mode().iloc[0]
+    metrics["baseline"] = {"majority_label": majority,
+                           **classification_metrics(y_true, [majority] * len(y_true), meta["labels"])["weighted"]}
+    metrics["unknown_labels"] = int(np.sum(~pd.Series(y_true).isin(meta["labels"])))
+    return metrics
+
+
+def format_report(metrics: dict) -> str:
+    lines = [f"{'class':<28} {'precision':>9} {'recall':>9} {'f1':>9} {'support':>8}"]
+    for lab, m in metrics["per_class"].items():
+        lines.append(f"{lab:<28} {m['precision']:>9.3f} {m['recall']:>9.3f} {m['f1']:>9.3f} {m['support']:>8d}")
+    w = metrics["weighted"]
+    lines.append(f"{'weighted':<28} {w['precision']:>9.3f} {w['recall']:>9.3f} {w['f1']:>9.3f} {metrics['rows']:>8d}")
+    b = metrics["baseline"]
+    lines.append(f"{'majority baseline':<28} {b['precision']:>9.3f} {b['recall']:>9.3f} {b['f1']:>9.3f}   ({b['majority_label']})")
+    return "\n".join(lines)

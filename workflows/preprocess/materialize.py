@@ -1,0 +1,216 @@
+"""Preprocessing on Ray Data: raw shards -> token ids + label ids, split, written once per dataset version.
+
+Output: `<storage.root>/processed/<dataset-version>/split=<train|val|test>/*.parquet` and a
+`manifest.json` written last, which lists the exact files, the label vocabulary and the counts.
+Readers go through the manifest only, so files of an interrupted earlier run are never read, and
+an unchanged input and config finds the manifest and reuses the output without recomputing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+from workflows.config import WorkflowConfig
+from workflows.errors import UserError
+from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
+from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_parquet_files
+from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, write_json
+
+SPLITS = ("train", "val", "test")
+FORMAT_VERSION = 1  # bump when the processed layout or encoding changes
+
+
+@dataclass
+class ProcessedDataset:
+    uri: str
+    version: str
+    labels: list[str]
+    text_columns: list[str]
+    label_column: str
+    tokenizer: str
+    max_length: int
+    files: dict[str, list[str]]
+    counts: dict[str, int]
+    label_counts: dict[str, dict[str, int]]
+    source: str
+    reused: bool = False
+
+    @classmethod
+    def load(cls, uri: str, ctx: StorageContext) -> "ProcessedDataset":
+        m = read_json(join(uri, "manifest.json"), ctx)
+        return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
+
+    def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None):
+        """A Ray Dataset of one split, read from exactly the files the manifest lists.
+
+        `num_cpus=0` for training ingest: the reads are light and I/O-bound, and on a small machine
+        the train workers hold every CPU, so reads that wait for a CPU would never run.
+        """
+        files = self.files.get(split) or []
+        if not files:
+            raise UserError(f"processed dataset {self.version} has no rows in split {split!r}")
+        return read_parquet_files(files, ctx, num_cpus=num_cpus)
+
+
+def split_of(text: str, seed: int, val_fraction: float, test_fraction: float) -> str:
+    """Deterministic split by a hash of the text: identical texts always land in the same split."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{text}".encode()).digest()[:8], "big") / 2**64
+    if h < test_fraction:
+        return "test"
+    if h < test_fraction + val_fraction:
+        return "val"
+    return "train"
+
+
+def _keep_fraction(text: str, seed: int) -> float:
+    return int.from_bytes(hashlib.sha256(f"keep:{seed}:{text}".encode()).digest()[:8], "big") / 2**64
+
+
+def dataset_version(shards: list[Shard], cfg: WorkflowConfig, tokenizer_dir: str) -> str:
+    d, p = cfg.data, cfg.preprocess
+    key = {
+        "format_version": FORMAT_VERSION,
+        "shards": [(s.uri, s.version, s.size) for s in shards],
+        "text_columns": d.text_columns, "label_column": d.label_column,
+        "val": d.val_fraction, "test": d.test_fraction, "split_seed": d.split_seed, "max_rows": d.max_rows,
+        "tokenizer": _tokenizer_identity(tokenizer_dir), "max_length": p.max_length,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _tokenizer_identity(tokenizer_dir: str) -> str:
+    """Hash of the tokenizer files: a different vocabulary is a different dataset version."""
+    import os
+
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json"):
+        path = os.path.join(tokenizer_dir, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+class Tokenize:
+    """Ray Data actor: the tokenizer is loaded once per actor, then reused for every batch."""
+
+    def __init__(self, tokenizer_dir: str, max_length: int, text_columns: list[str], label_column: str,
+                 labels: list[str], seed: int, val_fraction: float, test_fraction: float):
+        self.encoder = TextEncoder(tokenizer_dir, max_length, text_columns)
+        self.label_column = label_column
+        self.label_ids = {lab: i for i, lab in enumerate(labels)}
+        self.split_args = (seed, val_fraction, test_fraction)
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        texts = compose_texts(batch, self.encoder.text_columns)
+        out = batch[self.encoder.text_columns].astype(str).copy()
+        out[self.label_column] = batch[self.label_column].astype(str)
+        out["input_ids"] = [np.asarray(ids, dtype=np.int32) for ids in self.encoder.encode_texts(texts)]
+        out["label_id"] = batch[self.label_column].astype(str).map(self.label_ids).astype(np.int64)
+        out["split"] = [split_of(t, *self.split_args) for t in texts]
+        return out
+
+
+def _clean(batch: pd.DataFrame, text_columns: list[str], label_column: str, max_rows_fraction: float | None,
+           seed: int) -> pd.DataFrame:
+    """Drop rows without a label or without any text; optionally keep a deterministic subset."""
+    texts = compose_texts(batch, text_columns)
+    label = batch[label_column]
+    keep = label.notna().to_numpy() & (label.astype(str).str.strip() != "").to_numpy() & np.array([bool(t) for t in texts])
+    if max_rows_fraction is not None:
+        keep &= np.array([_keep_fraction(t, seed) < max_rows_fraction for t in texts])
+    return batch[keep]
+
+
+def _split_column(batch: pd.DataFrame, text_columns, label, seed, val_fraction, test_fraction) -> pd.DataFrame:
+    texts = compose_texts(batch, text_columns)
+    return pd.DataFrame({"split": [split_of(t, seed, val_fraction, test_fraction) for t in texts],
+                         label: batch[label].astype(str)})
+
+
+def _check_columns(ds, shards: list[Shard], cfg: WorkflowConfig) -> None:
+    names = set(ds.schema().names)
+    wanted = [*cfg.data.text_columns, cfg.data.label_column]
+    missing = [c for c in wanted if c not in names]
+    if missing:
+        raise UserError(
+            f"column(s) {missing} not found in {cfg.data.source} (shards {shards[0].uri}...; columns: {sorted(names)}); "
+            "set data.text_columns / data.label_column"
+        )
+
+
+def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> ProcessedDataset:
+    import ray.data
+
+    d, p = cfg.data, cfg.preprocess
+    shards, fmt = list_shards(d.source, ctx, d.format)
+    tokenizer_dir = resolve_model_dir(p.tokenizer)
+    version = dataset_version(shards, cfg, tokenizer_dir)
+    out_uri = cfg.uri("processed", version)
+    if exists(join(out_uri, "manifest.json"), ctx):
+        ds = ProcessedDataset.load(out_uri, ctx)
+        ds.reused = True
+        say(f"preprocess: dataset version {version} already materialized at {out_uri}: reusing it")
+        return ds
+
+    t0 = time.time()
+    say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri}")
+    raw = read_dataset(shards, fmt, ctx)
+    _check_columns(raw, shards, cfg)
+    raw = raw.select_columns([*d.text_columns, d.label_column])
+    fraction = None
+    if d.max_rows is not None:
+        total = raw.count()
+        fraction = min(1.0, d.max_rows / max(total, 1))
+    cleaned = raw.map_batches(_clean, batch_format="pandas", fn_args=(d.text_columns, d.label_column, fraction, d.split_seed)).materialize()
+
+    # The label vocabulary is fitted once, on all rows, and stored in the manifest.
+    labels = sorted(str(x) for x in cleaned.unique(d.label_column))
+    if len(labels) < 2:
+        raise UserError(f"{d.source}: label column {d.label_column!r} has {len(labels)} distinct value(s); need at least 2")
+
+    encoded = cleaned.map_batches(
+        Tokenize, batch_format="pandas", batch_size=p.batch_size, concurrency=p.concurrency,
+        fn_constructor_args=(tokenizer_dir, p.max_length, d.text_columns, d.label_column, labels,
+                             d.split_seed, d.val_fraction, d.test_fraction),
+    )
+    from workflows.storage.uri import pyarrow_filesystem
+
+    pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
+    encoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
+
+    fs, _ = filesystem(out_uri, ctx)
+    proto = out_uri.split("://", 1)[0] + "://" if "://" in out_uri else ""
+    files: dict[str, list[str]] = {}
+    for split in SPLITS:
+        found = sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))
+        files[split] = [proto + f for f in found]
+    # Counts per split and label, aggregated on the cluster (the rows never come to the driver).
+    split_args = (d.text_columns, d.label_column, d.split_seed, d.val_fraction, d.test_fraction)
+    grouped = cleaned.map_batches(_split_column, batch_format="pandas", fn_args=split_args)
+    table = grouped.groupby(["split", d.label_column]).count().to_pandas()
+    label_counts = {s: {} for s in SPLITS}
+    for row in table.itertuples(index=False):
+        label_counts[row[0]][str(row[1])] = int(row[2])
+    label_counts = {s: dict(sorted(c.items())) for s, c in label_counts.items()}
+    counts = {s: sum(c.values()) for s, c in label_counts.items()}
+    if counts["train"] == 0:
+        raise UserError(f"{d.source}: no training rows after cleaning and splitting")
+
+    result = ProcessedDataset(
+        uri=out_uri, version=version, labels=labels, text_columns=d.text_columns, label_column=d.label_column,
+        tokenizer=p.tokenizer, max_length=p.max_length, files=files, counts=counts, label_counts=label_counts,
+        source=d.source,
+    )
+    manifest = asdict(result)
+    manifest.pop("reused")
+    manifest.update(shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
+    write_json(join(out_uri, "manifest.json"), manifest, ctx)  # last: marks the output complete
+    say(f"preprocess: {sum(counts.values())} rows ({counts}) in {time.time() - t0:.1f}s, labels {labels}")
+    return result

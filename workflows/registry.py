@@ -1,0 +1,133 @@
+"""The model registry in object storage: `<storage.root>/models/<name>/v<N>/`.
+
+A version holds the serving artifact (safetensors weights, model config, tokenizer) and
+`workflows.json` (labels, text columns, metrics, lineage). `workflows.json` is written last, so a
+version without it is incomplete (an interrupted upload) and is never listed or served.
+Fetched versions are cached on local disk under their unique artifact id, downloaded to a temp
+directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from workflows.config import WorkflowConfig, check_name
+from workflows.errors import UserError
+from workflows.storage.uri import StorageContext, filesystem, join, read_json, write_json
+
+META_FILE = "workflows.json"
+_VERSION = re.compile(r"^v(\d+)$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str
+    version: int
+    uri: str
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """'NAME' or 'NAME:VERSION' (VERSION as 3 or v3); names are validated before becoming paths."""
+    name, _, version = spec.partition(":")
+    try:
+        check_name(name, "model name")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not version or version == "latest":
+        return name, None
+    m = re.fullmatch(r"v?(\d+)", version)
+    if not m:
+        raise UserError(f"invalid model version {version!r} in {spec!r}: use NAME:3 or NAME:v3")
+    return name, int(m.group(1))
+
+
+def _models_root(cfg: WorkflowConfig) -> str:
+    return cfg.uri("models")
+
+
+def versions(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[int]:
+    fs, path = filesystem(join(_models_root(cfg), name), ctx)
+    try:
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        m = _VERSION.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        if m and fs.exists(f"{entry.rstrip('/')}/{META_FILE}"):
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def list_models(cfg: WorkflowConfig, ctx: StorageContext) -> dict[str, list[int]]:
+    fs, path = filesystem(_models_root(cfg), ctx)
+    try:
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return {}
+    return {n: v for n in sorted(names) if (v := versions(cfg, ctx, n))}
+
+
+def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
+    name, version = parse_spec(spec)
+    available = versions(cfg, ctx, name)
+    if not available:
+        raise UserError(f"model {name!r} not found in the registry at {_models_root(cfg)}")
+    if version is None:
+        version = available[-1]
+    elif version not in available:
+        raise UserError(f"model {name!r} has no version {version} (available: {', '.join(f'v{v}' for v in available)})")
+    return ModelRef(name, version, join(_models_root(cfg), name, f"v{version}"))
+
+
+def register(cfg: WorkflowConfig, ctx: StorageContext, local_dir: str, name: str, metadata: dict) -> ModelRef:
+    """Upload an exported artifact as the next version of `name`."""
+    check_name(name, "model name")
+    version = (versions(cfg, ctx, name) or [0])[-1] + 1
+    uri = join(_models_root(cfg), name, f"v{version}")
+    fs, path = filesystem(uri, ctx)
+    for f in sorted(Path(local_dir).iterdir()):
+        if f.is_file() and f.name != META_FILE:
+            fs.put_file(str(f), f"{path}/{f.name}")
+    meta = {**metadata, "name": name, "version": version, "artifact_id": uuid.uuid4().hex,
+            "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_json(join(uri, META_FILE), meta, ctx)  # last: marks the version complete
+    return ModelRef(name, version, uri)
+
+
+def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, dict]:
+    """Local directory holding the model version (downloaded once per node), and its metadata."""
+    ref = resolve(cfg, ctx, spec)
+    meta = read_json(join(ref.uri, META_FILE), ctx)
+    cache = Path(cfg.cache.resolved_dir()) / "models" / meta["artifact_id"]
+    if (cache / META_FILE).exists():
+        return str(cache), meta
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{meta['artifact_id']}-", dir=cache.parent))
+    try:
+        fs, path = filesystem(ref.uri, ctx)
+        for remote in fs.ls(path, detail=False):
+            base = remote.rstrip("/").rsplit("/", 1)[-1]
+            if base != META_FILE:
+                fs.get_file(remote, str(tmp / base))
+        (tmp / META_FILE).write_text(json.dumps(meta))  # last, as in the store
+        try:
+            os.rename(tmp, cache)
+        except OSError:  # another process on this node finished first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(cache), meta
+
+
+def read_metadata(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict:
+    return read_json(join(resolve(cfg, ctx, spec).uri, META_FILE), ctx)

@@ -1,0 +1,95 @@
+"""What every command runs inside: the object store (embedded endpoint if asked), Ray, summaries."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from rich.console import Console
+
+from workflows.config import WorkflowConfig, dump_config
+from workflows.storage.embedded import EmbeddedS3
+from workflows.storage.uri import StorageContext, check_bucket, protocol_of
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+log = logging.getLogger("workflows")
+
+
+def say(msg: str) -> None:
+    """Progress for a person watching the terminal."""
+    console.print(f"[bold cyan]workflows[/] {msg}")
+
+
+@dataclass
+class Runtime:
+    cfg: WorkflowConfig
+    storage: StorageContext
+    embedded: EmbeddedS3 | None = None
+    started: float = field(default_factory=time.time)
+
+    def persist(self) -> None:
+        """Stage boundary: make what was produced durable (the embedded store lives in memory)."""
+        if self.embedded is not None:
+            self.embedded.persist()
+
+    def write_summary(self, stage: str, summary: dict[str, Any]) -> Path:
+        out_dir = Path(self.cfg.output_dir) / self.cfg.name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{stage}.json"
+        body = {"stage": stage, "name": self.cfg.name, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **summary, "config": dump_config(self.cfg)}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(body, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, path)
+        say(f"{stage} summary written to {path}")
+        return path
+
+
+def _buckets(cfg: WorkflowConfig) -> set[str]:
+    uris = [cfg.storage.root, cfg.data.source]
+    return {u.split("://", 1)[1].split("/", 1)[0] for u in uris if protocol_of(u) in ("s3", "s3a")}
+
+
+def init_ray(cfg: WorkflowConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    # The dashboard stays on: Ray Train V2 queries actor state through it.
+    kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
+    if cfg.ray.address:
+        kwargs["address"] = cfg.ray.address
+    elif cfg.ray.num_cpus:
+        kwargs["num_cpus"] = cfg.ray.num_cpus
+    ray.init(**kwargs)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+@contextmanager
+def runtime(cfg: WorkflowConfig, ray_needed: bool = True) -> Iterator[Runtime]:
+    embedded = None
+    if cfg.storage.embedded.enabled:
+        e = cfg.storage.embedded
+        embedded = EmbeddedS3(e.data_dir, e.host, e.port)
+        cfg.storage.endpoint_url = embedded.start()
+        for bucket in sorted(_buckets(cfg)):
+            embedded.ensure_bucket(bucket)
+        say(f"embedded S3 endpoint {cfg.storage.endpoint_url} (persisted in {embedded.data_dir})")
+    try:
+        storage = StorageContext.from_config(cfg.storage)
+        check_bucket(cfg.storage.root, storage)
+        if ray_needed:
+            init_ray(cfg)
+        yield Runtime(cfg, storage, embedded)
+    finally:
+        if embedded is not None:
+            embedded.stop()

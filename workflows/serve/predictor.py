@@ -1,0 +1,63 @@
+"""The predictor shared by online serving, batch inference and evaluation (one code path, no skew)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from workflows.preprocess.encoding import TextEncoder, compose_texts, pad_batch
+
+
+class Predictor:
+    """A registered model loaded once: raw rows in, labels and probabilities out."""
+
+    def __init__(self, model_dir: str, threads: int | None = None):
+        from transformers import AutoModelForSequenceClassification
+
+        with open(os.path.join(model_dir, "workflows.json")) as f:
+            self.meta = json.load(f)
+        self.labels: list[str] = self.meta["labels"]
+        self.text_columns: list[str] = self.meta["text_columns"]
+        self.encoder = TextEncoder(model_dir, self.meta["max_length"], self.text_columns)
+        if threads:
+            torch.set_num_threads(threads)
+        # safetensors weights only: from_pretrained loads model.safetensors, never a pickle
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval()
+
+    @torch.inference_mode()
+    def probabilities(self, columns: Mapping[str, Sequence[object]], batch_size: int = 64) -> np.ndarray:
+        texts = compose_texts(columns, self.text_columns)
+        out = []
+        for i in range(0, len(texts), batch_size):
+            ids, mask = pad_batch(self.encoder.encode_texts(texts[i : i + batch_size]), self.encoder.pad_id)
+            logits = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+            out.append(torch.softmax(logits.float(), dim=-1).numpy())
+        return np.concatenate(out) if out else np.zeros((0, len(self.labels)), dtype=np.float32)
+
+    def predict(self, rows: Sequence[Mapping[str, object]]) -> list[dict]:
+        columns = {c: [row.get(c) for row in rows] for c in self.text_columns}
+        probs = self.probabilities(columns)
+        return [self._prediction(p) for p in probs]
+
+    def _prediction(self, p: np.ndarray) -> dict:
+        i = int(p.argmax())
+        return {"label": self.labels[i], "score": float(p[i]),
+                "probabilities": {lab: float(x) for lab, x in zip(self.labels, p)}}
+
+
+class BatchPredictor:
+    """Ray Data actor for batch inference and evaluation: the model is loaded once per actor."""
+
+    def __init__(self, model_dir: str, threads: int = 1):
+        self.predictor = Predictor(model_dir, threads)
+
+    def __call__(self, batch):
+        probs = self.predictor.probabilities(batch)
+        idx = probs.argmax(1)
+        batch["prediction"] = [self.predictor.labels[i] for i in idx]
+        batch["score"] = probs[np.arange(len(idx)), idx]
+        return batch

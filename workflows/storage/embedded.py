@@ -1,0 +1,162 @@
+"""An embedded S3-compatible endpoint: moto's server on 127.0.0.1, persisted to a local directory.
+
+moto keeps objects in memory only, and what a user produces (processed data, checkpoints, models)
+must outlive the command. So the endpoint restores its buckets from `data_dir` when it starts and
+writes them back (only changed objects, each to a temp name then renamed) when a stage ends and
+when it stops. Objects are stored content-addressed (`objects/<sha256 of bucket/key>`) with a
+manifest, so no object key can become a path outside `data_dir`.
+
+One process owns a data_dir at a time (an flock); another command that finds it owned reuses
+the running endpoint instead of starting a second copy of the data.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from workflows.errors import UserError
+from workflows.storage.uri import EMBEDDED_KEY, StorageContext
+
+log = logging.getLogger(__name__)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class EmbeddedS3:
+    def __init__(self, data_dir: str, host: str = "127.0.0.1", port: int = 0):
+        self.data_dir = Path(data_dir).expanduser().resolve()
+        self.host = host
+        self.port = port
+        self.endpoint_url: str | None = None
+        self.owner = False
+        self._server = None
+        self._lock_fd: int | None = None
+        self._manifest: dict[str, dict] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "objects").mkdir(exist_ok=True)
+        fd = os.open(self.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return self._attach()
+        self._lock_fd = fd
+        self.owner = True
+
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint_url = f"http://{host}:{port}"
+        self._restore()
+        _atomic_write(self.data_dir / "endpoint.json", json.dumps({"url": self.endpoint_url, "pid": os.getpid()}).encode())
+        log.info("embedded S3 endpoint at %s (data in %s)", self.endpoint_url, self.data_dir)
+        return self.endpoint_url
+
+    def _attach(self) -> str:
+        try:
+            info = json.loads((self.data_dir / "endpoint.json").read_text())
+        except (OSError, ValueError):
+            raise UserError(f"embedded S3 data dir {self.data_dir} is locked by another process that is still starting; retry") from None
+        self.endpoint_url = info["url"]
+        log.info("reusing the embedded S3 endpoint of pid %s at %s", info.get("pid"), self.endpoint_url)
+        return self.endpoint_url
+
+    def stop(self) -> None:
+        if not self.owner:
+            return
+        try:
+            self.persist()
+        finally:
+            self._server.stop()
+            (self.data_dir / "endpoint.json").unlink(missing_ok=True)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self.owner = False
+
+    def __enter__(self) -> "EmbeddedS3":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- persistence -----------------------------------------------------------------------
+    def _client(self):
+        return StorageContext(endpoint_url=self.endpoint_url, region="us-east-1", embedded=True).boto3_client()
+
+    def _manifest_path(self) -> Path:
+        return self.data_dir / "manifest.json"
+
+    def _restore(self) -> None:
+        path = self._manifest_path()
+        self._manifest = json.loads(path.read_text()) if path.exists() else {}
+        client = self._client()
+        buckets = {entry["bucket"] for entry in self._manifest.values()}
+        for bucket in sorted(buckets | set(self._empty_buckets())):
+            client.create_bucket(Bucket=bucket)
+        for entry in self._manifest.values():
+            with open(self.data_dir / "objects" / entry["file"], "rb") as f:
+                client.put_object(Bucket=entry["bucket"], Key=entry["key"], Body=f)
+            # moto computes the same ETag for the same bytes; keep ours in step with it anyway
+            head = client.head_object(Bucket=entry["bucket"], Key=entry["key"])
+            entry["etag"] = head["ETag"]
+
+    def _empty_buckets(self) -> list[str]:
+        p = self.data_dir / "buckets.json"
+        return json.loads(p.read_text()) if p.exists() else []
+
+    def persist(self) -> int:
+        """Write changed objects to disk; drop deleted ones. Returns the number of objects written."""
+        if not self.owner:
+            return 0
+        client = self._client()
+        seen: dict[str, dict] = {}
+        written = 0
+        buckets = [b["Name"] for b in client.list_buckets().get("Buckets", [])]
+        for bucket in buckets:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                for obj in page.get("Contents", []):
+                    ident = f"{bucket}/{obj['Key']}"
+                    old = self._manifest.get(ident)
+                    if old and old["etag"] == obj["ETag"] and old["size"] == obj["Size"]:
+                        seen[ident] = old
+                        continue
+                    name = hashlib.sha256(ident.encode()).hexdigest()
+                    body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+                    _atomic_write(self.data_dir / "objects" / name, body)
+                    seen[ident] = {"bucket": bucket, "key": obj["Key"], "file": name, "etag": obj["ETag"], "size": obj["Size"]}
+                    written += 1
+        for ident, entry in self._manifest.items():
+            if ident not in seen:
+                (self.data_dir / "objects" / entry["file"]).unlink(missing_ok=True)
+        self._manifest = seen
+        _atomic_write(self._manifest_path(), json.dumps(seen, indent=1, sort_keys=True).encode())
+        _atomic_write(self.data_dir / "buckets.json", json.dumps(sorted(buckets)).encode())
+        return written
+
+    def ensure_bucket(self, bucket: str) -> None:
+        client = self._client()
+        existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+        if bucket not in existing:
+            client.create_bucket(Bucket=bucket)
+
+
+__all__ = ["EmbeddedS3", "EMBEDDED_KEY"]

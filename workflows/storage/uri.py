@@ -1,0 +1,145 @@
+"""URIs -> filesystems. Every data and model location is a URI: s3://, a local path, any fsspec protocol.
+
+`StorageContext` is the picklable part of the storage config that Ray tasks and workers need to
+reach the same object store as the driver (endpoint, region). Credentials never travel in it:
+s3fs/boto3 take them from the standard AWS environment and credential chain. The one exception is
+the embedded endpoint, whose fixed dummy keys protect nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import pyarrow.fs as pafs
+
+from workflows.errors import UserError
+
+EMBEDDED_KEY = "embedded"  # moto accepts any key; these are not secrets
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    endpoint_url: str | None = None
+    region: str | None = None
+    embedded: bool = False
+    retries: int = 5
+
+    @classmethod
+    def from_config(cls, storage_cfg) -> "StorageContext":
+        return cls(
+            endpoint_url=storage_cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+            region=storage_cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            embedded=storage_cfg.embedded.enabled,
+            retries=storage_cfg.retries,
+        )
+
+    def s3_options(self) -> dict[str, Any]:
+        client_kwargs: dict[str, Any] = {"region_name": self.region}
+        if self.endpoint_url:
+            client_kwargs["endpoint_url"] = self.endpoint_url
+        opts: dict[str, Any] = {
+            "client_kwargs": client_kwargs,
+            "config_kwargs": {"retries": {"max_attempts": self.retries, "mode": "standard"}},
+            # Listings must reflect writes made by other processes (Ray workers) at once.
+            "use_listings_cache": False,
+        }
+        if self.embedded:
+            opts.update(key=EMBEDDED_KEY, secret=EMBEDDED_KEY)
+        return opts
+
+    def boto3_client(self):
+        import boto3
+        from botocore.config import Config
+
+        kwargs: dict[str, Any] = {
+            "region_name": self.region,
+            "config": Config(retries={"max_attempts": self.retries, "mode": "standard"}),
+        }
+        if self.endpoint_url:
+            kwargs["endpoint_url"] = self.endpoint_url
+        if self.embedded:
+            kwargs.update(aws_access_key_id=EMBEDDED_KEY, aws_secret_access_key=EMBEDDED_KEY)
+        return boto3.client("s3", **kwargs)
+
+
+def protocol_of(uri: str) -> str:
+    return uri.split("://", 1)[0] if "://" in uri else "file"
+
+
+def filesystem(uri: str, ctx: StorageContext) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for `uri` and the path inside it."""
+    proto = protocol_of(uri)
+    options = ctx.s3_options() if proto in ("s3", "s3a") else {}
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **options)
+    except (ImportError, ValueError) as e:
+        raise UserError(f"cannot open {uri}: {e}") from None
+    return fs, path
+
+
+def pyarrow_filesystem(uri: str, ctx: StorageContext) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem over the same fsspec one (Ray Train storage, Ray Data writes)."""
+    fs, path = filesystem(uri, ctx)
+    if protocol_of(uri) == "file":
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *[p.strip("/") for p in parts]])
+
+
+def exists(uri: str, ctx: StorageContext) -> bool:
+    fs, path = filesystem(uri, ctx)
+    return fs.exists(path)
+
+
+def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
+    """Write so that a reader never sees a partial object.
+
+    On object stores a PUT is atomic already; on a local disk write a temp name and rename.
+    """
+    fs, path = filesystem(uri, ctx)
+    if protocol_of(uri) == "file":
+        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def write_json(uri: str, obj: Any, ctx: StorageContext) -> None:
+    write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True).encode(), ctx)
+
+
+def read_json(uri: str, ctx: StorageContext) -> Any:
+    fs, path = filesystem(uri, ctx)
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def check_bucket(uri: str, ctx: StorageContext) -> None:
+    """Fail early, naming the URI, when an s3 bucket is missing or unreachable."""
+    if protocol_of(uri) not in ("s3", "s3a"):
+        return
+    bucket = uri.split("://", 1)[1].split("/", 1)[0]
+    client = ctx.boto3_client()
+    try:
+        client.head_bucket(Bucket=bucket)
+    except Exception as e:  # botocore ClientError / EndpointConnectionError / NoCredentialsError
+        code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
+        if code in ("404", "NoSuchBucket"):
+            raise UserError(f"bucket not found for {uri} (endpoint {ctx.endpoint_url or 'AWS'})") from None
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise UserError(f"access denied to {uri}: check the AWS credentials") from None
+        raise UserError(f"cannot reach {uri} (endpoint {ctx.endpoint_url or 'AWS'}): {type(e).__name__}: {e}") from None
