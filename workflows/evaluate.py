@@ -25,7 +25,7 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
     }
 
 
-def evaluate_dataset(model_dir: str, meta: dict, ds, label_column: str | None = None, concurrency: int = 1) -> dict:
+def evaluate_dataset(cfg, model_spec: str, meta: dict, ds, label_column: str | None = None, concurrency: int = 1) -> dict:
     """Run the model over a Ray Dataset of raw rows (text columns + label) and score it."""
     from workflows.serve.predictor import BatchPredictor
 
@@ -35,7 +35,7 @@ def evaluate_dataset(model_dir: str, meta: dict, ds, label_column: str | None = 
     if missing:
         raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
     ds = ds.select_columns([*meta["text_columns"], label_column])
-    scored = ds.map_batches(BatchPredictor, fn_constructor_args=(model_dir,), batch_format="pandas",
+    scored = ds.map_batches(BatchPredictor, fn_constructor_args=(cfg.model_dump(mode="json"), model_spec), batch_format="pandas",
                             batch_size=64, concurrency=concurrency)
     table: pd.DataFrame = scored.select_columns([label_column, "prediction"]).to_pandas()
     table = table[table[label_column].notna()]

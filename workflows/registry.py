@@ -116,7 +116,7 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, dic
         fs, path = filesystem(ref.uri, ctx)
         for remote in fs.ls(path, detail=False):
             base = remote.rstrip("/").rsplit("/", 1)[-1]
-            if base != META_FILE:
+            if base not in (META_FILE, EVAL_FILE):
                 fs.get_file(remote, str(tmp / base))
         (tmp / META_FILE).write_text(json.dumps(meta))  # last, as in the store
         try:
@@ -129,5 +129,21 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, dic
     return str(cache), meta
 
 
-def read_metadata(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict:
-    return read_json(join(resolve(cfg, ctx, spec).uri, META_FILE), ctx)
+EVAL_FILE = "evaluation.json"
+
+
+def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, metrics: dict) -> None:
+    """Evaluation runs after registration (actors fetch the model from the registry), so its
+    metrics are stored beside the version rather than inside workflows.json."""
+    write_json(join(ref.uri, EVAL_FILE), metrics, ctx)
+
+
+def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict:
+    """Metadata of a version, with its evaluation metrics when there are any."""
+    ref = resolve(cfg, ctx, spec)
+    meta = read_json(join(ref.uri, META_FILE), ctx)
+    eval_uri = join(ref.uri, EVAL_FILE)
+    fs, path = filesystem(eval_uri, ctx)
+    if fs.exists(path):
+        meta["metrics"] = read_json(eval_uri, ctx)
+    return meta

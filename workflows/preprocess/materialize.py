@@ -20,7 +20,7 @@ from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
 from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_parquet_files
-from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, write_json
+from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol, write_json
 
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1  # bump when the processed layout or encoding changes
@@ -176,7 +176,7 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
         raise UserError(f"{d.source}: label column {d.label_column!r} has {len(labels)} distinct value(s); need at least 2")
 
     encoded = cleaned.map_batches(
-        Tokenize, batch_format="pandas", batch_size=p.batch_size, concurrency=p.concurrency,
+        Tokenize, batch_format="pandas", batch_size=p.batch_size, compute=ray.data.ActorPoolStrategy(size=p.concurrency),
         fn_constructor_args=(tokenizer_dir, p.max_length, d.text_columns, d.label_column, labels,
                              d.split_seed, d.val_fraction, d.test_fraction),
     )
@@ -186,11 +186,10 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
     encoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
 
     fs, _ = filesystem(out_uri, ctx)
-    proto = out_uri.split("://", 1)[0] + "://" if "://" in out_uri else ""
     files: dict[str, list[str]] = {}
     for split in SPLITS:
         found = sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))
-        files[split] = [proto + f for f in found]
+        files[split] = [with_protocol(out_uri, f) for f in found]
     # Counts per split and label, aggregated on the cluster (the rows never come to the driver).
     split_args = (d.text_columns, d.label_column, d.split_seed, d.val_fraction, d.test_fraction)
     grouped = cleaned.map_batches(_split_column, batch_format="pandas", fn_args=split_args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, filesystem, protocol_of, pyarrow_filesystem
+from workflows.storage.uri import StorageContext, filesystem, protocol_of, pyarrow_filesystem, with_protocol
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv"
@@ -23,11 +23,6 @@ def _format_of(uri: str) -> str | None:
         if uri.lower().endswith(ext):
             return fmt
     return None
-
-
-def _with_protocol(uri: str, path: str) -> str:
-    proto = protocol_of(uri)
-    return path if proto == "file" else f"{proto}://{path}"
 
 
 def _version(info: dict) -> str:
@@ -60,7 +55,7 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
         raise UserError(f"cannot tell one format for the shards at {uri} (found {sorted(map(str, formats))}); set data.format")
-    shards = [Shard(_with_protocol(uri, p), int(info.get("size") or 0), _version(info)) for p, info in ((p, fs.info(p)) for p in paths)]
+    shards = [Shard(with_protocol(uri, p), int(info.get("size") or 0), _version(info)) for p, info in ((p, fs.info(p)) for p in paths)]
     return shards, formats.pop()
 
 

@@ -4,8 +4,7 @@ POST /predict  {"instances": [{<text columns>}]} -> {"predictions": [{"label", "
 GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json)
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI must see the real `Request` annotation.
 import asyncio
 import json
 from typing import Any
@@ -51,7 +50,8 @@ class ModelServer:
 
         self.cfg = WorkflowConfig.model_validate(cfg)
         storage = StorageContext.from_config(self.cfg.storage)
-        model_dir, self.meta = registry.fetch(self.cfg, storage, model_spec)
+        model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
+        self.meta = registry.describe(self.cfg, storage, model_spec)  # with evaluation metrics
         self.predictor = Predictor(model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)))
         self.instance = instance_model(self.meta["text_columns"])
         self.max_instances = self.cfg.serve.max_instances

@@ -50,9 +50,19 @@ class Predictor:
 
 
 class BatchPredictor:
-    """Ray Data actor for batch inference and evaluation: the model is loaded once per actor."""
+    """Ray Data actor for batch inference and evaluation: the model is fetched and loaded once per actor.
 
-    def __init__(self, model_dir: str, threads: int = 1):
+    It takes the registry coordinates, not a local path, so an actor on any node fetches the model
+    into that node's cache.
+    """
+
+    def __init__(self, cfg: dict, model_spec: str, threads: int = 1):
+        from workflows import registry
+        from workflows.config import WorkflowConfig
+        from workflows.storage.uri import StorageContext
+
+        wcfg = WorkflowConfig.model_validate(cfg)
+        model_dir, _ = registry.fetch(wcfg, StorageContext.from_config(wcfg.storage), model_spec)
         self.predictor = Predictor(model_dir, threads)
 
     def __call__(self, batch):

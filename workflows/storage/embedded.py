@@ -1,5 +1,10 @@
 """An embedded S3-compatible endpoint: moto's server on 127.0.0.1, persisted to a local directory.
 
+moto's server runs in a child process: its state is per process (two endpoints in one process
+would share buckets), and serving shard downloads must not compete with the driver for the GIL.
+The child is told to exit when its parent dies (PR_SET_PDEATHSIG), so a killed command leaves no
+orphan server behind.
+
 moto keeps objects in memory only, and what a user produces (processed data, checkpoints, models)
 must outlive the command. So the endpoint restores its buckets from `data_dir` when it starts and
 writes them back (only changed objects, each to a temp name then renamed) when a stage ends and
@@ -12,11 +17,17 @@ the running endpoint instead of starting a second copy of the data.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -42,7 +53,7 @@ class EmbeddedS3:
         self.port = port
         self.endpoint_url: str | None = None
         self.owner = False
-        self._server = None
+        self._proc: subprocess.Popen | None = None
         self._lock_fd: int | None = None
         self._manifest: dict[str, dict] = {}
 
@@ -58,17 +69,37 @@ class EmbeddedS3:
             return self._attach()
         self._lock_fd = fd
         self.owner = True
-
-        from moto.server import ThreadedMotoServer
-
-        self._server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.endpoint_url = f"http://{host}:{port}"
-        self._restore()
+        try:
+            self.endpoint_url = self._spawn()
+            self._restore()
+        except BaseException:
+            self._release()
+            raise
         _atomic_write(self.data_dir / "endpoint.json", json.dumps({"url": self.endpoint_url, "pid": os.getpid()}).encode())
         log.info("embedded S3 endpoint at %s (data in %s)", self.endpoint_url, self.data_dir)
         return self.endpoint_url
+
+    def _spawn(self) -> str:
+        """Start moto's server in a child process and wait until it answers."""
+        for _attempt in range(3):
+            port = self.port or _free_port(self.host)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+            url = f"http://{self.host}:{port}"
+            deadline = time.time() + 60
+            while time.time() < deadline and self._proc.poll() is None:
+                try:
+                    with socket.create_connection((self.host, port), timeout=1):
+                        return url
+                except OSError:
+                    time.sleep(0.1)
+            self._proc.kill()
+            if self.port:
+                break
+        raise UserError(f"the embedded S3 endpoint could not start on {self.host}:{self.port or 'a free port'}")
 
     def _attach(self) -> str:
         try:
@@ -85,11 +116,20 @@ class EmbeddedS3:
         try:
             self.persist()
         finally:
-            self._server.stop()
-            (self.data_dir / "endpoint.json").unlink(missing_ok=True)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self.owner = False
+            self._release()
+
+    def _release(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            self._proc = None
+        (self.data_dir / "endpoint.json").unlink(missing_ok=True)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+        self.owner = False
 
     def __enter__(self) -> "EmbeddedS3":
         self.start()
@@ -157,6 +197,20 @@ class EmbeddedS3:
         existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
         if bucket not in existing:
             client.create_bucket(Bucket=bucket)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent process dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
 
 
 __all__ = ["EmbeddedS3", "EMBEDDED_KEY"]

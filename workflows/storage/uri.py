@@ -90,6 +90,12 @@ def pyarrow_filesystem(uri: str, ctx: StorageContext) -> tuple[pafs.FileSystem, 
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
+def with_protocol(uri: str, path: str) -> str:
+    """A path inside `uri`'s filesystem (as fsspec/pyarrow return them) back to a full URI."""
+    proto = protocol_of(uri)
+    return path if proto == "file" else f"{proto}://{path}"
+
+
 def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *[p.strip("/") for p in parts]])
 

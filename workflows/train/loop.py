@@ -18,13 +18,14 @@ from workflows.train.parallel import all_have, all_reduce_sum
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Ray Data batch of token id lists -> padded tensors (dynamic padding to the batch's longest row)."""
+    """A batch of token id lists -> padded tensors (dynamic padding to the batch's longest row)."""
     ids, mask = pad_batch(list(batch["input_ids"]), pad_id)
     return {
         "input_ids": torch.from_numpy(ids),
         "attention_mask": torch.from_numpy(mask),
-        "labels": torch.as_tensor(np.asarray(batch["label_id"], dtype=np.int64)),
+        "labels": torch.from_numpy(np.array(batch["label_id"], dtype=np.int64)),
     }
+
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:

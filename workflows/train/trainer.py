@@ -10,7 +10,6 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -19,13 +18,24 @@ from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
-from workflows.storage.uri import StorageContext, filesystem, pyarrow_filesystem
+from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol, write_json
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import collate, evaluate, make_optimizer, make_scheduler, steps_per_epoch, train_epoch
 from workflows.train.models import load_classifier
 from workflows.train.parallel import parallelize
 
 SHUFFLE_BUFFER = 2048
+
+
+def _pad_collate(pad_id: int):
+    """loop.collate as the collate-function class Ray Data's iter_torch_batches expects."""
+    from ray.data.collate_fn import NumpyBatchCollateFn
+
+    class PadCollate(NumpyBatchCollateFn):
+        def __call__(self, batch):
+            return collate(batch, pad_id)
+
+    return PadCollate()
 
 
 def worker_loop(spec: dict) -> None:
@@ -49,15 +59,16 @@ def worker_loop(spec: dict) -> None:
     total_steps = steps_per_epoch(spec["train_rows"], world_size, tc.batch_size) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
 
-    start_epoch = 0
+    start_epoch, history = 0, []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            start_epoch = ckpt.load(d, model, optimizer, scheduler)["epoch"] + 1
+            saved = ckpt.load(d, model, optimizer, scheduler)
+        start_epoch, history = saved["epoch"] + 1, saved.get("history", [])
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
-    to_batch = partial(collate, pad_id=spec["pad_id"])
+    to_batch = _pad_collate(spec["pad_id"])
     for epoch in range(start_epoch, tc.epochs):
         batches = train_shard.iter_torch_batches(
             batch_size=tc.batch_size, collate_fn=to_batch,
@@ -66,9 +77,12 @@ def worker_loop(spec: dict) -> None:
         stats = train_epoch(model, batches, optimizer, scheduler, device, tc.grad_clip)
         val = evaluate(model, val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch), len(spec["labels"]), device)
         metrics = {**stats, "epoch": epoch, "val_f1": val["f1"], "val_accuracy": val["accuracy"], "val_loss": val["loss"]}
+        history.append(metrics)
         with tempfile.TemporaryDirectory() as d:
-            ckpt.save(d, model, optimizer, scheduler, {"epoch": epoch, "metrics": metrics})
+            ckpt.save(d, model, optimizer, scheduler, {"epoch": epoch, "metrics": metrics, "history": history})
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        if ctx.get_world_rank() == 0:  # every epoch's metrics, for summaries and curves
+            write_json(f"{spec['run_uri']}/history.json", history, spec["storage"])
 
 
 @dataclass
@@ -103,7 +117,6 @@ def _runs_root(cfg: WorkflowConfig) -> str:
 def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> str | None:
     """URI of the newest complete checkpoint of the newest run named `prefix-*`."""
     fs, root = filesystem(_runs_root(cfg), ctx)
-    proto = cfg.storage.root.split("://", 1)[0] + "://" if "://" in cfg.storage.root else ""
     try:
         runs = sorted((p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith(prefix + "-")), reverse=True)
     except FileNotFoundError:
@@ -112,7 +125,7 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
         checkpoints = sorted((p for p in fs.ls(run, detail=False) if p.rsplit("/", 1)[-1].startswith("checkpoint_")), reverse=True)
         for c in checkpoints:
             if fs.exists(f"{c}/.metadata") and fs.exists(f"{c}/{ckpt.STATE_FILE}"):
-                return proto + c
+                return with_protocol(cfg.storage.root, c)
     return None
 
 
@@ -146,8 +159,9 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
         resume_from = ray.train.Checkpoint(path=path, filesystem=fs)
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
+    run_uri = f"{_runs_root(cfg)}/{run_name}"
     spec = {"cfg": cfg.model_dump(mode="json"), "labels": data.labels, "model_dir": model_dir,
-            "train_rows": train_rows, "pad_id": pad_id}
+            "train_rows": train_rows, "pad_id": pad_id, "run_uri": run_uri, "storage": storage}
     trainer = TorchTrainer(
         worker_loop,
         train_loop_config=spec,
@@ -172,9 +186,9 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     if best is None:
         raise RuntimeError(f"training run {run_name} finished without a checkpoint")
     best_metrics = next(m for c, m in result.best_checkpoints if c.path == best.path)
-    history = result.metrics_dataframe.to_dict("records") if result.metrics_dataframe is not None else []
-    proto = cfg.storage.root.split("://", 1)[0] + "://" if "://" in cfg.storage.root else ""
+    history_uri = f"{run_uri}/history.json"
+    history = read_json(history_uri, storage) if exists(history_uri, storage) else []
     return TrainOutcome(
-        run_name=run_name, run_uri=f"{_runs_root(cfg)}/{run_name}", best_checkpoint_uri=proto + best.path,
+        run_name=run_name, run_uri=run_uri, best_checkpoint_uri=with_protocol(cfg.storage.root, best.path),
         best_metrics=dict(best_metrics), history=history, seconds=time.time() - t0,
     )

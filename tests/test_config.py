@@ -1,0 +1,77 @@
+import pytest
+
+from tests.conftest import QUICKSTART, run_cli
+from workflows.config import load_config
+from workflows.errors import UserError
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_quickstart_config_loads():
+    cfg = load_config(QUICKSTART)
+    assert cfg.train.strategy == "fsdp" and cfg.train.num_workers == 2
+    assert cfg.storage.embedded.enabled and cfg.serve.host == "127.0.0.1"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(QUICKSTART, ["train.lr=3e-5", "train.epochs=5", "serve.enabled=false", "data.text_columns=[title, description]"])
+    assert cfg.train.lr == pytest.approx(3e-5) and cfg.train.epochs == 5
+    assert cfg.serve.enabled is False and cfg.data.text_columns == ["title", "description"]
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = write(tmp_path, "data: {source: x}\ntrain: {learning_rate: 0.1}\n")
+    with pytest.raises(UserError) as e:
+        load_config(p)
+    assert "train.learning_rate" in str(e.value) and str(p) in str(e.value) and "unknown key" in str(e.value)
+
+
+def test_wrong_type_names_key(tmp_path):
+    p = write(tmp_path, "data: {source: x}\ntrain: {epochs: three}\n")
+    with pytest.raises(UserError, match=r"train\.epochs.*integer"):
+        load_config(p)
+
+
+def test_missing_required_and_missing_file(tmp_path):
+    with pytest.raises(UserError, match="data: required key is missing"):
+        load_config(write(tmp_path, "name: x\n"))
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_bad_override_key_and_form():
+    with pytest.raises(UserError, match=r"train\.nope"):
+        load_config(QUICKSTART, ["train.nope=1"])
+    with pytest.raises(UserError, match="KEY=VALUE"):
+        load_config(QUICKSTART, ["train.lr"])
+
+
+def test_names_that_become_paths_are_validated():
+    for bad in ["../etc", "a/b", ".hidden", ""]:
+        with pytest.raises(UserError, match="registry.name"):
+            load_config(QUICKSTART, [f"registry.name={bad}"])
+
+
+def test_search_space_must_name_train_fields(tmp_path):
+    with pytest.raises(UserError, match="train"):
+        load_config(QUICKSTART, ["tune.space={serve.port: {choice: [1, 2]}}"])
+    with pytest.raises(UserError, match="exactly one"):
+        load_config(QUICKSTART, ["tune.space={train.lr: {choice: [1], uniform: [0, 1]}}"])
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path):
+    p = write(tmp_path, "data: {source: x}\ntrain: {epochz: 1}\n")
+    res = run_cli("train", "--config", str(p), timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    assert "train.epochz" in res.stderr and str(p) in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_help_on_every_command():
+    for cmd in ["preprocess", "train", "tune", "evaluate", "serve", "pipeline", "bench", "models"]:
+        res = run_cli(cmd, "--help", timeout=120)
+        assert res.returncode == 0 and "--help" in res.stdout, (cmd, res.stderr)

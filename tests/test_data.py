@@ -1,0 +1,50 @@
+import collections
+import json
+
+import pandas as pd
+import pytest
+
+from workflows.errors import UserError
+from workflows.preprocess import quickstart_data
+from workflows.preprocess.encoding import compose_text, compose_texts, pad_batch
+from workflows.preprocess.sources import list_shards
+from workflows.storage.uri import StorageContext
+
+
+def test_quickstart_dataset_is_real_large_enough_and_deterministic():
+    rows = quickstart_data.build(800)
+    counts = collections.Counter(r["label"] for r in rows)
+    assert len(rows) >= 3000 and len(counts) >= 4 and min(counts.values()) >= 700
+    assert len({r["text"] for r in rows}) == len(rows)  # no duplicate texts
+    assert all(len(r["text"]) >= quickstart_data.MIN_CHARS for r in rows)
+    again = quickstart_data.build(800)
+    assert [r["id"] for r in again] == [r["id"] for r in rows]
+
+
+def test_compose_text_joins_fields_and_skips_empty():
+    assert compose_text(["A title.", "  the   description "]) == "A title. the description"
+    assert compose_text([None, "only text"]) == "only text"
+    assert compose_text([float("nan"), ""]) == ""
+    assert compose_texts(pd.DataFrame({"t": ["x"], "d": ["y"]}), ["t", "d"]) == ["x. y"]
+
+
+def test_pad_batch_pads_to_the_longest_row():
+    ids, mask = pad_batch([[1, 2, 3], [4]], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3], [4, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_list_shards_directory_glob_and_errors(tmp_path):
+    ctx = StorageContext()
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "x", "label": "a"}) + "\n")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "y", "label": "b"}) + "\n")
+    (tmp_path / "_SUCCESS").write_text("")
+    shards, fmt = list_shards(str(tmp_path), ctx)
+    assert fmt == "jsonl" and [s.uri.rsplit("/", 1)[-1] for s in shards] == ["a.jsonl", "b.jsonl"]
+    assert all(s.size > 0 and s.version for s in shards)
+    shards, _ = list_shards(str(tmp_path / "a*.jsonl"), ctx)
+    assert len(shards) == 1
+    with pytest.raises(UserError, match=r"no shard matched .*nothing.*pattern"):
+        list_shards(str(tmp_path / "nothing"), ctx)
+    (tmp_path / "c.csv").write_text("text,label\nz,a\n")
+    with pytest.raises(UserError, match="cannot tell one format"):
+        list_shards(str(tmp_path), ctx)

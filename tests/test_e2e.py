@@ -1,0 +1,104 @@
+"""The user's path end to end, through the real CLI in new processes: a tiny quickstart pipeline
+(embedded S3 over HTTP, Ray Data, Ray Tune + ASHA, Ray Train FSDP2 on 2 workers, evaluation,
+registry, Ray Serve), then `evaluate` and `serve` in fresh processes that find the model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from tests.conftest import QUICKSTART, ROOT, free_port, run_cli, tiny_overrides
+
+
+def sets(overrides):
+    out = []
+    for o in overrides:
+        out += ["--set", o]
+    return out
+
+
+@pytest.mark.slow
+def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
+    overrides = tiny_overrides(tmp_path)
+    res = run_cli("pipeline", "--config", str(QUICKSTART), *sets(overrides), timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    log = res.stderr
+    for stage in ["preprocess:", "tune:", "train:", "evaluate:", "serve:"]:
+        assert f"workflows {stage}" in log, stage
+    assert "POST /predict" in log and "registered quickstart:v1" in log
+    summary = json.loads((tmp_path / "runs" / "quickstart" / "pipeline.json").read_text())
+    assert summary["model"] == {"name": "quickstart", "version": 1, "uri": "s3://workflows/models/quickstart/v1"}
+    assert len(summary["serve"]["requests"]) == 2
+    assert 0.0 <= summary["evaluate"]["weighted"]["f1"] <= 1.0 and summary["tune"]["trials"] == 2
+    # per-stage summaries
+    for stage in ["preprocess", "tune", "train", "pipeline"]:
+        assert (tmp_path / "runs" / "quickstart" / f"{stage}.json").exists()
+
+    # A new process finds the registered model in the persisted object store.
+    data_file = tmp_path / "holdout.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"text": "Plot y versus x as lines and/or markers on the current axes.", "label": "plotting"},
+        {"text": "Applies a 2D convolution over an input signal composed of several input planes.", "label": "deep-learning"},
+        {"text": "Group DataFrame using a mapper or by a Series of columns.", "label": "dataframes"},
+        {"text": "Compute the kurtosis of a dataset along an axis.", "label": "scientific-computing"},
+    ]))
+    out = tmp_path / "eval.json"
+    res = run_cli("evaluate", "--model", "quickstart", "--data", str(data_file), "--output", str(out),
+                  "--config", str(QUICKSTART), *sets(overrides), timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    metrics = json.loads(out.read_text())
+    assert metrics["rows"] == 4 and set(metrics["per_class"]) == {"plotting", "deep-learning", "dataframes", "scientific-computing"}
+    assert "weighted" in res.stdout and "majority baseline" in res.stdout
+
+    res = run_cli("evaluate", "--model", "nope", "--data", str(data_file), "--config", str(QUICKSTART), *sets(overrides), timeout=600)
+    assert res.returncode == 2 and "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workflows", "serve", "--model", "quickstart:1", "--config", str(QUICKSTART),
+         *sets([*overrides, f"serve.port={port}"])],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if requests.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            time.sleep(1)
+        health = requests.get(f"{base}/healthz", timeout=10).json()
+        assert health == {"status": "ok", "model": "quickstart", "version": 1}
+        r = requests.post(f"{base}/predict", json={"instances": [{"text": "Set the x-axis view limits."}, {"text": "Returns the mean of all elements in the input tensor."}]}, timeout=30)
+        assert r.status_code == 200
+        preds = r.json()["predictions"]
+        assert len(preds) == 2
+        for p in preds:
+            assert p["label"] in p["probabilities"] and abs(sum(p["probabilities"].values()) - 1) < 1e-4
+            assert p["score"] == max(p["probabilities"].values())
+        info = requests.get(f"{base}/v1/models/quickstart", timeout=10).json()
+        assert info["version"] == 1 and info["metrics"]["weighted"]["f1"] >= 0
+        # bad input: 4xx with a message, never 5xx
+        bad = [
+            (b"not json", 400), (b'{"instances": []}', 422), (b'{"instances": [{"txt": "x"}]}', 422),
+            (b'{"instances": [{"text": 3}]}', 422), (b'{"instances": [{"text": "  "}]}', 422), (b'[1, 2]', 422),
+        ]
+        for body, status in bad:
+            r = requests.post(f"{base}/predict", data=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == status, (body, r.status_code, r.text)
+            assert r.json().get("error") or r.json().get("detail")
+        assert requests.get(f"{base}/v1/models/other", timeout=10).status_code == 404
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

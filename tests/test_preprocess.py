@@ -1,0 +1,51 @@
+"""Preprocessing on a real Ray cluster, reading from and writing to a real embedded S3 endpoint."""
+
+import pytest
+
+from workflows.errors import UserError
+from workflows.pipeline import stage_preprocess
+from workflows.runtime import runtime
+from workflows.storage.uri import read_json
+
+
+def test_materialized_once_and_reused(ray_cluster, tiny_cfg):
+    cfg = tiny_cfg()
+    with runtime(cfg) as rt:
+        first = stage_preprocess(rt)
+        assert not first.reused and first.labels == sorted(first.labels) and len(first.labels) == 4
+        assert sum(first.counts.values()) == 160 and first.counts["train"] > first.counts["test"] > 0
+        train = first.read("train", rt.storage).take_all()
+        assert len(train) == first.counts["train"]
+        assert {"input_ids", "label_id", "text", "label"} <= set(train[0])
+        assert all(len(r["input_ids"]) <= 32 for r in train)
+        assert all(first.labels[r["label_id"]] == r["label"] for r in train)
+        second = stage_preprocess(rt)
+        assert second.reused and second.version == first.version and second.files == first.files
+    # a changed preprocessing config is a new dataset version
+    with runtime(tiny_cfg("preprocess.max_length=24")) as rt:
+        third = stage_preprocess(rt)
+        assert third.version != first.version and not third.reused
+
+
+def test_user_csv_with_multiline_fields_and_named_columns(ray_cluster, tiny_cfg, tmp_path):
+    src = tmp_path / "mine.csv"
+    rows = ["title,description,tag"]
+    for i in range(40):
+        tag = ["vision", "nlp"][i % 2]
+        rows.append(f'"Title {i}","line one of {tag} {i}\nline two",{tag}')
+    src.write_text("\n".join(rows) + "\n")
+    cfg = tiny_cfg(f"data.source={src}", "data.builtin=null", "data.text_columns=[title, description]",
+                   "data.label_column=tag")
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        assert data.labels == ["nlp", "vision"] and sum(data.counts.values()) == 40
+        manifest = read_json(data.uri + "/manifest.json", rt.storage)
+        assert manifest["format"] == "csv" and manifest["version"] == data.version
+
+
+def test_missing_column_is_named(ray_cluster, tiny_cfg, tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"body": "x", "label": "a"}\n{"body": "y", "label": "b"}\n')
+    cfg = tiny_cfg(f"data.source={src}", "data.builtin=null")
+    with runtime(cfg) as rt, pytest.raises(UserError, match=r"\['text'\] not found"):
+        stage_preprocess(rt)

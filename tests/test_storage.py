@@ -1,0 +1,73 @@
+import json
+
+import pytest
+
+from workflows.errors import UserError
+from workflows.storage.embedded import EmbeddedS3
+from workflows.storage.uri import StorageContext, check_bucket, filesystem, read_json, write_bytes_atomic, write_json
+
+
+def ctx_for(s3: EmbeddedS3) -> StorageContext:
+    return StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+
+
+def test_round_trip_over_http_with_boto3_and_s3fs(tmp_path):
+    with EmbeddedS3(str(tmp_path / "s3")) as s3:
+        assert s3.endpoint_url.startswith("http://127.0.0.1:")
+        ctx = ctx_for(s3)
+        s3.ensure_bucket("bkt")
+        ctx.boto3_client().put_object(Bucket="bkt", Key="a/b.txt", Body=b"hello")
+        fs, path = filesystem("s3://bkt/a/b.txt", ctx)
+        assert fs.cat(path) == b"hello"
+        write_json("s3://bkt/c.json", {"x": 1}, ctx)
+        assert read_json("s3://bkt/c.json", ctx) == {"x": 1}
+
+
+def test_objects_survive_a_restart(tmp_path):
+    data_dir = str(tmp_path / "s3")
+    with EmbeddedS3(data_dir) as s3:
+        s3.ensure_bucket("keep")
+        s3.ensure_bucket("empty")
+        c = ctx_for(s3).boto3_client()
+        c.put_object(Bucket="keep", Key="x/../../evil", Body=b"not a path")
+        c.put_object(Bucket="keep", Key="model/v1/weights", Body=b"w" * 1000)
+        c.put_object(Bucket="keep", Key="gone", Body=b"deleted later")
+        s3.persist()
+        c.delete_object(Bucket="keep", Key="gone")
+    # nothing was written outside the data dir, whatever the key
+    assert not (tmp_path / "evil").exists()
+    with EmbeddedS3(data_dir) as s3:
+        c = ctx_for(s3).boto3_client()
+        assert c.get_object(Bucket="keep", Key="model/v1/weights")["Body"].read() == b"w" * 1000
+        assert c.get_object(Bucket="keep", Key="x/../../evil")["Body"].read() == b"not a path"
+        keys = [o["Key"] for o in c.list_objects_v2(Bucket="keep").get("Contents", [])]
+        assert "gone" not in keys
+        assert {b["Name"] for b in c.list_buckets()["Buckets"]} == {"keep", "empty"}
+
+
+def test_second_process_reuses_the_running_endpoint(tmp_path):
+    data_dir = str(tmp_path / "s3")
+    with EmbeddedS3(data_dir) as owner:
+        other = EmbeddedS3(data_dir)
+        assert other.start() == owner.endpoint_url and not other.owner
+        other.stop()  # not the owner: stops nothing
+        owner.ensure_bucket("still-up")
+
+
+def test_missing_bucket_names_the_uri(tmp_path):
+    with EmbeddedS3(str(tmp_path / "s3")) as s3:
+        with pytest.raises(UserError, match="s3://no-such-bucket/x"):
+            check_bucket("s3://no-such-bucket/x", ctx_for(s3))
+
+
+def test_unreachable_endpoint_is_a_clear_error():
+    ctx = StorageContext(endpoint_url="http://127.0.0.1:9", region="us-east-1", embedded=True, retries=0)
+    with pytest.raises(UserError, match="cannot reach s3://b"):
+        check_bucket("s3://b/x", ctx)
+
+
+def test_local_writes_are_atomic(tmp_path):
+    target = tmp_path / "d" / "f.json"
+    write_bytes_atomic(str(target), b'{"a": 1}', StorageContext())
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in target.parent.iterdir()] == ["f.json"]

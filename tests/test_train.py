@@ -1,0 +1,60 @@
+"""Ray Train on 2 CPU workers (a real local cluster): FSDP2 and DDP, checkpoints in S3, export."""
+
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from workflows import registry
+from workflows.errors import UserError
+from workflows.pipeline import stage_preprocess
+from workflows.runtime import runtime
+from workflows.serve.predictor import Predictor
+from workflows.train.checkpoint import consolidated_model_state
+from workflows.train.export import download_checkpoint, export_artifact
+from workflows.train.trainer import check_resources, fit
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy):
+    cfg = tiny_cfg(f"train.strategy={strategy}", "train.epochs=2")
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        out = fit(cfg, rt.storage, data)
+        assert out.best_checkpoint_uri.startswith("s3://workflows/runs/quickstart-train-")
+        assert [h["epoch"] for h in out.history] == [0, 1] or out.history[-1]["epoch"] == 1
+        m = out.best_metrics
+        assert 0 <= m["val_f1"] <= 1 and m["samples"] > 0 and m["train_loss"] > 0
+
+        with tempfile.TemporaryDirectory() as ck, tempfile.TemporaryDirectory() as art:
+            download_checkpoint(out.best_checkpoint_uri, rt.storage, ck)
+            state = consolidated_model_state(ck)
+            meta = export_artifact(cfg, rt.storage, data, out.best_checkpoint_uri, art, {"run": out.run_uri})
+            assert meta["labels"] == data.labels and meta["lineage"]["dataset_version"] == data.version
+            # export -> reload gives the checkpoint's exact weights, hence identical logits
+            predictor = Predictor(art)
+            reloaded = predictor.model.state_dict()
+            for k, v in state.items():
+                assert torch.equal(reloaded[k], v), k
+            ref = registry.register(cfg, rt.storage, art, f"t-{strategy}", meta)
+        local, fetched = registry.fetch(cfg, rt.storage, f"t-{strategy}")
+        assert fetched["version"] == ref.version == 1
+        rows = [{"text": "Plot a histogram."}, {"text": "Solve a linear system."}]
+        a, b = Predictor(local).predict(rows), Predictor(local).predict(rows)
+        assert [p["label"] for p in a] == [p["label"] for p in b]
+        assert np.allclose([p["score"] for p in a], [p["score"] for p in b])
+
+
+def test_too_many_workers_fail_fast_with_numbers(ray_cluster):
+    with pytest.raises(UserError, match=r"3 worker\(s\) x 1 CPU = 3 CPUs, but the Ray cluster has 2"):
+        check_resources(3, 1, False)
+    with pytest.raises(UserError, match="GPU"):
+        check_resources(1, 1, True)
+
+
+def test_not_a_model_directory(tmp_path):
+    from workflows.preprocess.encoding import resolve_model_dir
+
+    with pytest.raises(UserError, match="not a model directory"):
+        resolve_model_dir(str(tmp_path))

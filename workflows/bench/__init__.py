@@ -1,0 +1,60 @@
+"""Benchmarks: `workflows bench NAME` writes benchmarks/results/NAME.json and a section of docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shlex
+import time
+from pathlib import Path
+
+from workflows.errors import UserError
+
+BENCHMARKS = {"quickstart": "workflows.bench.quickstart"}
+RESULTS_DIR = Path("benchmarks/results")
+DOC = Path("docs/BENCHMARKS.md")
+
+
+def run_benchmark(name: str, config: str | None, overrides: list[str], argv: list[str]) -> dict:
+    if name not in BENCHMARKS:
+        raise UserError(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
+    module = importlib.import_module(BENCHMARKS[name])
+    result = module.run(config, overrides)
+    command = "workflows " + " ".join(shlex.quote(a) for a in argv[1:])
+    result = {"benchmark": name, "command": command, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine(), **result}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+    write_doc_section(name, module.markdown(result))
+    print(f"results written to {path} and {DOC}")
+    return result
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    info = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def write_doc_section(name: str, body: str) -> None:
+    """Replace the section between `<!-- bench:NAME -->` markers, or append it."""
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME`; none is typed by hand.\n"
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    section = f"{start}\n{body.strip()}\n{end}"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    tmp = DOC.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, DOC)

@@ -1,0 +1,169 @@
+"""The stages, each usable alone (one CLI command each) or chained by `run_pipeline`."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+from workflows import registry
+from workflows.config import WorkflowConfig
+from workflows.errors import UserError
+from workflows.preprocess.materialize import ProcessedDataset, preprocess
+from workflows.runtime import Runtime, say
+
+
+def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
+    """Build the built-in dataset into `data.source` when asked for and nothing is there yet."""
+    from workflows.preprocess import quickstart_data
+    from workflows.preprocess.sources import list_shards
+
+    d = rt.cfg.data
+    if d.builtin is None:
+        return {"built": False}
+    try:
+        shards, _ = list_shards(d.source, rt.storage, d.format)
+        return {"built": False, "shards": len(shards)}
+    except UserError:
+        pass
+    say(f"data: building the {d.builtin} dataset from installed libraries' docstrings -> {d.source}")
+    rows = quickstart_data.build(d.builtin_rows_per_class)
+    uris = quickstart_data.write_shards(rows, d.source, rt.storage)
+    rt.persist()
+    say(f"data: wrote {len(rows)} rows in {len(uris)} shards")
+    return {"built": True, "rows": len(rows), "shards": len(uris)}
+
+
+def stage_preprocess(rt: Runtime) -> ProcessedDataset:
+    built = ensure_raw_data(rt)
+    t0 = time.time()
+    data = preprocess(rt.cfg, rt.storage, say)
+    rt.persist()
+    rt.write_summary("preprocess", {"dataset": asdict(data), "raw_data": built, "seconds": time.time() - t0})
+    return data
+
+
+def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
+    from workflows.tune.search import run_tune
+
+    t = rt.cfg.tune
+    say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
+    outcome = run_tune(rt.cfg, rt.storage, data, resume=resume)
+    rt.persist()
+    for trial in outcome.trials:
+        say(f"tune:   {trial['params']} -> {t.metric}={trial[t.metric]} after {trial['epochs']} epoch(s)"
+            f"{' (stopped early)' if trial['stopped_early'] else ''}{' ERROR ' + trial['error'] if trial['error'] else ''}")
+    say(f"tune: best {outcome.best_params} ({t.metric}={outcome.best_metric:.4f}) in {outcome.seconds:.0f}s")
+    rt.write_summary("tune", asdict(outcome))
+    return outcome
+
+
+def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> None:
+    for key, value in params.items():
+        setattr(cfg.train, key.removeprefix("train."), value)
+
+
+def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
+    from workflows.train.export import export_artifact
+    from workflows.train.trainer import fit
+
+    tc = rt.cfg.train
+    say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
+        f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
+    outcome = fit(rt.cfg, rt.storage, data, resume=resume)
+    rt.persist()
+    for h in outcome.history:
+        say(f"train:   epoch {h.get('epoch')}: loss {h.get('train_loss', 0):.4f}, val_f1 {h.get('val_f1', 0):.4f}, "
+            f"{h.get('samples_per_s', 0):.1f} samples/s")
+    summary: dict[str, Any] = {"train": asdict(outcome)}
+    ref = None
+    if register:
+        with tempfile.TemporaryDirectory() as tmp:
+            meta = export_artifact(rt.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
+                                   {"run": outcome.run_uri, "train_config": rt.cfg.train.model_dump(mode="json")})
+            meta["majority_label"] = max(data.label_counts["train"], key=data.label_counts["train"].get)
+            meta["val_metrics"] = {k: outcome.best_metrics.get(k) for k in ("val_f1", "val_accuracy", "val_loss", "epoch")}
+            ref = registry.register(rt.cfg, rt.storage, tmp, rt.cfg.registry.name, meta)
+        rt.persist()
+        say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
+        summary["registered"] = asdict(ref)
+    rt.write_summary("train", summary)
+    return outcome, ref
+
+
+def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | None = None,
+                   write_back: bool = False) -> dict:
+    """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
+    from workflows.evaluate import evaluate_dataset, format_report
+
+    meta = registry.describe(rt.cfg, rt.storage, model_spec)
+    say(f"evaluate: {meta['name']}:v{meta['version']} on {ds.count()} rows")
+    metrics = evaluate_dataset(rt.cfg, model_spec, meta, ds, label_column)
+    print(format_report(metrics), flush=True)
+    if write_back:
+        registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
+        rt.persist()
+    return metrics
+
+
+def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None) -> dict:
+    import requests
+
+    from workflows.serve.app import deploy
+
+    ref = registry.resolve(rt.cfg, rt.storage, model_spec)
+    spec = f"{ref.name}:{ref.version}"
+    say(f"serve: deploying {spec} with Ray Serve")
+    url = deploy(rt.cfg, spec)
+    say(f"serve: {url}/predict is up (docs at {url}/docs)")
+    sent = []
+    for row in demo_rows or []:
+        resp = requests.post(f"{url}/predict", json={"instances": [row]}, timeout=60)
+        resp.raise_for_status()
+        pred = resp.json()["predictions"][0]
+        text = " ".join(str(v) for v in row.values())
+        say(f"serve:   POST /predict {text[:70]!r} -> {pred['label']} ({pred['score']:.2f})")
+        sent.append({"instance": row, "prediction": pred})
+    return {"url": url, "model": spec, "requests": sent}
+
+
+def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
+    if n <= 0:
+        return []
+    rows = data.read("test", rt.storage).select_columns(data.text_columns).take(n)
+    return [{c: str(r[c]) for c in data.text_columns} for r in rows]
+
+
+def run_pipeline(rt: Runtime) -> dict:
+    cfg = rt.cfg
+    t0 = time.time()
+    timings: dict[str, float] = {}
+    summary: dict[str, Any] = {}
+
+    def timed(name, fn, *a, **kw):
+        s = time.time()
+        out = fn(*a, **kw)
+        timings[name] = round(time.time() - s, 2)
+        return out
+
+    data = timed("preprocess", stage_preprocess, rt)
+    summary["dataset"] = {"version": data.version, "uri": data.uri, "counts": data.counts, "reused": data.reused}
+    if cfg.tune.enabled:
+        tuned = timed("tune", stage_tune, rt, data)
+        apply_params(cfg, tuned.best_params)
+        summary["tune"] = {"best_params": tuned.best_params, "best_metric": tuned.best_metric, "trials": len(tuned.trials)}
+    outcome, ref = timed("train", stage_train, rt, data)
+    summary["train"] = {"run": outcome.run_uri, "best_metrics": outcome.best_metrics}
+    spec = f"{ref.name}:{ref.version}"
+    metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage), write_back=True)
+    summary["evaluate"] = {"weighted": metrics["weighted"], "baseline": metrics["baseline"], "rows": metrics["rows"]}
+    summary["model"] = {"name": ref.name, "version": ref.version, "uri": ref.uri}
+    if cfg.serve.enabled:
+        summary["serve"] = timed("serve", stage_serve, rt, spec, demo_rows(data, rt, cfg.serve.demo_requests))
+    timings["total"] = round(time.time() - t0, 2)
+    summary["seconds"] = timings
+    rt.write_summary("pipeline", summary)
+    say(f"pipeline: done in {timings['total']:.0f}s: {ref.name}:v{ref.version} weighted F1 {metrics['weighted']['f1']:.4f} "
+        f"(majority baseline {metrics['baseline']['f1']:.4f})")
+    return summary

@@ -1,0 +1,141 @@
+"""Ray Tune with ASHA where every trial is a Ray Train run (the Train V2 pattern).
+
+A trial is a small driver function that builds and fits a TorchTrainer with TuneReportCallback;
+`Tuner(TorchTrainer(...))` no longer works in Ray 2.60. Trials read the already materialized
+dataset: nothing is re-tokenized per trial.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workflows.config import SearchDim, WorkflowConfig
+from workflows.errors import UserError
+from workflows.preprocess.materialize import ProcessedDataset
+from workflows.storage.uri import StorageContext, pyarrow_filesystem
+
+
+def to_tune_space(space: dict[str, SearchDim]) -> dict[str, Any]:
+    from ray import tune
+
+    out = {}
+    for key, dim in space.items():
+        if dim.uniform is not None:
+            out[key] = tune.uniform(*dim.uniform)
+        elif dim.loguniform is not None:
+            out[key] = tune.loguniform(*dim.loguniform)
+        elif dim.choice is not None:
+            out[key] = tune.choice(dim.choice)
+        else:
+            out[key] = tune.grid_search(dim.grid)
+    return out
+
+
+def trial_config(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
+    """The workflow config of one trial: the sampled train.* values, the trial budget."""
+    data = cfg.model_dump(mode="json")
+    for key, value in params.items():
+        data["train"][key.removeprefix("train.")] = value
+    t = cfg.tune
+    data["train"].update(epochs=t.max_epochs, num_workers=t.num_workers, num_to_keep=1, max_failures=0)
+    if t.max_train_rows is not None:
+        data["train"]["max_train_rows"] = t.max_train_rows
+    return WorkflowConfig.model_validate(data)
+
+
+def max_concurrent_trials(cfg: WorkflowConfig) -> int:
+    """As many trials as the cluster's CPUs hold at once (trial drivers take none); at least 1, or fail fast."""
+    import ray
+
+    cpus = ray.cluster_resources().get("CPU", 0)
+    per_trial = cfg.tune.num_workers * cfg.train.cpus_per_worker
+    if per_trial > cpus:
+        raise UserError(
+            f"a tune trial asks for {cfg.tune.num_workers} worker(s) x {cfg.train.cpus_per_worker:g} CPU = {per_trial:g} CPUs, "
+            f"but the Ray cluster has {cpus:g}; lower tune.num_workers or train.cpus_per_worker"
+        )
+    return max(1, math.floor(cpus / per_trial))
+
+
+def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset) -> None:
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from workflows.train.trainer import fit
+
+    fit(trial_config(cfg, params), storage, data, run_prefix=f"{cfg.name}-trial",
+        callbacks=[TuneReportCallback()], check=False)
+
+
+@dataclass
+class TuneOutcome:
+    best_params: dict[str, Any]
+    best_metric: float
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    experiment_uri: str = ""
+    seconds: float = 0.0
+
+
+def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, resume: bool = False) -> TuneOutcome:
+    import ray.tune
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search import BasicVariantGenerator
+
+    t = cfg.tune
+    if not t.space:
+        raise UserError("tune.space is empty: add at least one train.* dimension")
+    concurrency = max_concurrent_trials(cfg)
+    experiment = f"{cfg.name}-tune"
+    runs_uri = cfg.uri("tune")
+    pa_fs, runs_path = pyarrow_filesystem(runs_uri, storage)
+    # The trial driver only waits on its TorchTrainer: it asks for no CPU (a bundle may not be
+    # empty, so it asks for 1 MiB of memory instead); the trial's workers ask for their own CPUs.
+    trainable = tune.with_resources(
+        tune.with_parameters(_trial, cfg=cfg, storage=storage, data=data),
+        tune.PlacementGroupFactory([{"memory": 1 << 20}]),
+    )
+    t0 = time.time()
+    if resume:
+        path = f"{runs_path}/{experiment}"
+        if not tune.Tuner.can_restore(path, storage_filesystem=pa_fs):
+            raise UserError(f"--resume: no tuning experiment to restore at {runs_uri}/{experiment}")
+        tuner = tune.Tuner.restore(path, trainable=trainable, storage_filesystem=pa_fs, resume_errored=True)
+    else:
+        scheduler = ASHAScheduler(
+            time_attr="training_iteration", max_t=t.max_epochs,
+            grace_period=min(t.grace_period, t.max_epochs), reduction_factor=t.reduction_factor,
+        )
+        tuner = tune.Tuner(
+            trainable,
+            param_space=to_tune_space(t.space),
+            tune_config=tune.TuneConfig(
+                metric=t.metric, mode=t.mode, scheduler=scheduler, num_samples=t.num_samples,
+                # A SearchGenerator ignores TuneConfig.max_concurrent_trials; it takes its own cap.
+                search_alg=BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency),
+            ),
+            run_config=ray.tune.RunConfig(
+                name=experiment, storage_path=runs_path, storage_filesystem=pa_fs,
+                failure_config=ray.tune.FailureConfig(max_failures=1), verbose=0,
+            ),
+        )
+    grid = tuner.fit()
+    best = grid.get_best_result(metric=t.metric, mode=t.mode)
+    trials = []
+    for r in grid:
+        history = r.metrics_dataframe
+        epochs = int(history["training_iteration"].max()) if history is not None and len(history) else 0
+        trials.append({
+            "params": {k: r.config.get(k) for k in t.space},
+            t.metric: (r.metrics or {}).get(t.metric),
+            "epochs": epochs,
+            "stopped_early": epochs < t.max_epochs and r.error is None,
+            "error": str(r.error).splitlines()[0] if r.error else None,
+            "history": history[["training_iteration", t.metric]].to_dict("records") if history is not None and t.metric in history else [],
+        })
+    return TuneOutcome(
+        best_params={k: best.config[k] for k in t.space}, best_metric=float(best.metrics[t.metric]),
+        trials=trials, experiment_uri=f"{runs_uri}/{experiment}", seconds=time.time() - t0,
+    )
