@@ -106,6 +106,7 @@ class TrainConfig(Strict):
     freeze_embeddings: bool = Field(False, description="keep the input embeddings fixed (half of MiniLM's weights): less compute and communication")
     seed: int = 0
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
+    max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per epoch (tuning, tests)")
     num_to_keep: int = Field(1, ge=1)
     max_failures: int = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
@@ -135,6 +136,7 @@ class TuneConfig(Strict):
     reduction_factor: float = Field(2, gt=1)
     num_workers: int = Field(1, ge=1, description="Ray Train workers per trial")
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per trial epoch")
+    max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per trial epoch")
     seed: int = 0
     space: dict[str, SearchDim] = Field(default_factory=dict, description="dotted train.* field -> distribution")
 

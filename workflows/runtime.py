@@ -66,12 +66,28 @@ def init_ray(cfg: WorkflowConfig) -> None:
     kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
-    elif cfg.ray.num_cpus:
-        kwargs["num_cpus"] = cfg.ray.num_cpus
+    else:
+        # A second local cluster on this machine (a test suite, another command) must not lose
+        # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
+        kwargs["dashboard_port"] = _port_or_free(8265)
+        if cfg.ray.num_cpus:
+            kwargs["num_cpus"] = cfg.ray.num_cpus
     ray.init(**kwargs)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+
+
+def _port_or_free(port: int) -> int:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
 
 
 @contextmanager

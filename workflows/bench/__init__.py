@@ -12,7 +12,7 @@ from pathlib import Path
 
 from workflows.errors import UserError
 
-BENCHMARKS = {"quickstart": "workflows.bench.quickstart"}
+BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflows.bench.madewithml"}
 RESULTS_DIR = Path("benchmarks/results")
 DOC = Path("docs/BENCHMARKS.md")
 

@@ -147,7 +147,10 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     if tc.max_train_rows is not None and tc.max_train_rows < train_rows:
         train_ds = train_ds.limit(tc.max_train_rows)
         train_rows = tc.max_train_rows
-    datasets = {"train": train_ds, "val": data.read("val", storage, num_cpus=0)}
+    val_ds = data.read("val", storage, num_cpus=0)
+    if tc.max_val_rows is not None:
+        val_ds = val_ds.limit(tc.max_val_rows)
+    datasets = {"train": train_ds, "val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
     resume_from = None

@@ -41,8 +41,9 @@ def trial_config(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
         data["train"][key.removeprefix("train.")] = value
     t = cfg.tune
     data["train"].update(epochs=t.max_epochs, num_workers=t.num_workers, num_to_keep=1, max_failures=0)
-    if t.max_train_rows is not None:
-        data["train"]["max_train_rows"] = t.max_train_rows
+    for cap in ("max_train_rows", "max_val_rows"):
+        if getattr(t, cap) is not None:
+            data["train"][cap] = getattr(t, cap)
     return WorkflowConfig.model_validate(data)
 
 

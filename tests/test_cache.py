@@ -1,0 +1,222 @@
+"""ShardCache with real parts: local files, the embedded S3 endpoint over HTTP, real processes."""
+
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from workflows.errors import UserError
+from workflows.storage.cache import CacheStats, ShardCache
+from workflows.storage.embedded import EmbeddedS3
+from workflows.storage.uri import StorageContext
+
+# fork: children inherit the imports, so eight of them start cheaply on a small, busy machine
+MP = mp.get_context("fork")
+LOCAL = StorageContext()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha_file(path) -> str:
+    return sha(Path(path).read_bytes())
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """One moto server for the module; each test uses its own bucket."""
+    with EmbeddedS3(str(tmp_path_factory.mktemp("s3"))) as s3:
+        yield s3
+
+
+@pytest.fixture
+def bucket(s3, request):
+    name = re.sub(r"[^a-z0-9]", "-", request.node.name.lower())[:60].strip("-")
+    s3.ensure_bucket(name)
+    ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+    client = ctx.boto3_client()
+
+    def put(key: str, data: bytes) -> str:
+        client.put_object(Bucket=name, Key=key, Body=data)
+        return f"s3://{name}/{key}"
+
+    put.ctx = ctx
+    return put
+
+
+# -- children (module level, so that a process can run them) ----------------------------------
+def _fetch_and_report(directory, ctx, uri, barrier, results):
+    cache = ShardCache(directory, ctx)
+    barrier.wait()  # all eight ask for the uncached shard at once
+    path = cache.fetch(uri)
+    results.put((cache.stats().misses, sha_file(path)))
+
+
+def _fetch(directory, uri, chunk_size):
+    ShardCache(directory, LOCAL, chunk_size=chunk_size).fetch(uri)
+
+
+def _hold_pin(directory, uri, pinned, release):
+    with ShardCache(directory, LOCAL).open_local(uri):
+        pinned.set()
+        release.wait(60)
+
+
+# -- tests -----------------------------------------------------------------------------------
+def test_hits_misses_and_stats_on_local_and_s3(tmp_path, bucket):
+    local = tmp_path / "shard-0.bin"
+    local.write_bytes(b"a" * 1000)
+    remote = bucket("shards/0.bin", b"b" * 3000)
+    cache = ShardCache(str(tmp_path / "cache"), bucket.ctx)
+    for uri, data in [(str(local), b"a" * 1000), (remote, b"b" * 3000)]:
+        first, second = cache.fetch(uri), cache.fetch(uri)
+        assert first == second and Path(first).read_bytes() == data
+    assert cache.stats() == CacheStats(hits=2, misses=2, bytes_from_store=4000, bytes_from_cache=4000)
+    # another process's cache object (here: another instance) sees the same entries
+    other = ShardCache(str(tmp_path / "cache"), bucket.ctx)
+    other.fetch(f"file://{local}")  # the same object spelled as a URI is the same entry
+    other.fetch(remote)
+    assert other.stats() == CacheStats(hits=2, misses=0, bytes_from_store=0, bytes_from_cache=4000)
+
+
+def test_any_fsspec_protocol(tmp_path):
+    import fsspec
+
+    fsspec.filesystem("memory").pipe("/cache-test/x", b"in memory")
+    assert Path(ShardCache(str(tmp_path), LOCAL).fetch("memory://cache-test/x")).read_bytes() == b"in memory"
+
+
+def test_many_processes_download_an_uncached_shard_once(tmp_path, bucket):
+    data = os.urandom(16 << 20)
+    uri = bucket("big/shard", data)
+    n = 8
+    barrier, results = MP.Barrier(n), MP.Queue()
+    procs = [MP.Process(target=_fetch_and_report, args=(str(tmp_path / "c"), bucket.ctx, uri, barrier, results))
+             for _ in range(n)]
+    for p in procs:
+        p.start()
+    reports = [results.get(timeout=180) for _ in range(n)]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sum(misses for misses, _ in reports) == 1
+    assert {digest for _, digest in reports} == {sha(data)}
+    assert len(list((tmp_path / "c").glob("*.data"))) == 1
+
+
+def test_sigkill_mid_download_never_leaves_an_entry_read_as_good(tmp_path):
+    data = os.urandom(64 << 20)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    directory = tmp_path / "c"
+    rng = random.Random(1126)
+    killed_mid_download = 0
+    for _ in range(4):
+        shutil.rmtree(directory, ignore_errors=True)
+        child = MP.Process(target=_fetch, args=(str(directory), str(src), 1 << 20))
+        child.start()
+        deadline = time.time() + 30  # kill once the download has begun, a little later
+        while not list(directory.glob("*.tmp-*")) and time.time() < deadline and child.is_alive():
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0, 0.15))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        killed_mid_download += bool(list(directory.glob("*.tmp-*")))
+        # whatever the kill left: an entry with a sidecar is complete and correct
+        for meta in directory.glob("*.json"):
+            assert sha_file(meta.with_suffix(".data")) == sha(data)
+        cache = ShardCache(str(directory), LOCAL)
+        assert sha_file(cache.fetch(str(src))) == sha(data)
+        assert not list(directory.glob("*.tmp-*")), "stale temp files are cleaned up"
+        assert len(list(directory.glob("*.data"))) == 1
+    assert killed_mid_download >= 1  # the kills did land inside downloads
+
+
+def test_corrupt_and_truncated_copies_are_fetched_again(tmp_path):
+    data = os.urandom(100_000)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    directory = str(tmp_path / "c")
+    checking = ShardCache(directory, LOCAL, verify_checksums=True)
+    path = checking.fetch(str(src))
+    with open(path, "r+b") as f:  # same size, other bytes: only a checksum sees it
+        f.seek(500)
+        f.write(bytes(b ^ 0xFF for b in data[500:600]))
+    assert sha_file(checking.fetch(str(src))) == sha(data)
+    assert checking.stats().misses == 2
+
+    sizing = ShardCache(directory, LOCAL)  # checks sizes on every hit, hashes only in verify()
+    os.truncate(path, 1234)
+    assert sha_file(sizing.fetch(str(src))) == sha(data)
+    assert sizing.stats().misses == 1
+    with open(path, "r+b") as f:
+        f.write(b"garbage")
+    assert sizing.verify(str(src)) is False  # detected and dropped
+    assert sha_file(sizing.fetch(str(src))) == sha(data)
+    assert sizing.verify(str(src)) is True
+    assert sizing.stats().misses == 2
+
+
+def test_eviction_keeps_the_budget_lru_first_and_spares_pinned_entries(tmp_path):
+    srcs = {}
+    for name in "abcde":
+        srcs[name] = str(tmp_path / f"{name}.bin")
+        Path(srcs[name]).write_bytes(name.encode() * 1000)
+    directory = str(tmp_path / "c")
+    cache = ShardCache(directory, LOCAL, max_bytes=2500)
+    paths = {n: cache.fetch(srcs[n]) for n in "ab"}
+    cache.fetch(srcs["a"])  # a is now more recent than b
+    paths["c"] = cache.fetch(srcs["c"])
+    assert not os.path.exists(paths["b"]) and os.path.exists(paths["a"])
+    assert cache.cached_bytes() <= 2500 and cache.stats().evictions == 1
+
+    # another process pins a; c is touched after, so a is the least recently used
+    pinned, release = MP.Event(), MP.Event()
+    holder = MP.Process(target=_hold_pin, args=(directory, srcs["a"], pinned, release))
+    holder.start()
+    try:
+        assert pinned.wait(30)
+        cache.fetch(srcs["c"])
+        paths["d"] = cache.fetch(srcs["d"])  # over budget: a is skipped, c goes
+        assert os.path.exists(paths["a"]) and Path(paths["a"]).read_bytes() == b"a" * 1000
+        assert not os.path.exists(paths["c"])
+        assert cache.cached_bytes() <= 2500
+    finally:
+        release.set()
+        holder.join(30)
+    paths["e"] = cache.fetch(srcs["e"])  # unpinned now, and least recently used: a goes
+    assert not os.path.exists(paths["a"]) and os.path.exists(paths["d"])
+    assert cache.cached_bytes() <= 2500 and cache.stats().evictions == 3
+
+
+def test_a_changed_object_is_fetched_again(tmp_path, bucket):
+    uri = bucket("shard", b"1" * 100)
+    cache = ShardCache(str(tmp_path / "c"), bucket.ctx)
+    old = cache.fetch(uri)
+    assert Path(old).read_bytes() == b"1" * 100
+    bucket("shard", b"2" * 100)  # same size, new ETag
+    new = cache.fetch(uri)
+    assert new != old and Path(new).read_bytes() == b"2" * 100
+    assert cache.stats().misses == 2
+    assert not os.path.exists(old)  # the old version is dropped, never returned
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"v1")
+    assert Path(cache.fetch(str(local))).read_bytes() == b"v1"
+    local.write_bytes(b"version 2")  # new size and mtime
+    assert Path(cache.fetch(str(local))).read_bytes() == b"version 2"
+
+
+def test_a_missing_object_names_the_uri(tmp_path, bucket):
+    absent = bucket("present", b"x").replace("present", "absent")  # the bucket exists, the key not
+    cache = ShardCache(str(tmp_path / "c"), bucket.ctx)
+    for uri in [str(tmp_path / "nope.bin"), absent]:
+        with pytest.raises(UserError, match=re.escape(uri)):
+            cache.fetch(uri)

@@ -1,0 +1,50 @@
+"""Made-With-ML projects: held-out weighted F1 of `configs/madewithml.yaml`, against the references.
+
+Needs the dataset: `--set data.source=PATH_OR_URI` (the tests use ../shared/data/madewithml/).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workflows.bench.pipeline_run import run_pipeline
+from workflows.errors import UserError
+
+REFERENCE_F1 = 0.905  # Made-With-ML's fine-tuned SciBERT on its holdout
+GOAL_F1 = 0.95
+SHARED_COPY = Path("../shared/data/madewithml/dataset.csv")
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    if not any(o.startswith("data.source=") for o in overrides):
+        if not SHARED_COPY.exists():
+            raise UserError("bench madewithml needs the dataset: --set data.source=PATH_OR_URI")
+        overrides = [*overrides, f"data.source={SHARED_COPY.resolve()}"]
+    wall, summary = run_pipeline(config or "configs/madewithml.yaml", overrides)
+    ev = summary["evaluate"]
+    f1 = ev["weighted"]["f1"]
+    return {
+        "wall_seconds": round(wall, 1),
+        "weighted_f1": f1,
+        "test_rows": ev["rows"],
+        "majority_baseline_f1": ev["baseline"]["f1"],
+        "reference_f1": REFERENCE_F1,
+        "f1_vs_reference": round(f1 - REFERENCE_F1, 4),
+        "goal_f1": GOAL_F1,
+        "meets_goal": f1 >= GOAL_F1,
+        "train": summary["train"]["best_metrics"],
+    }
+
+
+def markdown(r: dict) -> str:
+    return f"""## Made-With-ML projects (title + description -> tag)
+
+`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs, torch {r['machine']['torch']})
+
+| measure | value | reference / goal |
+| --- | --- | --- |
+| held-out weighted F1 ({r['test_rows']} rows) | {r['weighted_f1']:.4f} | Made-With-ML SciBERT {r['reference_f1']}; goal {r['goal_f1']} ({'met' if r['meets_goal'] else 'not met'}) |
+| majority-class baseline F1 | {r['majority_baseline_f1']:.4f} | |
+| best validation F1 (epoch {r['train'].get('epoch')}) | {r['train'].get('val_f1', 0):.4f} | |
+| wall time of the pipeline (no tuning, no serving) | {r['wall_seconds']:.0f} s | |
+"""

@@ -1,0 +1,375 @@
+"""A per-node shard cache: objects behind any fsspec URI, copied once to a local directory.
+
+# why: fsspec's own filecache/simplecache is not safe across processes (fsspec issue #1126):
+# concurrent readers of one node race on its JSON index and on half-written files, and a killed
+# download can leave a partial file that is later served as good. Ray workers on one node are
+# separate processes, so this cache is written by hand: fsspec does the transfer only, and the
+# bookkeeping is plain files, renames and flocks.
+
+Layout of `directory` (one entry per (URI, object version)):
+    <name>.data   the object's bytes, renamed into place only when complete
+    <name>.json   sidecar {uri, version, size, sha256, fetched_at}; written after the data, so an
+                  entry counts as present only when both exist and their sizes agree. Its mtime is
+                  the entry's last access (LRU).
+    <name>.lock   flock: LOCK_EX while downloading or evicting, LOCK_SH while a reader holds the
+                  entry (a pin). flocks die with their process, so a killed process blocks no one.
+    <name>.*.tmp-*  temp files of a download in progress; stale ones are swept.
+where <name> = sha256(uri)[:16] + "-" + sha256(uri, version)[:16]: new and old versions never
+collide, and all versions of one URI share a prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from workflows.errors import UserError
+from workflows.storage.uri import StorageContext, filesystem
+
+log = logging.getLogger(__name__)
+
+CHUNK = 8 * 1024 * 1024  # streamed transfer: never the whole object in memory
+
+
+@dataclass
+class CacheStats:
+    """Counters of this process (each process keeps its own)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_from_store: int = 0
+    bytes_from_cache: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True)
+class _Source:
+    uri: str  # canonical (protocol://path), so "/a" and "file:///a" are one entry
+    fs: object
+    path: str
+    size: int
+    version: str
+
+
+class _Changed(Exception):
+    """The object changed between stat and read: stat it again."""
+
+
+class ShardCache:
+    def __init__(self, directory: str, ctx: StorageContext, max_bytes: int | None = None,
+                 verify_checksums: bool = False, chunk_size: int = CHUNK):
+        self.dir = Path(directory).expanduser().resolve()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ctx = ctx
+        self.max_bytes = max_bytes
+        self.verify_checksums = verify_checksums
+        self.chunk_size = chunk_size
+        self._stats = CacheStats()
+        self._stats_lock = threading.Lock()
+
+    # -- public API ------------------------------------------------------------------------
+    def fetch(self, uri: str) -> str:
+        """A local path holding the whole current object behind `uri`.
+
+        The entry is not pinned once this returns: a later eviction may remove it. Use
+        `open_local` to read it safely while other processes fill the cache.
+        """
+        with self.open_local(uri) as path:
+            return path
+
+    @contextlib.contextmanager
+    def open_local(self, uri: str) -> Iterator[str]:
+        """Yield a local path to `uri`'s bytes, pinned (never evicted) until the `with` ends."""
+        fd, path = self._pin(uri)
+        try:
+            yield path
+        finally:
+            os.close(fd)  # drops the shared flock: the pin
+
+    reading = open_local
+
+    def verify(self, uri: str) -> bool:
+        """Re-hash the cached copy of `uri`'s current version against its sidecar.
+
+        True if it is cached and intact. A corrupt copy is dropped (so the next fetch downloads
+        it again) and False returned; False too if it is not cached.
+        """
+        src = self._stat(uri)
+        name = self._name(src)
+        fd = self._lock(name, fcntl.LOCK_EX)
+        try:
+            meta = self._read_meta(name)
+            if meta is None:
+                return False
+            if self._present(name, src, check_hash=True):
+                return True
+            log.warning("cached copy of %s is corrupt; dropping it", src.uri)
+            self._remove(name)
+            return False
+        finally:
+            os.close(fd)
+
+    def stats(self) -> CacheStats:
+        with self._stats_lock:
+            return dataclasses.replace(self._stats)
+
+    def cached_bytes(self) -> int:
+        """Bytes of complete entries on disk now (all processes)."""
+        return sum(_size(p) for p in self._entries())
+
+    # -- fetch -----------------------------------------------------------------------------
+    def _pin(self, uri: str) -> tuple[int, str]:
+        """Return (fd holding LOCK_SH on the entry, data path), downloading it first if needed."""
+        src = self._stat(uri)
+        name = self._name(src)
+        downloaded = 0
+        for _attempt in range(5):
+            # Fast path: a shared lock waits for any download in progress, then reads.
+            fd = self._lock(name, fcntl.LOCK_SH)
+            # just downloaded and hashed while streaming: no need to re-hash
+            if self._present(name, src, check_hash=self.verify_checksums and not downloaded):
+                os.utime(self._meta_path(name), ns=(time.time_ns(),) * 2)  # LRU: last access
+                self._count(downloaded, src.size)
+                if downloaded:
+                    self._sweep(src, keep=name)  # after pinning, so our own entry is safe
+                return fd, str(self._data_path(name))
+            os.close(fd)
+            # Slow path: one process downloads under LOCK_EX; the others block above, then hit.
+            fd = self._lock(name, fcntl.LOCK_EX)
+            try:
+                if not self._present(name, src, check_hash=self.verify_checksums):
+                    self._download(src, name)
+                    downloaded += 1
+            except _Changed:
+                src = self._stat(uri)
+                name = self._name(src)
+            finally:
+                os.close(fd)
+            # Loop: downgrade to LOCK_SH by re-locking (an eviction in between is simply retried).
+        raise UserError(f"could not cache {uri}: it kept changing or being evicted while fetching")
+
+    def _stat(self, uri: str) -> _Source:
+        fs, path = filesystem(uri, self.ctx)
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            raise UserError(f"object not found: {uri}") from None
+        if info.get("type") != "file":
+            raise UserError(f"{uri} is a {info.get('type', 'directory')}, not a file or object")
+        # The store's version where it has one (s3 ETag), else size + modification time.
+        stamp = info.get("mtime") or info.get("LastModified") or info.get("created")
+        version = info.get("ETag") or info.get("etag") or f"{info['size']}:{stamp}"
+        return _Source(fs.unstrip_protocol(path), fs, path, int(info["size"]), str(version))
+
+    def _download(self, src: _Source, name: str) -> None:
+        """Stream to a temp file, fsync, rename into place; then write the sidecar the same way."""
+        self._remove(name, keep_lock=True)  # a bad copy, or debris of a killed download
+        tmp = self._tmp_path(name, "data")
+        digest, n = hashlib.sha256(), 0
+        try:
+            with src.fs.open(src.path, "rb") as fin, open(tmp, "wb") as fout:
+                etag = getattr(fin, "details", {}).get("ETag")
+                if etag and etag != src.version:  # replaced between our stat and this open
+                    raise _Changed
+                while chunk := fin.read(self.chunk_size):
+                    digest.update(chunk)
+                    fout.write(chunk)
+                    n += len(chunk)
+                fout.flush()
+                os.fsync(fout.fileno())
+            if n != src.size:
+                raise _Changed  # truncated read or a rewrite in between: the size check fails
+            os.rename(tmp, self._data_path(name))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if type(e).__name__ == "FileExpired":  # s3fs: the ETag changed mid-read
+                raise _Changed from None
+            if isinstance(e, FileNotFoundError):
+                raise UserError(f"object not found: {src.uri}") from None
+            raise
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        meta = {"uri": src.uri, "version": src.version, "size": n, "sha256": digest.hexdigest(),
+                "fetched_at": time.time()}
+        self._atomic_write(self._meta_path(name), json.dumps(meta).encode())
+
+    def _present(self, name: str, src: _Source, check_hash: bool) -> bool:
+        """Both files exist, the sizes agree with the store (cheap), and optionally the hash."""
+        meta = self._read_meta(name)
+        if meta is None or (meta.get("uri"), meta.get("version"), meta.get("size")) != (src.uri, src.version, src.size):
+            return False
+        try:
+            if os.stat(self._data_path(name)).st_size != src.size:
+                return False
+        except FileNotFoundError:
+            return False
+        return not check_hash or _sha256_file(self._data_path(name), self.chunk_size) == meta.get("sha256")
+
+    def _count(self, downloaded: int, size: int) -> None:
+        with self._stats_lock:
+            s = self._stats
+            if downloaded:
+                s.misses += 1
+                s.bytes_from_store += size * downloaded
+            else:
+                s.hits += 1
+                s.bytes_from_cache += size
+
+    # -- eviction and cleanup --------------------------------------------------------------
+    def _sweep(self, src: _Source, keep: str) -> None:
+        """After a download: clean debris of killed downloads, drop older versions of the same
+        URI, then least-recently-used entries until under max_bytes. Entries whose lock anyone
+        holds (pinned by a reader, or being downloaded) are skipped, never waited for."""
+        with self._global_lock():
+            debris = {p.name.split(".", 1)[0] for p in self.dir.glob("*.tmp-*")}
+            debris |= {n for n in self._names("*.data") if not self._meta_path(n).exists()}
+            for name in debris:
+                self._if_unlocked(name, self._clean)
+            for name in self._names(_uri_prefix(src.uri) + "*.json"):
+                if name != keep:
+                    self._if_unlocked(name, self._remove)
+            if self.max_bytes is not None:
+                self._evict(keep)
+
+    def _evict(self, keep: str) -> None:
+        sizes = {n: _size(self._data_path(n)) for n in self._names("*.data")}
+        total = sum(sizes.values())
+        for name in sorted(sizes, key=self._last_access):  # least recently used first
+            if total <= self.max_bytes:
+                return
+            if name != keep and self._if_unlocked(name, self._remove):
+                total -= sizes[name]
+                with self._stats_lock:
+                    self._stats.evictions += 1
+
+    def _if_unlocked(self, name: str, action) -> bool:
+        """Run action(name) under the entry's LOCK_EX if no one holds its lock; else skip it."""
+        try:
+            fd = self._lock(name, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            action(name)
+            return True
+        finally:
+            os.close(fd)
+
+    def _clean(self, name: str) -> None:
+        """Debris of a killed process: temp files, and a data file whose sidecar never came."""
+        if self._read_meta(name) is None:
+            self._remove(name)
+        else:
+            for tmp in self.dir.glob(f"{name}.*.tmp-*"):
+                tmp.unlink(missing_ok=True)
+
+    def _remove(self, name: str, keep_lock: bool = False) -> None:
+        """Remove an entry; the caller holds its LOCK_EX. The sidecar goes first: absent at once."""
+        self._meta_path(name).unlink(missing_ok=True)
+        self._data_path(name).unlink(missing_ok=True)
+        for tmp in self.dir.glob(f"{name}.*.tmp-*"):
+            tmp.unlink(missing_ok=True)
+        if not keep_lock:
+            (self.dir / f"{name}.lock").unlink(missing_ok=True)  # lockers re-check the inode
+
+    def _last_access(self, name: str) -> int:
+        try:
+            return self._meta_path(name).stat().st_mtime_ns
+        except FileNotFoundError:
+            return 0
+
+    def _entries(self) -> list[Path]:
+        return [self._data_path(n) for n in self._names("*.data") if self._meta_path(n).exists()]
+
+    def _names(self, pattern: str) -> list[str]:
+        return [p.name.split(".", 1)[0] for p in self.dir.glob(pattern)]
+
+    # -- files and locks -------------------------------------------------------------------
+    def _name(self, src: _Source) -> str:
+        return _uri_prefix(src.uri) + hashlib.sha256(f"{src.uri}\0{src.version}".encode()).hexdigest()[:16]
+
+    def _data_path(self, name: str) -> Path:
+        return self.dir / f"{name}.data"
+
+    def _meta_path(self, name: str) -> Path:
+        return self.dir / f"{name}.json"
+
+    def _tmp_path(self, name: str, kind: str) -> Path:
+        return self.dir / f"{name}.{kind}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def _read_meta(self, name: str) -> dict | None:
+        try:
+            return json.loads(self._meta_path(name).read_bytes())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _atomic_write(self, path: Path, data: bytes) -> None:
+        tmp = self._tmp_path(path.stem, "meta")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+
+    def _lock(self, name: str, op: int) -> int:
+        """An fd holding flock `op` on the entry's lock file.
+
+        Evictions unlink lock files, so after locking check that the path still names the inode
+        we locked; if not, we locked a dead file: try again on the new one.
+        """
+        path = self.dir / f"{name}.lock"
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, op)
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _global_lock(self) -> Iterator[None]:
+        """Serialises sweeps so that two processes do not both evict for the same overflow."""
+        fd = os.open(self.dir / "sweep.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _uri_prefix(uri: str) -> str:
+    return hashlib.sha256(uri.encode()).hexdigest()[:16] + "-"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # removed meanwhile by a process re-fetching a bad copy
+        return 0
+
+
+def _sha256_file(path: Path, chunk_size: int = CHUNK) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+__all__ = ["ShardCache", "CacheStats"]
