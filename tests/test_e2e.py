@@ -69,9 +69,9 @@ def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
         deadline = time.time() + 300
         while time.time() < deadline:
             try:
-                if requests.get(f"{base}/healthz", timeout=2).status_code == 200:
+                if requests.get(f"{base}/healthz", timeout=5).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or the app not deployed yet
                 pass
             assert proc.poll() is None, proc.stdout.read()[-4000:]
             time.sleep(1)
