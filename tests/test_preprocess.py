@@ -1,5 +1,7 @@
 """Preprocessing on a real Ray cluster, reading from and writing to a real embedded S3 endpoint."""
 
+from pathlib import Path
+
 import pytest
 
 from workflows.errors import UserError
@@ -14,13 +16,16 @@ def test_materialized_once_and_reused(ray_cluster, tiny_cfg):
         first = stage_preprocess(rt)
         assert not first.reused and first.labels == sorted(first.labels) and len(first.labels) == 4
         assert sum(first.counts.values()) == 160 and first.counts["train"] > first.counts["test"] > 0
-        train = first.read("train", rt.storage).take_all()
+        train = first.read("train", rt.storage, cache=cfg.cache).take_all()
         assert len(train) == first.counts["train"]
         assert {"input_ids", "label_id", "text", "label"} <= set(train[0])
         assert all(len(r["input_ids"]) <= 32 for r in train)
         assert all(first.labels[r["label_id"]] == r["label"] for r in train)
         second = stage_preprocess(rt)
         assert second.reused and second.version == first.version and second.files == first.files
+    # raw and processed shards were read through this node's shard cache
+    cached = list((Path(cfg.cache.dir) / "shards").glob("*.data"))
+    assert len(cached) == 4 + len(first.files["train"])
     # a changed preprocessing config is a new dataset version
     with runtime(tiny_cfg("preprocess.max_length=24")) as rt:
         third = stage_preprocess(rt)

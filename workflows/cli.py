@@ -121,7 +121,7 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
         cfg = _load(config, set)
         with runtime(cfg) as rt:
             shards, fmt = list_shards(data, rt.storage)
-            metrics = stage_evaluate(rt, model, read_dataset(shards, fmt, rt.storage), label_column)
+            metrics = stage_evaluate(rt, model, read_dataset(shards, fmt, rt.storage, cfg.cache), label_column)
             body = {"model": model, "data": data, **metrics}
             if output:
                 output.parent.mkdir(parents=True, exist_ok=True)

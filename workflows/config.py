@@ -49,7 +49,10 @@ class StorageConfig(Strict):
 
 
 class CacheConfig(Strict):
+    enabled: bool = Field(True, description="read shards through the per-node cache")
     dir: str = Field("auto", description="per-node cache directory; 'auto' = /mnt/nvme/workflows-cache if it exists, else the user cache dir")
+    max_bytes: int | None = Field(None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded")
+    verify_checksums: bool = Field(False, description="re-hash a cached shard on every hit (slower; size is always checked)")
 
     def resolved_dir(self) -> str:
         if self.dir != "auto":
@@ -57,6 +60,12 @@ class CacheConfig(Strict):
         if os.path.isdir("/mnt/nvme"):
             return "/mnt/nvme/workflows-cache"
         return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "workflows")
+
+    def shard_cache(self, ctx):
+        """The shard cache of the node this runs on ('auto' is resolved here, on that node)."""
+        from workflows.storage.cache import ShardCache
+
+        return ShardCache(os.path.join(self.resolved_dir(), "shards"), ctx, self.max_bytes, self.verify_checksums)
 
 
 class RayConfig(Strict):

@@ -98,8 +98,9 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     from workflows.evaluate import evaluate_dataset, format_report
 
     meta = registry.describe(rt.cfg, rt.storage, model_spec)
-    say(f"evaluate: {meta['name']}:v{meta['version']} on {ds.count()} rows")
+    say(f"evaluate: {meta['name']}:v{meta['version']}")
     metrics = evaluate_dataset(rt.cfg, model_spec, meta, ds, label_column)
+    say(f"evaluate: {metrics['rows']} rows")
     print(format_report(metrics), flush=True)
     if write_back:
         registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
@@ -131,7 +132,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
     if n <= 0:
         return []
-    rows = data.read("test", rt.storage).select_columns(data.text_columns).take(n)
+    rows = data.read("test", rt.storage, cache=rt.cfg.cache).select_columns(data.text_columns).take(n)
     return [{c: str(r[c]) for c in data.text_columns} for r in rows]
 
 
@@ -156,7 +157,7 @@ def run_pipeline(rt: Runtime) -> dict:
     outcome, ref = timed("train", stage_train, rt, data)
     summary["train"] = {"run": outcome.run_uri, "best_metrics": outcome.best_metrics}
     spec = f"{ref.name}:{ref.version}"
-    metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage), write_back=True)
+    metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage, cache=rt.cfg.cache), write_back=True)
     summary["evaluate"] = {"weighted": metrics["weighted"], "baseline": metrics["baseline"], "rows": metrics["rows"]}
     summary["model"] = {"name": ref.name, "version": ref.version, "uri": ref.uri}
     if cfg.serve.enabled:

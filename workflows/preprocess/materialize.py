@@ -19,7 +19,7 @@ import pandas as pd
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
-from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_parquet_files
+from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_shards
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol, write_json
 
 SPLITS = ("train", "val", "test")
@@ -46,7 +46,7 @@ class ProcessedDataset:
         m = read_json(join(uri, "manifest.json"), ctx)
         return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
 
-    def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None):
+    def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None, cache=None):
         """A Ray Dataset of one split, read from exactly the files the manifest lists.
 
         `num_cpus=0` for training ingest: the reads are light and I/O-bound, and on a small machine
@@ -55,7 +55,7 @@ class ProcessedDataset:
         files = self.files.get(split) or []
         if not files:
             raise UserError(f"processed dataset {self.version} has no rows in split {split!r}")
-        return read_parquet_files(files, ctx, num_cpus=num_cpus)
+        return read_shards(files, "parquet", ctx, cache, num_cpus=num_cpus)
 
 
 def split_of(text: str, seed: int, val_fraction: float, test_fraction: float) -> str:
@@ -161,7 +161,7 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
 
     t0 = time.time()
     say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri}")
-    raw = read_dataset(shards, fmt, ctx)
+    raw = read_dataset(shards, fmt, ctx, cfg.cache)
     _check_columns(raw, shards, cfg)
     raw = raw.select_columns([*d.text_columns, d.label_column])
     fraction = None

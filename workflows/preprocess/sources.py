@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, filesystem, protocol_of, pyarrow_filesystem, with_protocol
+from workflows.storage.uri import StorageContext, filesystem, with_protocol
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv"
@@ -59,39 +59,43 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     return shards, formats.pop()
 
 
-def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext):
-    """A Ray Dataset over the shards (read tasks run on the cluster, not on the driver)."""
+def _read_local(path: str, fmt: str):
     import pyarrow.csv as pacsv
-    import ray.data
-
-    pa_fs, _ = pyarrow_filesystem(shards[0].uri, ctx)
-    paths = [filesystem(s.uri, ctx)[1] if protocol_of(s.uri) != "file" else s.uri for s in shards]
-    if fmt == "parquet":
-        return ray.data.read_parquet(paths, filesystem=pa_fs)
-    if fmt == "jsonl":
-        return ray.data.read_json(paths, filesystem=pa_fs)
-    # Quoted fields in real CSVs carry newlines (Made-With-ML's descriptions do).
-    return ray.data.read_csv(paths, filesystem=pa_fs, parse_options=pacsv.ParseOptions(newlines_in_values=True))
-
-
-def _read_parquet_batch(batch: dict, ctx: StorageContext):
-    """Read the parquet shards named in a batch of URIs (runs in a Ray task, on any node)."""
-    import pyarrow as pa
+    import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
+    if fmt == "parquet":
+        return pq.read_table(path)
+    if fmt == "jsonl":
+        return pajson.read_json(path)
+    # Quoted fields in real CSVs carry newlines (Made-With-ML's descriptions do).
+    return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True))
+
+
+def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache):
+    """Read the shards named in a batch of URIs, in a Ray task on whatever node it runs on,
+    through that node's shard cache (`cache` is a CacheConfig, resolved on the node)."""
+    import pyarrow as pa
+
     tables = []
+    shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
     for uri in batch["uri"]:
-        fs, path = filesystem(str(uri), ctx)
+        uri = str(uri)
         try:
-            with fs.open(path, "rb") as f:
-                tables.append(pq.read_table(f))
-        except (OSError, pa.ArrowInvalid) as e:
-            raise UserError(f"cannot read parquet shard {uri}: {e}") from None
+            if shard_cache is not None:
+                with shard_cache.open_local(uri) as local:
+                    tables.append(_read_local(local, fmt))
+            else:
+                fs, path = filesystem(uri, ctx)
+                with fs.open(path, "rb") as f:
+                    tables.append(_read_local(f, fmt))
+        except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+            raise UserError(f"malformed {fmt} shard {uri}: {e}") from None
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-def read_parquet_files(uris: list[str], ctx: StorageContext, num_cpus: float | None = None):
-    """A Ray Dataset over exactly these parquet files, one read task per file.
+def read_shards(uris: list[str], fmt: str, ctx: StorageContext, cache=None, num_cpus: float | None = None):
+    """A Ray Dataset over exactly these shards, one read task per shard, through the shard cache.
 
     Unlike `ray.data.read_parquet`, no file-listing task is scheduled (it asks for a whole CPU even
     when the reads ask for none), and the reads can be given `num_cpus=0` (see
@@ -101,5 +105,10 @@ def read_parquet_files(uris: list[str], ctx: StorageContext, num_cpus: float | N
 
     items = [{"uri": u} for u in uris]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
-    return ds.map_batches(_read_parquet_batch, fn_kwargs={"ctx": ctx}, batch_size=1, batch_format="pyarrow",
-                          num_cpus=num_cpus)
+    return ds.map_batches(_read_shard_batch, fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache}, batch_size=1,
+                          batch_format="pyarrow", num_cpus=num_cpus)
+
+
+def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None):
+    """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver)."""
+    return read_shards([s.uri for s in shards], fmt, ctx, cache)

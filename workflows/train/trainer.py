@@ -142,12 +142,12 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
 
     pad_id = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).pad_token_id or 0
 
-    train_ds = data.read("train", storage, num_cpus=0)
+    train_ds = data.read("train", storage, num_cpus=0, cache=cfg.cache)
     train_rows = data.counts["train"]
     if tc.max_train_rows is not None and tc.max_train_rows < train_rows:
         train_ds = train_ds.limit(tc.max_train_rows)
         train_rows = tc.max_train_rows
-    val_ds = data.read("val", storage, num_cpus=0)
+    val_ds = data.read("val", storage, num_cpus=0, cache=cfg.cache)
     if tc.max_val_rows is not None:
         val_ds = val_ds.limit(tc.max_val_rows)
     datasets = {"train": train_ds, "val": val_ds}
