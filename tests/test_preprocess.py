@@ -14,6 +14,8 @@ def test_materialized_once_and_reused(ray_cluster, tiny_cfg):
     cfg = tiny_cfg()
     with runtime(cfg) as rt:
         first = stage_preprocess(rt)
+        summary = read_json(str(Path(cfg.output_dir) / cfg.name / "preprocess.json"), rt.storage)
+        assert summary["shard_cache"]["misses"] == 4 and summary["shard_cache"]["bytes_from_store"] > 0
         assert not first.reused and first.labels == sorted(first.labels) and len(first.labels) == 4
         assert sum(first.counts.values()) == 160 and first.counts["train"] > first.counts["test"] > 0
         train = first.read("train", rt.storage, cache=cfg.cache).take_all()
@@ -26,10 +28,13 @@ def test_materialized_once_and_reused(ray_cluster, tiny_cfg):
     # raw and processed shards were read through this node's shard cache
     cached = list((Path(cfg.cache.dir) / "shards").glob("*.data"))
     assert len(cached) == 4 + len(first.files["train"])
-    # a changed preprocessing config is a new dataset version
+    # a changed preprocessing config is a new dataset version; the raw shards come from the cache
     with runtime(tiny_cfg("preprocess.max_length=24")) as rt:
         third = stage_preprocess(rt)
         assert third.version != first.version and not third.reused
+    summary = read_json(str(Path(cfg.output_dir) / cfg.name / "preprocess.json"), rt.storage)
+    assert summary["shard_cache"]["misses"] == 0 and summary["shard_cache"]["hits"] >= 4
+    assert summary["shard_cache"]["bytes_from_store"] == 0
 
 
 def test_user_csv_with_multiline_fields_and_named_columns(ray_cluster, tiny_cfg, tmp_path):

@@ -58,6 +58,17 @@ def _run(fn: Callable[[], object]) -> None:
         raise typer.Exit(2)
 
 
+def _in_runtime(config: str, overrides: Optional[List[str]], body: Callable, ray_needed: bool = True) -> None:
+    """Load the config, start the runtime (object store, Ray), run `body(rt)`; user errors in one line."""
+    def go():
+        from workflows.runtime import runtime
+
+        cfg = _load(config, overrides)
+        with runtime(cfg, ray_needed=ray_needed) as rt:
+            body(rt)
+    _run(go)
+
+
 def _load(config: str, overrides: Optional[List[str]]):
     from workflows.config import load_config
 
@@ -68,42 +79,27 @@ def _load(config: str, overrides: Optional[List[str]]):
 @app.command()
 def preprocess(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
     """Read raw shards from object storage, tokenize on Ray Data, materialize processed shards."""
-    def go():
-        from workflows.pipeline import stage_preprocess
-        from workflows.runtime import runtime
+    from workflows.pipeline import stage_preprocess
 
-        cfg = _load(config, set)
-        with runtime(cfg) as rt:
-            stage_preprocess(rt)
-    _run(go)
+    _in_runtime(config, set, stage_preprocess)
 
 
 @app.command()
 def train(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
           resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint of the last run")):
     """Fine-tune with Ray Train (FSDP2 or DDP), checkpoint to object storage, register the best model."""
-    def go():
-        from workflows.pipeline import stage_preprocess, stage_train
-        from workflows.runtime import runtime
+    from workflows.pipeline import stage_preprocess, stage_train
 
-        cfg = _load(config, set)
-        with runtime(cfg) as rt:
-            stage_train(rt, stage_preprocess(rt), resume=resume)
-    _run(go)
+    _in_runtime(config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume))
 
 
 @app.command()
 def tune(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
          resume: bool = typer.Option(False, "--resume", help="restore an interrupted search")):
     """Search hyperparameters with Ray Tune + ASHA; every trial is a Ray Train run."""
-    def go():
-        from workflows.pipeline import stage_preprocess, stage_tune
-        from workflows.runtime import runtime
+    from workflows.pipeline import stage_preprocess, stage_tune
 
-        cfg = _load(config, set)
-        with runtime(cfg) as rt:
-            stage_tune(rt, stage_preprocess(rt), resume=resume)
-    _run(go)
+    _in_runtime(config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume))
 
 
 @app.command()
@@ -113,24 +109,22 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
              label_column: Optional[str] = typer.Option(None, "--label-column", help="default: the model's"),
              config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
     """Weighted and per-class precision/recall/F1 of a registered model on any labelled data."""
-    def go():
-        from workflows.pipeline import stage_evaluate
-        from workflows.preprocess.sources import list_shards, read_dataset
-        from workflows.runtime import runtime
+    from workflows.pipeline import stage_evaluate
+    from workflows.preprocess.sources import list_shards, read_dataset
 
-        cfg = _load(config, set)
-        with runtime(cfg) as rt:
-            shards, fmt = list_shards(data, rt.storage)
-            metrics = stage_evaluate(rt, model, read_dataset(shards, fmt, rt.storage, cfg.cache), label_column)
-            body = {"model": model, "data": data, **metrics}
-            if output:
-                output.parent.mkdir(parents=True, exist_ok=True)
-                tmp = output.with_name(output.name + ".tmp")
-                tmp.write_text(json.dumps(body, indent=2))
-                os.replace(tmp, output)
-                typer.echo(f"metrics written to {output}", err=True)
-            rt.write_summary("evaluate", body)
-    _run(go)
+    def body(rt):
+        shards, fmt = list_shards(data, rt.storage)
+        metrics = stage_evaluate(rt, model, read_dataset(shards, fmt, rt.storage, rt.cfg.cache), label_column)
+        result = {"model": model, "data": data, **metrics}
+        if output:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            tmp = output.with_name(output.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=2))
+            os.replace(tmp, output)
+            typer.echo(f"metrics written to {output}", err=True)
+        rt.write_summary("evaluate", result)
+
+    _in_runtime(config, set, body)
 
 
 @app.command()
@@ -138,57 +132,48 @@ def serve(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] i
           config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
           block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM")):
     """Serve a registered model over HTTP with Ray Serve (POST /predict, GET /healthz)."""
-    def go():
+    from workflows.pipeline import stage_serve
+    from workflows.runtime import say
+
+    def body(rt):
         from ray import serve as ray_serve
 
-        from workflows.pipeline import stage_serve
-        from workflows.runtime import runtime, say
+        rt.write_summary("serve", stage_serve(rt, model))
+        if block:
+            stop = {"now": False}
+            signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+            say("serve: serving; Ctrl-C to stop")
+            try:
+                while not stop["now"]:
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                pass
+            ray_serve.shutdown()
 
-        cfg = _load(config, set)
-        with runtime(cfg) as rt:
-            info = stage_serve(rt, model)
-            rt.write_summary("serve", info)
-            if block:
-                stop = {"now": False}
-                signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-                say("serve: serving; Ctrl-C to stop")
-                try:
-                    while not stop["now"]:
-                        time.sleep(0.5)
-                except KeyboardInterrupt:
-                    pass
-                ray_serve.shutdown()
-    _run(go)
+    _in_runtime(config, set, body)
 
 
 @app.command()
 def pipeline(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
     """Everything: preprocess -> tune -> train -> evaluate -> register -> serve (serve.enabled)."""
-    def go():
-        from workflows.pipeline import run_pipeline
-        from workflows.runtime import runtime
+    from workflows.pipeline import run_pipeline
 
-        cfg = _load(config, set)
-        with runtime(cfg) as rt:
-            run_pipeline(rt)
-    _run(go)
+    _in_runtime(config, set, run_pipeline)
 
 
 @app.command()
 def models(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
     """List registered models and their versions."""
-    def go():
-        from workflows import registry
-        from workflows.runtime import runtime
+    from workflows import registry
 
-        cfg = _load(config, set)
-        with runtime(cfg, ray_needed=False) as rt:
-            found = registry.list_models(cfg, rt.storage)
-            if not found:
-                typer.echo(f"no models registered under {cfg.uri('models')}")
-            for name, versions in found.items():
-                typer.echo(f"{name}: {', '.join(f'v{v}' for v in versions)}")
-    _run(go)
+    def body(rt):
+        found = registry.list_models(rt.cfg, rt.storage)
+        if not found:
+            typer.echo(f"no models registered under {rt.cfg.uri('models')}")
+        for name, versions in found.items():
+            typer.echo(f"{name}: {', '.join(f'v{v}' for v in versions)}")
+
+    _in_runtime(config, set, body, ray_needed=False)
 
 
 @app.command()

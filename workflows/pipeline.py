@@ -38,9 +38,11 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
     built = ensure_raw_data(rt)
     t0 = time.time()
-    data = preprocess(rt.cfg, rt.storage, say)
+    with rt.cache_counts() as cache:
+        data = preprocess(rt.cfg, rt.storage, say)
     rt.persist()
-    rt.write_summary("preprocess", {"dataset": asdict(data), "raw_data": built, "seconds": time.time() - t0})
+    rt.write_summary("preprocess", {"dataset": asdict(data), "raw_data": built, "seconds": time.time() - t0,
+                                    "shard_cache": cache})
     return data
 
 
@@ -49,13 +51,14 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
 
     t = rt.cfg.tune
     say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
-    outcome = run_tune(rt.cfg, rt.storage, data, resume=resume)
+    with rt.cache_counts() as cache:
+        outcome = run_tune(rt.cfg, rt.storage, data, resume=resume)
     rt.persist()
     for trial in outcome.trials:
         say(f"tune:   {trial['params']} -> {t.metric}={trial[t.metric]} after {trial['epochs']} epoch(s)"
             f"{' (stopped early)' if trial['stopped_early'] else ''}{' ERROR ' + trial['error'] if trial['error'] else ''}")
     say(f"tune: best {outcome.best_params} ({t.metric}={outcome.best_metric:.4f}) in {outcome.seconds:.0f}s")
-    rt.write_summary("tune", asdict(outcome))
+    rt.write_summary("tune", {**asdict(outcome), "shard_cache": cache})
     return outcome
 
 
@@ -71,12 +74,13 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
     tc = rt.cfg.train
     say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
         f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
-    outcome = fit(rt.cfg, rt.storage, data, resume=resume)
+    with rt.cache_counts() as cache:
+        outcome = fit(rt.cfg, rt.storage, data, resume=resume)
     rt.persist()
     for h in outcome.history:
         say(f"train:   epoch {h.get('epoch')}: loss {h.get('train_loss', 0):.4f}, val_f1 {h.get('val_f1', 0):.4f}, "
             f"{h.get('samples_per_s', 0):.1f} samples/s")
-    summary: dict[str, Any] = {"train": asdict(outcome)}
+    summary: dict[str, Any] = {"train": asdict(outcome), "shard_cache": cache}
     ref = None
     if register:
         with tempfile.TemporaryDirectory() as tmp:

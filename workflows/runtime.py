@@ -38,6 +38,22 @@ class Runtime:
         if self.embedded is not None:
             self.embedded.persist()
 
+    @contextmanager
+    def cache_counts(self) -> Iterator[dict]:
+        """Shard-cache counters of every read task on the cluster while the block runs
+        (hits, misses, bytes from the object store / from cache, evictions)."""
+        from workflows.storage import cache_stats
+
+        counts: dict[str, int] = {}
+        before = cache_stats.snapshot()
+        try:
+            yield counts
+        finally:
+            counts.update(cache_stats.delta(before, cache_stats.snapshot()))
+            if counts.get("misses") or counts.get("hits"):
+                say(f"shard cache: {counts['hits']} hit(s), {counts['misses']} miss(es), "
+                    f"{counts['bytes_from_store']:,} bytes from the object store, {counts['bytes_from_cache']:,} from cache")
+
     def write_summary(self, stage: str, summary: dict[str, Any]) -> Path:
         out_dir = Path(self.cfg.output_dir) / self.cfg.name
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,8 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
 
 def markdown(r: dict) -> str:
-    stages = ", ".join(f"{k} {v:.0f}s" for k, v in r["stage_seconds"].items() if k != "total")
+    order = ["preprocess", "tune", "train", "evaluate", "serve"]
+    stages = ", ".join(f"{k} {r['stage_seconds'][k]:.0f}s" for k in order if k in r["stage_seconds"])
     return f"""## Quickstart
 
 `{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs, torch {r['machine']['torch']})

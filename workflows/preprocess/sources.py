@@ -79,6 +79,7 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache):
 
     tables = []
     shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
+    before = shard_cache.stats() if shard_cache is not None else None
     for uri in batch["uri"]:
         uri = str(uri)
         try:
@@ -91,6 +92,10 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache):
                     tables.append(_read_local(f, fmt))
         except (pa.ArrowInvalid, UnicodeDecodeError) as e:
             raise UserError(f"malformed {fmt} shard {uri}: {e}") from None
+    if shard_cache is not None:
+        from workflows.storage import cache_stats
+
+        cache_stats.report(before, shard_cache.stats())
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
