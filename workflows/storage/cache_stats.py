@@ -31,9 +31,16 @@ def _actor_class():
     return CacheStatsActor
 
 
+_tracker = None
+
+
 def tracker():
-    """The cluster's stats actor, created on first use (by the driver)."""
-    return _actor_class().options(name=ACTOR_NAME, get_if_exists=True).remote()
+    """The cluster's stats actor, created on first use by the driver, which keeps the handle
+    (a named actor without a handle held anywhere is collected at once)."""
+    global _tracker
+    if _tracker is None:
+        _tracker = _actor_class().options(name=ACTOR_NAME, get_if_exists=True).remote()
+    return _tracker
 
 
 def snapshot() -> dict:
