@@ -55,8 +55,12 @@ class CacheConfig(Strict):
     verify_checksums: bool = Field(False, description="re-hash a cached shard on every hit (slower; size is always checked)")
 
     def resolved_dir(self) -> str:
+        """Resolved on the node that uses it: WORKFLOWS_CACHE_DIR in the node's environment (e.g. a
+        pod spec) wins over 'auto'."""
         if self.dir != "auto":
             return os.path.abspath(os.path.expanduser(self.dir))
+        if os.environ.get("WORKFLOWS_CACHE_DIR"):
+            return os.path.abspath(os.path.expanduser(os.environ["WORKFLOWS_CACHE_DIR"]))
         if os.path.isdir("/mnt/nvme"):
             return "/mnt/nvme/workflows-cache"
         return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "workflows")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from workflows.errors import UserError
@@ -107,11 +108,38 @@ def read_shards(uris: list[str], fmt: str, ctx: StorageContext, cache=None, num_
     ProcessedDataset.read for why).
     """
     import ray.data
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    items = [{"uri": u} for u in uris]
-    ds = ray.data.from_items(items, override_num_blocks=len(items))
-    return ds.map_batches(_read_shard_batch, fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache}, batch_size=1,
-                          batch_format="pyarrow", num_cpus=num_cpus)
+    def read(group: list[str], node_id: str | None):
+        ds = ray.data.from_items([{"uri": u} for u in group], override_num_blocks=len(group))
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)} if node_id else {}
+        return ds.map_batches(_read_shard_batch, fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache}, batch_size=1,
+                              batch_format="pyarrow", num_cpus=num_cpus, **placement)
+
+    groups = shard_placement(uris) if cache is not None and cache.enabled else {}
+    if len(groups) <= 1:
+        return read(uris, None)
+    parts = [read(group, node_id) for node_id, group in groups.items()]
+    return parts[0].union(*parts[1:])
+
+
+def shard_placement(uris: list[str]) -> dict[str, list[str]]:
+    """Which node reads which shard: rendezvous hashing over the live nodes with CPUs.
+
+    The same shard goes to the same node on every run while the nodes live, so a node's shard
+    cache keeps serving it (a later epoch, job or tuning trial fetches nothing). The affinity is
+    soft: if that node is busy or gone, another reads the shard (and caches it).
+    """
+    import ray
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+    if len(nodes) <= 1:
+        return {}
+    groups: dict[str, list[str]] = {}
+    for uri in uris:
+        node = max(nodes, key=lambda n: hashlib.sha256(f"{n}|{uri}".encode()).digest())
+        groups.setdefault(node, []).append(uri)
+    return groups
 
 
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None):

@@ -1,0 +1,24 @@
+"""Two Ray nodes, each with its own shard cache: each caches what it reads, and a second job over
+the same raw shards fetches 0 bytes from the object store (shards are placed on nodes by
+rendezvous hashing, so each goes back to the node that cached it)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path):
+    script = Path(__file__).with_name("multinode_run.py")
+    res = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert res.returncode == 0 and line, res.stderr[-4000:]
+    out = json.loads(line[len("RESULT "):])
+    first, second = out["first"]["cache"], out["second"]["cache"]
+    assert first["misses"] == 4 and first["bytes_from_store"] > 0  # 4 raw shards, fetched once each
+    assert out["second"]["version"] != out["first"]["version"]  # a new job: recomputed, not reused
+    assert second["misses"] == 0 and second["bytes_from_store"] == 0 and second["hits"] >= 4
+    assert out["cached_files"]["head"] > 0 and out["cached_files"]["worker"] > 0  # both nodes cache
