@@ -16,7 +16,6 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 SHARED = ROOT.parent / "shared"
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 
 def free_port() -> int:

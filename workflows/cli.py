@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -72,7 +71,6 @@ def _in_runtime(config: str, overrides: Optional[List[str]], body: Callable, ray
 def _load(config: str, overrides: Optional[List[str]]):
     from workflows.config import load_config
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the embedded endpoint's access log
     return load_config(config, overrides or [])
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from workflows.config import WorkflowConfig, check_name
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, filesystem, join, read_json, write_json
+from workflows.storage.uri import StorageContext, download_dir, filesystem, join, read_json, write_json
 
 META_FILE = "workflows.json"
 _VERSION = re.compile(r"^v(\d+)$")
@@ -113,11 +113,7 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, dic
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{meta['artifact_id']}-", dir=cache.parent))
     try:
-        fs, path = filesystem(ref.uri, ctx)
-        for remote in fs.ls(path, detail=False):
-            base = remote.rstrip("/").rsplit("/", 1)[-1]
-            if base not in (META_FILE, EVAL_FILE):
-                fs.get_file(remote, str(tmp / base))
+        download_dir(ref.uri, ctx, str(tmp), skip=(META_FILE, EVAL_FILE))
         (tmp / META_FILE).write_text(json.dumps(meta))  # last, as in the store
         try:
             os.rename(tmp, cache)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,7 +21,8 @@ from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
 from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_shards
-from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol, write_json
+from workflows.storage.uri import (StorageContext, exists, filesystem, join, pyarrow_filesystem, read_json,
+                                  with_protocol, write_json)
 
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1  # bump when the processed layout or encoding changes
@@ -58,9 +60,14 @@ class ProcessedDataset:
         return read_shards(files, "parquet", ctx, cache, num_cpus=num_cpus)
 
 
+def _unit_hash(key: str) -> float:
+    """A deterministic number in [0, 1) from a string."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
 def split_of(text: str, seed: int, val_fraction: float, test_fraction: float) -> str:
     """Deterministic split by a hash of the text: identical texts always land in the same split."""
-    h = int.from_bytes(hashlib.sha256(f"{seed}:{text}".encode()).digest()[:8], "big") / 2**64
+    h = _unit_hash(f"{seed}:{text}")
     if h < test_fraction:
         return "test"
     if h < test_fraction + val_fraction:
@@ -69,7 +76,7 @@ def split_of(text: str, seed: int, val_fraction: float, test_fraction: float) ->
 
 
 def _keep_fraction(text: str, seed: int) -> float:
-    return int.from_bytes(hashlib.sha256(f"keep:{seed}:{text}".encode()).digest()[:8], "big") / 2**64
+    return _unit_hash(f"keep:{seed}:{text}")
 
 
 def dataset_version(shards: list[Shard], cfg: WorkflowConfig, tokenizer_dir: str) -> str:
@@ -86,8 +93,6 @@ def dataset_version(shards: list[Shard], cfg: WorkflowConfig, tokenizer_dir: str
 
 def _tokenizer_identity(tokenizer_dir: str) -> str:
     """Hash of the tokenizer files: a different vocabulary is a different dataset version."""
-    import os
-
     h = hashlib.sha256()
     for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json"):
         path = os.path.join(tokenizer_dir, name)
@@ -180,12 +185,10 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
         fn_constructor_args=(tokenizer_dir, p.max_length, d.text_columns, d.label_column, labels,
                              d.split_seed, d.val_fraction, d.test_fraction),
     )
-    from workflows.storage.uri import pyarrow_filesystem
-
     pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
     encoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
 
-    fs, _ = filesystem(out_uri, ctx)
+    fs, _ = filesystem(out_uri, ctx)  # listing through fsspec: pyarrow's wrapper has no glob
     files: dict[str, list[str]] = {}
     for split in SPLITS:
         found = sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))

@@ -37,26 +37,26 @@ def _version(info: dict) -> str:
 def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[Shard], str]:
     """The shards behind `uri` in a stable order, and their format."""
     fs, path = filesystem(uri, ctx)
-    try:
+    try:  # listings with details: one request for the sizes and versions, not one per shard
         if any(ch in path for ch in "*?["):
-            paths = fs.glob(path)
+            infos = fs.glob(path, detail=True)
         elif fs.isdir(path):
-            paths = [p for p in fs.find(path) if _format_of(p)]
+            infos = {p: i for p, i in fs.find(path, detail=True).items() if _format_of(p)}
         elif fs.exists(path):
-            paths = [path]
+            infos = {path: fs.info(path)}
         else:
-            paths = []
+            infos = {}
     except FileNotFoundError:
-        paths = []
+        infos = {}
     except PermissionError as e:
         raise UserError(f"access denied listing {uri}: {e}") from None
-    paths = sorted(p for p in paths if not p.rsplit("/", 1)[-1].startswith((".", "_")))
+    paths = sorted(p for p, i in infos.items() if i.get("type") != "directory" and not p.rsplit("/", 1)[-1].startswith((".", "_")))
     if not paths:
         raise UserError(f"no shard matched {uri} (pattern {PATTERN if fmt == 'auto' else '*.' + fmt})")
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
         raise UserError(f"cannot tell one format for the shards at {uri} (found {sorted(map(str, formats))}); set data.format")
-    shards = [Shard(with_protocol(uri, p), int(info.get("size") or 0), _version(info)) for p, info in ((p, fs.info(p)) for p in paths)]
+    shards = [Shard(with_protocol(uri, p), int(infos[p].get("size") or 0), _version(infos[p])) for p in paths]
     return shards, formats.pop()
 
 

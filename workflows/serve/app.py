@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 from ray import serve
 
 from workflows.config import WorkflowConfig
@@ -30,8 +30,6 @@ def instance_model(text_columns: list[str]) -> type[BaseModel]:
         if not any(str(getattr(self, c)).strip() for c in text_columns):
             raise ValueError(f"all text fields are empty ({', '.join(text_columns)})")
         return self
-
-    from pydantic import model_validator
 
     return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True),
                         __validators__={"not_all_empty": model_validator(mode="after")(not_all_empty)}, **fields)

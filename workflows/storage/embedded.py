@@ -180,8 +180,12 @@ class EmbeddedS3:
                         seen[ident] = old
                         continue
                     name = hashlib.sha256(ident.encode()).hexdigest()
-                    body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-                    _atomic_write(self.data_dir / "objects" / name, body)
+                    target = self.data_dir / "objects" / name
+                    tmp = target.with_name(f".{name}.tmp-{uuid.uuid4().hex}")
+                    client.download_file(bucket, obj["Key"], str(tmp))  # streamed, not held in memory
+                    with open(tmp, "rb+") as f:
+                        os.fsync(f.fileno())
+                    os.replace(tmp, target)
                     seen[ident] = {"bucket": bucket, "key": obj["Key"], "file": name, "etag": obj["ETag"], "size": obj["Size"]}
                     written += 1
         for ident, entry in self._manifest.items():

@@ -100,6 +100,15 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *[p.strip("/") for p in parts]])
 
 
+def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str, ...] = ()) -> None:
+    """Copy the files directly under `uri` (a flat "directory" of objects) into `local_dir`."""
+    fs, path = filesystem(uri, ctx)
+    for remote in fs.ls(path, detail=False):
+        base = remote.rstrip("/").rsplit("/", 1)[-1]
+        if base not in skip:
+            fs.get_file(remote, os.path.join(local_dir, base))
+
+
 def exists(uri: str, ctx: StorageContext) -> bool:
     fs, path = filesystem(uri, ctx)
     return fs.exists(path)

@@ -9,15 +9,13 @@ import tempfile
 from workflows.config import WorkflowConfig
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
-from workflows.storage.uri import StorageContext, filesystem
+from workflows.storage.uri import StorageContext, download_dir
 from workflows.train.checkpoint import consolidated_model_state
 from workflows.train.models import load_classifier
 
 
 def download_checkpoint(uri: str, ctx: StorageContext, local_dir: str) -> str:
-    fs, path = filesystem(uri, ctx)
-    for remote in fs.ls(path, detail=False):
-        fs.get_file(remote, os.path.join(local_dir, remote.rstrip("/").rsplit("/", 1)[-1]))
+    download_dir(uri, ctx, local_dir)
     return local_dir
 
 
