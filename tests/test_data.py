@@ -48,3 +48,28 @@ def test_list_shards_directory_glob_and_errors(tmp_path):
     (tmp_path / "c.csv").write_text("text,label\nz,a\n")
     with pytest.raises(UserError, match="cannot tell one format"):
         list_shards(str(tmp_path), ctx)
+
+
+def test_read_path_names_a_missing_bucket(tmp_path):
+    from workflows.storage.embedded import EmbeddedS3
+
+    with EmbeddedS3(str(tmp_path / "s3")) as s3:
+        with pytest.raises(UserError, match=r"bucket not found for s3://no-such-bucket/raw/"):
+            list_shards("s3://no-such-bucket/raw/", StorageContext(s3.endpoint_url, "us-east-1", embedded=True))
+
+
+def test_read_path_names_bad_credentials(tmp_path, monkeypatch):
+    """A real fault at a real endpoint: with this setting moto checks every request's signature."""
+    from workflows.storage.embedded import EmbeddedS3
+
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # read by the endpoint's child process
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-0123456789")
+    s3 = EmbeddedS3(str(tmp_path / "s3"))
+    s3.start()
+    try:
+        with pytest.raises(UserError, match=r"access denied .*s3://raw/shards/.*credentials") as err:
+            list_shards("s3://raw/shards/", StorageContext(s3.endpoint_url, "us-east-1", retries=0))
+        assert "not-the-secret" not in str(err.value)
+    finally:
+        s3._release()  # not stop(): persisting would need credentials this endpoint now refuses

@@ -59,3 +59,31 @@ def test_missing_column_is_named(ray_cluster, tiny_cfg, tmp_path):
     cfg = tiny_cfg(f"data.source={src}", "data.builtin=null")
     with runtime(cfg) as rt, pytest.raises(UserError, match=r"\['text'\] not found"):
         stage_preprocess(rt)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_schema_differing_between_shards_names_both(ray_cluster, tiny_cfg, tmp_path, fmt):
+    import pandas as pd
+
+    src = tmp_path / "raw"
+    src.mkdir()
+    good = pd.DataFrame({"text": [f"row {i}" for i in range(20)], "label": ["a", "b"] * 10})
+    if fmt == "jsonl":
+        good.to_json(src / "part-0.jsonl", orient="records", lines=True)
+        good.rename(columns={"text": "body"}).to_json(src / "part-1.jsonl", orient="records", lines=True)
+        expected = r"part-1\.jsonl has columns \['body', 'label'\] but .*part-0\.jsonl has \['label', 'text'\]"
+    else:
+        good.to_parquet(src / "part-0.parquet")
+        good.assign(label=range(20)).to_parquet(src / "part-1.parquet")
+        expected = r"column 'label' is int64 in .*part-1\.parquet but (large_)?string in .*part-0\.parquet"
+    cfg = tiny_cfg(f"data.source={src}", "data.builtin=null")
+    with runtime(cfg) as rt, pytest.raises(UserError, match=expected):
+        stage_preprocess(rt)
+
+
+def test_malformed_json_line_names_the_shard_and_row(ray_cluster, tiny_cfg, tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "x", "label": "a"}\n{"text": "y", "label": "b"}\n{"text": oops}\n')
+    cfg = tiny_cfg(f"data.source={src}", "data.builtin=null")
+    with runtime(cfg) as rt, pytest.raises(UserError, match=r"malformed jsonl shard .*bad\.jsonl: .*line 3 of the file"):
+        stage_preprocess(rt)

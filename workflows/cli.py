@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 
 import typer
 
-from workflows.errors import UserError
+from workflows.errors import find_user_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ray-based ML workflows: object storage -> Ray Data -> Ray Train/Tune -> Ray Serve.")
@@ -20,25 +20,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="workflow YAML config")
 SetOpt = typer.Option(None, "--set", help="override a config value: --set train.lr=3e-5 (repeatable)")
-
-
-def _user_error(exc: BaseException) -> UserError | None:
-    """A UserError raised here or inside a Ray task/actor/worker (Ray wraps those)."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, UserError):
-            return e
-        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
-        for attr in ("worker_failures", "errors"):  # Ray Train's worker-group errors
-            v = getattr(e, attr, None)
-            if isinstance(v, dict):
-                stack.extend(x for x in v.values() if isinstance(x, BaseException))
-    return None
 
 
 def _run(fn: Callable[[], object]) -> None:
@@ -50,7 +31,7 @@ def _run(fn: Callable[[], object]) -> None:
     except typer.Exit:
         raise
     except Exception as e:
-        ue = _user_error(e)
+        ue = find_user_error(e)
         if ue is None:
             raise
         typer.echo(f"error: {ue}", err=True)

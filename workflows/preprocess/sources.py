@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, filesystem, with_protocol
+from workflows.storage.uri import StorageContext, check_bucket, filesystem, with_protocol
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv"
@@ -48,10 +49,14 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
             infos = {}
     except FileNotFoundError:
         infos = {}
-    except PermissionError as e:
-        raise UserError(f"access denied listing {uri}: {e}") from None
+    except PermissionError:
+        check_bucket(uri, ctx)  # names a missing bucket or bad credentials precisely
+        raise UserError(f"access denied listing {uri}: check the AWS credentials and the bucket policy") from None
+    except OSError as e:  # endpoint unreachable after s3fs's retries
+        raise UserError(f"cannot list {uri} (endpoint {ctx.endpoint_url or 'default'}): {e}") from None
     paths = sorted(p for p, i in infos.items() if i.get("type") != "directory" and not p.rsplit("/", 1)[-1].startswith((".", "_")))
     if not paths:
+        check_bucket(uri, ctx)  # "bucket not found" says more than "no shard matched"
         raise UserError(f"no shard matched {uri} (pattern {PATTERN if fmt == 'auto' else '*.' + fmt})")
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
@@ -73,7 +78,53 @@ def _read_local(path: str, fmt: str):
     return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True))
 
 
-def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache):
+def _read_one(uri: str, fmt: str, ctx: StorageContext, shard_cache):
+    import pyarrow as pa
+
+    try:
+        if shard_cache is not None:
+            with shard_cache.open_local(uri) as local:
+                return _read_local(local, fmt)
+        fs, path = filesystem(uri, ctx)
+        with fs.open(path, "rb") as f:
+            return _read_local(f, fmt)
+    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+        msg = str(e).strip()
+        row = re.search(r"in row (\d+)", msg) if fmt == "jsonl" else None  # pyarrow counts rows from 0
+        where = f" (line {int(row.group(1)) + 1} of the file)" if row else ""
+        raise UserError(f"malformed {fmt} shard {uri}: {msg}{where}") from None
+
+
+def _column_types(table, fmt: str) -> dict[str, str]:
+    """Column -> type, as strictly as the format allows: parquet types are declared, while
+    JSON/CSV types are inferred per shard (an all-integer shard is int64, another double), so
+    those only distinguish text from everything else."""
+    import pyarrow as pa
+
+    def kind(t) -> str:
+        if fmt == "parquet":
+            return str(t)
+        if pa.types.is_null(t):
+            return "null"
+        return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) else "non-string"
+
+    return {f.name: kind(f.type) for f in table.schema}
+
+
+def check_schema(uri: str, table, fmt: str, reference: tuple[str, dict[str, str]] | None) -> None:
+    """Fail, naming both shards, when `uri`'s columns differ from the reference shard's."""
+    if reference is None or reference[0] == uri:
+        return
+    ref_uri, ref = reference
+    got = _column_types(table, fmt)
+    if set(got) != set(ref):
+        raise UserError(f"schema differs between shards: {uri} has columns {sorted(got)} but {ref_uri} has {sorted(ref)}")
+    for col, t in got.items():
+        if t != ref[col] and "null" not in (t, ref[col]):
+            raise UserError(f"schema differs between shards: column {col!r} is {t} in {uri} but {ref[col]} in {ref_uri}")
+
+
+def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, reference=None):
     """Read the shards named in a batch of URIs, in a Ray task on whatever node it runs on,
     through that node's shard cache (`cache` is a CacheConfig, resolved on the node)."""
     import pyarrow as pa
@@ -82,17 +133,9 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache):
     shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
     before = shard_cache.stats() if shard_cache is not None else None
     for uri in batch["uri"]:
-        uri = str(uri)
-        try:
-            if shard_cache is not None:
-                with shard_cache.open_local(uri) as local:
-                    tables.append(_read_local(local, fmt))
-            else:
-                fs, path = filesystem(uri, ctx)
-                with fs.open(path, "rb") as f:
-                    tables.append(_read_local(f, fmt))
-        except (pa.ArrowInvalid, UnicodeDecodeError) as e:
-            raise UserError(f"malformed {fmt} shard {uri}: {e}") from None
+        table = _read_one(str(uri), fmt, ctx, shard_cache)
+        check_schema(str(uri), table, fmt, reference)
+        tables.append(table)
     if shard_cache is not None:
         from workflows.storage import cache_stats
 
@@ -100,12 +143,27 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache):
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-def read_shards(uris: list[str], fmt: str, ctx: StorageContext, cache=None, num_cpus: float | None = None):
+def reference_schema(uri: str, fmt: str, ctx: StorageContext, cache=None) -> tuple[str, dict[str, str]]:
+    """The first shard's columns, read on the driver (through this node's cache, so the read
+    task on this node that reads it again finds it there), for every read task to compare with."""
+    shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
+    before = shard_cache.stats() if shard_cache is not None else None
+    table = _read_one(uri, fmt, ctx, shard_cache)
+    if shard_cache is not None:
+        from workflows.storage import cache_stats
+
+        cache_stats.report(before, shard_cache.stats())
+    return uri, _column_types(table, fmt)
+
+
+def read_shards(uris: list[str], fmt: str, ctx: StorageContext, cache=None, num_cpus: float | None = None,
+                check_schemas: bool = True):
     """A Ray Dataset over exactly these shards, one read task per shard, through the shard cache.
 
     Unlike `ray.data.read_parquet`, no file-listing task is scheduled (it asks for a whole CPU even
     when the reads ask for none), and the reads can be given `num_cpus=0` (see
-    ProcessedDataset.read for why).
+    ProcessedDataset.read for why). With `check_schemas`, a shard whose columns differ from the
+    first shard's fails its read with an error naming both.
     """
     import ray.data
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -113,9 +171,10 @@ def read_shards(uris: list[str], fmt: str, ctx: StorageContext, cache=None, num_
     def read(group: list[str], node_id: str | None):
         ds = ray.data.from_items([{"uri": u} for u in group], override_num_blocks=len(group))
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)} if node_id else {}
-        return ds.map_batches(_read_shard_batch, fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache}, batch_size=1,
-                              batch_format="pyarrow", num_cpus=num_cpus, **placement)
+        return ds.map_batches(_read_shard_batch, batch_size=1, batch_format="pyarrow", num_cpus=num_cpus, **placement,
+                              fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference})
 
+    reference = reference_schema(uris[0], fmt, ctx, cache) if check_schemas and len(uris) > 1 else None
     groups = shard_placement(uris) if cache is not None and cache.enabled else {}
     if len(groups) <= 1:
         return read(uris, None)

@@ -84,7 +84,7 @@ class EmbeddedS3:
         for _attempt in range(3):
             port = self.port or _free_port(self.host)
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)],
+                [sys.executable, "-m", "workflows.storage.s3_server", "-H", self.host, "-p", str(port)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
             )
@@ -203,6 +203,22 @@ class EmbeddedS3:
             client.create_bucket(Bucket=bucket)
 
 
+def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
+    """Requests and bytes counted at an embedded endpoint since its start (or last reset).
+
+    `{"requests": {METHOD: n}, "bytes_out": {METHOD: n}, "bytes_in": {METHOD: n}}`; object bytes
+    served are `bytes_out["GET"]` (listings are GETs too, but small).
+    """
+    import requests
+
+    from workflows.storage.s3_server import TRAFFIC_PATH
+
+    url = endpoint_url.rstrip("/") + TRAFFIC_PATH + ("/reset" if reset else "")
+    r = requests.post(url, timeout=10) if reset else requests.get(url, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -217,4 +233,4 @@ def _die_with_parent() -> None:
         pass
 
 
-__all__ = ["EmbeddedS3", "EMBEDDED_KEY"]
+__all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic"]
