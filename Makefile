@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast bench constraints clean
+.PHONY: install demo test test-fast bench docs constraints clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ test-fast: install
 
 bench: install
 	$(BIN)/workflows bench quickstart
+
+docs: install
+	$(BIN)/python -m workflows.config_reference
 
 constraints: install
 	( head -2 constraints.txt; $(BIN)/python -m pip freeze --exclude-editable \

@@ -99,15 +99,30 @@ class ModelServer:
         return {k: self.meta.get(k) for k in keep}
 
 
-def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None) -> str:
-    """Deploy the model on the running Ray cluster; returns the base URL."""
+def application(cfg: WorkflowConfig, model_spec: str) -> serve.Application:
     sc = cfg.serve
-    serve.start(http_options={"host": sc.host, "port": sc.port})
-    app = ModelServer.options(
+    return ModelServer.options(
         num_replicas=sc.num_replicas,
         ray_actor_options={"num_cpus": sc.cpus_per_replica},
         # Serve's default of 5 ongoing requests would silently cap batches below max_batch_size.
         max_ongoing_requests=max(2 * sc.max_batch_size, 32),
     ).bind(cfg.model_dump(mode="json"), model_spec)
-    serve.run(app, name=name or f"model-{model_spec.split(':')[0]}", route_prefix="/", blocking=False)
+
+
+def build_app(args: dict) -> serve.Application:
+    """Application builder for Serve config files (`serve run`, RayService `import_path`).
+
+    args: config (a workflow YAML path), model (NAME[:VERSION]), set (optional list of overrides).
+    """
+    from workflows.config import load_config
+
+    cfg = load_config(args.get("config") or "configs/quickstart.yaml", list(args.get("set") or []))
+    return application(cfg, str(args["model"]))
+
+
+def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None) -> str:
+    """Deploy the model on the running Ray cluster; returns the base URL."""
+    sc = cfg.serve
+    serve.start(http_options={"host": sc.host, "port": sc.port})
+    serve.run(application(cfg, model_spec), name=name or f"model-{model_spec.split(':')[0]}", route_prefix="/", blocking=False)
     return f"http://{sc.host}:{sc.port}"

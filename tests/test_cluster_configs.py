@@ -1,0 +1,453 @@
+"""The cluster configs under cluster/ are checked without a cluster (and without starting Ray):
+
+- every KubeRay manifest validates against the RayCluster / RayJob / RayService CRD schemas
+  (KubeRay's openAPIV3Schema, made strict the way the API server's structural schemas are: an
+  unknown field is an error, so a misspelt field name fails here rather than being dropped);
+- the RayService's serveConfigV2 is a valid Ray Serve config whose application args and the
+  RayJobs' `python -m workflows ... --config ... --set ...` entrypoints are valid workflow configs;
+- every Ray pod has the NVMe cache/spill mount, S3 credentials from a Secret, token auth and
+  Prometheus annotations; no file holds credentials;
+- the cluster-launcher YAML passes Ray's own schema (ray/autoscaler/ray-schema.json);
+- cluster/runtime-env.yaml uploads the code and excludes data, venvs, caches and run outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = ROOT / "cluster"
+KUBERAY = CLUSTER / "kuberay"
+CRD_DIR = ROOT.parent / "shared" / "schemas" / "kuberay"
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayService": "ray.io_rayservices.yaml"}
+MANIFESTS = sorted(KUBERAY.glob("*.yaml"))
+LAUNCHER = CLUSTER / "launcher" / "aws-gpu.yaml"
+RUNTIME_ENV = CLUSTER / "runtime-env.yaml"
+APP_DIR = "/app"  # where the project image holds the repository (cluster/README.md)
+
+NVME = "/mnt/nvme"
+CACHE_DIR = "/mnt/nvme/workflows-cache"
+S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+SECRET_ENV_NAMES = S3_SECRET_KEYS | {"AWS_SESSION_TOKEN", "RAY_AUTH_TOKEN"}
+
+Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.load_all(path.read_text(), Loader=Loader) if d is not None]
+
+
+# --- CRD schema -> strict JSON schema ---------------------------------------------------------
+
+# The CRDs leave `metadata` of the resource itself open ({"type": "object"}): the API server
+# validates it as ObjectMeta. The part of ObjectMeta that manifests here use, strictly.
+OBJECT_META = {
+    "type": "object",
+    "required": ["name"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "namespace": {"type": "string"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+
+
+def strict_schema(node):
+    """An OpenAPI v3 (Kubernetes structural) schema as a JSON schema that rejects unknown fields:
+    `additionalProperties: false` wherever an object lists `properties` and neither allows extra
+    keys (`additionalProperties`) nor sets `x-kubernetes-preserve-unknown-fields`; `nullable`
+    becomes a null type; `x-kubernetes-int-or-string` an integer-or-string; other `x-kubernetes-*`
+    keys (CEL validations, list/map types: see list_map_errors) are dropped."""
+    if isinstance(node, list):
+        return [strict_schema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: strict_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+    if node.get("x-kubernetes-int-or-string") and "anyOf" not in out:
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    if out.pop("nullable", False) and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def crd_schema(kind: str) -> tuple[dict, dict]:
+    """(strict JSON schema, original openAPIV3Schema) of the served storage version of `kind`."""
+    path = CRD_DIR / CRD_FILES[kind]
+    if not path.is_file():
+        pytest.skip(f"KubeRay CRD schemas not found at {CRD_DIR} (expected {', '.join(CRD_FILES.values())}): "
+                    "the manifests cannot be validated here")
+    crd = yaml.load(path.read_text(), Loader=Loader)
+    assert crd["spec"]["names"]["kind"] == kind, path
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+    raw = version["schema"]["openAPIV3Schema"]
+    schema = strict_schema(raw)
+    schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
+    schema["properties"]["apiVersion"] = {"const": f"{crd['spec']['group']}/{version['name']}"}
+    schema["properties"]["kind"] = {"const": kind}
+    schema["properties"]["metadata"] = OBJECT_META
+    return schema, raw
+
+
+def list_map_errors(schema: dict, instance, path: str = "") -> list[str]:
+    """Duplicate keys in `x-kubernetes-list-type: map` lists (two env vars with one name, two
+    ports with one containerPort/protocol), which the API server rejects."""
+    errors: list[str] = []
+    if isinstance(instance, dict) and isinstance(schema, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for key, value in instance.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if sub:
+                errors += list_map_errors(sub, value, f"{path}.{key}")
+    elif isinstance(instance, list) and isinstance(schema, dict):
+        items = schema.get("items") or {}
+        if schema.get("x-kubernetes-list-type") == "map":
+            keys = schema.get("x-kubernetes-list-map-keys", [])
+            seen = set()
+            for item in instance:
+                if isinstance(item, dict):
+                    ident = tuple(item.get(k, (items.get("properties") or {}).get(k, {}).get("default")) for k in keys)
+                    if ident in seen:
+                        errors.append(f"{path}: duplicate entry {dict(zip(keys, ident))}")
+                    seen.add(ident)
+        for i, item in enumerate(instance):
+            errors += list_map_errors(items, item, f"{path}[{i}]")
+    return errors
+
+
+def crd_errors(doc: dict) -> list[str]:
+    kind = doc.get("kind")
+    if kind not in CRD_FILES:
+        return [f"kind {kind!r} is not one of {sorted(CRD_FILES)}"]
+    schema, raw = crd_schema(kind)
+    validator = jsonschema.Draft4Validator(schema)
+    errors = [f"{'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
+              for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+    return errors + list_map_errors(raw, doc)
+
+
+@functools.lru_cache(maxsize=None)
+def manifest(name: str) -> list[dict]:
+    return load_docs(KUBERAY / name)
+
+
+def all_docs():
+    return [(path.name, i, doc) for path in MANIFESTS for i, doc in enumerate(manifest(path.name))]
+
+
+def cluster_spec(doc: dict) -> dict:
+    return {"RayCluster": lambda s: s, "RayJob": lambda s: s["rayClusterSpec"],
+            "RayService": lambda s: s["rayClusterConfig"]}[doc["kind"]](doc["spec"])
+
+
+def groups(doc: dict) -> list[tuple[str, dict]]:
+    spec = cluster_spec(doc)
+    return [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec.get("workerGroupSpecs", [])]
+
+
+def test_the_manifests_exist():
+    assert {p.name for p in MANIFESTS} >= {"raycluster.yaml", "rayjob-pipeline.yaml", "rayjob-train.yaml", "rayservice.yaml"}
+    kinds = sorted(doc["kind"] for _, _, doc in all_docs())
+    assert kinds == ["RayCluster", "RayJob", "RayJob", "RayService"]
+
+
+@pytest.mark.parametrize("name", [p.name for p in MANIFESTS])
+def test_manifest_validates_against_the_kuberay_crd(name):
+    for i, doc in enumerate(manifest(name)):
+        errors = crd_errors(doc)
+        assert not errors, f"{name} (document {i}) does not match the KubeRay CRD:\n  " + "\n  ".join(errors)
+
+
+def _rename_key(d: dict, old: str, new: str) -> None:
+    d[new] = d.pop(old)
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda m: _rename_key(m["spec"], "rayVersion", "rayVerison"), "rayVerison"),
+    (lambda m: _rename_key(m["spec"]["workerGroupSpecs"][0], "rayStartParams", "rayStartParam"), "rayStartParam"),
+    (lambda m: _rename_key(m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"][0],
+                           "mountPath", "mountpath"), "mountpath"),
+    (lambda m: _rename_key(m["spec"]["workerGroupSpecs"][0]["template"]["metadata"], "annotations", "anotations"), "anotations"),
+    (lambda m: m["spec"]["authOptions"].update(mode="tokens"), "tokens"),
+    (lambda m: m["spec"]["workerGroupSpecs"][0].update(replicas="two"), "two"),
+    (lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "WORKFLOWS_CACHE_DIR", "value": "/tmp"}), "duplicate entry"),
+], ids=["spec-field", "worker-group-field", "container-field", "pod-metadata-field", "enum", "type", "duplicate-env"])
+def test_a_typo_in_a_manifest_is_caught(mutate, where):
+    """The validation is strict: a misspelt field name deep in a pod template, a wrong enum
+    value or type, a duplicated env var each fail (the real manifest passes, see above)."""
+    doc = copy.deepcopy(manifest("raycluster.yaml")[0])
+    assert not crd_errors(doc)
+    mutate(doc)
+    errors = crd_errors(doc)
+    assert errors and any(where in e for e in errors), errors
+
+
+def test_a_typo_inside_the_rayjob_cluster_spec_is_caught():
+    doc = copy.deepcopy(manifest("rayjob-train.yaml")[0])
+    _rename_key(doc["spec"]["rayClusterSpec"]["headGroupSpec"], "rayStartParams", "rayStartParms")
+    _rename_key(doc["spec"], "shutdownAfterJobFinishes", "shutdownAfterJobFinished")
+    errors = " ".join(crd_errors(doc))
+    assert "rayStartParms" in errors and "shutdownAfterJobFinished" in errors
+
+
+# --- what every Ray pod must have -------------------------------------------------------------
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("name", [p.name for p in MANIFESTS])
+def test_every_ray_pod_has_nvme_cache_spilling_secrets_auth_and_metrics(name):
+    for doc in manifest(name):
+        spec = cluster_spec(doc)
+        assert spec.get("authOptions", {}).get("mode") == "token", f"{name}: Ray token authentication is off"
+        assert spec.get("rayVersion") == "2.60.0", f"{name}: rayVersion must match the Ray the project pins"
+        for group, g in groups(doc):
+            where = f"{name} {group}"
+            pod = g["template"]
+            ann = pod.get("metadata", {}).get("annotations", {})
+            assert ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/port") == "8080", where
+            params = g.get("rayStartParams", {})
+            assert params.get("metrics-export-port") == "8080", f"{where}: Ray metrics must be on :8080"
+            spill = params.get("object-spilling-directory", "")
+            ray_container = pod["spec"]["containers"][0]
+            spill_env = env_of(ray_container).get("RAY_object_spilling_config", {}).get("value", "")
+            assert spill.startswith(NVME + "/") or NVME in spill_env, f"{where}: object spilling is not on {NVME}"
+
+            volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+            nvme_mounts = [m for m in ray_container.get("volumeMounts", []) if m["mountPath"] == NVME]
+            assert nvme_mounts, f"{where}: {NVME} is not mounted"
+            vol = volumes[nvme_mounts[0]["name"]]
+            assert vol.get("hostPath", {}).get("path") or vol.get("persistentVolumeClaim") or vol.get("ephemeral"), \
+                f"{where}: {NVME} must be the node's local disk (hostPath or a local PV)"
+
+            env = env_of(ray_container)
+            assert env.get("WORKFLOWS_CACHE_DIR", {}).get("value") == CACHE_DIR, f"{where}: WORKFLOWS_CACHE_DIR"
+            from_secret = {k for k, e in env.items() if e.get("valueFrom", {}).get("secretKeyRef")}
+            env_from_secret = [s for s in ray_container.get("envFrom", []) if s.get("secretRef")]
+            assert S3_SECRET_KEYS <= from_secret or env_from_secret, f"{where}: S3 credentials must come from a Secret"
+
+            limits = ray_container.get("resources", {}).get("limits", {})
+            if group == "head":
+                assert "nvidia.com/gpu" not in limits and params.get("num-cpus") == "0", f"{where}: a CPU head without tasks"
+            assert ray_container["image"] == manifest("raycluster.yaml")[0]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+
+
+@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob-pipeline.yaml", "rayjob-train.yaml"])
+def test_training_clusters_have_a_gpu_worker_group(name):
+    doc = manifest(name)[0]
+    gpu_groups = [g for _, g in groups(doc)[1:]
+                  if int(g["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) > 0]
+    assert gpu_groups, f"{name}: no worker group with nvidia.com/gpu limits"
+
+
+# --- the commands and configs the manifests run ------------------------------------------------
+
+def parse_workflows_command(argv: list[str]) -> tuple[str, str, list[str]]:
+    """`python -m workflows STAGE --config FILE --set K=V ...` -> (stage, config, overrides)."""
+    assert argv[:3] == ["python", "-m", "workflows"], f"not a `python -m workflows` command: {argv}"
+    stage, rest = argv[3], argv[4:]
+    config, overrides = None, []
+    it = iter(rest)
+    for arg in it:
+        if arg in ("--config", "-c"):
+            config = next(it)
+        elif arg == "--set":
+            overrides.append(next(it))
+        else:
+            pytest.fail(f"unexpected argument {arg!r} in {argv}")
+    assert config, f"no --config in {argv}"
+    return stage, config, overrides
+
+
+def repo_path(path_in_image: str) -> Path:
+    assert path_in_image.startswith(APP_DIR + "/"), f"{path_in_image}: configs live in the image under {APP_DIR}"
+    return ROOT / path_in_image[len(APP_DIR) + 1:]
+
+
+def check_cluster_config(config: str, overrides: list[str]):
+    from workflows.config import load_config
+
+    cfg = load_config(repo_path(config), overrides)  # raises on an unknown key or a bad value
+    assert not cfg.storage.embedded.enabled, "the embedded S3 endpoint lives on the driver's 127.0.0.1: off on a cluster"
+    assert cfg.storage.root.startswith("s3://") and cfg.cache.dir == "auto"
+    return cfg
+
+
+@pytest.mark.parametrize("name, stage", [("rayjob-pipeline.yaml", "pipeline"), ("rayjob-train.yaml", "train")])
+def test_rayjob_entrypoint_runs_the_stage_with_a_valid_config(name, stage):
+    doc = manifest(name)[0]
+    got_stage, config, overrides = parse_workflows_command(shlex.split(doc["spec"]["entrypoint"]))
+    assert got_stage == stage
+    cfg = check_cluster_config(config, overrides)
+    assert cfg.ray.address == "auto" and cfg.train.use_gpu
+    if stage == "pipeline":
+        assert not cfg.serve.enabled, "serving is the RayService's job, not the pipeline's"
+
+
+def serve_config() -> dict:
+    (doc,) = manifest("rayservice.yaml")
+    return yaml.safe_load(doc["spec"]["serveConfigV2"])
+
+
+def test_rayservice_serve_config_is_a_valid_ray_serve_config():
+    from ray.serve.schema import DeploymentSchema, HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
+
+    raw = serve_config()
+    ServeDeploySchema.model_validate(raw)
+    # Serve's schemas ignore unknown keys: make a misspelt one an error here.
+    assert set(raw) <= set(ServeDeploySchema.model_fields), set(raw) - set(ServeDeploySchema.model_fields)
+    assert set(raw.get("http_options", {})) <= set(HTTPOptionsSchema.model_fields)
+    assert raw["http_options"]["port"] == 8000 and raw["http_options"]["host"] == "0.0.0.0"
+    (app,) = raw["applications"]
+    assert set(app) <= set(ServeApplicationSchema.model_fields), set(app) - set(ServeApplicationSchema.model_fields)
+    for dep in app.get("deployments", []):
+        assert set(dep) <= set(DeploymentSchema.model_fields), set(dep) - set(DeploymentSchema.model_fields)
+    assert app["import_path"] == "workflows.serve.app:build_app"
+    assert set(app["args"]) <= {"config", "model", "set"}
+    check_cluster_config(app["args"]["config"], app["args"].get("set", []))
+    from workflows.config import check_name
+
+    check_name(app["args"]["model"].split(":")[0], "model name")
+
+
+def test_rayservice_builder_builds_the_configured_deployments():
+    """The builder named by import_path takes the manifest's args and returns an Application
+    with the deployments the config names (binding only: no Ray, no model download)."""
+    import workflows.serve.app as serve_app
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    if not hasattr(serve_app, "build_app"):
+        pytest.skip("workflows.serve.app:build_app (the RayService import_path) does not exist yet")
+    (app_cfg,) = serve_config()["applications"]
+    args = dict(app_cfg["args"], config=str(repo_path(app_cfg["args"]["config"])))
+    app = call_user_app_builder_with_args_if_necessary(serve_app.build_app, args)
+    assert {d["name"] for d in app_cfg.get("deployments", [])} <= {app._bound_deployment.name}
+
+
+# --- credentials -------------------------------------------------------------------------------
+
+def inline_secrets(node, path="") -> list[str]:
+    found = []
+    if isinstance(node, dict):
+        if node.get("name") in SECRET_ENV_NAMES and "value" in node:
+            found.append(f"{path}: {node['name']} has an inline value")
+        for k, v in node.items():
+            found += inline_secrets(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += inline_secrets(v, f"{path}[{i}]")
+    return found
+
+
+CREDENTIAL_PATTERNS = [
+    re.compile(r"AKIA[0-9A-Z]{16}"),  # an AWS access key id
+    re.compile(r"(?i)(aws_secret_access_key|aws_session_token|ray_auth_token)\s*[=:]\s*['\"]?[A-Za-z0-9/+]{16,}"),
+    re.compile(r"(?i)--from-literal=\w+=(?!\.\.\.)[A-Za-z0-9/+]{16,}"),
+]
+
+
+@pytest.mark.parametrize("path", sorted(p for p in CLUSTER.rglob("*") if p.is_file()), ids=lambda p: str(p.relative_to(CLUSTER)))
+def test_no_inline_credentials(path):
+    text = path.read_text()
+    for pattern in CREDENTIAL_PATTERNS:
+        assert not pattern.search(text), f"{path}: looks like a credential ({pattern.pattern})"
+    if path.suffix in (".yaml", ".yml"):
+        found = [f for doc in load_docs(path) for f in inline_secrets(doc)]
+        assert not found, found
+        if path.parent == KUBERAY:  # the embedded Serve config too
+            for doc in load_docs(path):
+                if doc.get("kind") == "RayService":
+                    assert not inline_secrets(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+
+
+def test_an_inline_secret_would_be_caught():
+    doc = copy.deepcopy(manifest("raycluster.yaml")[0])
+    env = doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    next(e for e in env if e["name"] == "AWS_SECRET_ACCESS_KEY").update(value="x", valueFrom=None)
+    assert inline_secrets(doc)
+
+
+# --- the cluster launcher -----------------------------------------------------------------------
+
+def test_launcher_config_passes_rays_schema():
+    import ray.autoscaler
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load(LAUNCHER.read_text())
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(cfg, schema)  # the file as written
+    validate_config(prepare_config(copy.deepcopy(cfg)))  # as `ray up` sees it, with Ray's AWS defaults
+
+
+def test_launcher_mounts_nvme_installs_the_project_and_enables_auth():
+    cfg = yaml.safe_load(LAUNCHER.read_text())
+    assert cfg["provider"]["type"] == "aws"
+    types = cfg["available_node_types"]
+    head = types[cfg["head_node_type"]]
+    assert head["resources"].get("CPU") == 0 and not head["node_config"]["InstanceType"].startswith(("g", "p"))
+    gpu_types = [t for n, t in types.items() if n != cfg["head_node_type"] and t["node_config"]["InstanceType"].startswith(("g5", "p4d", "p5"))]
+    assert gpu_types and any(t.get("max_workers", 0) > 0 for t in gpu_types)
+    init = "\n".join(cfg["initialization_commands"])
+    assert "mkfs" in init and f"mount -o noatime $dev {NVME}" in init and "Instance Storage" in init
+    docker = cfg["docker"]
+    assert docker["image"].startswith("rayproject/ray:2.60.0-")
+    run_opts = " ".join(docker["run_options"])
+    assert f"{NVME}:{NVME}" in run_opts and f"WORKFLOWS_CACHE_DIR={CACHE_DIR}" in run_opts and "RAY_AUTH_MODE=token" in run_opts
+    assert "~/.ray/auth_token" in cfg["file_mounts"] and cfg["file_mounts"]["~/workflows"] == "."
+    assert any("pip install" in c and "~/workflows" in c for c in cfg["setup_commands"])
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert f"--object-spilling-directory={NVME}/" in " ".join(cfg[key]), key
+    assert not inline_secrets(cfg)
+
+
+# --- ray job submit's runtime env ---------------------------------------------------------------
+
+def test_runtime_env_uploads_code_and_excludes_data_venvs_caches():
+    from ray._private.runtime_env.packaging import _get_excludes
+    from ray.runtime_env import RuntimeEnv
+
+    raw = yaml.safe_load(RUNTIME_ENV.read_text())
+    RuntimeEnv(**raw)  # Ray's own validation of the fields
+    assert raw["working_dir"] == "."
+    excluded = _get_excludes(ROOT, raw["excludes"])
+    for path in (".git", ".git/HEAD", ".venv", ".venv/bin/python", "venv", ".workflows", ".workflows/s3/x",
+                 "data", "data/raw.csv", "benchmarks/results", "benchmarks/results/quickstart.json",
+                 "workflows/__pycache__", ".pytest_cache", "workflows.egg-info"):
+        assert excluded(ROOT / path), f"{path} would be uploaded"
+    for path in ("workflows", "workflows/cli.py", "workflows/config.py", "configs/quickstart.yaml",
+                 "pyproject.toml", "docs/data", "docs/data/quickstart.md", "benchmarks"):
+        assert not excluded(ROOT / path), f"{path} would not be uploaded"
+
+
+# --- the local multi-node scripts ---------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["start.sh", "stop.sh"])
+def test_local_cluster_scripts_are_valid_bash(script):
+    path = CLUSTER / "local" / script
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = path.read_text()
+    assert "pkill" not in text and "killall" not in text and "ray stop" not in text.replace("`ray stop`", "")
+    if script == "start.sh":
+        for needle in ("WORKFLOWS_CACHE_DIR=", "--temp-dir=", "--object-spilling-directory=", "--node-manager-port=",
+                       "--object-manager-port=", "--dashboard-agent-listen-port=", "--num-cpus="):
+            assert needle in text, needle
