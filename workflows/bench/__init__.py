@@ -12,7 +12,8 @@ from pathlib import Path
 
 from workflows.errors import UserError
 
-BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflows.bench.madewithml"}
+BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflows.bench.madewithml",
+              "data": "workflows.bench.data"}
 RESULTS_DIR = Path("benchmarks/results")
 DOC = Path("docs/BENCHMARKS.md")
 

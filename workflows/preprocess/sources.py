@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from workflows.errors import UserError
+from workflows.storage.cache import object_version
 from workflows.storage.uri import StorageContext, check_bucket, filesystem, with_protocol
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
@@ -25,14 +26,6 @@ def _format_of(uri: str) -> str | None:
         if uri.lower().endswith(ext):
             return fmt
     return None
-
-
-def _version(info: dict) -> str:
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return str(etag).strip('"')
-    mtime = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or ""
-    return f"{info.get('size')}-{mtime}"
 
 
 def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[Shard], str]:
@@ -61,7 +54,7 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
         raise UserError(f"cannot tell one format for the shards at {uri} (found {sorted(map(str, formats))}); set data.format")
-    shards = [Shard(with_protocol(uri, p), int(infos[p].get("size") or 0), _version(infos[p])) for p in paths]
+    shards = [Shard(with_protocol(uri, p), int(infos[p].get("size") or 0), object_version(infos[p])) for p in paths]
     return shards, formats.pop()
 
 
@@ -78,12 +71,12 @@ def _read_local(path: str, fmt: str):
     return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True))
 
 
-def _read_one(uri: str, fmt: str, ctx: StorageContext, shard_cache):
+def _read_one(uri: str, fmt: str, ctx: StorageContext, shard_cache, version: str | None = None, size: int | None = None):
     import pyarrow as pa
 
     try:
         if shard_cache is not None:
-            with shard_cache.open_local(uri) as local:
+            with shard_cache.open_local(uri, version, size) as local:
                 return _read_local(local, fmt)
         fs, path = filesystem(uri, ctx)
         with fs.open(path, "rb") as f:
@@ -132,9 +125,10 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
     tables = []
     shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
     before = shard_cache.stats() if shard_cache is not None else None
-    for uri in batch["uri"]:
-        table = _read_one(str(uri), fmt, ctx, shard_cache)
-        check_schema(str(uri), table, fmt, reference)
+    for uri, version, size in zip(batch["uri"], batch["version"], batch["size"]):
+        uri, version, size = str(uri), (None if version is None else str(version)), (None if size is None else int(size))
+        table = _read_one(uri, fmt, ctx, shard_cache, version if version else None, size if version else None)
+        check_schema(uri, table, fmt, reference)
         tables.append(table)
     if shard_cache is not None:
         from workflows.storage import cache_stats
@@ -143,46 +137,58 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-def reference_schema(uri: str, fmt: str, ctx: StorageContext, cache=None) -> tuple[str, dict[str, str]]:
-    """The first shard's columns, read on the driver (through this node's cache, so the read
-    task on this node that reads it again finds it there), for every read task to compare with."""
+def reference_schema(shard: Shard, fmt: str, ctx: StorageContext, cache=None) -> tuple[str, dict[str, str]]:
+    """The first shard's columns (read through the cache), for every read task to compare with."""
     shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
     before = shard_cache.stats() if shard_cache is not None else None
-    table = _read_one(uri, fmt, ctx, shard_cache)
+    table = _read_one(shard.uri, fmt, ctx, shard_cache, shard.version or None, shard.size if shard.version else None)
     if shard_cache is not None:
         from workflows.storage import cache_stats
 
         cache_stats.report(before, shard_cache.stats())
-    return uri, _column_types(table, fmt)
+    return shard.uri, _column_types(table, fmt)
 
 
-def read_shards(uris: list[str], fmt: str, ctx: StorageContext, cache=None, num_cpus: float | None = None,
+def read_shards(shards: list[str | Shard], fmt: str, ctx: StorageContext, cache=None, num_cpus: float | None = None,
                 check_schemas: bool = True):
     """A Ray Dataset over exactly these shards, one read task per shard, through the shard cache.
+
+    Shards from `list_shards` carry their version and size from the listing, so a warm read
+    sends no request per shard to the object store; plain URIs are stat'ed by the cache.
 
     Unlike `ray.data.read_parquet`, no file-listing task is scheduled (it asks for a whole CPU even
     when the reads ask for none), and the reads can be given `num_cpus=0` (see
     ProcessedDataset.read for why). With `check_schemas`, a shard whose columns differ from the
     first shard's fails its read with an error naming both.
     """
+    import ray
     import ray.data
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    def read(group: list[str], node_id: str | None):
-        ds = ray.data.from_items([{"uri": u} for u in group], override_num_blocks=len(group))
+    shards = [s if isinstance(s, Shard) else Shard(s, 0, "") for s in shards]
+
+    def read(group: list[Shard], node_id: str | None):
+        items = [{"uri": s.uri, "version": s.version, "size": s.size} for s in group]
+        ds = ray.data.from_items(items, override_num_blocks=len(group))
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)} if node_id else {}
         return ds.map_batches(_read_shard_batch, batch_size=1, batch_format="pyarrow", num_cpus=num_cpus, **placement,
                               fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference})
 
-    reference = reference_schema(uris[0], fmt, ctx, cache) if check_schemas and len(uris) > 1 else None
-    groups = shard_placement(uris) if cache is not None and cache.enabled else {}
+    groups = shard_placement(shards) if cache is not None and cache.enabled else {}
+    reference = None
+    if check_schemas and len(shards) > 1:
+        # read on the node that will read shard 0 anyway, so its cache fetches it once
+        node = next((n for n, g in groups.items() if shards[0] in g), None)
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)} if node else {}
+        task = ray.remote(num_cpus=0, max_retries=0)(reference_schema).options(**placement)
+        reference = ray.get(task.remote(shards[0], fmt, ctx, cache))
     if len(groups) <= 1:
-        return read(uris, None)
+        return read(shards, None)
     parts = [read(group, node_id) for node_id, group in groups.items()]
     return parts[0].union(*parts[1:])
 
 
-def shard_placement(uris: list[str]) -> dict[str, list[str]]:
+def shard_placement(shards: list[Shard]) -> dict[str, list[Shard]]:
     """Which node reads which shard: rendezvous hashing over the live nodes with CPUs.
 
     The same shard goes to the same node on every run while the nodes live, so a node's shard
@@ -194,13 +200,13 @@ def shard_placement(uris: list[str]) -> dict[str, list[str]]:
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
     if len(nodes) <= 1:
         return {}
-    groups: dict[str, list[str]] = {}
-    for uri in uris:
-        node = max(nodes, key=lambda n: hashlib.sha256(f"{n}|{uri}".encode()).digest())
-        groups.setdefault(node, []).append(uri)
+    groups: dict[str, list[Shard]] = {}
+    for shard in shards:
+        node = max(nodes, key=lambda n: hashlib.sha256(f"{n}|{shard.uri}".encode()).digest())
+        groups.setdefault(node, []).append(shard)
     return groups
 
 
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None):
     """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver)."""
-    return read_shards([s.uri for s in shards], fmt, ctx, cache)
+    return read_shards(shards, fmt, ctx, cache)

@@ -62,6 +62,34 @@ class _Source:
     version: str
 
 
+def object_version(info: dict) -> str:
+    """An object's version from an fsspec info/listing entry: the store's ETag where it has one
+    (s3), else size + modification time. A changed object changes it."""
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return str(etag).strip('"')
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
+    return f"{info.get('size')}:{stamp}"
+
+
+class _KnownObject:
+    """s3transfer subscriber: size and ETag known from the listing, so no HEAD is sent."""
+
+    def __init__(self, size: int, etag: str | None):
+        self.size, self.etag = size, etag
+
+    def on_queued(self, future, **kwargs):
+        future.meta.provide_transfer_size(self.size)
+        if self.etag:
+            future.meta.provide_object_etag(self.etag)
+
+    def on_progress(self, **kwargs):
+        pass
+
+    def on_done(self, **kwargs):
+        pass
+
+
 class _Changed(Exception):
     """The object changed between stat and read: stat it again."""
 
@@ -77,21 +105,26 @@ class ShardCache:
         self.chunk_size = chunk_size
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
+        self._s3_client = None
 
     # -- public API ------------------------------------------------------------------------
-    def fetch(self, uri: str) -> str:
+    def fetch(self, uri: str, version: str | None = None, size: int | None = None) -> str:
         """A local path holding the whole current object behind `uri`.
 
         The entry is not pinned once this returns: a later eviction may remove it. Use
         `open_local` to read it safely while other processes fill the cache.
         """
-        with self.open_local(uri) as path:
+        with self.open_local(uri, version, size) as path:
             return path
 
     @contextlib.contextmanager
-    def open_local(self, uri: str) -> Iterator[str]:
-        """Yield a local path to `uri`'s bytes, pinned (never evicted) until the `with` ends."""
-        fd, path = self._pin(uri)
+    def open_local(self, uri: str, version: str | None = None, size: int | None = None) -> Iterator[str]:
+        """Yield a local path to `uri`'s bytes, pinned (never evicted) until the `with` ends.
+
+        `version` and `size`, when the caller has them from a listing (`object_version`), spare
+        the request that would stat the object: a warm read then asks the store for nothing.
+        """
+        fd, path = self._pin(uri, version, size)
         try:
             yield path
         finally:
@@ -129,9 +162,13 @@ class ShardCache:
         return sum(_size(p) for p in self._entries())
 
     # -- fetch -----------------------------------------------------------------------------
-    def _pin(self, uri: str) -> tuple[int, str]:
+    def _pin(self, uri: str, version: str | None = None, size: int | None = None) -> tuple[int, str]:
         """Return (fd holding LOCK_SH on the entry, data path), downloading it first if needed."""
-        src = self._stat(uri)
+        if version is not None and size is not None:
+            fs, path = filesystem(uri, self.ctx)
+            src = _Source(fs.unstrip_protocol(path), fs, path, int(size), str(version))
+        else:
+            src = self._stat(uri)
         name = self._name(src)
         downloaded = 0
         for _attempt in range(5):
@@ -167,27 +204,17 @@ class ShardCache:
             raise UserError(f"object not found: {uri}") from None
         if info.get("type") != "file":
             raise UserError(f"{uri} is a {info.get('type', 'directory')}, not a file or object")
-        # The store's version where it has one (s3 ETag), else size + modification time.
-        stamp = info.get("mtime") or info.get("LastModified") or info.get("created")
-        version = info.get("ETag") or info.get("etag") or f"{info['size']}:{stamp}"
-        return _Source(fs.unstrip_protocol(path), fs, path, int(info["size"]), str(version))
+        return _Source(fs.unstrip_protocol(path), fs, path, int(info["size"]), object_version(info))
 
     def _download(self, src: _Source, name: str) -> None:
         """Stream to a temp file, fsync, rename into place; then write the sidecar the same way."""
         self._remove(name, keep_lock=True)  # a bad copy, or debris of a killed download
         tmp = self._tmp_path(name, "data")
-        digest, n = hashlib.sha256(), 0
         try:
-            with src.fs.open(src.path, "rb") as fin, open(tmp, "wb") as fout:
-                etag = getattr(fin, "details", {}).get("ETag")
-                if etag and etag != src.version:  # replaced between our stat and this open
-                    raise _Changed
-                while chunk := fin.read(self.chunk_size):
-                    digest.update(chunk)
-                    fout.write(chunk)
-                    n += len(chunk)
-                fout.flush()
-                os.fsync(fout.fileno())
+            if src.uri.startswith(("s3://", "s3a://")):
+                digest, n = self._download_s3(src, tmp)
+            else:
+                digest, n = self._download_stream(src, tmp)
             if n != src.size:
                 raise _Changed  # truncated read or a rewrite in between: the size check fails
             os.rename(tmp, self._data_path(name))
@@ -204,6 +231,54 @@ class ShardCache:
         meta = {"uri": src.uri, "version": src.version, "size": n, "sha256": digest.hexdigest(),
                 "fetched_at": time.time()}
         self._atomic_write(self._meta_path(name), json.dumps(meta).encode())
+
+    def _download_stream(self, src: _Source, tmp: Path):
+        digest, n = hashlib.sha256(), 0
+        with src.fs.open(src.path, "rb") as fin, open(tmp, "wb") as fout:
+            etag = getattr(fin, "details", {}).get("ETag")
+            if etag and etag.strip('"') != src.version:  # replaced between our stat and this open
+                raise _Changed
+            while chunk := fin.read(self.chunk_size):
+                digest.update(chunk)
+                fout.write(chunk)
+                n += len(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+        return digest, n
+
+    def _download_s3(self, src: _Source, tmp: Path):
+        """s3 objects go through boto3's transfer manager (s3transfer), not s3fs: it fetches byte
+        ranges of one object in parallel threads, where s3fs streams each object over one
+        connection with all transfers on its single event-loop thread (about half the throughput,
+        see `workflows bench data`). The listing's size and ETag are handed to it, so it sends no
+        HEAD, and every ranged GET carries If-Match: a replaced object fails, never mixes."""
+        from botocore.exceptions import ClientError
+        from s3transfer.manager import TransferConfig, TransferManager
+
+        with self._stats_lock:  # creating a boto3 client is not thread-safe; using one is
+            if self._s3_client is None:
+                self._s3_client = self.ctx.boto3_client()
+        bucket, key = src.path.split("/", 1)
+        # threshold 1: always the ranged path, the one that sends If-Match
+        config = TransferConfig(multipart_threshold=1, multipart_chunksize=self.chunk_size)
+        pinned = _KnownObject(src.size, f'"{src.version}"' if ":" not in src.version else None)  # ETag, not size:mtime
+        try:
+            with open(tmp, "wb") as fout, TransferManager(self._s3_client, config) as transfers:
+                transfers.download(bucket, key, fout, subscribers=[pinned]).result()
+                fout.flush()
+                os.fsync(fout.fileno())
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in ("412", "PreconditionFailed"):
+                raise _Changed from None
+            if code in ("404", "NoSuchKey"):
+                raise FileNotFoundError(src.uri) from None
+            raise
+        digest = hashlib.sha256()  # a second pass, from the page cache: far faster than the network
+        with open(tmp, "rb") as f:
+            while chunk := f.read(self.chunk_size):
+                digest.update(chunk)
+        return digest, os.path.getsize(tmp)
 
     def _present(self, name: str, src: _Source, check_hash: bool) -> bool:
         """Both files exist, the sizes agree with the store (cheap), and optionally the hash."""

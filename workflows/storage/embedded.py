@@ -206,8 +206,8 @@ class EmbeddedS3:
 def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
     """Requests and bytes counted at an embedded endpoint since its start (or last reset).
 
-    `{"requests": {METHOD: n}, "bytes_out": {METHOD: n}, "bytes_in": {METHOD: n}}`; object bytes
-    served are `bytes_out["GET"]` (listings are GETs too, but small).
+    `{"requests": {METHOD: n}, "bytes_out": {METHOD: n}, "bytes_in": {METHOD: n}}`, where METHOD
+    is LIST for bucket listings, so object bytes served are `bytes_out["GET"]`.
     """
     import requests
 

@@ -24,7 +24,7 @@ TRAFFIC_PATH = "/_workflows/traffic"
 
 
 class TrafficCounter:
-    """WSGI middleware: requests, body bytes in and out, per HTTP method."""
+    """WSGI middleware: requests, body bytes in and out, per HTTP method (bucket GETs as LIST)."""
 
     def __init__(self, app):
         self.app = app
@@ -54,6 +54,8 @@ class TrafficCounter:
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         method = environ.get("REQUEST_METHOD", "GET")
+        if method == "GET" and "/" not in path.strip("/"):  # path-style /bucket: a listing, not an object
+            method = "LIST"
         self._add(self.requests, method, 1)
         self._add(self.bytes_in, method, int(environ.get("CONTENT_LENGTH") or 0))
         return self._count_out(self.app(environ, start_response), method)
