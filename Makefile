@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast bench docs constraints clean
+.PHONY: install demo test test-fast bench docs constraints clean reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-fast: install
 
 bench: install
 	$(BIN)/workflows bench quickstart
+
+# fault injection: writes benchmarks/results/reliability.json and docs/RELIABILITY.md
+# (`$(BIN)/python -m workflows.reliability --fast` runs the subset that `make test` runs too)
+reliability: install
+	$(BIN)/python -m workflows.reliability
 
 docs: install
 	$(BIN)/python -m workflows.config_reference

@@ -16,6 +16,7 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 SHARED = ROOT.parent / "shared"
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # as workflows.runtime sets it
 
 
 def free_port() -> int:
@@ -40,8 +41,15 @@ def ray_cluster():
     """One real local Ray cluster (2 CPUs, as on CI) shared by every test that needs Ray."""
     import ray
 
+    from workflows.runtime import _port_or_free
+
     if not ray.is_initialized():
-        ray.init(num_cpus=2, logging_level=logging.WARNING, log_to_driver=False)
+        port = _port_or_free(8265)
+        # as workflows.runtime.init_ray does: the state API must not auto-detect among clusters
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        ray.init(num_cpus=2, logging_level=logging.WARNING, log_to_driver=False, dashboard_port=port)
+        # the cluster's processes have it; commands the tests start must find their own cluster
+        os.environ.pop("RAY_API_SERVER_ADDRESS")
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     yield ray

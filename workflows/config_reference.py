@@ -25,7 +25,6 @@ from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from workflows.config import WorkflowConfig
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from workflows.config import WorkflowConfig, check_name
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, download_dir, filesystem, join, read_json, write_json
+from workflows.storage.uri import StorageContext, download_dir, exists, filesystem, join, reaching, read_json, write_json
 
 META_FILE = "workflows.json"
 _VERSION = re.compile(r"^v(\d+)$")
@@ -54,23 +54,26 @@ def _models_root(cfg: WorkflowConfig) -> str:
 
 
 def versions(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[int]:
-    fs, path = filesystem(join(_models_root(cfg), name), ctx)
-    try:
-        entries = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return []
-    found = []
-    for entry in entries:
-        m = _VERSION.match(entry.rstrip("/").rsplit("/", 1)[-1])
-        if m and fs.exists(f"{entry.rstrip('/')}/{META_FILE}"):
-            found.append(int(m.group(1)))
+    uri = join(_models_root(cfg), name)
+    fs, path = filesystem(uri, ctx)
+    with reaching(uri, ctx):
+        try:
+            entries = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            m = _VERSION.match(entry.rstrip("/").rsplit("/", 1)[-1])
+            if m and fs.exists(f"{entry.rstrip('/')}/{META_FILE}"):
+                found.append(int(m.group(1)))
     return sorted(found)
 
 
 def list_models(cfg: WorkflowConfig, ctx: StorageContext) -> dict[str, list[int]]:
     fs, path = filesystem(_models_root(cfg), ctx)
     try:
-        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)]
+        with reaching(_models_root(cfg), ctx):
+            names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)]
     except FileNotFoundError:
         return {}
     return {n: v for n in sorted(names) if (v := versions(cfg, ctx, n))}
@@ -94,9 +97,10 @@ def register(cfg: WorkflowConfig, ctx: StorageContext, local_dir: str, name: str
     version = (versions(cfg, ctx, name) or [0])[-1] + 1
     uri = join(_models_root(cfg), name, f"v{version}")
     fs, path = filesystem(uri, ctx)
-    for f in sorted(Path(local_dir).iterdir()):
-        if f.is_file() and f.name != META_FILE:
-            fs.put_file(str(f), f"{path}/{f.name}")
+    with reaching(uri, ctx):
+        for f in sorted(Path(local_dir).iterdir()):
+            if f.is_file() and f.name != META_FILE:
+                fs.put_file(str(f), f"{path}/{f.name}")
     meta = {**metadata, "name": name, "version": version, "artifact_id": uuid.uuid4().hex,
             "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_json(join(uri, META_FILE), meta, ctx)  # last: marks the version complete
@@ -139,7 +143,6 @@ def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict:
     ref = resolve(cfg, ctx, spec)
     meta = read_json(join(ref.uri, META_FILE), ctx)
     eval_uri = join(ref.uri, EVAL_FILE)
-    fs, path = filesystem(eval_uri, ctx)
-    if fs.exists(path):
+    if exists(eval_uri, ctx):
         meta["metrics"] = read_json(eval_uri, ctx)
     return meta

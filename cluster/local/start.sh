@@ -105,6 +105,9 @@ alive_nodes() { ray_status | grep -cE '^ +[0-9]+ node_' || true; }
 all_nodes_up() { [ "$(alive_nodes)" -ge $((NUM_WORKERS + 1)) ]; }
 
 unset RAY_ADDRESS
+# Ray's state API (Train V2's placement-group cleaner) auto-detects the dashboard, which fails
+# when this machine runs more than one cluster; the nodes' workers inherit the explicit address.
+export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT
 echo "starting the head on 127.0.0.1:$RAY_PORT (dashboard http://127.0.0.1:$DASHBOARD_PORT)"
 start_node 0 head --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
   --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" --ray-client-server-port="$CLIENT_PORT"
@@ -119,6 +122,7 @@ wait_for 180 "$NUM_WORKERS worker node(s)" all_nodes_up
 cat >"$STATE_DIR/env" <<EOF
 # source this file: drivers with ray.address=auto and the ray CLI find the local cluster
 export RAY_ADDRESS=127.0.0.1:$RAY_PORT
+export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT
 export RAY_AUTH_MODE=$RAY_AUTH_MODE
 EOF
 echo "local Ray cluster up: head + $NUM_WORKERS worker node(s), $(alive_nodes) alive"

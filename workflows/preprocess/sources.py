@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from workflows.errors import UserError
 from workflows.storage.cache import object_version
-from workflows.storage.uri import StorageContext, check_bucket, filesystem, with_protocol
+from workflows.storage.uri import StorageContext, check_bucket, filesystem, reaching, with_protocol
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv"
@@ -32,14 +32,8 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     """The shards behind `uri` in a stable order, and their format."""
     fs, path = filesystem(uri, ctx)
     try:  # listings with details: one request for the sizes and versions, not one per shard
-        if any(ch in path for ch in "*?["):
-            infos = fs.glob(path, detail=True)
-        elif fs.isdir(path):
-            infos = {p: i for p, i in fs.find(path, detail=True).items() if _format_of(p)}
-        elif fs.exists(path):
-            infos = {path: fs.info(path)}
-        else:
-            infos = {}
+        with reaching(uri, ctx):
+            infos = _listing(fs, path)
     except FileNotFoundError:
         infos = {}
     except PermissionError:
@@ -210,3 +204,14 @@ def shard_placement(shards: list[Shard]) -> dict[str, list[Shard]]:
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None):
     """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver)."""
     return read_shards(shards, fmt, ctx, cache)
+
+
+def _listing(fs, path: str) -> dict:
+    """path -> info for a glob, a directory (shard-like names only) or one object."""
+    if any(ch in path for ch in "*?["):
+        return fs.glob(path, detail=True)
+    if fs.isdir(path):
+        return {p: i for p, i in fs.find(path, detail=True).items() if _format_of(p)}
+    if fs.exists(path):
+        return {path: fs.info(path)}
+    return {}

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Iterator
 
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, filesystem
+from workflows.storage.uri import StorageContext, filesystem, reaching
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,8 @@ class ShardCache:
     def _stat(self, uri: str) -> _Source:
         fs, path = filesystem(uri, self.ctx)
         try:
-            info = fs.info(path)
+            with reaching(uri, self.ctx):
+                info = fs.info(path)
         except FileNotFoundError:
             raise UserError(f"object not found: {uri}") from None
         if info.get("type") != "file":
@@ -210,6 +211,14 @@ class ShardCache:
         """Stream to a temp file, fsync, rename into place; then write the sidecar the same way."""
         self._remove(name, keep_lock=True)  # a bad copy, or debris of a killed download
         tmp = self._tmp_path(name, "data")
+        with reaching(src.uri, self.ctx):
+            digest, n = self._download_to(src, name, tmp)
+        meta = {"uri": src.uri, "version": src.version, "size": n, "sha256": digest.hexdigest(),
+                "fetched_at": time.time()}
+        self._atomic_write(self._meta_path(name), json.dumps(meta).encode())
+
+    def _download_to(self, src: _Source, name: str, tmp: Path):
+        """The data file itself; no temp file is left behind whatever is raised."""
         try:
             if src.uri.startswith(("s3://", "s3a://")):
                 digest, n = self._download_s3(src, tmp)
@@ -228,9 +237,7 @@ class ShardCache:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        meta = {"uri": src.uri, "version": src.version, "size": n, "sha256": digest.hexdigest(),
-                "fetched_at": time.time()}
-        self._atomic_write(self._meta_path(name), json.dumps(meta).encode())
+        return digest, n
 
     def _download_stream(self, src: _Source, tmp: Path):
         digest, n = hashlib.sha256(), 0

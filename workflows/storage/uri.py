@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,27 @@ class StorageContext:
         return boto3.client("s3", **kwargs)
 
 
+def _is_unreachable(e: BaseException) -> bool:
+    """Connection failures after the client's own retries (botocore's are not OSErrors)."""
+    from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+
+    return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError))
+
+
+@contextmanager
+def reaching(uri: str, ctx: StorageContext):
+    """Turn "the store cannot be reached" into a UserError naming the URI and the endpoint."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        if _is_unreachable(e):
+            raise UserError(f"cannot reach {uri} (endpoint {ctx.endpoint_url or 'default'}): "
+                            f"{type(e).__name__}: {e}".splitlines()[0]) from None
+        raise
+
+
 def protocol_of(uri: str) -> str:
     return uri.split("://", 1)[0] if "://" in uri else "file"
 
@@ -103,15 +125,17 @@ def join(uri: str, *parts: str) -> str:
 def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str, ...] = ()) -> None:
     """Copy the files directly under `uri` (a flat "directory" of objects) into `local_dir`."""
     fs, path = filesystem(uri, ctx)
-    for remote in fs.ls(path, detail=False):
-        base = remote.rstrip("/").rsplit("/", 1)[-1]
-        if base not in skip:
-            fs.get_file(remote, os.path.join(local_dir, base))
+    with reaching(uri, ctx):
+        for remote in fs.ls(path, detail=False):
+            base = remote.rstrip("/").rsplit("/", 1)[-1]
+            if base not in skip:
+                fs.get_file(remote, os.path.join(local_dir, base))
 
 
 def exists(uri: str, ctx: StorageContext) -> bool:
     fs, path = filesystem(uri, ctx)
-    return fs.exists(path)
+    with reaching(uri, ctx):
+        return fs.exists(path)
 
 
 def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
@@ -129,7 +153,7 @@ def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     else:
-        with fs.open(path, "wb") as f:
+        with reaching(uri, ctx), fs.open(path, "wb") as f:
             f.write(data)
 
 
@@ -139,7 +163,7 @@ def write_json(uri: str, obj: Any, ctx: StorageContext) -> None:
 
 def read_json(uri: str, ctx: StorageContext) -> Any:
     fs, path = filesystem(uri, ctx)
-    with fs.open(path, "rb") as f:
+    with reaching(uri, ctx), fs.open(path, "rb") as f:
         return json.loads(f.read())
 
 

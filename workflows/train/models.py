@@ -23,7 +23,8 @@ def load_classifier(model_dir: str, labels: list[str], dropout: float | None = N
         for attr in ("hidden_dropout_prob", "classifier_dropout", "dropout"):
             if hasattr(config, attr):
                 setattr(config, attr, dropout)
-    return AutoModelForSequenceClassification.from_pretrained(model_dir, config=config)
+    # safetensors weights only, never a pickle
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, config=config, use_safetensors=True)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

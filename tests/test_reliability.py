@@ -1,0 +1,126 @@
+"""The fast rows of the fault-injection suite (`make reliability` runs them all): real processes
+SIGKILLed mid-download, a fault-injecting proxy in front of the embedded S3 endpoint, the endpoint
+killed, a real `workflows preprocess` run scanned for credentials. Each row must lose nothing and
+fail no more than it allows.
+
+A failure the suite found in the platform and that is not fixed yet is listed in KNOWN_ISSUES:
+the row then xfails, naming it, as long as every failure of the row is a known one; any other
+failure, and any lost data, fails the test.
+"""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from workflows.reliability import ROWS, passed, row_function
+from workflows.reliability.fault_proxy import FaultProxy
+from workflows.reliability.report import write_results
+
+FAST = [r.name for r in ROWS if r.fast]
+
+# row -> prefixes of its `failures` entries that are known platform bugs (see docs/RELIABILITY.md)
+KNOWN_ISSUES: dict[str, tuple[str, ...]] = {}
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_fast_row(name, tmp_path):
+    row = row_function(name)(tmp_path, seed=0)
+    assert set(row) >= {"name", "injected", "survived", "failed", "allowed_failures", "lost", "detail"}
+    assert row["lost"] == 0, row["detail"]
+    _sanity(row)
+    if not passed(row):
+        failures = row.get("failures") or []
+        unknown = [f for f in failures if not f.startswith(KNOWN_ISSUES.get(name, ()))]
+        assert failures and not unknown, f"{row['detail']}\nunexplained failures: {unknown or '(none listed)'}"
+        pytest.xfail(f"{name}: {len(failures)} known platform issue(s): {failures[:3]}")
+
+
+def _sanity(row: dict) -> None:
+    """The faults really landed where they were meant to (else a pass proves nothing)."""
+    name = row["name"]
+    if name == "cache_download_kill":
+        assert row["injected"] >= 20
+        assert row["stats"]["mid_download"] >= 5, row["detail"]
+        assert row["stats"]["waiters"] >= 1
+    elif name == "object_store_faults":
+        assert row["injected"] >= 20
+        for kind in ("slowdown", "slow", "reset_before", "reset_mid"):
+            assert row["proxy"].get(kind, 0) >= 1, (kind, row["proxy"])
+    elif name == "object_store_outage":
+        assert all(op["outcome"] != "hang" for op in row["ops"]), row["detail"]
+        assert max(op["seconds"] for op in row["ops"]) < 60
+        warm = next(op for op in row["ops"] if op["op"] == "ShardCache.fetch (warm, version known)")
+        assert warm["outcome"] == "ok"  # a cached shard whose version is known needs no store
+    elif name == "secrets_hygiene":
+        assert not any(f.startswith("stage:") for f in row["failures"]), row["detail"]
+        assert "requests signed with the fake key id" in row["detail"]
+
+
+# -- the suite's own parts --------------------------------------------------------------------
+class _Upstream(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        body = b"x" * 100_000
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def upstream():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except Exception as e:  # noqa: BLE001 - resets and truncations, by design
+        return type(e).__name__, b""
+
+
+def test_fault_proxy_answers_as_configured(upstream):
+    with FaultProxy(upstream, slowdown=1.0) as p:
+        status, body = _get(p.url + "/bkt/key")
+        assert status == 503 and b"<Code>SlowDown</Code>" in body
+    with FaultProxy(upstream, reset_mid=1.0) as p:
+        status, body = _get(p.url + "/bkt/key")
+        assert status != 200 and p.counts["reset_mid"] == 1  # truncated under its Content-Length
+    with FaultProxy(upstream, reset_before=1.0) as p:
+        assert _get(p.url + "/bkt/key")[0] != 200
+    with FaultProxy(upstream) as p:
+        assert _get(p.url + "/bkt/key") == (200, b"x" * 100_000)
+        p.outage()
+        assert _get(p.url + "/bkt/key")[0] != 200  # nothing listens any more
+    assert p.counts["requests"] == 1
+
+
+def test_results_merge_and_document(tmp_path):
+    results, doc = tmp_path / "reliability.json", tmp_path / "RELIABILITY.md"
+    row = {"name": "cache_download_kill", "injected": 20, "survived": 20, "failed": 0, "allowed_failures": 0,
+           "lost": 0, "detail": "d1", "measured_at": "2030-01-01T00:00:00Z", "command": "python -m workflows.reliability --fast"}
+    write_results([row], "python -m workflows.reliability --fast", results, doc)
+    write_results([{**row, "name": "secrets_hygiene", "detail": "d2"}], "python -m workflows.reliability --only secrets_hygiene",
+                  results, doc)
+    rows = {r["name"]: r for r in json.loads(results.read_text())["rows"]}
+    assert set(rows) == {r.name for r in ROWS}
+    assert rows["cache_download_kill"]["detail"] == "d1"  # kept from the earlier run
+    assert rows["secrets_hygiene"]["detail"] == "d2"
+    assert rows["serve_load"]["lost"] is None and "not measured" in rows["serve_load"]["detail"]
+    text = doc.read_text()
+    assert "--only secrets_hygiene" in text and "do not edit" in text
+    assert "| `cache_download_kill` | yes | 20 | 20 | 0 | 0 | 0 | pass |" in text

@@ -1,0 +1,70 @@
+"""Fault injection: what the platform does when processes die, the object store misbehaves or
+goes away, and clients send garbage. `python -m workflows.reliability [--fast]` (`make reliability`)
+runs the rows below and writes benchmarks/results/reliability.json and docs/RELIABILITY.md.
+
+Every row is a function `row(workdir: Path, seed: int) -> dict` returning
+    {"name", "injected", "survived", "failed", "allowed_failures", "lost", "detail", ...}
+where `injected` counts the faults injected, `survived` the operations (or faults) that ended
+correctly, `failed` the ones that ended in an error they should not have, `allowed_failures` how
+many of those the row tolerates, and `lost` the operations that returned or left WRONG data
+(corrupt reads, partial files, leaked secrets): lost must always be 0.
+
+Rows marked fast run in `make test` (tests/test_reliability.py) as well.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    module: str
+    fast: bool
+    summary: str
+    recorded: bool = False  # read from another results file: cheap, so `--fast` reports it too
+
+
+ROWS: list[RowSpec] = [
+    RowSpec("cache_download_kill", "workflows.reliability.cache_kill", True,
+            "SIGKILL a process at random points of shard downloads into the shard cache; every later read is exact"),
+    RowSpec("object_store_faults", "workflows.reliability.object_store", True,
+            "503 SlowDown, slow responses and connection resets from a proxy in front of the S3 endpoint"),
+    RowSpec("object_store_outage", "workflows.reliability.object_store", True,
+            "the endpoint goes away: clear errors in bounded time, nothing half-written"),
+    RowSpec("secrets_hygiene", "workflows.reliability.secrets", True,
+            "credentials in the environment never reach logs, summaries, the store or the cache; "
+            "safe weight loading; path-safe names; bearer-token checks"),
+    RowSpec("serve_hostile_inputs", "workflows.reliability.serve_hostile", False,
+            "hostile HTTP requests to the Ray Serve app: 4xx with a message, and it keeps serving"),
+    RowSpec("train_worker_kill", "workflows.reliability.recorded", False,
+            "a Ray Train worker SIGKILLed mid-epoch (recorded elsewhere)", recorded=True),
+    RowSpec("serve_load", "workflows.reliability.recorded", False,
+            "10k requests at concurrency 64 (recorded by `workflows bench serve`)", recorded=True),
+    RowSpec("serve_replica_kill", "workflows.reliability.recorded", False,
+            "one of 2 Serve replicas SIGKILLed under load (recorded by `workflows bench serve`)", recorded=True),
+]
+BY_NAME = {r.name: r for r in ROWS}
+
+
+def row_function(name: str):
+    spec = BY_NAME[name]
+    return getattr(importlib.import_module(spec.module), name)
+
+
+def make_row(name: str, *, injected: int | None, survived: int | None, failed: int | None,
+             allowed_failures: int | None, lost: int | None, detail: str, **extra) -> dict:
+    return {"name": name, "injected": injected, "survived": survived, "failed": failed,
+            "allowed_failures": allowed_failures, "lost": lost, "detail": detail, **extra}
+
+
+def passed(row: dict) -> bool | None:
+    """True/False for a measured row; None for one not measured in this run."""
+    if row.get("lost") is None or row.get("failed") is None:
+        return None
+    return row["lost"] == 0 and row["failed"] <= (row.get("allowed_failures") or 0)
+
+
+__all__ = ["ROWS", "BY_NAME", "RowSpec", "make_row", "passed", "row_function"]
