@@ -3,6 +3,12 @@
 Each rank writes its own shard files (`__<rank>_0.distcp`) into its local directory; rank 0 also
 writes `.metadata` and `train_state.json`. Ray Train uploads every rank's directory into the same
 checkpoint folder in object storage, which then holds one complete DCP checkpoint.
+
+What a checkpoint holds, all a resumed run needs to continue exactly where this one was:
+model and optimizer state (DCP, sharded), and in train_state.json the LR scheduler state, the
+epoch just completed (the data position: checkpoints are taken at epoch ends), the global step
+and the history so far. No RNG state: loop.py reseeds the data order and dropout from
+(seed, epoch, rank) at every epoch start.
 """
 
 from __future__ import annotations
@@ -39,6 +45,18 @@ def load(directory: str, model, optimizer, scheduler) -> dict:
         saved = json.load(f)
     scheduler.load_state_dict(saved.pop("scheduler"))
     return saved
+
+
+def is_complete(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, ".metadata")) and os.path.exists(os.path.join(directory, STATE_FILE))
+
+
+def latest_local(root: str) -> str | None:
+    """The newest complete checkpoint directory `root/epoch_NNNN` (standalone runs), or None."""
+    if not os.path.isdir(root):
+        return None
+    found = sorted(d for d in os.listdir(root) if d.startswith("epoch_") and is_complete(os.path.join(root, d)))
+    return os.path.join(root, found[-1]) if found else None
 
 
 def consolidated_model_state(directory: str) -> dict[str, torch.Tensor]:

@@ -1,20 +1,31 @@
 """The training loop: plain PyTorch, no Ray in here (the adapter in trainer.py feeds it).
 
-It runs the same under Ray Train, torchrun or a single process.
+It runs the same under Ray Train (trainer.py), torchrun or a single process (standalone.py): both
+build the model with `build_training` and drive the epochs with `run_epochs`; they differ only in
+where batches come from and where checkpoints and metrics go.
+
+Determinism: an epoch's result depends only on the state at its start (model, optimizer,
+scheduler: all in the checkpoint) and on seeds derived from (train.seed, epoch, rank): the data
+order (`data_seed`) and the dropout RNG (`dropout_seed`, reseeded at the start of every epoch).
+So an epoch run after a resume reproduces the epoch of an uninterrupted run, without the RNG
+state having to be saved.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from workflows.preprocess.encoding import pad_batch
-from workflows.train.parallel import all_have, all_reduce_sum
+from workflows.train.parallel import all_have, all_reduce_sum, parallelize, world
+
+StepHook = Callable[[int, int], None]  # (epoch, step in epoch), called before each step
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -26,6 +37,20 @@ def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Te
         "labels": torch.from_numpy(np.array(batch["label_id"], dtype=np.int64)),
     }
 
+
+
+def derived_seed(kind: str, seed: int, epoch: int, rank: int = 0) -> int:
+    """A 31-bit seed from (kind, seed, epoch, rank): (seed=0, epoch=1) and (seed=1, epoch=0) differ."""
+    return int.from_bytes(hashlib.sha256(f"{kind}:{seed}:{epoch}:{rank}".encode()).digest()[:4], "big") >> 1
+
+
+def data_seed(seed: int, epoch: int, rank: int = 0) -> int:
+    """The seed of the data order of one epoch on one rank."""
+    return derived_seed("data", seed, epoch, rank)
+
+
+def dropout_seed(seed: int, epoch: int, rank: int = 0) -> int:
+    return derived_seed("dropout", seed, epoch, rank)
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -53,11 +78,19 @@ def in_step(batches: Iterable[dict], device: torch.device) -> Iterator[dict]:
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float | None = None) -> dict:
+def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float | None = None,
+                on_step: Callable[[int], None] | None = None) -> dict:
+    """One pass over `batches`; the metrics, including every step's loss averaged over all ranks.
+
+    `epoch_seconds` is the time of the steps alone (no startup, no evaluation).
+    """
     model.train()
     t0 = time.perf_counter()
     totals = torch.zeros(3, dtype=torch.float64)  # loss*n, samples, tokens
-    for batch in in_step(batches, device):
+    steps: list[tuple[float, int]] = []  # this rank's (loss*n, n) per step; reduced once at the end
+    for step, batch in enumerate(in_step(batches, device)):
+        if on_step is not None:
+            on_step(step)
         out = model(**batch)
         out.loss.backward()
         if grad_clip:
@@ -66,10 +99,14 @@ def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float |
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         n = batch["labels"].shape[0]
-        totals += torch.tensor([out.loss.item() * n, n, batch["attention_mask"].sum().item()], dtype=torch.float64)
+        loss = out.loss.item()
+        steps.append((loss * n, n))
+        totals += torch.tensor([loss * n, n, batch["attention_mask"].sum().item()], dtype=torch.float64)
     seconds = time.perf_counter() - t0
     totals = all_reduce_sum(totals)
     loss_sum, samples, tokens = totals.tolist()
+    # every rank ran the same number of steps (in_step), so the per-step sums line up
+    per_step = all_reduce_sum(torch.tensor(steps, dtype=torch.float64).reshape(-1, 2))
     return {
         "train_loss": loss_sum / max(samples, 1),
         "samples": int(samples),
@@ -77,6 +114,8 @@ def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float |
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "epoch_seconds": seconds,
         "lr": scheduler.get_last_lr()[0],
+        "steps": len(steps),
+        "step_losses": [round(a / max(b, 1), 7) for a, b in per_step.tolist()],
     }
 
 
@@ -115,3 +154,42 @@ def scores_from_confusion(confusion: np.ndarray) -> dict:
 
 def steps_per_epoch(rows: int, world_size: int, batch_size: int) -> int:
     return max(1, math.ceil(rows / world_size / batch_size))
+
+
+def build_training(cfg, model_dir: str, labels: list[str], device: torch.device, train_rows: int):
+    """Model (seeded head, FSDP2/DDP per train.strategy), optimizer and LR schedule: the same under
+    Ray Train and torchrun. The schedule spans all epochs, so a resumed run continues it."""
+    from workflows.train.models import load_classifier
+
+    tc = cfg.train
+    torch.manual_seed(tc.seed)  # the new classifier head: identical on every rank and every run
+    model = load_classifier(model_dir, labels, cfg.model.dropout)
+    if tc.freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+    model = parallelize(model, tc.strategy, device)
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay)
+    total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size) * tc.epochs
+    scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
+    return model, optimizer, scheduler
+
+
+def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, start_epoch: int, history: list[dict],
+               train_batches: Callable[[int], Iterable[dict]], val_batches: Callable[[], Iterable[dict]],
+               end_of_epoch: Callable[[int, dict, list[dict]], None], resumed_from_epoch: int | None = None,
+               on_step: StepHook | None = None) -> list[dict]:
+    """Epochs `start_epoch`..train.epochs-1: train, evaluate, then `end_of_epoch(epoch, metrics, history)`
+    (checkpoint + report). `metrics` are scalars; each history row adds the per-step losses and the
+    epoch of the checkpoint this process started from (None: from scratch)."""
+    tc = cfg.train
+    rank = world()[0]
+    for epoch in range(start_epoch, tc.epochs):
+        torch.manual_seed(dropout_seed(tc.seed, epoch, rank))
+        hook = (lambda step, e=epoch: on_step(e, step)) if on_step is not None else None
+        stats = train_epoch(model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook)
+        val = evaluate(model, val_batches(), num_labels, device)
+        step_losses = stats.pop("step_losses")
+        metrics = {**stats, "epoch": epoch, "global_step": int(scheduler.last_epoch),
+                   "val_f1": val["f1"], "val_accuracy": val["accuracy"], "val_loss": val["loss"]}
+        history.append({**metrics, "step_losses": step_losses, "resumed_from_epoch": resumed_from_epoch})
+        end_of_epoch(epoch, metrics, history)
+    return history

@@ -6,7 +6,9 @@ checkpoint upload to object storage and restarts after worker failures; everythi
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,9 +22,7 @@ from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol, write_json
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import collate, evaluate, make_optimizer, make_scheduler, steps_per_epoch, train_epoch
-from workflows.train.models import load_classifier
-from workflows.train.parallel import parallelize
+from workflows.train.loop import build_training, collate, data_seed, run_epochs
 
 SHUFFLE_BUFFER = 2048
 
@@ -39,50 +39,105 @@ def _pad_collate(pad_id: int):
 
 
 def worker_loop(spec: dict) -> None:
-    """Runs on every Ray Train worker."""
+    """Runs on every Ray Train worker: loop.run_epochs fed by the worker's Ray Data shards.
+
+    After a worker failure Ray Train restarts the group and `get_checkpoint()` returns the last
+    reported checkpoint, so training continues with the next epoch, not from scratch.
+    """
     import ray.train
     import ray.train.torch
 
     cfg = WorkflowConfig.model_validate(spec["cfg"])
     tc = cfg.train
     ctx = ray.train.get_context()
-    world_size = ctx.get_world_size()
+    rank = ctx.get_world_rank()
     torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
-    torch.manual_seed(tc.seed)
     device = ray.train.torch.get_device()
 
-    model = load_classifier(spec["model_dir"], spec["labels"], cfg.model.dropout)
-    if tc.freeze_embeddings:
-        model.get_input_embeddings().requires_grad_(False)
-    model = parallelize(model, tc.strategy, device)
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay)
-    total_steps = steps_per_epoch(spec["train_rows"], world_size, tc.batch_size) * tc.epochs
-    scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
-
-    start_epoch, history = 0, []
+    model, optimizer, scheduler = build_training(cfg, spec["model_dir"], spec["labels"], device, spec["train_rows"])
+    start_epoch, history, resumed_from = 0, [], None
+    # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
+    # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
     checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and spec.get("resume_from"):
+        fs, path = pyarrow_filesystem(spec["resume_from"], spec["storage"])
+        checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             saved = ckpt.load(d, model, optimizer, scheduler)
-        start_epoch, history = saved["epoch"] + 1, saved.get("history", [])
+        resumed_from = saved["epoch"]
+        start_epoch, history = resumed_from + 1, saved.get("history", [])
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
     to_batch = _pad_collate(spec["pad_id"])
-    for epoch in range(start_epoch, tc.epochs):
-        batches = train_shard.iter_torch_batches(
+
+    def train_batches(epoch: int):
+        # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
+        # by (seed, epoch, rank), so an epoch sees the same batches however the run got there.
+        return train_shard.iter_torch_batches(
             batch_size=tc.batch_size, collate_fn=to_batch,
-            local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=tc.seed + epoch,
+            local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=data_seed(tc.seed, epoch, rank),
         )
-        stats = train_epoch(model, batches, optimizer, scheduler, device, tc.grad_clip)
-        val = evaluate(model, val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch), len(spec["labels"]), device)
-        metrics = {**stats, "epoch": epoch, "val_f1": val["f1"], "val_accuracy": val["accuracy"], "val_loss": val["loss"]}
-        history.append(metrics)
+
+    def val_batches():
+        return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
+
+    def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         with tempfile.TemporaryDirectory() as d:
-            ckpt.save(d, model, optimizer, scheduler, {"epoch": epoch, "metrics": metrics, "history": history})
+            ckpt.save(d, model, optimizer, scheduler,
+                      {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history})
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-        if ctx.get_world_rank() == 0:  # every epoch's metrics, for summaries and curves
+        if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
             write_json(f"{spec['run_uri']}/history.json", history, spec["storage"])
+
+    if checkpoint is not None and start_epoch >= tc.epochs:
+        # a finished run resumed (or a restart after the last report): nothing left to train,
+        # report its final state again so that this run has a result and a checkpoint
+        end_of_epoch(resumed_from, saved["metrics"], history)
+        return
+    run_epochs(cfg, model, optimizer, scheduler, device, len(spec["labels"]), start_epoch=start_epoch,
+               history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
+               resumed_from_epoch=resumed_from, on_step=fault_hook(spec.get("fault"), rank))
+
+
+FAULT_ENV = "WORKFLOWS_TRAIN_FAULT"
+
+
+def fault_hook(fault: dict | None, rank: int):
+    """Tests only: a fault injected into a training worker, from `$WORKFLOWS_TRAIN_FAULT` in the
+    driver, e.g. {"action": "kill", "epoch": 1, "step": 1, "rank": 0, "once": "/tmp/marker"}.
+
+    "kill" SIGKILLs the worker process (as an OOM kill or a lost node would), "raise" raises.
+    With "once", only the first worker to claim the marker file (O_EXCL) fires.
+    """
+    if not fault or int(fault.get("rank", 0)) != rank:
+        return None
+
+    def on_step(epoch: int, step: int) -> None:
+        if epoch != int(fault.get("epoch", 0)) or step != int(fault.get("step", 0)):
+            return
+        if fault.get("once"):
+            try:
+                os.close(os.open(fault["once"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
+        if fault.get("action") == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault ({FAULT_ENV}) at epoch {epoch}, step {step}, rank {rank}")
+
+    return on_step
+
+
+def ingest_config():
+    """Ray Data ingest with a fixed row order: `limit` keeps the same rows and every worker gets
+    the same rows in the same order each epoch (and after a restart), so the seeded shuffle makes
+    the batches reproducible. Without it the order follows read-task completion."""
+    import ray.train
+
+    options = ray.train.DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return ray.train.DataConfig(execution_options=options)
 
 
 @dataclass
@@ -155,16 +210,15 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     prefix = run_prefix or f"{cfg.name}-train"
     resume_from = None
     if resume:
-        uri = latest_checkpoint(cfg, storage, prefix)
-        if uri is None:
+        resume_from = latest_checkpoint(cfg, storage, prefix)
+        if resume_from is None:
             raise UserError(f"--resume: no checkpoint of a run named {prefix}-* under {_runs_root(cfg)}")
-        fs, path = pyarrow_filesystem(uri, storage)
-        resume_from = ray.train.Checkpoint(path=path, filesystem=fs)
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
     run_uri = f"{_runs_root(cfg)}/{run_name}"
     spec = {"cfg": cfg.model_dump(mode="json"), "labels": data.labels, "model_dir": model_dir,
-            "train_rows": train_rows, "pad_id": pad_id, "run_uri": run_uri, "storage": storage}
+            "train_rows": train_rows, "pad_id": pad_id, "run_uri": run_uri, "storage": storage, "resume_from": resume_from,
+            "fault": json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None}
     trainer = TorchTrainer(
         worker_loop,
         train_loop_config=spec,
@@ -181,7 +235,7 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
             callbacks=callbacks or None,
         ),
         datasets=datasets,
-        resume_from_checkpoint=resume_from,
+        dataset_config=ingest_config(),
     )
     t0 = time.time()
     result = trainer.fit()

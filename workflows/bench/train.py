@@ -1,0 +1,175 @@
+"""Training throughput: what Ray Train costs over a plain PyTorch loop, and FSDP2 against DDP.
+
+On the quickstart config (same model, same processed rows), three runs, each a fresh process
+against one fresh embedded store (preprocessed once beforehand, not timed):
+
+- Ray Train, 2 workers x 1 CPU, FSDP2 (`workflows.train.trainer.fit`);
+- Ray Train, 2 workers x 1 CPU, DDP;
+- the plain loop without Ray (`python -m workflows.train.standalone`), one process, 2 threads,
+  batch = 2 x the per-worker batch, so the same rows make the same number of optimizer steps.
+
+Epoch time is measured inside the loop (loop.train_epoch: the steps, including waiting for
+batches; no startup, no evaluation); the wall time of each process (interpreter, object store,
+Ray start-up, model load, evaluation, checkpoints, shutdown) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROCESS_START = time.time()
+GOAL_RATIO = 1.10
+EPOCHS = 2
+MIN_EPOCH_SECONDS = 20
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _timed(cmd: list[str]) -> tuple[float, list[float]]:
+    load = os.getloadavg()[0]
+    t0 = time.time()
+    subprocess.run(cmd, check=True)
+    return time.time() - t0, [round(load, 2), round(os.getloadavg()[0], 2)]
+
+
+def _summary(result: dict, wall: float, load: list[float]) -> dict:
+    h = result["history"]
+    epoch_s = [r["epoch_seconds"] for r in h]
+    samples = [r["samples"] for r in h]
+    return {
+        "epoch_seconds": [round(s, 2) for s in epoch_s],
+        "mean_epoch_seconds": round(sum(epoch_s) / len(epoch_s), 2),
+        "samples_per_epoch": samples[0],
+        "samples_per_s": round(sum(samples) / sum(epoch_s), 2),
+        "steps_per_epoch": h[0]["steps"],
+        "final_train_loss": round(h[-1]["train_loss"], 4),
+        "final_val_f1": round(h[-1]["val_f1"], 4),
+        "wall_seconds": round(wall, 1),
+        "load_average_before_after": load,
+        **{k: result[k] for k in ("world_size", "strategy", "batch_size", "torch_threads", "fit_seconds",
+                                  "startup_seconds") if k in result},
+    }
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    from workflows.config import load_config
+
+    config = config or "configs/quickstart.yaml"
+    cfg = load_config(config, overrides)
+    workers, batch = cfg.train.num_workers, cfg.train.batch_size
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        base = [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
+                "tune.enabled=false", "serve.enabled=false", f"train.epochs={EPOCHS}", *overrides]
+        print("bench train: preprocessing (not timed)", file=sys.stderr, flush=True)
+        subprocess.run([py, "-m", "workflows", "preprocess", "--config", config, *_sets(base)], check=True)
+
+        runs: dict[str, dict] = {}
+        plan = [
+            ("plain", [py, "-m", "workflows.train.standalone", "--config", config,
+                       *_sets([*base, "train.torch_threads=2", f"train.batch_size={workers * batch}"])]),
+            ("ray_fsdp", [py, "-m", "workflows.bench.train", "--config", config, *_sets([*base, "train.strategy=fsdp"])]),
+            ("ray_ddp", [py, "-m", "workflows.bench.train", "--config", config, *_sets([*base, "train.strategy=ddp"])]),
+        ]
+        for name, cmd in plan:
+            out = Path(tmp) / f"{name}.json"
+            print(f"bench train: {name}", file=sys.stderr, flush=True)
+            wall, load = _timed([*cmd, "--output", str(out)])
+            runs[name] = _summary(json.loads(out.read_text()), wall, load)
+
+    plain, fsdp, ddp = runs["plain"], runs["ray_fsdp"], runs["ray_ddp"]
+    ray_vs_plain = fsdp["mean_epoch_seconds"] / plain["mean_epoch_seconds"]
+    fsdp_vs_ddp = fsdp["mean_epoch_seconds"] / ddp["mean_epoch_seconds"]
+    return {
+        "config": config,
+        "epochs": EPOCHS,
+        "train_rows": plain["samples_per_epoch"],
+        "ray_workers": workers,
+        "batch_per_worker": batch,
+        "runs": runs,
+        "ray_vs_plain_epoch_ratio": round(ray_vs_plain, 3),
+        "ray_vs_plain_wall_ratio": round(fsdp["wall_seconds"] / plain["wall_seconds"], 3),
+        "fsdp_vs_ddp_ratio": round(fsdp_vs_ddp, 3),
+        "fsdp_vs_ddp_wall_ratio": round(fsdp["wall_seconds"] / ddp["wall_seconds"], 3),
+        "goal_ratio": GOAL_RATIO,
+        "ray_vs_plain_meets_goal": ray_vs_plain <= GOAL_RATIO,
+        "fsdp_vs_ddp_meets_goal": fsdp_vs_ddp <= GOAL_RATIO,
+        "epochs_at_least_20s": min(min(r["epoch_seconds"]) for r in runs.values()) >= MIN_EPOCH_SECONDS,
+    }
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def markdown(r: dict) -> str:
+    p, f, d = r["runs"]["plain"], r["runs"]["ray_fsdp"], r["runs"]["ray_ddp"]
+
+    def row(name: str, x: dict) -> str:
+        epochs = " / ".join(f"{s:.1f}" for s in x["epoch_seconds"])
+        return (f"| {name} | {epochs} s | {x['samples_per_s']:.1f} | {x['steps_per_epoch']} | {x['wall_seconds']:.0f} s "
+                f"| {x['final_train_loss']:.4f} / {x['final_val_f1']:.4f} | {x['load_average_before_after'][0]:.1f} / "
+                f"{x['load_average_before_after'][1]:.1f} |")
+
+    return f"""## Training: Ray Train overhead, FSDP2 vs DDP
+
+`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs, torch {r['machine']['torch']}).
+Quickstart model and data, {r['train_rows']} training rows per epoch, {r['epochs']} epochs per run, each run a
+fresh process. Epoch time = the training steps inside `train_epoch` (batches included; start-up and
+evaluation excluded); wall = the whole process, start-up to exit.
+
+| run | epoch times | samples/s | steps/epoch | wall | final loss / val F1 | load avg before / after |
+| --- | --- | --- | --- | --- | --- | --- |
+{row(f"plain PyTorch, 1 process x 2 threads, batch {r['ray_workers'] * r['batch_per_worker']}, no Ray", p)}
+{row(f"Ray Train FSDP2, {r['ray_workers']} workers x 1 CPU, batch {r['batch_per_worker']}/worker", f)}
+{row(f"Ray Train DDP, {r['ray_workers']} workers x 1 CPU, batch {r['batch_per_worker']}/worker", d)}
+
+| measure | value | goal |
+| --- | --- | --- |
+| `ray_vs_plain_epoch_ratio` (Ray FSDP2 mean epoch ÷ plain mean epoch) | {r['ray_vs_plain_epoch_ratio']:.3f} | <= {r['goal_ratio']} ({_met(r['ray_vs_plain_meets_goal'])}) |
+| same, wall time of the whole process | {r['ray_vs_plain_wall_ratio']:.3f} | |
+| `fsdp_vs_ddp_ratio` (Ray FSDP2 mean epoch ÷ Ray DDP mean epoch) | {r['fsdp_vs_ddp_ratio']:.3f} | <= {r['goal_ratio']} ({_met(r['fsdp_vs_ddp_meets_goal'])}) |
+| same, wall time of the whole process | {r['fsdp_vs_ddp_wall_ratio']:.3f} | |
+| every epoch >= {MIN_EPOCH_SECONDS} s | {r['epochs_at_least_20s']} | |
+
+The machine's CPUs are shared with other work while this runs: the load averages are the
+1-minute load when each run started and ended (2 CPUs; above 2 means the runs competed for them).
+"""
+
+
+def _ray_child(argv: list[str]) -> None:
+    """One Ray Train run in this process: `python -m workflows.bench.train --config C [--set k=v] --output F`."""
+    import argparse
+
+    from workflows.config import load_config
+    from workflows.runtime import runtime
+    from workflows.train.standalone import find_dataset
+    from workflows.train.trainer import fit
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--output", required=True)
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    with runtime(cfg) as rt:
+        data = find_dataset(cfg, rt.storage)
+        fit_start = time.time()
+        out = fit(cfg, rt.storage, data, run_prefix=f"bench-{cfg.train.strategy}")
+    result = {"history": out.history, "fit_seconds": round(out.seconds, 2), "world_size": cfg.train.num_workers,
+              "strategy": cfg.train.strategy, "batch_size": cfg.train.batch_size,
+              "torch_threads": cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker)),
+              "startup_seconds": round(fit_start - PROCESS_START, 2)}  # before fit: interpreter, store, ray.init
+    Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    _ray_child(sys.argv[1:])
