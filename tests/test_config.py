@@ -72,6 +72,6 @@ def test_cli_reports_config_errors_in_one_line(tmp_path):
 
 
 def test_cli_help_on_every_command():
-    for cmd in ["preprocess", "train", "tune", "evaluate", "serve", "pipeline", "bench", "models"]:
+    for cmd in ["preprocess", "train", "tune", "evaluate", "serve", "predict", "pipeline", "bench", "models", "plan"]:
         res = run_cli(cmd, "--help", timeout=120)
         assert res.returncode == 0 and "--help" in res.stdout, (cmd, res.stderr)

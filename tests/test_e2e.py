@@ -58,13 +58,36 @@ def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
     res = run_cli("evaluate", "--model", "nope", "--data", str(data_file), "--config", str(QUICKSTART), *sets(overrides), timeout=600)
     assert res.returncode == 2 and "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr
 
+    # int8 dynamic quantization, evaluated on the same rows
+    out8 = tmp_path / "eval-int8.json"
+    res = run_cli("evaluate", "--model", "quickstart", "--data", str(data_file), "--output", str(out8),
+                  "--config", str(QUICKSTART), *sets([*overrides, "serve.precision=int8"]), timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    m8 = json.loads(out8.read_text())
+    assert m8["precision"] == "int8" and m8["rows"] == 4
+
+    # batch inference with the serving predictor
+    preds_uri = "s3://workflows/predictions/holdout"
+    res = run_cli("predict", "--model", "quickstart", "--data", str(data_file), "--output", preds_uri,
+                  "--config", str(QUICKSTART), *sets(overrides), timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    batch = json.loads((tmp_path / "runs" / "quickstart" / "predict.json").read_text())
+    assert batch["rows"] == 4 and batch["model"] == "quickstart:1" and batch["files"]
+    assert {"text", "label", "prediction", "score"} <= set(batch["columns"])
+    res = run_cli("predict", "--model", "quickstart", "--data", str(data_file), "--output", preds_uri,
+                  "--config", str(QUICKSTART), *sets(overrides), timeout=600)
+    assert res.returncode == 2 and "is not empty" in res.stderr
+    offline = _read_predictions(tmp_path, overrides, preds_uri)
+
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "workflows", "serve", "--model", "quickstart:1", "--config", str(QUICKSTART),
-         *sets([*overrides, f"serve.port={port}"])],
+         *sets([*overrides, f"serve.port={port}", "serve.auth_token_env=WORKFLOWS_TEST_TOKEN"])],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "WORKFLOWS_TEST_TOKEN": "s3cret-token"},
     )
     base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer s3cret-token"}
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -77,14 +100,24 @@ def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
             time.sleep(1)
         health = requests.get(f"{base}/healthz", timeout=10).json()
         assert health == {"status": "ok", "model": "quickstart", "version": 1}
-        r = requests.post(f"{base}/predict", json={"instances": [{"text": "Set the x-axis view limits."}, {"text": "Returns the mean of all elements in the input tensor."}]}, timeout=30)
+        instances = [{"text": "Set the x-axis view limits."}, {"text": "Returns the mean of all elements in the input tensor."}]
+        assert requests.post(f"{base}/predict", json={"instances": instances}, timeout=30).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert requests.post(f"{base}/predict", json={"instances": instances}, headers=wrong, timeout=30).status_code == 401
+        r = requests.post(f"{base}/predict", json={"instances": instances}, headers=auth, timeout=30)
         assert r.status_code == 200
         preds = r.json()["predictions"]
         assert len(preds) == 2
         for p in preds:
             assert p["label"] in p["probabilities"] and abs(sum(p["probabilities"].values()) - 1) < 1e-4
             assert p["score"] == max(p["probabilities"].values())
-        info = requests.get(f"{base}/v1/models/quickstart", timeout=10).json()
+        # no train/serve skew: served predictions equal the batch (offline) ones for the same rows
+        rows = [json.loads(line) for line in data_file.read_text().splitlines()]
+        served = requests.post(f"{base}/predict", json={"instances": [{"text": r["text"]} for r in rows]},
+                               headers=auth, timeout=30).json()["predictions"]
+        for row, p in zip(rows, served):
+            assert p["label"] == offline[row["text"]][0] and abs(p["score"] - offline[row["text"]][1]) < 1e-4
+        info = requests.get(f"{base}/v1/models/quickstart", headers=auth, timeout=10).json()
         assert info["version"] == 1 and info["metrics"]["weighted"]["f1"] >= 0
         # bad input: 4xx with a message, never 5xx
         bad = [
@@ -92,13 +125,33 @@ def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
             (b'{"instances": [{"text": 3}]}', 422), (b'{"instances": [{"text": "  "}]}', 422), (b'[1, 2]', 422),
         ]
         for body, status in bad:
-            r = requests.post(f"{base}/predict", data=body, headers={"content-type": "application/json"}, timeout=30)
+            r = requests.post(f"{base}/predict", data=body, headers={"content-type": "application/json", **auth}, timeout=30)
             assert r.status_code == status, (body, r.status_code, r.text)
             assert r.json().get("error") or r.json().get("detail")
-        assert requests.get(f"{base}/v1/models/other", timeout=10).status_code == 404
+        assert requests.get(f"{base}/v1/models/other", headers=auth, timeout=10).status_code == 404
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _read_predictions(tmp_path, overrides, uri) -> dict:
+    """text -> (prediction, score) from the batch output in the persisted embedded store."""
+    import pandas as pd
+
+    from workflows.config import load_config
+    from workflows.storage.embedded import EmbeddedS3
+    from workflows.storage.uri import StorageContext, filesystem
+
+    cfg = load_config(QUICKSTART, overrides)
+    with EmbeddedS3(cfg.storage.embedded.data_dir) as s3:
+        ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+        fs, path = filesystem(uri, ctx)
+        frames = []
+        for f in fs.glob(path + "/*.parquet"):
+            with fs.open(f, "rb") as fh:
+                frames.append(pd.read_parquet(fh))
+    df = pd.concat(frames)
+    return {t: (p, float(s)) for t, p, s in zip(df["text"], df["prediction"], df["score"])}

@@ -94,7 +94,7 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
     def body(rt):
         shards, fmt = list_shards(data, rt.storage)
         metrics = stage_evaluate(rt, model, read_dataset(shards, fmt, rt.storage, rt.cfg.cache), label_column)
-        result = {"model": model, "data": data, **metrics}
+        result = {"model": model, "data": data, "precision": rt.cfg.serve.precision, **metrics}
         if output:
             output.parent.mkdir(parents=True, exist_ok=True)
             tmp = output.with_name(output.name + ".tmp")
@@ -107,17 +107,57 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
 
 
 @app.command()
-def serve(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry (latest by default)"),
+def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
+            data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
+            output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
+            concurrency: Optional[int] = typer.Option(None, help="predictor actors (default: the cluster's CPUs, at most 4)"),
+            config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
+    """Batch inference over Ray Data with the serving predictor: adds `prediction` and `score` columns."""
+    from workflows.runtime import say
+    from workflows.serve.batch import predict_batch
+
+    def body(rt):
+        result = predict_batch(rt, model, data, output, concurrency)
+        say(f"predict: {result['rows']} rows scored by {result['model']} -> {output} ({len(result['files'])} files)")
+        rt.write_summary("predict", result)
+
+    _in_runtime(config, set, body)
+
+
+@app.command()
+def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry (latest by default); "
+                                          "repeat to serve several side by side at /NAME, or /NAME/vN for versions of one name"),
           config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
-          block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM")):
-    """Serve a registered model over HTTP with Ray Serve (POST /predict, GET /healthz)."""
+          block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM"),
+          emit_config: Optional[Path] = typer.Option(None, "--emit-config", help="write a Ray Serve config YAML "
+                                                     "(for `serve run FILE`, `serve deploy FILE`, a RayService) and exit")):
+    """Serve registered models over HTTP with Ray Serve (POST /predict, GET /healthz, /docs)."""
     from workflows.pipeline import stage_serve
     from workflows.runtime import say
+
+    if emit_config is not None:
+        def write():
+            import yaml
+
+            from workflows.serve.deploy_config import serve_config
+
+            doc = serve_config(_load(config, set), config, set or [], model)
+            emit_config.parent.mkdir(parents=True, exist_ok=True)
+            tmp = emit_config.with_name(emit_config.name + ".tmp")
+            tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+            os.replace(tmp, emit_config)
+            typer.echo(f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}")
+        _run(write)
+        return
 
     def body(rt):
         from ray import serve as ray_serve
 
-        rt.write_summary("serve", stage_serve(rt, model))
+        from workflows.serve.deploy_config import app_name, route_prefixes
+
+        served = [stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
+                  for spec, prefix in route_prefixes(model).items()]
+        rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
             stop = {"now": False}
             signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -153,6 +193,27 @@ def models(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
             typer.echo(f"{name}: {', '.join(f'v{v}' for v in versions)}")
 
     _in_runtime(config, set, body, ray_needed=False)
+
+
+@app.command()
+def plan(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
+         device_memory: Optional[str] = typer.Option(None, "--device-memory", help="memory per device, e.g. 80GiB, 40GB (default: this machine's GPU, else 80GiB assumed)"),
+         devices: Optional[int] = typer.Option(None, "--devices", min=1, help="data-parallel devices (default: train.num_workers)"),
+         seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (default: preprocess.max_length)"),
+         micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="sequences per device and step (default: train.batch_size)"),
+         precision: str = typer.Option("auto", "--precision", help="auto (as the trainer: bf16 for FSDP on GPU, else fp32), fp32 or bf16"),
+         attention: str = typer.Option("auto", "--attention", help="auto, eager (s x s scores kept) or fused (SDPA flash/memory-efficient)"),
+         checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="plan with activation checkpointing"),
+         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON")):
+    """Estimate per-device training memory (DDP vs FSDP), the largest micro-batch that fits, and a strategy."""
+    def go():
+        from workflows.train.planner import format_plan, plan_from_config
+
+        result = plan_from_config(_load(config, set), device_memory=device_memory, devices=devices, seq_len=seq_len,
+                                  micro_batch=micro_batch, precision=precision, attention=attention,
+                                  checkpointing=checkpointing)
+        typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
+    _run(go)
 
 
 @app.command()

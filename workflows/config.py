@@ -141,6 +141,10 @@ class SearchDim(Strict):
 
 class TuneConfig(Strict):
     enabled: bool = True
+    search: Literal["random", "optuna"] = Field(
+        "random", description="random sampling (grid dims expand), or Optuna's TPE (`pip install optuna`; no grid dims)")
+    scheduler: Literal["asha", "fifo"] = Field(
+        "asha", description="asha stops poor trials early; fifo runs every trial to max_epochs (a baseline)")
     num_samples: int = Field(4, ge=1)
     metric: str = "val_f1"
     mode: Literal["max", "min"] = "max"
@@ -176,12 +180,32 @@ class RegistryConfig(Strict):
         return check_name(v, "model name")
 
 
+class AutoscalingConfig(Strict):
+    """Ray Serve autoscaling of the model deployment (replaces serve.num_replicas when set)."""
+
+    min_replicas: int = Field(1, ge=0, description="0 lets an idle deployment scale to zero")
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0, description="per replica; high enough for batches to fill")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})")
+        return self
+
+
 class ServeConfig(Strict):
     enabled: bool = True
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server beyond this machine")
     port: int = Field(8000, ge=1, le=65535)
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="fixed replica count (when autoscaling is not set)")
+    autoscaling: AutoscalingConfig | None = None
     cpus_per_replica: float = Field(1, gt=0)
+    gpus_per_replica: float = Field(0, ge=0)
+    precision: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32", description="fp32; bf16 (meant for GPU replicas); int8 dynamic quantization of Linear layers (CPU)")
+    auth_token_env: str | None = Field(
+        None, description="name of an environment variable holding a bearer token that /predict and /v1/models require")
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(0.01, ge=0)
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")

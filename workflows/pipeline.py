@@ -47,6 +47,7 @@ def stage_preprocess(rt: Runtime) -> ProcessedDataset:
 
 
 def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
+    from workflows.tune.report import plot_trials, trials_table
     from workflows.tune.search import run_tune
 
     t = rt.cfg.tune
@@ -58,7 +59,13 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
         say(f"tune:   {trial['params']} -> {t.metric}={trial[t.metric]} after {trial['epochs']} epoch(s)"
             f"{' (stopped early)' if trial['stopped_early'] else ''}{' ERROR ' + trial['error'] if trial['error'] else ''}")
     say(f"tune: best {outcome.best_params} ({t.metric}={outcome.best_metric:.4f}) in {outcome.seconds:.0f}s")
-    rt.write_summary("tune", {**asdict(outcome), "shard_cache": cache})
+    ordered = sorted(outcome.trials, key=lambda r: (r[t.metric] is None, -(r[t.metric] or 0) if t.mode == "max" else (r[t.metric] or 0)))
+    table = trials_table(ordered, t.metric, t.max_epochs)
+    print(table, flush=True)
+    summary = rt.write_summary("tune", {**asdict(outcome), "shard_cache": cache})
+    (summary.parent / "tune_trials.md").write_text(table + "\n")
+    plot = plot_trials(outcome.trials, t.metric, summary.parent / "tune_trials.png")
+    say(f"tune: trials table {summary.parent / 'tune_trials.md'}, plot {plot}")
     return outcome
 
 
@@ -112,19 +119,22 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     return metrics
 
 
-def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None) -> dict:
+def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None, route_prefix: str = "/",
+                app_name: str | None = None) -> dict:
     import requests
 
-    from workflows.serve.app import deploy
+    from workflows.serve.app import bearer_token, deploy
 
     ref = registry.resolve(rt.cfg, rt.storage, model_spec)
     spec = f"{ref.name}:{ref.version}"
     say(f"serve: deploying {spec} with Ray Serve")
-    url = deploy(rt.cfg, spec)
+    url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
     say(f"serve: {url}/predict is up (docs at {url}/docs)")
+    token = bearer_token(rt.cfg.serve)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     sent = []
     for row in demo_rows or []:
-        resp = requests.post(f"{url}/predict", json={"instances": [row]}, timeout=60)
+        resp = requests.post(f"{url}/predict", json={"instances": [row]}, headers=headers, timeout=60)
         resp.raise_for_status()
         pred = resp.json()["predictions"][0]
         text = " ".join(str(v) for v in row.values())

@@ -13,7 +13,8 @@ from pathlib import Path
 from workflows.errors import UserError
 
 BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflows.bench.madewithml",
-              "data": "workflows.bench.data"}
+              "data": "workflows.bench.data", "serve": "workflows.bench.serve", "train": "workflows.bench.train",
+              "tune": "workflows.bench.tune"}
 RESULTS_DIR = Path("benchmarks/results")
 DOC = Path("docs/BENCHMARKS.md")
 

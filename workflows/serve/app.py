@@ -6,7 +6,10 @@ GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json)
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` annotation.
 import asyncio
+import hmac
 import json
+import os
+import time
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -20,6 +23,49 @@ from workflows.storage.uri import StorageContext
 MAX_BODY_BYTES = 1 << 20
 
 api = FastAPI(title="workflows model server", description="Predictions from a registered model.")
+
+# Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on
+# first use inside a replica, so Serve adds its deployment/replica/application tags.
+LATENCY_MS_BOUNDARIES = [1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
+BATCH_SIZE_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+_serve_metrics: dict | None = None
+
+
+def serve_metrics() -> dict:
+    global _serve_metrics
+    if _serve_metrics is None:
+        from ray.serve import metrics
+
+        tags = ("endpoint", "status")
+        _serve_metrics = {
+            "requests": metrics.Counter(
+                "workflows_serve_requests", description="HTTP requests by endpoint and status code", tag_keys=tags),
+            "latency_ms": metrics.Histogram(
+                "workflows_serve_request_latency_ms", description="HTTP request latency in the replica (ms)",
+                boundaries=LATENCY_MS_BOUNDARIES, tag_keys=tags),
+            "batch_size": metrics.Histogram(
+                "workflows_serve_batch_size", description="instances per batched model call",
+                boundaries=BATCH_SIZE_BOUNDARIES),
+        }
+    return _serve_metrics
+
+
+@api.middleware("http")
+async def record_request_metrics(request: Request, call_next):
+    """Count every request and time it, tagged with the route template (e.g. /predict,
+    /v1/models/{name}; "other" when no route matched) and the HTTP status ("500" if it raised)."""
+    t0 = time.perf_counter()
+    status = "500"
+    try:
+        response = await call_next(request)
+        status = str(response.status_code)
+        return response
+    finally:
+        route = request.scope.get("route")
+        tags = {"endpoint": getattr(route, "path", None) or "other", "status": status}
+        m = serve_metrics()
+        m["requests"].inc(1, tags=tags)
+        m["latency_ms"].observe((time.perf_counter() - t0) * 1000, tags=tags)
 
 
 def instance_model(text_columns: list[str]) -> type[BaseModel]:
@@ -39,6 +85,31 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": message})
 
 
+# Serve's HTTP proxy sets no limit on request headers; these are what common front proxies allow.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADERS = 100
+
+
+@api.middleware("http")
+async def limit_headers(request: Request, call_next):
+    headers = request.scope.get("headers") or []
+    size = sum(len(k) + len(v) for k, v in headers)
+    if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+        return _error(431, f"request headers too large: {len(headers)} headers, {size} bytes "
+                           f"(limits {MAX_HEADERS}, {MAX_HEADER_BYTES})")
+    return await call_next(request)
+
+
+def bearer_token(sc) -> str | None:
+    """The token requests must carry, read from the environment variable the config names."""
+    if not sc.auth_token_env:
+        return None
+    token = os.environ.get(sc.auth_token_env, "")
+    if not token:
+        raise RuntimeError(f"serve.auth_token_env names {sc.auth_token_env}, which is not set in the replica's environment")
+    return token
+
+
 @serve.deployment
 @serve.ingress(api)
 class ModelServer:
@@ -50,7 +121,9 @@ class ModelServer:
         storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
         self.meta = registry.describe(self.cfg, storage, model_spec)  # with evaluation metrics
-        self.predictor = Predictor(model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)))
+        self.predictor = Predictor(model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)),
+                                   precision=self.cfg.serve.precision)
+        self.token = bearer_token(self.cfg.serve)
         self.instance = instance_model(self.meta["text_columns"])
         self.max_instances = self.cfg.serve.max_instances
         self._predict_batch.set_max_batch_size(self.cfg.serve.max_batch_size)
@@ -58,10 +131,22 @@ class ModelServer:
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
     async def _predict_batch(self, rows: list[dict]) -> list[dict]:
+        serve_metrics()["batch_size"].observe(len(rows))
         return self.predictor.predict(rows)
+
+    def _denied(self, request: Request) -> JSONResponse | None:
+        if self.token is None:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
+            return JSONResponse(status_code=401, content={"error": "missing or wrong bearer token"},
+                                headers={"WWW-Authenticate": "Bearer"})
+        return None
 
     @api.post("/predict")
     async def predict(self, request: Request):
+        if (denied := self._denied(request)) is not None:
+            return denied
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return _error(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
@@ -69,6 +154,8 @@ class ModelServer:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"body is not valid JSON: {e}")
+        except RecursionError:
+            return _error(400, "body is not valid JSON: nested too deeply")
         if not isinstance(payload, dict) or set(payload) != {"instances"}:
             return _error(422, 'body must be an object with exactly one key, "instances"')
         instances = payload["instances"]
@@ -92,21 +179,31 @@ class ModelServer:
         return {"status": "ok", "model": self.meta["name"], "version": self.meta["version"]}
 
     @api.get("/v1/models/{name}")
-    async def model_info(self, name: str):
+    async def model_info(self, name: str, request: Request):
+        if (denied := self._denied(request)) is not None:
+            return denied
         if name != self.meta["name"]:
             raise HTTPException(status_code=404, detail=f"model {name!r} is not served here")
         keep = ("name", "version", "labels", "text_columns", "metrics", "lineage", "registered_at")
         return {k: self.meta.get(k) for k in keep}
 
 
-def application(cfg: WorkflowConfig, model_spec: str) -> serve.Application:
-    sc = cfg.serve
-    return ModelServer.options(
-        num_replicas=sc.num_replicas,
-        ray_actor_options={"num_cpus": sc.cpus_per_replica},
+def deployment_options(sc) -> dict:
+    """Replica count or autoscaling, resources, and how many requests a replica takes at once."""
+    opts: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": sc.cpus_per_replica, **({"num_gpus": sc.gpus_per_replica} if sc.gpus_per_replica else {})},
         # Serve's default of 5 ongoing requests would silently cap batches below max_batch_size.
-        max_ongoing_requests=max(2 * sc.max_batch_size, 32),
-    ).bind(cfg.model_dump(mode="json"), model_spec)
+        "max_ongoing_requests": max(2 * sc.max_batch_size, 32),
+    }
+    if sc.autoscaling is not None:
+        opts["autoscaling_config"] = sc.autoscaling.model_dump()
+    else:
+        opts["num_replicas"] = sc.num_replicas
+    return opts
+
+
+def application(cfg: WorkflowConfig, model_spec: str) -> serve.Application:
+    return ModelServer.options(**deployment_options(cfg.serve)).bind(cfg.model_dump(mode="json"), model_spec)
 
 
 def build_app(args: dict) -> serve.Application:
@@ -120,9 +217,10 @@ def build_app(args: dict) -> serve.Application:
     return application(cfg, str(args["model"]))
 
 
-def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None) -> str:
+def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
     """Deploy the model on the running Ray cluster; returns the base URL."""
     sc = cfg.serve
     serve.start(http_options={"host": sc.host, "port": sc.port})
-    serve.run(application(cfg, model_spec), name=name or f"model-{model_spec.split(':')[0]}", route_prefix="/", blocking=False)
-    return f"http://{sc.host}:{sc.port}"
+    serve.run(application(cfg, model_spec), name=name or f"model-{model_spec.split(':')[0]}", route_prefix=route_prefix,
+              blocking=False)
+    return f"http://{sc.host}:{sc.port}{route_prefix.rstrip('/')}"

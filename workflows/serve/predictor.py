@@ -15,7 +15,7 @@ from workflows.preprocess.encoding import TextEncoder, compose_texts, pad_batch
 class Predictor:
     """A registered model loaded once: raw rows in, labels and probabilities out."""
 
-    def __init__(self, model_dir: str, threads: int | None = None):
+    def __init__(self, model_dir: str, threads: int | None = None, precision: str = "fp32"):
         from transformers import AutoModelForSequenceClassification
 
         with open(os.path.join(model_dir, "workflows.json")) as f:
@@ -26,7 +26,17 @@ class Predictor:
         if threads:
             torch.set_num_threads(threads)
         # safetensors weights only: from_pretrained loads model.safetensors, never a pickle
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval()
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.precision = precision
+        if precision == "int8":  # dynamic quantization: int8 weights, activations quantized per batch (CPU kernels)
+            self.device = torch.device("cpu")
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        elif precision == "bf16":
+            model = model.to(torch.bfloat16)
+        elif precision != "fp32":
+            raise ValueError(f"unknown precision {precision!r}")
+        self.model = model.to(self.device)
 
     @torch.inference_mode()
     def probabilities(self, columns: Mapping[str, Sequence[object]], batch_size: int = 64) -> np.ndarray:
@@ -34,8 +44,9 @@ class Predictor:
         out = []
         for i in range(0, len(texts), batch_size):
             ids, mask = pad_batch(self.encoder.encode_texts(texts[i : i + batch_size]), self.encoder.pad_id)
-            logits = self.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
-            out.append(torch.softmax(logits.float(), dim=-1).numpy())
+            logits = self.model(input_ids=torch.from_numpy(ids).to(self.device),
+                                attention_mask=torch.from_numpy(mask).to(self.device)).logits
+            out.append(torch.softmax(logits.float(), dim=-1).cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)), dtype=np.float32)
 
     def predict(self, rows: Sequence[Mapping[str, object]]) -> list[dict]:
@@ -56,14 +67,14 @@ class BatchPredictor:
     into that node's cache.
     """
 
-    def __init__(self, cfg: dict, model_spec: str, threads: int = 1):
+    def __init__(self, cfg: dict, model_spec: str, threads: int = 1, precision: str | None = None):
         from workflows import registry
         from workflows.config import WorkflowConfig
         from workflows.storage.uri import StorageContext
 
         wcfg = WorkflowConfig.model_validate(cfg)
         model_dir, _ = registry.fetch(wcfg, StorageContext.from_config(wcfg.storage), model_spec)
-        self.predictor = Predictor(model_dir, threads)
+        self.predictor = Predictor(model_dir, threads, precision or wcfg.serve.precision)
 
     def __call__(self, batch):
         probs = self.predictor.probabilities(batch)

@@ -70,6 +70,34 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
         callbacks=[TuneReportCallback()], check=False)
 
 
+def search_algorithm(cfg: WorkflowConfig, concurrency: int):
+    """Random/grid sampling, or Optuna's TPE; either capped at `concurrency` trials at once
+    (a search algorithm ignores TuneConfig.max_concurrent_trials)."""
+    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+
+    t = cfg.tune
+    if t.search == "random":
+        return BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency)
+    grids = [k for k, d in t.space.items() if d.grid is not None]
+    if grids:
+        raise UserError(f"tune.search=optuna samples; it cannot expand grid dimension(s) {grids}: use choice instead")
+    try:
+        import optuna
+        from ray.tune.search.optuna import OptunaSearch
+    except ImportError:
+        raise UserError("tune.search=optuna needs Optuna: pip install optuna (or: pip install -e '.[tune]')") from None
+    sampler = optuna.samplers.TPESampler(seed=t.seed)
+    return ConcurrencyLimiter(OptunaSearch(sampler=sampler, metric=t.metric, mode=t.mode), max_concurrent=concurrency)
+
+
+def _best(history, metric: str, mode: str) -> float | None:
+    """The best value a trial reached at any epoch (its last one need not be its best)."""
+    if history is None or metric not in history or not len(history):
+        return None
+    values = history[metric].dropna()
+    return float(values.max() if mode == "max" else values.min()) if len(values) else None
+
+
 @dataclass
 class TuneOutcome:
     best_params: dict[str, Any]
@@ -82,8 +110,7 @@ class TuneOutcome:
 def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, resume: bool = False) -> TuneOutcome:
     import ray.tune
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-    from ray.tune.search import BasicVariantGenerator
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     t = cfg.tune
     if not t.space:
@@ -108,14 +135,13 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
         scheduler = ASHAScheduler(
             time_attr="training_iteration", max_t=t.max_epochs,
             grace_period=min(t.grace_period, t.max_epochs), reduction_factor=t.reduction_factor,
-        )
+        ) if t.scheduler == "asha" else FIFOScheduler()
         tuner = tune.Tuner(
             trainable,
             param_space=to_tune_space(t.space),
             tune_config=tune.TuneConfig(
                 metric=t.metric, mode=t.mode, scheduler=scheduler, num_samples=t.num_samples,
-                # A SearchGenerator ignores TuneConfig.max_concurrent_trials; it takes its own cap.
-                search_alg=BasicVariantGenerator(random_state=t.seed, max_concurrent=concurrency),
+                search_alg=search_algorithm(cfg, concurrency),
             ),
             run_config=ray.tune.RunConfig(
                 name=experiment, storage_path=runs_path, storage_filesystem=pa_fs,
@@ -133,6 +159,7 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
             t.metric: (r.metrics or {}).get(t.metric),
             "epochs": epochs,
             "stopped_early": epochs < t.max_epochs and r.error is None,
+            "best_" + t.metric: _best(history, t.metric, t.mode),
             "error": str(r.error).splitlines()[0] if r.error else None,
             "history": history[["training_iteration", t.metric]].to_dict("records") if history is not None and t.metric in history else [],
         })

@@ -1,0 +1,54 @@
+"""Serve config files and deployment options (no cluster needed): Ray Serve's own schema."""
+
+import pytest
+import yaml
+
+from tests.conftest import QUICKSTART, run_cli
+from workflows.config import load_config
+from workflows.errors import UserError
+from workflows.serve.deploy_config import route_prefixes, serve_config
+
+
+def test_emitted_config_is_a_valid_serve_config_with_side_by_side_versions(tmp_path):
+    out = tmp_path / "serve.yaml"
+    res = run_cli("serve", "--model", "quickstart:1", "--model", "quickstart:2", "--emit-config", str(out),
+                  "--config", str(QUICKSTART), "--set", "serve.autoscaling.max_replicas=3", timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = yaml.safe_load(out.read_text())
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(doc)
+    apps = {a["name"]: a for a in doc["applications"]}
+    assert set(apps) == {"model-quickstart-v1", "model-quickstart-v2"}
+    assert [a["route_prefix"] for a in doc["applications"]] == ["/quickstart/v1", "/quickstart/v2"]
+    app = apps["model-quickstart-v2"]
+    assert app["import_path"] == "workflows.serve.app:build_app"
+    assert app["args"] == {"config": str(QUICKSTART), "model": "quickstart:2", "set": ["serve.autoscaling.max_replicas=3"]}
+    dep = app["deployments"][0]
+    assert dep["name"] == "ModelServer" and "num_replicas" not in dep
+    assert dep["autoscaling_config"]["max_replicas"] == 3 and dep["max_ongoing_requests"] >= 32
+    assert doc["http_options"]["host"] == "127.0.0.1"
+
+
+def test_build_app_takes_the_emitted_args():
+    from ray.serve import Application
+
+    from workflows.serve.app import build_app
+
+    cfg = load_config(QUICKSTART, ["serve.num_replicas=2"])
+    doc = serve_config(cfg, str(QUICKSTART), ["serve.num_replicas=2"], ["quickstart"])
+    app = build_app(doc["applications"][0]["args"])
+    assert isinstance(app, Application)
+    assert doc["applications"][0]["route_prefix"] == "/" and doc["applications"][0]["deployments"][0]["num_replicas"] == 2
+
+
+def test_routes_and_bad_settings_are_clear():
+    assert route_prefixes(["a", "b"]) == {"a": "/a", "b": "/b"}
+    with pytest.raises(UserError, match="share a route"):
+        route_prefixes(["a", "a:latest"])
+    with pytest.raises(UserError, match="invalid model name"):
+        route_prefixes(["../x"])
+    with pytest.raises(UserError, match="max_replicas"):
+        load_config(QUICKSTART, ["serve.autoscaling.min_replicas=5", "serve.autoscaling.max_replicas=2"])
+    with pytest.raises(UserError, match="serve.precision"):
+        load_config(QUICKSTART, ["serve.precision=fp8"])

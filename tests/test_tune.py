@@ -1,0 +1,138 @@
+"""Ray Tune + ASHA where every trial is a Ray Train run, on the session's 2-CPU cluster."""
+
+import json
+
+import pytest
+
+import yaml
+
+from tests.conftest import QUICKSTART, tiny_overrides
+from workflows.config import load_config
+from workflows.pipeline import stage_preprocess, stage_tune
+from workflows.runtime import runtime
+
+
+def tune_cfg(tmp_path, space: dict, *overrides: str):
+    """The tiny quickstart with its own search space (dotted keys cannot be --set)."""
+    doc = yaml.safe_load(QUICKSTART.read_text())
+    doc["tune"]["space"] = space
+    path = tmp_path / "tune.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_config(path, [*tiny_overrides(tmp_path), *overrides])
+
+
+@pytest.mark.slow
+def test_asha_stops_the_poor_trial_and_two_worker_trials_run_on_two_cpus(ray_cluster, tmp_path):
+    # 2 workers x 1 CPU per trial on 2 CPUs: one trial at a time, in grid order, so the sound
+    # trial sets the bar at epoch 1 and the poor one (lr 1.0: Adam steps of ~1 wreck the
+    # pretrained weights and val_loss shoots up) falls below it.
+    cfg = tune_cfg(tmp_path, {"train.lr": {"grid": [1.0e-4, 1.0]}}, "tune.num_workers=2", "tune.max_epochs=2",
+                   "tune.grace_period=1", "tune.reduction_factor=2", "tune.metric=val_loss", "tune.mode=min",
+                   "tune.num_samples=1")
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        outcome = stage_tune(rt, data)
+    by_lr = {t["params"]["train.lr"]: t for t in outcome.trials}
+    assert by_lr[1e-4]["epochs"] == 2 and not by_lr[1e-4]["stopped_early"], outcome.trials
+    assert by_lr[1.0]["epochs"] == 1 and by_lr[1.0]["stopped_early"], outcome.trials
+    assert outcome.best_params == {"train.lr": 1e-4}
+    summary_dir = cfg_dir(cfg)
+    table = (summary_dir / "tune_trials.md").read_text()
+    assert "| trial | train.lr | val_loss | epochs | stopped early | error |" in table and "| 1/2 | yes |" in table
+    assert (summary_dir / "tune_trials.png").stat().st_size > 1000
+    summary = json.loads((summary_dir / "tune.json").read_text())
+    # trials share the cache: each processed file is fetched at most once, every later read hits
+    cache = summary["shard_cache"]
+    assert cache["misses"] <= len(data.files["train"]) + len(data.files["val"]) and cache["hits"] >= cache["misses"]
+
+
+def cfg_dir(cfg):
+    from pathlib import Path
+
+    return Path(cfg.output_dir) / cfg.name
+
+
+@pytest.mark.slow
+def test_optuna_search(ray_cluster, tmp_path):
+    pytest.importorskip("optuna")
+    cfg = tune_cfg(tmp_path, {"train.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "train.batch_size": {"choice": [8, 16]}},
+                   "tune.search=optuna", "tune.num_samples=2", "tune.max_epochs=1")
+    with runtime(cfg) as rt:
+        outcome = stage_tune(rt, stage_preprocess(rt))
+    assert len(outcome.trials) == 2 and all(t["error"] is None for t in outcome.trials)
+    assert all(1e-4 <= t["params"]["train.lr"] <= 1e-3 for t in outcome.trials)
+
+
+def test_bad_tune_settings_fail_fast(ray_cluster, tiny_cfg, tmp_path):
+    from workflows.errors import UserError
+    from workflows.tune.search import max_concurrent_trials, search_algorithm
+
+    cfg = tiny_cfg("tune.num_workers=3")
+    with pytest.raises(UserError, match=r"3 worker\(s\) x 1 CPU = 3 CPUs, but the Ray cluster has 2"):
+        max_concurrent_trials(cfg)
+    cfg = tune_cfg(tmp_path, {"train.lr": {"grid": [1.0e-3, 1.0e-4]}}, "tune.search=optuna")
+    with pytest.raises(UserError, match="cannot expand grid"):
+        search_algorithm(cfg, 1)
+
+
+def _finished_trials(experiment_dir) -> dict[str, str]:
+    """trial_id -> its result.json, for the trials the newest saved experiment state calls TERMINATED."""
+    states = sorted(experiment_dir.glob("experiment_state-*.json"))
+    if not states:
+        return {}
+    try:
+        doc = json.loads(states[-1].read_text())
+    except ValueError:  # being written
+        return {}
+    out = {}
+    for trial_json, _ in doc.get("trial_data", []):
+        trial = json.loads(trial_json)
+        if trial.get("status") == "TERMINATED":
+            results = [p for p in experiment_dir.glob(f"*{trial['trial_id']}*/result.json") if p.stat().st_size]
+            if results:
+                out[trial["trial_id"]] = results[0].read_text()
+    return out
+
+
+@pytest.mark.slow
+def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
+    """`workflows tune` SIGKILLed (driver, its Ray cluster, trials) once a trial has finished;
+    `workflows tune --resume` then runs only the others. Local storage: the embedded endpoint
+    keeps its objects in memory between stage boundaries, so a killed run could not leave state."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    doc = yaml.safe_load(QUICKSTART.read_text())
+    doc["tune"]["space"] = {"train.lr": {"grid": [1.0e-4, 2.0e-4, 3.0e-4]}}
+    config = tmp_path / "tune.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    store = tmp_path / "store"
+    sets = [*tiny_overrides(tmp_path), "storage.embedded.enabled=false", f"storage.root={store}",
+            f"data.source={store}/raw/quickstart/", "ray.num_cpus=2", "tune.num_workers=2", "tune.max_epochs=1",
+            "tune.num_samples=1"]
+    args = [sys.executable, "-m", "workflows", "tune", "--config", str(config), *[a for s in sets for a in ("--set", s)]]
+    experiment = store / "tune" / "quickstart-tune"
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 600
+        while not (finished := _finished_trials(experiment)) and first.poll() is None and time.time() < deadline:
+            time.sleep(1)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(60)
+    assert finished, f"no trial finished before the kill:\n{(tmp_path / 'first.log').read_text()[-3000:]}"
+    assert len(finished) < 3, "the search ended before it could be interrupted"
+
+    resumed = subprocess.run(args + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "quickstart" / "tune.json").read_text())
+    assert sorted(t["params"]["train.lr"] for t in summary["trials"]) == [1e-4, 2e-4, 3e-4]
+    assert all(t["error"] is None and t["epochs"] == 1 for t in summary["trials"])
+    after = _finished_trials(experiment)
+    assert len(after) == 3
+    for trial_id, result in finished.items():  # the finished trials' results are the ones from before
+        assert after[trial_id] == result, f"trial {trial_id} ran again"

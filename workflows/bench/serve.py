@@ -1,0 +1,295 @@
+"""Serving: dynamic batching, HTTP overhead, int8, a 10k-request load and a replica killed under load.
+
+Measures the model `make demo` registered (`quickstart`, latest version; `--set` or a config to
+use another store), over real HTTP to Ray Serve on this machine, with the same CPU budget for
+every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the replica-kill run):
+
+- batched_vs_unbatched_throughput: requests/s at concurrency 32 with @serve.batch
+  (max_batch_size 32) over the same deployment with max_batch_size 1. Goal >= 4.
+- p50_overhead_ms: p50 latency over HTTP at concurrency 1 minus the p50 of the same row through
+  the predictor in this process. Goal <= 5 ms.
+- int8_speedup / int8_f1_delta: dynamic int8 quantization vs fp32, in-process throughput on
+  batches of 32, and weighted F1 on the model's held-out split (fp32 minus int8).
+- load_10k: 10,000 requests at concurrency 64 (goal: 0 errors); replica_kill: one of 2 replicas
+  SIGKILLed mid-load (goals: < 1% failed, recovery < 30 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from workflows.errors import UserError
+
+MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
+LOAD_REQUESTS = int(os.environ.get("WORKFLOWS_BENCH_SERVE_REQUESTS", "10000"))
+PLOT = Path("docs/images/serve_latency_throughput.png")
+GOALS = {"batched_vs_unbatched_throughput": 4.0, "p50_overhead_ms": 5.0, "load_errors": 0,
+         "replica_kill_failed_fraction": 0.01, "replica_kill_recovery_s": 30.0}
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    from workflows.config import load_config
+    from workflows.runtime import runtime
+
+    cfg = load_config(config or "configs/quickstart.yaml", overrides)
+    with runtime(cfg) as rt:
+        return _measure(rt)
+
+
+def _measure(rt) -> dict:
+    from ray import serve
+
+    from workflows import registry
+    from workflows.serve.app import deploy
+
+    cfg, ctx = rt.cfg, rt.storage
+    try:
+        ref = registry.resolve(cfg, ctx, MODEL)
+    except UserError as e:
+        raise UserError(f"{e}; bench serve measures a registered model: run `make demo` first") from None
+    spec = f"{ref.name}:{ref.version}"
+    rows = _test_rows(rt, spec, 512)
+    out: dict = {"model": spec, "cpus_per_replica": cfg.serve.cpus_per_replica}
+
+    def deployed(max_batch: int, replicas: int = 1):
+        c = cfg.model_copy(deep=True)
+        c.serve.max_batch_size, c.serve.num_replicas, c.serve.autoscaling = max_batch, replicas, None
+        c.serve.batch_wait_timeout_s = 0.005
+        c.serve.auth_token_env = None
+        return deploy(c, spec, name="bench")
+
+    # batched: throughput/latency curve, p50 at concurrency 1, the 10k load
+    url = deployed(32)
+    _load(url, rows, 64, 32)  # warm-up
+    curve = {c: _load(url, rows, max(200, 12 * c), c) for c in (1, 4, 16, 32, 64)}
+    out["batched"] = curve
+    load = _load(url, rows, LOAD_REQUESTS, 64)
+    out["load_10k"] = load
+    serve.delete("bench")
+    # unbatched, same budget
+    url = deployed(1)
+    _load(url, rows, 32, 8)
+    out["unbatched_c32"] = _load(url, rows, 400, 32)
+    serve.delete("bench")
+    out["batched_vs_unbatched_throughput"] = round(curve[32]["rps"] / out["unbatched_c32"]["rps"], 2)
+
+    direct = _direct_p50_ms(rt, spec, rows)
+    out["direct_p50_ms"] = round(direct, 2)
+    out["p50_overhead_ms"] = round(curve[1]["p50_ms"] - direct, 2)
+    out.update(_int8(rt, spec, rows))
+    out["replica_kill"] = _replica_kill(deployed, rows)
+    serve.delete("bench")
+    _plot(curve, out["unbatched_c32"])
+    out["plot"] = str(PLOT)
+    out["goals"] = GOALS
+    out["goals_met"] = {
+        "batched_vs_unbatched_throughput": out["batched_vs_unbatched_throughput"] >= GOALS["batched_vs_unbatched_throughput"],
+        "p50_overhead_ms": out["p50_overhead_ms"] <= GOALS["p50_overhead_ms"],
+        "load_errors": load["errors"] == 0,
+        "replica_kill_failed_fraction": out["replica_kill"]["failed_fraction"] < GOALS["replica_kill_failed_fraction"],
+        "replica_kill_recovery_s": (out["replica_kill"]["recovery_s"] or 1e9) < GOALS["replica_kill_recovery_s"],
+    }
+    return out
+
+
+def _test_rows(rt, spec: str, n: int) -> list[dict]:
+    from workflows import registry
+    from workflows.preprocess.materialize import ProcessedDataset
+
+    meta = registry.describe(rt.cfg, rt.storage, spec)
+    data = ProcessedDataset.load(meta["lineage"]["dataset_uri"], rt.storage)
+    cols = [*data.text_columns, data.label_column]
+    got = data.read("test", rt.storage, cache=rt.cfg.cache).select_columns(cols).take(n)
+    return [{c: str(r[c]) for c in cols} for r in got]
+
+
+# -- load generation (aiohttp: one client process, many connections) -------------------------
+def _load(url: str, rows: list[dict], n: int, concurrency: int, stop: threading.Event | None = None,
+          record: list | None = None) -> dict:
+    return asyncio.run(_load_async(url, rows, n, concurrency, stop, record))
+
+
+async def _load_async(url, rows, n, concurrency, stop, record) -> dict:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    counter = iter(range(n))
+    text_cols = [c for c in rows[0] if c != "label"] if rows else []
+
+    async def worker(session):
+        for i in counter:
+            if stop is not None and stop.is_set():
+                return
+            row = rows[i % len(rows)]
+            body = {"instances": [{c: row[c] for c in text_cols if c in row} or row]}
+            t0 = time.perf_counter()
+            try:
+                async with session.post(f"{url}/predict", json=body) as resp:
+                    await resp.read()
+                    ok = resp.status == 200
+                    key = str(resp.status)
+            except aiohttp.ClientError as e:
+                ok, key = False, type(e).__name__
+            t1 = time.perf_counter()
+            if ok:
+                latencies.append(t1 - t0)
+            else:
+                errors[key] = errors.get(key, 0) + 1
+            if record is not None:
+                record.append((t1, ok))
+
+    t0 = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    lat = sorted(latencies)
+
+    def pct(p):
+        return round(1000 * lat[min(len(lat) - 1, int(p * len(lat)))], 2) if lat else None
+
+    return {"requests": len(lat) + sum(errors.values()), "ok": len(lat), "errors": sum(errors.values()),
+            "error_kinds": errors, "concurrency": concurrency, "seconds": round(wall, 2),
+            "rps": round(len(lat) / wall, 1), "p50_ms": pct(0.5), "p95_ms": pct(0.95), "p99_ms": pct(0.99)}
+
+
+# -- in-process baselines ---------------------------------------------------------------------
+def _predictor(rt, spec: str, precision: str):
+    from workflows import registry
+    from workflows.serve.predictor import Predictor
+
+    model_dir, _ = registry.fetch(rt.cfg, rt.storage, spec)
+    return Predictor(model_dir, threads=max(1, int(rt.cfg.serve.cpus_per_replica)), precision=precision)
+
+
+def _direct_p50_ms(rt, spec: str, rows: list[dict]) -> float:
+    pred = _predictor(rt, spec, "fp32")
+    text_cols = pred.text_columns
+    times = []
+    for i in range(220):
+        row = {c: rows[i % len(rows)][c] for c in text_cols}
+        t0 = time.perf_counter()
+        pred.predict([row])
+        if i >= 20:  # warm-up
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _int8(rt, spec: str, rows: list[dict]) -> dict:
+    from workflows import registry
+    from workflows.evaluate import evaluate_dataset
+    from workflows.preprocess.materialize import ProcessedDataset
+
+    out = {}
+    for precision in ("fp32", "int8"):
+        pred = _predictor(rt, spec, precision)
+        columns = {c: [r[c] for r in rows] for c in pred.text_columns}
+        pred.probabilities({c: v[:64] for c, v in columns.items()}, batch_size=32)  # warm-up
+        t0 = time.perf_counter()
+        pred.probabilities(columns, batch_size=32)
+        out[f"{precision}_rows_per_s"] = round(len(rows) / (time.perf_counter() - t0), 1)
+    meta = registry.describe(rt.cfg, rt.storage, spec)
+    data = ProcessedDataset.load(meta["lineage"]["dataset_uri"], rt.storage)
+    f1 = {}
+    for precision in ("fp32", "int8"):
+        cfg = rt.cfg.model_copy(deep=True)
+        cfg.serve.precision = precision
+        test = data.read("test", rt.storage, cache=cfg.cache).select_columns([*data.text_columns, data.label_column])
+        f1[precision] = evaluate_dataset(cfg, spec, meta, test, concurrency=1)["weighted"]["f1"]
+    return {**out, "int8_speedup": round(out["int8_rows_per_s"] / out["fp32_rows_per_s"], 2),
+            "fp32_f1": round(f1["fp32"], 4), "int8_f1": round(f1["int8"], 4),
+            "int8_f1_delta": round(f1["fp32"] - f1["int8"], 4)}
+
+
+# -- a replica killed under load --------------------------------------------------------------
+def _replica_kill(deployed, rows: list[dict]) -> dict:
+    from ray.util.state import list_actors
+
+    url = deployed(32, replicas=2)
+    _load(url, rows, 64, 16)
+    record: list = []
+    result: dict = {}
+    n = LOAD_REQUESTS // 2
+    runner = threading.Thread(target=lambda: result.update(_load(url, rows, n, 64, record=record)))
+    runner.start()
+    time.sleep(5)
+    replicas = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                if a.class_name.startswith("ServeReplica:bench")]
+    killed_at = time.perf_counter()
+    os.kill(replicas[0].pid, signal.SIGKILL)
+    recovery = None
+    deadline = killed_at + 120
+    while time.perf_counter() < deadline:
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                 if a.class_name.startswith("ServeReplica:bench") and a.pid != replicas[0].pid]
+        if len(alive) >= 2:
+            recovery = time.perf_counter() - killed_at
+            break
+        time.sleep(0.5)
+    runner.join()
+    failed_after = sum(1 for t, ok in record if not ok and t >= killed_at)
+    return {"requests": result["requests"], "failed": result["errors"], "failed_after_kill": failed_after,
+            "failed_fraction": round(result["errors"] / max(result["requests"], 1), 4),
+            "error_kinds": result["error_kinds"], "recovery_s": round(recovery, 1) if recovery else None,
+            "rps": result["rps"]}
+
+
+def _plot(curve: dict, unbatched: dict) -> None:
+    from workflows.plots import new_figure, save_png
+
+    cs = sorted(curve)
+    fig, ax1 = new_figure()
+    ax1.plot(cs, [curve[c]["rps"] for c in cs], "o-", label="batched: requests/s")
+    ax1.plot([32], [unbatched["rps"]], "s", color="gray", label="unbatched, c=32: requests/s")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("concurrent clients")
+    ax1.set_ylabel("requests/s")
+    ax2 = ax1.twinx()
+    ax2.plot(cs, [curve[c]["p50_ms"] for c in cs], "^--", color="tab:red", label="batched: p50 ms")
+    ax2.set_ylabel("p50 latency (ms)")
+    lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    labels = ax1.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
+    ax1.legend(lines, labels, fontsize=7, loc="upper left")
+    save_png(fig, PLOT)
+
+
+def markdown(r: dict) -> str:
+    met = r["goals_met"]
+
+    def mark(k):
+        return "met" if met[k] else "**not met**"
+
+    rows = "\n".join(f"| {c} | {v['rps']:.0f} | {v['p50_ms']} | {v['p95_ms']} | {v['errors']} |"
+                     for c, v in sorted(r["batched"].items(), key=lambda kv: int(kv[0])))
+    k, load = r["replica_kill"], r["load_10k"]
+    c32 = r["batched"].get(32) or r["batched"]["32"]  # int keys in memory, str once through JSON
+    return f"""## Serving
+
+`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs), model {r['model']}, 1 replica x
+{r['cpus_per_replica']} CPU, real HTTP from an aiohttp client on the same machine.
+
+| measure | value | goal |
+| --- | --- | --- |
+| `batched_vs_unbatched_throughput` at concurrency 32 | {r['batched_vs_unbatched_throughput']}x ({c32['rps']:.0f} vs {r['unbatched_c32']['rps']:.0f} req/s) | >= 4 ({mark('batched_vs_unbatched_throughput')}) |
+| `p50_overhead_ms` (HTTP p50 at concurrency 1 − in-process predictor p50 {r['direct_p50_ms']} ms) | {r['p50_overhead_ms']} ms | <= 5 ({mark('p50_overhead_ms')}) |
+| `int8_speedup` (in-process, batches of 32) | {r['int8_speedup']}x ({r['int8_rows_per_s']:.0f} vs {r['fp32_rows_per_s']:.0f} rows/s) | |
+| `int8_f1_delta` (fp32 − int8 weighted F1, held-out split) | {r['int8_f1_delta']} ({r['fp32_f1']} vs {r['int8_f1']}) | |
+| {load['requests']} requests at concurrency 64: errors | {load['errors']} ({load['rps']:.0f} req/s, p99 {load['p99_ms']} ms) | 0 ({mark('load_errors')}) |
+| one of 2 replicas SIGKILLed under load: failed requests | {k['failed']} of {k['requests']} ({100 * k['failed_fraction']:.2f}%) | < 1% ({mark('replica_kill_failed_fraction')}) |
+| replica replaced after | {k['recovery_s']} s | < 30 s ({mark('replica_kill_recovery_s')}) |
+
+Batched deployment, by concurrency:
+
+| clients | req/s | p50 ms | p95 ms | errors |
+| --- | --- | --- | --- | --- |
+{rows}
+
+![latency and throughput](images/{PLOT.name})
+"""

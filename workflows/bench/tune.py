@@ -1,0 +1,105 @@
+"""ASHA against running every trial to its full budget: the same search space, seeds and data.
+
+Both searches sample the same trial configs (random search with tune.seed), on the quickstart
+data preprocessed once; one run uses ASHA (tune.scheduler=asha), the other FIFO, where every
+trial trains tune.max_epochs epochs. Measured:
+
+- asha_epochs_ratio: epochs ASHA trained in all ÷ epochs of the full-budget search (goal <= 0.35);
+- best_f1_gap: best val F1 of the full-budget search − best val F1 under ASHA (goal <= 0.01);
+  "best" is the best epoch of the best trial, in both searches.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+GOAL_RATIO = 0.35
+GOAL_GAP = 0.01
+# 9 trials, rungs at epochs 1, 3 and 9: synchronous successive halving would train 9 + 3x2 + 1x6
+# = 21 of 81 epochs (0.26); the asynchronous version promotes more, as early rungs are decided
+# on fewer results.
+DEFAULTS = ["tune.num_samples=9", "tune.max_epochs=9", "tune.grace_period=1", "tune.reduction_factor=3",
+            "tune.num_workers=1", "tune.metric=val_f1", "tune.mode=max", "tune.max_train_rows=96",
+            "tune.max_val_rows=128"]
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    from workflows.config import load_config
+    from workflows.pipeline import stage_preprocess
+    from workflows.runtime import runtime, say
+    from workflows.tune.search import run_tune
+
+    config = config or "configs/quickstart.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
+                "serve.enabled=false", *DEFAULTS, *overrides]
+        cfg = load_config(config, sets)
+        results = {}
+        with runtime(cfg) as rt:
+            data = stage_preprocess(rt)
+            for scheduler in ("asha", "fifo"):
+                run_cfg = cfg.model_copy(deep=True)
+                run_cfg.name = f"{cfg.name}-bench-{scheduler}"
+                run_cfg.tune.scheduler = scheduler
+                say(f"bench tune: {scheduler}, {cfg.tune.num_samples} trials x up to {cfg.tune.max_epochs} epochs")
+                outcome = run_tune(run_cfg, rt.storage, data)
+                results[scheduler] = _summary(outcome, cfg.tune.metric)
+                print(f"bench tune: {scheduler}: {results[scheduler]['epochs']} epochs, best "
+                      f"{cfg.tune.metric} {results[scheduler]['best']:.4f}", file=sys.stderr, flush=True)
+    asha, fifo = results["asha"], results["fifo"]
+    ratio = asha["epochs"] / fifo["epochs"]
+    gap = fifo["best"] - asha["best"]
+    t = cfg.tune
+    return {
+        "config": config, "overrides": [*DEFAULTS, *overrides],
+        "search": {"num_samples": t.num_samples, "max_epochs": t.max_epochs, "grace_period": t.grace_period,
+                   "reduction_factor": t.reduction_factor, "seed": t.seed, "metric": t.metric,
+                   "space": {k: v.model_dump(exclude_none=True) for k, v in t.space.items()},
+                   "train_rows": t.max_train_rows, "val_rows": t.max_val_rows, "workers_per_trial": t.num_workers},
+        "asha": asha, "full_budget": fifo,
+        "asha_epochs_ratio": round(ratio, 3), "best_f1_gap": round(gap, 4),
+        "asha_best_f1": round(asha["best"], 4), "full_budget_best_f1": round(fifo["best"], 4),
+        "goals_met": {"asha_epochs_ratio": ratio <= GOAL_RATIO, "best_f1_gap": gap <= GOAL_GAP},
+    }
+
+
+def _summary(outcome, metric: str) -> dict:
+    trials = outcome.trials
+    best = max(trials, key=lambda tr: tr[f"best_{metric}"] if tr[f"best_{metric}"] is not None else -1)
+    return {
+        "epochs": sum(tr["epochs"] for tr in trials),
+        "best": best[f"best_{metric}"],
+        "best_params": best["params"],
+        "stopped_early": sum(tr["stopped_early"] for tr in trials),
+        "errors": sum(tr["error"] is not None for tr in trials),
+        "seconds": round(outcome.seconds, 1),
+        "trials": [{"params": tr["params"], "epochs": tr["epochs"], f"best_{metric}": tr[f"best_{metric}"],
+                    "stopped_early": tr["stopped_early"]} for tr in trials],
+    }
+
+
+def markdown(r: dict) -> str:
+    met = r["goals_met"]
+    s, a, f = r["search"], r["asha"], r["full_budget"]
+
+    def mark(k: str) -> str:
+        return "met" if met[k] else "**not met**"
+
+    return f"""## Tuning: ASHA against the full budget
+
+`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs). Quickstart data, the config's
+search space {s['space']}, {s['num_samples']} trials (random search, seed {s['seed']}, the same configs in
+both searches), up to {s['max_epochs']} epochs each on {s['train_rows']} training rows, {s['workers_per_trial']}
+Ray Train worker(s) per trial; ASHA grace period {s['grace_period']}, reduction factor {s['reduction_factor']}.
+
+| search | epochs trained | trials stopped early | best val F1 (any epoch) | best trial | time |
+| --- | --- | --- | --- | --- | --- |
+| ASHA | {a['epochs']} | {a['stopped_early']} | {a['best']:.4f} | {a['best_params']} | {a['seconds']:.0f} s |
+| every trial to {s['max_epochs']} epochs | {f['epochs']} | {f['stopped_early']} | {f['best']:.4f} | {f['best_params']} | {f['seconds']:.0f} s |
+
+| measure | value | goal |
+| --- | --- | --- |
+| `asha_epochs_ratio` | {r['asha_epochs_ratio']} | <= {GOAL_RATIO} ({mark('asha_epochs_ratio')}) |
+| `best_f1_gap` (full − ASHA) | {r['best_f1_gap']} | <= {GOAL_GAP} ({mark('best_f1_gap')}) |
+"""

@@ -1,0 +1,39 @@
+"""Tuning results for people: a table of trials and a plot of the metric per epoch for every trial."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def trials_table(trials: list[dict], metric: str, max_epochs: int) -> str:
+    """Markdown: one row per trial, best first (the order `mode` prefers is applied by the caller)."""
+    keys = sorted({k for t in trials for k in t["params"]})
+    head = ["trial", *keys, metric, "epochs", "stopped early", "error"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for i, t in enumerate(trials):
+        vals = [_fmt(t["params"].get(k)) for k in keys]
+        m = t.get(metric)
+        lines.append("| " + " | ".join([str(i), *vals, "" if m is None else f"{m:.4f}", f"{t['epochs']}/{max_epochs}",
+                                        "yes" if t["stopped_early"] else "no", t.get("error") or ""]) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def plot_trials(trials: list[dict], metric: str, path: Path) -> Path:
+    from workflows.plots import new_figure, save_png
+
+    fig, ax = new_figure()
+    for i, t in enumerate(trials):
+        hist = t.get("history") or []
+        if hist:
+            style = "--" if t["stopped_early"] else "-"
+            label = f"{i}: " + ", ".join(f"{k.removeprefix('train.')}={_fmt(v)}" for k, v in t["params"].items())
+            ax.plot([h["training_iteration"] for h in hist], [h[metric] for h in hist], style, marker="o", label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(metric)
+    ax.set_title("trials (dashed: stopped early by ASHA)", fontsize=9)
+    ax.legend(fontsize=6)
+    return save_png(fig, path)
