@@ -1,0 +1,83 @@
+"""notebooks/quickstart.ipynb runs top to bottom in a real Jupyter kernel of this environment
+(nbclient + ipykernel), shrunk by WORKFLOWS_NOTEBOOK_TINY=1, with its bucket, summaries and shard
+cache in a temp dir, on a local cluster of its own; the HTTP cell gets predictions from the served
+model."""
+
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, free_port
+from tests.test_jobs import local_cluster
+
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+
+
+def _text(output) -> str:
+    if output.get("output_type") == "stream":
+        return output.get("text", "")
+    return str(output.get("data", {}).get("text/plain", ""))
+
+
+def test_committed_notebook_has_no_outputs():
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
+    import nbformat
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    from nbclient import NotebookClient
+
+    # A kernelspec of our own that runs this interpreter: a `python3` kernelspec elsewhere on the
+    # machine (user or system Jupyter dirs) could point at another Python.
+    spec_dir = tmp_path / "kernels" / "workflows-test"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "workflows (test)", "language": "python",
+    }))
+    km = AsyncKernelManager(kernel_name="workflows-test",
+                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]))
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, km=km, timeout=900, allow_errors=False,
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    # The notebook joins a local cluster of its own (cluster/local/start.sh, head only): Ray's
+    # helpers in the cluster find it by its dashboard address even beside this session's cluster.
+    with local_cluster(tmp_path / "cluster", workers=0, head_cpus=2) as cluster:
+        overrides = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
+                     f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", f"ray.address={cluster.gcs_address}"]
+        env = {**cluster.env, "WORKFLOWS_NOTEBOOK_TINY": "1", "WORKFLOWS_NOTEBOOK_SET": "\n".join(overrides),
+               "RAY_TRAIN_V2_ENABLED": "1"}
+        env.pop("MPLBACKEND", None)  # the kernel's own (inline) backend, not one set for this shell
+        try:
+            client.execute(env=env)  # raises CellExecutionError, naming the cell, if a cell fails
+        finally:
+            nbformat.write(nb, tmp_path / "quickstart.executed.ipynb")  # for a look after a failure
+
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for cell in code:
+        assert not [o for o in cell.outputs if o.output_type == "error"], cell.source
+    texts = ["".join(_text(o) for o in c.outputs) for c in code]
+    assert f"python: {sys.executable}" in texts[0]
+    http = next(t for c, t in zip(code, texts) if '/predict"' in c.source)
+    # the cell prints the response as indented JSON (Ray's worker logs may share the stream)
+    body, _ = json.JSONDecoder().raw_decode(http[http.index('{\n  "predictions"'):])
+    preds = body["predictions"]
+    assert len(preds) == 4 and all(p["label"] in p["probabilities"] for p in preds)
+    assert body["model"] == "notebook" and body["version"] == 1
+    # the Serve metrics of those requests, scraped from the node (docs/OBSERVABILITY.md)
+    scraped = next(t for c, t in zip(code, texts) if "MetricsExportPort" in c.source)
+    assert "ray_workflows_serve_requests_total" in scraped and "ray_workflows_serve_batch_size_bucket" in scraped
+    plots = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(plots) >= 2  # tuning curves, training curves
+    runs = tmp_path / "runs" / "notebook"
+    assert all((runs / f"{s}.json").exists() for s in ("preprocess", "tune", "train"))
