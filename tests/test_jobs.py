@@ -103,7 +103,8 @@ def test_pipeline_as_ray_job_on_local_multinode_cluster(tmp_path):
         line = next(ln for ln in res.stdout.splitlines() if ln.startswith("job python: "))
         assert Path(line.split(": ", 1)[1]).parent == Path(sys.executable).parent, line
 
-        sets = [*tiny_overrides(out), "ray.address=auto", "cache.dir=auto", "serve.enabled=false"]
+        sets = [*tiny_overrides(out), "ray.address=auto", "cache.dir=auto", "serve.enabled=false",
+                "tune.num_samples=1", "tune.max_epochs=1"]  # tuning itself is tested in test_tune.py
         job_id = f"workflows-test-{uuid.uuid4().hex[:8]}"
         res = _ray([*submit, "--submission-id", job_id, "--",
                     "python", "-m", "workflows", "pipeline", "--config", "configs/quickstart.yaml",
@@ -122,7 +123,7 @@ def test_pipeline_as_ray_job_on_local_multinode_cluster(tmp_path):
             assert (runs / f"{stage}.json").exists(), stage
         summary = json.loads((runs / "pipeline.json").read_text())
         assert summary["model"] == {"name": "quickstart", "version": 1, "uri": "s3://workflows/models/quickstart/v1"}
-        assert summary["tune"]["trials"] == 2 and "serve" not in summary
+        assert summary["tune"]["trials"] == 1 and "serve" not in summary
         assert summary["config"]["ray"]["address"] == "auto"
         # cache.dir=auto: the nodes cached the shards they read in their own WORKFLOWS_CACHE_DIR
         cached = {node: len(list((cluster.state_dir / node / "cache" / "shards").glob("*.data")))

@@ -90,6 +90,7 @@ def worker_loop(spec: dict) -> None:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
         if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
             write_json(f"{spec['run_uri']}/history.json", history, spec["storage"])
+            record_throughput(spec["run_uri"].rsplit("/", 1)[-1], metrics)
 
     if checkpoint is not None and start_epoch >= tc.epochs:
         # a finished run resumed (or a restart after the last report): nothing left to train,
@@ -99,6 +100,20 @@ def worker_loop(spec: dict) -> None:
     run_epochs(cfg, model, optimizer, scheduler, device, len(spec["labels"]), start_epoch=start_epoch,
                history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
                resumed_from_epoch=resumed_from, on_step=fault_hook(spec.get("fault"), rank))
+
+
+_GAUGES: dict = {}
+
+
+def record_throughput(run: str, metrics: dict) -> None:
+    """The epoch's samples/s and tokens/s (all ranks) as Ray metrics, for Prometheus/Grafana."""
+    from ray.util import metrics as ray_metrics
+
+    for name, key in (("samples_per_second", "samples_per_s"), ("tokens_per_second", "tokens_per_s")):
+        if name not in _GAUGES:  # one Gauge per process: Ray metrics register by name
+            _GAUGES[name] = ray_metrics.Gauge(f"workflows_train_{name}", description=f"training throughput, {name.replace('_per_', '/')}",
+                                              tag_keys=("run",))
+        _GAUGES[name].set(float(metrics[key]), tags={"run": run})
 
 
 FAULT_ENV = "WORKFLOWS_TRAIN_FAULT"
