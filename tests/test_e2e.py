@@ -38,6 +38,7 @@ def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
     # per-stage summaries
     for stage in ["preprocess", "tune", "train", "pipeline"]:
         assert (tmp_path / "runs" / "quickstart" / f"{stage}.json").exists()
+    assert (tmp_path / "runs" / "quickstart" / "train_loss.png").stat().st_size > 1000
 
     # A new process finds the registered model in the persisted object store.
     data_file = tmp_path / "holdout.jsonl"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from workflows import registry
@@ -76,6 +77,7 @@ def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> None:
 
 def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
     from workflows.train.export import export_artifact
+    from workflows.train.report import plot_losses
     from workflows.train.trainer import fit
 
     tc = rt.cfg.train
@@ -88,6 +90,11 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
         say(f"train:   epoch {h.get('epoch')}: loss {h.get('train_loss', 0):.4f}, val_f1 {h.get('val_f1', 0):.4f}, "
             f"{h.get('samples_per_s', 0):.1f} samples/s")
     summary: dict[str, Any] = {"train": asdict(outcome), "shard_cache": cache}
+    curve = plot_losses(outcome.history, Path(rt.cfg.output_dir) / rt.cfg.name / "train_loss.png",
+                        title=outcome.run_uri.rsplit("/", 1)[-1])
+    if curve is not None:
+        summary["loss_curve"] = str(curve)
+        say(f"train: loss curve {curve}")
     ref = None
     if register:
         with tempfile.TemporaryDirectory() as tmp:

@@ -32,6 +32,9 @@ def plot_trials(trials: list[dict], metric: str, path: Path) -> Path:
             style = "--" if t["stopped_early"] else "-"
             label = f"{i}: " + ", ".join(f"{k.removeprefix('train.')}={_fmt(v)}" for k, v in t["params"].items())
             ax.plot([h["training_iteration"] for h in hist], [h[metric] for h in hist], style, marker="o", label=label)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
     ax.set_xlabel("epoch")
     ax.set_ylabel(metric)
     ax.set_title("trials (dashed: stopped early by ASHA)", fontsize=9)
