@@ -3,9 +3,6 @@
 - serve_load, serve_replica_kill: `workflows bench serve` writes benchmarks/results/serve.json with
   `load_10k` (10,000 requests at concurrency 64) and `replica_kill` (one of 2 replicas SIGKILLed
   mid-load). Read from there, with the file's command and date.
-- train_worker_kill: tests/test_train_resume.py::test_killed_worker_is_restarted_from_the_last_checkpoint
-  SIGKILLs a Ray Train worker mid-epoch and checks the restarted run; it writes no results file.
-  A results file (benchmarks/results/train_resume.json, key `worker_kill`) is read if one exists.
 """
 
 from __future__ import annotations
@@ -66,17 +63,3 @@ def serve_replica_kill(workdir: Path | None = None, seed: int = 0) -> dict:
                            f"replaced after {recovery if recovery is not None else 'never (within 120 s)'} s; allowed: "
                            f"< 1% failed; " + _source(doc, "serve.json", "replica_kill"),
                     measured=True, measured_at=doc.get("measured_at"), source="benchmarks/results/serve.json")
-
-
-def train_worker_kill(workdir: Path | None = None, seed: int = 0) -> dict:
-    doc = _load("train_resume.json")
-    kill = (doc or {}).get("worker_kill")
-    if not kill:
-        return _absent("train_worker_kill", "no results file records it (benchmarks/results/train_resume.json "
-                                            "`worker_kill`); tests/test_train_resume.py::"
-                                            "test_killed_worker_is_restarted_from_the_last_checkpoint (slow) checks it "
-                                            "pass/fail in `make test`")
-    return make_row("train_worker_kill", injected=int(kill.get("kills", 1)), survived=int(kill.get("survived", 0)),
-                    failed=int(kill.get("failed", 0)), allowed_failures=int(kill.get("allowed_failures", 0)),
-                    lost=int(kill.get("lost", 0)), detail=f"{kill.get('detail', '')}; " + _source(doc, "train_resume.json", "worker_kill"),
-                    measured=True, measured_at=doc.get("measured_at"), source="benchmarks/results/train_resume.json")

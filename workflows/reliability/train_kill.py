@@ -1,0 +1,82 @@
+"""train_worker_kill: a Ray Train worker SIGKILLed mid-epoch; the run restarts from its last
+checkpoint, completes, and its losses equal those of an uninterrupted run.
+
+Tiny quickstart settings on a local 2-CPU Ray cluster and the embedded S3 endpoint: an
+uninterrupted 2-epoch FSDP2 run on 2 workers, then the same run with worker rank 1 SIGKILLed at
+its second step of epoch 1 (the trainer's test-only fault hook, $WORKFLOWS_TRAIN_FAULT). Lost = a
+completed run whose per-step losses differ from the reference (it trained on something else) or
+whose final checkpoint is not a complete, finite checkpoint of the last epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from workflows.reliability import make_row
+
+RTOL, ATOL = 1e-4, 1e-5  # as tests/test_train_resume.py: same process, seeds and data order
+
+
+def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
+    import numpy as np
+    import torch
+
+    from workflows.config import load_config
+    from workflows.pipeline import stage_preprocess
+    from workflows.runtime import runtime
+    from workflows.train.checkpoint import consolidated_model_state, read_state
+    from workflows.train.export import download_checkpoint
+    from workflows.train.trainer import FAULT_ENV, fit, latest_checkpoint
+
+    workdir = Path(workdir)
+    t0 = time.time()
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "quickstart.yaml", [
+        f"storage.embedded.data_dir={workdir}/s3", f"output_dir={workdir}/runs", f"cache.dir={workdir}/cache",
+        "data.builtin_rows_per_class=40", "preprocess.max_length=32", "preprocess.concurrency=1",
+        "train.epochs=2", "train.batch_size=8", "train.max_train_rows=48", "train.lr=3e-4", f"train.seed={seed}",
+        "train.num_workers=2", "train.strategy=fsdp", "train.num_to_keep=2", "train.max_failures=1",
+        "ray.num_cpus=2", "tune.enabled=false", "serve.enabled=false",
+    ])
+    marker = workdir / "killed-once"
+    notes: list[str] = []
+    failed = lost = 0
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        reference = fit(cfg, rt.storage, data, run_prefix="reference")
+        os.environ[FAULT_ENV] = json.dumps({"action": "kill", "epoch": 1, "step": 1, "rank": 1, "once": str(marker)})
+        try:
+            out = fit(cfg, rt.storage, data, run_prefix="killed")
+        except Exception as e:  # noqa: BLE001 - the row reports it
+            out = None
+            failed = 1
+            notes.append(f"the run did not complete: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        finally:
+            os.environ.pop(FAULT_ENV, None)
+        injected = int(marker.exists())
+        if out is not None:
+            epochs = [h["epoch"] for h in out.history]
+            resumed = [h.get("resumed_from_epoch") for h in out.history]
+            same = all(np.allclose(a["step_losses"], b["step_losses"], rtol=RTOL, atol=ATOL)
+                       for a, b in zip(out.history, reference.history))
+            with tempfile.TemporaryDirectory() as d:
+                local = download_checkpoint(latest_checkpoint(cfg, rt.storage, "killed"), rt.storage, d)
+                last_epoch = read_state(local)["epoch"]
+                finite = all(torch.isfinite(v).all() for v in consolidated_model_state(local).values()
+                             if v.is_floating_point())
+            notes.append(f"epochs {epochs}, restarted from epoch {resumed[-1]}'s checkpoint; per-step losses "
+                         f"{'equal' if same else 'DIFFER from'} the uninterrupted run's (rtol {RTOL}); final checkpoint: "
+                         f"epoch {last_epoch}, {'finite' if finite else 'NON-FINITE'} weights")
+            if epochs != [0, 1] or not same or last_epoch != 1 or not finite:
+                lost = 1
+    if not injected:
+        notes.append("the fault never fired")
+    detail = (f"2-epoch FSDP2 run on 2 Ray Train workers (tiny quickstart), worker rank 1 SIGKILLed at step 2 of "
+              f"epoch 1 ({injected} kill); " + "; ".join(notes))
+    return make_row("train_worker_kill", injected=injected, survived=int(injected and not failed and not lost),
+                    failed=failed if injected else 1, allowed_failures=0, lost=lost, detail=detail,
+                    seconds=round(time.time() - t0, 1))
