@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from workflows.reliability import free_port, tiny_overrides
+
+__all__ = ["free_port", "tiny_overrides"]  # tests import these from here too
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -17,23 +20,6 @@ SHARED = ROOT.parent / "shared"
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # as workflows.runtime sets it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tiny_overrides(tmp: Path) -> list[str]:
-    """The quickstart shrunk to seconds: a small dataset, short sequences, one short epoch."""
-    return [
-        f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
-        "data.builtin_rows_per_class=40", "preprocess.max_length=32", "preprocess.concurrency=1",
-        "train.epochs=1", "train.batch_size=8", "train.max_train_rows=48", "train.lr=3e-4",
-        "tune.num_samples=2", "tune.max_epochs=2", "tune.max_train_rows=24", "tune.max_val_rows=16",
-        f"serve.port={free_port()}", "serve.demo_requests=2",
-    ]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,9 @@ Rows marked fast run in `make test` (tests/test_reliability.py) as well.
 from __future__ import annotations
 
 import importlib
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -67,4 +69,23 @@ def passed(row: dict) -> bool | None:
     return row["lost"] == 0 and row["failed"] <= (row.get("allowed_failures") or 0)
 
 
-__all__ = ["ROWS", "BY_NAME", "RowSpec", "make_row", "passed", "row_function"]
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_overrides(tmp: Path) -> list[str]:
+    """The quickstart shrunk to seconds: a small dataset, short sequences, one short epoch.
+    Shared by the rows here and the test suite (tests/conftest.py)."""
+    return [
+        f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
+        "data.builtin_rows_per_class=40", "preprocess.max_length=32", "preprocess.concurrency=1",
+        "train.epochs=1", "train.batch_size=8", "train.max_train_rows=48", "train.lr=3e-4",
+        "tune.num_samples=2", "tune.max_epochs=2", "tune.max_train_rows=24", "tune.max_val_rows=16",
+        f"serve.port={free_port()}", "serve.demo_requests=2",
+    ]
+
+
+__all__ = ["ROWS", "BY_NAME", "RowSpec", "free_port", "make_row", "passed", "row_function", "tiny_overrides"]

@@ -175,7 +175,7 @@ def _preprocess_through(proxy, s3, workdir: Path) -> dict:
     import subprocess
     import sys
 
-    from workflows.reliability.secrets import tiny_overrides
+    from workflows.reliability import tiny_overrides
 
     s3.ensure_bucket("workflows")
     tmp = workdir / "cli"

@@ -23,37 +23,19 @@ from __future__ import annotations
 
 import ast
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from workflows.reliability import make_row
+from workflows.reliability import make_row, tiny_overrides
 
 FAKE_KEY_ID = "AKIAFAKERELIABILITY7"
 FAKE_SECRET = "fAkE/Reliability+Secret0123456789abcdefgh"
 FAKE_SESSION = "FaKeSeSsIoNtOkEnReliabilityHygieneCheck000"
 SECRETS = {"AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "AWS_SESSION_TOKEN": FAKE_SESSION}
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tiny_overrides(tmp: Path) -> list[str]:
-    """The quickstart shrunk to seconds (the same overrides as tests/conftest.py's tiny_overrides)."""
-    return [
-        f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
-        "data.builtin_rows_per_class=40", "preprocess.max_length=32", "preprocess.concurrency=1",
-        "train.epochs=1", "train.batch_size=8", "train.max_train_rows=48", "train.lr=3e-4",
-        "tune.num_samples=2", "tune.max_epochs=2", "tune.max_train_rows=24", "tune.max_val_rows=16",
-        f"serve.port={_free_port()}", "serve.demo_requests=2",
-    ]
 
 
 def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True) -> dict:

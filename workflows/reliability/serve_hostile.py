@@ -37,7 +37,8 @@ def serve_hostile_inputs(workdir: Path, seed: int = 0) -> dict:
     from ray import serve
 
     from workflows.config import load_config
-    from workflows.reliability.secrets import ROOT, tiny_overrides
+    from workflows.reliability import tiny_overrides
+    from workflows.reliability.secrets import ROOT
     from workflows.runtime import runtime
     from workflows.serve.app import deploy
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workflows.reliability import make_row
+from workflows.reliability import make_row, tiny_overrides
 
 RTOL, ATOL = 1e-4, 1e-5  # as tests/test_train_resume.py: same process, seeds and data order
 
@@ -36,11 +36,8 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
     t0 = time.time()
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "configs" / "quickstart.yaml", [
-        f"storage.embedded.data_dir={workdir}/s3", f"output_dir={workdir}/runs", f"cache.dir={workdir}/cache",
-        "data.builtin_rows_per_class=40", "preprocess.max_length=32", "preprocess.concurrency=1",
-        "train.epochs=2", "train.batch_size=8", "train.max_train_rows=48", "train.lr=3e-4", f"train.seed={seed}",
-        "train.num_workers=2", "train.strategy=fsdp", "train.num_to_keep=2", "train.max_failures=1",
-        "ray.num_cpus=2", "tune.enabled=false", "serve.enabled=false",
+        *tiny_overrides(workdir), "train.epochs=2", f"train.seed={seed}", "train.num_workers=2", "train.strategy=fsdp",
+        "train.num_to_keep=2", "train.max_failures=1", "ray.num_cpus=2", "tune.enabled=false", "serve.enabled=false",
     ])
     marker = workdir / "killed-once"
     notes: list[str] = []
