@@ -13,15 +13,20 @@ from workflows.runtime import runtime
 from workflows.serve.predictor import Predictor
 from workflows.train.checkpoint import consolidated_model_state
 from workflows.train.export import download_checkpoint, export_artifact
+from workflows.train.loop import steps_per_epoch
 from workflows.train.trainer import check_resources, fit
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy):
-    cfg = tiny_cfg(f"train.strategy={strategy}", "train.epochs=2")
+# FSDP also runs with gradient accumulation and activation checkpointing switched on
+@pytest.mark.parametrize("strategy,extra", [("fsdp", ["train.grad_accum_steps=2", "train.activation_checkpointing=true"]),
+                                            ("ddp", [])])
+def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy, extra):
+    cfg = tiny_cfg(f"train.strategy={strategy}", "train.epochs=2", *extra)
     with runtime(cfg) as rt:
         data = stage_preprocess(rt)
         out = fit(cfg, rt.storage, data)
+        rows = min(data.counts["train"], cfg.train.max_train_rows or data.counts["train"])
+        assert out.history[-1]["steps"] == steps_per_epoch(rows, 2, cfg.train.batch_size, cfg.train.grad_accum_steps)
         assert out.best_checkpoint_uri.startswith("s3://workflows/runs/quickstart-train-")
         assert [h["epoch"] for h in out.history] == [0, 1] or out.history[-1]["epoch"] == 1
         m = out.best_metrics

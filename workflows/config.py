@@ -116,6 +116,8 @@ class TrainConfig(Strict):
     weight_decay: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     grad_clip: float | None = Field(1.0, gt=0)
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches of batch_size per optimizer step (gradient accumulation)")
+    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward: less memory, ~1/3 more compute")
     freeze_embeddings: bool = Field(False, description="keep the input embeddings fixed (half of MiniLM's weights): less compute and communication")
     seed: int = 0
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")

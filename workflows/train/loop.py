@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from workflows.preprocess.encoding import pad_batch
-from workflows.train.parallel import all_have, all_reduce_sum, parallelize, world
+from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 
 StepHook = Callable[[int, int], None]  # (epoch, step in epoch), called before each step
 
@@ -78,37 +78,63 @@ def in_step(batches: Iterable[dict], device: torch.device) -> Iterator[dict]:
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float | None = None,
-                on_step: Callable[[int], None] | None = None) -> dict:
-    """One pass over `batches`; the metrics, including every step's loss averaged over all ranks.
+def micro_batch_groups(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    """Consecutive groups of `size` micro-batches (the last may be shorter): one optimizer step each."""
+    group: list[dict] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
+
+def label_count(batch: dict) -> int:
+    """What the batch's mean loss averages over: rows (classification) or predicted tokens (causal LM)."""
+    return int((batch["labels"] != -100).sum().item())
+
+
+def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float | None = None,
+                on_step: Callable[[int], None] | None = None, accum_steps: int = 1) -> dict:
+    """One pass over `batches`; the metrics, including every optimizer step's loss averaged over all ranks.
+
+    Gradient accumulation: each optimizer step sums the gradients of up to `accum_steps`
+    micro-batches, each loss weighted by its share of the group's labels, so the step equals one
+    over the concatenated batch (DDP synchronizes on the last micro-batch only, see gradient_sync).
     `epoch_seconds` is the time of the steps alone (no startup, no evaluation).
     """
     model.train()
     t0 = time.perf_counter()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss*n, samples, tokens
+    totals = torch.zeros(2, dtype=torch.float64)  # samples, tokens
     steps: list[tuple[float, int]] = []  # this rank's (loss*n, n) per step; reduced once at the end
-    for step, batch in enumerate(in_step(batches, device)):
+    for step, group in enumerate(micro_batch_groups(in_step(batches, device), accum_steps)):
         if on_step is not None:
             on_step(step)
-        out = model(**batch)
-        out.loss.backward()
+        counts = [label_count(b) for b in group]
+        group_n = max(sum(counts), 1)
+        step_loss = 0.0
+        for i, (batch, n) in enumerate(zip(group, counts)):
+            with gradient_sync(model, i == len(group) - 1):
+                out = model(**batch)
+                (out.loss * (n / group_n)).backward()
+            loss = out.loss.item()
+            step_loss += loss * n
+            totals += torch.tensor([batch["labels"].shape[0], batch["attention_mask"].sum().item()], dtype=torch.float64)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        n = batch["labels"].shape[0]
-        loss = out.loss.item()
-        steps.append((loss * n, n))
-        totals += torch.tensor([loss * n, n, batch["attention_mask"].sum().item()], dtype=torch.float64)
+        steps.append((step_loss, sum(counts)))
     seconds = time.perf_counter() - t0
     totals = all_reduce_sum(totals)
-    loss_sum, samples, tokens = totals.tolist()
+    samples, tokens = totals.tolist()
     # every rank ran the same number of steps (in_step), so the per-step sums line up
     per_step = all_reduce_sum(torch.tensor(steps, dtype=torch.float64).reshape(-1, 2))
+    labelled = per_step[:, 1].sum().item()
     return {
-        "train_loss": loss_sum / max(samples, 1),
+        "train_loss": per_step[:, 0].sum().item() / max(labelled, 1),
         "samples": int(samples),
         "samples_per_s": samples / seconds if seconds else 0.0,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
@@ -152,8 +178,9 @@ def scores_from_confusion(confusion: np.ndarray) -> dict:
     }
 
 
-def steps_per_epoch(rows: int, world_size: int, batch_size: int) -> int:
-    return max(1, math.ceil(rows / world_size / batch_size))
+def steps_per_epoch(rows: int, world_size: int, batch_size: int, accum_steps: int = 1) -> int:
+    """Optimizer steps per epoch."""
+    return max(1, math.ceil(math.ceil(rows / world_size / batch_size) / accum_steps))
 
 
 def build_training(cfg, model_dir: str, labels: list[str], device: torch.device, train_rows: int):
@@ -166,9 +193,11 @@ def build_training(cfg, model_dir: str, labels: list[str], device: torch.device,
     model = load_classifier(model_dir, labels, cfg.model.dropout)
     if tc.freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
+    if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(model, tc.strategy, device)
     optimizer = make_optimizer(model, tc.lr, tc.weight_decay)
-    total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size) * tc.epochs
+    total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size, tc.grad_accum_steps) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
     return model, optimizer, scheduler
 
@@ -185,7 +214,8 @@ def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, sta
     for epoch in range(start_epoch, tc.epochs):
         torch.manual_seed(dropout_seed(tc.seed, epoch, rank))
         hook = (lambda step, e=epoch: on_step(e, step)) if on_step is not None else None
-        stats = train_epoch(model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook)
+        stats = train_epoch(model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook,
+                            tc.grad_accum_steps)
         val = evaluate(model, val_batches(), num_labels, device)
         step_losses = stats.pop("step_losses")
         metrics = {**stats, "epoch": epoch, "global_step": int(scheduler.last_epoch),

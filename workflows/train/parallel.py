@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -39,6 +42,23 @@ def parallelize(model: nn.Module, strategy: str, device: torch.device) -> nn.Mod
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Backward passes inside synchronize gradients across ranks only if `enabled`.
+
+    DDP skips the all-reduce on all but the last micro-batch of an accumulated step (its gradients
+    are full-size either way). FSDP2 keeps reduce-scattering every micro-batch: skipping it would
+    keep unsharded gradients between micro-batches, the memory FSDP exists to save.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    else:
+        yield
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -477,7 +477,8 @@ class Plan:
 
 def make_plan(spec: ModelSpec, *, devices: int, seq_len: int, micro_batch: int, device_memory: int,
               device_memory_source: str = "given", device_type: str = "cuda", precision: str = "auto",
-              attention: str = "auto", checkpointing: bool = False, config_strategy: str | None = None) -> Plan:
+              attention: str = "auto", checkpointing: bool = False, config_strategy: str | None = None,
+              accumulation: bool = False) -> Plan:
     """Estimates for DDP and FSDP, the largest micro-batch of each, and the recommended strategy.
 
     precision 'auto' follows parallelize(): bf16 mixed precision for FSDP on CUDA, fp32 otherwise.
@@ -493,7 +494,7 @@ def make_plan(spec: ModelSpec, *, devices: int, seq_len: int, micro_batch: int, 
         precisions = {k: precision for k in STRATEGIES}
     if attention == "auto":
         attention = "fused" if device_type == "cuda" and spec.attn_implementation != "eager" else "eager"
-    common = dict(device_type=device_type, attention=attention, checkpointing=checkpointing)
+    common = dict(device_type=device_type, attention=attention, checkpointing=checkpointing, accumulation=accumulation)
     estimates = {k: estimate(spec, k, devices, seq_len, micro_batch, precision=precisions[k], **common)
                  for k in STRATEGIES}
     best_b = {k: max_micro_batch(spec, k, devices, seq_len, device_memory, precision=precisions[k], **common)
@@ -511,10 +512,10 @@ def make_plan(spec: ModelSpec, *, devices: int, seq_len: int, micro_batch: int, 
         recommended = None
         tips = []
         if best_b["fsdp"]:
-            tips.append(f"a micro-batch of {best_b['fsdp']} (train.batch_size)")
+            tips.append(f"a micro-batch of {best_b['fsdp']} (train.batch_size; train.grad_accum_steps keeps the global batch)")
         if not checkpointing:
             ck = estimate(spec, "fsdp", devices, seq_len, micro_batch, precision=precisions["fsdp"],
-                          device_type=device_type, attention=attention, checkpointing=True)
+                          device_type=device_type, attention=attention, checkpointing=True, accumulation=accumulation)
             if ck.total <= budget:
                 tips.append(f"activation checkpointing ({gib(ck.total)})")
         if precisions["fsdp"] == "fp32":
@@ -550,7 +551,9 @@ def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: in
     return make_plan(
         spec, devices=devices or train_cfg.num_workers, seq_len=seq, micro_batch=micro_batch or train_cfg.batch_size,
         device_memory=mem, device_memory_source=source, device_type="cuda" if train_cfg.use_gpu else "cpu",
-        precision=precision, attention=attention, checkpointing=checkpointing, config_strategy=train_cfg.strategy,
+        precision=precision, attention=attention, config_strategy=train_cfg.strategy,
+        checkpointing=checkpointing or bool(getattr(train_cfg, "activation_checkpointing", False)),
+        accumulation=getattr(train_cfg, "grad_accum_steps", 1) > 1,
     )
 
 
@@ -563,7 +566,8 @@ def format_plan(plan: Plan) -> str:
         f"model      {sp.name}: {m(sp.params)} params ({m(sp.trainable)} trainable), h={sp.hidden} L={sp.layers} "
         f"a={sp.heads} V={sp.vocab} i={sp.intermediate}; largest block {m(sp.block_params)}, outside blocks {m(sp.root_params)}",
         f"setup      {plan.devices} device(s) ({plan.device_type}), seq_len {plan.seq_len}, micro-batch {plan.micro_batch} "
-        f"per device, attention {plan.attention}, activation checkpointing {'on' if plan.checkpointing else 'off'}",
+        f"per device, attention {plan.attention}, activation checkpointing {'on' if plan.checkpointing else 'off'}, "
+        f"gradient accumulation {'on' if plan.estimates['ddp'].accumulation else 'off'}",
         f"memory     {g(plan.device_memory)} GiB per device, {plan.device_memory_source}; usable {g(plan.usable)} GiB "
         f"after the safety margin ({FRAGMENTATION_MARGIN:.0%} fragmentation/overhead + {RESERVED_BYTES / GiB:.0f} GiB reserved)",
         "",

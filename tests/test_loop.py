@@ -1,0 +1,106 @@
+"""The plain training loop: gradient accumulation and activation checkpointing change memory and
+communication, never the result (one process and 2 ranks under FSDP2/DDP, a tiny BERT)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workflows.reliability import free_port
+from workflows.train.loop import make_optimizer, make_scheduler, micro_batch_groups, steps_per_epoch, train_epoch
+from workflows.train.parallel import parallelize
+
+ROWS, SEQ, VOCAB, LABELS = 32, 12, 50, 3
+
+
+def tiny_bert(checkpointing: bool = False):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=SEQ, num_labels=LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def rows(rank: int = 0, world_size: int = 1):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::3, SEQ // 2:] = 0  # some padded rows
+    labels = torch.randint(0, LABELS, (ROWS,), generator=g)
+    per = ROWS // world_size
+    sl = slice(rank * per, (rank + 1) * per)
+    return ids[sl], mask[sl], labels[sl]
+
+
+def batches(batch_size: int, rank: int = 0, world_size: int = 1):
+    ids, mask, labels = rows(rank, world_size)
+    for i in range(0, len(labels), batch_size):
+        yield {"input_ids": ids[i:i + batch_size], "attention_mask": mask[i:i + batch_size],
+               "labels": labels[i:i + batch_size]}
+
+
+def run(batch_size: int, accum: int, *, checkpointing: bool = False, strategy: str = "ddp",
+        rank: int = 0, world_size: int = 1, epochs: int = 2):
+    device = torch.device("cpu")
+    model = parallelize(tiny_bert(checkpointing), strategy, device)
+    opt = make_optimizer(model, 1e-3, 0.01)
+    sched = make_scheduler(opt, steps_per_epoch(ROWS, world_size, batch_size, accum) * epochs, 0.1)
+    out = [train_epoch(model, batches(batch_size, rank, world_size), opt, sched, device, 1.0, accum_steps=accum)
+           for _ in range(epochs)]
+    return [s for e in out for s in e["step_losses"]], [e["steps"] for e in out]
+
+
+def test_micro_batch_groups_keep_a_short_last_group():
+    assert [len(g) for g in micro_batch_groups(range(7), 3)] == [3, 3, 1]
+    assert steps_per_epoch(rows=70, world_size=2, batch_size=4, accum_steps=3) == 3  # 9 micro-batches
+
+
+def test_accumulated_steps_equal_one_big_batch():
+    big, big_steps = run(batch_size=8, accum=1)
+    acc, acc_steps = run(batch_size=4, accum=2)
+    assert big_steps == acc_steps == [4, 4]
+    assert acc == pytest.approx(big, abs=1e-5)
+
+
+def test_a_short_last_group_is_weighted_by_its_rows():
+    # 32 rows in micro-batches of 6, 3 per step: steps of 6+6+6 and 6+6+2 rows, as batches of 18 would be
+    ref, _ = run(batch_size=18, accum=1)
+    acc, steps = run(batch_size=6, accum=3)
+    assert steps == [2, 2]
+    assert acc == pytest.approx(ref, abs=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_losses():
+    plain, _ = run(batch_size=8, accum=1)
+    recomputed, _ = run(batch_size=8, accum=1, checkpointing=True)
+    assert recomputed == pytest.approx(plain, abs=1e-6)
+
+
+def _ranks(rank: int, world_size: int, port: int, strategy: str, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        big, _ = run(batch_size=8, accum=1, strategy=strategy, rank=rank, world_size=world_size)
+        acc, _ = run(batch_size=4, accum=2, strategy=strategy, rank=rank, world_size=world_size, checkpointing=True)
+        results[rank] = (big, acc)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_ranks_sync_once_per_accumulated_step(strategy):
+    results = mp.Manager().dict()
+    mp.spawn(_ranks, args=(2, free_port(), strategy, results), nprocs=2, join=True)
+    big, acc = results[0]
+    assert len(big) == 4  # 16 rows per rank, 8 per step, 2 epochs
+    assert acc == pytest.approx(big, abs=1e-5)
+    assert results[1] == results[0]  # step losses are averaged over ranks
