@@ -430,3 +430,5 @@ def test_plan_command_json_and_table():
     assert "no CUDA device here" in res.output or "detected" in res.output
     res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--device-memory", "lots"])
     assert res.exit_code == 2 and "invalid memory size" in res.output
+    res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--set", "model.task=causal_lm"])
+    assert res.exit_code == 2 and "causal_lm is not planned yet" in res.output

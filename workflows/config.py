@@ -100,9 +100,31 @@ class PreprocessConfig(Strict):
     rows_per_shard: int = Field(2000, ge=1)
 
 
+class CausalLMConfig(Strict):
+    """A GPT-2-style model built from a size preset, randomly initialized (model.task: causal_lm)."""
+
+    size: Literal["tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m", "1b"] = "gpt2-124m"
+    n_layer: int | None = Field(None, ge=1, description="overrides the preset's layers")
+    n_embd: int | None = Field(None, ge=8, description="overrides the preset's hidden size")
+    n_head: int | None = Field(None, ge=1, description="overrides the preset's attention heads")
+    seq_len: int = Field(1024, ge=8, description="tokens per training block (rows are packed into blocks)")
+
+
 class ModelConfig(Strict):
-    name_or_path: str = Field("minilm", description="'minilm' or a local Hugging Face model directory")
+    task: Literal["classification", "causal_lm"] = Field(
+        "classification", description="fine-tune a sequence classifier, or pretrain a causal LM from model.lm")
+    name_or_path: str = Field("minilm", description="'minilm' or a local Hugging Face model directory (classification)")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    lm: CausalLMConfig = CausalLMConfig()
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        from workflows.train.lm import shape
+
+        _, hidden, heads = shape(self.lm)
+        if hidden % heads:
+            raise ValueError(f"lm: hidden size {hidden} is not divisible by {heads} heads")
+        return self
 
 
 class TrainConfig(Strict):

@@ -47,10 +47,17 @@ def stage_preprocess(rt: Runtime) -> ProcessedDataset:
     return data
 
 
+def classification_only(cfg: WorkflowConfig, what: str) -> None:
+    if cfg.model.task != "classification":
+        raise UserError(f"{what} takes model.task=classification; a causal LM ({cfg.model.task}) is trained "
+                        "with `workflows train` or torchrun (python -m workflows.train.standalone)")
+
+
 def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     from workflows.tune.report import plot_trials, trials_table
     from workflows.tune.search import run_tune
 
+    classification_only(rt.cfg, "tuning")
     t = rt.cfg.tune
     say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
     with rt.cache_counts() as cache:
@@ -87,8 +94,11 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
         outcome = fit(rt.cfg, rt.storage, data, resume=resume)
     rt.persist()
     for h in outcome.history:
-        say(f"train:   epoch {h.get('epoch')}: loss {h.get('train_loss', 0):.4f}, val_f1 {h.get('val_f1', 0):.4f}, "
-            f"{h.get('samples_per_s', 0):.1f} samples/s")
+        val = (f"val_perplexity {h.get('val_perplexity', 0):.2f}" if "val_perplexity" in h
+               else f"val_f1 {h.get('val_f1', 0):.4f}")
+        mfu = f", MFU {h['mfu']:.1%}" if h.get("mfu") is not None else ""
+        say(f"train:   epoch {h.get('epoch')}: loss {h.get('train_loss', 0):.4f}, {val}, "
+            f"{h.get('samples_per_s', 0):.1f} samples/s, {h.get('tokens_per_s', 0):.0f} tokens/s{mfu}")
     summary: dict[str, Any] = {"train": asdict(outcome), "shard_cache": cache}
     curve = plot_losses(outcome.history, Path(rt.cfg.output_dir) / rt.cfg.name / "train_loss.png",
                         title=outcome.run_uri.rsplit("/", 1)[-1])
@@ -96,7 +106,10 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
         summary["loss_curve"] = str(curve)
         say(f"train: loss curve {curve}")
     ref = None
-    if register:
+    if register and rt.cfg.model.task == "causal_lm":
+        say(f"train: causal-LM pretraining run; its checkpoints stay at {outcome.run_uri} (the registry and "
+            "serving take classification models)")
+    elif register:
         with tempfile.TemporaryDirectory() as tmp:
             meta = export_artifact(rt.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
                                    {"run": outcome.run_uri, "train_config": rt.cfg.train.model_dump(mode="json")})
@@ -159,6 +172,7 @@ def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
 
 def run_pipeline(rt: Runtime) -> dict:
     cfg = rt.cfg
+    classification_only(cfg, "the pipeline (train -> evaluate -> register -> serve)")
     t0 = time.time()
     timings: dict[str, float] = {}
     summary: dict[str, Any] = {}

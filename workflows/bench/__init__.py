@@ -14,7 +14,7 @@ from workflows.errors import UserError
 
 BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflows.bench.madewithml",
               "data": "workflows.bench.data", "serve": "workflows.bench.serve", "train": "workflows.bench.train",
-              "tune": "workflows.bench.tune"}
+              "tune": "workflows.bench.tune", "lm": "workflows.bench.lm"}
 RESULTS_DIR = Path("benchmarks/results")
 DOC = Path("docs/BENCHMARKS.md")
 

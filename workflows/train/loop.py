@@ -183,14 +183,25 @@ def steps_per_epoch(rows: int, world_size: int, batch_size: int, accum_steps: in
     return max(1, math.ceil(math.ceil(rows / world_size / batch_size) / accum_steps))
 
 
-def build_training(cfg, model_dir: str, labels: list[str], device: torch.device, train_rows: int):
-    """Model (seeded head, FSDP2/DDP per train.strategy), optimizer and LR schedule: the same under
-    Ray Train and torchrun. The schedule spans all epochs, so a resumed run continues it."""
+def build_model(cfg, model_dir: str, labels: list[str], vocab_size: int | None = None) -> nn.Module:
+    """The task's model: a classifier from `model_dir` with a new head, or a GPT built from model.lm."""
+    if cfg.model.task == "causal_lm":
+        from workflows.train.lm import build_causal_lm
+
+        return build_causal_lm(cfg.model.lm, vocab_size, cfg.model.dropout)
     from workflows.train.models import load_classifier
 
+    return load_classifier(model_dir, labels, cfg.model.dropout)
+
+
+def build_training(cfg, model_dir: str, labels: list[str], device: torch.device, train_rows: int,
+                   vocab_size: int | None = None):
+    """Model (seeded head or seeded random init, FSDP2/DDP per train.strategy), optimizer and LR
+    schedule: the same under Ray Train and torchrun. The schedule spans all epochs, so a resumed
+    run continues it. `train_rows`: rows (classification) or blocks (causal LM) per epoch."""
     tc = cfg.train
-    torch.manual_seed(tc.seed)  # the new classifier head: identical on every rank and every run
-    model = load_classifier(model_dir, labels, cfg.model.dropout)
+    torch.manual_seed(tc.seed)  # new weights identical on every rank and every run
+    model = build_model(cfg, model_dir, labels, vocab_size)
     if tc.freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
@@ -200,6 +211,39 @@ def build_training(cfg, model_dir: str, labels: list[str], device: torch.device,
     total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size, tc.grad_accum_steps) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
     return model, optimizer, scheduler
+
+
+@torch.no_grad()
+def evaluate_lm(model, batches, device: torch.device) -> dict:
+    """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means) and
+    its perplexity."""
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64)  # loss*blocks, blocks
+    for batch in in_step(batches, device):
+        n = batch["input_ids"].shape[0]
+        sums += torch.tensor([model(**batch).loss.item() * n, n], dtype=torch.float64)
+    loss_sum, blocks = all_reduce_sum(sums).tolist()
+    loss = loss_sum / max(blocks, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "rows": int(blocks)}
+
+
+def validation_metrics(cfg, model, batches, num_labels: int, device: torch.device) -> dict:
+    """val_* metrics of the task: F1/accuracy/loss (classification) or loss/perplexity (causal LM)."""
+    if cfg.model.task == "causal_lm":
+        val = evaluate_lm(model, batches, device)
+        return {"val_loss": val["loss"], "val_perplexity": val["perplexity"]}
+    val = evaluate(model, batches, num_labels, device)
+    return {"val_f1": val["f1"], "val_accuracy": val["accuracy"], "val_loss": val["loss"]}
+
+
+def lm_mfu(cfg, model, tokens_per_s: float, device: torch.device) -> float | None:
+    """MFU of a causal-LM epoch on GPU (None elsewhere: no meaningful peak)."""
+    if cfg.model.task != "causal_lm" or device.type != "cuda":
+        return None
+    from workflows.train.lm import mfu, model_shape
+
+    params, layers, hidden = model_shape(model)
+    return mfu(tokens_per_s, params, layers, hidden, cfg.model.lm.seq_len, world()[1], device)
 
 
 def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, start_epoch: int, history: list[dict],
@@ -216,10 +260,12 @@ def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, sta
         hook = (lambda step, e=epoch: on_step(e, step)) if on_step is not None else None
         stats = train_epoch(model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook,
                             tc.grad_accum_steps)
-        val = evaluate(model, val_batches(), num_labels, device)
         step_losses = stats.pop("step_losses")
         metrics = {**stats, "epoch": epoch, "global_step": int(scheduler.last_epoch),
-                   "val_f1": val["f1"], "val_accuracy": val["accuracy"], "val_loss": val["loss"]}
+                   **validation_metrics(cfg, model, val_batches(), num_labels, device)}
+        utilization = lm_mfu(cfg, model, stats["tokens_per_s"], device)
+        if utilization is not None:
+            metrics["mfu"] = utilization
         history.append({**metrics, "step_losses": step_losses, "resumed_from_epoch": resumed_from_epoch})
         end_of_epoch(epoch, metrics, history)
     return history

@@ -538,6 +538,9 @@ def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: in
     from workflows.preprocess.encoding import resolve_model_dir
 
     model_cfg, train_cfg = cfg.model, cfg.train
+    if getattr(model_cfg, "task", "classification") != "classification":
+        # the LM head's logits (batch x seq x vocab, kept for the loss) are not in the formulas yet
+        raise UserError("workflows plan models classification fine-tuning; model.task=causal_lm is not planned yet")
     name = getattr(model_cfg, "name_or_path", "minilm")
     spec = model_spec(resolve_model_dir(name), dropout=getattr(model_cfg, "dropout", None),
                       freeze_embeddings=bool(getattr(train_cfg, "freeze_embeddings", False)), name=name)

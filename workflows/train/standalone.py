@@ -109,13 +109,30 @@ def rank_share(rows: dict[str, list], rank: int, world_size: int) -> dict[str, l
     return {"input_ids": rows["input_ids"][lo:hi], "label_id": rows["label_id"][lo:hi]}
 
 
-def batches(rows: dict[str, list], batch_size: int, pad_id: int, seed: int | None = None) -> Iterator[dict]:
-    """Padded batches in a seeded random order (seed=None: file order)."""
+def packed_rows(rows: dict[str, list], seq_len: int) -> dict[str, list]:
+    """Causal LM: token rows -> blocks of seq_len tokens (lm.pack_batch per 1024 rows, as Ray Data's
+    map_batches packs them); label_id is unused there but keeps the row count."""
+    from workflows.train.lm import pack_batch
+
+    ids = rows["input_ids"]
+    parts = [pack_batch({"input_ids": ids[i:i + 1024]}, seq_len)["input_ids"] for i in range(0, len(ids), 1024)]
+    blocks = np.concatenate(parts) if parts else np.zeros((0, seq_len), np.int64)
+    return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
+
+
+def batches(rows: dict[str, list], batch_size: int, pad_id: int, seed: int | None = None,
+            lm: bool = False) -> Iterator[dict]:
+    """Padded batches (or packed causal-LM blocks) in a seeded random order (seed=None: file order)."""
+    from workflows.train.lm import lm_collate
+
     n = len(rows["label_id"])
     order = np.arange(n) if seed is None else np.random.default_rng(seed).permutation(n)
     for i in range(0, n, batch_size):
         idx = order[i:i + batch_size]
-        yield collate({"input_ids": [rows["input_ids"][j] for j in idx], "label_id": rows["label_id"][idx]}, pad_id)
+        if lm:
+            yield lm_collate([rows["input_ids"][j] for j in idx])
+        else:
+            yield collate({"input_ids": [rows["input_ids"][j] for j in idx], "label_id": rows["label_id"][idx]}, pad_id)
 
 
 @contextmanager
@@ -145,6 +162,7 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
     from transformers import AutoTokenizer
 
     tc = cfg.train
+    lm = cfg.model.task == "causal_lm"
     rank, world_size = world()
     if tc.use_gpu and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -152,18 +170,21 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
     else:
         device = torch.device("cpu")
     torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
-    pad_id = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).pad_token_id or 0
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer))
+    pad_id = tokenizer.pad_token_id or 0
 
     t_read = time.perf_counter()
     limit = tc.max_train_rows if tc.max_train_rows is not None and tc.max_train_rows < data.counts["train"] else None
     train_rows = read_rows(data.files["train"], storage, limit)
     val_rows = read_rows(data.files["val"], storage, tc.max_val_rows)
+    if lm:  # rows -> blocks of seq_len tokens, as the Ray path packs them
+        train_rows, val_rows = (packed_rows(r, cfg.model.lm.seq_len) for r in (train_rows, val_rows))
     read_seconds = time.perf_counter() - t_read
     total_rows = len(train_rows["label_id"])
     train_rows, val_rows = rank_share(train_rows, rank, world_size), rank_share(val_rows, rank, world_size)
 
     model, optimizer, scheduler = build_training(cfg, resolve_model_dir(cfg.model.name_or_path), data.labels,
-                                                 device, total_rows)
+                                                 device, total_rows, len(tokenizer))
     start_epoch, history, resumed_from = 0, [], None
     if resume:
         found = ckpt.latest_local(checkpoint_dir) if checkpoint_dir else None
@@ -179,8 +200,11 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         if rank == 0:
-            print(f"standalone: epoch {epoch}: loss {metrics['train_loss']:.4f}, val_f1 {metrics['val_f1']:.4f}, "
-                  f"{metrics['samples_per_s']:.1f} samples/s, {metrics['epoch_seconds']:.1f}s", file=sys.stderr, flush=True)
+            val = (f"val_perplexity {metrics['val_perplexity']:.2f}" if lm else f"val_f1 {metrics['val_f1']:.4f}")
+            mfu = f", MFU {metrics['mfu']:.1%}" if metrics.get("mfu") is not None else ""
+            print(f"standalone: epoch {epoch}: loss {metrics['train_loss']:.4f}, {val}, {metrics['samples_per_s']:.1f} "
+                  f"samples/s, {metrics['tokens_per_s']:.0f} tokens/s{mfu}, {metrics['epoch_seconds']:.1f}s",
+                  file=sys.stderr, flush=True)
         if checkpoint_dir:
             d = os.path.join(checkpoint_dir, f"epoch_{epoch:04d}")
             os.makedirs(d, exist_ok=True)
@@ -193,8 +217,8 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
     try:
         run_epochs(cfg, model, optimizer, scheduler, device, len(data.labels), start_epoch=start_epoch,
                    history=history, resumed_from_epoch=resumed_from,
-                   train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch, rank)),
-                   val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id),
+                   train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch, rank), lm),
+                   val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id, lm=lm),
                    end_of_epoch=end_of_epoch)
     except Stop:
         pass

@@ -27,15 +27,23 @@ from workflows.train.loop import build_training, collate, data_seed, run_epochs
 SHUFFLE_BUFFER = 2048
 
 
-def _pad_collate(pad_id: int):
-    """loop.collate as the collate-function class Ray Data's iter_torch_batches expects."""
+def _collate(task: str, pad_id: int):
+    """loop.collate (padded classification rows) or lm.lm_collate (packed blocks) as the
+    collate-function class Ray Data's iter_torch_batches expects."""
     from ray.data.collate_fn import NumpyBatchCollateFn
 
-    class PadCollate(NumpyBatchCollateFn):
-        def __call__(self, batch):
-            return collate(batch, pad_id)
+    from workflows.train.lm import lm_collate
 
-    return PadCollate()
+    class Collate(NumpyBatchCollateFn):
+        def __call__(self, batch):
+            return lm_collate(batch["input_ids"]) if task == "causal_lm" else collate(batch, pad_id)
+
+    return Collate()
+
+
+def score(cfg: WorkflowConfig) -> tuple[str, str]:
+    """The metric that ranks checkpoints: validation F1 (classification) or loss (causal LM)."""
+    return ("val_loss", "min") if cfg.model.task == "causal_lm" else ("val_f1", "max")
 
 
 def worker_loop(spec: dict) -> None:
@@ -54,7 +62,8 @@ def worker_loop(spec: dict) -> None:
     torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
     device = ray.train.torch.get_device()
 
-    model, optimizer, scheduler = build_training(cfg, spec["model_dir"], spec["labels"], device, spec["train_rows"])
+    model, optimizer, scheduler = build_training(cfg, spec["model_dir"], spec["labels"], device, spec["train_rows"],
+                                                 spec["vocab_size"])
     start_epoch, history, resumed_from = 0, [], None
     # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
     # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
@@ -70,7 +79,7 @@ def worker_loop(spec: dict) -> None:
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
-    to_batch = _pad_collate(spec["pad_id"])
+    to_batch = _collate(cfg.model.task, spec["pad_id"])
 
     def train_batches(epoch: int):
         # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
@@ -144,6 +153,14 @@ def fault_hook(fault: dict | None, rank: int):
     return on_step
 
 
+def packed(ds, seq_len: int):
+    """Token rows -> blocks of `seq_len` tokens (lm.pack_batch per batch of 1024 rows, in order)."""
+    from workflows.train.lm import pack_batch
+
+    return ds.map_batches(pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=1024,
+                          num_cpus=0)
+
+
 def ingest_config():
     """Ray Data ingest with a fixed row order: `limit` keeps the same rows and every worker gets
     the same rows in the same order each epoch (and after a restart), so the seeded shuffle makes
@@ -210,7 +227,8 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     model_dir = resolve_model_dir(cfg.model.name_or_path)
     from transformers import AutoTokenizer
 
-    pad_id = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).pad_token_id or 0
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer))
+    pad_id = tokenizer.pad_token_id or 0
 
     train_ds = data.read("train", storage, num_cpus=0, cache=cfg.cache)
     train_rows = data.counts["train"]
@@ -220,6 +238,12 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     val_ds = data.read("val", storage, num_cpus=0, cache=cfg.cache)
     if tc.max_val_rows is not None:
         val_ds = val_ds.limit(tc.max_val_rows)
+    if cfg.model.task == "causal_lm":
+        train_ds, val_ds = (packed(ds, cfg.model.lm.seq_len) for ds in (train_ds, val_ds))
+        train_rows = train_ds.count()
+        if train_rows < tc.num_workers:
+            raise UserError(f"causal LM: {train_rows} block(s) of {cfg.model.lm.seq_len} tokens for "
+                            f"{tc.num_workers} workers; lower model.lm.seq_len or bring more text")
     datasets = {"train": train_ds, "val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
@@ -228,11 +252,12 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
         resume_from = latest_checkpoint(cfg, storage, prefix)
         if resume_from is None:
             raise UserError(f"--resume: no checkpoint of a run named {prefix}-* under {_runs_root(cfg)}")
+    metric, mode = score(cfg)
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
     run_uri = f"{_runs_root(cfg)}/{run_name}"
     spec = {"cfg": cfg.model_dump(mode="json"), "labels": data.labels, "model_dir": model_dir,
-            "train_rows": train_rows, "pad_id": pad_id, "run_uri": run_uri, "storage": storage, "resume_from": resume_from,
+            "train_rows": train_rows, "pad_id": pad_id, "vocab_size": len(tokenizer), "run_uri": run_uri, "storage": storage, "resume_from": resume_from,
             "fault": json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None}
     trainer = TorchTrainer(
         worker_loop,
@@ -244,7 +269,7 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=runs_path, storage_filesystem=pa_fs,
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=tc.num_to_keep, checkpoint_score_attribute="val_f1", checkpoint_score_order="max",
+                num_to_keep=tc.num_to_keep, checkpoint_score_attribute=metric, checkpoint_score_order=mode,
             ),
             failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
             callbacks=callbacks or None,
@@ -254,7 +279,7 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     )
     t0 = time.time()
     result = trainer.fit()
-    best = result.get_best_checkpoint("val_f1", "max") if result.best_checkpoints else None
+    best = result.get_best_checkpoint(metric, mode) if result.best_checkpoints else None
     if best is None:
         raise RuntimeError(f"training run {run_name} finished without a checkpoint")
     best_metrics = next(m for c, m in result.best_checkpoints if c.path == best.path)
