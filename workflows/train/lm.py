@@ -9,11 +9,12 @@ position is trained on, as GPT pretraining does.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-# torch is imported inside the functions: the config validates shapes with SIZES/shape() alone
+if TYPE_CHECKING:  # torch is imported inside the functions: the config validates shapes without it
+    import torch
 
 # GPT-2 family shapes (n_layer, n_embd, n_head); "1b" is a GPT-2-style 1.2B (24 x 2048)
 SIZES: dict[str, tuple[int, int, int]] = {
