@@ -3,6 +3,7 @@ communication, never the result (one process and 2 ranks under FSDP2/DDP, a tiny
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -84,22 +85,24 @@ def test_activation_checkpointing_gives_the_same_losses():
     assert recomputed == pytest.approx(plain, abs=1e-6)
 
 
-def _ranks(rank: int, world_size: int, port: int, strategy: str, results):
+def _ranks(rank: int, world_size: int, port: int, strategy: str, out_dir: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         big, _ = run(batch_size=8, accum=1, strategy=strategy, rank=rank, world_size=world_size)
         acc, _ = run(batch_size=4, accum=2, strategy=strategy, rank=rank, world_size=world_size, checkpointing=True)
-        results[rank] = (big, acc)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump([big, acc], f)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_two_ranks_sync_once_per_accumulated_step(strategy):
-    results = mp.Manager().dict()
-    mp.spawn(_ranks, args=(2, free_port(), strategy, results), nprocs=2, join=True)
+def test_two_ranks_sync_once_per_accumulated_step(strategy, tmp_path):
+    # spawned ranks (never forked: this process may hold a Ray driver); results come back as files
+    mp.spawn(_ranks, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     big, acc = results[0]
     assert len(big) == 4  # 16 rows per rank, 8 per step, 2 epochs
     assert acc == pytest.approx(big, abs=1e-5)

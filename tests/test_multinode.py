@@ -18,7 +18,7 @@ def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path):
     assert res.returncode == 0 and line, res.stderr[-4000:]
     out = json.loads(line[len("RESULT "):])
     first, second = out["first"]["cache"], out["second"]["cache"]
-    assert first["misses"] == 4 and first["bytes_from_store"] > 0  # 4 raw shards, fetched once each
+    assert first["misses"] == 4 and first["bytes_from_store"] > 0, out  # 4 raw shards, fetched once each
     assert out["second"]["version"] != out["first"]["version"]  # a new job: recomputed, not reused
     assert second["misses"] == 0 and second["bytes_from_store"] == 0 and second["hits"] >= 4
     assert out["cached_files"]["head"] > 0 and out["cached_files"]["worker"] > 0  # both nodes cache

@@ -3,6 +3,7 @@
 cache in a temp dir, on a local cluster of its own; the HTTP cell gets predictions from the served
 model."""
 
+import asyncio
 import json
 import sys
 
@@ -62,6 +63,8 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
             client.execute(env=env)  # raises CellExecutionError, naming the cell, if a cell fails
         finally:
             nbformat.write(nb, tmp_path / "quickstart.executed.ipynb")  # for a look after a failure
+            if km.has_kernel:  # nbclient leaves a kernel manager it was given running
+                asyncio.run(km.shutdown_kernel(now=True))
 
     code = [c for c in nb.cells if c.cell_type == "code"]
     for cell in code:

@@ -20,6 +20,7 @@ import torch
 
 from conftest import QUICKSTART, ROOT, free_port, tiny_overrides
 from workflows.config import load_config
+from workflows.errors import UserError
 from workflows.pipeline import stage_preprocess
 from workflows.runtime import runtime
 from workflows.storage.uri import filesystem
@@ -93,6 +94,30 @@ def test_resume_reproduces_the_uninterrupted_run(run):
     ref1, res1 = run.reference.history[1], resumed.history[1]
     assert res1["global_step"] == ref1["global_step"] == 6
     assert np.isclose(res1["lr"], ref1["lr"]) and np.isclose(res1["val_loss"], ref1["val_loss"], rtol=RTOL, atol=ATOL)
+
+
+def test_a_checkpoint_cut_short_in_upload_is_never_resumed_from(run):
+    """A crash while the ranks upload leaves a folder with rank 0's .metadata and train_state.json
+    but not every shard. Made here from the reference run's real files: epoch 0's checkpoint
+    whole, then epoch 1's without one shard under a newer name, as the crash would leave them."""
+    fs, _ = filesystem(run.reference.run_uri, run.rt.storage)
+    ref_path = run.reference.run_uri.split("://", 1)[1]
+    by_epoch = {json.loads(fs.cat_file(f"{c}/{STATE_FILE}"))["epoch"]: c for c in fs.ls(ref_path, detail=False)
+                if c.rsplit("/", 1)[-1].startswith("checkpoint_")}
+    run_dir = f"{ref_path.rsplit('/', 1)[0]}/cut-20000101-000000-0000"
+    files1 = json.loads(fs.cat_file(f"{by_epoch[1]}/{STATE_FILE}"))["files"]
+    shard = next(n for n in sorted(files1) if n.endswith(".distcp") and not n.startswith("__0_"))
+    for epoch, name, drop in ((0, "checkpoint_2000-01-01_00-00-00", None), (1, "checkpoint_2000-01-02_00-00-00", shard)):
+        for f in fs.ls(by_epoch[epoch], detail=False):
+            if f.rsplit("/", 1)[-1] != drop:
+                fs.copy(f, f"{run_dir}/{name}/{f.rsplit('/', 1)[-1]}")
+    assert fs.exists(f"{run_dir}/checkpoint_2000-01-02_00-00-00/.metadata")  # looks like a checkpoint
+
+    assert latest_checkpoint(run.cfg, run.rt.storage, "cut") == f"s3://{run_dir}/checkpoint_2000-01-01_00-00-00"
+    with tempfile.TemporaryDirectory() as d:  # read directly, it is refused with what is missing
+        local = download_checkpoint(f"s3://{run_dir}/checkpoint_2000-01-02_00-00-00", run.rt.storage, d)
+        with pytest.raises(UserError, match=f"incomplete checkpoint .*{shard} missing"):
+            consolidated_model_state(local)
 
 
 @pytest.mark.slow

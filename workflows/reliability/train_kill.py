@@ -1,5 +1,8 @@
 """train_worker_kill: a Ray Train worker SIGKILLed mid-epoch; the run restarts from its last
-checkpoint, completes, and its losses equal those of an uninterrupted run.
+checkpoint, completes, and its losses equal those of an uninterrupted run. And a crash during
+checkpoint upload: the run's last checkpoint is copied under a newer name without one rank's
+shard (what a crash while the ranks upload leaves: rank 0's .metadata and train_state.json are
+there); `--resume` must still pick the previous complete checkpoint, never the cut one.
 
 Tiny quickstart settings on a local 2-CPU Ray cluster and the embedded S3 endpoint: an
 uninterrupted 2-epoch FSDP2 run on 2 workers, then the same run with worker rank 1 SIGKILLed at
@@ -65,11 +68,17 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
                 last_epoch = read_state(local)["epoch"]
                 finite = all(torch.isfinite(v).all() for v in consolidated_model_state(local).values()
                              if v.is_floating_point())
+            cut_ok = _cut_upload_is_passed_over(cfg, rt.storage, "killed")
+            notes.append("a checkpoint cut short in upload (one shard missing, newer name) is "
+                         + ("passed over by --resume, which takes the previous complete one" if cut_ok
+                            else "TAKEN by --resume"))
+            lost += int(not cut_ok)
             notes.append(f"epochs {epochs}, restarted from epoch {resumed[-1]}'s checkpoint; per-step losses "
                          f"{'equal' if same else 'DIFFER from'} the uninterrupted run's (rtol {RTOL}); final checkpoint: "
                          f"epoch {last_epoch}, {'finite' if finite else 'NON-FINITE'} weights")
             if epochs != [0, 1] or not same or last_epoch != 1 or not finite:
                 lost = 1
+            lost = min(lost, 1)
     if not injected:
         notes.append("the fault never fired")
     detail = (f"2-epoch FSDP2 run on 2 Ray Train workers (tiny quickstart), worker rank 1 SIGKILLed at step 2 of "
@@ -77,3 +86,21 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
     return make_row("train_worker_kill", injected=injected, survived=int(injected and not failed and not lost),
                     failed=failed if injected else 1, allowed_failures=0, lost=lost, detail=detail,
                     seconds=round(time.time() - t0, 1))
+
+
+def _cut_upload_is_passed_over(cfg, storage, prefix: str) -> bool:
+    """Copy the newest checkpoint of run `prefix-*` under a newer name, less one non-zero rank's
+    shard; True if latest_checkpoint still returns the original."""
+    from workflows.storage.uri import filesystem
+    from workflows.train.checkpoint import STATE_FILE
+    from workflows.train.trainer import latest_checkpoint
+
+    good = latest_checkpoint(cfg, storage, prefix)
+    fs, path = filesystem(good, storage)
+    files = json.loads(fs.cat_file(f"{path}/{STATE_FILE}"))["files"]
+    shard = next(n for n in sorted(files) if n.endswith(".distcp") and not n.startswith("__0_"))
+    cut = f"{path.rsplit('/', 1)[0]}/checkpoint_9999-12-31_23-59-59"
+    for f in fs.ls(path, detail=False):
+        if f.rsplit("/", 1)[-1] != shard:
+            fs.copy(f, f"{cut}/{f.rsplit('/', 1)[-1]}")
+    return latest_checkpoint(cfg, storage, prefix) == good

@@ -4,6 +4,12 @@ Each rank writes its own shard files (`__<rank>_0.distcp`) into its local direct
 writes `.metadata` and `train_state.json`. Ray Train uploads every rank's directory into the same
 checkpoint folder in object storage, which then holds one complete DCP checkpoint.
 
+A checkpoint is complete when every file every rank wrote is there with its size:
+train_state.json lists them (gathered from all ranks after the save). A crash while the ranks
+upload leaves a folder with some files and not others (rank 0's .metadata and train_state.json
+may be there while rank 1's shard is not); `missing` finds what is absent, so such a folder is
+never taken for a checkpoint to resume from.
+
 What a checkpoint holds, all a resumed run needs to continue exactly where this one was:
 model and optimizer state (DCP, sharded), and in train_state.json the LR scheduler state, the
 epoch just completed (the data position: checkpoints are taken at epoch ends), the global step
@@ -18,9 +24,11 @@ import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from workflows.errors import UserError
 from workflows.train.parallel import world
 
 STATE_FILE = "train_state.json"
@@ -29,14 +37,35 @@ STATE_FILE = "train_state.json"
 def save(directory: str, model, optimizer, scheduler, state: dict) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-    if world()[0] == 0:
-        body = {**state, "scheduler": scheduler.state_dict()}
+    files = {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if n != STATE_FILE}
+    rank, world_size = world()
+    if world_size > 1:  # each Ray Train worker writes its own directory: gather every rank's files
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, files)
+        files = {n: size for ranks_files in gathered for n, size in ranks_files.items()}
+    if rank == 0:
+        body = {**state, "scheduler": scheduler.state_dict(), "files": files}
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(body, f)
 
 
+def missing(listing: dict[str, int], state: dict | None) -> list[str]:
+    """Files of a checkpoint that are absent from `listing` (name -> size) or have another size;
+    [STATE_FILE] without its state. A checkpoint written before train_state.json listed its files
+    counts as complete with .metadata."""
+    if state is None:
+        return [STATE_FILE]
+    expected = state.get("files") or {".metadata": listing.get(".metadata", -1)}
+    return sorted(n for n, size in expected.items() if listing.get(n) != size)
+
+
+def local_listing(directory: str) -> dict[str, int]:
+    return {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)}
+
+
 def load(directory: str, model, optimizer, scheduler) -> dict:
     """Restore model, optimizer and scheduler in place; returns the saved train state (epoch, step...)."""
+    check_complete(directory)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=directory)
@@ -47,8 +76,14 @@ def load(directory: str, model, optimizer, scheduler) -> dict:
     return saved
 
 
+def is_file(directory: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(directory, name))
+
+
 def is_complete(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, ".metadata")) and os.path.exists(os.path.join(directory, STATE_FILE))
+    if not is_file(directory, STATE_FILE):
+        return False
+    return not missing(local_listing(directory), read_state(directory))
 
 
 def latest_local(root: str) -> str | None:
@@ -59,10 +94,18 @@ def latest_local(root: str) -> str | None:
     return os.path.join(root, found[-1]) if found else None
 
 
+def check_complete(directory: str) -> None:
+    absent = missing(local_listing(directory), read_state(directory) if is_file(directory, STATE_FILE) else None)
+    if absent:
+        raise UserError(f"incomplete checkpoint {directory}: {', '.join(absent)} missing or cut short "
+                        "(a crash while it was written or uploaded?)")
+
+
 def consolidated_model_state(directory: str) -> dict[str, torch.Tensor]:
     """One full, unsharded model state dict from a sharded checkpoint (no process group needed)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    check_complete(directory)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "full.pt")
         dcp_to_torch_save(directory, path)

@@ -202,7 +202,8 @@ def _runs_root(cfg: WorkflowConfig) -> str:
 
 
 def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> str | None:
-    """URI of the newest complete checkpoint of the newest run named `prefix-*`."""
+    """URI of the newest complete checkpoint of the newest run named `prefix-*`: a folder that lacks
+    any file its train_state.json lists (a crash during upload) is passed over."""
     fs, root = filesystem(_runs_root(cfg), ctx)
     try:
         runs = sorted((p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith(prefix + "-")), reverse=True)
@@ -211,7 +212,9 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     for run in runs:
         checkpoints = sorted((p for p in fs.ls(run, detail=False) if p.rsplit("/", 1)[-1].startswith("checkpoint_")), reverse=True)
         for c in checkpoints:
-            if fs.exists(f"{c}/.metadata") and fs.exists(f"{c}/{ckpt.STATE_FILE}"):
+            listing = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(c, detail=True) if e["type"] == "file"}
+            state = json.loads(fs.cat_file(f"{c}/{ckpt.STATE_FILE}")) if ckpt.STATE_FILE in listing else None
+            if not ckpt.missing(listing, state):
                 return with_protocol(cfg.storage.root, c)
     return None
 
