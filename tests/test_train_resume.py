@@ -102,8 +102,8 @@ def test_a_checkpoint_cut_short_in_upload_is_never_resumed_from(run):
     whole, then epoch 1's without one shard under a newer name, as the crash would leave them."""
     fs, _ = filesystem(run.reference.run_uri, run.rt.storage)
     ref_path = run.reference.run_uri.split("://", 1)[1]
-    by_epoch = {json.loads(fs.cat_file(f"{c}/{STATE_FILE}"))["epoch"]: c for c in fs.ls(ref_path, detail=False)
-                if c.rsplit("/", 1)[-1].startswith("checkpoint_")}
+    by_epoch = {json.loads(fs.cat_file(f"{e['name']}/{STATE_FILE}"))["epoch"]: e["name"] for e in fs.ls(ref_path, detail=True)
+                if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")}
     run_dir = f"{ref_path.rsplit('/', 1)[0]}/cut-20000101-000000-0000"
     files1 = json.loads(fs.cat_file(f"{by_epoch[1]}/{STATE_FILE}"))["files"]
     shard = next(n for n in sorted(files1) if n.endswith(".distcp") and not n.startswith("__0_"))

@@ -210,7 +210,8 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     except FileNotFoundError:
         return None
     for run in runs:
-        checkpoints = sorted((p for p in fs.ls(run, detail=False) if p.rsplit("/", 1)[-1].startswith("checkpoint_")), reverse=True)
+        checkpoints = sorted((e["name"] for e in fs.ls(run, detail=True) if e["type"] == "directory"
+                              and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")), reverse=True)
         for c in checkpoints:
             listing = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(c, detail=True) if e["type"] == "file"}
             state = json.loads(fs.cat_file(f"{c}/{ckpt.STATE_FILE}")) if ckpt.STATE_FILE in listing else None
