@@ -231,7 +231,9 @@ class ServeConfig(Strict):
     auth_token_env: str | None = Field(
         None, description="name of an environment variable holding a bearer token that /predict and /v1/models require")
     max_batch_size: int = Field(16, ge=1)
-    batch_wait_timeout_s: float = Field(0.01, ge=0)
+    batch_wait_timeout_s: float = Field(
+        0.0, ge=0, description="how long a batch waits to fill once its first instance arrived; 0 batches what queued "
+                               "up while the model ran (no idle wait: the model call holds the replica's event loop)")
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
     keep_running: bool = Field(False, description="`workflows serve` blocks until Ctrl-C")

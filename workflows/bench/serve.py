@@ -55,12 +55,12 @@ def _measure(rt) -> dict:
         raise UserError(f"{e}; bench serve measures a registered model: run `make demo` first") from None
     spec = f"{ref.name}:{ref.version}"
     rows = _test_rows(rt, spec, 512)
-    out: dict = {"model": spec, "cpus_per_replica": cfg.serve.cpus_per_replica}
+    out: dict = {"model": spec, "cpus_per_replica": cfg.serve.cpus_per_replica,
+                 "batch_wait_timeout_s": cfg.serve.batch_wait_timeout_s}
 
     def deployed(max_batch: int, replicas: int = 1):
         c = cfg.model_copy(deep=True)
         c.serve.max_batch_size, c.serve.num_replicas, c.serve.autoscaling = max_batch, replicas, None
-        c.serve.batch_wait_timeout_s = 0.005
         c.serve.auth_token_env = None
         return deploy(c, spec, name="bench")
 
@@ -81,6 +81,7 @@ def _measure(rt) -> dict:
 
     direct = _direct_p50_ms(rt, spec, rows)
     out["direct_p50_ms"] = round(direct, 2)
+    out.update(_inprocess_batching(rt, spec, rows))
     out["p50_overhead_ms"] = round(curve[1]["p50_ms"] - direct, 2)
     out.update(_int8(rt, spec, rows))
     out["replica_kill"] = _replica_kill(deployed, rows)
@@ -182,6 +183,24 @@ def _direct_p50_ms(rt, spec: str, rows: list[dict]) -> float:
     return 1000 * statistics.median(times)
 
 
+def _inprocess_batching(rt, spec: str, rows: list[dict]) -> dict:
+    """The most batching can give this model on these CPUs: rows/s of the predictor alone, batches
+    of 32 vs one row at a time (no HTTP, no Serve), same rows and threads."""
+    pred = _predictor(rt, spec, "fp32")
+    sample = [{c: r[c] for c in pred.text_columns} for r in rows[:256]]
+    pred.predict(sample[:32])  # warm-up
+    t0 = time.perf_counter()
+    for r in sample:
+        pred.predict([r])
+    one = len(sample) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(0, len(sample), 32):
+        pred.predict(sample[i:i + 32])
+    batched = len(sample) / (time.perf_counter() - t0)
+    return {"inprocess_rows_per_s_batch1": round(one, 1), "inprocess_rows_per_s_batch32": round(batched, 1),
+            "inprocess_batched_vs_unbatched": round(batched / one, 2)}
+
+
 def _int8(rt, spec: str, rows: list[dict]) -> dict:
     from workflows import registry
     from workflows.evaluate import evaluate_dataset
@@ -273,11 +292,13 @@ def markdown(r: dict) -> str:
     return f"""## Serving
 
 `{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs), model {r['model']}, 1 replica x
-{r['cpus_per_replica']} CPU, real HTTP from an aiohttp client on the same machine.
+{r['cpus_per_replica']} CPU, `serve.batch_wait_timeout_s` {r.get('batch_wait_timeout_s', 'n/a')}, real HTTP from an
+aiohttp client on the same machine.
 
 | measure | value | goal |
 | --- | --- | --- |
 | `batched_vs_unbatched_throughput` at concurrency 32 | {r['batched_vs_unbatched_throughput']}x ({c32['rps']:.0f} vs {r['unbatched_c32']['rps']:.0f} req/s) | >= 4 ({mark('batched_vs_unbatched_throughput')}) |
+| ceiling: the predictor alone, batches of 32 vs single rows (no HTTP) | {r.get('inprocess_batched_vs_unbatched', 'n/a')}x ({r.get('inprocess_rows_per_s_batch32', 'n/a')} vs {r.get('inprocess_rows_per_s_batch1', 'n/a')} rows/s) | |
 | `p50_overhead_ms` (HTTP p50 at concurrency 1 − in-process predictor p50 {r['direct_p50_ms']} ms) | {r['p50_overhead_ms']} ms | <= 5 ({mark('p50_overhead_ms')}) |
 | `int8_speedup` (in-process, batches of 32) | {r['int8_speedup']}x ({r['int8_rows_per_s']:.0f} vs {r['fp32_rows_per_s']:.0f} rows/s) | |
 | `int8_f1_delta` (fp32 − int8 weighted F1, held-out split) | {r['int8_f1_delta']} ({r['fp32_f1']} vs {r['int8_f1']}) | |

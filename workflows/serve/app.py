@@ -129,7 +129,7 @@ class ModelServer:
         self._predict_batch.set_max_batch_size(self.cfg.serve.max_batch_size)
         self._predict_batch.set_batch_wait_timeout_s(self.cfg.serve.batch_wait_timeout_s)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)  # both set from the config in __init__
     async def _predict_batch(self, rows: list[dict]) -> list[dict]:
         serve_metrics()["batch_size"].observe(len(rows))
         return self.predictor.predict(rows)
