@@ -84,6 +84,7 @@ def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> None:
 
 def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
     from workflows.train.export import export_artifact
+    from workflows.train.loop import epoch_line
     from workflows.train.report import plot_losses
     from workflows.train.trainer import fit
 
@@ -94,11 +95,7 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
         outcome = fit(rt.cfg, rt.storage, data, resume=resume)
     rt.persist()
     for h in outcome.history:
-        val = (f"val_perplexity {h.get('val_perplexity', 0):.2f}" if "val_perplexity" in h
-               else f"val_f1 {h.get('val_f1', 0):.4f}")
-        mfu = f", MFU {h['mfu']:.1%}" if h.get("mfu") is not None else ""
-        say(f"train:   epoch {h.get('epoch')}: loss {h.get('train_loss', 0):.4f}, {val}, "
-            f"{h.get('samples_per_s', 0):.1f} samples/s, {h.get('tokens_per_s', 0):.0f} tokens/s{mfu}")
+        say(f"train:   {epoch_line(h)}")
     summary: dict[str, Any] = {"train": asdict(outcome), "shard_cache": cache}
     curve = plot_losses(outcome.history, Path(rt.cfg.output_dir) / rt.cfg.name / "train_loss.png",
                         title=outcome.run_uri.rsplit("/", 1)[-1])

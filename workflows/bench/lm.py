@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workflows.train.lm import SIZES, build_causal_lm, flops_per_token, model_shape, peak_flops
+    from workflows.train.lm import SIZES, build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
     from workflows.train.loop import make_optimizer, make_scheduler, train_epoch
     from workflows.train.parallel import parallelize, world
 
@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> dict:
         "tokens_per_s": round(tokens_per_s, 1), "tokens_per_s_per_device": round(tokens_per_s / world_size, 1),
         "flops_per_token": fpt, "achieved_tflops_per_device": round(tokens_per_s * fpt / world_size / 1e12, 3),
         "peak_bf16_tflops_per_device": peak / 1e12 if peak else None,
-        "mfu": round(tokens_per_s * fpt / (peak * world_size), 4) if peak else None,
+        "mfu": round(mfu(tokens_per_s, params, layers, hidden, args.seq_len, world_size, device), 4) if peak else None,
         "first_loss": warm["step_losses"][0] if warm["step_losses"] else stats["step_losses"][0],
         "last_loss": stats["step_losses"][-1],
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
@@ -100,10 +100,10 @@ def worker(args: argparse.Namespace) -> dict:
     return result
 
 
-def parse(argv: list[str] | None = None, defaults: dict | None = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     from workflows.train.lm import SIZES
 
-    d = defaults or GPU_DEFAULTS
+    d = GPU_DEFAULTS
     p = argparse.ArgumentParser(prog="python -m workflows.bench.lm", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default=d["size"], choices=sorted(SIZES))
     p.add_argument("--seq-len", type=int, default=d["seq_len"])

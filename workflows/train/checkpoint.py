@@ -37,7 +37,7 @@ STATE_FILE = "train_state.json"
 def save(directory: str, model, optimizer, scheduler, state: dict) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-    files = {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if n != STATE_FILE}
+    files = {n: size for n, size in local_listing(directory).items() if n != STATE_FILE}
     rank, world_size = world()
     if world_size > 1:  # each Ray Train worker writes its own directory: gather every rank's files
         gathered: list = [None] * world_size
@@ -80,10 +80,12 @@ def is_file(directory: str, name: str) -> bool:
     return os.path.isfile(os.path.join(directory, name))
 
 
+def missing_locally(directory: str) -> list[str]:
+    return missing(local_listing(directory), read_state(directory) if is_file(directory, STATE_FILE) else None)
+
+
 def is_complete(directory: str) -> bool:
-    if not is_file(directory, STATE_FILE):
-        return False
-    return not missing(local_listing(directory), read_state(directory))
+    return not missing_locally(directory)
 
 
 def latest_local(root: str) -> str | None:
@@ -95,7 +97,7 @@ def latest_local(root: str) -> str | None:
 
 
 def check_complete(directory: str) -> None:
-    absent = missing(local_listing(directory), read_state(directory) if is_file(directory, STATE_FILE) else None)
+    absent = missing_locally(directory)
     if absent:
         raise UserError(f"incomplete checkpoint {directory}: {', '.join(absent)} missing or cut short "
                         "(a crash while it was written or uploaded?)")

@@ -63,6 +63,9 @@ def pack_blocks(rows: Iterable[np.ndarray], seq_len: int) -> np.ndarray:
     return flat[: n * seq_len].reshape(n, seq_len)
 
 
+PACK_ROWS = 1024  # rows concatenated per packing batch (each batch drops its own short tail)
+
+
 def pack_batch(batch: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
     """Ray Data map_batches: rows of token ids -> rows of `seq_len`-token blocks."""
     return {"input_ids": pack_blocks(batch["input_ids"], seq_len)}

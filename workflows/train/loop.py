@@ -246,6 +246,14 @@ def lm_mfu(cfg, model, tokens_per_s: float, device: torch.device) -> float | Non
     return mfu(tokens_per_s, params, layers, hidden, cfg.model.lm.seq_len, world()[1], device)
 
 
+def epoch_line(m: dict) -> str:
+    """One epoch's metrics as the CLI and torchrun print them."""
+    val = f"val_perplexity {m['val_perplexity']:.2f}" if "val_perplexity" in m else f"val_f1 {m.get('val_f1', 0):.4f}"
+    mfu = f", MFU {m['mfu']:.1%}" if m.get("mfu") is not None else ""
+    return (f"epoch {m.get('epoch')}: loss {m.get('train_loss', 0):.4f}, {val}, {m.get('samples_per_s', 0):.1f} "
+            f"samples/s, {m.get('tokens_per_s', 0):.0f} tokens/s{mfu}, {m.get('epoch_seconds', 0):.1f}s")
+
+
 def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, start_epoch: int, history: list[dict],
                train_batches: Callable[[int], Iterable[dict]], val_batches: Callable[[], Iterable[dict]],
                end_of_epoch: Callable[[int, dict, list[dict]], None], resumed_from_epoch: int | None = None,

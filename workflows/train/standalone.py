@@ -36,7 +36,7 @@ from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import build_training, collate, data_seed, run_epochs
+from workflows.train.loop import build_training, collate, data_seed, epoch_line, run_epochs
 from workflows.train.parallel import world
 
 PROCESS_START = time.time()
@@ -110,12 +110,12 @@ def rank_share(rows: dict[str, list], rank: int, world_size: int) -> dict[str, l
 
 
 def packed_rows(rows: dict[str, list], seq_len: int) -> dict[str, list]:
-    """Causal LM: token rows -> blocks of seq_len tokens (lm.pack_batch per 1024 rows, as Ray Data's
-    map_batches packs them); label_id is unused there but keeps the row count."""
-    from workflows.train.lm import pack_batch
+    """Causal LM: token rows -> blocks of seq_len tokens (lm.pack_batch per lm.PACK_ROWS rows, as Ray
+    Data's map_batches packs them); label_id is unused there but keeps the row count."""
+    from workflows.train.lm import PACK_ROWS, pack_batch
 
     ids = rows["input_ids"]
-    parts = [pack_batch({"input_ids": ids[i:i + 1024]}, seq_len)["input_ids"] for i in range(0, len(ids), 1024)]
+    parts = [pack_batch({"input_ids": ids[i:i + PACK_ROWS]}, seq_len)["input_ids"] for i in range(0, len(ids), PACK_ROWS)]
     blocks = np.concatenate(parts) if parts else np.zeros((0, seq_len), np.int64)
     return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
 
@@ -200,11 +200,7 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         if rank == 0:
-            val = (f"val_perplexity {metrics['val_perplexity']:.2f}" if lm else f"val_f1 {metrics['val_f1']:.4f}")
-            mfu = f", MFU {metrics['mfu']:.1%}" if metrics.get("mfu") is not None else ""
-            print(f"standalone: epoch {epoch}: loss {metrics['train_loss']:.4f}, {val}, {metrics['samples_per_s']:.1f} "
-                  f"samples/s, {metrics['tokens_per_s']:.0f} tokens/s{mfu}, {metrics['epoch_seconds']:.1f}s",
-                  file=sys.stderr, flush=True)
+            print(f"standalone: {epoch_line(metrics)}", file=sys.stderr, flush=True)
         if checkpoint_dir:
             d = os.path.join(checkpoint_dir, f"epoch_{epoch:04d}")
             os.makedirs(d, exist_ok=True)

@@ -154,10 +154,10 @@ def fault_hook(fault: dict | None, rank: int):
 
 
 def packed(ds, seq_len: int):
-    """Token rows -> blocks of `seq_len` tokens (lm.pack_batch per batch of 1024 rows, in order)."""
-    from workflows.train.lm import pack_batch
+    """Token rows -> blocks of `seq_len` tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
+    from workflows.train.lm import PACK_ROWS, pack_batch
 
-    return ds.map_batches(pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=1024,
+    return ds.map_batches(pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=PACK_ROWS,
                           num_cpus=0)
 
 
