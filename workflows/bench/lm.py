@@ -139,12 +139,17 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
     gpus = torch.cuda.device_count()
     defaults = dict(GPU_DEFAULTS if gpus else CPU_DEFAULTS)
+    from workflows.errors import UserError
+    from workflows.train.lm import SIZES
+
     for item in overrides:
         key, _, value = item.partition("=")
         if key not in defaults:
-            from workflows.errors import UserError
-
             raise UserError(f"bench lm: unknown setting {key!r}; use {', '.join(defaults)}")
+        if key == "size" and value not in SIZES:
+            raise UserError(f"bench lm: size {value!r} is not one of {', '.join(SIZES)}")
+        if key != "size" and not (value.isdigit() and int(value) > 0):
+            raise UserError(f"bench lm: {key} must be a positive integer, got {value!r}")
         defaults[key] = value if key == "size" else int(value)
     procs = max(gpus, 1)
     with tempfile.TemporaryDirectory() as tmp:
