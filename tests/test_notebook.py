@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, free_port
-from tests.test_jobs import local_cluster
+from workflows.reliability.local_cluster import local_cluster
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 

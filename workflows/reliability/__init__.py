@@ -33,12 +33,13 @@ ROWS: list[RowSpec] = [
     RowSpec("cache_download_kill", "workflows.reliability.cache_kill", True,
             "SIGKILL a process at random points of shard downloads into the shard cache; every later read is exact"),
     RowSpec("object_store_faults", "workflows.reliability.object_store", True,
-            "503 SlowDown, slow responses and connection resets from a proxy in front of the S3 endpoint"),
+            "503 SlowDown, slow responses and connection resets from a proxy in front of the S3 endpoint; "
+            "the full run preprocesses and trains through it"),
     RowSpec("object_store_outage", "workflows.reliability.object_store", True,
             "the endpoint goes away: clear errors in bounded time, nothing half-written"),
     RowSpec("secrets_hygiene", "workflows.reliability.secrets", True,
             "credentials in the environment never reach logs, summaries, the store or the cache; "
-            "safe weight loading; path-safe names; bearer-token checks"),
+            "safe weight loading; path-safe names; bearer-token checks; Ray token auth for job submission (full run)"),
     RowSpec("serve_hostile_inputs", "workflows.reliability.serve_hostile", False,
             "hostile HTTP requests to the Ray Serve app: 4xx with a message, and it keeps serving"),
     RowSpec("train_worker_kill", "workflows.reliability.train_kill", False,
@@ -47,6 +48,9 @@ ROWS: list[RowSpec] = [
             "10k requests at concurrency 64 (recorded by `workflows bench serve`)", recorded=True),
     RowSpec("serve_replica_kill", "workflows.reliability.recorded", False,
             "one of 2 Serve replicas SIGKILLed under load (recorded by `workflows bench serve`)", recorded=True),
+    RowSpec("serve_rolling_update", "workflows.reliability.recorded", False,
+            "a new model version rolled out while 2 replicas serve under load: no request dropped "
+            "(recorded by `workflows bench serve`)", recorded=True),
 ]
 BY_NAME = {r.name: r for r in ROWS}
 

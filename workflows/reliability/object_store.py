@@ -6,7 +6,10 @@ some more; the platform's own data-path calls go through it with `StorageContext
 list_shards, ShardCache.fetch (boto3/s3transfer), s3fs reads (read_json, open/cat, download_dir
 as registry.fetch uses it), write_json / write_bytes_atomic, check_bucket. Each result is checked
 against what was put into the store directly (not through the proxy): `survived` = completed
-with the right data, `failed` = raised, `lost` = returned or stored WRONG data.
+with the right data, `failed` = raised, `lost` = returned or stored WRONG data. The full run
+(`make reliability`) adds `workflows preprocess` and `workflows train` in new processes with the
+proxy as their endpoint: Ray Data reads, the shard cache, Ray Train's checkpoint uploads and the
+registry all go through the faults; afterwards every checkpoint in the store must be complete.
 
 object_store_outage: the endpoint goes away —
 - killed: the embedded endpoint's process is SIGKILLed, then every data-path call runs against
@@ -66,7 +69,7 @@ def _put_fixture(client, rng: random.Random, shards: int = 6, size: int = 200_00
 
 # -- object_store_faults ----------------------------------------------------------------------
 def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds: int = 2, full: bool = False) -> dict:
-    """`full` (not --fast) adds a real `workflows preprocess` run through the proxy."""
+    """`full` (not --fast) adds real `workflows preprocess` and `workflows train` runs through the proxy."""
     cli = full
     from workflows.preprocess.sources import list_shards
     from workflows.reliability.fault_proxy import FaultProxy
@@ -136,12 +139,14 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
                 model = {k.rsplit("/", 1)[1]: v for k, v in objects.items() if k.startswith("models/m/v1/")}
                 op("download_dir", lambda: download_dir(f"s3://{BUCKET}/models/m/v1", ctx, str(dest)),
                    lambda _, d=dest, m=model: {p.name: p.read_bytes() for p in d.iterdir()} == m)
-            cli_result = _preprocess_through(proxy, s3, workdir) if cli else None
-            if cli_result is not None:
-                tally = outcomes.setdefault("workflows preprocess (CLI)", [0, 0, 0])
-                tally[0 if cli_result["ok"] else 1] += 1
-                if not cli_result["ok"]:
-                    errors.append(f"workflows preprocess: {cli_result['error']}")
+            stages = {}
+            if cli:  # preprocess first: train reuses its materialized dataset
+                for stage, through in (("preprocess", _preprocess_through), ("train", _train_through)):
+                    stages[stage] = result = through(proxy, s3, workdir)
+                    tally = outcomes.setdefault(f"workflows {stage} (CLI)", [0, 0, 0])
+                    tally[0 if result["ok"] else 2 if result["lost"] else 1] += 1
+                    if not result["ok"]:
+                        errors.append(f"workflows {stage}: {result['error']}")
             counts = dict(proxy.counts)
     survived = sum(t[0] for t in outcomes.values())
     failed = sum(t[1] for t in outcomes.values())
@@ -151,8 +156,8 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
     detail = (f"{counts.get('requests', 0)} requests through the proxy, faults injected: {faults} "
               f"(503 SlowDown with S3's XML body; resets are TCP RSTs); StorageContext(retries={retries}); "
               f"correct: {per_op}")
-    if cli_result is not None:
-        detail += f"; CLI preprocess through the proxy: {cli_result['summary']}"
+    for stage, result in stages.items():
+        detail += f"; CLI {stage} through the proxy: {result['summary']}"
     if errors:
         detail += "; errors: " + " | ".join(errors[:6])
     injected = sum(counts.get(k, 0) for k in ("slowdown", "slow", "reset_before", "reset_mid"))
@@ -168,20 +173,20 @@ def _cat(fs_path) -> bytes:
         return f.read()
 
 
-def _preprocess_through(proxy, s3, workdir: Path) -> dict:
-    """`workflows preprocess` (tiny quickstart) in a new process, its object store behind the proxy:
+def _cli_through(proxy, workdir: Path, command: str, extra: list[str] = ()) -> tuple[object, float, Path]:
+    """`workflows COMMAND` (tiny quickstart) in a new process, its object store behind the proxy:
     the embedded endpoint is turned off in the config and the proxy given as storage.endpoint_url
-    (with the embedded endpoint on, runtime() would point the stage at the endpoint itself)."""
+    (with the embedded endpoint on, runtime() would point the stage at the endpoint itself).
+    Returns (completed process, seconds, the run's summary folder)."""
     import subprocess
     import sys
 
     from workflows.reliability import tiny_overrides
 
-    s3.ensure_bucket("workflows")
     tmp = workdir / "cli"
     overrides = [*tiny_overrides(tmp), "storage.embedded.enabled=false", f"storage.endpoint_url={proxy.url}",
-                 "storage.retries=10"]
-    args = [sys.executable, "-m", "workflows", "preprocess", "--config", "configs/quickstart.yaml"]
+                 "storage.retries=10", *extra]
+    args = [sys.executable, "-m", "workflows", command, "--config", "configs/quickstart.yaml"]
     for o in overrides:
         args += ["--set", o]
     ray_tmp = _short_tmp()
@@ -191,18 +196,75 @@ def _preprocess_through(proxy, s3, workdir: Path) -> dict:
         res = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=_repo_root(), env=env)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    took = time.time() - t0
-    summary_path = tmp / "runs" / "quickstart" / "preprocess.json"
+    return res, time.time() - t0, tmp / "runs" / "quickstart"
+
+
+def _exit_error(res, took: float) -> dict:
+    return {"ok": False, "lost": False, "summary": f"exit {res.returncode} after {took:.0f}s",
+            "error": (res.stderr.strip().splitlines() or ["?"])[-1][:300]}
+
+
+def _preprocess_through(proxy, s3, workdir: Path) -> dict:
+    s3.ensure_bucket("workflows")
+    res, took, runs = _cli_through(proxy, workdir, "preprocess")
+    summary_path = runs / "preprocess.json"
     if res.returncode != 0 or not summary_path.exists():
-        return {"ok": False, "summary": f"exit {res.returncode} after {took:.0f}s",
-                "error": (res.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        return _exit_error(res, took)
     summary = json.loads(summary_path.read_text())
     counts = (summary.get("dataset") or summary).get("counts") or {}
     expected = 4 * 40  # 4 classes x data.builtin_rows_per_class
     if sum(counts.values()) != expected:
-        return {"ok": False, "summary": f"exit 0 in {took:.0f}s but {counts} rows, not {expected}",
+        return {"ok": False, "lost": True, "summary": f"exit 0 in {took:.0f}s but {counts} rows, not {expected}",
                 "error": f"processed {sum(counts.values())} rows, expected {expected}"}
-    return {"ok": True, "summary": f"exit 0 in {took:.0f}s, {expected} rows processed {counts}"}
+    return {"ok": True, "lost": False, "summary": f"exit 0 in {took:.0f}s, {expected} rows processed {counts}"}
+
+
+def _train_through(proxy, s3, workdir: Path, epochs: int = 2) -> dict:
+    """`workflows train` through the proxy: the workers read the processed shards (shard cache),
+    Ray Train uploads each epoch's sharded checkpoint, the best one is exported and registered.
+    Then, over a direct connection: every checkpoint folder is complete (each file each rank
+    wrote, with its size, per train_state.json) and the registered weights load."""
+    from workflows.storage.uri import StorageContext
+    from workflows.train.checkpoint import STATE_FILE, missing
+
+    res, took, runs = _cli_through(proxy, workdir, "train", [f"train.epochs={epochs}"])
+    summary_path = runs / "train.json"
+    if res.returncode != 0 or not summary_path.exists():
+        return _exit_error(res, took)
+    summary = json.loads(summary_path.read_text())
+    history, registered = summary["train"]["history"], summary.get("registered") or {}
+    client = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True).boto3_client()
+    bucket, _, run_key = summary["train"]["run_uri"].removeprefix("s3://").partition("/")
+    listing: dict[str, dict[str, int]] = {}  # checkpoint folder -> file name -> size
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=run_key + "/"):
+        for o in page.get("Contents", []):
+            folder, _, name = o["Key"][len(run_key) + 1:].partition("/")
+            if folder.startswith("checkpoint_") and name:  # not Ray's checkpoint_manager_snapshot.json file
+                listing.setdefault(folder, {})[name] = o["Size"]
+    problems = []
+    for folder, files in sorted(listing.items()):
+        state = None
+        if STATE_FILE in files:
+            body = client.get_object(Bucket=bucket, Key=f"{run_key}/{folder}/{STATE_FILE}")["Body"].read()
+            state = json.loads(body)
+        absent = missing(files, state)
+        if absent:
+            problems.append(f"{folder}: {', '.join(absent)} missing or cut short")
+    weights = None
+    if registered:
+        from safetensors.torch import load
+
+        rbucket, _, rkey = registered["uri"].removeprefix("s3://").partition("/")
+        blob = client.get_object(Bucket=rbucket, Key=f"{rkey}/model.safetensors")["Body"].read()
+        weights = sum(t.numel() for t in load(blob).values())
+    if len(history) != epochs or len(listing) < 1 or not registered:
+        problems.append(f"{len(history)} epoch(s) of {epochs}, {len(listing)} checkpoint(s), "
+                        f"registered: {registered.get('name')}:v{registered.get('version')}")
+    text = (f"exit 0 in {took:.0f}s, {len(history)} epochs, {len(listing)} complete checkpoint(s) in the store, "
+            f"registered {registered.get('name')}:v{registered.get('version')} ({weights} weights load)")
+    if problems:
+        return {"ok": False, "lost": True, "summary": text, "error": "; ".join(problems)[:300]}
+    return {"ok": True, "lost": False, "summary": text}
 
 
 def _repo_root() -> Path:

@@ -3,6 +3,8 @@
 - serve_load, serve_replica_kill: `workflows bench serve` writes benchmarks/results/serve.json with
   `load_10k` (10,000 requests at concurrency 64) and `replica_kill` (one of 2 replicas SIGKILLed
   mid-load). Read from there, with the file's command and date.
+- serve_rolling_update: the same file's `rolling_update` (a new model version deployed to the
+  application while 2 replicas serve the old one under load).
 """
 
 from __future__ import annotations
@@ -62,4 +64,23 @@ def serve_replica_kill(workdir: Path | None = None, seed: int = 0) -> dict:
                            f"({kill.get('failed_after_kill')} after the kill; {kill.get('error_kinds') or {}}), replica "
                            f"replaced after {recovery if recovery is not None else 'never (within 120 s)'} s; allowed: "
                            f"< 1% failed; " + _source(doc, "serve.json", "replica_kill"),
+                    measured=True, measured_at=doc.get("measured_at"), source="benchmarks/results/serve.json")
+
+
+def serve_rolling_update(workdir: Path | None = None, seed: int = 0) -> dict:
+    doc = _load("serve.json")
+    u = (doc or {}).get("rolling_update")
+    if not u:
+        return _absent("serve_rolling_update", "benchmarks/results/serve.json has no `rolling_update`; run "
+                                               "`workflows bench serve`")
+    requests, failed = int(u["requests"]), int(u["failed"])
+    # a rollout that never switched lost the new version: counted as a failed rollout
+    failed_rollout = 0 if u.get("switched") else 1
+    return make_row("serve_rolling_update", injected=1, survived=requests - failed, failed=failed + failed_rollout,
+                    allowed_failures=0, lost=0,
+                    detail=f"v{u.get('to_version')} deployed over v{u.get('from_version')} (2 replicas) "
+                           f"under {requests} requests at concurrency {u.get('concurrency')}: {failed} failed "
+                           f"{u.get('error_kinds') or ''}; answered by {u['answered_by']}; first answer of the new "
+                           f"version {u.get('first_new_version_s')} s after the deploy began, last of the old one "
+                           f"{u.get('last_old_version_s')} s; " + _source(doc, "serve.json", "rolling_update"),
                     measured=True, measured_at=doc.get("measured_at"), source="benchmarks/results/serve.json")

@@ -17,6 +17,11 @@ missing/wrong bearer token are rejected.
 4. Bearer token: the Serve app's check (ModelServer._denied) rejects a missing, wrong, truncated,
    extended or differently-schemed token and accepts the right one; bearer_token() refuses to
    start when the configured variable is unset. A wrongly accepted request counts as lost.
+5. Ray token auth for job submission (full run only: it starts a cluster): on a head node
+   started by cluster/local/start.sh with RAY_AUTH_MODE=token, the Jobs API answers 401 without a
+   token and 403 with another one, `ray job submit` without the token or with another one is
+   refused and its entrypoint never runs, and with the token the job runs. A refused client's
+   output never holds the cluster's token. A wrongly accepted submission counts as lost.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ SECRETS = {"AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRE
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True) -> dict:
+def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: bool = False) -> dict:
     workdir = Path(workdir)
     t_start = time.time()
     failures: list[str] = []  # ids of failed checks
@@ -90,6 +95,22 @@ def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True) -> dic
     notes.append(f"bearer token: {auth['checked']} cases of ModelServer._denied / bearer_token, "
                  f"{auth['checked'] - len(auth['wrong']) - len(auth['errors'])} decided right" +
                  (f"; wrong: {auth['wrong']}" if auth["wrong"] else "") + (f"; errors: {auth['errors']}" if auth["errors"] else ""))
+
+    # 5. Ray token auth for job submission
+    if full:
+        from workflows.reliability.local_cluster import local_cluster
+
+        with local_cluster(workdir / "cluster", workers=0, head_cpus=1) as cluster:
+            ray_auth = ray_token_auth_checks(cluster, workdir / "ray-auth")
+        injected += ray_auth["checked"]
+        survived += ray_auth["checked"] - len(ray_auth["wrong"]) - len(ray_auth["errors"])
+        lost += len(ray_auth["wrongly_accepted"])
+        failures += [f"ray-auth:{w}" for w in ray_auth["wrong"] if w not in ray_auth["wrongly_accepted"]]
+        failures += [f"ray-auth:{e}" for e in ray_auth["errors"]]
+        notes.append(f"Ray token auth (a head node with RAY_AUTH_MODE=token): {ray_auth['checked']} Jobs API / "
+                     f"`ray job submit` cases, {ray_auth['checked'] - len(ray_auth['wrong']) - len(ray_auth['errors'])} "
+                     "decided right" + (f"; wrong: {ray_auth['wrong']}" if ray_auth["wrong"] else "")
+                     + (f"; errors: {ray_auth['errors']}" if ray_auth["errors"] else ""))
     notes += static["notes"]
     return make_row("secrets_hygiene", injected=injected, survived=survived, failed=len(failures), allowed_failures=0,
                     lost=lost, detail="; ".join(notes), failures=failures, seconds=round(time.time() - t_start, 1))
@@ -340,4 +361,74 @@ def token_checks() -> dict:
         wrongly_accepted.append(wrong[-1])
     except RuntimeError:
         pass
+    return {"checked": checked, "wrong": wrong, "wrongly_accepted": wrongly_accepted, "errors": errors}
+
+
+# -- 5. Ray token auth for job submission -----------------------------------------------------
+def ray_token_auth_checks(cluster, workdir: Path) -> dict:
+    """Against a running token-auth cluster (reliability.local_cluster): who may use the Jobs API.
+    The clients run with HOME in `workdir`, so no ~/.ray/auth_token can stand in for the token."""
+    import secrets as pysecrets
+
+    import requests
+
+    from workflows.reliability.local_cluster import ray_cli
+
+    workdir = Path(workdir)
+    (workdir / "home").mkdir(parents=True, exist_ok=True)
+    token = cluster.env["RAY_AUTH_TOKEN"]
+    other = pysecrets.token_hex(32)
+    api = f"{cluster.dashboard}/api/jobs/"
+    checked, wrong, wrongly_accepted, errors = 0, [], [], []
+
+    def decide(case: str, accepted: bool, should_accept: bool, leaked: bool = False) -> None:
+        nonlocal checked
+        checked += 1
+        if accepted != should_accept:
+            wrong.append(case)
+            if accepted:
+                wrongly_accepted.append(case)
+        if leaked:
+            wrong.append(f"{case}: the token in its output")
+
+    for case, headers, status in (("HTTP, no token", {}, 401),
+                                  ("HTTP, another token", {"Authorization": f"Bearer {other}"}, 403),
+                                  ("HTTP, the token", {"Authorization": f"Bearer {token}"}, 200)):
+        try:
+            got = requests.get(api, headers=headers, timeout=30).status_code
+        except requests.RequestException as e:
+            errors.append(f"{case}: {type(e).__name__}")
+            continue
+        decide(f"{case} -> {got}", got == 200, status == 200)
+        if got not in (status, 200):
+            wrong.append(f"{case}: {got}, expected {status}")
+
+    no_token = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH")}
+    refused_markers: dict[str, str | None] = {}
+    for case, env, should_accept in (("ray job submit, no token", no_token, False),
+                                     ("ray job submit, another token", {**cluster.env, "RAY_AUTH_TOKEN": other}, False),
+                                     ("ray job submit, the token", cluster.env, True)):
+        marker = f"entrypoint-ran-{pysecrets.token_hex(4)}"
+        try:
+            res = ray_cli(["job", "submit", "--address", cluster.dashboard, "--", "python", "-c", f"print('{marker}')"],
+                          {**env, "HOME": str(workdir / "home")}, timeout=300)
+        except Exception as e:  # noqa: BLE001 - a hung or crashed client is an error, reported
+            errors.append(f"{case}: {type(e).__name__}")
+            continue
+        out = res.stdout + res.stderr
+        ran = res.returncode == 0 and marker in out
+        decide(case, ran, should_accept, leaked=not should_accept and token in out)
+        if not should_accept and not ran and "auth" not in out.lower():
+            wrong.append(f"{case}: refused without saying why ({out.strip().splitlines()[-1:]})")
+        refused_markers[marker] = case if not should_accept else None
+    # and no refused submission left a job behind (one that ran without streaming its output)
+    try:
+        jobs = requests.get(api, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+        for job in jobs:
+            for marker, case in refused_markers.items():
+                if case and marker in job.get("entrypoint", ""):
+                    wrong.append(f"{case}: a job was created")
+                    wrongly_accepted.append(f"{case}: a job was created")
+    except (requests.RequestException, ValueError) as e:
+        errors.append(f"listing jobs: {type(e).__name__}")
     return {"checked": checked, "wrong": wrong, "wrongly_accepted": wrongly_accepted, "errors": errors}
