@@ -12,11 +12,17 @@ every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the repli
   batches of 32, and weighted F1 on the model's held-out split (fp32 minus int8).
 - load_10k: 10,000 requests at concurrency 64 (goal: 0 errors); replica_kill: one of 2 replicas
   SIGKILLed mid-load (goals: < 1% failed, recovery < 30 s).
+- rolling_update: 2 replicas serve v1 of a model under load, v2 is deployed to the same
+  application; Serve starts v2's replicas, then drains v1's (goal: 0 failed requests). v1 and v2
+  are two registrations of the measured model's artifact under a scratch prefix of the store
+  (removed afterwards): the rollout path is the real one (new artifact id, new replicas fetch and
+  load it), only the weights are the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -30,7 +36,7 @@ MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
 LOAD_REQUESTS = int(os.environ.get("WORKFLOWS_BENCH_SERVE_REQUESTS", "10000"))
 PLOT = Path("docs/images/serve_latency_throughput.png")
 GOALS = {"batched_vs_unbatched_throughput": 4.0, "p50_overhead_ms": 5.0, "load_errors": 0,
-         "replica_kill_failed_fraction": 0.01, "replica_kill_recovery_s": 30.0}
+         "replica_kill_failed_fraction": 0.01, "replica_kill_recovery_s": 30.0, "rolling_update_failed": 0}
 
 
 def run(config: str | None, overrides: list[str]) -> dict:
@@ -86,6 +92,8 @@ def _measure(rt) -> dict:
     out.update(_int8(rt, spec, rows))
     out["replica_kill"] = _replica_kill(deployed, rows)
     serve.delete("bench")
+    out["rolling_update"] = _rolling_update(rt, spec, rows)
+    serve.delete("bench")
     _plot(curve, out["unbatched_c32"])
     out["plot"] = str(PLOT)
     out["goals"] = GOALS
@@ -95,6 +103,8 @@ def _measure(rt) -> dict:
         "load_errors": load["errors"] == 0,
         "replica_kill_failed_fraction": out["replica_kill"]["failed_fraction"] < GOALS["replica_kill_failed_fraction"],
         "replica_kill_recovery_s": (out["replica_kill"]["recovery_s"] or 1e9) < GOALS["replica_kill_recovery_s"],
+        "rolling_update_failed": out["rolling_update"]["failed"] == GOALS["rolling_update_failed"]
+                                 and out["rolling_update"]["switched"],
     }
     return out
 
@@ -131,11 +141,14 @@ async def _load_async(url, rows, n, concurrency, stop, record) -> dict:
             row = rows[i % len(rows)]
             body = {"instances": [{c: row[c] for c in text_cols if c in row} or row]}
             t0 = time.perf_counter()
+            version = None
             try:
                 async with session.post(f"{url}/predict", json=body) as resp:
-                    await resp.read()
+                    raw = await resp.read()
                     ok = resp.status == 200
                     key = str(resp.status)
+                if ok and record is not None:
+                    version = json.loads(raw).get("version")
             except aiohttp.ClientError as e:
                 ok, key = False, type(e).__name__
             t1 = time.perf_counter()
@@ -144,7 +157,7 @@ async def _load_async(url, rows, n, concurrency, stop, record) -> dict:
             else:
                 errors[key] = errors.get(key, 0) + 1
             if record is not None:
-                record.append((t1, ok))
+                record.append((t1, ok, version))
 
     t0 = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=120)
@@ -253,11 +266,62 @@ def _replica_kill(deployed, rows: list[dict]) -> dict:
             break
         time.sleep(0.5)
     runner.join()
-    failed_after = sum(1 for t, ok in record if not ok and t >= killed_at)
+    failed_after = sum(1 for t, ok, _ in record if not ok and t >= killed_at)
     return {"requests": result["requests"], "failed": result["errors"], "failed_after_kill": failed_after,
             "failed_fraction": round(result["errors"] / max(result["requests"], 1), 4),
             "error_kinds": result["error_kinds"], "recovery_s": round(recovery, 1) if recovery else None,
             "rps": result["rps"]}
+
+
+# -- a new version rolled out under load -------------------------------------------------------
+def _rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 16) -> dict:
+    from workflows import registry
+    from workflows.serve.app import deploy
+    from workflows.storage.uri import filesystem
+
+    cfg = rt.cfg.model_copy(deep=True)
+    cfg.storage.root = f"{rt.cfg.storage.root.rstrip('/')}/bench-rollout"
+    cfg.serve.max_batch_size, cfg.serve.num_replicas, cfg.serve.autoscaling = 32, 2, None
+    cfg.serve.auth_token_env = None
+    local, meta = registry.fetch(rt.cfg, rt.storage, spec)
+    lineage = {k: v for k, v in meta.items() if k not in ("name", "version", "artifact_id", "registered_at")}
+    old, new = (registry.register(cfg, rt.storage, local, "rollout", {**lineage, "copy_of": spec}) for _ in range(2))
+    try:
+        url = deploy(cfg, f"rollout:{old.version}", name="bench")
+        _load(url, rows, 64, concurrency)  # warm-up
+        record: list = []
+        result: dict = {}
+        stop = threading.Event()
+        runner = threading.Thread(target=lambda: result.update(_load(url, rows, 10**9, concurrency, stop, record)))
+        runner.start()
+        time.sleep(5)
+        started = time.perf_counter()
+        deploy(cfg, f"rollout:{new.version}", name="bench")  # returns once the application runs v2
+        deployed_s = time.perf_counter() - started
+        deadline = time.perf_counter() + 120
+        while time.perf_counter() < deadline:  # the load goes on until only v2 has answered for 5 s
+            now = time.perf_counter()
+            recent = [v for t, ok, v in list(record) if t > now - 5]
+            if now - started > deployed_s + 5 and recent and all(v == new.version for v in recent):
+                break
+            time.sleep(0.5)
+        stop.set()
+        runner.join()
+    finally:
+        fs, path = filesystem(cfg.uri("models"), rt.storage)
+        fs.rm(path, recursive=True)
+    during = [(t, ok, v) for t, ok, v in record if t >= started]
+    first_new = min((t for t, ok, v in during if v == new.version), default=None)
+    last_old = max((t for t, ok, v in during if v == old.version), default=None)
+    return {"requests": result["requests"], "failed": result["errors"], "error_kinds": result["error_kinds"],
+            "failed_during_rollout": sum(1 for _, ok, _ in during if not ok), "concurrency": concurrency,
+            "from_version": old.version, "to_version": new.version,
+            "answered_by": {f"v{old.version}": sum(1 for *_, v in record if v == old.version),
+                            f"v{new.version}": sum(1 for *_, v in record if v == new.version)},
+            "switched": first_new is not None, "deploy_returned_s": round(deployed_s, 1),
+            "first_new_version_s": round(first_new - started, 1) if first_new else None,
+            "last_old_version_s": round(last_old - started, 1) if last_old else None,
+            "rps": result["rps"], "p99_ms": result["p99_ms"]}
 
 
 def _plot(curve: dict, unbatched: dict) -> None:
@@ -277,6 +341,17 @@ def _plot(curve: dict, unbatched: dict) -> None:
     labels = ax1.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
     ax1.legend(lines, labels, fontsize=7, loc="upper left")
     save_png(fig, PLOT)
+
+
+def _rollout_row(r: dict) -> str:
+    u = r.get("rolling_update")
+    if not u:
+        return "| new version rolled out under load | not measured in this run | 0 failed |"
+    met = "met" if r["goals_met"].get("rolling_update_failed") else "**not met**"
+    return (f"| new version rolled out under load (2 replicas, concurrency {u['concurrency']}): failed requests | "
+            f"{u['failed']} of {u['requests']}; answered by {u['answered_by']}; first v2 answer after "
+            f"{u['first_new_version_s']} s, last v1 answer {u['last_old_version_s']} s, deploy returned after "
+            f"{u['deploy_returned_s']} s | 0 ({met}) |")
 
 
 def markdown(r: dict) -> str:
@@ -305,6 +380,7 @@ aiohttp client on the same machine.
 | {load['requests']} requests at concurrency 64: errors | {load['errors']} ({load['rps']:.0f} req/s, p99 {load['p99_ms']} ms) | 0 ({mark('load_errors')}) |
 | one of 2 replicas SIGKILLed under load: failed requests | {k['failed']} of {k['requests']} ({100 * k['failed_fraction']:.2f}%) | < 1% ({mark('replica_kill_failed_fraction')}) |
 | replica replaced after | {k['recovery_s']} s | < 30 s ({mark('replica_kill_recovery_s')}) |
+{_rollout_row(r)}
 
 Batched deployment, by concurrency:
 
