@@ -137,3 +137,15 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     assert len(after) == 3
     for trial_id, result in finished.items():  # the finished trials' results are the ones from before
         assert after[trial_id] == result, f"trial {trial_id} ran again"
+
+
+def test_asha_ratio_model_uses_rays_rule():
+    """The bench's expectation for asha_epochs_ratio, simulated with Ray's own bracket: a lone
+    trial always runs its full budget; Ray's async rule trains more than synchronous halving
+    (21 of 81 epochs for 9 trials, rungs 1/3/9), and less as more trials share the rungs."""
+    from workflows.bench.tune import asha_ratio_model
+
+    assert asha_ratio_model(1, 3, 1, 9, reps=20)["mean"] == 1.0
+    nine, many = asha_ratio_model(9, 3, 1, 9, reps=300), asha_ratio_model(27, 3, 1, 9, reps=300)
+    assert 21 / 81 < many["mean"] < nine["mean"] < 0.6
+    assert nine["p10"] <= nine["p50"] <= nine["p90"] and 0 < nine["p_meets_goal"] < 1
