@@ -1,3 +1,6 @@
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import QUICKSTART, run_cli
@@ -75,3 +78,23 @@ def test_cli_help_on_every_command():
     for cmd in ["preprocess", "train", "tune", "evaluate", "serve", "predict", "pipeline", "bench", "models", "plan"]:
         res = run_cli(cmd, "--help", timeout=120)
         assert res.returncode == 0 and "--help" in res.stdout, (cmd, res.stderr)
+
+
+def test_unknown_model_fails_before_ray_starts(tmp_path):
+    """evaluate / predict / serve check the registry (object store only) before starting Ray: an
+    unknown model is a one-line error in seconds, and no Ray instance is started for it."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "a", "label": "b"}\n')
+    store = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs", f"cache.dir={tmp_path}/cache"]
+    sets = [a for s in store for a in ("--set", s)]
+    # where a Ray instance started by the command would put its session (short: Ray's socket paths)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="wf-", dir="/tmp"))
+    for args in (["evaluate", "--model", "nope", "--data", str(data)],
+                 ["predict", "--model", "nope:3", "--data", str(data), "--output", "s3://workflows/out"],
+                 ["serve", "--model", "nope", "--no-block"]):
+        res = run_cli(*args, "--config", str(QUICKSTART), *sets, timeout=120,
+                      env={"RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""})
+        assert res.returncode == 2, (args, res.stderr[-2000:])
+        assert "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert not list(ray_tmp.iterdir()), (args, list(ray_tmp.iterdir()))
+    ray_tmp.rmdir()

@@ -38,15 +38,28 @@ def _run(fn: Callable[[], object]) -> None:
         raise typer.Exit(2)
 
 
-def _in_runtime(config: str, overrides: Optional[List[str]], body: Callable, ray_needed: bool = True) -> None:
-    """Load the config, start the runtime (object store, Ray), run `body(rt)`; user errors in one line."""
+def _in_runtime(config: str, overrides: Optional[List[str]], body: Callable, ray_needed: bool = True,
+                before_ray: Optional[Callable] = None) -> None:
+    """Load the config, start the runtime (object store, Ray), run `body(rt)`; user errors in one line.
+    `before_ray(cfg, storage)` checks what needs only the object store before Ray starts."""
     def go():
         from workflows.runtime import runtime
 
         cfg = _load(config, overrides)
-        with runtime(cfg, ray_needed=ray_needed) as rt:
+        check = (lambda storage: before_ray(cfg, storage)) if before_ray else None
+        with runtime(cfg, ray_needed=ray_needed, before_ray=check) as rt:
             body(rt)
     _run(go)
+
+
+def _registered(*specs: str) -> Callable:
+    """A before_ray check: every model spec names a registered version."""
+    def check(cfg, storage):
+        from workflows import registry
+
+        for spec in specs:
+            registry.resolve(cfg, storage, spec)
+    return check
 
 
 def _load(config: str, overrides: Optional[List[str]]):
@@ -103,7 +116,7 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
             typer.echo(f"metrics written to {output}", err=True)
         rt.write_summary("evaluate", result)
 
-    _in_runtime(config, set, body)
+    _in_runtime(config, set, body, before_ray=_registered(model))
 
 
 @app.command()
@@ -114,14 +127,14 @@ def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION]
             config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
     """Batch inference over Ray Data with the serving predictor: adds `prediction` and `score` columns."""
     from workflows.runtime import say
-    from workflows.serve.batch import predict_batch
+    from workflows.serve.batch import check_predict, predict_batch
 
     def body(rt):
         result = predict_batch(rt, model, data, output, concurrency)
         say(f"predict: {result['rows']} rows scored by {result['model']} -> {output} ({len(result['files'])} files)")
         rt.write_summary("predict", result)
 
-    _in_runtime(config, set, body)
+    _in_runtime(config, set, body, before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output))
 
 
 @app.command()
@@ -169,7 +182,7 @@ def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
                 pass
             ray_serve.shutdown()
 
-    _in_runtime(config, set, body)
+    _in_runtime(config, set, body, before_ray=_registered(*model))
 
 
 @app.command()

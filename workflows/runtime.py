@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
 
@@ -114,7 +114,11 @@ def _port_or_free(port: int) -> int:
 
 
 @contextmanager
-def runtime(cfg: WorkflowConfig, ray_needed: bool = True) -> Iterator[Runtime]:
+def runtime(cfg: WorkflowConfig, ray_needed: bool = True,
+            before_ray: Callable[[StorageContext], object] | None = None) -> Iterator[Runtime]:
+    """The object store (embedded endpoint if configured), then Ray. `before_ray(storage)` runs in
+    between: checks that need only the store (a model that is not registered, an output that is
+    not empty) fail in a second instead of after Ray has started."""
     embedded = None
     if cfg.storage.embedded.enabled:
         e = cfg.storage.embedded
@@ -126,6 +130,8 @@ def runtime(cfg: WorkflowConfig, ray_needed: bool = True) -> Iterator[Runtime]:
     try:
         storage = StorageContext.from_config(cfg.storage)
         check_bucket(cfg.storage.root, storage)
+        if before_ray is not None:
+            before_ray(storage)
         if ray_needed:
             init_ray(cfg)
         yield Runtime(cfg, storage, embedded)

@@ -15,6 +15,16 @@ from workflows.errors import UserError, surface_user_errors
 from workflows.storage.uri import filesystem, join, pyarrow_filesystem, with_protocol, write_json
 
 
+def check_predict(cfg, ctx, model_spec: str, output_uri: str) -> str:
+    """The model is registered and the output is new (never mixed with an earlier run's files):
+    NAME:VERSION of the model."""
+    ref = registry.resolve(cfg, ctx, model_spec)
+    fs, out_path = filesystem(output_uri, ctx)
+    if fs.exists(out_path) and fs.ls(out_path):
+        raise UserError(f"{output_uri} is not empty; give predict a new output URI")
+    return f"{ref.name}:{ref.version}"
+
+
 @surface_user_errors()
 def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurrency: int | None = None) -> dict:
     import pyarrow.parquet as pq
@@ -24,12 +34,8 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
     from workflows.serve.predictor import BatchPredictor
 
     cfg, ctx = rt.cfg, rt.storage
-    ref = registry.resolve(cfg, ctx, model_spec)
-    spec = f"{ref.name}:{ref.version}"
+    spec = check_predict(cfg, ctx, model_spec, output_uri)
     meta = registry.describe(cfg, ctx, spec)
-    fs, out_path = filesystem(output_uri, ctx)
-    if fs.exists(out_path) and fs.ls(out_path):
-        raise UserError(f"{output_uri} is not empty; give predict a new output URI")
     shards, fmt = list_shards(data_uri, ctx)
     ds = read_dataset(shards, fmt, ctx, cfg.cache)
     names = set(ds.schema().names)
@@ -44,6 +50,7 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
                             compute=ray.data.ActorPoolStrategy(size=workers))
     pa_fs, pa_path = pyarrow_filesystem(output_uri, ctx)
     scored.write_parquet(pa_path, filesystem=pa_fs)
+    fs, out_path = filesystem(output_uri, ctx)
     files = sorted(with_protocol(output_uri, f) for f in fs.glob(f"{out_path.rstrip('/')}/*.parquet"))
     rows = 0
     for f in files:
