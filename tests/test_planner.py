@@ -430,5 +430,85 @@ def test_plan_command_json_and_table():
     assert "no CUDA device here" in res.output or "detected" in res.output
     res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--device-memory", "lots"])
     assert res.exit_code == 2 and "invalid memory size" in res.output
-    res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--set", "model.task=causal_lm"])
-    assert res.exit_code == 2 and "causal_lm is not planned yet" in res.output
+    # causal-LM pretraining: the preset model and sequence length, GPT-2 124M's parameter count
+    res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--set", "model.task=causal_lm", "--set",
+                              "model.lm.size=gpt2-124m", "--set", "model.lm.seq_len=1024", "--set", "train.use_gpu=true",
+                              "--device-memory", "80GiB", "--devices", "1", "--micro-batch", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["inputs"]["seq_len"] == 1024 and out["model"]["lm_head"] and out["inputs"]["attention"] == "fused"
+    assert 1.0e8 < out["model"]["params"] < 1.3e8  # GPT-2 124M with the MiniLM tokenizer's 30,522 tokens
+    # at b=8, s=1024 the logits alone, (2 + 4) bytes x 8 x 1024 x 30522, are 1.4 GiB of the activations
+    assert out["estimates"]["ddp"]["activations"] > 6 * 8 * 1024 * 30522
+
+
+def _lm_step(model, opt, b, s, vocab):
+    ids = torch.randint(1, vocab, (b, s))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def _tiny_lm():
+    """The project's causal LM (workflows.train.lm) at the "small" preset with a 20k vocabulary: 9.3M
+    parameters, the logits (b s V) dominating the activations as in real pretraining."""
+    from types import SimpleNamespace
+
+    from workflows.train.lm import build_causal_lm, causal_lm_config
+
+    lm = SimpleNamespace(size="small", seq_len=128, n_layer=None, n_embd=None, n_head=None)
+    torch.manual_seed(0)
+    return build_causal_lm(lm, 20000).train(), causal_lm_config(lm, 20000, attn="eager")
+
+
+def test_causal_lm_saved_activations_match_the_formula():
+    model, config = _tiny_lm()
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    s, b = 128, 8
+    ids = torch.randint(1, config.vocab_size, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    saved[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()  # held by the output
+    spec = planner.spec_from_config(config, causal_lm=True)
+    predicted = activation_bytes(spec, s, b, device_type="cpu", working_set=False)
+    print(f"causal LM: saved activations + logits {sum(saved.values()) / 2**20:.1f} MiB, formula {predicted / 2**20:.1f} MiB")
+    assert spec.lm_head and spec.vocab == 20000
+    assert abs(predicted / sum(saved.values()) - 1) <= ACTIVATION_TOLERANCE, (predicted, sum(saved.values()))
+
+
+def test_causal_lm_live_tensor_peak_matches_the_estimate():
+    """As test_live_tensor_peak_matches_the_estimate, for pretraining: the peak is at the LM head's
+    backward, with every layer's activations still saved."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, config = _tiny_lm()
+    s, b = 128, 8
+    opt = torch.optim.AdamW(model.parameters())
+    _lm_step(model, opt, b, s, config.vocab_size)
+    opt.zero_grad(set_to_none=True)
+    resident = sum(p.numel() * 4 for p in model.parameters()) + sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _lm_step(model, opt, b, s, config.vocab_size)
+        opt.zero_grad(set_to_none=True)
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for ev in sorted(events, key=lambda e: e.start_ns()):
+        live += ev.nbytes()
+        peak = max(peak, live)
+    measured = resident + peak
+    e = estimate(planner.spec_from_config(config, causal_lm=True), "ddp", 1, s, b, device_type="cpu")
+    without_head = estimate(planner.spec_from_config(config), "ddp", 1, s, b, device_type="cpu")
+    print(f"causal LM s={s} b={b}: estimate {e.total / 2**20:.1f} MiB, live tensor peak {measured / 2**20:.1f} MiB, "
+          f"ratio {e.total / measured:.3f} (a classifier of the same model: {without_head.total / 2**20:.1f} MiB)")
+    assert abs(e.total / measured - 1) <= PEAK_TOLERANCE, (e.to_dict(), measured)
+    assert e.upper_bound >= measured

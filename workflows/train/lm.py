@@ -38,16 +38,26 @@ def shape(lm_cfg) -> tuple[int, int, int]:
     return lm_cfg.n_layer or layers, lm_cfg.n_embd or hidden, lm_cfg.n_head or heads
 
 
-def build_causal_lm(lm_cfg, vocab_size: int, dropout: float | None = None) -> torch.nn.Module:
-    """A randomly initialized GPT-2-style model (seeded by the caller)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+def causal_lm_config(lm_cfg, vocab_size: int, dropout: float | None = None, attn: str | None = None):
+    """The transformers GPT2Config of a size preset (the planner reads it without building the model)."""
+    from transformers import GPT2Config
 
     layers, hidden, heads = shape(lm_cfg)
     p = 0.0 if dropout is None else dropout  # pretraining at scale runs without dropout
     config = GPT2Config(vocab_size=vocab_size, n_positions=lm_cfg.seq_len, n_embd=hidden, n_layer=layers,
                         n_head=heads, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False,
                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    if attn is not None:
+        config._attn_implementation = attn
+    return config
+
+
+def build_causal_lm(lm_cfg, vocab_size: int, dropout: float | None = None) -> torch.nn.Module:
+    """A randomly initialized GPT-2-style model (seeded by the caller)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    config = causal_lm_config(lm_cfg, vocab_size, dropout)
     # SDPA (flash / memory-efficient kernels on GPU); eager keeps CPU results bit-stable
     attn = "sdpa" if torch.cuda.is_available() else "eager"
     model = GPT2LMHeadModel._from_config(config, attn_implementation=attn)

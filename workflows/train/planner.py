@@ -50,8 +50,13 @@ Activations (per device; data parallelism does not shard them)
   Fused attention (SDPA flash/memory-efficient kernels; `attention='fused'`, the default for GPUs
   when the model uses SDPA) keeps the attention output and the log-sum-exp (e s b h + 4 a s b)
   instead of the a s^2 b terms. Outside the blocks: one norm (n s b h), the embeddings' dropout mask,
-  the head's input (e s b h when it reads every position, causal-LM classifiers), and backward's
-  working set (the gradients of one layer's widest activations: e (s b i + a s^2 b)).
+  the head's input (e s b h when it reads every position: causal LMs, causal-LM classifiers), and
+  backward's working set (the gradients of one layer's widest activations: e (s b i + a s^2 b)).
+  Causal-LM pretraining adds the vocabulary-wide logits, V = vocab size: transformers' loss upcasts
+  them to fp32 and cross_entropy keeps its log-softmax for backward, while the model's output holds
+  the logits, so (e + 4) s b V stay until backward reaches the head; there backward's working set is
+  the fp32 gradients of the log-softmax's output and input, 8 s b V (+ 2 s b V casting to bf16),
+  which replaces the layers' working set when larger (it comes first, before any layer's).
   Activation checkpointing keeps each layer's input (L e s b h) and recomputes one layer at a time.
 
 Temporaries of the optimizer step: foreach AdamW (the CUDA default) allocates sqrt(exp_avg_sq) for all
@@ -65,7 +70,7 @@ the largest of three phases on top of the resident params + optimizer state (+ D
     end of backward:    + gradients + the root's buffers
     optimizer step:     + gradients + step temporaries
 `upper_bound` is the plain sum of everything. Measured on CPU (tests/test_planner.py: BERT, GPT-2,
-Llama shapes, DDP and FSDP2 on 2 ranks, checkpointing, frozen embeddings) the peak estimate is
+Llama shapes, DDP and FSDP2 on 2 ranks, checkpointing, frozen embeddings, a GPT-2 causal LM) the peak estimate is
 within ~3% of the measured peak. Not modelled: the CUDA context, NCCL buffers, cuBLAS workspaces,
 the caching allocator's fragmentation: the safety margin covers them, usable = device memory x
 (1 - 10%) - 1 GiB.
@@ -117,7 +122,8 @@ class ModelSpec:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     attn_implementation: str = "eager"
-    per_token_head: bool = False  # the head reads every position (causal-LM classifiers' `score`)
+    per_token_head: bool = False  # the head reads every position (causal-LM classifiers' `score`, LM heads)
+    lm_head: bool = False  # causal-LM pretraining: vocabulary-wide logits kept for the loss
     # bytes autograd saves per input element, by precision, probed on small real tensors:
     norm_bytes: dict = field(default_factory=lambda: {"fp32": 4.0, "bf16": 2.0})  # one norm layer
     act_bytes: dict = field(default_factory=lambda: {"fp32": 4.0, "bf16": 2.0})  # the MLP's activation
@@ -132,11 +138,13 @@ def _first(config, *names, default=None):
     return default
 
 
-def _build_on_meta(config) -> nn.Module:
+def _build_on_meta(config, causal_lm: bool = False) -> nn.Module:
     import torch
-    from transformers import AutoModel, AutoModelForSequenceClassification
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     with torch.device("meta"):
+        if causal_lm:
+            return AutoModelForCausalLM.from_config(config)
         try:
             return AutoModelForSequenceClassification.from_config(config)
         except (ValueError, KeyError):  # an architecture without a sequence-classification head
@@ -183,11 +191,13 @@ def _find(block: nn.Module | None, pred) -> nn.Module | None:
     return next((m for m in block.modules() if pred(m)), None) if block is not None else None
 
 
-def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool = False) -> ModelSpec:
-    """A ModelSpec from a transformers config: the model is built on the meta device (no memory)."""
+def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool = False,
+                     causal_lm: bool = False) -> ModelSpec:
+    """A ModelSpec from a transformers config: the model is built on the meta device (no memory).
+    causal_lm: the language model with its LM head (pretraining), not a sequence classifier."""
     from workflows.train.models import transformer_blocks
 
-    model = _build_on_meta(config)
+    model = _build_on_meta(config, causal_lm)
     if freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
     params = list(model.parameters())  # shared (tied) parameters once
@@ -229,7 +239,8 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
         hidden_dropout=float(_first(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", default=0.0)),
         attention_dropout=float(_first(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", default=0.0)),
         attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
-        per_token_head=isinstance(getattr(model, "score", None), nn.Linear),
+        per_token_head=causal_lm or isinstance(getattr(model, "score", None), nn.Linear),
+        lm_head=causal_lm,
         norm_bytes=norm_bytes,
         act_bytes=act_bytes,
         act_saves_output=act_out,
@@ -331,6 +342,10 @@ def activation_bytes(spec: ModelSpec, seq_len: int, micro_batch: int, *, precisi
     per_layer = int(per_layer)
     # outside the blocks: one norm (embeddings' or the final one), the embeddings' dropout mask, the head
     outside = norm * sbh + (m * sbh if hd else 0) + (e * sbh if spec.per_token_head else 2 * e * b * h)
+    if spec.lm_head:  # the logits (held by the output) and the fp32 log-softmax (kept by cross_entropy)
+        sbv = s * b * spec.vocab
+        outside += (e + 4) * sbv
+        working = max(working, (8 + (2 if e == 2 else 0)) * sbv)  # backward starts at the head
     outside = int(outside + (working if working_set else 0))
     if checkpointing:
         return spec.layers * sbh * e + per_layer + outside
@@ -538,12 +553,24 @@ def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: in
     from workflows.preprocess.encoding import resolve_model_dir
 
     model_cfg, train_cfg = cfg.model, cfg.train
-    if getattr(model_cfg, "task", "classification") != "classification":
-        # the LM head's logits (batch x seq x vocab, kept for the loss) are not in the formulas yet
-        raise UserError("workflows plan models classification fine-tuning; model.task=causal_lm is not planned yet")
-    name = getattr(model_cfg, "name_or_path", "minilm")
-    spec = model_spec(resolve_model_dir(name), dropout=getattr(model_cfg, "dropout", None),
-                      freeze_embeddings=bool(getattr(train_cfg, "freeze_embeddings", False)), name=name)
+    freeze = bool(getattr(train_cfg, "freeze_embeddings", False))
+    if getattr(model_cfg, "task", "classification") == "causal_lm":
+        from transformers import AutoTokenizer
+
+        from workflows.train.lm import causal_lm_config
+
+        lm = model_cfg.lm
+        vocab = len(AutoTokenizer.from_pretrained(resolve_model_dir(cfg.preprocess.tokenizer)))  # as the trainer
+        # the trainer uses SDPA on GPUs, eager on CPU
+        config = causal_lm_config(lm, vocab, getattr(model_cfg, "dropout", None),
+                                  attn="sdpa" if train_cfg.use_gpu else "eager")
+        spec = spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", freeze_embeddings=freeze,
+                                causal_lm=True)
+        seq_len = seq_len or lm.seq_len
+    else:
+        name = getattr(model_cfg, "name_or_path", "minilm")
+        spec = model_spec(resolve_model_dir(name), dropout=getattr(model_cfg, "dropout", None),
+                          freeze_embeddings=freeze, name=name)
     if device_memory is None:
         found = detected_device_memory()
         mem, source = (found, "detected (cuda:0)") if found else (
