@@ -210,6 +210,8 @@ class AutoscalingConfig(Strict):
     min_replicas: int = Field(1, ge=0, description="0 lets an idle deployment scale to zero")
     max_replicas: int = Field(4, ge=1)
     target_ongoing_requests: float = Field(8, gt=0, description="per replica; high enough for batches to fill")
+    upscale_delay_s: float = Field(30.0, ge=0, description="load must stay above target this long before a replica is added")
+    downscale_delay_s: float = Field(600.0, ge=0, description="load must stay below target this long before a replica is removed")
 
     @model_validator(mode="after")
     def _order(self):

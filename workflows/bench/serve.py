@@ -17,6 +17,9 @@ every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the repli
   are two registrations of the measured model's artifact under a scratch prefix of the store
   (removed afterwards): the rollout path is the real one (new artifact id, new replicas fetch and
   load it), only the weights are the same.
+- autoscaling: `serve.autoscaling` from 1 to 2 replicas (target 8 ongoing requests each, shortened
+  delays) under load at concurrency 32, back to 1 when the load stops: seconds to scale up and
+  down, throughput on 1 and on 2 replicas, errors while replicas come and go (goal: 0).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
 LOAD_REQUESTS = int(os.environ.get("WORKFLOWS_BENCH_SERVE_REQUESTS", "10000"))
 PLOT = Path("docs/images/serve_latency_throughput.png")
 GOALS = {"batched_vs_unbatched_throughput": 4.0, "p50_overhead_ms": 5.0, "load_errors": 0,
-         "replica_kill_failed_fraction": 0.01, "replica_kill_recovery_s": 30.0, "rolling_update_failed": 0}
+         "replica_kill_failed_fraction": 0.01, "replica_kill_recovery_s": 30.0, "rolling_update_failed": 0, "autoscaling_errors": 0}
 
 
 def run(config: str | None, overrides: list[str]) -> dict:
@@ -94,6 +97,8 @@ def _measure(rt) -> dict:
     serve.delete("bench")
     out["rolling_update"] = _rolling_update(rt, spec, rows)
     serve.delete("bench")
+    out["autoscaling"] = _autoscaling(rt, spec, rows)
+    serve.delete("bench")
     _plot(curve, out["unbatched_c32"])
     out["plot"] = str(PLOT)
     out["goals"] = GOALS
@@ -105,6 +110,8 @@ def _measure(rt) -> dict:
         "replica_kill_recovery_s": (out["replica_kill"]["recovery_s"] or 1e9) < GOALS["replica_kill_recovery_s"],
         "rolling_update_failed": out["rolling_update"]["failed"] == GOALS["rolling_update_failed"]
                                  and out["rolling_update"]["switched"],
+        "autoscaling_errors": out["autoscaling"]["errors"] == 0 and out["autoscaling"]["scaled_up_s"] is not None
+                              and out["autoscaling"]["scaled_down_s"] is not None,
     }
     return out
 
@@ -324,6 +331,61 @@ def _rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 16) -> d
             "rps": result["rps"], "p99_ms": result["p99_ms"]}
 
 
+# -- autoscaling under load -------------------------------------------------------------------
+def _autoscaling(rt, spec: str, rows: list[dict], concurrency: int = 32) -> dict:
+    from ray import serve
+
+    from workflows.config import AutoscalingConfig
+    from workflows.serve.app import deploy
+
+    cfg = rt.cfg.model_copy(deep=True)
+    cfg.serve.max_batch_size, cfg.serve.auth_token_env = 32, None
+    cfg.serve.autoscaling = AutoscalingConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=8,
+                                              upscale_delay_s=5, downscale_delay_s=15)
+
+    def running() -> int:
+        app = serve.status().applications.get("bench")
+        return app.deployments["ModelServer"].replica_states.get("RUNNING", 0) if app else 0
+
+    url = deploy(cfg, spec, name="bench")
+    _load(url, rows, 16, 1)  # warm-up, below the target: still one replica
+    record: list = []
+    result: dict = {}
+    stop = threading.Event()
+    runner = threading.Thread(target=lambda: result.update(_load(url, rows, 10**9, concurrency, stop, record)))
+    started = time.perf_counter()
+    runner.start()
+    up = None
+    while time.perf_counter() - started < 180:
+        if running() >= 2:
+            up = time.perf_counter() - started
+            break
+        time.sleep(1)
+    def rps(t0: float, t1: float) -> float | None:
+        return round(sum(1 for t, ok, _ in list(record) if ok and t0 <= t < t1) / (t1 - t0), 1) if t1 > t0 else None
+
+    one = two = None
+    if up is not None:  # one replica: from 3 s into the load until the second runs; two: 20 s after it warmed up
+        one = rps(started + 3, started + up)
+        time.sleep(25)
+        two = rps(time.perf_counter() - 20, time.perf_counter())
+    stop.set()
+    runner.join()
+    stopped = time.perf_counter()
+    down = None
+    while time.perf_counter() - stopped < 180:
+        if running() <= 1:
+            down = time.perf_counter() - stopped
+            break
+        time.sleep(1)
+    return {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8, "upscale_delay_s": 5,
+            "downscale_delay_s": 15, "concurrency": concurrency, "requests": result["requests"],
+            "errors": result["errors"], "error_kinds": result["error_kinds"],
+            "scaled_up_s": round(up, 1) if up is not None else None,
+            "scaled_down_s": round(down, 1) if down is not None else None,
+            "rps_one_replica": one, "rps_two_replicas": two}
+
+
 def _plot(curve: dict, unbatched: dict) -> None:
     from workflows.plots import new_figure, save_png
 
@@ -354,6 +416,18 @@ def _rollout_row(r: dict) -> str:
             f"{u['deploy_returned_s']} s | 0 ({met}) |")
 
 
+def _autoscaling_row(r: dict) -> str:
+    a = r.get("autoscaling")
+    if not a:
+        return "| autoscaling 1 -> 2 replicas under load | not measured in this run | 0 errors |"
+    met = "met" if r["goals_met"].get("autoscaling_errors") else "**not met**"
+    return (f"| autoscaling 1 -> 2 replicas (target {a['target_ongoing_requests']} ongoing, delays "
+            f"{a['upscale_delay_s']:g}/{a['downscale_delay_s']:g} s) at concurrency {a['concurrency']}: errors | "
+            f"{a['errors']} of {a['requests']}; 2 replicas after {a['scaled_up_s']} s, back to 1 "
+            f"{a['scaled_down_s']} s after the load stopped; {a['rps_one_replica']} req/s on 1 replica, "
+            f"{a['rps_two_replicas']} on 2 | 0 ({met}) |")
+
+
 def markdown(r: dict) -> str:
     met = r["goals_met"]
 
@@ -381,6 +455,7 @@ aiohttp client on the same machine.
 | one of 2 replicas SIGKILLed under load: failed requests | {k['failed']} of {k['requests']} ({100 * k['failed_fraction']:.2f}%) | < 1% ({mark('replica_kill_failed_fraction')}) |
 | replica replaced after | {k['recovery_s']} s | < 30 s ({mark('replica_kill_recovery_s')}) |
 {_rollout_row(r)}
+{_autoscaling_row(r)}
 
 Batched deployment, by concurrency:
 
