@@ -90,3 +90,20 @@ def test_benchmark_under_torchrun_on_two_cpu_ranks(tmp_path):
     assert r["world_size"] == 2 and r["steps"] == 3 and r["tokens_per_s"] > 0 and r["mfu"] is None
     assert r["tokens_per_s"] == pytest.approx(3 * 2 * 2 * 64 / r["seconds"], rel=0.01)
     assert math.isfinite(r["last_loss"]) and "tokens/s" in proc.stdout
+
+
+def test_freeze_embeddings_applies_to_fine_tuning_only():
+    """quickstart.yaml freezes MiniLM's pretrained embeddings; the same config pretraining an LM must
+    not freeze its random ones (tied to the LM head)."""
+    from tests.conftest import QUICKSTART
+    from workflows.config import load_config
+    from workflows.preprocess.encoding import packaged_minilm
+    from workflows.train.loop import build_training
+
+    common = ["train.strategy=ddp", "train.freeze_embeddings=true"]
+    lm_cfg = load_config(QUICKSTART, [*common, "model.task=causal_lm", "model.lm.size=tiny", "model.lm.seq_len=32"])
+    model, _, _ = build_training(lm_cfg, packaged_minilm(), [], torch.device("cpu"), 8, vocab_size=100)
+    assert model.get_input_embeddings().weight.requires_grad
+    cls_cfg = load_config(QUICKSTART, common)
+    model, _, _ = build_training(cls_cfg, packaged_minilm(), ["a", "b"], torch.device("cpu"), 8)
+    assert not model.get_input_embeddings().weight.requires_grad

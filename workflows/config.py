@@ -140,7 +140,7 @@ class TrainConfig(Strict):
     grad_clip: float | None = Field(1.0, gt=0)
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches of batch_size per optimizer step (gradient accumulation)")
     activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward: less memory, ~1/3 more compute")
-    freeze_embeddings: bool = Field(False, description="keep the input embeddings fixed (half of MiniLM's weights): less compute and communication")
+    freeze_embeddings: bool = Field(False, description="classification fine-tuning: keep the pretrained input embeddings fixed (half of MiniLM's weights): less compute and communication; ignored by causal-LM pretraining (random embeddings, tied to the LM head)")
     seed: int = 0
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
     max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per epoch (tuning, tests)")

@@ -202,8 +202,8 @@ def build_training(cfg, model_dir: str, labels: list[str], device: torch.device,
     tc = cfg.train
     torch.manual_seed(tc.seed)  # new weights identical on every rank and every run
     model = build_model(cfg, model_dir, labels, vocab_size)
-    if tc.freeze_embeddings:
-        model.get_input_embeddings().requires_grad_(False)
+    if tc.freeze_embeddings and cfg.model.task == "classification":  # pretrained ones only: an LM's are
+        model.get_input_embeddings().requires_grad_(False)  # random and tied to its head
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(model, tc.strategy, device)

@@ -564,8 +564,7 @@ def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: in
         # the trainer uses SDPA on GPUs, eager on CPU
         config = causal_lm_config(lm, vocab, getattr(model_cfg, "dropout", None),
                                   attn="sdpa" if train_cfg.use_gpu else "eager")
-        spec = spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", freeze_embeddings=freeze,
-                                causal_lm=True)
+        spec = spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", causal_lm=True)  # never frozen
         seq_len = seq_len or lm.seq_len
     else:
         name = getattr(model_cfg, "name_or_path", "minilm")
