@@ -361,6 +361,7 @@ def _autoscaling(rt, spec: str, rows: list[dict], concurrency: int = 32) -> dict
             up = time.perf_counter() - started
             break
         time.sleep(1)
+
     def rps(t0: float, t1: float) -> float | None:
         return round(sum(1 for t, ok, _ in list(record) if ok and t0 <= t < t1) / (t1 - t0), 1) if t1 > t0 else None
 
@@ -378,8 +379,7 @@ def _autoscaling(rt, spec: str, rows: list[dict], concurrency: int = 32) -> dict
             down = time.perf_counter() - stopped
             break
         time.sleep(1)
-    return {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8, "upscale_delay_s": 5,
-            "downscale_delay_s": 15, "concurrency": concurrency, "requests": result["requests"],
+    return {**cfg.serve.autoscaling.model_dump(), "concurrency": concurrency, "requests": result["requests"],
             "errors": result["errors"], "error_kinds": result["error_kinds"],
             "scaled_up_s": round(up, 1) if up is not None else None,
             "scaled_down_s": round(down, 1) if down is not None else None,
