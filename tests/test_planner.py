@@ -222,12 +222,56 @@ def test_spec_of_a_1b_model_is_fast_and_gpt2_fields_are_read():
 
 
 # ------------------------------------------------------------------------------ measurements
-def _step(model, opt, b, s, vocab):
+def _forward(model, b, s, vocab, lm: bool = False):
+    """A training forward on random tokens: class labels, or the tokens themselves for a causal LM."""
     ids = torch.randint(1, vocab, (b, s))
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.randint(0, 2, (b,)))
+    labels = ids if lm else torch.randint(0, 2, (b,))
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+
+
+def _step(model, opt, b, s, vocab, lm: bool = False):
+    out = _forward(model, b, s, vocab, lm)  # held through backward (its logits too), as loop.train_epoch does
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
+
+
+def _saved_storages(model, forward) -> tuple[dict[int, int], object]:
+    """Bytes autograd saves for backward while `forward()` runs (saved-tensor hooks, one count per
+    storage, the parameters excluded), and what `forward()` returned."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return saved, out
+
+
+def _measured_peak(model, opt, step) -> int:
+    """Resident parameters + AdamW state, plus the peak of live tensor bytes (torch's allocation
+    events, `torch.profiler` profile_memory) over a steady-state step: optimizer state exists,
+    gradients were freed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    resident = sum(p.numel() * 4 for p in model.parameters()) + sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+        opt.zero_grad(set_to_none=True)
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for ev in sorted(events, key=lambda e: e.start_ns()):
+        live += ev.nbytes()
+        peak = max(peak, live)
+    return resident + peak
 
 
 @pytest.mark.parametrize("freeze", [False, True])
@@ -255,19 +299,8 @@ def test_saved_activations_match_the_formula(kind):
     torch.manual_seed(0)
     cfg = hf_config(kind)
     model = AutoModelForSequenceClassification.from_config(cfg).train()
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     s, b = 128, 8
-    ids = torch.randint(1, cfg.vocab_size, (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.randint(0, 2, (b,)))
+    saved, _ = _saved_storages(model, lambda: _forward(model, b, s, cfg.vocab_size))
     predicted = activation_bytes(planner.spec_from_config(cfg), s, b, device_type="cpu", working_set=False)
     print(f"{kind}: saved activations {sum(saved.values()) / 2**20:.1f} MiB, formula {predicted / 2**20:.1f} MiB")
     assert abs(predicted / sum(saved.values()) - 1) <= ACTIVATION_TOLERANCE, (predicted, sum(saved.values()))
@@ -276,7 +309,6 @@ def test_saved_activations_match_the_formula(kind):
 @pytest.mark.parametrize("kind,s,b,ckpt", [("bert", 128, 8, False), ("llama", 128, 8, False), ("bert", 128, 8, True)])
 def test_live_tensor_peak_matches_the_estimate(kind, s, b, ckpt):
     """torch's allocation events over a steady-state step (optimizer state exists, grads were freed)."""
-    from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
@@ -285,19 +317,7 @@ def test_live_tensor_peak_matches_the_estimate(kind, s, b, ckpt):
     if ckpt:
         model.activation_checkpointing_enable({"use_reentrant": False})  # each layer's input kept, recomputed
     opt = torch.optim.AdamW(model.parameters())
-    _step(model, opt, b, s, cfg.vocab_size)
-    opt.zero_grad(set_to_none=True)
-    resident = sum(p.numel() * 4 for p in model.parameters()) + sum(
-        v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(model, opt, b, s, cfg.vocab_size)
-        opt.zero_grad(set_to_none=True)
-    live = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for ev in sorted(events, key=lambda e: e.start_ns()):
-        live += ev.nbytes()
-        peak = max(peak, live)
-    measured = resident + peak
+    measured = _measured_peak(model, opt, lambda: _step(model, opt, b, s, cfg.vocab_size))
     e = estimate(planner.spec_from_config(cfg), "ddp", 1, s, b, device_type="cpu", checkpointing=ckpt)
     print(f"{kind} s={s} b={b} checkpointing={ckpt}: estimate {e.total / 2**20:.1f} MiB, live tensor peak "
           f"{measured / 2**20:.1f} MiB, ratio {e.total / measured:.3f}")
@@ -442,14 +462,6 @@ def test_plan_command_json_and_table():
     assert out["estimates"]["ddp"]["activations"] > 6 * 8 * 1024 * 30522
 
 
-def _lm_step(model, opt, b, s, vocab):
-    ids = torch.randint(1, vocab, (b, s))
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-
-
 def _tiny_lm():
     """The project's causal LM (workflows.train.lm) at the "small" preset with a 20k vocabulary: 9.3M
     parameters, the logits (b s V) dominating the activations as in real pretraining."""
@@ -464,19 +476,8 @@ def _tiny_lm():
 
 def test_causal_lm_saved_activations_match_the_formula():
     model, config = _tiny_lm()
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
     s, b = 128, 8
-    ids = torch.randint(1, config.vocab_size, (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    saved, out = _saved_storages(model, lambda: _forward(model, b, s, config.vocab_size, lm=True))
     saved[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()  # held by the output
     spec = planner.spec_from_config(config, causal_lm=True)
     predicted = activation_bytes(spec, s, b, device_type="cpu", working_set=False)
@@ -488,24 +489,10 @@ def test_causal_lm_saved_activations_match_the_formula():
 def test_causal_lm_live_tensor_peak_matches_the_estimate():
     """As test_live_tensor_peak_matches_the_estimate, for pretraining: the peak is at the LM head's
     backward, with every layer's activations still saved."""
-    from torch.profiler import ProfilerActivity, profile
-
     model, config = _tiny_lm()
     s, b = 128, 8
     opt = torch.optim.AdamW(model.parameters())
-    _lm_step(model, opt, b, s, config.vocab_size)
-    opt.zero_grad(set_to_none=True)
-    resident = sum(p.numel() * 4 for p in model.parameters()) + sum(
-        v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _lm_step(model, opt, b, s, config.vocab_size)
-        opt.zero_grad(set_to_none=True)
-    live = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for ev in sorted(events, key=lambda e: e.start_ns()):
-        live += ev.nbytes()
-        peak = max(peak, live)
-    measured = resident + peak
+    measured = _measured_peak(model, opt, lambda: _step(model, opt, b, s, config.vocab_size, lm=True))
     e = estimate(planner.spec_from_config(config, causal_lm=True), "ddp", 1, s, b, device_type="cpu")
     without_head = estimate(planner.spec_from_config(config), "ddp", 1, s, b, device_type="cpu")
     print(f"causal LM s={s} b={b}: estimate {e.total / 2**20:.1f} MiB, live tensor peak {measured / 2**20:.1f} MiB, "

@@ -553,7 +553,6 @@ def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: in
     from workflows.preprocess.encoding import resolve_model_dir
 
     model_cfg, train_cfg = cfg.model, cfg.train
-    freeze = bool(getattr(train_cfg, "freeze_embeddings", False))
     if getattr(model_cfg, "task", "classification") == "causal_lm":
         from transformers import AutoTokenizer
 
@@ -569,7 +568,7 @@ def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: in
     else:
         name = getattr(model_cfg, "name_or_path", "minilm")
         spec = model_spec(resolve_model_dir(name), dropout=getattr(model_cfg, "dropout", None),
-                          freeze_embeddings=freeze, name=name)
+                          freeze_embeddings=bool(getattr(train_cfg, "freeze_embeddings", False)), name=name)
     if device_memory is None:
         found = detected_device_memory()
         mem, source = (found, "detected (cuda:0)") if found else (
