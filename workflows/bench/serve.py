@@ -409,7 +409,7 @@ def _rollout_row(r: dict) -> str:
     u = r.get("rolling_update")
     if not u:
         return "| new version rolled out under load | not measured in this run | 0 failed |"
-    met = "met" if r["goals_met"].get("rolling_update_failed") else "**not met**"
+    met = _mark(r, "rolling_update_failed")
     return (f"| new version rolled out under load (2 replicas, concurrency {u['concurrency']}): failed requests | "
             f"{u['failed']} of {u['requests']}; answered by {u['answered_by']}; first v2 answer after "
             f"{u['first_new_version_s']} s, last v1 answer {u['last_old_version_s']} s, deploy returned after "
@@ -420,7 +420,7 @@ def _autoscaling_row(r: dict) -> str:
     a = r.get("autoscaling")
     if not a:
         return "| autoscaling 1 -> 2 replicas under load | not measured in this run | 0 errors |"
-    met = "met" if r["goals_met"].get("autoscaling_errors") else "**not met**"
+    met = _mark(r, "autoscaling_errors")
     return (f"| autoscaling 1 -> 2 replicas (target {a['target_ongoing_requests']} ongoing, delays "
             f"{a['upscale_delay_s']:g}/{a['downscale_delay_s']:g} s) at concurrency {a['concurrency']}: errors | "
             f"{a['errors']} of {a['requests']}; 2 replicas after {a['scaled_up_s']} s, back to 1 "
@@ -428,11 +428,13 @@ def _autoscaling_row(r: dict) -> str:
             f"{a['rps_two_replicas']} on 2 | 0 ({met}) |")
 
 
-def markdown(r: dict) -> str:
-    met = r["goals_met"]
+def _mark(r: dict, goal: str) -> str:
+    return "met" if r["goals_met"].get(goal) else "**not met**"
 
-    def mark(k):
-        return "met" if met[k] else "**not met**"
+
+def markdown(r: dict) -> str:
+    def mark(goal):
+        return _mark(r, goal)
 
     rows = "\n".join(f"| {c} | {v['rps']:.0f} | {v['p50_ms']} | {v['p95_ms']} | {v['errors']} |"
                      for c, v in sorted(r["batched"].items(), key=lambda kv: int(kv[0])))
