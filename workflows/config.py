@@ -115,6 +115,8 @@ class ModelConfig(Strict):
         "classification", description="fine-tune a sequence classifier, or pretrain a causal LM from model.lm")
     name_or_path: str = Field("minilm", description="'minilm' or a local Hugging Face model directory (classification)")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    pooling: Literal["cls", "mean"] = Field(
+        "cls", description="classification: 'cls' (the checkpoint's pooler on the first token, Hugging Face's classifier) or 'mean' (normalized mean of all tokens: how sentence-embedding checkpoints such as MiniLM were trained)")
     lm: CausalLMConfig = CausalLMConfig()
 
     @model_validator(mode="after")
@@ -135,6 +137,7 @@ class TrainConfig(Strict):
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(32, ge=1, description="per worker")
     lr: float = Field(1e-4, gt=0)
+    head_lr: float | None = Field(None, gt=0, description="classification: learning rate of the new head (random weights); None: train.lr")
     weight_decay: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     grad_clip: float | None = Field(1.0, gt=0)

@@ -16,7 +16,7 @@ class Predictor:
     """A registered model loaded once: raw rows in, labels and probabilities out."""
 
     def __init__(self, model_dir: str, threads: int | None = None, precision: str = "fp32"):
-        from transformers import AutoModelForSequenceClassification
+        from workflows.train.models import load_trained_classifier
 
         with open(os.path.join(model_dir, "workflows.json")) as f:
             self.meta = json.load(f)
@@ -25,8 +25,7 @@ class Predictor:
         self.encoder = TextEncoder(model_dir, self.meta["max_length"], self.text_columns)
         if threads:
             torch.set_num_threads(threads)
-        # safetensors weights only: from_pretrained loads model.safetensors, never a pickle
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval()
+        model = load_trained_classifier(model_dir).eval()  # safetensors weights only
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.precision = precision
         if precision == "int8":  # dynamic quantization: int8 weights, activations quantized per batch (CPU kernels)

@@ -26,7 +26,8 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
 
     with tempfile.TemporaryDirectory() as tmp:
         state = consolidated_model_state(download_checkpoint(checkpoint_uri, ctx, tmp))
-    model = load_classifier(resolve_model_dir(cfg.model.name_or_path), data.labels, cfg.model.dropout)
+    model = load_classifier(resolve_model_dir(cfg.model.name_or_path), data.labels, cfg.model.dropout,
+                            cfg.model.pooling)
     model.load_state_dict(state, strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).save_pretrained(out_dir)

@@ -53,13 +53,19 @@ def dropout_seed(seed: int, epoch: int, rank: int = 0) -> int:
     return derived_seed("dropout", seed, epoch, rank)
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float, head_lr: float | None = None) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and norms; `head_lr` (if given) for the new classification
+    head (the `classifier` module), which starts from random weights while the encoder is pretrained."""
+    groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr)
+            decays = not (p.ndim < 2 or "norm" in name.lower())
+            head = head_lr is not None and "classifier" in name.split(".")[:-1]
+            groups.setdefault((decays, head), []).append(p)
+    return torch.optim.AdamW([
+        {"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": head_lr if head else lr}
+        for (decays, head), params in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0]))
+    ], lr=lr)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_fraction: float):
@@ -191,7 +197,7 @@ def build_model(cfg, model_dir: str, labels: list[str], vocab_size: int | None =
         return build_causal_lm(cfg.model.lm, vocab_size, cfg.model.dropout)
     from workflows.train.models import load_classifier
 
-    return load_classifier(model_dir, labels, cfg.model.dropout)
+    return load_classifier(model_dir, labels, cfg.model.dropout, cfg.model.pooling)
 
 
 def build_training(cfg, model_dir: str, labels: list[str], device: torch.device, train_rows: int,
@@ -207,7 +213,7 @@ def build_training(cfg, model_dir: str, labels: list[str], device: torch.device,
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(model, tc.strategy, device)
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay)
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.head_lr if cfg.model.task == "classification" else None)
     total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size, tc.grad_accum_steps) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
     return model, optimizer, scheduler

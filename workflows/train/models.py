@@ -1,17 +1,76 @@
-"""Models: a sequence classifier from a local Hugging Face directory (MiniLM by default)."""
+"""Models: a sequence classifier from a local Hugging Face directory (MiniLM by default).
+
+Two poolings (model.pooling):
+- "cls": Hugging Face's sequence-classification model (its pooler on the first token, then a linear head).
+- "mean": `MeanPoolClassifier`, the masked mean of the last hidden states, L2-normalized, into a
+  scaled linear head: the representation sentence-embedding checkpoints such as all-MiniLM-L6-v2
+  were trained to produce (their model card pools this way). transformers has no class for it.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch.nn as nn
+import torch.nn.functional as F
 
 from workflows.errors import UserError
 
+POOLING_KEY = "workflows_pooling"  # in the saved config.json: which class loads the artifact
 
-def load_classifier(model_dir: str, labels: list[str], dropout: float | None = None) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # the "classifier newly initialized" report is expected here
+class MeanPoolClassifier(nn.Module):
+    """Encoder -> masked mean of the last hidden states -> L2 norm -> linear head x SCALE.
+
+    On unit-length features the head's logits are scaled cosines; SCALE sets how sharp the softmax
+    can get (as in cosine/normalized-softmax classifiers). It takes and returns what the Hugging Face
+    classifier does (input_ids, attention_mask, labels -> .loss, .logits), so the training loop,
+    FSDP/DDP, checkpoints, export and serving treat both alike.
+    """
+
+    SCALE = 20.0
+
+    def __init__(self, encoder: nn.Module, num_labels: int):
+        super().__init__()
+        if getattr(encoder, "pooler", None) is not None:
+            encoder.pooler = None  # unused here: parameters without gradients would stall DDP
+        self.encoder = encoder
+        self.config = encoder.config
+        self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        logits = self.classifier(F.normalize(pooled, dim=-1)) * self.SCALE
+        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.encoder.get_input_embeddings()
+
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        self.encoder.activation_checkpointing_enable(**kwargs)
+
+    def save_pretrained(self, out_dir: str, safe_serialization: bool = True) -> None:
+        """config.json (marked with the pooling) and model.safetensors, as Hugging Face lays them out."""
+        from safetensors.torch import save_file
+
+        if not safe_serialization:
+            raise ValueError("only safetensors artifacts are written")
+        os.makedirs(out_dir, exist_ok=True)
+        setattr(self.config, POOLING_KEY, "mean")
+        self.config.save_pretrained(out_dir)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _classifier_config(model_dir: str, labels: list[str], dropout: float | None):
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(
             model_dir, num_labels=len(labels),
@@ -23,8 +82,37 @@ def load_classifier(model_dir: str, labels: list[str], dropout: float | None = N
         for attr in ("hidden_dropout_prob", "classifier_dropout", "dropout"):
             if hasattr(config, attr):
                 setattr(config, attr, dropout)
+    return config
+
+
+def load_classifier(model_dir: str, labels: list[str], dropout: float | None = None, pooling: str = "cls") -> nn.Module:
+    """A pretrained encoder from `model_dir` with a new head for `labels` (pooling: "cls" or "mean")."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the "classifier newly initialized" report is expected here
+    config = _classifier_config(model_dir, labels, dropout)
     # safetensors weights only, never a pickle
+    if pooling == "mean":
+        return MeanPoolClassifier(AutoModel.from_pretrained(model_dir, config=config, use_safetensors=True), len(labels))
     return AutoModelForSequenceClassification.from_pretrained(model_dir, config=config, use_safetensors=True)
+
+
+def load_trained_classifier(model_dir: str) -> nn.Module:
+    """A registered artifact (export.py wrote it) with its weights, whichever pooling it was trained with."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        pooling = json.load(f).get(POOLING_KEY, "cls")
+    if pooling != "mean":
+        # safetensors weights only: from_pretrained loads model.safetensors, never a pickle
+        return AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+    from safetensors.torch import load_file
+
+    config = AutoConfig.from_pretrained(model_dir)
+    model = MeanPoolClassifier(AutoModel.from_config(config), config.num_labels)
+    model.load_state_dict(load_file(os.path.join(model_dir, "model.safetensors")), strict=True)
+    return model
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
