@@ -7,7 +7,8 @@ every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the repli
 - batched_vs_unbatched_throughput: requests/s at concurrency 32 with @serve.batch
   (max_batch_size 32) over the same deployment with max_batch_size 1. Goal >= 4.
 - p50_overhead_ms: p50 latency over HTTP at concurrency 1 minus the p50 of the same row through
-  the predictor in this process. Goal <= 5 ms.
+  the predictor in this process. Goal <= 5 ms. Beside it, healthz_p50_ms: the p50 of GET /healthz,
+  the same request path with no model call, the floor of that overhead on this machine.
 - int8_speedup / int8_f1_delta: dynamic int8 quantization vs fp32, in-process throughput on
   batches of 32, and weighted F1 on the model's held-out split (fp32 minus int8).
 - load_10k: 10,000 requests at concurrency 64 (goal: 0 errors); replica_kill: one of 2 replicas
@@ -78,6 +79,7 @@ def _measure(rt) -> dict:
     _load(url, rows, 64, 32)  # warm-up
     curve = {c: _load(url, rows, max(200, 12 * c), c) for c in (1, 4, 16, 32, 64)}
     out["batched"] = curve
+    out["healthz_p50_ms"] = round(_get_p50_ms(f"{url}/healthz", 220), 2)
     load = _load(url, rows, LOAD_REQUESTS, 64)
     out["load_10k"] = load
     serve.delete("bench")
@@ -179,6 +181,25 @@ async def _load_async(url, rows, n, concurrency, stop, record) -> dict:
     return {"requests": len(lat) + sum(errors.values()), "ok": len(lat), "errors": sum(errors.values()),
             "error_kinds": errors, "concurrency": concurrency, "seconds": round(wall, 2),
             "rps": round(len(lat) / wall, 1), "p50_ms": pct(0.5), "p95_ms": pct(0.95), "p99_ms": pct(0.99)}
+
+
+def _get_p50_ms(url: str, n: int) -> float:
+    """p50 of `n` sequential GETs (the first 20 are warm-up): the request path with no model in it."""
+    return asyncio.run(_get_p50_ms_async(url, n))
+
+
+async def _get_p50_ms_async(url: str, n: int) -> float:
+    import aiohttp
+
+    times = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with session.get(url) as resp:
+                await resp.read()
+                resp.raise_for_status()
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[20:])
 
 
 # -- in-process baselines ---------------------------------------------------------------------
@@ -451,6 +472,7 @@ aiohttp client on the same machine.
 | `batched_vs_unbatched_throughput` at concurrency 32 | {r['batched_vs_unbatched_throughput']}x ({c32['rps']:.0f} vs {r['unbatched_c32']['rps']:.0f} req/s) | >= 4 ({mark('batched_vs_unbatched_throughput')}) |
 | ceiling: the predictor alone, batches of 32 vs single rows (no HTTP) | {r.get('inprocess_batched_vs_unbatched', 'n/a')}x ({r.get('inprocess_rows_per_s_batch32', 'n/a')} vs {r.get('inprocess_rows_per_s_batch1', 'n/a')} rows/s) | |
 | `p50_overhead_ms` (HTTP p50 at concurrency 1 − in-process predictor p50 {r['direct_p50_ms']} ms) | {r['p50_overhead_ms']} ms | <= 5 ({mark('p50_overhead_ms')}) |
+| floor: `GET /healthz` p50 at concurrency 1 (proxy, replica, FastAPI; no model, no batching) | {r.get('healthz_p50_ms', 'n/a')} ms | |
 | `int8_speedup` (in-process, batches of 32) | {r['int8_speedup']}x ({r['int8_rows_per_s']:.0f} vs {r['fp32_rows_per_s']:.0f} rows/s) | |
 | `int8_f1_delta` (fp32 − int8 weighted F1, held-out split) | {r['int8_f1_delta']} ({r['fp32_f1']} vs {r['int8_f1']}) | |
 | {load['requests']} requests at concurrency 64: errors | {load['errors']} ({load['rps']:.0f} req/s, p99 {load['p99_ms']} ms) | 0 ({mark('load_errors')}) |
