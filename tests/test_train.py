@@ -50,6 +50,11 @@ def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy
         a, b = Predictor(local).predict(rows), Predictor(local).predict(rows)
         assert [p["label"] for p in a] == [p["label"] for p in b]
         assert np.allclose([p["score"] for p in a], [p["score"] for p in b])
+        # bf16 (serve.precision for GPU replicas; the same numerics on CPU): the same answers, to bf16's precision
+        half = Predictor(local, precision="bf16")
+        assert next(half.model.parameters()).dtype == torch.bfloat16
+        for full, bf in zip(a, half.predict(rows)):  # probabilities, not labels: a near-tie may flip
+            assert np.allclose(list(bf["probabilities"].values()), list(full["probabilities"].values()), atol=0.02)
 
 
 def test_too_many_workers_fail_fast_with_numbers(ray_cluster):

@@ -1,4 +1,4 @@
-"""Serving: dynamic batching, HTTP overhead, int8, a 10k-request load and a replica killed under load.
+"""Serving: dynamic batching, HTTP overhead, int8 and bf16, a 10k-request load and a replica killed under load.
 
 Measures the model `make demo` registered (`quickstart`, latest version; `--set` or a config to
 use another store), over real HTTP to Ray Serve on this machine, with the same CPU budget for
@@ -10,7 +10,9 @@ every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the repli
   the predictor in this process. Goal <= 5 ms. Beside it, healthz_p50_ms: the p50 of GET /healthz,
   the same request path with no model call, the floor of that overhead on this machine.
 - int8_speedup / int8_f1_delta: dynamic int8 quantization vs fp32, in-process throughput on
-  batches of 32, and weighted F1 on the model's held-out split (fp32 minus int8).
+  batches of 32, and weighted F1 on the model's held-out split (fp32 minus int8). bf16_speedup /
+  bf16_f1_delta the same for bf16 weights and activations (meant for GPU replicas; measured on this
+  machine's CPU, whose bf16 speed says nothing of a GPU's, while the F1 delta is the same numerics).
 - load_10k: 10,000 requests at concurrency 64 (goal: 0 errors); replica_kill: one of 2 replicas
   SIGKILLed mid-load (goals: < 1% failed, recovery < 30 s).
 - rolling_update: 2 replicas serve v1 of a model under load, v2 is deployed to the same
@@ -39,6 +41,7 @@ from workflows.errors import UserError
 MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
 LOAD_REQUESTS = int(os.environ.get("WORKFLOWS_BENCH_SERVE_REQUESTS", "10000"))
 PLOT = Path("docs/images/serve_latency_throughput.png")
+PRECISIONS = ("fp32", "int8", "bf16")  # fp32 first: the others are compared with it
 GOALS = {"batched_vs_unbatched_throughput": 4.0, "p50_overhead_ms": 5.0, "load_errors": 0,
          "replica_kill_failed_fraction": 0.01, "replica_kill_recovery_s": 30.0, "rolling_update_failed": 0, "autoscaling_errors": 0}
 
@@ -94,7 +97,7 @@ def _measure(rt) -> dict:
     out["direct_p50_ms"] = round(direct, 2)
     out.update(_inprocess_batching(rt, spec, rows))
     out["p50_overhead_ms"] = round(curve[1]["p50_ms"] - direct, 2)
-    out.update(_int8(rt, spec, rows))
+    out.update(_precisions(rt, spec, rows))
     out["replica_kill"] = _replica_kill(deployed, rows)
     serve.delete("bench")
     out["rolling_update"] = _rolling_update(rt, spec, rows)
@@ -242,13 +245,13 @@ def _inprocess_batching(rt, spec: str, rows: list[dict]) -> dict:
             "inprocess_batched_vs_unbatched": round(batched / one, 2)}
 
 
-def _int8(rt, spec: str, rows: list[dict]) -> dict:
+def _precisions(rt, spec: str, rows: list[dict]) -> dict:
     from workflows import registry
     from workflows.evaluate import evaluate_dataset
     from workflows.preprocess.materialize import ProcessedDataset
 
     out = {}
-    for precision in ("fp32", "int8"):
+    for precision in PRECISIONS:
         pred = _predictor(rt, spec, precision)
         columns = {c: [r[c] for r in rows] for c in pred.text_columns}
         pred.probabilities({c: v[:64] for c, v in columns.items()}, batch_size=32)  # warm-up
@@ -258,14 +261,17 @@ def _int8(rt, spec: str, rows: list[dict]) -> dict:
     meta = registry.describe(rt.cfg, rt.storage, spec)
     data = ProcessedDataset.load(meta["lineage"]["dataset_uri"], rt.storage)
     f1 = {}
-    for precision in ("fp32", "int8"):
+    for precision in PRECISIONS:
         cfg = rt.cfg.model_copy(deep=True)
         cfg.serve.precision = precision
         test = data.read("test", rt.storage, cache=cfg.cache).select_columns([*data.text_columns, data.label_column])
         f1[precision] = evaluate_dataset(cfg, spec, meta, test, concurrency=1)["weighted"]["f1"]
-    return {**out, "int8_speedup": round(out["int8_rows_per_s"] / out["fp32_rows_per_s"], 2),
-            "fp32_f1": round(f1["fp32"], 4), "int8_f1": round(f1["int8"], 4),
-            "int8_f1_delta": round(f1["fp32"] - f1["int8"], 4)}
+    out["fp32_f1"] = round(f1["fp32"], 4)
+    for precision in PRECISIONS[1:]:
+        out[f"{precision}_speedup"] = round(out[f"{precision}_rows_per_s"] / out["fp32_rows_per_s"], 2)
+        out[f"{precision}_f1"] = round(f1[precision], 4)
+        out[f"{precision}_f1_delta"] = round(f1["fp32"] - f1[precision], 4)
+    return out
 
 
 # -- a replica killed under load --------------------------------------------------------------
@@ -449,6 +455,15 @@ def _autoscaling_row(r: dict) -> str:
             f"{a['rps_two_replicas']} on 2 | 0 ({met}) |")
 
 
+def _bf16_rows(r: dict) -> str:
+    if "bf16_f1_delta" not in r:
+        return "| bf16 | not measured in this run | |"
+    return (f"| `bf16_speedup` (in-process on this CPU, batches of 32; a GPU's differs) | {r['bf16_speedup']}x "
+            f"({r['bf16_rows_per_s']:.0f} vs {r['fp32_rows_per_s']:.0f} rows/s) | |\n"
+            f"| `bf16_f1_delta` (fp32 − bf16 weighted F1, held-out split) | {r['bf16_f1_delta']} "
+            f"({r['fp32_f1']} vs {r['bf16_f1']}) | |")
+
+
 def _mark(r: dict, goal: str) -> str:
     return "met" if r["goals_met"].get(goal) else "**not met**"
 
@@ -475,6 +490,7 @@ aiohttp client on the same machine.
 | floor: `GET /healthz` p50 at concurrency 1 (proxy, replica, FastAPI; no model, no batching) | {r.get('healthz_p50_ms', 'n/a')} ms | |
 | `int8_speedup` (in-process, batches of 32) | {r['int8_speedup']}x ({r['int8_rows_per_s']:.0f} vs {r['fp32_rows_per_s']:.0f} rows/s) | |
 | `int8_f1_delta` (fp32 − int8 weighted F1, held-out split) | {r['int8_f1_delta']} ({r['fp32_f1']} vs {r['int8_f1']}) | |
+{_bf16_rows(r)}
 | {load['requests']} requests at concurrency 64: errors | {load['errors']} ({load['rps']:.0f} req/s, p99 {load['p99_ms']} ms) | 0 ({mark('load_errors')}) |
 | one of 2 replicas SIGKILLed under load: failed requests | {k['failed']} of {k['requests']} ({100 * k['failed_fraction']:.2f}%) | < 1% ({mark('replica_kill_failed_fraction')}) |
 | replica replaced after | {k['recovery_s']} s | < 30 s ({mark('replica_kill_recovery_s')}) |
