@@ -236,23 +236,6 @@ def _step(model, opt, b, s, vocab, lm: bool = False):
     opt.step()
 
 
-def _saved_storages(model, forward) -> tuple[dict[int, int], object]:
-    """Bytes autograd saves for backward while `forward()` runs (saved-tensor hooks, one count per
-    storage, the parameters excluded), and what `forward()` returned."""
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    return saved, out
-
-
 def _measured_peak(model, opt, step) -> int:
     """Resident parameters + AdamW state, plus the peak of live tensor bytes (torch's allocation
     events, `torch.profiler` profile_memory) over a steady-state step: optimizer state exists,
@@ -300,7 +283,7 @@ def test_saved_activations_match_the_formula(kind):
     cfg = hf_config(kind)
     model = AutoModelForSequenceClassification.from_config(cfg).train()
     s, b = 128, 8
-    saved, _ = _saved_storages(model, lambda: _forward(model, b, s, cfg.vocab_size))
+    saved, _ = planner.saved_storages(model.parameters(), lambda: _forward(model, b, s, cfg.vocab_size))
     predicted = activation_bytes(planner.spec_from_config(cfg), s, b, device_type="cpu", working_set=False)
     print(f"{kind}: saved activations {sum(saved.values()) / 2**20:.1f} MiB, formula {predicted / 2**20:.1f} MiB")
     assert abs(predicted / sum(saved.values()) - 1) <= ACTIVATION_TOLERANCE, (predicted, sum(saved.values()))
@@ -477,7 +460,7 @@ def _tiny_lm():
 def test_causal_lm_saved_activations_match_the_formula():
     model, config = _tiny_lm()
     s, b = 128, 8
-    saved, out = _saved_storages(model, lambda: _forward(model, b, s, config.vocab_size, lm=True))
+    saved, out = planner.saved_storages(model.parameters(), lambda: _forward(model, b, s, config.vocab_size, lm=True))
     saved[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()  # held by the output
     spec = planner.spec_from_config(config, causal_lm=True)
     predicted = activation_bytes(spec, s, b, device_type="cpu", working_set=False)

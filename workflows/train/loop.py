@@ -64,6 +64,7 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, head_lr: fl
             groups.setdefault((decays, head), []).append(p)
     return torch.optim.AdamW([
         {"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": head_lr if head else lr}
+        # body before head, decayed before not: without head_lr, the two groups of old checkpoints
         for (decays, head), params in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0]))
     ], lr=lr)
 

@@ -9,7 +9,6 @@ Two poolings (model.pooling):
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch.nn as nn
@@ -37,6 +36,7 @@ class MeanPoolClassifier(nn.Module):
             encoder.pooler = None  # unused here: parameters without gradients would stall DDP
         self.encoder = encoder
         self.config = encoder.config
+        setattr(self.config, POOLING_KEY, "mean")  # saved with it: load_trained_classifier reads it
         self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
 
     def forward(self, input_ids, attention_mask, labels=None):
@@ -62,13 +62,13 @@ class MeanPoolClassifier(nn.Module):
         if not safe_serialization:
             raise ValueError("only safetensors artifacts are written")
         os.makedirs(out_dir, exist_ok=True)
-        setattr(self.config, POOLING_KEY, "mean")
         self.config.save_pretrained(out_dir)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
-def _classifier_config(model_dir: str, labels: list[str], dropout: float | None):
+def classifier_config(model_dir: str, labels: list[str], dropout: float | None):
+    """The checkpoint's config with a head for `labels` and model.dropout applied (the planner sizes the same)."""
     from transformers import AutoConfig
 
     try:
@@ -91,7 +91,7 @@ def load_classifier(model_dir: str, labels: list[str], dropout: float | None = N
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the "classifier newly initialized" report is expected here
-    config = _classifier_config(model_dir, labels, dropout)
+    config = classifier_config(model_dir, labels, dropout)
     # safetensors weights only, never a pickle
     if pooling == "mean":
         return MeanPoolClassifier(AutoModel.from_pretrained(model_dir, config=config, use_safetensors=True), len(labels))
@@ -102,14 +102,12 @@ def load_trained_classifier(model_dir: str) -> nn.Module:
     """A registered artifact (export.py wrote it) with its weights, whichever pooling it was trained with."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
-    with open(os.path.join(model_dir, "config.json")) as f:
-        pooling = json.load(f).get(POOLING_KEY, "cls")
-    if pooling != "mean":
+    config = AutoConfig.from_pretrained(model_dir)
+    if getattr(config, POOLING_KEY, "cls") != "mean":
         # safetensors weights only: from_pretrained loads model.safetensors, never a pickle
-        return AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+        return AutoModelForSequenceClassification.from_pretrained(model_dir, config=config, use_safetensors=True)
     from safetensors.torch import load_file
 
-    config = AutoConfig.from_pretrained(model_dir)
     model = MeanPoolClassifier(AutoModel.from_config(config), config.num_labels)
     model.load_state_dict(load_file(os.path.join(model_dir, "model.safetensors")), strict=True)
     return model

@@ -154,6 +154,25 @@ def _build_on_meta(config, causal_lm: bool = False) -> nn.Module:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
+def saved_storages(params, forward) -> tuple[dict[int, int], object]:
+    """Bytes autograd saves for backward while `forward()` runs, one count per storage (saved-tensor
+    hooks; the storages of `params` excluded), and what `forward()` returned."""
+    import torch
+
+    own = {t.untyped_storage().data_ptr() for t in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return saved, out
+
+
 def _probe(module: nn.Module | None, width: int, default: float) -> tuple[dict, bool]:
     """Bytes autograd saves per input element when `module` runs (fp32 and bf16), and whether its
     output is among them. Runs a copy of the module on a (2, 3, width) CPU tensor: microseconds."""
@@ -168,18 +187,8 @@ def _probe(module: nn.Module | None, width: int, default: float) -> tuple[dict, 
             probe = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
             for prm in probe.parameters():
                 prm.data.fill_(1.0)  # to_empty leaves garbage
-            own = {t.untyped_storage().data_ptr() for t in probe.parameters()}
             x = torch.randn(2, 3, width, dtype=dtype, requires_grad=True)
-            saved: dict[int, int] = {}
-
-            def pack(t):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in own:
-                    saved[ptr] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = probe(x)
+            saved, y = saved_storages(probe.parameters(), lambda: probe(x))
             result[precision] = sum(saved.values()) / x.numel()
             out_saved = out_saved or y.untyped_storage().data_ptr() in saved
         except Exception:  # noqa: BLE001 - an unusual module: assume it saves its input only
@@ -250,18 +259,12 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
 def model_spec(model_dir: str, *, num_labels: int = 2, dropout: float | None = None,
                freeze_embeddings: bool = False, name: str | None = None) -> ModelSpec:
     """The spec of the classifier `load_classifier(model_dir, ...)` would build, without its weights."""
-    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
+    from workflows.train.models import classifier_config
+
     hf_logging.set_verbosity_error()
-    try:
-        config = AutoConfig.from_pretrained(model_dir, num_labels=num_labels)
-    except (OSError, ValueError) as e:
-        raise UserError(f"not a model directory: {model_dir} ({e})".splitlines()[0]) from None
-    if dropout is not None:  # as load_classifier applies model.dropout
-        for attr in ("hidden_dropout_prob", "classifier_dropout", "dropout"):
-            if hasattr(config, attr):
-                setattr(config, attr, dropout)
+    config = classifier_config(model_dir, [f"LABEL_{i}" for i in range(num_labels)], dropout)
     return spec_from_config(config, name=name or model_dir, freeze_embeddings=freeze_embeddings)
 
 
