@@ -111,3 +111,52 @@ def test_two_ranks_sync_once_per_accumulated_step(strategy, tmp_path):
     assert len(big) == 4  # 16 rows per rank, 8 per step, 2 epochs
     assert acc == pytest.approx(big, abs=1e-5)
     assert results[1] == results[0]  # step losses are averaged over ranks
+
+
+def _probe(rank: int = 0, world_size: int = 1, l2: float = 1e-2):
+    from workflows.train.loop import linear_probe
+
+    model = tiny_bert()
+    stats = linear_probe(model, batches(5, rank, world_size), torch.device("cpu"), l2)
+    return model, stats
+
+
+def test_linear_probe_fits_the_head_as_a_logistic_regression():
+    from sklearn.linear_model import LogisticRegression
+
+    l2 = 1e-2
+    model, stats = _probe(l2=l2)
+    assert stats["rows"] == ROWS
+    ids, mask, labels = rows()
+    with torch.no_grad():  # the head's input, computed independently of the probe's hook
+        feats = model.bert(input_ids=ids, attention_mask=mask).pooler_output.double().numpy()
+        probs = torch.softmax(model(input_ids=ids, attention_mask=mask).logits, -1).double().numpy()
+    # sklearn minimizes 0.5*|W|^2 + C * sum(CE); the probe mean(CE) + l2*|W|^2, i.e. C = 1 / (2 * l2 * n)
+    ref = LogisticRegression(C=1 / (2 * l2 * ROWS), tol=1e-10, max_iter=10_000).fit(feats, labels.numpy())
+    assert probs == pytest.approx(ref.predict_proba(feats), abs=2e-3)
+    assert stats["train_accuracy"] == pytest.approx(float((probs.argmax(-1) == labels.numpy()).mean()))
+
+
+def _probe_ranks(rank: int, world_size: int, port: int, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model, stats = _probe(rank, world_size)
+        head = model.classifier
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"weight": head.weight.tolist(), "bias": head.bias.tolist(), "rows": stats["rows"]}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as _ranks: skip the interpreter's teardown
+
+
+def test_linear_probe_on_two_ranks_fits_one_head_on_all_rows(tmp_path):
+    mp.spawn(_probe_ranks, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1]  # identical heads: the ranks start fine-tuning from the same weights
+    assert results[0]["rows"] == ROWS  # each rank saw its half; the fit used both
+    single, _ = _probe()
+    assert torch.tensor(results[0]["weight"]) == pytest.approx(single.classifier.weight.detach(), abs=1e-3)
+    assert torch.tensor(results[0]["bias"]) == pytest.approx(single.classifier.bias.detach(), abs=1e-3)

@@ -18,9 +18,11 @@ from workflows.train.trainer import check_resources, fit
 
 
 # FSDP also runs with gradient accumulation and activation checkpointing switched on; DDP with the
-# mean-pooling head (DDP fails on a parameter left without a gradient) and its own learning rate
+# mean-pooling head (DDP fails on a parameter left without a gradient), its own learning rate and
+# the head fitted by a linear probe over both workers' rows first (LP-FT)
 @pytest.mark.parametrize("strategy,extra", [("fsdp", ["train.grad_accum_steps=2", "train.activation_checkpointing=true"]),
-                                            ("ddp", ["model.pooling=mean", "train.head_lr=1e-3"])])
+                                            ("ddp", ["model.pooling=mean", "train.head_lr=1e-3",
+                                                     "train.head_init=linear_probe"])])
 def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy, extra):
     cfg = tiny_cfg(f"train.strategy={strategy}", "train.epochs=2", *extra)
     with runtime(cfg) as rt:

@@ -138,6 +138,11 @@ class TrainConfig(Strict):
     batch_size: int = Field(32, ge=1, description="per worker")
     lr: float = Field(1e-4, gt=0)
     head_lr: float | None = Field(None, gt=0, description="classification: learning rate of the new head (random weights); None: train.lr")
+    head_init: Literal["random", "linear_probe"] = Field(
+        "random", description="classification: the new head's start: 'random', or 'linear_probe' (LP-FT: the head is first fitted "
+                              "on the frozen pretrained features, a logistic regression over all workers' training rows, then "
+                              "everything is fine-tuned, so early steps do not pull the pretrained features toward a random head)")
+    linear_probe_l2: float = Field(1e-3, ge=0, description="head_init=linear_probe: L2 penalty on the head's weights")
     weight_decay: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     grad_clip: float | None = Field(1.0, gt=0)

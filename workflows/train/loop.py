@@ -201,16 +201,95 @@ def build_model(cfg, model_dir: str, labels: list[str], vocab_size: int | None =
     return load_classifier(model_dir, labels, cfg.model.dropout, cfg.model.pooling)
 
 
+LINEAR_PROBE_MAX_ROWS = 20_000  # all ranks together: plenty for a logistic regression on ~1k features
+
+
+def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device, l2: float) -> dict:
+    """Fit the new linear head (`model.classifier`) on the frozen pretrained features: the first
+    step of LP-FT (Kumar et al., 2022, "Fine-Tuning can Distort Pretrained Features").
+
+    Every rank passes over its own rows (eval mode, no gradients) and keeps the head's inputs;
+    the features of all ranks are gathered, and each rank fits the same multinomial logistic
+    regression (full-batch L-BFGS, `l2` on the weights) on them; rank 0's result is broadcast so
+    the ranks start fine-tuning from identical weights. Runs on the plain model, before FSDP/DDP
+    wrap it. Written here because it needs the model's own head inputs (whatever its pooling),
+    which a generic solver such as scikit-learn would have to be fed and translated back from.
+    """
+    from workflows.errors import UserError
+    from workflows.train.models import head_logit_scale
+
+    head = getattr(model, "classifier", None)
+    if not isinstance(head, nn.Linear):
+        raise UserError("train.head_init=linear_probe needs a classifier whose head (`classifier`) is one linear layer; "
+                        f"{type(model).__name__} has {type(head).__name__}")
+    t0 = time.perf_counter()
+    rank, world_size = world()
+    limit = -(-LINEAR_PROBE_MAX_ROWS // world_size)
+    feats: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda _m, inputs, _out: feats.append(inputs[0].detach().float().cpu()))
+    labels, rows = [], 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:  # each rank on its own: no collective runs inside this pass
+                if rows >= limit:
+                    break
+                model(**{k: v.to(device) for k, v in batch.items()})
+                labels.append(batch["labels"].cpu())
+                rows += batch["labels"].shape[0]
+    finally:
+        hook.remove()
+    x = torch.cat(feats) if feats else torch.zeros(0, head.in_features)
+    y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        parts: list = [None] * world_size
+        dist.all_gather_object(parts, (x, y))
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    if len(y) == 0:
+        raise UserError("train.head_init=linear_probe: no training rows to fit the head on")
+    scale = head_logit_scale(model)
+    weight = head.weight.detach().float().cpu().clone().requires_grad_(True)
+    bias = head.bias.detach().float().cpu().clone().requires_grad_(True)
+    solver = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=500, history_size=20, line_search_fn="strong_wolfe")
+
+    def objective():
+        solver.zero_grad()
+        loss = nn.functional.cross_entropy(scale * (x @ weight.T + bias), y) + l2 * weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    solver.step(objective)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
+        if world_size > 1:
+            import torch.distributed as dist
+
+            for p in (head.weight, head.bias):
+                dist.broadcast(p.data, src=0)
+        accuracy = float((scale * (x @ weight.T + bias)).argmax(-1).eq(y).float().mean())
+    return {"rows": int(len(y)), "train_accuracy": accuracy, "seconds": round(time.perf_counter() - t0, 2)}
+
+
 def build_training(cfg, model_dir: str, labels: list[str], device: torch.device, train_rows: int,
-                   vocab_size: int | None = None):
+                   vocab_size: int | None = None, probe_batches: Iterable[dict] | None = None):
     """Model (seeded head or seeded random init, FSDP2/DDP per train.strategy), optimizer and LR
     schedule: the same under Ray Train and torchrun. The schedule spans all epochs, so a resumed
-    run continues it. `train_rows`: rows (classification) or blocks (causal LM) per epoch."""
+    run continues it. `train_rows`: rows (classification) or blocks (causal LM) per epoch.
+    `probe_batches`: this rank's training rows, for train.head_init=linear_probe (None when resuming:
+    the checkpoint holds the head)."""
     tc = cfg.train
     torch.manual_seed(tc.seed)  # new weights identical on every rank and every run
     model = build_model(cfg, model_dir, labels, vocab_size)
     if tc.freeze_embeddings and cfg.model.task == "classification":  # pretrained ones only: an LM's are
         model.get_input_embeddings().requires_grad_(False)  # random and tied to its head
+    if tc.head_init == "linear_probe" and cfg.model.task == "classification" and probe_batches is not None:
+        probe = linear_probe(model.to(device), probe_batches, device, tc.linear_probe_l2)
+        if world()[0] == 0:
+            print(f"linear probe: head fitted on {probe['rows']} rows (train accuracy {probe['train_accuracy']:.4f}) "
+                  f"in {probe['seconds']:.1f}s", flush=True)
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(model, tc.strategy, device)

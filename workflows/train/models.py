@@ -67,6 +67,11 @@ class MeanPoolClassifier(nn.Module):
         save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
+def head_logit_scale(model: nn.Module) -> float:
+    """What the model multiplies its `classifier` head's output by to get the logits."""
+    return MeanPoolClassifier.SCALE if isinstance(model, MeanPoolClassifier) else 1.0
+
+
 def classifier_config(model_dir: str, labels: list[str], dropout: float | None):
     """The checkpoint's config with a head for `labels` and model.dropout applied (the planner sizes the same)."""
     from transformers import AutoConfig

@@ -183,8 +183,9 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
     total_rows = len(train_rows["label_id"])
     train_rows, val_rows = rank_share(train_rows, rank, world_size), rank_share(val_rows, rank, world_size)
 
+    probe = None if resume or lm else batches(train_rows, cfg.evaluate.batch_size, pad_id)
     model, optimizer, scheduler = build_training(cfg, resolve_model_dir(cfg.model.name_or_path), data.labels,
-                                                 device, total_rows, len(tokenizer))
+                                                 device, total_rows, len(tokenizer), probe)
     start_epoch, history, resumed_from = 0, [], None
     if resume:
         found = ckpt.latest_local(checkpoint_dir) if checkpoint_dir else None

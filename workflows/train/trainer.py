@@ -62,24 +62,27 @@ def worker_loop(spec: dict) -> None:
     torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
     device = ray.train.torch.get_device()
 
-    model, optimizer, scheduler = build_training(cfg, spec["model_dir"], spec["labels"], device, spec["train_rows"],
-                                                 spec["vocab_size"])
-    start_epoch, history, resumed_from = 0, [], None
+    train_shard = ray.train.get_dataset_shard("train")
+    val_shard = ray.train.get_dataset_shard("val")
+    to_batch = _collate(cfg.model.task, spec["pad_id"])
+
     # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
     # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None and spec.get("resume_from"):
         fs, path = pyarrow_filesystem(spec["resume_from"], spec["storage"])
         checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
+    probe_batches = None
+    if checkpoint is None and tc.head_init == "linear_probe":
+        probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
+    model, optimizer, scheduler = build_training(cfg, spec["model_dir"], spec["labels"], device, spec["train_rows"],
+                                                 spec["vocab_size"], probe_batches)
+    start_epoch, history, resumed_from = 0, [], None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             saved = ckpt.load(d, model, optimizer, scheduler)
         resumed_from = saved["epoch"]
         start_epoch, history = resumed_from + 1, saved.get("history", [])
-
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
-    to_batch = _collate(cfg.model.task, spec["pad_id"])
 
     def train_batches(epoch: int):
         # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
