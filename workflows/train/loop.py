@@ -212,9 +212,11 @@ def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device
     the features of all ranks are gathered, and each rank fits the same multinomial logistic
     regression (full-batch L-BFGS, `l2` on the weights) on them; rank 0's result is broadcast so
     the ranks start fine-tuning from identical weights. Runs on the plain model, before FSDP/DDP
-    wrap it. Written here because it needs the model's own head inputs (whatever its pooling),
-    which a generic solver such as scikit-learn would have to be fed and translated back from.
+    wrap it. Solved with torch's L-BFGS rather than scikit-learn so the objective is the model's own
+    (its logit scale, no penalty on the bias) and the result needs no translation back.
     """
+    import torch.distributed as dist
+
     from workflows.errors import UserError
     from workflows.train.models import head_logit_scale
 
@@ -242,8 +244,6 @@ def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device
     x = torch.cat(feats) if feats else torch.zeros(0, head.in_features)
     y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
     if world_size > 1:
-        import torch.distributed as dist
-
         parts: list = [None] * world_size
         dist.all_gather_object(parts, (x, y))
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -265,8 +265,6 @@ def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device
         head.weight.copy_(weight)
         head.bias.copy_(bias)
         if world_size > 1:
-            import torch.distributed as dist
-
             for p in (head.weight, head.bias):
                 dist.broadcast(p.data, src=0)
         accuracy = float((scale * (x @ weight.T + bias)).argmax(-1).eq(y).float().mean())
