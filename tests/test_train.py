@@ -11,16 +11,18 @@ from workflows.errors import UserError
 from workflows.pipeline import stage_preprocess
 from workflows.runtime import runtime
 from workflows.serve.predictor import Predictor
-from workflows.train.checkpoint import consolidated_model_state
+from workflows.train.checkpoint import consolidated_model_state, read_state
 from workflows.train.export import download_checkpoint, export_artifact
 from workflows.train.loop import steps_per_epoch
-from workflows.train.trainer import check_resources, fit
+from workflows.train.trainer import check_resources, fit, select_checkpoint
 
 
-# FSDP also runs with gradient accumulation and activation checkpointing switched on; DDP with the
-# mean-pooling head (DDP fails on a parameter left without a gradient), its own learning rate and
-# the head fitted by a linear probe over both workers' rows first (LP-FT)
-@pytest.mark.parametrize("strategy,extra", [("fsdp", ["train.grad_accum_steps=2", "train.activation_checkpointing=true"]),
+# FSDP also runs with gradient accumulation and activation checkpointing switched on, and hands on
+# the last epoch's checkpoint; DDP with the mean-pooling head (DDP fails on a parameter left without
+# a gradient), its own learning rate and the head fitted by a linear probe over both workers' rows
+# first (LP-FT), and hands on the best epoch's
+@pytest.mark.parametrize("strategy,extra", [("fsdp", ["train.grad_accum_steps=2", "train.activation_checkpointing=true",
+                                                      "train.checkpoint_select=last", "train.num_to_keep=2"]),
                                             ("ddp", ["model.pooling=mean", "train.head_lr=1e-3",
                                                      "train.head_init=linear_probe"])])
 def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy, extra):
@@ -34,10 +36,15 @@ def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy
         assert [h["epoch"] for h in out.history] == [0, 1] or out.history[-1]["epoch"] == 1
         m = out.best_metrics
         assert 0 <= m["val_f1"] <= 1 and m["samples"] > 0 and m["train_loss"] > 0
+        if cfg.train.checkpoint_select == "last":
+            assert m["epoch"] == 1
+        else:
+            assert m["val_f1"] == max(h["val_f1"] for h in out.history)
 
         with tempfile.TemporaryDirectory() as ck, tempfile.TemporaryDirectory() as art:
             download_checkpoint(out.best_checkpoint_uri, rt.storage, ck)
             state = consolidated_model_state(ck)
+            assert read_state(ck)["epoch"] == m["epoch"]  # the chosen checkpoint is that epoch's
             meta = export_artifact(cfg, rt.storage, data, out.best_checkpoint_uri, art, {"run": out.run_uri})
             assert meta["labels"] == data.labels and meta["lineage"]["dataset_version"] == data.version
             # export -> reload gives the checkpoint's exact weights, hence identical logits
@@ -57,6 +64,14 @@ def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy
         assert next(half.model.parameters()).dtype == torch.bfloat16
         for full, bf in zip(a, half.predict(rows)):  # probabilities, not labels: a near-tie may flip
             assert np.allclose(list(bf["probabilities"].values()), list(full["probabilities"].values()), atol=0.02)
+
+
+def test_select_checkpoint_best_or_last():
+    kept = [("c0", {"epoch": 0, "val_f1": 0.7, "val_loss": 0.9}), ("c2", {"epoch": 2, "val_f1": 0.8, "val_loss": 0.5}),
+            ("c1", {"epoch": 1, "val_f1": 0.8, "val_loss": 0.4}), ("c3", {"epoch": 3, "val_f1": 0.75, "val_loss": 0.6})]
+    assert select_checkpoint(kept, "best", "val_f1", "max")[0] == "c1"  # the earliest of equals
+    assert select_checkpoint(kept, "best", "val_loss", "min")[0] == "c1"
+    assert select_checkpoint(kept, "last", "val_f1", "max") == kept[3]
 
 
 def test_too_many_workers_fail_fast_with_numbers(ray_cluster):

@@ -152,6 +152,10 @@ class TrainConfig(Strict):
     seed: int = 0
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
     max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per epoch (tuning, tests)")
+    checkpoint_select: Literal["best", "last"] = Field(
+        "best", description="the epoch whose checkpoint is evaluated and registered: 'best' by the validation metric "
+                            "(val_f1; val_loss for a causal LM), or 'last', the end of the full learning-rate schedule "
+                            "(on a validation split of a few dozen rows, the best epoch is partly picked by noise)")
     num_to_keep: int = Field(1, ge=1)
     max_failures: int = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")

@@ -46,6 +46,14 @@ def score(cfg: WorkflowConfig) -> tuple[str, str]:
     return ("val_loss", "min") if cfg.model.task == "causal_lm" else ("val_f1", "max")
 
 
+def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: str, mode: str) -> tuple[Any, dict]:
+    """(checkpoint, metrics) of the best epoch by `metric`, or of the last epoch; the earliest of equals."""
+    if select == "last":
+        return max(checkpoints, key=lambda cm: cm[1]["epoch"])
+    sign = 1 if mode == "max" else -1
+    return max(checkpoints, key=lambda cm: (sign * cm[1][metric], -cm[1]["epoch"]))
+
+
 def worker_loop(spec: dict) -> None:
     """Runs on every Ray Train worker: loop.run_epochs fed by the worker's Ray Data shards.
 
@@ -179,7 +187,7 @@ def ingest_config():
 class TrainOutcome:
     run_name: str
     run_uri: str
-    best_checkpoint_uri: str
+    best_checkpoint_uri: str  # the checkpoint train.checkpoint_select chose (best or last epoch); likewise best_metrics
     best_metrics: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
@@ -276,7 +284,9 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=runs_path, storage_filesystem=pa_fs,
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=tc.num_to_keep, checkpoint_score_attribute=metric, checkpoint_score_order=mode,
+                # without a score attribute Ray keeps the most recent checkpoints
+                num_to_keep=tc.num_to_keep, checkpoint_score_order=mode,
+                checkpoint_score_attribute=metric if tc.checkpoint_select == "best" else None,
             ),
             failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
             callbacks=callbacks or None,
@@ -286,10 +296,9 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     )
     t0 = time.time()
     result = trainer.fit()
-    best = result.get_best_checkpoint(metric, mode) if result.best_checkpoints else None
-    if best is None:
+    if not result.best_checkpoints:
         raise RuntimeError(f"training run {run_name} finished without a checkpoint")
-    best_metrics = next(m for c, m in result.best_checkpoints if c.path == best.path)
+    best, best_metrics = select_checkpoint(result.best_checkpoints, tc.checkpoint_select, metric, mode)
     history_uri = f"{run_uri}/history.json"
     history = read_json(history_uri, storage) if exists(history_uri, storage) else []
     return TrainOutcome(
