@@ -27,6 +27,8 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
 
 def evaluate_dataset(cfg, model_spec: str, meta: dict, ds, label_column: str | None = None, concurrency: int = 1) -> dict:
     """Run the model over a Ray Dataset of raw rows (text columns + label) and score it."""
+    import ray.data
+
     from workflows.serve.predictor import BatchPredictor
 
     label_column = label_column or meta["label_column"]
@@ -36,7 +38,7 @@ def evaluate_dataset(cfg, model_spec: str, meta: dict, ds, label_column: str | N
         raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
     ds = ds.select_columns([*meta["text_columns"], label_column])
     scored = ds.map_batches(BatchPredictor, fn_constructor_args=(cfg.model_dump(mode="json"), model_spec), batch_format="pandas",
-                            batch_size=64, concurrency=concurrency)
+                            batch_size=64, compute=ray.data.ActorPoolStrategy(size=concurrency))
     table: pd.DataFrame = scored.select_columns([label_column, "prediction"]).to_pandas()
     table = table[table[label_column].notna()]
     y_true = table[label_column].astype(str).tolist()
