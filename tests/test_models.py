@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from workflows.train.loop import make_optimizer
-from workflows.train.models import POOLING_KEY, MeanPoolClassifier, load_classifier, load_trained_classifier
+from workflows.train.models import (POOLING_KEY, MeanPoolClassifier, check_linear_probe_head, load_classifier,
+                                     load_trained_classifier)
 
 LABELS = ["a", "b", "c"]
 
@@ -75,3 +76,19 @@ def test_head_lr_applies_to_the_new_head_only(base_dir, pooling):
     for name, p in model.named_parameters():
         assert by_param[id(p)] == (1e-3 if name.startswith("classifier.") else 1e-4), name
     assert {g["lr"] for g in make_optimizer(model, 1e-4, 0.01).param_groups} == {1e-4}
+
+
+def test_linear_probe_head_check_before_any_weights_are_read(base_dir, tmp_path):
+    """head_init=linear_probe fits one linear layer: a head of another shape (RoBERTa's dense +
+    out_proj) is a named error from the config alone, before training starts."""
+    from transformers import RobertaConfig
+
+    from workflows.errors import UserError
+
+    check_linear_probe_head(base_dir, LABELS, "cls")  # BERT's head: one linear layer
+    roberta = tmp_path / "tiny-roberta"
+    RobertaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64).save_pretrained(roberta)  # config only: no weights at all
+    with pytest.raises(UserError, match=r"one linear layer; RobertaForSequenceClassification has RobertaClassificationHead"):
+        check_linear_probe_head(str(roberta), LABELS, "cls")
+    check_linear_probe_head(str(roberta), LABELS, "mean")  # mean pooling brings its own linear head

@@ -218,12 +218,9 @@ def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device
     import torch.distributed as dist
 
     from workflows.errors import UserError
-    from workflows.train.models import head_logit_scale
+    from workflows.train.models import check_linear_head, head_logit_scale
 
-    head = getattr(model, "classifier", None)
-    if not isinstance(head, nn.Linear):
-        raise UserError("train.head_init=linear_probe needs a classifier whose head (`classifier`) is one linear layer; "
-                        f"{type(model).__name__} has {type(head).__name__}")
+    head = check_linear_head(model)
     t0 = time.perf_counter()
     rank, world_size = world()
     limit = -(-LINEAR_PROBE_MAX_ROWS // world_size)

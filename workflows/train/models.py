@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -70,6 +71,26 @@ class MeanPoolClassifier(nn.Module):
 def head_logit_scale(model: nn.Module) -> float:
     """What the model multiplies its `classifier` head's output by to get the logits."""
     return MeanPoolClassifier.SCALE if isinstance(model, MeanPoolClassifier) else 1.0
+
+
+def check_linear_head(model: nn.Module) -> nn.Linear:
+    """The head that train.head_init=linear_probe fits: one linear layer named `classifier`."""
+    head = getattr(model, "classifier", None)
+    if not isinstance(head, nn.Linear):
+        raise UserError("train.head_init=linear_probe needs a classifier whose head (`classifier`) is one linear layer; "
+                        f"{type(model).__name__} has {type(head).__name__}; use train.head_init=random or model.pooling=mean")
+    return head
+
+
+def check_linear_probe_head(model_dir: str, labels: list[str], pooling: str) -> None:
+    """Before any worker starts: the model that would be built has a head linear_probe can fit.
+    The model is built on the meta device from its config: no weights are read."""
+    if pooling == "mean":
+        return  # MeanPoolClassifier's head is one linear layer
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        check_linear_head(AutoModelForSequenceClassification.from_config(classifier_config(model_dir, labels, None)))
 
 
 def classifier_config(model_dir: str, labels: list[str], dropout: float | None):

@@ -23,6 +23,7 @@ from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol, write_json
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, run_epochs
+from workflows.train.models import check_linear_probe_head
 
 SHUFFLE_BUFFER = 2048
 
@@ -240,6 +241,8 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     if check:
         check_resources(tc.num_workers, tc.cpus_per_worker, tc.use_gpu)
     model_dir = resolve_model_dir(cfg.model.name_or_path)
+    if cfg.model.task == "classification" and tc.head_init == "linear_probe":
+        check_linear_probe_head(model_dir, data.labels, cfg.model.pooling)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer))
