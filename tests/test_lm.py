@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,18 @@ def test_benchmark_under_torchrun_on_two_cpu_ranks(tmp_path):
     assert r["world_size"] == 2 and r["steps"] == 3 and r["tokens_per_s"] > 0 and r["mfu"] is None
     assert r["tokens_per_s"] == pytest.approx(3 * 2 * 2 * 64 / r["seconds"], rel=0.01)
     assert math.isfinite(r["last_loss"]) and "tokens/s" in proc.stdout
+
+
+@pytest.mark.parametrize("world_size, code", [("2", 3), ("1", 4)])
+def test_exit_rank_keeps_the_exit_code_and_flushes_output(world_size, code):
+    """A torchrun rank ends without interpreter finalization (gloo's threads may abort it there): its
+    buffered output still arrives and its exit code is kept; one process exits normally."""
+    script = ("import sys; from workflows.train.parallel import exit_rank; print('done', end=''); "
+              f"print('warned', file=sys.stderr, end=''); exit_rank({code})")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as under torchrun
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**env, "WORLD_SIZE": world_size})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (code, "done", "warned")
 
 
 def test_freeze_embeddings_applies_to_fine_tuning_only():

@@ -190,4 +190,6 @@ flops/token = 6N + 12·L·h·s = {r['flops_per_token'] / 1e9:.3f} GFLOP.
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from workflows.train.parallel import exit_rank
+
+    exit_rank(main())

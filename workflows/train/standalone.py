@@ -37,7 +37,7 @@ from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, epoch_line, run_epochs
-from workflows.train.parallel import world
+from workflows.train.parallel import exit_rank, world
 
 PROCESS_START = time.time()
 
@@ -268,4 +268,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
