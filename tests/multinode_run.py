@@ -14,13 +14,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.conftest import QUICKSTART, tiny_overrides  # noqa: E402
 from workflows.config import load_config  # noqa: E402
 from workflows.pipeline import stage_preprocess  # noqa: E402
+from workflows.preprocess.sources import list_shards, read_shards, shard_placement  # noqa: E402
 from workflows.runtime import runtime  # noqa: E402
 
 tmp = Path(sys.argv[1])
 cluster = Cluster()
+node_names = {}
 for name in ("head", "worker"):
     os.environ["WORKFLOWS_CACHE_DIR"] = str(tmp / f"cache-{name}")
-    cluster.add_node(num_cpus=1)
+    node_names[cluster.add_node(num_cpus=1).node_id] = name
 del os.environ["WORKFLOWS_CACHE_DIR"]
 cluster.wait_for_nodes()
 ray.init(address=cluster.address)
@@ -33,6 +35,18 @@ for run, extra in (("first", []), ("second", ["preprocess.max_length=24"])):
         data = stage_preprocess(rt)
         summary = json.loads((Path(cfg.output_dir) / cfg.name / "preprocess.json").read_text())
         out[run] = {"version": data.version, "cache": summary["shard_cache"]}
+
+# One shard per dataset: a single group of reads, placed on the shard's node like any other.
+with runtime(cfg) as rt, rt.cache_counts() as single:
+    shards, fmt = list_shards(cfg.data.source, rt.storage)
+    for shard in shards:
+        read_shards([shard], fmt, rt.storage, cfg.cache).materialize()
+    owner = {s.uri: node_names[node] for node, group in shard_placement(shards).items() for s in group}
+out["single_shard_reads"] = single
+cached = {name: [json.loads(p.read_text())["uri"] for p in (tmp / f"cache-{name}" / "shards").glob("*.json")]
+          for name in ("head", "worker")}
+out["placement"] = {uri.rsplit("/", 1)[-1]: {"owner": owner[uri], "cached_on": sorted(n for n, us in cached.items() if uri in us)}
+                    for uri in owner}
 out["cached_files"] = {name: len(list((tmp / f"cache-{name}" / "shards").glob("*.data"))) for name in ("head", "worker")}
 print("RESULT " + json.dumps(out))
 ray.shutdown()

@@ -1,6 +1,7 @@
 """Two Ray nodes, each with its own shard cache: each caches what it reads, and a second job over
 the same raw shards fetches 0 bytes from the object store (shards are placed on nodes by
-rendezvous hashing, so each goes back to the node that cached it)."""
+rendezvous hashing, so each goes back to the node that cached it), also when every shard of a read
+hashes to the same node."""
 
 import json
 import subprocess
@@ -22,3 +23,6 @@ def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path):
     assert out["second"]["version"] != out["first"]["version"]  # a new job: recomputed, not reused
     assert second["misses"] == 0 and second["bytes_from_store"] == 0 and second["hits"] >= 4
     assert out["cached_files"]["head"] > 0 and out["cached_files"]["worker"] > 0  # both nodes cache
+    # each shard lives in its own node's cache only, even when all shards (or the one read) hash to one node
+    assert all(p["cached_on"] == [p["owner"]] for p in out["placement"].values()), out["placement"]
+    assert out["single_shard_reads"]["misses"] == 0 and out["single_shard_reads"]["hits"] == 4, out

@@ -176,10 +176,12 @@ def read_shards(shards: list[str | Shard], fmt: str, ctx: StorageContext, cache=
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)} if node else {}
         task = ray.remote(num_cpus=0, max_retries=0)(reference_schema).options(**placement)
         reference = ray.get(task.remote(shards[0], fmt, ctx, cache))
-    if len(groups) <= 1:
+    if not groups:  # one node, or no cache: nothing to place
         return read(shards, None)
+    # One group is placed too: when every shard hashes to one node (1 in 2**(n-1) for n shards on
+    # two nodes; always for one shard), unplaced reads would land anywhere and fill other caches.
     parts = [read(group, node_id) for node_id, group in groups.items()]
-    return parts[0].union(*parts[1:])
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
 def shard_placement(shards: list[Shard]) -> dict[str, list[Shard]]:
