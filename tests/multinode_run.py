@@ -1,6 +1,6 @@
 """Run by test_multinode.py in its own process: a 2-node `ray.cluster_utils.Cluster` on this
 machine, each node with its own shard-cache directory (WORKFLOWS_CACHE_DIR, inherited by the
-node's raylet and workers), and two preprocessing runs over the same raw shards."""
+node's raylet and workers), two preprocessing runs over the same raw shards, then one read per shard."""
 
 import json
 import os
