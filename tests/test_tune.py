@@ -1,4 +1,4 @@
-"""Ray Tune + ASHA where every trial is a Ray Train run, on the session's 2-CPU cluster."""
+"""Ray Tune + ASHA on the session's 2-CPU cluster: one-worker trials train in their Tune actor, trials of more workers are Ray Train runs."""
 
 import json
 
@@ -10,6 +10,7 @@ from tests.conftest import QUICKSTART, tiny_overrides
 from workflows.config import load_config
 from workflows.pipeline import stage_preprocess, stage_tune
 from workflows.runtime import runtime
+from workflows.storage.uri import filesystem
 
 
 def tune_cfg(tmp_path, space: dict, *overrides: str):
@@ -44,6 +45,32 @@ def test_asha_stops_the_poor_trial_and_two_worker_trials_run_on_two_cpus(ray_clu
     # trials share the cache: each processed file is fetched at most once, every later read hits
     cache = summary["shard_cache"]
     assert cache["misses"] <= len(data.files["train"]) + len(data.files["val"]) and cache["hits"] >= cache["misses"]
+
+
+@pytest.mark.slow
+def test_one_worker_trials_train_in_their_tune_actor(ray_cluster, tmp_path):
+    # One worker per trial: the loop runs in the trial's Tune actor (no Ray Train run). With 2 CPUs
+    # per worker, one trial at a time in grid order, so the sound trial sets the bar at epoch 1 and
+    # ASHA stops the poor one (lr 1.0 wrecks the pretrained weights; its val_loss shoots up).
+    cfg = tune_cfg(tmp_path, {"train.lr": {"grid": [1.0e-4, 1.0]}}, "tune.num_workers=1", "train.cpus_per_worker=2",
+                   "tune.max_epochs=2", "tune.grace_period=1", "tune.reduction_factor=2", "tune.metric=val_loss",
+                   "tune.mode=min", "tune.num_samples=1", "tune.checkpoint=false")
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        outcome = stage_tune(rt, data)
+        fs, runs = filesystem(cfg.uri("runs"), rt.storage)
+        train_runs = fs.ls(runs) if fs.exists(runs) else []
+    assert not train_runs, f"one-worker trials started Ray Train runs: {train_runs}"
+    by_lr = {t["params"]["train.lr"]: t for t in outcome.trials}
+    assert all(t["error"] is None for t in outcome.trials), outcome.trials
+    assert by_lr[1.0]["epochs"] == 1 and by_lr[1.0]["stopped_early"], outcome.trials
+    assert by_lr[1e-4]["epochs"] == 2 and outcome.best_params == {"train.lr": 1e-4}
+    for t in outcome.trials:  # reported by the in-actor loop only; no checkpoint was asked for
+        assert {"read_rows", "startup", "train_steps", "validation"} <= set(t["seconds"]) and "checkpoint" not in t["seconds"]
+    summary = json.loads((cfg_dir(cfg) / "tune.json").read_text())
+    # every trial reads through the node's shard cache: each file fetched once, later reads hit
+    cache = summary["shard_cache"]
+    assert 0 < cache["misses"] <= len(data.files["train"]) + len(data.files["val"]) and cache["hits"] >= cache["misses"]
 
 
 def cfg_dir(cfg):

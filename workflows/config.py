@@ -187,7 +187,8 @@ class TuneConfig(Strict):
     max_epochs: int = Field(2, ge=1)
     grace_period: int = Field(1, ge=1)
     reduction_factor: float = Field(2, gt=1)
-    num_workers: int = Field(1, ge=1, description="Ray Train workers per trial")
+    num_workers: int = Field(1, ge=1, description="workers per trial: 1 runs the trial's loop in its Tune actor; more run a Ray Train run per trial")
+    checkpoint: bool = Field(True, description="one-worker trials: report a checkpoint every epoch (a failed or resumed trial continues from it)")
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per trial epoch")
     max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per trial epoch")
     seed: int = 0

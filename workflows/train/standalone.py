@@ -65,9 +65,9 @@ def find_dataset(cfg: WorkflowConfig, storage: StorageContext, uri: str | None =
     return data
 
 
-def read_rows(files: list[str], storage: StorageContext, limit: int | None = None) -> dict[str, list]:
+def read_rows(files: list[str], storage: StorageContext, limit: int | None = None, shard_cache=None) -> dict[str, list]:
     """`input_ids` and `label_id` of the first `limit` rows of these parquet files, in file order
-    (the rows Ray Data's `limit` keeps with preserve_order)."""
+    (the rows Ray Data's `limit` keeps with preserve_order); through `shard_cache` if given."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -75,9 +75,13 @@ def read_rows(files: list[str], storage: StorageContext, limit: int | None = Non
     for uri in files:
         if limit is not None and n >= limit:
             break
-        fs, path = filesystem(uri, storage)
-        with fs.open(path, "rb") as f:
-            t = pq.read_table(f, columns=["input_ids", "label_id"])
+        if shard_cache is not None:
+            with shard_cache.open_local(uri) as local:
+                t = pq.read_table(local, columns=["input_ids", "label_id"])
+        else:
+            fs, path = filesystem(uri, storage)
+            with fs.open(path, "rb") as f:
+                t = pq.read_table(f, columns=["input_ids", "label_id"])
         tables.append(t)
         n += t.num_rows
     if not tables:

@@ -1,8 +1,9 @@
-"""Ray Tune with ASHA where every trial is a Ray Train run (the Train V2 pattern).
+"""Ray Tune with ASHA: each trial trains one sampled config and reports every epoch.
 
-A trial is a small driver function that builds and fits a TorchTrainer with TuneReportCallback;
-`Tuner(TorchTrainer(...))` no longer works in Ray 2.60. Trials read the already materialized
-dataset: nothing is re-tokenized per trial.
+A one-worker trial runs the training loop in its own Tune actor (tune/trial.py); a trial of more
+workers is a Ray Train run (a driver function that builds and fits a TorchTrainer with
+TuneReportCallback: `Tuner(TorchTrainer(...))` no longer works in Ray 2.60). Trials read the
+already materialized dataset: nothing is re-tokenized per trial.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def trial_config(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
 
 
 def max_concurrent_trials(cfg: WorkflowConfig) -> int:
-    """As many trials as the cluster's CPUs hold at once (trial drivers take none); at least 1, or fail fast."""
+    """As many trials as the cluster's CPUs hold at once; at least 1, or fail fast."""
     import ray
 
     cpus = ray.cluster_resources().get("CPU", 0)
@@ -65,9 +66,25 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from workflows.train.trainer import fit
+    from workflows.tune.trial import run_local_trial
 
+    if cfg.tune.num_workers == 1:
+        run_local_trial(trial_config(cfg, params), storage, data)
+        return
     fit(trial_config(cfg, params), storage, data, run_prefix=f"{cfg.name}-trial",
         callbacks=[TuneReportCallback()], check=False)
+
+
+def trial_resources(cfg: WorkflowConfig):
+    """A one-worker trial trains in its own actor, which asks for the worker's CPU (and GPU). A
+    Ray Train trial's driver only waits on its TorchTrainer: it asks for no CPU (a bundle may not
+    be empty, so 1 MiB of memory instead); its workers ask for their own CPUs."""
+    from ray import tune
+
+    tc = cfg.train
+    if cfg.tune.num_workers == 1:
+        return tune.PlacementGroupFactory([{"CPU": tc.cpus_per_worker, **({"GPU": 1} if tc.use_gpu else {})}])
+    return tune.PlacementGroupFactory([{"memory": 1 << 20}])
 
 
 def search_algorithm(cfg: WorkflowConfig, concurrency: int):
@@ -98,6 +115,21 @@ def _best(history, metric: str, mode: str) -> float | None:
     return float(values.max() if mode == "max" else values.min()) if len(values) else None
 
 
+def _trial_seconds(history) -> dict[str, float]:
+    """Where a trial's time went, from its epoch reports: training steps, validation, checkpoints,
+    and (one-worker trials) reading its rows and building the model before the first epoch."""
+    out: dict[str, float] = {}
+    if history is None or not len(history):
+        return out
+    for key, column in (("train_steps", "epoch_seconds"), ("validation", "val_seconds"), ("checkpoint", "checkpoint_seconds")):
+        if column in history:
+            out[key] = round(float(history[column].fillna(0).sum()), 3)
+    for key, column in (("read_rows", "read_seconds"), ("startup", "startup_seconds")):
+        if column in history:
+            out[key] = round(float(history[column].iloc[0]), 3)
+    return out
+
+
 @dataclass
 class TuneOutcome:
     best_params: dict[str, Any]
@@ -119,12 +151,8 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     experiment = f"{cfg.name}-tune"
     runs_uri = cfg.uri("tune")
     pa_fs, runs_path = pyarrow_filesystem(runs_uri, storage)
-    # The trial driver only waits on its TorchTrainer: it asks for no CPU (a bundle may not be
-    # empty, so it asks for 1 MiB of memory instead); the trial's workers ask for their own CPUs.
-    trainable = tune.with_resources(
-        tune.with_parameters(_trial, cfg=cfg, storage=storage, data=data),
-        tune.PlacementGroupFactory([{"memory": 1 << 20}]),
-    )
+    trainable = tune.with_resources(tune.with_parameters(_trial, cfg=cfg, storage=storage, data=data),
+                                    trial_resources(cfg))
     t0 = time.time()
     if resume:
         path = f"{runs_path}/{experiment}"
@@ -142,6 +170,9 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
             tune_config=tune.TuneConfig(
                 metric=t.metric, mode=t.mode, scheduler=scheduler, num_samples=t.num_samples,
                 search_alg=search_algorithm(cfg, concurrency),
+                # a finished trial's actor runs the next one: torch, the tokenizer and the
+                # model files are loaded once per process, not once per trial
+                reuse_actors=True,
             ),
             run_config=ray.tune.RunConfig(
                 name=experiment, storage_path=runs_path, storage_filesystem=pa_fs,
@@ -162,6 +193,7 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
             "best_" + t.metric: _best(history, t.metric, t.mode),
             "error": str(r.error).splitlines()[0] if r.error else None,
             "history": history[["training_iteration", t.metric]].to_dict("records") if history is not None and t.metric in history else [],
+            "seconds": _trial_seconds(history),
         })
     return TuneOutcome(
         best_params={k: best.config[k] for k in t.space}, best_metric=float(best.metrics[t.metric]),

@@ -1,0 +1,97 @@
+"""A one-worker tuning trial, run in the trial's own Tune actor: no Train controller, no worker group.
+
+A trial that asks for one worker needs no process group; starting a Ray Train controller and a
+worker group for it, and streaming its rows through a Ray Data split coordinator every epoch,
+cost several times the trial's own steps on a small machine (docs/BENCHMARKS.md, quickstart).
+Here the same loop (loop.build_training / loop.run_epochs) runs in the actor Tune already
+started, on rows read once per trial through the node's shard cache, and each epoch is reported
+to Tune (ASHA decides on it) with a checkpoint when tune.checkpoint asks for one. Trials of more
+than one worker still run as Ray Train runs (search._trial).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+from workflows.config import WorkflowConfig
+from workflows.preprocess.materialize import ProcessedDataset
+from workflows.storage.uri import StorageContext
+
+
+def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg: WorkflowConfig,
+               limit: int | None) -> dict[str, list]:
+    """The first `limit` rows of a split (the rows Ray Data's `limit` keeps with preserve_order),
+    through this node's shard cache, counted in the cluster's cache totals like Ray Data reads."""
+    from workflows.storage import cache_stats
+    from workflows.train.standalone import read_rows
+
+    shard_cache = cfg.cache.shard_cache(storage) if cfg.cache.enabled else None
+    before = shard_cache.stats() if shard_cache is not None else None
+    rows = read_rows(data.files[split], storage, limit, shard_cache=shard_cache)
+    if shard_cache is not None:
+        cache_stats.report(before, shard_cache.stats())
+    return rows
+
+
+def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset) -> None:
+    """Train one trial's config in this process, reporting every epoch to Tune."""
+    import ray.tune
+    import torch
+
+    from workflows.preprocess.encoding import resolve_model_dir
+    from workflows.train import checkpoint as ckpt
+    from workflows.train.loop import build_training, data_seed, run_epochs
+    from workflows.train.standalone import batches
+
+    tc = cfg.train
+    t_start = time.perf_counter()
+    torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
+    device = torch.device("cuda", 0) if tc.use_gpu and torch.cuda.is_available() else torch.device("cpu")
+    pad_id = tokenizer_pad_id(resolve_model_dir(data.tokenizer))
+    train_limit = tc.max_train_rows if tc.max_train_rows is not None and tc.max_train_rows < data.counts["train"] else None
+    train_rows = read_split(data, "train", storage, cfg, train_limit)
+    val_rows = read_split(data, "val", storage, cfg, tc.max_val_rows)
+    read_seconds = time.perf_counter() - t_start
+
+    checkpoint = ray.tune.get_checkpoint()
+    probe = None if checkpoint is not None else batches(train_rows, cfg.evaluate.batch_size, pad_id)
+    model, optimizer, scheduler = build_training(cfg, resolve_model_dir(cfg.model.name_or_path), data.labels, device,
+                                                 len(train_rows["label_id"]), None, probe)
+    start_epoch, history, resumed_from = 0, [], None
+    if checkpoint is not None:  # a restarted trial (failure, or `tune --resume`) continues its epochs
+        with checkpoint.as_directory() as d:
+            saved = ckpt.load(d, model, optimizer, scheduler)
+        resumed_from = saved["epoch"]
+        start_epoch, history = resumed_from + 1, saved.get("history", [])
+    startup = {"read_seconds": round(read_seconds, 3), "startup_seconds": round(time.perf_counter() - t_start, 3)}
+
+    def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {**metrics, **startup}
+        if cfg.tune.checkpoint:
+            with tempfile.TemporaryDirectory() as d:
+                ckpt.save(d, model, optimizer, scheduler,
+                          {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history})
+                report["checkpoint_seconds"] = round(time.perf_counter() - t0, 3)
+                ray.tune.report(report, checkpoint=ray.tune.Checkpoint.from_directory(d))
+        else:
+            ray.tune.report(report)
+
+    run_epochs(cfg, model, optimizer, scheduler, device, len(data.labels), start_epoch=start_epoch, history=history,
+               train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch)),
+               val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id),
+               end_of_epoch=end_of_epoch, resumed_from_epoch=resumed_from)
+
+
+_PAD_IDS: dict[str, int] = {}
+
+
+def tokenizer_pad_id(tokenizer_dir: str) -> int:
+    """The tokenizer's pad id, loaded once per process (Tune reuses a trial actor for the next trial)."""
+    if tokenizer_dir not in _PAD_IDS:
+        from transformers import AutoTokenizer
+
+        _PAD_IDS[tokenizer_dir] = AutoTokenizer.from_pretrained(tokenizer_dir).pad_token_id or 0
+    return _PAD_IDS[tokenizer_dir]
