@@ -133,10 +133,12 @@ def _clean(batch: pd.DataFrame, text_columns: list[str], label_column: str, max_
     return batch[keep]
 
 
-def _split_column(batch: pd.DataFrame, text_columns, label, seed, val_fraction, test_fraction) -> pd.DataFrame:
+def _split_label_counts(batch: pd.DataFrame, text_columns, label, seed, val_fraction, test_fraction) -> pd.DataFrame:
+    """Rows of this batch per (split, label)."""
     texts = compose_texts(batch, text_columns)
-    return pd.DataFrame({"split": [split_of(t, seed, val_fraction, test_fraction) for t in texts],
-                         label: batch[label].astype(str)})
+    pairs = pd.DataFrame({"split": [split_of(t, seed, val_fraction, test_fraction) for t in texts],
+                          "label": batch[label].astype(str).to_numpy()})
+    return pairs.groupby(["split", "label"], as_index=False).size().rename(columns={"size": "rows"})
 
 
 def _check_columns(ds, shards: list[Shard], cfg: WorkflowConfig) -> None:
@@ -176,8 +178,14 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
         fraction = min(1.0, d.max_rows / max(total, 1))
     cleaned = raw.map_batches(_clean, batch_format="pandas", fn_args=(d.text_columns, d.label_column, fraction, d.split_seed)).materialize()
 
+    # Rows per (split, label), counted per block and summed on the driver: one small row per pair
+    # and block comes back, never the rows. (Ray Data's groupby/unique would start a hash shuffle
+    # with its aggregator actors: seconds of fixed cost on a small machine for a few counts.)
+    split_args = (d.text_columns, d.label_column, d.split_seed, d.val_fraction, d.test_fraction)
+    table = cleaned.map_batches(_split_label_counts, batch_format="pandas", fn_args=split_args).to_pandas()
+    table = table.groupby(["split", "label"], as_index=False)["rows"].sum()
     # The label vocabulary is fitted once, on all rows, and stored in the manifest.
-    labels = sorted(str(x) for x in cleaned.unique(d.label_column))
+    labels = sorted(str(x) for x in table["label"].unique())
     if len(labels) < 2:
         raise UserError(f"{d.source}: label column {d.label_column!r} has {len(labels)} distinct value(s); need at least 2")
 
@@ -194,11 +202,7 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
     for split in SPLITS:
         found = sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))
         files[split] = [with_protocol(out_uri, f) for f in found]
-    # Counts per split and label, aggregated on the cluster (the rows never come to the driver).
-    split_args = (d.text_columns, d.label_column, d.split_seed, d.val_fraction, d.test_fraction)
-    grouped = cleaned.map_batches(_split_column, batch_format="pandas", fn_args=split_args)
-    table = grouped.groupby(["split", d.label_column]).count().to_pandas()
-    label_counts = {s: {} for s in SPLITS}
+    label_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
     for row in table.itertuples(index=False):
         label_counts[row[0]][str(row[1])] = int(row[2])
     label_counts = {s: dict(sorted(c.items())) for s, c in label_counts.items()}

@@ -350,8 +350,10 @@ def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, sta
         stats = train_epoch(model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook,
                             tc.grad_accum_steps)
         step_losses = stats.pop("step_losses")
-        metrics = {**stats, "epoch": epoch, "global_step": int(scheduler.last_epoch),
-                   **validation_metrics(cfg, model, val_batches(), num_labels, device)}
+        t_val = time.perf_counter()
+        val = validation_metrics(cfg, model, val_batches(), num_labels, device)
+        metrics = {**stats, "epoch": epoch, "global_step": int(scheduler.last_epoch), **val,
+                   "val_seconds": time.perf_counter() - t_val}
         utilization = lm_mfu(cfg, model, stats["tokens_per_s"], device)
         if utilization is not None:
             metrics["mfu"] = utilization
