@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 
 import typer
 
+from workflows import console
 from workflows.errors import find_user_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -20,33 +21,57 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="workflow YAML config")
 SetOpt = typer.Option(None, "--set", help="override a config value: --set train.lr=3e-5 (repeatable)")
+VerboseOpt = typer.Option(False, "--verbose", "-v", envvar="WORKFLOWS_VERBOSE",
+                          help="show Ray's logs and progress here instead of only in the run's log file")
 
 
 def _run(fn: Callable[[], object]) -> None:
+    """User errors in one line (exit 2). Once Ray's output goes to a log file, any failure also
+    shows the log's last lines, and an unexpected exception's traceback goes into the log (exit 1)."""
     try:
         fn()
     except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
+        console.echo("interrupted")
+        console.show_log_tail(0)
         raise typer.Exit(130)
     except typer.Exit:
         raise
     except Exception as e:
-        ue = find_user_error(e)
-        if ue is None:
+        ue, log = find_user_error(e), console.active_log()
+        if ue is None and log is None:
             raise
-        typer.echo(f"error: {ue}", err=True)
-        raise typer.Exit(2)
+        if ue is None:
+            log.log_exception()
+        console.echo(f"error: {ue if ue is not None else _one_line(e)}")
+        console.show_log_tail()
+        raise typer.Exit(2 if ue is not None else 1)
+    finally:
+        if console.active_log() is not None:
+            console.active_log().finish()
 
 
-def _in_runtime(config: str, overrides: Optional[List[str]], body: Callable, ray_needed: bool = True,
-                before_ray: Optional[Callable] = None) -> None:
+def _one_line(e: BaseException) -> str:
+    first = next((ln for ln in console.strip_ansi(str(e)).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+
+
+def _in_runtime(command: str, config: str, overrides: Optional[List[str]], body: Callable, ray_needed: bool = True,
+                before_ray: Optional[Callable] = None, verbose: bool = False) -> None:
     """Load the config, start the runtime (object store, Ray), run `body(rt)`; user errors in one line.
-    `before_ray(cfg, storage)` checks what needs only the object store before Ray starts."""
+    `before_ray(cfg, storage)` checks what needs only the object store before Ray starts. Unless
+    `verbose`, everything written to fds 1/2 from Ray's start on goes to
+    `<output_dir>/<name>/logs/<command>-<time>.log` (workflows.console)."""
     def go():
         from workflows.runtime import runtime
 
         cfg = _load(config, overrides)
-        check = (lambda storage: before_ray(cfg, storage)) if before_ray else None
+
+        def check(storage):
+            if before_ray is not None:
+                before_ray(cfg, storage)
+            if ray_needed and not verbose:
+                console.capture(Path(cfg.output_dir) / cfg.name / "logs", command)
+
         with runtime(cfg, ray_needed=ray_needed, before_ray=check) as rt:
             body(rt)
     _run(go)
@@ -69,29 +94,31 @@ def _load(config: str, overrides: Optional[List[str]]):
 
 
 @app.command()
-def preprocess(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
+def preprocess(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
     """Read raw shards from object storage, tokenize on Ray Data, materialize processed shards."""
     from workflows.pipeline import stage_preprocess
 
-    _in_runtime(config, set, stage_preprocess)
+    _in_runtime("preprocess", config, set, stage_preprocess, verbose=verbose)
 
 
 @app.command()
 def train(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
-          resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint of the last run")):
+          resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint of the last run"),
+          verbose: bool = VerboseOpt):
     """Fine-tune with Ray Train (FSDP2 or DDP), checkpoint to object storage, register the best model."""
     from workflows.pipeline import stage_preprocess, stage_train
 
-    _in_runtime(config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume))
+    _in_runtime("train", config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume), verbose=verbose)
 
 
 @app.command()
 def tune(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
-         resume: bool = typer.Option(False, "--resume", help="restore an interrupted search")):
+         resume: bool = typer.Option(False, "--resume", help="restore an interrupted search"),
+         verbose: bool = VerboseOpt):
     """Search hyperparameters with Ray Tune + ASHA; every trial is a Ray Train run."""
     from workflows.pipeline import stage_preprocess, stage_tune
 
-    _in_runtime(config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume))
+    _in_runtime("tune", config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume), verbose=verbose)
 
 
 @app.command()
@@ -99,7 +126,7 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
              data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"),
              output: Optional[Path] = typer.Option(None, "--output", "-o", help="write the metrics JSON here too"),
              label_column: Optional[str] = typer.Option(None, "--label-column", help="default: the model's"),
-             config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
+             config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
     """Weighted and per-class precision/recall/F1 of a registered model on any labelled data."""
     from workflows.pipeline import stage_evaluate
     from workflows.preprocess.sources import list_shards, read_dataset
@@ -113,10 +140,10 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
             tmp = output.with_name(output.name + ".tmp")
             tmp.write_text(json.dumps(result, indent=2))
             os.replace(tmp, output)
-            typer.echo(f"metrics written to {output}", err=True)
+            console.say(f"evaluate: metrics written to {output}")
         rt.write_summary("evaluate", result)
 
-    _in_runtime(config, set, body, before_ray=_registered(model))
+    _in_runtime("evaluate", config, set, body, before_ray=_registered(model), verbose=verbose)
 
 
 @app.command()
@@ -124,7 +151,7 @@ def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION]
             data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
             output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
             concurrency: Optional[int] = typer.Option(None, help="predictor actors (default: the cluster's CPUs, at most 4)"),
-            config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
+            config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
     """Batch inference over Ray Data with the serving predictor: adds `prediction` and `score` columns."""
     from workflows.runtime import say
     from workflows.serve.batch import check_predict, predict_batch
@@ -134,7 +161,8 @@ def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION]
         say(f"predict: {result['rows']} rows scored by {result['model']} -> {output} ({len(result['files'])} files)")
         rt.write_summary("predict", result)
 
-    _in_runtime(config, set, body, before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output))
+    _in_runtime("predict", config, set, body, before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output),
+                verbose=verbose)
 
 
 @app.command()
@@ -143,7 +171,8 @@ def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
           config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
           block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM"),
           emit_config: Optional[Path] = typer.Option(None, "--emit-config", help="write a Ray Serve config YAML "
-                                                     "(for `serve run FILE`, `serve deploy FILE`, a RayService) and exit")):
+                                                     "(for `serve run FILE`, `serve deploy FILE`, a RayService) and exit"),
+          verbose: bool = VerboseOpt):
     """Serve registered models over HTTP with Ray Serve (POST /predict, GET /healthz, /docs)."""
     from workflows.pipeline import stage_serve
     from workflows.runtime import say
@@ -182,15 +211,15 @@ def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
                 pass
             ray_serve.shutdown()
 
-    _in_runtime(config, set, body, before_ray=_registered(*model))
+    _in_runtime("serve", config, set, body, before_ray=_registered(*model), verbose=verbose)
 
 
 @app.command()
-def pipeline(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
+def pipeline(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
     """Everything: preprocess -> tune -> train -> evaluate -> register -> serve (serve.enabled)."""
     from workflows.pipeline import run_pipeline
 
-    _in_runtime(config, set, run_pipeline)
+    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose)
 
 
 @app.command()
@@ -205,7 +234,7 @@ def models(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
         for name, versions in found.items():
             typer.echo(f"{name}: {', '.join(f'v{v}' for v in versions)}")
 
-    _in_runtime(config, set, body, ray_needed=False)
+    _in_runtime("models", config, set, body, ray_needed=False)
 
 
 @app.command()

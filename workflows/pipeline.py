@@ -10,6 +10,7 @@ from typing import Any
 
 from workflows import registry
 from workflows.config import WorkflowConfig
+from workflows.console import show
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset, preprocess
 from workflows.runtime import Runtime, say
@@ -69,7 +70,7 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     say(f"tune: best {outcome.best_params} ({t.metric}={outcome.best_metric:.4f}) in {outcome.seconds:.0f}s")
     ordered = sorted(outcome.trials, key=lambda r: (r[t.metric] is None, -(r[t.metric] or 0) if t.mode == "max" else (r[t.metric] or 0)))
     table = trials_table(ordered, t.metric, t.max_epochs)
-    print(table, flush=True)
+    show(table)
     summary = rt.write_summary("tune", {**asdict(outcome), "shard_cache": cache})
     (summary.parent / "tune_trials.md").write_text(table + "\n")
     plot = plot_trials(outcome.trials, t.metric, summary.parent / "tune_trials.png")
@@ -129,7 +130,7 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     say(f"evaluate: {meta['name']}:v{meta['version']}")
     metrics = evaluate_dataset(rt.cfg, model_spec, meta, ds, label_column)
     say(f"evaluate: {metrics['rows']} rows")
-    print(format_report(metrics), flush=True)
+    show(format_report(metrics))
     if write_back:
         registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
         rt.persist()

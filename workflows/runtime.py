@@ -11,19 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from rich.console import Console
-
 from workflows.config import WorkflowConfig, dump_config
+from workflows.console import console, say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext, check_bucket, protocol_of
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)
 log = logging.getLogger("workflows")
-
-
-def say(msg: str) -> None:
-    """Progress for a person watching the terminal."""
-    console.print(f"[bold cyan]workflows[/] {msg}")
 
 
 @dataclass
@@ -95,10 +88,23 @@ def init_ray(cfg: WorkflowConfig) -> None:
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
         if cfg.ray.num_cpus:
             kwargs["num_cpus"] = cfg.ray.num_cpus
-    ray.init(**kwargs)
+    info = ray.init(**kwargs)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+    resources = ray.cluster_resources()
+    where = f"joined {cfg.ray.address}" if cfg.ray.address else "started a local cluster"
+    say(f"ray: {where}, {resources.get('CPU', 0):g} CPU(s), {resources.get('GPU', 0):g} GPU(s); "
+        f"dashboard {info.dashboard_url or 'off'}")
+    _warn_missing_gpus(cfg, resources.get("GPU", 0))
+
+
+def _warn_missing_gpus(cfg: WorkflowConfig, gpus: float) -> None:
+    """A GPU asked for and absent makes Ray wait for it (an autoscaler may add one): say so at once."""
+    asked = [k for k, on in (("train.use_gpu", cfg.train.use_gpu), ("serve.gpus_per_replica", cfg.serve.gpus_per_replica))
+             if on]
+    if asked and not gpus:
+        warn(f"{' and '.join(asked)} {'asks' if len(asked) == 1 else 'ask'} for GPUs, but the Ray cluster has none")
 
 
 def _port_or_free(port: int) -> int:
