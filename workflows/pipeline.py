@@ -84,6 +84,7 @@ def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> None:
 
 
 def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
+    from workflows.progress import EpochProgress
     from workflows.train.export import export_artifact
     from workflows.train.loop import epoch_line
     from workflows.train.report import plot_losses
@@ -93,7 +94,7 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
     say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
         f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
     with rt.cache_counts() as cache:
-        outcome = fit(rt.cfg, rt.storage, data, resume=resume)
+        outcome = fit(rt.cfg, rt.storage, data, resume=resume, callbacks=[EpochProgress(tc.epochs)])
     rt.persist()
     for h in outcome.history:
         say(f"train:   {epoch_line(h)}")
