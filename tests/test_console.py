@@ -1,0 +1,84 @@
+"""What a person sees on the terminal: the real CLI in new processes, each starting a local Ray.
+Ray's own output goes to the run's log file; `-v` brings it back; a failure shows the log's tail."""
+
+import json
+import re
+from pathlib import Path
+
+from tests.conftest import QUICKSTART, run_cli, tiny_overrides
+
+RAY_NOISE = re.compile(r"\(\S*\s?pid=\d+|\x1b\[[0-9;?]*[A-HJKSTf]|\r|INFO |WARNING |streaming_executor")
+
+
+def sets(overrides):
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def preprocess(tmp_path: Path, *extra_sets: str, flags=()):
+    """`workflows preprocess` on a few local rows (building the quickstart data would take longer)."""
+    rows = tmp_path / "raw" / "rows.jsonl"
+    rows.parent.mkdir(exist_ok=True)
+    rows.write_text("".join(json.dumps({"text": f"row {i} about {label}", "label": label}) + "\n"
+                            for i in range(12) for label in ("a", "b", "c")))
+    overrides = [*tiny_overrides(tmp_path), "data.builtin=null", f"data.source={rows.parent}/", *extra_sets]
+    return run_cli("preprocess", *flags, "--config", str(QUICKSTART), *sets(overrides), timeout=300)
+
+
+def log_path(stderr: str) -> Path:
+    match = re.search(r"^workflows logs: Ray's output goes to (\S+\.log)", stderr, re.M)
+    assert match, stderr[-3000:]
+    return Path(match.group(1))
+
+
+def test_ray_output_goes_to_the_log_file_and_the_terminal_stays_short(tmp_path):
+    res = preprocess(tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = log_path(res.stderr)
+    assert log.parent == tmp_path / "runs" / "quickstart" / "logs" and log.name.startswith("preprocess-")
+    text = log.read_text()
+    assert "streaming_executor" in text and "Dataset" in text  # Ray Data's own lines
+    assert "workflows preprocess:" in text  # the platform's lines too, for context
+    terminal = (res.stdout + res.stderr).splitlines()
+    assert len(terminal) <= 15, res.stdout + res.stderr
+    noise = [ln for ln in terminal if RAY_NOISE.search(ln)]
+    assert not noise, noise
+    # every line is the platform's own
+    assert all(ln.startswith("workflows ") for ln in res.stderr.splitlines()), res.stderr
+    assert "workflows preprocess summary written to" in res.stderr
+
+
+def test_a_failure_prints_the_error_then_the_log_tail(tmp_path):
+    """An exception raised in a Ray actor (not a user error): one error line, the end of the log
+    (where the actor's traceback is), and the log's path; exit status 1."""
+    tok = tmp_path / "broken-tokenizer"
+    tok.mkdir()
+    (tok / "config.json").write_text("{")
+    res = preprocess(tmp_path, f"preprocess.tokenizer={tok}")
+    assert res.returncode == 1, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    errors = [i for i, ln in enumerate(lines) if ln.startswith("error: ")]
+    assert len(errors) == 1, res.stderr
+    tail = lines[errors[0] + 1:]
+    assert re.match(r"the last \d+ lines of Ray's output:", tail[0]), res.stderr
+    assert any("not a valid JSON file" in ln for ln in tail[1:-1]), res.stderr
+    assert tail[-1] == f"workflows full log: {log_path(res.stderr)}"
+    assert "\x1b[" not in res.stderr and "Traceback (most recent call last)" in log_path(res.stderr).read_text()
+
+
+def test_a_user_error_after_ray_started_keeps_its_one_line(tmp_path):
+    res = preprocess(tmp_path, "data.builtin=null", f"data.source={tmp_path}/nothing/")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"error: no shard matched {tmp_path}/nothing/" in res.stderr and "Traceback" not in res.stderr
+    assert res.stderr.splitlines()[-1] == f"workflows full log: {log_path(res.stderr)}"
+
+
+def test_verbose_brings_ray_output_back(tmp_path):
+    tok = tmp_path / "broken-tokenizer"
+    tok.mkdir()
+    (tok / "config.json").write_text("{")
+    res = preprocess(tmp_path, f"preprocess.tokenizer={tok}", flags=["-v"])
+    assert res.returncode == 1
+    assert "Ray's output goes to" not in res.stderr and not (tmp_path / "runs" / "quickstart" / "logs").exists()
+    # the actor's traceback as Ray forwards it, and the driver's own traceback, as before
+    assert re.search(r"\(MapWorker\(MapBatches\(Tokenize\)\) pid=\d+", res.stderr), res.stderr[-3000:]
+    assert "Traceback (most recent call last)" in res.stderr
