@@ -76,8 +76,9 @@ def active_log() -> CommandLog | None:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-# Ray's prefix of a forwarded line: "(pid=12)", "(MapWorker(MapBatches(f)) pid=12, ip=10.0.0.2)"
-_RAY_PREFIX = re.compile(r"^\(.*?pid=\d+(?:, ip=[^)]*)?\)\s?")
+# Ray's prefix of a forwarded line: "(pid=12)", "(MapWorker(MapBatches(f)) pid=12, ip=10.0.0.2)",
+# "(autoscaler +18s)"
+_RAY_PREFIX = re.compile(r"^\((?:.*?pid=\d+(?:, ip=[^)]*)?|autoscaler [^)]*)\)\s?")
 _REPEATED = re.compile(r"\[repeated \d+x across cluster\]")
 SAID_IN_WORKER = re.compile(r"^workflows (?:warning: )?")
 

@@ -95,8 +95,12 @@ def init_ray(cfg: WorkflowConfig) -> None:
     resources = ray.cluster_resources()
     where = f"joined {cfg.ray.address}" if cfg.ray.address else "started a local cluster"
     say(f"ray: {where}, {resources.get('CPU', 0):g} CPU(s), {resources.get('GPU', 0):g} GPU(s); "
-        f"dashboard {info.dashboard_url or 'off'}")
+        f"dashboard {_http(info.dashboard_url) if info.dashboard_url else 'off'}")
     _warn_missing_gpus(cfg, resources.get("GPU", 0))
+
+
+def _http(url: str) -> str:
+    return url if "://" in url else f"http://{url}"  # Ray gives host:port; a terminal links a URL
 
 
 def _warn_missing_gpus(cfg: WorkflowConfig, gpus: float) -> None:
