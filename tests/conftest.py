@@ -1,11 +1,14 @@
-"""Shared fixtures: one real local Ray cluster for the session, real embedded S3 endpoints."""
+"""Shared fixtures: one real local Ray cluster for the session, real embedded S3 endpoints, and one
+tiny quickstart pipeline run through the real CLI that the end-to-end tests share."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,36 @@ def ray_cluster():
     ray.shutdown()
 
 
+@dataclass
+class RayJoin:
+    """How a command in a new process joins the session's cluster instead of starting its own."""
+
+    address: str  # GCS address, for `--set ray.address=...`
+    env: dict  # for the new process: the state API finds this cluster's dashboard, not another's
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        return (f"ray.address={self.address}",)
+
+
+@pytest.fixture(scope="session")
+def ray_join(ray_cluster) -> RayJoin:
+    """The session's cluster, for new processes (CLI commands, a Jupyter kernel) that need Ray but
+    no fresh cluster: joining it saves each one starting (and stopping) Ray of its own."""
+    dashboard = ray_cluster._private.worker.get_dashboard_url()
+    dashboard = dashboard if "://" in dashboard else f"http://{dashboard}"
+    return RayJoin(address=ray_cluster.get_runtime_context().gcs_address, env={"RAY_API_SERVER_ADDRESS": dashboard})
+
+
+def shutdown_serve() -> None:
+    """Remove Ray Serve (its detached controller, proxies and replicas) from the session's cluster,
+    where a process that joined it deployed an application: the replicas hold CPUs that later
+    tests need."""
+    from ray import serve
+
+    serve.shutdown()
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     from workflows.config import load_config
@@ -56,3 +89,42 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None, cwd: Path
     """The real command line, in a new process."""
     return subprocess.run([sys.executable, "-m", "workflows", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+def sets(overrides) -> list[str]:
+    """`--set` flags for config overrides."""
+    return [a for o in overrides for a in ("--set", o)]
+
+
+@dataclass
+class QuickstartRun:
+    """What the shared `workflows pipeline` run left: its store and summaries under `tmp`, its output."""
+
+    tmp: Path
+    overrides: list[str]
+    stdout: str
+    stderr: str
+
+    @property
+    def runs(self) -> Path:
+        return self.tmp / "runs" / "quickstart"
+
+    def summary(self, stage: str) -> dict:
+        return json.loads((self.runs / f"{stage}.json").read_text())
+
+    def cli(self, *args: str, extra: tuple[str, ...] = (), timeout: float = 600, env: dict | None = None):
+        """A command in a new process on the same config and persisted store (plus `extra` overrides)."""
+        return run_cli(*args, "--config", str(QUICKSTART), *sets([*self.overrides, *extra]), timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> QuickstartRun:
+    """ONE tiny quickstart pipeline (data, preprocess, tune, train, evaluate, register, serve) through
+    the real CLI in a new process, into a session temp dir. The tests that need a registered model,
+    processed data or the stage summaries run their own commands against its persisted store
+    instead of running a pipeline each."""
+    tmp = tmp_path_factory.mktemp("quickstart")
+    overrides = tiny_overrides(tmp)
+    res = run_cli("pipeline", "--config", str(QUICKSTART), *sets(overrides), timeout=900)
+    assert res.returncode == 0, "the shared quickstart pipeline failed:\n" + res.stderr[-4000:]
+    return QuickstartRun(tmp=tmp, overrides=overrides, stdout=res.stdout, stderr=res.stderr)

@@ -1,6 +1,10 @@
-"""The user's path end to end, through the real CLI in new processes: a tiny quickstart pipeline
-(embedded S3 over HTTP, Ray Data, Ray Tune + ASHA, Ray Train FSDP2 on 2 workers, evaluation,
-registry, Ray Serve), then `evaluate` and `serve` in fresh processes that find the model."""
+"""The user's path end to end, through the real CLI in new processes: the session's tiny quickstart
+pipeline (`quickstart_run` in conftest: embedded S3 over HTTP, its own local Ray cluster, Ray Data,
+Ray Tune + ASHA, Ray Train FSDP2 on 2 workers, evaluation, registry, Ray Serve), then `evaluate`,
+`predict` and `serve` in fresh processes that find the registered model in the persisted store.
+`evaluate` and `predict` join the session's Ray cluster (`--set ray.address=...`) rather than each
+starting one; `serve` starts its own, as a user's does.
+One test per thing checked."""
 
 import json
 import os
@@ -12,83 +16,121 @@ import time
 import pytest
 import requests
 
-from tests.conftest import QUICKSTART, ROOT, free_port, run_cli, tiny_overrides
+from tests.conftest import QUICKSTART, ROOT, free_port, sets
+
+pytestmark = pytest.mark.slow
+
+LABELS = {"plotting", "deep-learning", "dataframes", "scientific-computing"}
+HOLDOUT = [
+    {"text": "Plot y versus x as lines and/or markers on the current axes.", "label": "plotting"},
+    {"text": "Applies a 2D convolution over an input signal composed of several input planes.", "label": "deep-learning"},
+    {"text": "Group DataFrame using a mapper or by a Series of columns.", "label": "dataframes"},
+    {"text": "Compute the kurtosis of a dataset along an axis.", "label": "scientific-computing"},
+]
+PREDICTIONS_URI = "s3://workflows/predictions/holdout"
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def sets(overrides):
-    out = []
-    for o in overrides:
-        out += ["--set", o]
-    return out
+@pytest.fixture(scope="module")
+def cli(quickstart_run, ray_join):
+    """A command in a new process on the shared run's config and store, joined to the session's cluster."""
+    def run(*args: str, extra: tuple[str, ...] = ()):
+        return quickstart_run.cli(*args, extra=(*ray_join.overrides, *extra), env=ray_join.env)
+    return run
 
 
-@pytest.mark.slow
-def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
-    overrides = tiny_overrides(tmp_path)
-    res = run_cli("pipeline", "--config", str(QUICKSTART), *sets(overrides), timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    log = res.stderr
+@pytest.fixture(scope="module")
+def holdout(quickstart_run):
+    """Four labelled rows in a local JSONL file (not in the store): data a user brings."""
+    path = quickstart_run.tmp / "holdout.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in HOLDOUT))
+    return path
+
+
+def test_pipeline_runs_every_stage_registers_and_serves(quickstart_run):
+    log = quickstart_run.stderr
     for stage in ["preprocess:", "tune:", "train:", "evaluate:", "serve:"]:
         assert f"workflows {stage}" in log, stage
     assert "POST /predict" in log and "registered quickstart:v1" in log
-    summary = json.loads((tmp_path / "runs" / "quickstart" / "pipeline.json").read_text())
+    summary = quickstart_run.summary("pipeline")
     assert summary["model"] == {"name": "quickstart", "version": 1, "uri": "s3://workflows/models/quickstart/v1"}
     assert len(summary["serve"]["requests"]) == 2
-    assert 0.0 <= summary["evaluate"]["weighted"]["f1"] <= 1.0 and summary["tune"]["trials"] == 2
+    assert summary["tune"]["trials"] == 2
     # per-stage summaries
     for stage in ["preprocess", "tune", "train", "pipeline"]:
-        assert (tmp_path / "runs" / "quickstart" / f"{stage}.json").exists()
-    assert (tmp_path / "runs" / "quickstart" / "train_loss.png").stat().st_size > 1000
+        assert (quickstart_run.runs / f"{stage}.json").exists(), stage
+    assert (quickstart_run.runs / "train_loss.png").stat().st_size > 1000
 
-    # A new process finds the registered model in the persisted object store.
-    data_file = tmp_path / "holdout.jsonl"
-    data_file.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"text": "Plot y versus x as lines and/or markers on the current axes.", "label": "plotting"},
-        {"text": "Applies a 2D convolution over an input signal composed of several input planes.", "label": "deep-learning"},
-        {"text": "Group DataFrame using a mapper or by a Series of columns.", "label": "dataframes"},
-        {"text": "Compute the kurtosis of a dataset along an axis.", "label": "scientific-computing"},
-    ]))
-    out = tmp_path / "eval.json"
-    res = run_cli("evaluate", "--model", "quickstart", "--data", str(data_file), "--output", str(out),
-                  "--config", str(QUICKSTART), *sets(overrides), timeout=600)
+
+def test_tiny_model_beats_its_majority_baseline(quickstart_run):
+    ev = quickstart_run.summary("pipeline")["evaluate"]
+    assert ev["rows"] > 0 and 0.0 <= ev["baseline"]["f1"] < ev["weighted"]["f1"] <= 1.0, ev
+
+
+def test_evaluate_in_a_new_process_finds_the_registered_model(quickstart_run, cli, holdout):
+    out = quickstart_run.tmp / "eval.json"
+    res = cli("evaluate", "--model", "quickstart", "--data", str(holdout), "--output", str(out))
     assert res.returncode == 0, res.stderr[-4000:]
     metrics = json.loads(out.read_text())
-    assert metrics["rows"] == 4 and set(metrics["per_class"]) == {"plotting", "deep-learning", "dataframes", "scientific-computing"}
+    assert metrics["rows"] == 4 and set(metrics["per_class"]) == LABELS
+    assert metrics["precision"] == "fp32"
     assert "weighted" in res.stdout and "majority baseline" in res.stdout
 
-    res = run_cli("evaluate", "--model", "nope", "--data", str(data_file), "--config", str(QUICKSTART), *sets(overrides), timeout=600)
+
+def test_evaluate_of_an_unknown_model_fails_in_one_line(cli, holdout):
+    res = cli("evaluate", "--model", "nope", "--data", str(holdout))
     assert res.returncode == 2 and "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr
 
-    # int8 dynamic quantization, evaluated on the same rows
-    out8 = tmp_path / "eval-int8.json"
-    res = run_cli("evaluate", "--model", "quickstart", "--data", str(data_file), "--output", str(out8),
-                  "--config", str(QUICKSTART), *sets([*overrides, "serve.precision=int8"]), timeout=600)
+
+def test_int8_evaluation(quickstart_run, cli, holdout):
+    """int8 dynamic quantization, evaluated on the same rows."""
+    out8 = quickstart_run.tmp / "eval-int8.json"
+    res = cli("evaluate", "--model", "quickstart", "--data", str(holdout), "--output", str(out8),
+                             extra=("serve.precision=int8",))
     assert res.returncode == 0, res.stderr[-4000:]
     m8 = json.loads(out8.read_text())
-    assert m8["precision"] == "int8" and m8["rows"] == 4
+    assert m8["precision"] == "int8" and m8["rows"] == 4 and set(m8["per_class"]) == LABELS
 
-    # batch inference with the serving predictor
-    preds_uri = "s3://workflows/predictions/holdout"
-    res = run_cli("predict", "--model", "quickstart", "--data", str(data_file), "--output", preds_uri,
-                  "--config", str(QUICKSTART), *sets(overrides), timeout=600)
+
+@pytest.fixture(scope="module")
+def batch_predictions(quickstart_run, cli, holdout):
+    """`workflows predict` once (the serving predictor on Ray Data): its process, its summary, and
+    text -> (prediction, score) read back from the parquet it wrote to the store."""
+    res = cli("predict", "--model", "quickstart", "--data", str(holdout), "--output", PREDICTIONS_URI)
     assert res.returncode == 0, res.stderr[-4000:]
-    batch = json.loads((tmp_path / "runs" / "quickstart" / "predict.json").read_text())
+    return res, quickstart_run.summary("predict"), _read_predictions(quickstart_run.overrides, PREDICTIONS_URI)
+
+
+def test_predict_writes_scored_rows(batch_predictions):
+    _, batch, offline = batch_predictions
     assert batch["rows"] == 4 and batch["model"] == "quickstart:1" and batch["files"]
     assert {"text", "label", "prediction", "score"} <= set(batch["columns"])
-    res = run_cli("predict", "--model", "quickstart", "--data", str(data_file), "--output", preds_uri,
-                  "--config", str(QUICKSTART), *sets(overrides), timeout=600)
-    assert res.returncode == 2 and "is not empty" in res.stderr
-    offline = _read_predictions(tmp_path, overrides, preds_uri)
+    assert set(offline) == {r["text"] for r in HOLDOUT}
+    assert all(label in LABELS and 0.0 < score <= 1.0 for label, score in offline.values())
 
+
+def test_predict_refuses_an_output_that_is_not_empty(cli, holdout, batch_predictions):
+    res = cli("predict", "--model", "quickstart", "--data", str(holdout), "--output", PREDICTIONS_URI)
+    assert res.returncode == 2 and "is not empty" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def server(quickstart_run):
+    """`workflows serve` in a new process, bearer-token auth on; its base URL once /healthz answers.
+    It starts its own local Ray, as a user's does: the token reaches the replicas through the
+    environment of the cluster's processes, which the session's cluster cannot get afterwards."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workflows", "serve", "--model", "quickstart:1", "--config", str(QUICKSTART),
-         *sets([*overrides, f"serve.port={port}", "serve.auth_token_env=WORKFLOWS_TEST_TOKEN"])],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "WORKFLOWS_TEST_TOKEN": "s3cret-token"},
-    )
+    out = quickstart_run.tmp / "serve.out"
+    overrides = [*quickstart_run.overrides, f"serve.port={port}", "serve.auth_token_env=WORKFLOWS_TEST_TOKEN"]
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workflows", "serve", "--model", "quickstart:1", "--config", str(QUICKSTART),
+             *sets(overrides)],
+            cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "WORKFLOWS_TEST_TOKEN": TOKEN},
+        )
     base = f"http://127.0.0.1:{port}"
-    auth = {"Authorization": "Bearer s3cret-token"}
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -97,48 +139,74 @@ def test_quickstart_pipeline_then_evaluate_and_serve_in_new_processes(tmp_path):
                     break
             except requests.RequestException:  # not listening yet, or the app not deployed yet
                 pass
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert proc.poll() is None, out.read_text()[-4000:]
             time.sleep(1)
-        health = requests.get(f"{base}/healthz", timeout=10).json()
-        assert health == {"status": "ok", "model": "quickstart", "version": 1}
-        instances = [{"text": "Set the x-axis view limits."}, {"text": "Returns the mean of all elements in the input tensor."}]
-        assert requests.post(f"{base}/predict", json={"instances": instances}, timeout=30).status_code == 401
-        wrong = {"Authorization": "Bearer nope"}
-        assert requests.post(f"{base}/predict", json={"instances": instances}, headers=wrong, timeout=30).status_code == 401
-        r = requests.post(f"{base}/predict", json={"instances": instances}, headers=auth, timeout=30)
-        assert r.status_code == 200
-        preds = r.json()["predictions"]
-        assert len(preds) == 2
-        for p in preds:
-            assert p["label"] in p["probabilities"] and abs(sum(p["probabilities"].values()) - 1) < 1e-4
-            assert p["score"] == max(p["probabilities"].values())
-        # no train/serve skew: served predictions equal the batch (offline) ones for the same rows
-        rows = [json.loads(line) for line in data_file.read_text().splitlines()]
-        served = requests.post(f"{base}/predict", json={"instances": [{"text": r["text"]} for r in rows]},
-                               headers=auth, timeout=30).json()["predictions"]
-        for row, p in zip(rows, served):
-            assert p["label"] == offline[row["text"]][0] and abs(p["score"] - offline[row["text"]][1]) < 1e-4
-        info = requests.get(f"{base}/v1/models/quickstart", headers=auth, timeout=10).json()
-        assert info["version"] == 1 and info["metrics"]["weighted"]["f1"] >= 0
-        # bad input: 4xx with a message, never 5xx
-        bad = [
-            (b"not json", 400), (b'{"instances": []}', 422), (b'{"instances": [{"txt": "x"}]}', 422),
-            (b'{"instances": [{"text": 3}]}', 422), (b'{"instances": [{"text": "  "}]}', 422), (b'[1, 2]', 422),
-        ]
-        for body, status in bad:
-            r = requests.post(f"{base}/predict", data=body, headers={"content-type": "application/json", **auth}, timeout=30)
-            assert r.status_code == status, (body, r.status_code, r.text)
-            assert r.json().get("error") or r.json().get("detail")
-        assert requests.get(f"{base}/v1/models/other", headers=auth, timeout=10).status_code == 404
+        else:
+            pytest.fail(f"serve did not answer /healthz in 300 s:\n{out.read_text()[-4000:]}")
+        yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group (its moto server, its Ray), SIGKILL after 60 s."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
         try:
-            proc.wait(timeout=60)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # it ended already (a failed start)
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            continue
 
 
-def _read_predictions(tmp_path, overrides, uri) -> dict:
+def test_serve_in_a_new_process_health_and_bearer_auth(server):
+    health = requests.get(f"{server}/healthz", timeout=10).json()
+    assert health == {"status": "ok", "model": "quickstart", "version": 1}
+    instances = [{"text": "Set the x-axis view limits."}, {"text": "Returns the mean of all elements in the input tensor."}]
+    assert requests.post(f"{server}/predict", json={"instances": instances}, timeout=30).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert requests.post(f"{server}/predict", json={"instances": instances}, headers=wrong, timeout=30).status_code == 401
+    r = requests.post(f"{server}/predict", json={"instances": instances}, headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    preds = r.json()["predictions"]
+    assert len(preds) == 2
+    for p in preds:
+        assert p["label"] in p["probabilities"] and abs(sum(p["probabilities"].values()) - 1) < 1e-4
+        assert p["score"] == max(p["probabilities"].values())
+
+
+def test_served_predictions_equal_the_batch_ones(batch_predictions, server):
+    """No train/serve skew: served predictions equal the batch (offline) ones for the same rows."""
+    _, _, offline = batch_predictions
+    served = requests.post(f"{server}/predict", json={"instances": [{"text": r["text"]} for r in HOLDOUT]},
+                           headers=AUTH, timeout=30).json()["predictions"]
+    assert len(served) == len(HOLDOUT)
+    for row, p in zip(HOLDOUT, served):
+        assert p["label"] == offline[row["text"]][0] and abs(p["score"] - offline[row["text"]][1]) < 1e-4
+
+
+def test_served_model_info_has_the_registered_evaluation(quickstart_run, server):
+    info = requests.get(f"{server}/v1/models/quickstart", headers=AUTH, timeout=10).json()
+    # the held-out metrics the pipeline wrote back to the registry
+    f1 = quickstart_run.summary("pipeline")["evaluate"]["weighted"]["f1"]
+    assert info["version"] == 1 and info["metrics"]["weighted"]["f1"] == pytest.approx(f1)
+    assert requests.get(f"{server}/v1/models/other", headers=AUTH, timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"not json", 400), (b'{"instances": []}', 422), (b'{"instances": [{"txt": "x"}]}', 422),
+    (b'{"instances": [{"text": 3}]}', 422), (b'{"instances": [{"text": "  "}]}', 422), (b'[1, 2]', 422),
+])
+def test_serve_bad_input_is_a_4xx_with_a_message(server, body, status):
+    r = requests.post(f"{server}/predict", data=body, headers={"content-type": "application/json", **AUTH}, timeout=30)
+    assert r.status_code == status, (body, r.status_code, r.text)
+    assert r.json().get("error") or r.json().get("detail")
+
+
+def _read_predictions(overrides, uri) -> dict:
     """text -> (prediction, score) from the batch output in the persisted embedded store."""
     import pandas as pd
 
