@@ -1,16 +1,16 @@
 """notebooks/quickstart.ipynb runs top to bottom in a real Jupyter kernel of this environment
 (nbclient + ipykernel), shrunk by WORKFLOWS_NOTEBOOK_TINY=1, with its bucket, summaries and shard
-cache in a temp dir, on a local cluster of its own; the HTTP cell gets predictions from the served
-model."""
+cache in a temp dir, joined to the session's Ray cluster; the HTTP cell gets predictions from the
+served model."""
 
 import asyncio
 import json
+import os
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, free_port
-from workflows.reliability.local_cluster import local_cluster
+from tests.conftest import ROOT, free_port, shutdown_serve
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 
@@ -31,7 +31,7 @@ def test_committed_notebook_has_no_outputs():
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
+def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
     import nbformat
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
@@ -51,20 +51,27 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, km=km, timeout=900, allow_errors=False,
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
-    # The notebook joins a local cluster of its own (cluster/local/start.sh, head only): Ray's
-    # helpers in the cluster find it by its dashboard address even beside this session's cluster.
-    with local_cluster(tmp_path / "cluster", workers=0, head_cpus=2) as cluster:
-        overrides = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
-                     f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", f"ray.address={cluster.gcs_address}"]
-        env = {**cluster.env, "WORKFLOWS_NOTEBOOK_TINY": "1", "WORKFLOWS_NOTEBOOK_SET": "\n".join(overrides),
-               "RAY_TRAIN_V2_ENABLED": "1"}
-        env.pop("MPLBACKEND", None)  # the kernel's own (inline) backend, not one set for this shell
-        try:
-            client.execute(env=env)  # raises CellExecutionError, naming the cell, if a cell fails
-        finally:
-            nbformat.write(nb, tmp_path / "quickstart.executed.ipynb")  # for a look after a failure
-            if km.has_kernel:  # nbclient leaves a kernel manager it was given running
-                asyncio.run(km.shutdown_kernel(now=True))
+    # The kernel joins the session's cluster (it needs no fresh one), with the state API pointed at
+    # that cluster's dashboard, so that Ray's helpers in it (Train's placement-group cleaner) find it
+    # beside other clusters on the machine.
+    overrides = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
+                 f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", *ray_join.overrides,
+                 # smaller than the notebook's own tiny sizes: the cells, tables and plots are the
+                 # same with one trial of one epoch and one training epoch (tuning and training
+                 # themselves are tested in test_tune, test_train and on the shared pipeline run)
+                 "tune.num_samples=1", "tune.max_epochs=1", "train.epochs=1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MPLBACKEND")}
+    # (no MPLBACKEND: the kernel's own inline backend, not one set for this shell)
+    env.update(ray_join.env, WORKFLOWS_NOTEBOOK_TINY="1", WORKFLOWS_NOTEBOOK_SET="\n".join(overrides),
+               RAY_TRAIN_V2_ENABLED="1")
+    shutdown_serve()  # the notebook deploys on the session's cluster: no Serve left there by another test
+    try:
+        client.execute(env=env)  # raises CellExecutionError, naming the cell, if a cell fails
+    finally:
+        nbformat.write(nb, tmp_path / "quickstart.executed.ipynb")  # for a look after a failure
+        if km.has_kernel:  # nbclient leaves a kernel manager it was given running
+            asyncio.run(km.shutdown_kernel(now=True))
+        shutdown_serve()  # the last cell does, unless a cell before it failed
 
     code = [c for c in nb.cells if c.cell_type == "code"]
     for cell in code:
