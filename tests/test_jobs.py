@@ -4,6 +4,7 @@ auth on), and the tiny quickstart pipeline runs as a Ray job uploaded with
 `cluster/runtime-env.yaml`; its driver runs the embedded S3 endpoint. Stopped with `stop.sh`."""
 
 import json
+import shlex
 import sys
 import uuid
 from pathlib import Path
@@ -27,24 +28,23 @@ def test_pipeline_as_ray_job_on_local_multinode_cluster(tmp_path):
         auth = ray_token_auth_checks(cluster, tmp_path / "auth")
         assert auth["checked"] >= 6 and not auth["wrong"] and not auth["errors"], auth
 
-        # The job's `python` is the environment that holds `ray` (start.sh puts it first on PATH).
-        res = ray_cli([*submit, "--", "python", "-c", "import sys; print('job python:', sys.executable)"], env, 300)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        line = next(ln for ln in res.stdout.splitlines() if ln.startswith("job python: "))
-        assert Path(line.split(": ", 1)[1]).parent == Path(sys.executable).parent, line
-
+        # One job: its entrypoint first prints which `python` it runs (the environment that holds
+        # `ray`: start.sh puts it first on PATH), then runs the pipeline with that `python`.
         sets = [*tiny_overrides(out), "ray.address=auto", "cache.dir=auto", "serve.enabled=false",
                 "tune.num_samples=1", "tune.max_epochs=1"]  # tuning itself is tested in test_tune.py
+        pipeline = shlex.join(["python", "-m", "workflows", "pipeline", "--config", "configs/quickstart.yaml",
+                               *[a for s in sets for a in ("--set", s)]])
+        entrypoint = f"python -c \"import sys; print('job python:', sys.executable)\" && {pipeline}"
         job_id = f"workflows-test-{uuid.uuid4().hex[:8]}"
-        res = ray_cli([*submit, "--submission-id", job_id, "--",
-                    "python", "-m", "workflows", "pipeline", "--config", "configs/quickstart.yaml",
-                    *[a for s in sets for a in ("--set", s)]], env, 900)
+        res = ray_cli([*submit, "--submission-id", job_id, "--", "bash", "-c", entrypoint], env, 900)
         status = ray_cli(["job", "status", "--address", address, job_id], env, 120)
         logs = ray_cli(["job", "logs", "--address", address, job_id], env, 120).stdout
         # `ray job submit` exits 0 for a job that was stopped or lost too: ask for the final status
         assert res.returncode == 0 and f"job '{job_id}' succeeded" in status.stdout.lower(), (
             status.stdout[-500:] + status.stderr[-500:] + "\n" + logs[-6000:])
 
+        line = next((ln for ln in logs.splitlines() if ln.startswith("job python: ")), None)
+        assert line and Path(line.split(": ", 1)[1]).parent == Path(sys.executable).parent, line
         for stage in ["data:", "preprocess:", "tune:", "train:", "evaluate:", "pipeline: done"]:
             assert f"workflows {stage}" in logs, stage
         assert "registered quickstart:v1" in logs and "majority baseline" in logs
