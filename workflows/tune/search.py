@@ -9,6 +9,7 @@ already materialized dataset: nothing is re-tokenized per trial.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,11 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
     from workflows.tune.trial import run_local_trial
 
     if cfg.tune.num_workers == 1:
+        # Tune reuses this actor for the next trial only if this function's thread ends within
+        # TUNE_FUNCTION_THREAD_TIMEOUT_S (2 s) of the trial's stop; on a busy 2-core node it may
+        # not, and a failed reuse errors the next trial. Its reset_config reads the variable in
+        # this process, after this function first ran.
+        os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", "60")
         run_local_trial(trial_config(cfg, params), storage, data)
         return
     fit(trial_config(cfg, params), storage, data, run_prefix=f"{cfg.name}-trial",
@@ -137,6 +143,7 @@ class TuneOutcome:
     trials: list[dict[str, Any]] = field(default_factory=list)
     experiment_uri: str = ""
     seconds: float = 0.0
+    concurrency: int = 1  # trials at once
 
 
 def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, resume: bool = False) -> TuneOutcome:
@@ -170,9 +177,12 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
             tune_config=tune.TuneConfig(
                 metric=t.metric, mode=t.mode, scheduler=scheduler, num_samples=t.num_samples,
                 search_alg=search_algorithm(cfg, concurrency),
-                # a finished trial's actor runs the next one: torch, the tokenizer and the
-                # model files are loaded once per process, not once per trial
-                reuse_actors=True,
+                # a finished one-worker trial's actor runs the next one: torch, the tokenizer
+                # and the model files are loaded once per process, not once per trial. Not for
+                # Ray Train trials: their driver loads nothing, and the seconds it spends tearing
+                # down its run after the last report fail the reuse, which errors the next trial
+                # and leaves Tune waiting 600 s for it (Ray 2.60's BasicVariantGenerator).
+                reuse_actors=t.num_workers == 1,
             ),
             run_config=ray.tune.RunConfig(
                 name=experiment, storage_path=runs_path, storage_filesystem=pa_fs,
@@ -197,5 +207,5 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
         })
     return TuneOutcome(
         best_params={k: best.config[k] for k in t.space}, best_metric=float(best.metrics[t.metric]),
-        trials=trials, experiment_uri=f"{runs_uri}/{experiment}", seconds=time.time() - t0,
+        trials=trials, experiment_uri=f"{runs_uri}/{experiment}", seconds=time.time() - t0, concurrency=concurrency,
     )
