@@ -8,6 +8,7 @@ One test per thing checked."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,23 @@ def test_pipeline_runs_every_stage_registers_and_serves(quickstart_run):
     for stage in ["preprocess", "tune", "train", "pipeline"]:
         assert (quickstart_run.runs / f"{stage}.json").exists(), stage
     assert (quickstart_run.runs / "train_loss.png").stat().st_size > 1000
+
+
+def test_pipeline_terminal_is_the_platforms_own_lines_with_live_progress(quickstart_run):
+    """What a person sees: a line per trial epoch and per training epoch as they end (epoch, rows/s,
+    seconds, time left), Ray's output in the log file, and the whole run in at most 100 lines."""
+    from tests.test_console import RAY_NOISE
+
+    terminal = (quickstart_run.stdout + quickstart_run.stderr).splitlines()
+    assert len(terminal) <= 100, "\n".join(terminal)
+    assert not [ln for ln in terminal if RAY_NOISE.search(ln)], "\n".join(terminal)
+    err = quickstart_run.stderr
+    assert re.search(r"^workflows logs: Ray's output goes to \S+\.log", err, re.M), err
+    assert re.search(r"^workflows tune:   trial [12]/2 started: ", err, re.M), err
+    # epoch 1 of 2 leaves time on the trial's budget; the last epoch does not
+    assert re.search(r"^workflows tune:   trial [12]/2 epoch 1/2: val_f1=[\d.]+ \(best so far [\d.]+\), \d+ rows/s, \d+s, ~\d+s left$",
+                     err, re.M), err
+    assert re.search(r"^workflows train: epoch 0 \(1 of 1\) done: loss [\d.]+, val_f1 [\d.]+, \d+ rows/s, \d+s$", err, re.M), err
 
 
 def test_tiny_model_beats_its_majority_baseline(quickstart_run):
@@ -149,17 +167,20 @@ def server(quickstart_run):
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group (its moto server, its Ray), SIGKILL after 60 s."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # it ended already (a failed start)
-            pass
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM to the command alone, as `kill PID` would: it removes its Serve application, persists
+    and stops its store, stops its Ray. SIGTERM to its whole process group would end its moto server
+    and Ray under it first (it then waits 30 s for Serve's dead controller). Then SIGKILL to whatever
+    of the group is left."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone
+        pass
+    proc.wait(timeout=30)
 
 
 def test_serve_in_a_new_process_health_and_bearer_auth(server):

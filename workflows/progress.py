@@ -19,16 +19,27 @@ def _num(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _pace(m: dict, done: int, total: int | None) -> str:
+    """", 42 rows/s, 3s, ~6s left": an epoch's training rows per second, its seconds (steps and
+    validation), and the rest of the budget at that pace (an upper bound for a tune trial, which
+    ASHA may stop)."""
+    if "epoch_seconds" not in m:
+        return ""
+    seconds = m["epoch_seconds"] + (m.get("val_seconds") or 0.0)
+    left = f", ~{seconds * (total - done):.0f}s left" if total and total > done else ""
+    return f", {m.get('samples_per_s', 0.0):.0f} rows/s, {seconds:.0f}s{left}"
+
+
 def _params(config: dict) -> str:
     return ", ".join(f"{k.removeprefix('train.')}={_num(v)}" for k, v in sorted(config.items()))
 
 
 class TrialProgress(ray.tune.Callback):
     """One line per trial that starts, per result it reports (one per epoch) and per trial that fails.
-    Runs in the driver: `ray.tune.RunConfig(callbacks=[TrialProgress(metric, mode, num_samples)])`."""
+    Runs in the driver: `ray.tune.RunConfig(callbacks=[TrialProgress(metric, mode, num_samples, max_epochs)])`."""
 
-    def __init__(self, metric: str, mode: str = "max", num_samples: int | None = None):
-        self.metric, self.mode, self.total = metric, mode, num_samples
+    def __init__(self, metric: str, mode: str = "max", num_samples: int | None = None, max_epochs: int | None = None):
+        self.metric, self.mode, self.total, self.max_epochs = metric, mode, num_samples, max_epochs
         self._number: dict[str, int] = {}
         self._best: float | None = None
 
@@ -44,10 +55,11 @@ class TrialProgress(ray.tune.Callback):
         if isinstance(value, (int, float)) and (self._best is None or
                                                 (value > self._best if self.mode == "max" else value < self._best)):
             self._best = value
-        epoch = result.get("epoch", result.get("training_iteration"))
+        epoch = result.get("training_iteration", 1)
+        of = f"/{self.max_epochs}" if self.max_epochs else ""
         best = f" (best so far {self._best:.4f})" if self._best is not None else ""
         shown = f"{value:.4f}" if isinstance(value, float) else value
-        say(f"tune:   {self._name(trial)} epoch {epoch}: {self.metric}={shown}{best}")
+        say(f"tune:   {self._name(trial)} epoch {epoch}{of}: {self.metric}={shown}{best}{_pace(result, epoch, self.max_epochs)}")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
         say(f"tune:   {self._name(trial)} failed: {trial.error_file or 'see the log'}")
@@ -66,5 +78,5 @@ class EpochProgress(ray.train.UserCallback):
             return
         of = f" ({m['epoch'] + 1} of {self.epochs})" if self.epochs else ""
         val = next((f", {k} {m[k]:.4f}" for k in ("val_f1", "val_perplexity", "val_loss") if k in m), "")
-        took = f" in {m['epoch_seconds']:.0f}s" if "epoch_seconds" in m else ""
-        say(f"train: epoch {m['epoch']}{of} done{took}: loss {m.get('train_loss', float('nan')):.4f}{val}")
+        say(f"train: epoch {m['epoch']}{of} done: loss {m.get('train_loss', float('nan')):.4f}{val}"
+            f"{_pace(m, m['epoch'] + 1, self.epochs)}")

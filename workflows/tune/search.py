@@ -93,6 +93,11 @@ def trial_resources(cfg: WorkflowConfig):
     return tune.PlacementGroupFactory([{"memory": 1 << 20}])
 
 
+def trial_count(cfg: WorkflowConfig) -> int:
+    """Trials the search runs: num_samples times the product of the grid dimensions' sizes."""
+    return cfg.tune.num_samples * math.prod(len(d.grid) for d in cfg.tune.space.values() if d.grid is not None)
+
+
 def search_algorithm(cfg: WorkflowConfig, concurrency: int):
     """Random/grid sampling, or Optuna's TPE; either capped at `concurrency` trials at once
     (a search algorithm ignores TuneConfig.max_concurrent_trials)."""
@@ -151,6 +156,8 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+    from workflows.progress import TrialProgress
+
     t = cfg.tune
     if not t.space:
         raise UserError("tune.space is empty: add at least one train.* dimension")
@@ -187,6 +194,7 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
             run_config=ray.tune.RunConfig(
                 name=experiment, storage_path=runs_path, storage_filesystem=pa_fs,
                 failure_config=ray.tune.FailureConfig(max_failures=1), verbose=0,
+                callbacks=[TrialProgress(t.metric, t.mode, trial_count(cfg), t.max_epochs)],
             ),
         )
     grid = tuner.fit()
