@@ -124,7 +124,10 @@ def quickstart_run(tmp_path_factory) -> QuickstartRun:
     processed data or the stage summaries run their own commands against its persisted store
     instead of running a pipeline each."""
     tmp = tmp_path_factory.mktemp("quickstart")
-    overrides = tiny_overrides(tmp)
+    # No checkpoint per tune trial epoch (720 of the store's 950 MB): every later command restores
+    # the whole embedded store at its start, 10-15 s more each with them. Trial checkpoints are
+    # tested by test_tune and by test_jobs' pipeline, which keeps the default.
+    overrides = [*tiny_overrides(tmp), "tune.checkpoint=false"]
     res = run_cli("pipeline", "--config", str(QUICKSTART), *sets(overrides), timeout=900)
     assert res.returncode == 0, "the shared quickstart pipeline failed:\n" + res.stderr[-4000:]
     return QuickstartRun(tmp=tmp, overrides=overrides, stdout=res.stdout, stderr=res.stderr)

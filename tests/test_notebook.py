@@ -57,9 +57,10 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
     overrides = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
                  f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", *ray_join.overrides,
                  # smaller than the notebook's own tiny sizes: the cells, tables and plots are the
-                 # same with one trial of one epoch and one training epoch (tuning and training
-                 # themselves are tested in test_tune, test_train and on the shared pipeline run)
-                 "tune.num_samples=1", "tune.max_epochs=1", "train.epochs=1"]
+                 # same with one trial of one epoch (no trial checkpoint) and one training epoch
+                 # (tuning and training themselves are tested in test_tune, test_train, test_jobs
+                 # and on the shared pipeline run)
+                 "tune.num_samples=1", "tune.max_epochs=1", "tune.checkpoint=false", "train.epochs=1"]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MPLBACKEND")}
     # (no MPLBACKEND: the kernel's own inline backend, not one set for this shell)
     env.update(ray_join.env, WORKFLOWS_NOTEBOOK_TINY="1", WORKFLOWS_NOTEBOOK_SET="\n".join(overrides),

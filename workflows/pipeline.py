@@ -30,11 +30,12 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
     except UserError:
         pass
     say(f"data: building the {d.builtin} dataset from installed libraries' docstrings -> {d.source}")
+    t0 = time.time()
     rows = quickstart_data.build(d.builtin_rows_per_class)
     uris = quickstart_data.write_shards(rows, d.source, rt.storage)
     rt.persist()
     say(f"data: wrote {len(rows)} rows in {len(uris)} shards")
-    return {"built": True, "rows": len(rows), "shards": len(uris)}
+    return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2)}
 
 
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
@@ -105,6 +106,7 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
         summary["loss_curve"] = str(curve)
         say(f"train: loss curve {curve}")
     ref = None
+    t_register = time.time()
     if register and rt.cfg.model.task == "causal_lm":
         say(f"train: causal-LM pretraining run; its checkpoints stay at {outcome.run_uri} (the registry and "
             "serving take classification models)")
@@ -118,6 +120,7 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
         rt.persist()
         say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
         summary["registered"] = asdict(ref)
+        summary["register_seconds"] = round(time.time() - t_register, 2)  # export + upload to the registry
     rt.write_summary("train", summary)
     return outcome, ref
 
@@ -147,7 +150,9 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     ref = registry.resolve(rt.cfg, rt.storage, model_spec)
     spec = f"{ref.name}:{ref.version}"
     say(f"serve: deploying {spec} with Ray Serve")
+    t0 = time.time()
     url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
+    deploy_seconds = time.time() - t0
     say(f"serve: {url}/predict is up (docs at {url}/docs)")
     token = bearer_token(rt.cfg.serve)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -159,7 +164,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
         text = " ".join(str(v) for v in row.values())
         say(f"serve:   POST /predict {text[:70]!r} -> {pred['label']} ({pred['score']:.2f})")
         sent.append({"instance": row, "prediction": pred})
-    return {"url": url, "model": spec, "requests": sent}
+    return {"url": url, "model": spec, "requests": sent, "deploy_seconds": round(deploy_seconds, 2)}
 
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:

@@ -102,6 +102,24 @@ def label_count(batch: dict) -> int:
     return int((batch["labels"] != -100).sum().item())
 
 
+class TimedIterator:
+    """An iterator that adds up the time spent waiting for its next item (the data pipeline's share)."""
+
+    def __init__(self, items: Iterable):
+        self._it = iter(items)
+        self.seconds = 0.0
+
+    def __iter__(self) -> "TimedIterator":
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self._it)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float | None = None,
                 on_step: Callable[[int], None] | None = None, accum_steps: int = 1) -> dict:
     """One pass over `batches`; the metrics, including every optimizer step's loss averaged over all ranks.
@@ -109,9 +127,11 @@ def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float |
     Gradient accumulation: each optimizer step sums the gradients of up to `accum_steps`
     micro-batches, each loss weighted by its share of the group's labels, so the step equals one
     over the concatenated batch (DDP synchronizes on the last micro-batch only, see gradient_sync).
-    `epoch_seconds` is the time of the steps alone (no startup, no evaluation).
+    `epoch_seconds` is the time of the steps alone (no startup, no evaluation), of which
+    `data_wait_seconds` waiting for batches.
     """
     model.train()
+    batches = TimedIterator(batches)
     t0 = time.perf_counter()
     totals = torch.zeros(2, dtype=torch.float64)  # samples, tokens
     steps: list[tuple[float, int]] = []  # this rank's (loss*n, n) per step; reduced once at the end
@@ -146,6 +166,7 @@ def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float |
         "samples_per_s": samples / seconds if seconds else 0.0,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "epoch_seconds": seconds,
+        "data_wait_seconds": batches.seconds,
         "lr": scheduler.get_last_lr()[0],
         "steps": len(steps),
         "step_losses": [round(a / max(b, 1), 7) for a, b in per_step.tolist()],

@@ -64,6 +64,7 @@ def worker_loop(spec: dict) -> None:
     import ray.train
     import ray.train.torch
 
+    started_at = time.time()
     cfg = WorkflowConfig.model_validate(spec["cfg"])
     tc = cfg.train
     ctx = ray.train.get_context()
@@ -105,10 +106,14 @@ def worker_loop(spec: dict) -> None:
         return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
             ckpt.save(d, model, optimizer, scheduler,
                       {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history})
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        # where the run's time went (the summary's breakdown): this process's start, the
+        # checkpoint's save and upload
+        history[-1].update(worker_started_at=started_at, checkpoint_seconds=time.perf_counter() - t0)
         if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
             write_json(f"{spec['run_uri']}/history.json", history, spec["storage"])
             record_throughput(spec["run_uri"].rsplit("/", 1)[-1], metrics)
@@ -192,6 +197,22 @@ class TrainOutcome:
     best_metrics: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)  # where `seconds` went (time_breakdown)
+
+
+def time_breakdown(history: list[dict], fit_started: float, fit_seconds: float) -> dict[str, float]:
+    """A run's wall time split, from the epochs this run trained (`history`), into the worker group's
+    start (until the first worker ran), its training steps (of which waiting for data), validation,
+    checkpoints (save + upload), and the rest (Ray Train's controller, restarts, the group's shutdown)."""
+    if not history:
+        return {}
+    out = {"worker_group_start": max(0.0, history[0].get("worker_started_at", fit_started) - fit_started)}
+    for key, column in (("train_steps", "epoch_seconds"), ("data_wait", "data_wait_seconds"),
+                        ("validation", "val_seconds"), ("checkpoint", "checkpoint_seconds")):
+        out[key] = sum(h.get(column) or 0.0 for h in history)
+    accounted = out["worker_group_start"] + out["train_steps"] + out["validation"] + out["checkpoint"]
+    out["other"] = max(0.0, fit_seconds - accounted)
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def check_resources(num_workers: int, cpus_per_worker: float, use_gpu: bool, what: str = "train") -> None:
@@ -299,6 +320,7 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     )
     t0 = time.time()
     result = trainer.fit()
+    fit_seconds = time.time() - t0
     if not result.best_checkpoints:
         raise RuntimeError(f"training run {run_name} finished without a checkpoint")
     best, best_metrics = select_checkpoint(result.best_checkpoints, tc.checkpoint_select, metric, mode)
@@ -306,5 +328,6 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     history = read_json(history_uri, storage) if exists(history_uri, storage) else []
     return TrainOutcome(
         run_name=run_name, run_uri=run_uri, best_checkpoint_uri=with_protocol(cfg.storage.root, best.path),
-        best_metrics=dict(best_metrics), history=history, seconds=time.time() - t0,
+        best_metrics=dict(best_metrics), history=history, seconds=fit_seconds,
+        breakdown=time_breakdown([h for h in history if h.get("worker_started_at", 0) >= t0], t0, fit_seconds),
     )
