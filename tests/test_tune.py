@@ -83,10 +83,11 @@ def cfg_dir(cfg):
 def test_optuna_search(ray_cluster, tmp_path):
     pytest.importorskip("optuna")
     cfg = tune_cfg(tmp_path, {"train.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "train.batch_size": {"choice": [8, 16]}},
-                   "tune.search=optuna", "tune.num_samples=1", "tune.max_epochs=1")
+                   "tune.search=optuna", "tune.num_samples=1", "tune.max_epochs=1", "tune.checkpoint=true")
     with runtime(cfg) as rt:
         outcome = stage_tune(rt, stage_preprocess(rt))
     assert len(outcome.trials) == 1 and all(t["error"] is None for t in outcome.trials)
+    assert outcome.trials[0]["seconds"]["checkpoint"] > 0  # the one-worker trial's epoch checkpoint (the quickstart skips it)
     assert outcome.trials[0]["params"]["train.batch_size"] in (8, 16)
     assert all(1e-4 <= t["params"]["train.lr"] <= 1e-3 for t in outcome.trials)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -168,10 +169,24 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
 
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
-    if n <= 0:
+    """The text of the first `n` held-out rows, read straight from the split's first file
+    (through the node's shard cache): a few rows need no Ray Data job."""
+    import pyarrow.parquet as pq
+
+    from workflows.storage.uri import filesystem
+
+    files = data.files.get("test") or []
+    if n <= 0 or not files:
         return []
-    rows = data.read("test", rt.storage, cache=rt.cfg.cache).select_columns(data.text_columns).take(n)
-    return [{c: str(r[c]) for c in data.text_columns} for r in rows]
+    cache = rt.cfg.cache.shard_cache(rt.storage) if rt.cfg.cache.enabled else None
+    if cache is not None:
+        with cache.open_local(files[0]) as local:
+            table = pq.read_table(local, columns=data.text_columns)
+    else:
+        fs, path = filesystem(files[0], rt.storage)
+        with fs.open(path, "rb") as f:
+            table = pq.read_table(f, columns=data.text_columns)
+    return [{c: str(v) for c, v in row.items()} for row in table.slice(0, n).to_pylist()]
 
 
 def run_pipeline(rt: Runtime) -> dict:
@@ -196,11 +211,17 @@ def run_pipeline(rt: Runtime) -> dict:
     outcome, ref = timed("train", stage_train, rt, data)
     summary["train"] = {"run": outcome.run_uri, "best_metrics": outcome.best_metrics}
     spec = f"{ref.name}:{ref.version}"
-    metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage, cache=rt.cfg.cache), write_back=True)
-    summary["evaluate"] = {"weighted": metrics["weighted"], "baseline": metrics["baseline"], "rows": metrics["rows"]}
-    summary["model"] = {"name": ref.name, "version": ref.version, "uri": ref.uri}
-    if cfg.serve.enabled:
-        summary["serve"] = timed("serve", stage_serve, rt, spec, demo_rows(data, rt, cfg.serve.demo_requests))
+    # Serve deploys while the evaluation runs: both wait mostly on process start and model load,
+    # and the replica and the evaluation's actor each hold one CPU, so neither waits for the other.
+    with ThreadPoolExecutor(1, thread_name_prefix="serve") as pool:
+        serving = pool.submit(timed, "serve", stage_serve, rt, spec, demo_rows(data, rt, cfg.serve.demo_requests)) \
+            if cfg.serve.enabled else None
+        metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage, cache=rt.cfg.cache),
+                        write_back=True)
+        summary["evaluate"] = {"weighted": metrics["weighted"], "baseline": metrics["baseline"], "rows": metrics["rows"]}
+        summary["model"] = {"name": ref.name, "version": ref.version, "uri": ref.uri}
+        if serving is not None:
+            summary["serve"] = serving.result()
     timings["total"] = round(time.time() - t0, 2)
     summary["seconds"] = timings
     rt.write_summary("pipeline", summary)

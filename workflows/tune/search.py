@@ -194,6 +194,8 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
             run_config=ray.tune.RunConfig(
                 name=experiment, storage_path=runs_path, storage_filesystem=pa_fs,
                 failure_config=ray.tune.FailureConfig(max_failures=1), verbose=0,
+                # a trial resumes from its latest epoch: older checkpoints are only bytes to store
+                checkpoint_config=ray.tune.CheckpointConfig(num_to_keep=1),
                 callbacks=[TrialProgress(t.metric, t.mode, trial_count(cfg), t.max_epochs)],
             ),
         )
