@@ -85,7 +85,7 @@ def strict_schema(node):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def crd_schema(kind: str) -> tuple[dict, dict]:
     """(strict JSON schema, original openAPIV3Schema) of the served storage version of `kind`."""
     path = CRD_DIR / CRD_FILES[kind]
@@ -142,7 +142,7 @@ def crd_errors(doc: dict) -> list[str]:
     return errors + list_map_errors(raw, doc)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def manifest(name: str) -> list[dict]:
     return load_docs(KUBERAY / name)
 
@@ -331,8 +331,9 @@ def test_rayservice_serve_config_is_a_valid_ray_serve_config():
 def test_rayservice_builder_builds_the_configured_deployments():
     """The builder named by import_path takes the manifest's args and returns an Application
     with the deployments the config names (binding only: no Ray, no model download)."""
-    import workflows.serve.app as serve_app
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    import workflows.serve.app as serve_app
 
     if not hasattr(serve_app, "build_app"):
         pytest.skip("workflows.serve.app:build_app (the RayService import_path) does not exist yet")

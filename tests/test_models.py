@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from workflows.train.loop import make_optimizer
-from workflows.train.models import (POOLING_KEY, MeanPoolClassifier, check_linear_probe_head, load_classifier,
-                                     load_trained_classifier)
+from workflows.train.models import (
+    POOLING_KEY,
+    MeanPoolClassifier,
+    check_linear_probe_head,
+    load_classifier,
+    load_trained_classifier,
+)
 
 LABELS = ["a", "b", "c"]
 

@@ -168,7 +168,7 @@ class SearchDim(Strict):
     grid: list[Any] | None = None
 
     @model_validator(mode="after")
-    def one_kind(self) -> "SearchDim":
+    def one_kind(self) -> SearchDim:
         kinds = [k for k in ("uniform", "loguniform", "choice", "grid") if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError("give exactly one of uniform, loguniform, choice, grid")

@@ -20,8 +20,9 @@ import sys
 import tokenize
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -104,7 +105,7 @@ def constraints_text(field: FieldInfo) -> str:
     return ", ".join(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_comments(model: type[BaseModel]) -> dict[str, str]:
     """Comments documenting fields in the class body: `name: int = 0  # this` or comment lines
     directly above the field's line."""

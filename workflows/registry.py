@@ -21,7 +21,16 @@ from pathlib import Path
 
 from workflows.config import WorkflowConfig, check_name
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, download_dir, exists, filesystem, join, reaching, read_json, write_json
+from workflows.storage.uri import (
+    StorageContext,
+    download_dir,
+    exists,
+    filesystem,
+    join,
+    reaching,
+    read_json,
+    write_json,
+)
 
 META_FILE = "workflows.json"
 _VERSION = re.compile(r"^v(\d+)$")

@@ -6,10 +6,11 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from workflows.config import WorkflowConfig, dump_config
 from workflows.console import console, say, warn  # noqa: F401  (say is imported from here by the stages)

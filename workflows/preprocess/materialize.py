@@ -21,8 +21,16 @@ from workflows.config import WorkflowConfig
 from workflows.errors import UserError, surface_user_errors
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
 from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_shards
-from workflows.storage.uri import (StorageContext, exists, filesystem, join, pyarrow_filesystem, read_json,
-                                  with_protocol, write_json)
+from workflows.storage.uri import (
+    StorageContext,
+    exists,
+    filesystem,
+    join,
+    pyarrow_filesystem,
+    read_json,
+    with_protocol,
+    write_json,
+)
 
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1  # bump when the processed layout or encoding changes
@@ -44,7 +52,7 @@ class ProcessedDataset:
     reused: bool = False
 
     @classmethod
-    def load(cls, uri: str, ctx: StorageContext) -> "ProcessedDataset":
+    def load(cls, uri: str, ctx: StorageContext) -> ProcessedDataset:
         m = read_json(join(uri, "manifest.json"), ctx)
         return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
 

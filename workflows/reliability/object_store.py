@@ -75,8 +75,15 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
     from workflows.reliability.fault_proxy import FaultProxy
     from workflows.storage.cache import ShardCache
     from workflows.storage.embedded import EmbeddedS3
-    from workflows.storage.uri import (StorageContext, check_bucket, download_dir, filesystem, read_json,
-                                      write_bytes_atomic, write_json)
+    from workflows.storage.uri import (
+        StorageContext,
+        check_bucket,
+        download_dir,
+        filesystem,
+        read_json,
+        write_bytes_atomic,
+        write_json,
+    )
 
     workdir = Path(workdir)
     rng = random.Random(seed)
@@ -466,7 +473,7 @@ def _dead_endpoint_ops(ctx, cfg, workdir: Path, warm: tuple, bound_s: float) -> 
     with ThreadPoolExecutor(max_workers=len(ops)) as pool:  # in parallel: each waits out its own retries
         futures = {name: pool.submit(_timed, name, "endpoint killed", fn, bound_s, [uri, ctx.endpoint_url])
                    for name, (fn, uri) in ops.items()}
-        for name, fut in futures.items():
+        for fut in futures.values():
             out.append(fut.result())
     for r in out:  # only the warm read may succeed: served from the cache, no store request needed
         if r["outcome"] == "ok" and r["op"] != "ShardCache.fetch (warm, version known)":

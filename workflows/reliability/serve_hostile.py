@@ -213,7 +213,7 @@ def _raw(host, port, data: bytes, timeout=60):
             while True:
                 try:
                     c = s.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     break
                 if not c:
                     break

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch

@@ -30,9 +30,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from workflows.errors import UserError
 from workflows.storage.uri import StorageContext, filesystem, reaching

@@ -131,7 +131,7 @@ class EmbeddedS3:
         os.close(self._lock_fd)
         self.owner = False
 
-    def __enter__(self) -> "EmbeddedS3":
+    def __enter__(self) -> EmbeddedS3:
         self.start()
         return self
 

@@ -31,7 +31,7 @@ class StorageContext:
     retries: int = 5
 
     @classmethod
-    def from_config(cls, storage_cfg) -> "StorageContext":
+    def from_config(cls, storage_cfg) -> StorageContext:
         return cls(
             endpoint_url=storage_cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
             region=storage_cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
@@ -70,7 +70,8 @@ class StorageContext:
 
 def _is_unreachable(e: BaseException) -> bool:
     """Connection failures after the client's own retries (botocore's are not OSErrors)."""
-    from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError
 
     return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -109,7 +109,7 @@ class TimedIterator:
         self._it = iter(items)
         self.seconds = 0.0
 
-    def __iter__(self) -> "TimedIterator":
+    def __iter__(self) -> TimedIterator:
         return self
 
     def __next__(self):

@@ -20,7 +20,15 @@ from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
-from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol, write_json
+from workflows.storage.uri import (
+    StorageContext,
+    exists,
+    filesystem,
+    pyarrow_filesystem,
+    read_json,
+    with_protocol,
+    write_json,
+)
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, run_epochs
 from workflows.train.models import check_linear_probe_head
