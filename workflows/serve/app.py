@@ -106,7 +106,9 @@ def bearer_token(sc) -> str | None:
         return None
     token = os.environ.get(sc.auth_token_env, "")
     if not token:
-        raise RuntimeError(f"serve.auth_token_env names {sc.auth_token_env}, which is not set in the replica's environment")
+        raise RuntimeError(
+            f"serve.auth_token_env names {sc.auth_token_env}, which is not set in the replica's environment"
+        )
     return token
 
 
@@ -121,8 +123,9 @@ class ModelServer:
         storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
         self.meta = registry.describe(self.cfg, storage, model_spec)  # with evaluation metrics
-        self.predictor = Predictor(model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)),
-                                   precision=self.cfg.serve.precision)
+        self.predictor = Predictor(
+            model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)), precision=self.cfg.serve.precision
+        )
         self.token = bearer_token(self.cfg.serve)
         self.instance = instance_model(self.meta["text_columns"])
         self.max_instances = self.cfg.serve.max_instances
@@ -139,8 +142,11 @@ class ModelServer:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
-            return JSONResponse(status_code=401, content={"error": "missing or wrong bearer token"},
-                                headers={"WWW-Authenticate": "Bearer"})
+            return JSONResponse(
+                status_code=401,
+                content={"error": "missing or wrong bearer token"},
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return None
 
     @api.post("/predict")
@@ -191,7 +197,10 @@ class ModelServer:
 def deployment_options(sc) -> dict:
     """Replica count or autoscaling, resources, and how many requests a replica takes at once."""
     opts: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": sc.cpus_per_replica, **({"num_gpus": sc.gpus_per_replica} if sc.gpus_per_replica else {})},
+        "ray_actor_options": {
+            "num_cpus": sc.cpus_per_replica,
+            **({"num_gpus": sc.gpus_per_replica} if sc.gpus_per_replica else {}),
+        },
         # Serve's default of 5 ongoing requests would silently cap batches below max_batch_size.
         "max_ongoing_requests": max(2 * sc.max_batch_size, 32),
     }
@@ -221,6 +230,10 @@ def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_
     """Deploy the model on the running Ray cluster; returns the base URL."""
     sc = cfg.serve
     serve.start(http_options={"host": sc.host, "port": sc.port})
-    serve.run(application(cfg, model_spec), name=name or f"model-{model_spec.split(':')[0]}", route_prefix=route_prefix,
-              blocking=False)
+    serve.run(
+        application(cfg, model_spec),
+        name=name or f"model-{model_spec.split(':')[0]}",
+        route_prefix=route_prefix,
+        blocking=False,
+    )
     return f"http://{sc.host}:{sc.port}{route_prefix.rstrip('/')}"

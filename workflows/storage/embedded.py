@@ -75,7 +75,9 @@ class EmbeddedS3:
         except BaseException:
             self._release()
             raise
-        _atomic_write(self.data_dir / "endpoint.json", json.dumps({"url": self.endpoint_url, "pid": os.getpid()}).encode())
+        _atomic_write(
+            self.data_dir / "endpoint.json", json.dumps({"url": self.endpoint_url, "pid": os.getpid()}).encode()
+        )
         log.info("embedded S3 endpoint at %s (data in %s)", self.endpoint_url, self.data_dir)
         return self.endpoint_url
 
@@ -85,7 +87,9 @@ class EmbeddedS3:
             port = self.port or _free_port(self.host)
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "workflows.storage.s3_server", "-H", self.host, "-p", str(port)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
             )
             url = f"http://{self.host}:{port}"
@@ -105,7 +109,9 @@ class EmbeddedS3:
         try:
             info = json.loads((self.data_dir / "endpoint.json").read_text())
         except (OSError, ValueError):
-            raise UserError(f"embedded S3 data dir {self.data_dir} is locked by another process that is still starting; retry") from None
+            raise UserError(
+                f"embedded S3 data dir {self.data_dir} is locked by another process that is still starting; retry"
+            ) from None
         self.endpoint_url = info["url"]
         log.info("reusing the embedded S3 endpoint of pid %s at %s", info.get("pid"), self.endpoint_url)
         return self.endpoint_url
@@ -186,7 +192,13 @@ class EmbeddedS3:
                     with open(tmp, "rb+") as f:
                         os.fsync(f.fileno())
                     os.replace(tmp, target)
-                    seen[ident] = {"bucket": bucket, "key": obj["Key"], "file": name, "etag": obj["ETag"], "size": obj["Size"]}
+                    seen[ident] = {
+                        "bucket": bucket,
+                        "key": obj["Key"],
+                        "file": name,
+                        "etag": obj["ETag"],
+                        "size": obj["Size"],
+                    }
                     written += 1
         for ident, entry in self._manifest.items():
             if ident not in seen:

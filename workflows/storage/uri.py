@@ -33,8 +33,13 @@ class StorageContext:
     @classmethod
     def from_config(cls, storage_cfg) -> StorageContext:
         return cls(
-            endpoint_url=storage_cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
-            region=storage_cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            endpoint_url=storage_cfg.endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL"),
+            region=storage_cfg.region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1",
             embedded=storage_cfg.embedded.enabled,
             retries=storage_cfg.retries,
         )
@@ -85,8 +90,11 @@ def reaching(uri: str, ctx: StorageContext):
         raise
     except Exception as e:
         if _is_unreachable(e):
-            raise UserError(f"cannot reach {uri} (endpoint {ctx.endpoint_url or 'default'}): "
-                            f"{type(e).__name__}: {e}".splitlines()[0]) from None
+            raise UserError(
+                f"cannot reach {uri} (endpoint {ctx.endpoint_url or 'default'}): {type(e).__name__}: {e}".splitlines()[
+                    0
+                ]
+            ) from None
         raise
 
 

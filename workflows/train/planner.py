@@ -226,7 +226,8 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
     names = {n.rsplit(".", 1)[-1] for n, _ in (block.named_modules() if block is not None else [])}
     norm = _find(block, lambda m: "norm" in type(m).__name__.lower() and not list(m.children()))
     act_modules = ("transformers.activations", "torch.nn.modules.activation")
-    act = _find(block, lambda m: type(m).__module__ in act_modules and not isinstance(m, (nn.Softmax, nn.MultiheadAttention)))
+    not_act = (nn.Softmax, nn.MultiheadAttention)
+    act = _find(block, lambda m: type(m).__module__ in act_modules and not isinstance(m, not_act))
     norm_bytes, _ = _probe(norm, hidden, 1.0) if norm is not None else ({"fp32": 4.0, "bf16": 2.0}, False)
     act_bytes, act_out = _probe(act, intermediate, 1.0) if act is not None else ({"fp32": 4.0, "bf16": 2.0}, False)
     return ModelSpec(
@@ -245,8 +246,12 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
         root_trainable=count(root, True),
         largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
         gated_mlp=bool(names & {"gate_proj", "gate_up_proj", "w3"}),
-        hidden_dropout=float(_first(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", default=0.0)),
-        attention_dropout=float(_first(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", default=0.0)),
+        hidden_dropout=float(
+            _first(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", default=0.0)
+        ),
+        attention_dropout=float(
+            _first(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", default=0.0)
+        ),
         attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
         per_token_head=causal_lm or isinstance(getattr(model, "score", None), nn.Linear),
         lm_head=causal_lm,
@@ -256,8 +261,14 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
     )
 
 
-def model_spec(model_dir: str, *, num_labels: int = 2, dropout: float | None = None,
-               freeze_embeddings: bool = False, name: str | None = None) -> ModelSpec:
+def model_spec(
+    model_dir: str,
+    *,
+    num_labels: int = 2,
+    dropout: float | None = None,
+    freeze_embeddings: bool = False,
+    name: str | None = None,
+) -> ModelSpec:
     """The spec of the classifier `load_classifier(model_dir, ...)` would build, without its weights."""
     from transformers.utils import logging as hf_logging
 
@@ -322,9 +333,17 @@ class Estimate:
         return d
 
 
-def activation_bytes(spec: ModelSpec, seq_len: int, micro_batch: int, *, precision: str = "fp32",
-                     device_type: str = "cuda", attention: str = "eager", checkpointing: bool = False,
-                     working_set: bool = True) -> int:
+def activation_bytes(
+    spec: ModelSpec,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    precision: str = "fp32",
+    device_type: str = "cuda",
+    attention: str = "eager",
+    checkpointing: bool = False,
+    working_set: bool = True,
+) -> int:
     """Activations saved for backward on one device, plus (`working_set`) backward's working set."""
     s, b, h, i, a = seq_len, micro_batch, spec.hidden, spec.intermediate, spec.heads
     e = 2 if precision == "bf16" else 4
@@ -355,9 +374,19 @@ def activation_bytes(spec: ModelSpec, seq_len: int, micro_batch: int, *, precisi
     return spec.layers * per_layer + outside
 
 
-def estimate(spec: ModelSpec, strategy: str, devices: int, seq_len: int, micro_batch: int, *,
-             precision: str = "fp32", device_type: str = "cuda", attention: str = "eager",
-             checkpointing: bool = False, accumulation: bool = False) -> Estimate:
+def estimate(
+    spec: ModelSpec,
+    strategy: str,
+    devices: int,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    precision: str = "fp32",
+    device_type: str = "cuda",
+    attention: str = "eager",
+    checkpointing: bool = False,
+    accumulation: bool = False,
+) -> Estimate:
     """Per-device memory of training `spec` with `strategy` on `devices` ranks (see the docstring).
 
     accumulation: gradients of earlier micro-batches are kept during forward/backward (gradient
@@ -380,7 +409,11 @@ def estimate(spec: ModelSpec, strategy: str, devices: int, seq_len: int, micro_b
         backward_end = 0  # ... and freed by it
     else:
         model, gradients = math.ceil(4 * P / d), math.ceil(4 * Pt / d)
-        optimizer, local_trainable, largest = math.ceil(8 * Pt / d), math.ceil(Pt / d), math.ceil(spec.largest_param / d)
+        optimizer, local_trainable, largest = (
+            math.ceil(8 * Pt / d),
+            math.ceil(Pt / d),
+            math.ceil(spec.largest_param / d),
+        )
         persistent = 0
         grad_bytes = compute + 4  # an unsharded gradient (compute dtype) + its fp32 reduce-scatter input
         if spec.block_params:  # the root group (not resharded after forward) + two blocks gathered
@@ -390,11 +423,37 @@ def estimate(spec: ModelSpec, strategy: str, devices: int, seq_len: int, micro_b
         else:  # no blocks found: one FSDP unit, everything gathered at once
             forward = backward_end = compute * P + grad_bytes * Pt
     temporaries = 4 * local_trainable if device_type == "cuda" else 2 * 4 * largest
-    acts = activation_bytes(spec, seq_len, micro_batch, precision=precision, device_type=device_type,
-                            attention=attention, checkpointing=checkpointing) if micro_batch else 0
-    return Estimate(strategy, precision, d, seq_len, micro_batch, checkpointing, attention, accumulation,
-                    int(model), int(gradients), int(optimizer), int(acts), int(persistent), int(forward),
-                    int(backward_end), int(temporaries))
+    acts = (
+        activation_bytes(
+            spec,
+            seq_len,
+            micro_batch,
+            precision=precision,
+            device_type=device_type,
+            attention=attention,
+            checkpointing=checkpointing,
+        )
+        if micro_batch
+        else 0
+    )
+    return Estimate(
+        strategy,
+        precision,
+        d,
+        seq_len,
+        micro_batch,
+        checkpointing,
+        attention,
+        accumulation,
+        int(model),
+        int(gradients),
+        int(optimizer),
+        int(acts),
+        int(persistent),
+        int(forward),
+        int(backward_end),
+        int(temporaries),
+    )
 
 
 def usable_bytes(device_memory: int) -> int:
@@ -402,8 +461,9 @@ def usable_bytes(device_memory: int) -> int:
     return max(0, int(device_memory * (1 - FRAGMENTATION_MARGIN)) - RESERVED_BYTES)
 
 
-def max_micro_batch(spec: ModelSpec, strategy: str, devices: int, seq_len: int, device_memory: int,
-                    limit: int = 1 << 20, **kw) -> int:
+def max_micro_batch(
+    spec: ModelSpec, strategy: str, devices: int, seq_len: int, device_memory: int, limit: int = 1 << 20, **kw
+) -> int:
     """The largest micro-batch whose estimate fits in `usable_bytes(device_memory)` (0: none)."""
     budget = usable_bytes(device_memory)
     fits = lambda b: estimate(spec, strategy, devices, seq_len, b, **kw).total <= budget  # noqa: E731
@@ -420,8 +480,22 @@ def max_micro_batch(spec: ModelSpec, strategy: str, devices: int, seq_len: int, 
 
 
 # -------------------------------------------------------------------------------------------- plan
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -477,15 +551,25 @@ class Plan:
         return {
             "model": asdict(self.spec),
             "inputs": {
-                "devices": self.devices, "seq_len": self.seq_len, "micro_batch": self.micro_batch,
-                "device_type": self.device_type, "attention": self.attention,
-                "activation_checkpointing": self.checkpointing, "precision": self.precisions,
-                "device_memory": self.device_memory, "device_memory_source": self.device_memory_source,
+                "devices": self.devices,
+                "seq_len": self.seq_len,
+                "micro_batch": self.micro_batch,
+                "device_type": self.device_type,
+                "attention": self.attention,
+                "activation_checkpointing": self.checkpointing,
+                "precision": self.precisions,
+                "device_memory": self.device_memory,
+                "device_memory_source": self.device_memory_source,
             },
-            "margin": {"fragmentation_fraction": FRAGMENTATION_MARGIN, "reserved_bytes": RESERVED_BYTES,
-                       "usable_bytes": self.usable},
-            "estimates": {k: {**e.to_dict(), "fits": e.total <= self.usable,
-                              "max_micro_batch": self.max_micro_batch[k]} for k, e in self.estimates.items()},
+            "margin": {
+                "fragmentation_fraction": FRAGMENTATION_MARGIN,
+                "reserved_bytes": RESERVED_BYTES,
+                "usable_bytes": self.usable,
+            },
+            "estimates": {
+                k: {**e.to_dict(), "fits": e.total <= self.usable, "max_micro_batch": self.max_micro_batch[k]}
+                for k, e in self.estimates.items()
+            },
             "recommended": self.recommended,
             "reason": self.reason,
             "config_strategy": self.config_strategy,
@@ -493,10 +577,21 @@ class Plan:
         }
 
 
-def make_plan(spec: ModelSpec, *, devices: int, seq_len: int, micro_batch: int, device_memory: int,
-              device_memory_source: str = "given", device_type: str = "cuda", precision: str = "auto",
-              attention: str = "auto", checkpointing: bool = False, config_strategy: str | None = None,
-              accumulation: bool = False) -> Plan:
+def make_plan(
+    spec: ModelSpec,
+    *,
+    devices: int,
+    seq_len: int,
+    micro_batch: int,
+    device_memory: int,
+    device_memory_source: str = "given",
+    device_type: str = "cuda",
+    precision: str = "auto",
+    attention: str = "auto",
+    checkpointing: bool = False,
+    config_strategy: str | None = None,
+    accumulation: bool = False,
+) -> Plan:
     """Estimates for DDP and FSDP, the largest micro-batch of each, and the recommended strategy.
 
     precision 'auto' follows parallelize(): bf16 mixed precision for FSDP on CUDA, fp32 otherwise.
@@ -513,45 +608,95 @@ def make_plan(spec: ModelSpec, *, devices: int, seq_len: int, micro_batch: int, 
     if attention == "auto":
         attention = "fused" if device_type == "cuda" and spec.attn_implementation != "eager" else "eager"
     common = dict(device_type=device_type, attention=attention, checkpointing=checkpointing, accumulation=accumulation)
-    estimates = {k: estimate(spec, k, devices, seq_len, micro_batch, precision=precisions[k], **common)
-                 for k in STRATEGIES}
-    best_b = {k: max_micro_batch(spec, k, devices, seq_len, device_memory, precision=precisions[k], **common)
-              for k in STRATEGIES}
+    estimates = {
+        k: estimate(spec, k, devices, seq_len, micro_batch, precision=precisions[k], **common) for k in STRATEGIES
+    }
+    best_b = {
+        k: max_micro_batch(spec, k, devices, seq_len, device_memory, precision=precisions[k], **common)
+        for k in STRATEGIES
+    }
     budget = usable_bytes(device_memory)
     gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
     if estimates["ddp"].total <= budget:
-        recommended, reason = "ddp", (f"DDP fits ({gib(estimates['ddp'].total)} of {gib(budget)} usable) and "
-                                      "communicates less than FSDP (one all-reduce of the gradients per step)")
+        recommended, reason = (
+            "ddp",
+            (
+                f"DDP fits ({gib(estimates['ddp'].total)} of {gib(budget)} usable) and "
+                "communicates less than FSDP (one all-reduce of the gradients per step)"
+            ),
+        )
     elif estimates["fsdp"].total <= budget:
-        recommended, reason = "fsdp", (f"DDP needs {gib(estimates['ddp'].total)} > {gib(budget)} usable; FSDP "
-                                       f"shards the parameters, gradients and optimizer state over {devices} "
-                                       f"device(s): {gib(estimates['fsdp'].total)}")
+        recommended, reason = (
+            "fsdp",
+            (
+                f"DDP needs {gib(estimates['ddp'].total)} > {gib(budget)} usable; FSDP "
+                f"shards the parameters, gradients and optimizer state over {devices} "
+                f"device(s): {gib(estimates['fsdp'].total)}"
+            ),
+        )
     else:
         recommended = None
         tips = []
         if best_b["fsdp"]:
-            tips.append(f"a micro-batch of {best_b['fsdp']} (train.batch_size; train.grad_accum_steps keeps the global batch)")
+            tips.append(
+                f"a micro-batch of {best_b['fsdp']} (train.batch_size; train.grad_accum_steps keeps the global batch)"
+            )
         if not checkpointing:
-            ck = estimate(spec, "fsdp", devices, seq_len, micro_batch, precision=precisions["fsdp"],
-                          device_type=device_type, attention=attention, checkpointing=True, accumulation=accumulation)
+            ck = estimate(
+                spec,
+                "fsdp",
+                devices,
+                seq_len,
+                micro_batch,
+                precision=precisions["fsdp"],
+                device_type=device_type,
+                attention=attention,
+                checkpointing=True,
+                accumulation=accumulation,
+            )
             if ck.total <= budget:
                 tips.append(f"activation checkpointing ({gib(ck.total)})")
         if precisions["fsdp"] == "fp32":
             tips.append("bf16 mixed precision")
         tips.append("more devices")
-        reason = (f"neither fits at micro-batch {micro_batch}: FSDP needs {gib(estimates['fsdp'].total)} > "
-                  f"{gib(budget)} usable; try " + ", or ".join(tips))
+        reason = (
+            f"neither fits at micro-batch {micro_batch}: FSDP needs {gib(estimates['fsdp'].total)} > "
+            f"{gib(budget)} usable; try " + ", or ".join(tips)
+        )
     notes = []
     if config_strategy and recommended and config_strategy != recommended:
         notes.append(f"the config trains with {config_strategy}; the plan recommends {recommended}")
-    return Plan(spec, device_memory, device_memory_source, devices, seq_len, micro_batch, device_type,
-                attention, checkpointing, precisions, estimates, best_b, recommended, reason,
-                config_strategy, notes)
+    return Plan(
+        spec,
+        device_memory,
+        device_memory_source,
+        devices,
+        seq_len,
+        micro_batch,
+        device_type,
+        attention,
+        checkpointing,
+        precisions,
+        estimates,
+        best_b,
+        recommended,
+        reason,
+        config_strategy,
+        notes,
+    )
 
 
-def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: int | None = None,
-                     seq_len: int | None = None, micro_batch: int | None = None, precision: str = "auto",
-                     attention: str = "auto", checkpointing: bool = False) -> Plan:
+def plan_from_config(
+    cfg,
+    *,
+    device_memory: str | int | None = None,
+    devices: int | None = None,
+    seq_len: int | None = None,
+    micro_batch: int | None = None,
+    precision: str = "auto",
+    attention: str = "auto",
+    checkpointing: bool = False,
+) -> Plan:
     """A plan for the model and settings of a WorkflowConfig (the arguments override them)."""
     from workflows.preprocess.encoding import resolve_model_dir
 
@@ -564,25 +709,43 @@ def plan_from_config(cfg, *, device_memory: str | int | None = None, devices: in
         lm = model_cfg.lm
         vocab = len(AutoTokenizer.from_pretrained(resolve_model_dir(cfg.preprocess.tokenizer)))  # as the trainer
         # the trainer uses SDPA on GPUs, eager on CPU
-        config = causal_lm_config(lm, vocab, getattr(model_cfg, "dropout", None),
-                                  attn="sdpa" if train_cfg.use_gpu else "eager")
+        config = causal_lm_config(
+            lm, vocab, getattr(model_cfg, "dropout", None), attn="sdpa" if train_cfg.use_gpu else "eager"
+        )
         spec = spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", causal_lm=True)  # never frozen
         seq_len = seq_len or lm.seq_len
     else:
         name = getattr(model_cfg, "name_or_path", "minilm")
-        spec = model_spec(resolve_model_dir(name), dropout=getattr(model_cfg, "dropout", None),
-                          freeze_embeddings=bool(getattr(train_cfg, "freeze_embeddings", False)), name=name)
+        spec = model_spec(
+            resolve_model_dir(name),
+            dropout=getattr(model_cfg, "dropout", None),
+            freeze_embeddings=bool(getattr(train_cfg, "freeze_embeddings", False)),
+            name=name,
+        )
     if device_memory is None:
         found = detected_device_memory()
-        mem, source = (found, "detected (cuda:0)") if found else (
-            parse_bytes(DEFAULT_DEVICE_MEMORY), f"assumed {DEFAULT_DEVICE_MEMORY} (no CUDA device here; set --device-memory)")
+        mem, source = (
+            (found, "detected (cuda:0)")
+            if found
+            else (
+                parse_bytes(DEFAULT_DEVICE_MEMORY),
+                f"assumed {DEFAULT_DEVICE_MEMORY} (no CUDA device here; set --device-memory)",
+            )
+        )
     else:
         mem, source = parse_bytes(device_memory), "given"
     seq = seq_len or getattr(model_cfg, "max_length", None) or cfg.preprocess.max_length
     return make_plan(
-        spec, devices=devices or train_cfg.num_workers, seq_len=seq, micro_batch=micro_batch or train_cfg.batch_size,
-        device_memory=mem, device_memory_source=source, device_type="cuda" if train_cfg.use_gpu else "cpu",
-        precision=precision, attention=attention, config_strategy=train_cfg.strategy,
+        spec,
+        devices=devices or train_cfg.num_workers,
+        seq_len=seq,
+        micro_batch=micro_batch or train_cfg.batch_size,
+        device_memory=mem,
+        device_memory_source=source,
+        device_type="cuda" if train_cfg.use_gpu else "cpu",
+        precision=precision,
+        attention=attention,
+        config_strategy=train_cfg.strategy,
         checkpointing=checkpointing or bool(getattr(train_cfg, "activation_checkpointing", False)),
         accumulation=getattr(train_cfg, "grad_accum_steps", 1) > 1,
     )
@@ -595,27 +758,57 @@ def format_plan(plan: Plan) -> str:
     m = lambda n: f"{n / 1e6:.1f}M"  # noqa: E731
     lines = [
         f"model      {sp.name}: {m(sp.params)} params ({m(sp.trainable)} trainable), h={sp.hidden} L={sp.layers} "
-        f"a={sp.heads} V={sp.vocab} i={sp.intermediate}; largest block {m(sp.block_params)}, outside blocks {m(sp.root_params)}",
-        f"setup      {plan.devices} device(s) ({plan.device_type}), seq_len {plan.seq_len}, micro-batch {plan.micro_batch} "
+        f"a={sp.heads} V={sp.vocab} i={sp.intermediate}; largest block {m(sp.block_params)}, "
+        f"outside blocks {m(sp.root_params)}",
+        f"setup      {plan.devices} device(s) ({plan.device_type}), seq_len {plan.seq_len}, "
+        f"micro-batch {plan.micro_batch} "
         f"per device, attention {plan.attention}, activation checkpointing {'on' if plan.checkpointing else 'off'}, "
         f"gradient accumulation {'on' if plan.estimates['ddp'].accumulation else 'off'}",
         f"memory     {g(plan.device_memory)} GiB per device, {plan.device_memory_source}; usable {g(plan.usable)} GiB "
-        f"after the safety margin ({FRAGMENTATION_MARGIN:.0%} fragmentation/overhead + {RESERVED_BYTES / GiB:.0f} GiB reserved)",
+        f"after the safety margin ({FRAGMENTATION_MARGIN:.0%} fragmentation/overhead "
+        f"+ {RESERVED_BYTES / GiB:.0f} GiB reserved)",
         "",
     ]
-    header = ["GiB/device", "precision", "model", "grads", "optimizer", "activations", "buffers", "step temp",
-              "peak", "sum", "fits", "max micro-batch"]
+    header = [
+        "GiB/device",
+        "precision",
+        "model",
+        "grads",
+        "optimizer",
+        "activations",
+        "buffers",
+        "step temp",
+        "peak",
+        "sum",
+        "fits",
+        "max micro-batch",
+    ]
     rows = [header]
     for k, e in plan.estimates.items():
-        rows.append([k, e.precision, g(e.model), g(e.gradients), g(e.optimizer), g(e.activations), g(e.buffers),
-                     g(e.temporaries), g(e.total), g(e.upper_bound), "yes" if e.total <= plan.usable else "NO",
-                     str(plan.max_micro_batch[k])])
+        rows.append(
+            [
+                k,
+                e.precision,
+                g(e.model),
+                g(e.gradients),
+                g(e.optimizer),
+                g(e.activations),
+                g(e.buffers),
+                g(e.temporaries),
+                g(e.total),
+                g(e.upper_bound),
+                "yes" if e.total <= plan.usable else "NO",
+                str(plan.max_micro_batch[k]),
+            ]
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     for r in rows:
         lines.append("  ".join(v.ljust(w) if c < 2 else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))).rstrip())
     lines += ["", f"recommended: {plan.recommended or 'none fits'} — {plan.reason}"]
     lines += [f"note: {n}" for n in plan.notes]
-    lines.append("peak = params + optimizer state + the largest of (activations + forward buffers | gradients + "
-                 "step temporaries | gradients + end-of-backward buffers); sum = every column at once. "
-                 "Formulas and assumptions: workflows/train/planner.py")
+    lines.append(
+        "peak = params + optimizer state + the largest of (activations + forward buffers | gradients + "
+        "step temporaries | gradients + end-of-backward buffers); sum = every column at once. "
+        "Formulas and assumptions: workflows/train/planner.py"
+    )
     return "\n".join(lines)

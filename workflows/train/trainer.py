@@ -145,8 +145,11 @@ def record_throughput(run: str, metrics: dict) -> None:
 
     for name, key in (("samples_per_second", "samples_per_s"), ("tokens_per_second", "tokens_per_s")):
         if name not in _GAUGES:  # one Gauge per process: Ray metrics register by name
-            _GAUGES[name] = ray_metrics.Gauge(f"workflows_train_{name}", description=f"training throughput, {name.replace('_per_', '/')}",
-                                              tag_keys=("run",))
+            _GAUGES[name] = ray_metrics.Gauge(
+                f"workflows_train_{name}",
+                description=f"training throughput, {name.replace('_per_', '/')}",
+                tag_keys=("run",),
+            )
         _GAUGES[name].set(float(metrics[key]), tags={"run": run})
 
 
@@ -182,8 +185,9 @@ def packed(ds, seq_len: int):
     """Token rows -> blocks of `seq_len` tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
     from workflows.train.lm import PACK_ROWS, pack_batch
 
-    return ds.map_batches(pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=PACK_ROWS,
-                          num_cpus=0)
+    return ds.map_batches(
+        pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=PACK_ROWS, num_cpus=0
+    )
 
 
 def ingest_config():
@@ -215,8 +219,12 @@ def time_breakdown(history: list[dict], fit_started: float, fit_seconds: float) 
     if not history:
         return {}
     out = {"worker_group_start": max(0.0, history[0].get("worker_started_at", fit_started) - fit_started)}
-    for key, column in (("train_steps", "epoch_seconds"), ("data_wait", "data_wait_seconds"),
-                        ("validation", "val_seconds"), ("checkpoint", "checkpoint_seconds")):
+    for key, column in (
+        ("train_steps", "epoch_seconds"),
+        ("data_wait", "data_wait_seconds"),
+        ("validation", "val_seconds"),
+        ("checkpoint", "checkpoint_seconds"),
+    ):
         out[key] = sum(h.get(column) or 0.0 for h in history)
     accounted = out["worker_group_start"] + out["train_steps"] + out["validation"] + out["checkpoint"]
     out["other"] = max(0.0, fit_seconds - accounted)
@@ -235,7 +243,9 @@ def check_resources(num_workers: int, cpus_per_worker: float, use_gpu: bool, wha
             f"but the Ray cluster has {total.get('CPU', 0):g}; lower {what}.num_workers or cpus_per_worker"
         )
     if use_gpu and num_workers > total.get("GPU", 0):
-        raise UserError(f"{what} asks for {num_workers} GPU worker(s), but the Ray cluster has {total.get('GPU', 0):g} GPUs")
+        raise UserError(
+            f"{what} asks for {num_workers} GPU worker(s), but the Ray cluster has {total.get('GPU', 0):g} GPUs"
+        )
 
 
 def _runs_root(cfg: WorkflowConfig) -> str:
@@ -247,12 +257,20 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     any file its train_state.json lists (a crash during upload) is passed over."""
     fs, root = filesystem(_runs_root(cfg), ctx)
     try:
-        runs = sorted((p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith(prefix + "-")), reverse=True)
+        runs = sorted(
+            (p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith(prefix + "-")), reverse=True
+        )
     except FileNotFoundError:
         return None
     for run in runs:
-        checkpoints = sorted((e["name"] for e in fs.ls(run, detail=True) if e["type"] == "directory"
-                              and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")), reverse=True)
+        checkpoints = sorted(
+            (
+                e["name"]
+                for e in fs.ls(run, detail=True)
+                if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")
+            ),
+            reverse=True,
+        )
         for c in checkpoints:
             listing = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(c, detail=True) if e["type"] == "file"}
             state = json.loads(fs.cat_file(f"{c}/{ckpt.STATE_FILE}")) if ckpt.STATE_FILE in listing else None
@@ -261,8 +279,16 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     return None
 
 
-def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *, run_prefix: str | None = None,
-        callbacks: list | None = None, resume: bool = False, check: bool = True) -> TrainOutcome:
+def fit(
+    cfg: WorkflowConfig,
+    storage: StorageContext,
+    data: ProcessedDataset,
+    *,
+    run_prefix: str | None = None,
+    callbacks: list | None = None,
+    resume: bool = False,
+    check: bool = True,
+) -> TrainOutcome:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -289,8 +315,10 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
         train_ds, val_ds = (packed(ds, cfg.model.lm.seq_len) for ds in (train_ds, val_ds))
         train_rows = train_ds.count()
         if train_rows < tc.num_workers:
-            raise UserError(f"causal LM: {train_rows} block(s) of {cfg.model.lm.seq_len} tokens for "
-                            f"{tc.num_workers} workers; lower model.lm.seq_len or bring more text")
+            raise UserError(
+                f"causal LM: {train_rows} block(s) of {cfg.model.lm.seq_len} tokens for "
+                f"{tc.num_workers} workers; lower model.lm.seq_len or bring more text"
+            )
     datasets = {"train": train_ds, "val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
@@ -303,21 +331,35 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
     run_uri = f"{_runs_root(cfg)}/{run_name}"
-    spec = {"cfg": cfg.model_dump(mode="json"), "labels": data.labels, "model_dir": model_dir,
-            "train_rows": train_rows, "pad_id": pad_id, "vocab_size": len(tokenizer), "run_uri": run_uri, "storage": storage, "resume_from": resume_from,
-            "fault": json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None}
+    spec = {
+        "cfg": cfg.model_dump(mode="json"),
+        "labels": data.labels,
+        "model_dir": model_dir,
+        "train_rows": train_rows,
+        "pad_id": pad_id,
+        "vocab_size": len(tokenizer),
+        "run_uri": run_uri,
+        "storage": storage,
+        "resume_from": resume_from,
+        "fault": json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None,
+    }
     trainer = TorchTrainer(
         worker_loop,
         train_loop_config=spec,
         torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker={"CPU": tc.cpus_per_worker},
+            num_workers=tc.num_workers,
+            use_gpu=tc.use_gpu,
+            resources_per_worker={"CPU": tc.cpus_per_worker},
         ),
         run_config=ray.train.RunConfig(
-            name=run_name, storage_path=runs_path, storage_filesystem=pa_fs,
+            name=run_name,
+            storage_path=runs_path,
+            storage_filesystem=pa_fs,
             checkpoint_config=ray.train.CheckpointConfig(
                 # without a score attribute Ray keeps the most recent checkpoints
-                num_to_keep=tc.num_to_keep, checkpoint_score_order=mode,
+                num_to_keep=tc.num_to_keep,
+                checkpoint_score_order=mode,
                 checkpoint_score_attribute=metric if tc.checkpoint_select == "best" else None,
             ),
             failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
@@ -335,7 +377,11 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     history_uri = f"{run_uri}/history.json"
     history = read_json(history_uri, storage) if exists(history_uri, storage) else []
     return TrainOutcome(
-        run_name=run_name, run_uri=run_uri, best_checkpoint_uri=with_protocol(cfg.storage.root, best.path),
-        best_metrics=dict(best_metrics), history=history, seconds=fit_seconds,
+        run_name=run_name,
+        run_uri=run_uri,
+        best_checkpoint_uri=with_protocol(cfg.storage.root, best.path),
+        best_metrics=dict(best_metrics),
+        history=history,
+        seconds=fit_seconds,
         breakdown=time_breakdown([h for h in history if h.get("worker_started_at", 0) >= t0], t0, fit_seconds),
     )
