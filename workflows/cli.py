@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -14,6 +13,7 @@ import typer
 
 from workflows import console
 from workflows.errors import find_user_error
+from workflows.storage.atomic import atomic_write
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ray-based ML workflows: object storage -> Ray Data -> Ray Train/Tune -> Ray Serve.")
@@ -141,9 +141,7 @@ def evaluate(
         result = {"model": model, "data": data, "precision": rt.cfg.serve.precision, **metrics}
         if output:
             output.parent.mkdir(parents=True, exist_ok=True)
-            tmp = output.with_name(output.name + ".tmp")
-            tmp.write_text(json.dumps(result, indent=2))
-            os.replace(tmp, output)
+            atomic_write(output, json.dumps(result, indent=2))
             console.say(f"evaluate: metrics written to {output}")
         rt.write_summary("evaluate", result)
 
@@ -211,9 +209,7 @@ def serve(
 
             doc = serve_config(_load(config, set), config, set or [], model)
             emit_config.parent.mkdir(parents=True, exist_ok=True)
-            tmp = emit_config.with_name(emit_config.name + ".tmp")
-            tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
-            os.replace(tmp, emit_config)
+            atomic_write(emit_config, yaml.safe_dump(doc, sort_keys=False))
             typer.echo(
                 f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}"
             )

@@ -14,6 +14,7 @@ from typing import Any
 
 from workflows.config import WorkflowConfig, dump_config
 from workflows.console import console, say, warn  # noqa: F401  (say is imported from here by the stages)
+from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext, check_bucket, protocol_of
 
@@ -62,9 +63,7 @@ class Runtime:
             **summary,
             "config": dump_config(self.cfg),
         }
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(body, indent=2, sort_keys=True, default=str))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(body, indent=2, sort_keys=True, default=str))
         say(f"{stage} summary written to {path}")
         return path
 

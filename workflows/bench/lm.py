@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from workflows.storage.atomic import atomic_write
+
 GOAL_MFU = 0.50
 GPU_DEFAULTS = {"size": "gpt2-124m", "seq_len": 1024, "micro_batch": 16, "steps": 30, "warmup": 5}
 # No GPU: a size a 2-core machine steps through in a minute, to show the path runs end to end
@@ -139,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(line, flush=True)
         if args.output:
-            tmp = Path(args.output + ".tmp")
-            tmp.write_text(json.dumps(result, indent=2))
-            os.replace(tmp, args.output)
+            atomic_write(args.output, json.dumps(result, indent=2))
     return 0
 
 

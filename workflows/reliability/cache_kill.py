@@ -29,6 +29,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from workflows.reliability import make_row
+from workflows.storage.atomic import atomic_write
 from workflows.storage.cache import ShardCache, _uri_prefix
 from workflows.storage.uri import StorageContext, filesystem
 
@@ -87,10 +88,7 @@ def _child_fetch(directory: str, ctx: StorageContext, uri: str, version, size, d
     SlowLocalFileSystem.delay_s = delay
     path = ShardCache(directory, ctx, chunk_size=CHUNK).fetch(uri, version, size)
     if out:
-        tmp = f"{out}.tmp"
-        with open(tmp, "w") as f:
-            f.write(sha_file(path))
-        os.replace(tmp, out)
+        atomic_write(out, sha_file(path))
 
 
 def cache_download_kill(workdir: Path, seed: int = 0, local_kills: int = 14, s3_kills: int = 6) -> dict:

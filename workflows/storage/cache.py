@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, filesystem, reaching
 
 log = logging.getLogger(__name__)
@@ -397,12 +398,7 @@ class ShardCache:
             return None
 
     def _atomic_write(self, path: Path, data: bytes) -> None:
-        tmp = self._tmp_path(path.stem, "meta")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
+        atomic_write(path, data, tmp=self._tmp_path(path.stem, "meta"), fsync=True)
 
     def _lock(self, name: str, op: int) -> int:
         """An fd holding flock `op` on the entry's lock file.

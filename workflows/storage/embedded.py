@@ -29,21 +29,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import EMBEDDED_KEY, StorageContext
 
 log = logging.getLogger(__name__)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _atomic_write(path: Path, data: bytes | Callable[[Path], object]) -> None:
+    # a hidden, unique temp name beside the target (the store's files are listed by name)
+    atomic_write(path, data, tmp=path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}"), fsync=True)
 
 
 class EmbeddedS3:
@@ -187,11 +185,8 @@ class EmbeddedS3:
                         continue
                     name = hashlib.sha256(ident.encode()).hexdigest()
                     target = self.data_dir / "objects" / name
-                    tmp = target.with_name(f".{name}.tmp-{uuid.uuid4().hex}")
-                    client.download_file(bucket, obj["Key"], str(tmp))  # streamed, not held in memory
-                    with open(tmp, "rb+") as f:
-                        os.fsync(f.fileno())
-                    os.replace(tmp, target)
+                    # streamed, not held in memory
+                    _atomic_write(target, lambda tmp: client.download_file(bucket, obj["Key"], str(tmp)))
                     seen[ident] = {
                         "bucket": bucket,
                         "key": obj["Key"],

@@ -19,6 +19,7 @@ import fsspec
 import pyarrow.fs as pafs
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
 
 EMBEDDED_KEY = "embedded"  # moto accepts any key; these are not secrets
 
@@ -155,12 +156,7 @@ def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
     fs, path = filesystem(uri, ctx)
     if protocol_of(uri) == "file":
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, data, tmp=f"{path}.tmp-{uuid.uuid4().hex}", fsync=True)
     else:
         with reaching(uri, ctx), fs.open(path, "wb") as f:
             f.write(data)

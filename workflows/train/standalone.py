@@ -34,6 +34,7 @@ from workflows.config import WorkflowConfig, load_config
 from workflows.errors import UserError
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
+from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, epoch_line, run_epochs
@@ -299,9 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             out = Path(args.output or Path(cfg.output_dir) / cfg.name / "standalone.json")
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(out.name + ".tmp")
-            tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
-            os.replace(tmp, out)
+            atomic_write(out, json.dumps(summary, indent=2, sort_keys=True))
             print(f"standalone: summary written to {out}", file=sys.stderr, flush=True)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
