@@ -388,8 +388,6 @@ def test_rayservice_builder_builds_the_configured_deployments():
 
     import workflows.serve.app as serve_app
 
-    if not hasattr(serve_app, "build_app"):
-        pytest.skip("workflows.serve.app:build_app (the RayService import_path) does not exist yet")
     (app_cfg,) = serve_config()["applications"]
     args = dict(app_cfg["args"], config=str(repo_path(app_cfg["args"]["config"])))
     app = call_user_app_builder_with_args_if_necessary(serve_app.build_app, args)

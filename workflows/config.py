@@ -299,7 +299,6 @@ class ServeConfig(Strict):
     )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
-    keep_running: bool = Field(False, description="`workflows serve` blocks until Ctrl-C")
 
 
 class WorkflowConfig(Strict):

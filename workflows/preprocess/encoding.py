@@ -70,9 +70,6 @@ class TextEncoder:
         out = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         return out["input_ids"]
 
-    def encode_rows(self, columns: Mapping[str, Sequence[object]]) -> list[list[int]]:
-        return self.encode_texts(compose_texts(columns, self.text_columns))
-
 
 def pad_batch(ids: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Pad token id lists to the longest in the batch: (input_ids, attention_mask) as int64."""

@@ -131,8 +131,6 @@ class ShardCache:
         finally:
             os.close(fd)  # drops the shared flock: the pin
 
-    reading = open_local
-
     def verify(self, uri: str) -> bool:
         """Re-hash the cached copy of `uri`'s current version against its sidecar.
 
