@@ -358,8 +358,9 @@ def _rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 16) -> d
     cfg.storage.root = f"{rt.cfg.storage.root.rstrip('/')}/bench-rollout"
     cfg.serve.max_batch_size, cfg.serve.num_replicas, cfg.serve.autoscaling = 32, 2, None
     cfg.serve.auth_token_env = None
-    local, meta = registry.fetch(rt.cfg, rt.storage, spec)
-    lineage = {k: v for k, v in meta.items() if k not in ("name", "version", "artifact_id", "registered_at")}
+    local, card = registry.fetch(rt.cfg, rt.storage, spec)
+    registered = {"name", "version", "artifact_id", "registered_at"}  # register sets them anew
+    lineage = card.model_dump(mode="json", exclude_unset=True, exclude=registered)
     old, new = (registry.register(cfg, rt.storage, local, "rollout", {**lineage, "copy_of": spec}) for _ in range(2))
     try:
         url = deploy(cfg, f"rollout:{old.version}", name="bench")

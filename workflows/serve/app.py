@@ -122,12 +122,12 @@ class ModelServer:
         self.cfg = WorkflowConfig.model_validate(cfg)
         storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
-        self.meta = registry.describe(self.cfg, storage, model_spec)  # with evaluation metrics
+        self.card = registry.model_card(self.cfg, storage, model_spec)  # with evaluation metrics
         self.predictor = Predictor(
             model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)), precision=self.cfg.serve.precision
         )
         self.token = bearer_token(self.cfg.serve)
-        self.instance = instance_model(self.meta["text_columns"])
+        self.instance = instance_model(self.card.text_columns)
         self.max_instances = self.cfg.serve.max_instances
         self._predict_batch.set_max_batch_size(self.cfg.serve.max_batch_size)
         self._predict_batch.set_batch_wait_timeout_s(self.cfg.serve.batch_wait_timeout_s)
@@ -178,20 +178,20 @@ class ModelServer:
                 where = ".".join(str(p) for p in err["loc"])
                 return _error(422, f"instances[{i}]{'.' + where if where else ''}: {err['msg']}")
         predictions = await asyncio.gather(*(self._predict_batch(r) for r in rows))
-        return {"predictions": predictions, "model": self.meta["name"], "version": self.meta["version"]}
+        return {"predictions": predictions, "model": self.card.name, "version": self.card.version}
 
     @api.get("/healthz")
     async def healthz(self):
-        return {"status": "ok", "model": self.meta["name"], "version": self.meta["version"]}
+        return {"status": "ok", "model": self.card.name, "version": self.card.version}
 
     @api.get("/v1/models/{name}")
     async def model_info(self, name: str, request: Request):
         if (denied := self._denied(request)) is not None:
             return denied
-        if name != self.meta["name"]:
+        if name != self.card.name:
             raise HTTPException(status_code=404, detail=f"model {name!r} is not served here")
         keep = ("name", "version", "labels", "text_columns", "metrics", "lineage", "registered_at")
-        return {k: self.meta.get(k) for k in keep}
+        return {k: getattr(self.card, k) for k in keep}
 
 
 def deployment_options(sc) -> dict:
