@@ -63,7 +63,23 @@ def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: 
     return max(checkpoints, key=lambda cm: (sign * cm[1][metric], -cm[1]["epoch"]))
 
 
-def worker_loop(spec: dict) -> None:
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every Ray Train worker gets from the driver (pickled, in `train_loop_config`)."""
+
+    cfg: dict[str, Any]  # the WorkflowConfig as JSON, validated again in the worker
+    labels: list[str]
+    model_dir: str
+    train_rows: int  # rows (or causal-LM blocks) per epoch, after train.max_train_rows
+    pad_id: int
+    vocab_size: int
+    run_uri: str
+    storage: StorageContext
+    resume_from: str | None = None  # `--resume`: an earlier run's checkpoint
+    fault: dict | None = None  # tests only: $WORKFLOWS_TRAIN_FAULT read in the driver (fault_hook)
+
+
+def worker_loop(config: dict[str, WorkerSpec]) -> None:
     """Runs on every Ray Train worker: loop.run_epochs fed by the worker's Ray Data shards.
 
     After a worker failure Ray Train restarts the group and `get_checkpoint()` returns the last
@@ -73,7 +89,8 @@ def worker_loop(spec: dict) -> None:
     import ray.train.torch
 
     started_at = time.time()
-    cfg = WorkflowConfig.model_validate(spec["cfg"])
+    spec = config["spec"]  # Ray Train hands the train function a dict
+    cfg = WorkflowConfig.model_validate(spec.cfg)
     tc = cfg.train
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -82,19 +99,19 @@ def worker_loop(spec: dict) -> None:
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
-    to_batch = _collate(cfg.model.task, spec["pad_id"])
+    to_batch = _collate(cfg.model.task, spec.pad_id)
 
     # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
     # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and spec.get("resume_from"):
-        fs, path = pyarrow_filesystem(spec["resume_from"], spec["storage"])
+    if checkpoint is None and spec.resume_from:
+        fs, path = pyarrow_filesystem(spec.resume_from, spec.storage)
         checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
     probe_batches = None
     if checkpoint is None and tc.head_init == "linear_probe":
         probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
-    model, optimizer, scheduler = build_training(cfg, spec["model_dir"], spec["labels"], device, spec["train_rows"],
-                                                 spec["vocab_size"], probe_batches)
+    model, optimizer, scheduler = build_training(cfg, spec.model_dir, spec.labels, device, spec.train_rows,
+                                                 spec.vocab_size, probe_batches)
     start_epoch, history, resumed_from = 0, [], None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -123,17 +140,17 @@ def worker_loop(spec: dict) -> None:
         # checkpoint's save and upload
         history[-1].update(worker_started_at=started_at, checkpoint_seconds=time.perf_counter() - t0)
         if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
-            write_json(f"{spec['run_uri']}/history.json", history, spec["storage"])
-            record_throughput(spec["run_uri"].rsplit("/", 1)[-1], metrics)
+            write_json(f"{spec.run_uri}/history.json", history, spec.storage)
+            record_throughput(spec.run_uri.rsplit("/", 1)[-1], metrics)
 
     if checkpoint is not None and start_epoch >= tc.epochs:
         # a finished run resumed (or a restart after the last report): nothing left to train,
         # report its final state again so that this run has a result and a checkpoint
         end_of_epoch(resumed_from, saved["metrics"], history)
         return
-    run_epochs(cfg, model, optimizer, scheduler, device, len(spec["labels"]), start_epoch=start_epoch,
+    run_epochs(cfg, model, optimizer, scheduler, device, len(spec.labels), start_epoch=start_epoch,
                history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
-               resumed_from_epoch=resumed_from, on_step=fault_hook(spec.get("fault"), rank))
+               resumed_from_epoch=resumed_from, on_step=fault_hook(spec.fault, rank))
 
 
 _GAUGES: dict = {}
@@ -331,21 +348,21 @@ def fit(
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
     run_uri = f"{_runs_root(cfg)}/{run_name}"
-    spec = {
-        "cfg": cfg.model_dump(mode="json"),
-        "labels": data.labels,
-        "model_dir": model_dir,
-        "train_rows": train_rows,
-        "pad_id": pad_id,
-        "vocab_size": len(tokenizer),
-        "run_uri": run_uri,
-        "storage": storage,
-        "resume_from": resume_from,
-        "fault": json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None,
-    }
+    spec = WorkerSpec(
+        cfg=cfg.model_dump(mode="json"),
+        labels=data.labels,
+        model_dir=model_dir,
+        train_rows=train_rows,
+        pad_id=pad_id,
+        vocab_size=len(tokenizer),
+        run_uri=run_uri,
+        storage=storage,
+        resume_from=resume_from,
+        fault=json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None,
+    )
     trainer = TorchTrainer(
         worker_loop,
-        train_loop_config=spec,
+        train_loop_config={"spec": spec},
         torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=tc.num_workers,
