@@ -51,3 +51,8 @@ def test_registry_writes_and_reads_cards(tmp_path):
     registry.write_evaluation(cfg, ctx, ref, {"weighted": {"f1": 0.9}})
     assert registry.model_card(cfg, ctx, "m:1").metrics == {"weighted": {"f1": 0.9}}
     assert registry.describe(cfg, ctx, "m") == {**stored, "metrics": {"weighted": {"f1": 0.9}}}
+
+
+def test_metrics_are_written_as_json_dumps_writes_them():
+    card = ModelCard.model_validate({**META, "val_metrics": {"val_loss": float("nan")}})
+    assert json.dumps(card.to_dict()) == json.dumps({**META, "val_metrics": {"val_loss": float("nan")}})

@@ -39,5 +39,6 @@ class ModelCard(BaseModel):
             return cls.model_validate(json.load(f))
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object: the keys that were given, extras included, none added."""
-        return self.model_dump(mode="json", exclude_unset=True)
+        """The JSON object: the keys that were given, extras included, none added. Python mode:
+        values go to json.dumps as they came (JSON mode would turn a NaN metric into null)."""
+        return self.model_dump(exclude_unset=True)

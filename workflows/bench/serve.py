@@ -360,7 +360,7 @@ def _rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 16) -> d
     cfg.serve.auth_token_env = None
     local, card = registry.fetch(rt.cfg, rt.storage, spec)
     registered = {"name", "version", "artifact_id", "registered_at"}  # register sets them anew
-    lineage = card.model_dump(mode="json", exclude_unset=True, exclude=registered)
+    lineage = card.model_dump(exclude_unset=True, exclude=registered)
     old, new = (registry.register(cfg, rt.storage, local, "rollout", {**lineage, "copy_of": spec}) for _ in range(2))
     try:
         url = deploy(cfg, f"rollout:{old.version}", name="bench")
