@@ -23,6 +23,7 @@ demo: install
 	$(BIN)/workflows pipeline --config configs/quickstart.yaml
 
 test: install
+	$(BIN)/ruff check workflows tests
 	$(BIN)/python -m pytest
 
 test-fast: install

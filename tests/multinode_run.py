@@ -45,9 +45,13 @@ with runtime(cfg) as rt, rt.cache_counts() as single:
 out["single_shard_reads"] = single
 cached = {name: [json.loads(p.read_text())["uri"] for p in (tmp / f"cache-{name}" / "shards").glob("*.json")]
           for name in ("head", "worker")}
-out["placement"] = {uri.rsplit("/", 1)[-1]: {"owner": owner[uri], "cached_on": sorted(n for n, us in cached.items() if uri in us)}
-                    for uri in owner}
-out["cached_files"] = {name: len(list((tmp / f"cache-{name}" / "shards").glob("*.data"))) for name in ("head", "worker")}
+out["placement"] = {
+    uri.rsplit("/", 1)[-1]: {"owner": owner[uri], "cached_on": sorted(n for n, us in cached.items() if uri in us)}
+    for uri in owner
+}
+out["cached_files"] = {
+    name: len(list((tmp / f"cache-{name}" / "shards").glob("*.data"))) for name in ("head", "worker")
+}
 print("RESULT " + json.dumps(out))
 ray.shutdown()
 cluster.shutdown()

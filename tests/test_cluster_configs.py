@@ -30,7 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "cluster"
 KUBERAY = CLUSTER / "kuberay"
 CRD_DIR = ROOT.parent / "shared" / "schemas" / "kuberay"
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayService": "ray.io_rayservices.yaml"}
+CRD_FILES = {
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+}
 MANIFESTS = sorted(KUBERAY.glob("*.yaml"))
 LAUNCHER = CLUSTER / "launcher" / "aws-gpu.yaml"
 RUNTIME_ENV = CLUSTER / "runtime-env.yaml"
@@ -78,20 +82,26 @@ def strict_schema(node):
     out = {k: strict_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
     if node.get("x-kubernetes-int-or-string") and "anyOf" not in out:
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     if out.pop("nullable", False) and isinstance(out.get("type"), str):
         out["type"] = [out["type"], "null"]
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def crd_schema(kind: str) -> tuple[dict, dict]:
     """(strict JSON schema, original openAPIV3Schema) of the served storage version of `kind`."""
     path = CRD_DIR / CRD_FILES[kind]
     if not path.is_file():
-        pytest.skip(f"KubeRay CRD schemas not found at {CRD_DIR} (expected {', '.join(CRD_FILES.values())}): "
-                    "the manifests cannot be validated here")
+        pytest.skip(
+            f"KubeRay CRD schemas not found at {CRD_DIR} (expected {', '.join(CRD_FILES.values())}): "
+            "the manifests cannot be validated here"
+        )
     crd = yaml.load(path.read_text(), Loader=Loader)
     assert crd["spec"]["names"]["kind"] == kind, path
     version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
@@ -137,12 +147,14 @@ def crd_errors(doc: dict) -> list[str]:
         return [f"kind {kind!r} is not one of {sorted(CRD_FILES)}"]
     schema, raw = crd_schema(kind)
     validator = jsonschema.Draft4Validator(schema)
-    errors = [f"{'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
-              for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+    errors = [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    ]
     return errors + list_map_errors(raw, doc)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def manifest(name: str) -> list[dict]:
     return load_docs(KUBERAY / name)
 
@@ -152,8 +164,11 @@ def all_docs():
 
 
 def cluster_spec(doc: dict) -> dict:
-    return {"RayCluster": lambda s: s, "RayJob": lambda s: s["rayClusterSpec"],
-            "RayService": lambda s: s["rayClusterConfig"]}[doc["kind"]](doc["spec"])
+    return {
+        "RayCluster": lambda s: s,
+        "RayJob": lambda s: s["rayClusterSpec"],
+        "RayService": lambda s: s["rayClusterConfig"],
+    }[doc["kind"]](doc["spec"])
 
 
 def groups(doc: dict) -> list[tuple[str, dict]]:
@@ -162,7 +177,12 @@ def groups(doc: dict) -> list[tuple[str, dict]]:
 
 
 def test_the_manifests_exist():
-    assert {p.name for p in MANIFESTS} >= {"raycluster.yaml", "rayjob-pipeline.yaml", "rayjob-train.yaml", "rayservice.yaml"}
+    assert {p.name for p in MANIFESTS} >= {
+        "raycluster.yaml",
+        "rayjob-pipeline.yaml",
+        "rayjob-train.yaml",
+        "rayservice.yaml",
+    }
     kinds = sorted(doc["kind"] for _, _, doc in all_docs())
     assert kinds == ["RayCluster", "RayJob", "RayJob", "RayService"]
 
@@ -178,17 +198,36 @@ def _rename_key(d: dict, old: str, new: str) -> None:
     d[new] = d.pop(old)
 
 
-@pytest.mark.parametrize("mutate, where", [
-    (lambda m: _rename_key(m["spec"], "rayVersion", "rayVerison"), "rayVerison"),
-    (lambda m: _rename_key(m["spec"]["workerGroupSpecs"][0], "rayStartParams", "rayStartParam"), "rayStartParam"),
-    (lambda m: _rename_key(m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"][0],
-                           "mountPath", "mountpath"), "mountpath"),
-    (lambda m: _rename_key(m["spec"]["workerGroupSpecs"][0]["template"]["metadata"], "annotations", "anotations"), "anotations"),
-    (lambda m: m["spec"]["authOptions"].update(mode="tokens"), "tokens"),
-    (lambda m: m["spec"]["workerGroupSpecs"][0].update(replicas="two"), "two"),
-    (lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
-        {"name": "WORKFLOWS_CACHE_DIR", "value": "/tmp"}), "duplicate entry"),
-], ids=["spec-field", "worker-group-field", "container-field", "pod-metadata-field", "enum", "type", "duplicate-env"])
+@pytest.mark.parametrize(
+    "mutate, where",
+    [
+        (lambda m: _rename_key(m["spec"], "rayVersion", "rayVerison"), "rayVerison"),
+        (lambda m: _rename_key(m["spec"]["workerGroupSpecs"][0], "rayStartParams", "rayStartParam"), "rayStartParam"),
+        (
+            lambda m: _rename_key(
+                m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"][0],
+                "mountPath",
+                "mountpath",
+            ),
+            "mountpath",
+        ),
+        (
+            lambda m: _rename_key(
+                m["spec"]["workerGroupSpecs"][0]["template"]["metadata"], "annotations", "anotations"
+            ),
+            "anotations",
+        ),
+        (lambda m: m["spec"]["authOptions"].update(mode="tokens"), "tokens"),
+        (lambda m: m["spec"]["workerGroupSpecs"][0].update(replicas="two"), "two"),
+        (
+            lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
+                {"name": "WORKFLOWS_CACHE_DIR", "value": "/tmp"}
+            ),
+            "duplicate entry",
+        ),
+    ],
+    ids=["spec-field", "worker-group-field", "container-field", "pod-metadata-field", "enum", "type", "duplicate-env"],
+)
 def test_a_typo_in_a_manifest_is_caught(mutate, where):
     """The validation is strict: a misspelt field name deep in a pod template, a wrong enum
     value or type, a duplicated env var each fail (the real manifest passes, see above)."""
@@ -208,6 +247,7 @@ def test_a_typo_inside_the_rayjob_cluster_spec_is_caught():
 
 
 # --- what every Ray pod must have -------------------------------------------------------------
+
 
 def env_of(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
@@ -235,8 +275,9 @@ def test_every_ray_pod_has_nvme_cache_spilling_secrets_auth_and_metrics(name):
             nvme_mounts = [m for m in ray_container.get("volumeMounts", []) if m["mountPath"] == NVME]
             assert nvme_mounts, f"{where}: {NVME} is not mounted"
             vol = volumes[nvme_mounts[0]["name"]]
-            assert vol.get("hostPath", {}).get("path") or vol.get("persistentVolumeClaim") or vol.get("ephemeral"), \
+            assert vol.get("hostPath", {}).get("path") or vol.get("persistentVolumeClaim") or vol.get("ephemeral"), (
                 f"{where}: {NVME} must be the node's local disk (hostPath or a local PV)"
+            )
 
             env = env_of(ray_container)
             assert env.get("WORKFLOWS_CACHE_DIR", {}).get("value") == CACHE_DIR, f"{where}: WORKFLOWS_CACHE_DIR"
@@ -246,19 +287,29 @@ def test_every_ray_pod_has_nvme_cache_spilling_secrets_auth_and_metrics(name):
 
             limits = ray_container.get("resources", {}).get("limits", {})
             if group == "head":
-                assert "nvidia.com/gpu" not in limits and params.get("num-cpus") == "0", f"{where}: a CPU head without tasks"
-            assert ray_container["image"] == manifest("raycluster.yaml")[0]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+                assert "nvidia.com/gpu" not in limits and params.get("num-cpus") == "0", (
+                    f"{where}: a CPU head without tasks"
+                )
+            assert (
+                ray_container["image"]
+                == manifest("raycluster.yaml")[0]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+            )
 
 
 @pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob-pipeline.yaml", "rayjob-train.yaml"])
 def test_training_clusters_have_a_gpu_worker_group(name):
     doc = manifest(name)[0]
-    gpu_groups = [g for _, g in groups(doc)[1:]
-                  if int(g["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) > 0]
+    gpu_groups = [
+        g
+        for _, g in groups(doc)[1:]
+        if int(g["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+        > 0
+    ]
     assert gpu_groups, f"{name}: no worker group with nvidia.com/gpu limits"
 
 
 # --- the commands and configs the manifests run ------------------------------------------------
+
 
 def parse_workflows_command(argv: list[str]) -> tuple[str, str, list[str]]:
     """`python -m workflows STAGE --config FILE --set K=V ...` -> (stage, config, overrides)."""
@@ -279,14 +330,16 @@ def parse_workflows_command(argv: list[str]) -> tuple[str, str, list[str]]:
 
 def repo_path(path_in_image: str) -> Path:
     assert path_in_image.startswith(APP_DIR + "/"), f"{path_in_image}: configs live in the image under {APP_DIR}"
-    return ROOT / path_in_image[len(APP_DIR) + 1:]
+    return ROOT / path_in_image[len(APP_DIR) + 1 :]
 
 
 def check_cluster_config(config: str, overrides: list[str]):
     from workflows.config import load_config
 
     cfg = load_config(repo_path(config), overrides)  # raises on an unknown key or a bad value
-    assert not cfg.storage.embedded.enabled, "the embedded S3 endpoint lives on the driver's 127.0.0.1: off on a cluster"
+    assert not cfg.storage.embedded.enabled, (
+        "the embedded S3 endpoint lives on the driver's 127.0.0.1: off on a cluster"
+    )
     assert cfg.storage.root.startswith("s3://") and cfg.cache.dir == "auto"
     return cfg
 
@@ -331,11 +384,10 @@ def test_rayservice_serve_config_is_a_valid_ray_serve_config():
 def test_rayservice_builder_builds_the_configured_deployments():
     """The builder named by import_path takes the manifest's args and returns an Application
     with the deployments the config names (binding only: no Ray, no model download)."""
-    import workflows.serve.app as serve_app
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
-    if not hasattr(serve_app, "build_app"):
-        pytest.skip("workflows.serve.app:build_app (the RayService import_path) does not exist yet")
+    import workflows.serve.app as serve_app
+
     (app_cfg,) = serve_config()["applications"]
     args = dict(app_cfg["args"], config=str(repo_path(app_cfg["args"]["config"])))
     app = call_user_app_builder_with_args_if_necessary(serve_app.build_app, args)
@@ -343,6 +395,7 @@ def test_rayservice_builder_builds_the_configured_deployments():
 
 
 # --- credentials -------------------------------------------------------------------------------
+
 
 def inline_secrets(node, path="") -> list[str]:
     found = []
@@ -364,7 +417,9 @@ CREDENTIAL_PATTERNS = [
 ]
 
 
-@pytest.mark.parametrize("path", sorted(p for p in CLUSTER.rglob("*") if p.is_file()), ids=lambda p: str(p.relative_to(CLUSTER)))
+@pytest.mark.parametrize(
+    "path", sorted(p for p in CLUSTER.rglob("*") if p.is_file()), ids=lambda p: str(p.relative_to(CLUSTER))
+)
 def test_no_inline_credentials(path):
     text = path.read_text()
     for pattern in CREDENTIAL_PATTERNS:
@@ -387,6 +442,7 @@ def test_an_inline_secret_would_be_caught():
 
 # --- the cluster launcher -----------------------------------------------------------------------
 
+
 def test_launcher_config_passes_rays_schema():
     import ray.autoscaler
     from ray.autoscaler._private.util import prepare_config, validate_config
@@ -403,14 +459,22 @@ def test_launcher_mounts_nvme_installs_the_project_and_enables_auth():
     types = cfg["available_node_types"]
     head = types[cfg["head_node_type"]]
     assert head["resources"].get("CPU") == 0 and not head["node_config"]["InstanceType"].startswith(("g", "p"))
-    gpu_types = [t for n, t in types.items() if n != cfg["head_node_type"] and t["node_config"]["InstanceType"].startswith(("g5", "p4d", "p5"))]
+    gpu_types = [
+        t
+        for n, t in types.items()
+        if n != cfg["head_node_type"] and t["node_config"]["InstanceType"].startswith(("g5", "p4d", "p5"))
+    ]
     assert gpu_types and any(t.get("max_workers", 0) > 0 for t in gpu_types)
     init = "\n".join(cfg["initialization_commands"])
     assert "mkfs" in init and f"mount -o noatime $dev {NVME}" in init and "Instance Storage" in init
     docker = cfg["docker"]
     assert docker["image"].startswith("rayproject/ray:2.60.0-")
     run_opts = " ".join(docker["run_options"])
-    assert f"{NVME}:{NVME}" in run_opts and f"WORKFLOWS_CACHE_DIR={CACHE_DIR}" in run_opts and "RAY_AUTH_MODE=token" in run_opts
+    assert (
+        f"{NVME}:{NVME}" in run_opts
+        and f"WORKFLOWS_CACHE_DIR={CACHE_DIR}" in run_opts
+        and "RAY_AUTH_MODE=token" in run_opts
+    )
     assert "~/.ray/auth_token" in cfg["file_mounts"] and cfg["file_mounts"]["~/workflows"] == "."
     assert any("pip install" in c and "~/workflows" in c for c in cfg["setup_commands"])
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
@@ -420,6 +484,7 @@ def test_launcher_mounts_nvme_installs_the_project_and_enables_auth():
 
 # --- ray job submit's runtime env ---------------------------------------------------------------
 
+
 def test_runtime_env_uploads_code_and_excludes_data_venvs_caches():
     from ray._private.runtime_env.packaging import _get_excludes
     from ray.runtime_env import RuntimeEnv
@@ -428,16 +493,38 @@ def test_runtime_env_uploads_code_and_excludes_data_venvs_caches():
     RuntimeEnv(**raw)  # Ray's own validation of the fields
     assert raw["working_dir"] == "."
     excluded = _get_excludes(ROOT, raw["excludes"])
-    for path in (".git", ".git/HEAD", ".venv", ".venv/bin/python", "venv", ".workflows", ".workflows/s3/x",
-                 "data", "data/raw.csv", "benchmarks/results", "benchmarks/results/quickstart.json",
-                 "workflows/__pycache__", ".pytest_cache", "workflows.egg-info"):
+    for path in (
+        ".git",
+        ".git/HEAD",
+        ".venv",
+        ".venv/bin/python",
+        "venv",
+        ".workflows",
+        ".workflows/s3/x",
+        "data",
+        "data/raw.csv",
+        "benchmarks/results",
+        "benchmarks/results/quickstart.json",
+        "workflows/__pycache__",
+        ".pytest_cache",
+        "workflows.egg-info",
+    ):
         assert excluded(ROOT / path), f"{path} would be uploaded"
-    for path in ("workflows", "workflows/cli.py", "workflows/config.py", "configs/quickstart.yaml",
-                 "pyproject.toml", "docs/data", "docs/data/quickstart.md", "benchmarks"):
+    for path in (
+        "workflows",
+        "workflows/cli.py",
+        "workflows/config.py",
+        "configs/quickstart.yaml",
+        "pyproject.toml",
+        "docs/data",
+        "docs/data/quickstart.md",
+        "benchmarks",
+    ):
         assert not excluded(ROOT / path), f"{path} would not be uploaded"
 
 
 # --- the local multi-node scripts ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("script", ["start.sh", "stop.sh"])
 def test_local_cluster_scripts_are_valid_bash(script):
@@ -448,6 +535,13 @@ def test_local_cluster_scripts_are_valid_bash(script):
     text = path.read_text()
     assert "pkill" not in text and "killall" not in text and "ray stop" not in text.replace("`ray stop`", "")
     if script == "start.sh":
-        for needle in ("WORKFLOWS_CACHE_DIR=", "--temp-dir=", "--object-spilling-directory=", "--node-manager-port=",
-                       "--object-manager-port=", "--dashboard-agent-listen-port=", "--num-cpus="):
+        for needle in (
+            "WORKFLOWS_CACHE_DIR=",
+            "--temp-dir=",
+            "--object-spilling-directory=",
+            "--node-manager-port=",
+            "--object-manager-port=",
+            "--dashboard-agent-listen-port=",
+            "--num-cpus=",
+        ):
             assert needle in text, needle

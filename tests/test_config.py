@@ -21,7 +21,9 @@ def test_quickstart_config_loads():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(QUICKSTART, ["train.lr=3e-5", "train.epochs=5", "serve.enabled=false", "data.text_columns=[title, description]"])
+    cfg = load_config(
+        QUICKSTART, ["train.lr=3e-5", "train.epochs=5", "serve.enabled=false", "data.text_columns=[title, description]"]
+    )
     assert cfg.train.lr == pytest.approx(3e-5) and cfg.train.epochs == 5
     assert cfg.serve.enabled is False and cfg.data.text_columns == ["title", "description"]
 
@@ -89,11 +91,14 @@ def test_unknown_model_fails_before_ray_starts(tmp_path):
     sets = [a for s in store for a in ("--set", s)]
     # where a Ray instance started by the command would put its session (short: Ray's socket paths)
     ray_tmp = Path(tempfile.mkdtemp(prefix="wf-", dir="/tmp"))
-    for args in (["evaluate", "--model", "nope", "--data", str(data)],
-                 ["predict", "--model", "nope:3", "--data", str(data), "--output", "s3://workflows/out"],
-                 ["serve", "--model", "nope", "--no-block"]):
-        res = run_cli(*args, "--config", str(QUICKSTART), *sets, timeout=120,
-                      env={"RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""})
+    for args in (
+        ["evaluate", "--model", "nope", "--data", str(data)],
+        ["predict", "--model", "nope:3", "--data", str(data), "--output", "s3://workflows/out"],
+        ["serve", "--model", "nope", "--no-block"],
+    ):
+        res = run_cli(
+            *args, "--config", str(QUICKSTART), *sets, timeout=120, env={"RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""}
+        )
         assert res.returncode == 2, (args, res.stderr[-2000:])
         assert "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
         assert not list(ray_tmp.iterdir()), (args, list(ray_tmp.iterdir()))

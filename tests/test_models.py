@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from workflows.train.loop import make_optimizer
-from workflows.train.models import (POOLING_KEY, MeanPoolClassifier, check_linear_probe_head, load_classifier,
-                                     load_trained_classifier)
+from workflows.train.models import (
+    POOLING_KEY,
+    MeanPoolClassifier,
+    check_linear_probe_head,
+    load_classifier,
+    load_trained_classifier,
+)
 
 LABELS = ["a", "b", "c"]
 
@@ -72,7 +77,9 @@ def test_saved_artifact_reloads_with_its_pooling(base_dir, tmp_path, pooling):
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_head_lr_applies_to_the_new_head_only(base_dir, pooling):
     model = load_classifier(base_dir, LABELS, pooling=pooling)
-    by_param = {id(p): g["lr"] for g in make_optimizer(model, 1e-4, 0.01, head_lr=1e-3).param_groups for p in g["params"]}
+    by_param = {
+        id(p): g["lr"] for g in make_optimizer(model, 1e-4, 0.01, head_lr=1e-3).param_groups for p in g["params"]
+    }
     for name, p in model.named_parameters():
         assert by_param[id(p)] == (1e-3 if name.startswith("classifier.") else 1e-4), name
     assert {g["lr"] for g in make_optimizer(model, 1e-4, 0.01).param_groups} == {1e-4}
@@ -87,8 +94,11 @@ def test_linear_probe_head_check_before_any_weights_are_read(base_dir, tmp_path)
 
     check_linear_probe_head(base_dir, LABELS, "cls")  # BERT's head: one linear layer
     roberta = tmp_path / "tiny-roberta"
-    RobertaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  intermediate_size=64).save_pretrained(roberta)  # config only: no weights at all
-    with pytest.raises(UserError, match=r"one linear layer; RobertaForSequenceClassification has RobertaClassificationHead"):
+    RobertaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(roberta)  # config only: no weights at all
+    with pytest.raises(
+        UserError, match=r"one linear layer; RobertaForSequenceClassification has RobertaClassificationHead"
+    ):
         check_linear_probe_head(str(roberta), LABELS, "cls")
     check_linear_probe_head(str(roberta), LABELS, "mean")  # mean pooling brings its own linear head

@@ -179,7 +179,8 @@ def test_recommendation():
 
 def test_parse_bytes_and_errors():
     assert parse_bytes("80GiB") == 80 * GiB and parse_bytes("40GB") == 40 * 10**9
-    assert parse_bytes("24576MiB") == 24 * GiB and parse_bytes("1.5TiB") == int(1.5 * 1024**4) and parse_bytes("123") == 123
+    assert parse_bytes("24576MiB") == 24 * GiB and parse_bytes("1.5TiB") == int(1.5 * 1024**4)
+    assert parse_bytes("123") == 123
     for bad in ("80XB", "GiB", "-1GiB", "0"):
         with pytest.raises(UserError):
             parse_bytes(bad)
@@ -208,11 +209,20 @@ def test_spec_of_a_1b_model_is_fast_and_gpt2_fields_are_read():
 
     from transformers import GPT2Config, LlamaConfig
 
-    planner.spec_from_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, vocab_size=100))  # warm the imports
+    planner.spec_from_config(
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=100)
+    )  # warm the imports
     t0 = time.perf_counter()
-    big = planner.spec_from_config(LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
+    big = planner.spec_from_config(
+        LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        )
+    )
     assert time.perf_counter() - t0 < 5  # ~0.05 s: no weights are allocated
     assert 1.2e9 < big.params < 1.3e9 and big.gated_mlp and big.layers == 16 and big.kv_heads == 8
     assert big.norm_bytes["bf16"] == pytest.approx(6.0, abs=0.1)  # Llama's RMSNorm keeps an fp32 copy
@@ -245,7 +255,8 @@ def _measured_peak(model, opt, step) -> int:
     step()
     opt.zero_grad(set_to_none=True)
     resident = sum(p.numel() * 4 for p in model.parameters()) + sum(
-        v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
         opt.zero_grad(set_to_none=True)
@@ -269,8 +280,11 @@ def test_state_bytes_are_exact(freeze):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     _step(model, opt, 2, 16, cfg.vocab_size)
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    measured = (nbytes(model.parameters()), nbytes(p.grad for p in model.parameters() if p.grad is not None),
-                nbytes(v for st in opt.state.values() for v in st.values() if v.dim() > 0))
+    measured = (
+        nbytes(model.parameters()),
+        nbytes(p.grad for p in model.parameters() if p.grad is not None),
+        nbytes(v for st in opt.state.values() for v in st.values() if v.dim() > 0),
+    )
     e = estimate(planner.spec_from_config(cfg, freeze_embeddings=freeze), "ddp", 1, 16, 2, device_type="cpu")
     assert measured == (e.model, e.gradients, e.optimizer)
 
@@ -302,8 +316,10 @@ def test_live_tensor_peak_matches_the_estimate(kind, s, b, ckpt):
     opt = torch.optim.AdamW(model.parameters())
     measured = _measured_peak(model, opt, lambda: _step(model, opt, b, s, cfg.vocab_size))
     e = estimate(planner.spec_from_config(cfg), "ddp", 1, s, b, device_type="cpu", checkpointing=ckpt)
-    print(f"{kind} s={s} b={b} checkpointing={ckpt}: estimate {e.total / 2**20:.1f} MiB, live tensor peak "
-          f"{measured / 2**20:.1f} MiB, ratio {e.total / measured:.3f}")
+    print(
+        f"{kind} s={s} b={b} checkpointing={ckpt}: estimate {e.total / 2**20:.1f} MiB, live tensor peak "
+        f"{measured / 2**20:.1f} MiB, ratio {e.total / measured:.3f}"
+    )
     assert abs(e.total / measured - 1) <= PEAK_TOLERANCE, (e.to_dict(), measured)
     assert e.upper_bound >= measured
 
@@ -359,7 +375,8 @@ def run(rank, world):
     gc.collect()
     reset = reset_peak()
     base, peak_before = status("VmRSS"), status("VmHWM")
-    model = parallelize(AutoModelForSequenceClassification.from_config(config(**arg["model"])).train(), arg["strategy"], cpu)
+    model = AutoModelForSequenceClassification.from_config(config(**arg["model"])).train()
+    model = parallelize(model, arg["strategy"], cpu)
     opt = torch.optim.AdamW(model.parameters())
     for _ in range(3):  # the first step creates the optimizer state; the later ones are steady
         step(model, opt, b, s, arg["model"]["vocab_size"])
@@ -386,11 +403,24 @@ def test_peak_rss_of_a_training_process_matches_the_estimate(strategy, world):
     model = {**TINY[kind]}
     toy = dict(model, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
     arg = {"model": model, "toy": toy, "s": s, "b": b, "strategy": strategy, "world": world, "port": _free_port()}
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", RSS_SCRIPT, json.dumps({**arg, "rank": rank})], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(world)]  # one process per rank, as torchrun / Ray Train start them
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RSS_SCRIPT, json.dumps({**arg, "rank": rank})],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]  # one process per rank, as torchrun / Ray Train start them
     ranks = []
     try:
         for proc in procs:
@@ -404,8 +434,10 @@ def test_peak_rss_of_a_training_process_matches_the_estimate(strategy, world):
     assert len(ranks) == world
     e = estimate(planner.spec_from_config(hf_config(kind)), strategy, world, s, b, device_type="cpu")
     for r in ranks:
-        print(f"{strategy} d={world} rank {r['rank']}: estimate {e.total / 2**20:.1f} MiB, measured peak RSS growth "
-              f"{r['growth'] / 2**20:.1f} MiB, ratio {e.total / r['growth']:.3f}")
+        print(
+            f"{strategy} d={world} rank {r['rank']}: estimate {e.total / 2**20:.1f} MiB, measured peak RSS growth "
+            f"{r['growth'] / 2**20:.1f} MiB, ratio {e.total / r['growth']:.3f}"
+        )
         assert r["baseline_peak_excess"] < 0.02 * r["growth"]  # the peak is this run's, not the imports'
         assert abs(e.total / r["growth"] - 1) <= RSS_TOLERANCE, (strategy, e.to_dict(), r)
 
@@ -417,16 +449,41 @@ def test_plan_command_json_and_table():
     from workflows.cli import app
 
     runner = CliRunner()
-    res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--device-memory", "16GiB", "--devices", "4",
-                              "--seq-len", "256", "--micro-batch", "8", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "plan",
+            "--config",
+            str(QUICKSTART),
+            "--device-memory",
+            "16GiB",
+            "--devices",
+            "4",
+            "--seq-len",
+            "256",
+            "--micro-batch",
+            "8",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["inputs"] == {**out["inputs"], "devices": 4, "seq_len": 256, "micro_batch": 8,
-                             "device_memory": 16 * GiB, "device_memory_source": "given"}
+    assert out["inputs"] == {
+        **out["inputs"],
+        "devices": 4,
+        "seq_len": 256,
+        "micro_batch": 8,
+        "device_memory": 16 * GiB,
+        "device_memory_source": "given",
+    }
     assert out["recommended"] == "ddp" and out["model"]["params"] > 2e7
     for k in ("ddp", "fsdp"):
         est = out["estimates"][k]
-        assert est["fits"] and est["max_micro_batch"] > 8 and math.isclose(est["gib"]["total"], est["total"] / GiB, abs_tol=1e-3)
+        assert (
+            est["fits"]
+            and est["max_micro_batch"] > 8
+            and math.isclose(est["gib"]["total"], est["total"] / GiB, abs_tol=1e-3)
+        )
     res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--set", "train.use_gpu=true"])
     assert res.exit_code == 0, res.output
     assert "recommended: ddp" in res.output and "fsdp        bf16" in res.output
@@ -434,9 +491,29 @@ def test_plan_command_json_and_table():
     res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--device-memory", "lots"])
     assert res.exit_code == 2 and "invalid memory size" in res.output
     # causal-LM pretraining: the preset model and sequence length, GPT-2 124M's parameter count
-    res = runner.invoke(app, ["plan", "--config", str(QUICKSTART), "--set", "model.task=causal_lm", "--set",
-                              "model.lm.size=gpt2-124m", "--set", "model.lm.seq_len=1024", "--set", "train.use_gpu=true",
-                              "--device-memory", "80GiB", "--devices", "1", "--micro-batch", "8", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "plan",
+            "--config",
+            str(QUICKSTART),
+            "--set",
+            "model.task=causal_lm",
+            "--set",
+            "model.lm.size=gpt2-124m",
+            "--set",
+            "model.lm.seq_len=1024",
+            "--set",
+            "train.use_gpu=true",
+            "--device-memory",
+            "80GiB",
+            "--devices",
+            "1",
+            "--micro-batch",
+            "8",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["inputs"]["seq_len"] == 1024 and out["model"]["lm_head"] and out["inputs"]["attention"] == "fused"
@@ -464,7 +541,10 @@ def test_causal_lm_saved_activations_match_the_formula():
     saved[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()  # held by the output
     spec = planner.spec_from_config(config, causal_lm=True)
     predicted = activation_bytes(spec, s, b, device_type="cpu", working_set=False)
-    print(f"causal LM: saved activations + logits {sum(saved.values()) / 2**20:.1f} MiB, formula {predicted / 2**20:.1f} MiB")
+    print(
+        f"causal LM: saved activations + logits {sum(saved.values()) / 2**20:.1f} MiB, "
+        f"formula {predicted / 2**20:.1f} MiB"
+    )
     assert spec.lm_head and spec.vocab == 20000
     assert abs(predicted / sum(saved.values()) - 1) <= ACTIVATION_TOLERANCE, (predicted, sum(saved.values()))
 
@@ -478,7 +558,9 @@ def test_causal_lm_live_tensor_peak_matches_the_estimate():
     measured = _measured_peak(model, opt, lambda: _step(model, opt, b, s, config.vocab_size, lm=True))
     e = estimate(planner.spec_from_config(config, causal_lm=True), "ddp", 1, s, b, device_type="cpu")
     without_head = estimate(planner.spec_from_config(config), "ddp", 1, s, b, device_type="cpu")
-    print(f"causal LM s={s} b={b}: estimate {e.total / 2**20:.1f} MiB, live tensor peak {measured / 2**20:.1f} MiB, "
-          f"ratio {e.total / measured:.3f} (a classifier of the same model: {without_head.total / 2**20:.1f} MiB)")
+    print(
+        f"causal LM s={s} b={b}: estimate {e.total / 2**20:.1f} MiB, live tensor peak {measured / 2**20:.1f} MiB, "
+        f"ratio {e.total / measured:.3f} (a classifier of the same model: {without_head.total / 2**20:.1f} MiB)"
+    )
     assert abs(e.total / measured - 1) <= PEAK_TOLERANCE, (e.to_dict(), measured)
     assert e.upper_bound >= measured

@@ -85,5 +85,8 @@ def test_malformed_json_line_names_the_shard_and_row(ray_cluster, tiny_cfg, tmp_
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "x", "label": "a"}\n{"text": "y", "label": "b"}\n{"text": oops}\n')
     cfg = tiny_cfg(f"data.source={src}", "data.builtin=null")
-    with runtime(cfg) as rt, pytest.raises(UserError, match=r"malformed jsonl shard .*bad\.jsonl: .*line 3 of the file"):
+    with (
+        runtime(cfg) as rt,
+        pytest.raises(UserError, match=r"malformed jsonl shard .*bad\.jsonl: .*line 3 of the file"),
+    ):
         stage_preprocess(rt)

@@ -111,11 +111,24 @@ def test_fault_proxy_answers_as_configured(upstream):
 
 def test_results_merge_and_document(tmp_path):
     results, doc = tmp_path / "reliability.json", tmp_path / "RELIABILITY.md"
-    row = {"name": "cache_download_kill", "injected": 20, "survived": 20, "failed": 0, "allowed_failures": 0,
-           "lost": 0, "detail": "d1", "measured_at": "2030-01-01T00:00:00Z", "command": "python -m workflows.reliability --fast"}
+    row = {
+        "name": "cache_download_kill",
+        "injected": 20,
+        "survived": 20,
+        "failed": 0,
+        "allowed_failures": 0,
+        "lost": 0,
+        "detail": "d1",
+        "measured_at": "2030-01-01T00:00:00Z",
+        "command": "python -m workflows.reliability --fast",
+    }
     write_results([row], "python -m workflows.reliability --fast", results, doc)
-    write_results([{**row, "name": "secrets_hygiene", "detail": "d2"}], "python -m workflows.reliability --only secrets_hygiene",
-                  results, doc)
+    write_results(
+        [{**row, "name": "secrets_hygiene", "detail": "d2"}],
+        "python -m workflows.reliability --only secrets_hygiene",
+        results,
+        doc,
+    )
     rows = {r["name"]: r for r in json.loads(results.read_text())["rows"]}
     assert set(rows) == {r.name for r in ROWS}
     assert rows["cache_download_kill"]["detail"] == "d1"  # kept from the earlier run

@@ -23,7 +23,11 @@ def test_emitted_config_is_a_valid_serve_config_with_side_by_side_versions(tmp_p
     assert [a["route_prefix"] for a in doc["applications"]] == ["/quickstart/v1", "/quickstart/v2"]
     app = apps["model-quickstart-v2"]
     assert app["import_path"] == "workflows.serve.app:build_app"
-    assert app["args"] == {"config": str(QUICKSTART), "model": "quickstart:2", "set": ["serve.autoscaling.max_replicas=3"]}
+    assert app["args"] == {
+        "config": str(QUICKSTART),
+        "model": "quickstart:2",
+        "set": ["serve.autoscaling.max_replicas=3"],
+    }
     dep = app["deployments"][0]
     assert dep["name"] == "ModelServer" and "num_replicas" not in dep
     assert dep["autoscaling_config"]["max_replicas"] == 3 and dep["max_ongoing_requests"] >= 32
@@ -39,7 +43,9 @@ def test_build_app_takes_the_emitted_args():
     doc = serve_config(cfg, str(QUICKSTART), ["serve.num_replicas=2"], ["quickstart"])
     app = build_app(doc["applications"][0]["args"])
     assert isinstance(app, Application)
-    assert doc["applications"][0]["route_prefix"] == "/" and doc["applications"][0]["deployments"][0]["num_replicas"] == 2
+    assert (
+        doc["applications"][0]["route_prefix"] == "/" and doc["applications"][0]["deployments"][0]["num_replicas"] == 2
+    )
 
 
 def test_routes_and_bad_settings_are_clear():

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext, check_bucket, filesystem, read_json, write_bytes_atomic, write_json
 
@@ -71,3 +72,17 @@ def test_local_writes_are_atomic(tmp_path):
     write_bytes_atomic(str(target), b'{"a": 1}', StorageContext())
     assert json.loads(target.read_text()) == {"a": 1}
     assert [p.name for p in target.parent.iterdir()] == ["f.json"]
+
+
+def test_atomic_write_text_bytes_and_writer(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    assert atomic_write(target, '{"a": 1}') == target
+    assert target.read_text() == '{"a": 1}'
+    atomic_write(str(target), b"\x00bytes", fsync=True)
+    assert target.read_bytes() == b"\x00bytes"
+    # a writer fills the temp path it is given (savefig, a download); a custom temp name is honoured
+    seen = []
+    atomic_write(target, lambda tmp: (seen.append(tmp.name), tmp.write_text("w")), tmp=tmp_path / "t.tmp.json")
+    assert seen == ["t.tmp.json"] and target.read_text() == "w"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

@@ -54,7 +54,7 @@ def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy
                 assert torch.equal(reloaded[k], v), k
             ref = registry.register(cfg, rt.storage, art, f"t-{strategy}", meta)
         local, fetched = registry.fetch(cfg, rt.storage, f"t-{strategy}")
-        assert fetched["version"] == ref.version == 1
+        assert fetched.version == ref.version == 1
         rows = [{"text": "Plot a histogram."}, {"text": "Solve a linear system."}]
         a, b = Predictor(local).predict(rows), Predictor(local).predict(rows)
         assert [p["label"] for p in a] == [p["label"] for p in b]

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from conftest import QUICKSTART, ROOT, free_port, tiny_overrides
+
 from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.pipeline import stage_preprocess
@@ -102,12 +102,18 @@ def test_a_checkpoint_cut_short_in_upload_is_never_resumed_from(run):
     whole, then epoch 1's without one shard under a newer name, as the crash would leave them."""
     fs, _ = filesystem(run.reference.run_uri, run.rt.storage)
     ref_path = run.reference.run_uri.split("://", 1)[1]
-    by_epoch = {json.loads(fs.cat_file(f"{e['name']}/{STATE_FILE}"))["epoch"]: e["name"] for e in fs.ls(ref_path, detail=True)
-                if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")}
+    by_epoch = {
+        json.loads(fs.cat_file(f"{e['name']}/{STATE_FILE}"))["epoch"]: e["name"]
+        for e in fs.ls(ref_path, detail=True)
+        if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")
+    }
     run_dir = f"{ref_path.rsplit('/', 1)[0]}/cut-20000101-000000-0000"
     files1 = json.loads(fs.cat_file(f"{by_epoch[1]}/{STATE_FILE}"))["files"]
     shard = next(n for n in sorted(files1) if n.endswith(".distcp") and not n.startswith("__0_"))
-    for epoch, name, drop in ((0, "checkpoint_2000-01-01_00-00-00", None), (1, "checkpoint_2000-01-02_00-00-00", shard)):
+    for epoch, name, drop in (
+        (0, "checkpoint_2000-01-01_00-00-00", None),
+        (1, "checkpoint_2000-01-02_00-00-00", shard),
+    ):
         for f in fs.ls(by_epoch[epoch], detail=False):
             if f.rsplit("/", 1)[-1] != drop:
                 fs.copy(f, f"{run_dir}/{name}/{f.rsplit('/', 1)[-1]}")
@@ -154,17 +160,50 @@ def test_standalone_loop_under_torchrun(run, tmp_path):
     out, ckdir = tmp_path / "standalone.json", tmp_path / "ck"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     # stop after epoch 0 (train.epochs stays 2, so the LR schedule is that of a 2-epoch run)
-    proc = subprocess.run([*torchrun, "-m", "workflows.train.standalone", "--config", str(QUICKSTART), *sets,
-                           "--output", str(out), "--checkpoint-dir", str(ckdir), "--stop-after-epoch", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *torchrun,
+            "-m",
+            "workflows.train.standalone",
+            "--config",
+            str(QUICKSTART),
+            *sets,
+            "--output",
+            str(out),
+            "--checkpoint-dir",
+            str(ckdir),
+            "--stop-after-epoch",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads(out.read_text())
     assert first["world_size"] == 2 and first["train_rows"] == 48 and [h["epoch"] for h in first["history"]] == [0]
     assert len(first["history"][0]["step_losses"]) == 3
 
-    proc = subprocess.run([*torchrun, "-m", "workflows.train.standalone", "--config", str(QUICKSTART), *sets,
-                           "--output", str(out), "--checkpoint-dir", str(ckdir), "--resume"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *torchrun,
+            "-m",
+            "workflows.train.standalone",
+            "--config",
+            str(QUICKSTART),
+            *sets,
+            "--output",
+            str(out),
+            "--checkpoint-dir",
+            str(ckdir),
+            "--resume",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     second = json.loads(out.read_text())
     assert [h["epoch"] for h in second["history"]] == [0, 1] and second["history"][1]["resumed_from_epoch"] == 0

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import typer
 
 from workflows import console
 from workflows.errors import find_user_error
+from workflows.storage.atomic import atomic_write
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ray-based ML workflows: object storage -> Ray Data -> Ray Train/Tune -> Ray Serve.")
@@ -33,7 +33,7 @@ def _run(fn: Callable[[], object]) -> None:
     except KeyboardInterrupt:
         console.echo("interrupted")
         console.show_log_tail(0)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except typer.Exit:
         raise
     except Exception as e:
@@ -44,7 +44,7 @@ def _run(fn: Callable[[], object]) -> None:
             log.log_exception()
         console.echo(f"error: {ue if ue is not None else _one_line(e)}")
         console.show_log_tail()
-        raise typer.Exit(2 if ue is not None else 1)
+        raise typer.Exit(2 if ue is not None else 1) from e
     finally:
         if console.active_log() is not None:
             console.active_log().finish()
@@ -55,8 +55,8 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
-def _in_runtime(command: str, config: str, overrides: Optional[List[str]], body: Callable, ray_needed: bool = True,
-                before_ray: Optional[Callable] = None, verbose: bool = False) -> None:
+def _in_runtime(command: str, config: str, overrides: list[str] | None, body: Callable, ray_needed: bool = True,
+                before_ray: Callable | None = None, verbose: bool = False) -> None:
     """Load the config, start the runtime (object store, Ray), run `body(rt)`; user errors in one line.
     `before_ray(cfg, storage)` checks what needs only the object store before Ray starts. Unless
     `verbose`, everything written to fds 1/2 from Ray's start on goes to
@@ -87,14 +87,14 @@ def _registered(*specs: str) -> Callable:
     return check
 
 
-def _load(config: str, overrides: Optional[List[str]]):
+def _load(config: str, overrides: list[str] | None):
     from workflows.config import load_config
 
     return load_config(config, overrides or [])
 
 
 @app.command()
-def preprocess(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
+def preprocess(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: bool = VerboseOpt):
     """Read raw shards from object storage, tokenize on Ray Data, materialize processed shards."""
     from workflows.pipeline import stage_preprocess
 
@@ -102,7 +102,7 @@ def preprocess(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbo
 
 
 @app.command()
-def train(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
+def train(config: str = ConfigOpt, set: list[str] | None = SetOpt,
           resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint of the last run"),
           verbose: bool = VerboseOpt):
     """Fine-tune with Ray Train (FSDP2 or DDP), checkpoint to object storage, register the best model."""
@@ -112,7 +112,7 @@ def train(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
 
 
 @app.command()
-def tune(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
+def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
          resume: bool = typer.Option(False, "--resume", help="restore an interrupted search"),
          verbose: bool = VerboseOpt):
     """Search hyperparameters with Ray Tune + ASHA; every trial is a Ray Train run."""
@@ -122,11 +122,15 @@ def tune(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
 
 
 @app.command()
-def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
-             data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"),
-             output: Optional[Path] = typer.Option(None, "--output", "-o", help="write the metrics JSON here too"),
-             label_column: Optional[str] = typer.Option(None, "--label-column", help="default: the model's"),
-             config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
+def evaluate(
+    model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
+    data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="write the metrics JSON here too"),
+    label_column: str | None = typer.Option(None, "--label-column", help="default: the model's"),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    verbose: bool = VerboseOpt,
+):
     """Weighted and per-class precision/recall/F1 of a registered model on any labelled data."""
     from workflows.pipeline import stage_evaluate
     from workflows.preprocess.sources import list_shards, read_dataset
@@ -137,9 +141,7 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
         result = {"model": model, "data": data, "precision": rt.cfg.serve.precision, **metrics}
         if output:
             output.parent.mkdir(parents=True, exist_ok=True)
-            tmp = output.with_name(output.name + ".tmp")
-            tmp.write_text(json.dumps(result, indent=2))
-            os.replace(tmp, output)
+            atomic_write(output, json.dumps(result, indent=2))
             console.say(f"evaluate: metrics written to {output}")
         rt.write_summary("evaluate", result)
 
@@ -147,11 +149,15 @@ def evaluate(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION
 
 
 @app.command()
-def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
-            data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
-            output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
-            concurrency: Optional[int] = typer.Option(None, help="predictor actors (default: the cluster's CPUs, at most 4)"),
-            config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
+def predict(
+    model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
+    data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
+    output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
+    concurrency: int | None = typer.Option(None, help="predictor actors (default: the cluster's CPUs, at most 4)"),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    verbose: bool = VerboseOpt,
+):
     """Batch inference over Ray Data with the serving predictor: adds `prediction` and `score` columns."""
     from workflows.runtime import say
     from workflows.serve.batch import check_predict, predict_batch
@@ -161,23 +167,41 @@ def predict(model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION]
         say(f"predict: {result['rows']} rows scored by {result['model']} -> {output} ({len(result['files'])} files)")
         rt.write_summary("predict", result)
 
-    _in_runtime("predict", config, set, body, before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output),
-                verbose=verbose)
+    _in_runtime(
+        "predict",
+        config,
+        set,
+        body,
+        before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output),
+        verbose=verbose,
+    )
 
 
 @app.command()
-def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry (latest by default); "
-                                          "repeat to serve several side by side at /NAME, or /NAME/vN for versions of one name"),
-          config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
-          block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM"),
-          emit_config: Optional[Path] = typer.Option(None, "--emit-config", help="write a Ray Serve config YAML "
-                                                     "(for `serve run FILE`, `serve deploy FILE`, a RayService) and exit"),
-          verbose: bool = VerboseOpt):
+def serve(
+    model: list[str] = typer.Option(
+        ...,
+        "--model",
+        "-m",
+        help="NAME[:VERSION] in the registry (latest by default); "
+        "repeat to serve several side by side at /NAME, or /NAME/vN for versions of one name",
+    ),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    block: bool = typer.Option(True, "--block/--no-block", help="keep serving until Ctrl-C / SIGTERM"),
+    emit_config: Path | None = typer.Option(
+        None,
+        "--emit-config",
+        help="write a Ray Serve config YAML (for `serve run FILE`, `serve deploy FILE`, a RayService) and exit",
+    ),
+    verbose: bool = VerboseOpt,
+):
     """Serve registered models over HTTP with Ray Serve (POST /predict, GET /healthz, /docs)."""
     from workflows.pipeline import stage_serve
     from workflows.runtime import say
 
     if emit_config is not None:
+
         def write():
             import yaml
 
@@ -185,10 +209,11 @@ def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
 
             doc = serve_config(_load(config, set), config, set or [], model)
             emit_config.parent.mkdir(parents=True, exist_ok=True)
-            tmp = emit_config.with_name(emit_config.name + ".tmp")
-            tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
-            os.replace(tmp, emit_config)
-            typer.echo(f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}")
+            atomic_write(emit_config, yaml.safe_dump(doc, sort_keys=False))
+            typer.echo(
+                f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}"
+            )
+
         _run(write)
         return
 
@@ -197,8 +222,10 @@ def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
 
         from workflows.serve.deploy_config import app_name, route_prefixes
 
-        served = [stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
-                  for spec, prefix in route_prefixes(model).items()]
+        served = [
+            stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
+            for spec, prefix in route_prefixes(model).items()
+        ]
         rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
             stop = {"now": False}
@@ -215,7 +242,7 @@ def serve(model: List[str] = typer.Option(..., "--model", "-m", help="NAME[:VERS
 
 
 @app.command()
-def pipeline(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose: bool = VerboseOpt):
+def pipeline(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: bool = VerboseOpt):
     """Everything: preprocess -> tune -> train -> evaluate -> register -> serve (serve.enabled)."""
     from workflows.pipeline import run_pipeline
 
@@ -223,7 +250,7 @@ def pipeline(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt, verbose
 
 
 @app.command()
-def models(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
+def models(config: str = ConfigOpt, set: list[str] | None = SetOpt):
     """List registered models and their versions."""
     from workflows import registry
 
@@ -238,35 +265,65 @@ def models(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt):
 
 
 @app.command()
-def plan(config: str = ConfigOpt, set: Optional[List[str]] = SetOpt,
-         device_memory: Optional[str] = typer.Option(None, "--device-memory", help="memory per device, e.g. 80GiB, 40GB (default: this machine's GPU, else 80GiB assumed)"),
-         devices: Optional[int] = typer.Option(None, "--devices", min=1, help="data-parallel devices (default: train.num_workers)"),
-         seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="tokens per sequence (default: preprocess.max_length)"),
-         micro_batch: Optional[int] = typer.Option(None, "--micro-batch", min=1, help="sequences per device and step (default: train.batch_size)"),
-         precision: str = typer.Option("auto", "--precision", help="auto (as the trainer: bf16 for FSDP on GPU, else fp32), fp32 or bf16"),
-         attention: str = typer.Option("auto", "--attention", help="auto, eager (s x s scores kept) or fused (SDPA flash/memory-efficient)"),
-         checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="plan with activation checkpointing"),
-         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON")):
+def plan(
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+    device_memory: str | None = typer.Option(
+        None,
+        "--device-memory",
+        help="memory per device, e.g. 80GiB, 40GB (default: this machine's GPU, else 80GiB assumed)",
+    ),
+    devices: int | None = typer.Option(
+        None, "--devices", min=1, help="data-parallel devices (default: train.num_workers)"
+    ),
+    seq_len: int | None = typer.Option(
+        None, "--seq-len", min=1, help="tokens per sequence (default: preprocess.max_length)"
+    ),
+    micro_batch: int | None = typer.Option(
+        None, "--micro-batch", min=1, help="sequences per device and step (default: train.batch_size)"
+    ),
+    precision: str = typer.Option(
+        "auto", "--precision", help="auto (as the trainer: bf16 for FSDP on GPU, else fp32), fp32 or bf16"
+    ),
+    attention: str = typer.Option(
+        "auto", "--attention", help="auto, eager (s x s scores kept) or fused (SDPA flash/memory-efficient)"
+    ),
+    checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="plan with activation checkpointing"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+):
     """Estimate per-device training memory (DDP vs FSDP), the largest micro-batch that fits, and a strategy."""
+
     def go():
         from workflows.train.planner import format_plan, plan_from_config
 
-        result = plan_from_config(_load(config, set), device_memory=device_memory, devices=devices, seq_len=seq_len,
-                                  micro_batch=micro_batch, precision=precision, attention=attention,
-                                  checkpointing=checkpointing)
+        result = plan_from_config(
+            _load(config, set),
+            device_memory=device_memory,
+            devices=devices,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            precision=precision,
+            attention=attention,
+            checkpointing=checkpointing,
+        )
         typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
+
     _run(go)
 
 
 @app.command()
-def bench(name: str = typer.Argument(..., help="benchmark to run (see `workflows bench --help`)"),
-          config: Optional[str] = typer.Option(None, "--config", "-c", help="config (default: the benchmark's own)"),
-          set: Optional[List[str]] = SetOpt):
+def bench(
+    name: str = typer.Argument(..., help="benchmark to run (see `workflows bench --help`)"),
+    config: str | None = typer.Option(None, "--config", "-c", help="config (default: the benchmark's own)"),
+    set: list[str] | None = SetOpt,
+):
     """Run benchmark NAME: writes benchmarks/results/NAME.json and its section of docs/BENCHMARKS.md."""
+
     def go():
         from workflows.bench import run_benchmark
 
         run_benchmark(name, config, set or [], sys.argv)
+
     _run(go)
 
 

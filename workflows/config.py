@@ -42,7 +42,9 @@ class EmbeddedS3Config(Strict):
 
 class StorageConfig(Strict):
     root: str = Field("s3://workflows", description="URI under which processed data, runs and models live")
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, ...); else AWS_ENDPOINT_URL or AWS")
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, ...); else AWS_ENDPOINT_URL or AWS"
+    )
     region: str | None = Field(None, description="else AWS_REGION / AWS_DEFAULT_REGION")
     embedded: EmbeddedS3Config = EmbeddedS3Config()
     retries: int = Field(5, ge=0, description="S3 client retry attempts")
@@ -50,9 +52,17 @@ class StorageConfig(Strict):
 
 class CacheConfig(Strict):
     enabled: bool = Field(True, description="read shards through the per-node cache")
-    dir: str = Field("auto", description="per-node cache directory; 'auto' = /mnt/nvme/workflows-cache if it exists, else the user cache dir")
-    max_bytes: int | None = Field(None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded")
-    verify_checksums: bool = Field(False, description="re-hash a cached shard on every hit (slower; size is always checked)")
+    dir: str = Field(
+        "auto",
+        description="per-node cache directory; 'auto' = /mnt/nvme/workflows-cache if it exists, "
+        "else the user cache dir",
+    )
+    max_bytes: int | None = Field(
+        None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded"
+    )
+    verify_checksums: bool = Field(
+        False, description="re-hash a cached shard on every hit (slower; size is always checked)"
+    )
 
     def resolved_dir(self) -> str:
         """Resolved on the node that uses it: WORKFLOWS_CACHE_DIR in the node's environment (e.g. a
@@ -112,11 +122,15 @@ class CausalLMConfig(Strict):
 
 class ModelConfig(Strict):
     task: Literal["classification", "causal_lm"] = Field(
-        "classification", description="fine-tune a sequence classifier, or pretrain a causal LM from model.lm")
+        "classification", description="fine-tune a sequence classifier, or pretrain a causal LM from model.lm"
+    )
     name_or_path: str = Field("minilm", description="'minilm' or a local Hugging Face model directory (classification)")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
     pooling: Literal["cls", "mean"] = Field(
-        "cls", description="classification: 'cls' (the checkpoint's pooler on the first token, Hugging Face's classifier) or 'mean' (normalized mean of all tokens: how sentence-embedding checkpoints such as MiniLM were trained)")
+        "cls",
+        description="classification: 'cls' (the checkpoint's pooler on the first token, Hugging Face's classifier) "
+        "or 'mean' (normalized mean of all tokens: how sentence-embedding checkpoints such as MiniLM were trained)",
+    )
     lm: CausalLMConfig = CausalLMConfig()
 
     @model_validator(mode="after")
@@ -137,25 +151,41 @@ class TrainConfig(Strict):
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(32, ge=1, description="per worker")
     lr: float = Field(1e-4, gt=0)
-    head_lr: float | None = Field(None, gt=0, description="classification: learning rate of the new head (random weights); None: train.lr")
+    head_lr: float | None = Field(
+        None, gt=0, description="classification: learning rate of the new head (random weights); None: train.lr"
+    )
     head_init: Literal["random", "linear_probe"] = Field(
-        "random", description="classification: the new head's start: 'random', or 'linear_probe' (LP-FT: the head is first fitted "
-                              "on the frozen pretrained features, a logistic regression over all workers' training rows, then "
-                              "everything is fine-tuned, so early steps do not pull the pretrained features toward a random head)")
+        "random",
+        description="classification: the new head's start: 'random', or 'linear_probe' "
+        "(LP-FT: the head is first fitted "
+        "on the frozen pretrained features, a logistic regression over all workers' training rows, then "
+        "everything is fine-tuned, so early steps do not pull the pretrained features toward a random head)",
+    )
     linear_probe_l2: float = Field(1e-3, ge=0, description="head_init=linear_probe: L2 penalty on the head's weights")
     weight_decay: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     grad_clip: float | None = Field(1.0, gt=0)
-    grad_accum_steps: int = Field(1, ge=1, description="micro-batches of batch_size per optimizer step (gradient accumulation)")
-    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward: less memory, ~1/3 more compute")
-    freeze_embeddings: bool = Field(False, description="classification fine-tuning: keep the pretrained input embeddings fixed (half of MiniLM's weights): less compute and communication; ignored by causal-LM pretraining (random embeddings, tied to the LM head)")
+    grad_accum_steps: int = Field(
+        1, ge=1, description="micro-batches of batch_size per optimizer step (gradient accumulation)"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each block's activations in backward: less memory, ~1/3 more compute"
+    )
+    freeze_embeddings: bool = Field(
+        False,
+        description="classification fine-tuning: keep the pretrained input embeddings fixed (half of MiniLM's "
+        "weights): less compute and communication; ignored by causal-LM pretraining (random embeddings, tied to "
+        "the LM head)",
+    )
     seed: int = 0
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
     max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per epoch (tuning, tests)")
     checkpoint_select: Literal["best", "last"] = Field(
-        "best", description="the epoch whose checkpoint is evaluated and registered: 'best' by the validation metric "
-                            "(val_f1; val_loss for a causal LM), or 'last', the end of the full learning-rate schedule "
-                            "(on a validation split of a few dozen rows, the best epoch is partly picked by noise)")
+        "best",
+        description="the epoch whose checkpoint is evaluated and registered: 'best' by the validation metric "
+        "(val_f1; val_loss for a causal LM), or 'last', the end of the full learning-rate schedule "
+        "(on a validation split of a few dozen rows, the best epoch is partly picked by noise)",
+    )
     num_to_keep: int = Field(1, ge=1)
     max_failures: int = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
@@ -168,7 +198,7 @@ class SearchDim(Strict):
     grid: list[Any] | None = None
 
     @model_validator(mode="after")
-    def one_kind(self) -> "SearchDim":
+    def one_kind(self) -> SearchDim:
         kinds = [k for k in ("uniform", "loguniform", "choice", "grid") if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError("give exactly one of uniform, loguniform, choice, grid")
@@ -178,17 +208,26 @@ class SearchDim(Strict):
 class TuneConfig(Strict):
     enabled: bool = True
     search: Literal["random", "optuna"] = Field(
-        "random", description="random sampling (grid dims expand), or Optuna's TPE (`pip install optuna`; no grid dims)")
+        "random", description="random sampling (grid dims expand), or Optuna's TPE (`pip install optuna`; no grid dims)"
+    )
     scheduler: Literal["asha", "fifo"] = Field(
-        "asha", description="asha stops poor trials early; fifo runs every trial to max_epochs (a baseline)")
+        "asha", description="asha stops poor trials early; fifo runs every trial to max_epochs (a baseline)"
+    )
     num_samples: int = Field(4, ge=1)
     metric: str = "val_f1"
     mode: Literal["max", "min"] = "max"
     max_epochs: int = Field(2, ge=1)
     grace_period: int = Field(1, ge=1)
     reduction_factor: float = Field(2, gt=1)
-    num_workers: int = Field(1, ge=1, description="workers per trial: 1 runs the trial's loop in its Tune actor; more run a Ray Train run per trial")
-    checkpoint: bool = Field(True, description="one-worker trials: report a checkpoint every epoch (a failed or resumed trial continues from it)")
+    num_workers: int = Field(
+        1,
+        ge=1,
+        description="workers per trial: 1 runs the trial's loop in its Tune actor; more run a Ray Train run per trial",
+    )
+    checkpoint: bool = Field(
+        True,
+        description="one-worker trials: report a checkpoint every epoch (a failed or resumed trial continues from it)",
+    )
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per trial epoch")
     max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per trial epoch")
     seed: int = 0
@@ -223,8 +262,12 @@ class AutoscalingConfig(Strict):
     min_replicas: int = Field(1, ge=0, description="0 lets an idle deployment scale to zero")
     max_replicas: int = Field(4, ge=1)
     target_ongoing_requests: float = Field(8, gt=0, description="per replica; high enough for batches to fill")
-    upscale_delay_s: float = Field(30.0, ge=0, description="load must stay above target this long before a replica is added")
-    downscale_delay_s: float = Field(600.0, ge=0, description="load must stay below target this long before a replica is removed")
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="load must stay above target this long before a replica is added"
+    )
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="load must stay below target this long before a replica is removed"
+    )
 
     @model_validator(mode="after")
     def _order(self):
@@ -242,16 +285,20 @@ class ServeConfig(Strict):
     cpus_per_replica: float = Field(1, gt=0)
     gpus_per_replica: float = Field(0, ge=0)
     precision: Literal["fp32", "bf16", "int8"] = Field(
-        "fp32", description="fp32; bf16 (meant for GPU replicas); int8 dynamic quantization of Linear layers (CPU)")
+        "fp32", description="fp32; bf16 (meant for GPU replicas); int8 dynamic quantization of Linear layers (CPU)"
+    )
     auth_token_env: str | None = Field(
-        None, description="name of an environment variable holding a bearer token that /predict and /v1/models require")
+        None, description="name of an environment variable holding a bearer token that /predict and /v1/models require"
+    )
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(
-        0.0, ge=0, description="how long a batch waits to fill once its first instance arrived; 0 batches what queued "
-                               "up while the model ran (no idle wait: the model call holds the replica's event loop)")
+        0.0,
+        ge=0,
+        description="how long a batch waits to fill once its first instance arrived; 0 batches what queued "
+        "up while the model ran (no idle wait: the model call holds the replica's event loop)",
+    )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
-    keep_running: bool = Field(False, description="`workflows serve` blocks until Ctrl-C")
 
 
 class WorkflowConfig(Strict):

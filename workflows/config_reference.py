@@ -20,8 +20,9 @@ import sys
 import tokenize
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -104,7 +105,7 @@ def constraints_text(field: FieldInfo) -> str:
     return ", ".join(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_comments(model: type[BaseModel]) -> dict[str, str]:
     """Comments documenting fields in the class body: `name: int = 0  # this` or comment lines
     directly above the field's line."""
@@ -165,7 +166,9 @@ def required_keys(model: type[BaseModel] = WorkflowConfig) -> list[str]:
     return [key for _, _, rows in sections(model) for key, _, field in rows if field.is_required()]
 
 
-def sections(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel], list[tuple[str, str, FieldInfo]]]]:
+def sections(
+    model: type[BaseModel], prefix: str = ""
+) -> Iterator[tuple[str, type[BaseModel], list[tuple[str, str, FieldInfo]]]]:
     """(section path, model, [(dotted key, field name, field)]) for `model` and, depth first, for
     every model nested in it: a field holding a model is a section; a map of models (tune.space)
     is a section keyed by `<name>`."""
@@ -199,11 +202,13 @@ def render() -> str:
     out = [HEADER]
     required = required_keys()
     if required:
-        out.append("Keys without a default (the config must set them): "
-                   + ", ".join(f"`{k}`" for k in required) + ".\n")
+        out.append(
+            "Keys without a default (the config must set them): " + ", ".join(f"`{k}`" for k in required) + ".\n"
+        )
     all_sections = list(sections(WorkflowConfig))
-    out.append("Sections: " + ", ".join(
-        f"[`{path or 'top level'}`](#{_anchor(path)})" for path, _, _ in all_sections) + ".\n")
+    out.append(
+        "Sections: " + ", ".join(f"[`{path or 'top level'}`](#{_anchor(path)})" for path, _, _ in all_sections) + ".\n"
+    )
     for path, model, rows in all_sections:
         out.append(f"## {'`' + path + '`' if path else 'Top level'}\n")
         doc = class_doc(model)
@@ -218,10 +223,19 @@ def render() -> str:
         out.append("| key | type | default | constraints | description |")
         out.append("| --- | --- | --- | --- | --- |")
         for key, name, field in rows:
-            out.append("| " + " | ".join([
-                f"`{key}`", _cell(f"`{type_name(field.annotation)}`"), _cell(default_text(field)),
-                _cell(constraints_text(field)), _cell(description(model, name, field)),
-            ]) + " |")
+            out.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"`{key}`",
+                        _cell(f"`{type_name(field.annotation)}`"),
+                        _cell(default_text(field)),
+                        _cell(constraints_text(field)),
+                        _cell(description(model, name, field)),
+                    ]
+                )
+                + " |"
+            )
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

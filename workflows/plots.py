@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from workflows.storage.atomic import atomic_write
 
 
 def new_figure(width: float = 6, height: float = 3.5):
@@ -18,7 +19,5 @@ def save_png(fig, path: Path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=dpi)
-    os.replace(tmp, path)
-    return path
+    # the temp name keeps the .png suffix: savefig picks the format from it
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi), tmp=path.with_name(path.stem + ".tmp.png"))

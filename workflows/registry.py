@@ -16,12 +16,24 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from workflows.config import WorkflowConfig, check_name
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, download_dir, exists, filesystem, join, reaching, read_json, write_json
+from workflows.model_card import ModelCard
+from workflows.storage.uri import (
+    StorageContext,
+    download_dir,
+    exists,
+    filesystem,
+    join,
+    reaching,
+    read_json,
+    write_json,
+)
 
 META_FILE = "workflows.json"
 _VERSION = re.compile(r"^v(\d+)$")
@@ -91,9 +103,12 @@ def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
     return ModelRef(name, version, join(_models_root(cfg), name, f"v{version}"))
 
 
-def register(cfg: WorkflowConfig, ctx: StorageContext, local_dir: str, name: str, metadata: dict) -> ModelRef:
-    """Upload an exported artifact as the next version of `name`."""
+def register(
+    cfg: WorkflowConfig, ctx: StorageContext, local_dir: str, name: str, metadata: ModelCard | Mapping[str, Any]
+) -> ModelRef:
+    """Upload an exported artifact as the next version of `name`, described by its card."""
     check_name(name, "model name")
+    card = metadata if isinstance(metadata, ModelCard) else ModelCard.model_validate(metadata)
     version = (versions(cfg, ctx, name) or [0])[-1] + 1
     uri = join(_models_root(cfg), name, f"v{version}")
     fs, path = filesystem(uri, ctx)
@@ -101,24 +116,24 @@ def register(cfg: WorkflowConfig, ctx: StorageContext, local_dir: str, name: str
         for f in sorted(Path(local_dir).iterdir()):
             if f.is_file() and f.name != META_FILE:
                 fs.put_file(str(f), f"{path}/{f.name}")
-    meta = {**metadata, "name": name, "version": version, "artifact_id": uuid.uuid4().hex,
-            "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_json(join(uri, META_FILE), meta, ctx)  # last: marks the version complete
+    card = card.model_copy(update={"name": name, "version": version, "artifact_id": uuid.uuid4().hex,
+                                   "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    write_json(join(uri, META_FILE), card.to_dict(), ctx)  # last: marks the version complete
     return ModelRef(name, version, uri)
 
 
-def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, dict]:
-    """Local directory holding the model version (downloaded once per node), and its metadata."""
+def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, ModelCard]:
+    """Local directory holding the model version (downloaded once per node), and its card."""
     ref = resolve(cfg, ctx, spec)
-    meta = read_json(join(ref.uri, META_FILE), ctx)
-    cache = Path(cfg.cache.resolved_dir()) / "models" / meta["artifact_id"]
+    card = ModelCard.model_validate(read_json(join(ref.uri, META_FILE), ctx))
+    cache = Path(cfg.cache.resolved_dir()) / "models" / card.artifact_id
     if (cache / META_FILE).exists():
-        return str(cache), meta
+        return str(cache), card
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{meta['artifact_id']}-", dir=cache.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{card.artifact_id}-", dir=cache.parent))
     try:
         download_dir(ref.uri, ctx, str(tmp), skip=(META_FILE, EVAL_FILE))
-        (tmp / META_FILE).write_text(json.dumps(meta))  # last, as in the store
+        (tmp / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
         try:
             os.rename(tmp, cache)
         except OSError:  # another process on this node finished first; theirs is identical
@@ -126,7 +141,7 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, dic
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return str(cache), meta
+    return str(cache), card
 
 
 EVAL_FILE = "evaluation.json"
@@ -138,11 +153,16 @@ def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, me
     write_json(join(ref.uri, EVAL_FILE), metrics, ctx)
 
 
-def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict:
-    """Metadata of a version, with its evaluation metrics when there are any."""
+def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard:
+    """The card of a version, with its evaluation metrics when there are any."""
     ref = resolve(cfg, ctx, spec)
-    meta = read_json(join(ref.uri, META_FILE), ctx)
+    found = ModelCard.model_validate(read_json(join(ref.uri, META_FILE), ctx))
     eval_uri = join(ref.uri, EVAL_FILE)
     if exists(eval_uri, ctx):
-        meta["metrics"] = read_json(eval_uri, ctx)
-    return meta
+        found = found.model_copy(update={"metrics": read_json(eval_uri, ctx)})
+    return found
+
+
+def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict[str, Any]:
+    """`model_card` as its JSON object (what pipeline.stage_evaluate and evaluate_dataset index)."""
+    return model_card(cfg, ctx, spec).to_dict()

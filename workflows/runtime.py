@@ -6,13 +6,15 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from workflows.config import WorkflowConfig, dump_config
 from workflows.console import console, say, warn  # noqa: F401  (say is imported from here by the stages)
+from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext, check_bucket, protocol_of
 
@@ -44,18 +46,24 @@ class Runtime:
         finally:
             counts.update(cache_stats.delta(before, cache_stats.snapshot()))
             if counts.get("misses") or counts.get("hits"):
-                say(f"shard cache: {counts['hits']} hit(s), {counts['misses']} miss(es), "
-                    f"{counts['bytes_from_store']:,} bytes from the object store, {counts['bytes_from_cache']:,} from cache")
+                say(
+                    f"shard cache: {counts['hits']} hit(s), {counts['misses']} miss(es), "
+                    f"{counts['bytes_from_store']:,} bytes from the object store, "
+                    f"{counts['bytes_from_cache']:,} from cache"
+                )
 
     def write_summary(self, stage: str, summary: dict[str, Any]) -> Path:
         out_dir = Path(self.cfg.output_dir) / self.cfg.name
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{stage}.json"
-        body = {"stage": stage, "name": self.cfg.name, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                **summary, "config": dump_config(self.cfg)}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(body, indent=2, sort_keys=True, default=str))
-        os.replace(tmp, path)
+        body = {
+            "stage": stage,
+            "name": self.cfg.name,
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **summary,
+            "config": dump_config(self.cfg),
+        }
+        atomic_write(path, json.dumps(body, indent=2, sort_keys=True, default=str))
         say(f"{stage} summary written to {path}")
         return path
 
@@ -94,8 +102,10 @@ def init_ray(cfg: WorkflowConfig) -> None:
     ctx.print_on_execution_start = False
     resources = ray.cluster_resources()
     where = f"joined {cfg.ray.address}" if cfg.ray.address else "started a local cluster"
-    say(f"ray: {where}, {resources.get('CPU', 0):g} CPU(s), {resources.get('GPU', 0):g} GPU(s); "
-        f"dashboard {_http(info.dashboard_url) if info.dashboard_url else 'off'}")
+    say(
+        f"ray: {where}, {resources.get('CPU', 0):g} CPU(s), {resources.get('GPU', 0):g} GPU(s); "
+        f"dashboard {_http(info.dashboard_url) if info.dashboard_url else 'off'}"
+    )
     _warn_missing_gpus(cfg, resources.get("GPU", 0))
 
 
@@ -105,8 +115,11 @@ def _http(url: str) -> str:
 
 def _warn_missing_gpus(cfg: WorkflowConfig, gpus: float) -> None:
     """A GPU asked for and absent makes Ray wait for it (an autoscaler may add one): say so at once."""
-    asked = [k for k, on in (("train.use_gpu", cfg.train.use_gpu), ("serve.gpus_per_replica", cfg.serve.gpus_per_replica))
-             if on]
+    asked = [
+        k
+        for k, on in (("train.use_gpu", cfg.train.use_gpu), ("serve.gpus_per_replica", cfg.serve.gpus_per_replica))
+        if on
+    ]
     if asked and not gpus:
         warn(f"{' and '.join(asked)} {'asks' if len(asked) == 1 else 'ask'} for GPUs, but the Ray cluster has none")
 
@@ -124,8 +137,9 @@ def _port_or_free(port: int) -> int:
 
 
 @contextmanager
-def runtime(cfg: WorkflowConfig, ray_needed: bool = True,
-            before_ray: Callable[[StorageContext], object] | None = None) -> Iterator[Runtime]:
+def runtime(
+    cfg: WorkflowConfig, ray_needed: bool = True, before_ray: Callable[[StorageContext], object] | None = None
+) -> Iterator[Runtime]:
     """The object store (embedded endpoint if configured), then Ray. `before_ray(storage)` runs in
     between: checks that need only the store (a model that is not registered, an output that is
     not empty) fail in a second instead of after Ray has started."""

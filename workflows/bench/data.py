@@ -91,7 +91,9 @@ def _measure(rt, scratch: Path) -> dict:
     s, first, n = traffic(lambda: _ray_read(shards, ctx, cfg.cache))
     if n != rows:
         raise RuntimeError(f"read {n} rows, wrote {rows}")
-    rt_say(f"bench data: first epoch via Ray Data {s:.1f}s, {first['bytes_out'].get('GET', 0) / 1e6:.0f} MB from the store")
+    rt_say(
+        f"bench data: first epoch via Ray Data {s:.1f}s, {first['bytes_out'].get('GET', 0) / 1e6:.0f} MB from the store"
+    )
     warm = {}
     s, t, n = traffic(lambda: _ray_read(shards, ctx, cfg.cache))
     warm["second_epoch"] = {"seconds": round(s, 2), "rows": n, **_summ(t)}
@@ -119,7 +121,11 @@ def _measure(rt, scratch: Path) -> dict:
     fs, path = filesystem(prefix, ctx)
     fs.rm(path, recursive=True)  # nothing of it is persisted to the scratch store
     return {
-        "data_mb": round(total / 1e6, 1), "shards": len(shards), "rows": rows, "threads": THREADS, "rounds": ROUNDS,
+        "data_mb": round(total / 1e6, 1),
+        "shards": len(shards),
+        "rows": rows,
+        "threads": THREADS,
+        "rounds": ROUNDS,
         "warm_object_store_bytes": max(v["object_bytes"] for v in warm.values()),
         "warm_reads": warm,
         "first_epoch_object_bytes": first["bytes_out"].get("GET", 0),
@@ -127,12 +133,15 @@ def _measure(rt, scratch: Path) -> dict:
         "warm_cached_read_mbps": round(total / statistics.median(cached_t) / 1e6, 1),
         "local_pyarrow_read_mbps": round(total / statistics.median(local_t) / 1e6, 1),
         "cold_vs_boto3_ratio": round(cold_mbps / boto_mbps, 3),
-        "cold_fill_mbps": round(cold_mbps, 1), "boto3_mbps": round(boto_mbps, 1),
-        "cold_rounds": cold, "boto3_rounds": boto,
+        "cold_fill_mbps": round(cold_mbps, 1),
+        "boto3_mbps": round(boto_mbps, 1),
+        "cold_rounds": cold,
+        "boto3_rounds": boto,
         **tok,
         "goals": GOALS,
         "goals_met": {
-            "warm_object_store_bytes": max(v["object_bytes"] for v in warm.values()) <= GOALS["warm_object_store_bytes"],
+            "warm_object_store_bytes": max(v["object_bytes"] for v in warm.values())
+            <= GOALS["warm_object_store_bytes"],
             "warm_vs_local_ratio": warm_local_ratio >= GOALS["warm_vs_local_ratio"],
             "cold_vs_boto3_ratio": cold_mbps / boto_mbps >= GOALS["cold_vs_boto3_ratio"],
         },
@@ -144,8 +153,11 @@ def _say(msg: str) -> None:
 
 
 def _summ(t: dict) -> dict:
-    return {"object_bytes": t["bytes_out"].get("GET", 0), "requests": t["requests"],
-            "listing_bytes": t["bytes_out"].get("LIST", 0)}
+    return {
+        "object_bytes": t["bytes_out"].get("GET", 0),
+        "requests": t["requests"],
+        "listing_bytes": t["bytes_out"].get("LIST", 0),
+    }
 
 
 def _timed(fn) -> float:
@@ -174,10 +186,13 @@ def _write_shards(prefix: str, ctx, mb: int, gen: Path) -> int:
     for i in range(N_SHARDS):
         idx = (np.arange(per_shard) + i * per_shard) % len(texts)
         emb = rng.standard_normal((per_shard, EMBED_DIM), dtype=np.float32)
-        table = pa.table({
-            "text": [texts[j] for j in idx], "label": [labels[j] for j in idx],
-            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), EMBED_DIM),
-        })
+        table = pa.table(
+            {
+                "text": [texts[j] for j in idx],
+                "label": [labels[j] for j in idx],
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), EMBED_DIM),
+            }
+        )
         path = gen / f"part-{i:05d}.parquet"
         pq.write_table(table, path)
         uploads.append((path, key_prefix + path.name))
@@ -222,7 +237,10 @@ def _ray_read(shards, ctx, cache_cfg) -> int:
 
     ray.data.DataContext.get_current().enable_progress_bars = False
 
-    return sum(b.num_rows for b in read_dataset(shards, "parquet", ctx, cache_cfg).iter_batches(batch_size=None, batch_format="pyarrow"))
+    return sum(
+        b.num_rows
+        for b in read_dataset(shards, "parquet", ctx, cache_cfg).iter_batches(batch_size=None, batch_format="pyarrow")
+    )
 
 
 def _later_trial(shards, ctx, cache_cfg) -> int:
@@ -238,8 +256,10 @@ def _second_job(prefix: str, ctx, cache_cfg) -> int:
 
     import ray
 
-    code = ("import json, sys, ray; from workflows.bench.data import _job_main; "
-            "print(json.dumps(_job_main(*json.loads(sys.argv[1]))))")
+    code = (
+        "import json, sys, ray; from workflows.bench.data import _job_main; "
+        "print(json.dumps(_job_main(*json.loads(sys.argv[1]))))"
+    )
     args = json.dumps([ray.get_runtime_context().gcs_address, prefix, ctx.endpoint_url, cache_cfg.model_dump()])
     out = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -300,20 +320,29 @@ def _tokenize_speedup(cfg) -> dict:
     def one_process():
         tok = Tokenize(*args)
         for i in range(0, len(df), p.batch_size):
-            tok(df.iloc[i:i + p.batch_size])
+            tok(df.iloc[i : i + p.batch_size])
 
     def ray_data():
         step = -(-len(df) // 16)
-        ds = ray.data.from_pandas([df.iloc[i:i + step] for i in range(0, len(df), step)])
-        out = ds.map_batches(Tokenize, batch_format="pandas", batch_size=p.batch_size,
-                             compute=ray.data.ActorPoolStrategy(size=2), fn_constructor_args=args)
+        ds = ray.data.from_pandas([df.iloc[i : i + step] for i in range(0, len(df), step)])
+        out = ds.map_batches(
+            Tokenize,
+            batch_format="pandas",
+            batch_size=p.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=2),
+            fn_constructor_args=args,
+        )
         assert out.count() == len(df)
 
     single = _timed(one_process)
     parallel = _timed(ray_data)
     _say(f"bench data: tokenize {n} rows: one process {single:.1f}s, Ray Data x2 {parallel:.1f}s")
-    return {"tokenize_rows": n, "tokenize_one_process_s": round(single, 2), "tokenize_ray_data_s": round(parallel, 2),
-            "tokenize_speedup": round(single / parallel, 2)}
+    return {
+        "tokenize_rows": n,
+        "tokenize_one_process_s": round(single, 2),
+        "tokenize_ray_data_s": round(parallel, 2),
+        "tokenize_speedup": round(single / parallel, 2),
+    }
 
 
 def markdown(r: dict) -> str:
@@ -325,21 +354,21 @@ def markdown(r: dict) -> str:
     w = r["warm_reads"]
     return f"""## Data plane
 
-`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs). {r['shards']} parquet shards, {r['data_mb']} MB,
-{r['rows']} rows, on the embedded S3 endpoint (moto over HTTP in its own process); requests and bytes are
-counted by the endpoint itself. Throughputs are medians of {r['rounds']} alternating rounds, {r['threads']} threads each.
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs). {r["shards"]} parquet shards, {r["data_mb"]} MB,
+{r["rows"]} rows, on the embedded S3 endpoint (moto over HTTP in its own process); requests and bytes are
+counted by the endpoint itself. Throughputs are medians of {r["rounds"]} alternating rounds, {r["threads"]} threads each.
 
 | measure | value | goal |
 | --- | --- | --- |
-| `warm_object_store_bytes` (max of second epoch / later trial / second job) | {r['warm_object_store_bytes']} B | 0 ({mark('warm_object_store_bytes')}) |
-| object bytes served: second epoch, later trial (Ray task), second job (new driver) | {w['second_epoch']['object_bytes']} / {w['later_trial']['object_bytes']} / {w['second_job']['object_bytes']} B | |
-| requests at the endpoint during the second job | {w['second_job']['requests']} | |
-| object bytes served during the first epoch | {r['first_epoch_object_bytes'] / 1e6:.1f} MB | |
-| `warm_vs_local_ratio` (list + cached pyarrow read ÷ pyarrow read of the same local files) | {r['warm_vs_local_ratio']:.3f} ({r['warm_cached_read_mbps']:.0f} vs {r['local_pyarrow_read_mbps']:.0f} MB/s) | >= 0.9 ({mark('warm_vs_local_ratio')}) |
-| `cold_vs_boto3_ratio` (empty cache fill ÷ boto3 parallel download) | {r['cold_vs_boto3_ratio']:.3f} ({r['cold_fill_mbps']:.0f} vs {r['boto3_mbps']:.0f} MB/s) | >= 0.8 ({mark('cold_vs_boto3_ratio')}) |
-| `tokenize_speedup` (Ray Data, 2 actors on 2 CPUs ÷ one process), {r['tokenize_rows']} rows | {r['tokenize_speedup']:.2f}x ({r['tokenize_one_process_s']:.1f}s vs {r['tokenize_ray_data_s']:.1f}s) | |
+| `warm_object_store_bytes` (max of second epoch / later trial / second job) | {r["warm_object_store_bytes"]} B | 0 ({mark("warm_object_store_bytes")}) |
+| object bytes served: second epoch, later trial (Ray task), second job (new driver) | {w["second_epoch"]["object_bytes"]} / {w["later_trial"]["object_bytes"]} / {w["second_job"]["object_bytes"]} B | |
+| requests at the endpoint during the second job | {w["second_job"]["requests"]} | |
+| object bytes served during the first epoch | {r["first_epoch_object_bytes"] / 1e6:.1f} MB | |
+| `warm_vs_local_ratio` (list + cached pyarrow read ÷ pyarrow read of the same local files) | {r["warm_vs_local_ratio"]:.3f} ({r["warm_cached_read_mbps"]:.0f} vs {r["local_pyarrow_read_mbps"]:.0f} MB/s) | >= 0.9 ({mark("warm_vs_local_ratio")}) |
+| `cold_vs_boto3_ratio` (empty cache fill ÷ boto3 parallel download) | {r["cold_vs_boto3_ratio"]:.3f} ({r["cold_fill_mbps"]:.0f} vs {r["boto3_mbps"]:.0f} MB/s) | >= 0.8 ({mark("cold_vs_boto3_ratio")}) |
+| `tokenize_speedup` (Ray Data, 2 actors on 2 CPUs ÷ one process), {r["tokenize_rows"]} rows | {r["tokenize_speedup"]:.2f}x ({r["tokenize_one_process_s"]:.1f}s vs {r["tokenize_ray_data_s"]:.1f}s) | |
 
 The cold fill hashes every byte (sha256, for later verification) and fsyncs before the rename; boto3
 does neither. On a 2-CPU machine the tokenizer's own Rust threads already use both cores in one process,
 which bounds the Ray Data speedup.
-"""
+"""  # noqa: E501 (markdown table rows: one line each)

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from workflows.storage.atomic import atomic_write
+
 GOAL_MFU = 0.50
 GPU_DEFAULTS = {"size": "gpt2-124m", "seq_len": 1024, "micro_batch": 16, "steps": 30, "warmup": 5}
 # No GPU: a size a 2-core machine steps through in a minute, to show the path runs end to end
@@ -80,14 +82,24 @@ def worker(args: argparse.Namespace) -> dict:
     fpt = flops_per_token(params, layers, hidden, args.seq_len)
     tokens_per_s = stats["tokens_per_s"]
     result = {
-        "device": device_name, "device_type": device.type, "world_size": world_size, "size": args.size,
-        "shape": dict(zip(("n_layer", "n_embd", "n_head"), SIZES[args.size])), "params": params,
-        "seq_len": args.seq_len, "micro_batch": args.micro_batch, "global_batch_tokens": args.micro_batch * args.seq_len * world_size,
+        "device": device_name,
+        "device_type": device.type,
+        "world_size": world_size,
+        "size": args.size,
+        "shape": dict(zip(("n_layer", "n_embd", "n_head"), SIZES[args.size])),
+        "params": params,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "global_batch_tokens": args.micro_batch * args.seq_len * world_size,
         "precision": "bf16 (FSDP2 MixedPrecisionPolicy)" if gpu else "fp32",
         "activation_checkpointing": args.activation_checkpointing,
-        "warmup_steps": args.warmup, "steps": stats["steps"], "seconds": round(stats["epoch_seconds"], 3),
-        "tokens_per_s": round(tokens_per_s, 1), "tokens_per_s_per_device": round(tokens_per_s / world_size, 1),
-        "flops_per_token": fpt, "achieved_tflops_per_device": round(tokens_per_s * fpt / world_size / 1e12, 3),
+        "warmup_steps": args.warmup,
+        "steps": stats["steps"],
+        "seconds": round(stats["epoch_seconds"], 3),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s_per_device": round(tokens_per_s / world_size, 1),
+        "flops_per_token": fpt,
+        "achieved_tflops_per_device": round(tokens_per_s * fpt / world_size / 1e12, 3),
         "peak_bf16_tflops_per_device": peak / 1e12 if peak else None,
         "mfu": round(mfu(tokens_per_s, params, layers, hidden, args.seq_len, world_size, device), 4) if peak else None,
         "first_loss": warm["step_losses"][0] if warm["step_losses"] else stats["step_losses"][0],
@@ -120,15 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     result = worker(args)
     if int(os.environ.get("RANK", "0")) == 0:
-        line = (f"bench lm: {result['size']} ({result['params'] / 1e6:.0f}M) seq {result['seq_len']} x {result['micro_batch']}"
-                f" on {result['world_size']} x {result['device']}: {result['tokens_per_s']:.0f} tokens/s, "
-                f"{result['achieved_tflops_per_device']:.1f} TFLOP/s per device, MFU "
-                + (f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a (no GPU bf16 peak)"))
+        line = (
+            f"bench lm: {result['size']} ({result['params'] / 1e6:.0f}M) seq {result['seq_len']}"
+            f" x {result['micro_batch']}"
+            f" on {result['world_size']} x {result['device']}: {result['tokens_per_s']:.0f} tokens/s, "
+            f"{result['achieved_tflops_per_device']:.1f} TFLOP/s per device, MFU "
+            + (f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a (no GPU bf16 peak)")
+        )
         print(line, flush=True)
         if args.output:
-            tmp = Path(args.output + ".tmp")
-            tmp.write_text(json.dumps(result, indent=2))
-            os.replace(tmp, args.output)
+            atomic_write(args.output, json.dumps(result, indent=2))
     return 0
 
 
@@ -154,10 +167,27 @@ def run(config: str | None, overrides: list[str]) -> dict:
     procs = max(gpus, 1)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "lm.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", "-m", "workflows.bench.lm",
-               "--size", str(defaults["size"]), "--seq-len", str(defaults["seq_len"]), "--micro-batch",
-               str(defaults["micro_batch"]), "--steps", str(defaults["steps"]), "--warmup", str(defaults["warmup"]),
-               "--output", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={procs}",
+            "-m",
+            "workflows.bench.lm",
+            "--size",
+            str(defaults["size"]),
+            "--seq-len",
+            str(defaults["seq_len"]),
+            "--micro-batch",
+            str(defaults["micro_batch"]),
+            "--steps",
+            str(defaults["steps"]),
+            "--warmup",
+            str(defaults["warmup"]),
+            "--output",
+            out,
+        ]
         t0 = time.time()
         subprocess.run(cmd, check=True)
         result = json.loads(Path(out).read_text())
@@ -171,22 +201,25 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
 def markdown(r: dict) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-    head = (f"Measured on {r['world_size']} x {r['device']}." if r["gpu_available"] else
-            "**No GPU was available for this run**: it ran on the CPU at a small size to show the path works; "
-            "its tokens/s say nothing about GPUs and MFU is not computed (no GPU peak). Run "
-            "`workflows bench lm` on a GPU machine to fill this section with the GPT-2 124M, seq 1024, bf16 figures.")
+    head = (
+        f"Measured on {r['world_size']} x {r['device']}."
+        if r["gpu_available"]
+        else "**No GPU was available for this run**: it ran on the CPU at a small size to show the path works; "
+        "its tokens/s say nothing about GPUs and MFU is not computed (no GPU peak). Run "
+        "`workflows bench lm` on a GPU machine to fill this section with the GPT-2 124M, seq 1024, bf16 figures."
+    )
     return f"""## Causal-LM pretraining: tokens/s and MFU (FSDP2, no Ray)
 
-`{r['command']}` ({r['measured_at']}; it runs `{r['torchrun_command']}`). {head}
+`{r["command"]}` ({r["measured_at"]}; it runs `{r["torchrun_command"]}`). {head}
 
 | model | params | seq x micro-batch x devices | precision | tokens/s | TFLOP/s per device | MFU | goal | peak memory |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-| {r['size']} ({r['shape']['n_layer']} x {r['shape']['n_embd']}) | {r['params'] / 1e6:.1f}M | {r['seq_len']} x {r['micro_batch']} x {r['world_size']} | {r['precision']} | {r['tokens_per_s']:.0f} | {r['achieved_tflops_per_device']:.2f} | {mfu} | >= {r['goal_mfu']:.0%} ({'met' if r['meets_goal'] else '**not met**' if r['gpu_available'] else 'not measured'}) | {f"{r['peak_memory_gib']} GiB" if r['peak_memory_gib'] is not None else 'n/a'} |
+| {r["size"]} ({r["shape"]["n_layer"]} x {r["shape"]["n_embd"]}) | {r["params"] / 1e6:.1f}M | {r["seq_len"]} x {r["micro_batch"]} x {r["world_size"]} | {r["precision"]} | {r["tokens_per_s"]:.0f} | {r["achieved_tflops_per_device"]:.2f} | {mfu} | >= {r["goal_mfu"]:.0%} ({"met" if r["meets_goal"] else "**not met**" if r["gpu_available"] else "not measured"}) | {f"{r['peak_memory_gib']} GiB" if r["peak_memory_gib"] is not None else "n/a"} |
 
-{r['steps']} measured steps after {r['warmup_steps']} warm-up steps; loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}
+{r["steps"]} measured steps after {r["warmup_steps"]} warm-up steps; loss {r["first_loss"]:.3f} -> {r["last_loss"]:.3f}
 on random tokens (it should stay near ln(vocab): the data is noise, only the speed is measured).
-flops/token = 6N + 12·L·h·s = {r['flops_per_token'] / 1e9:.3f} GFLOP.
-"""
+flops/token = 6N + 12·L·h·s = {r["flops_per_token"] / 1e9:.3f} GFLOP.
+"""  # noqa: E501 (markdown table rows: one line each)
 
 
 if __name__ == "__main__":

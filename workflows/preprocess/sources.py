@@ -41,13 +41,17 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
         raise UserError(f"access denied listing {uri}: check the AWS credentials and the bucket policy") from None
     except OSError as e:  # endpoint unreachable after s3fs's retries
         raise UserError(f"cannot list {uri} (endpoint {ctx.endpoint_url or 'default'}): {e}") from None
-    paths = sorted(p for p, i in infos.items() if i.get("type") != "directory" and not p.rsplit("/", 1)[-1].startswith((".", "_")))
+    paths = sorted(
+        p for p, i in infos.items() if i.get("type") != "directory" and not p.rsplit("/", 1)[-1].startswith((".", "_"))
+    )
     if not paths:
         check_bucket(uri, ctx)  # "bucket not found" says more than "no shard matched"
         raise UserError(f"no shard matched {uri} (pattern {PATTERN if fmt == 'auto' else '*.' + fmt})")
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
-        raise UserError(f"cannot tell one format for the shards at {uri} (found {sorted(map(str, formats))}); set data.format")
+        raise UserError(
+            f"cannot tell one format for the shards at {uri} (found {sorted(map(str, formats))}); set data.format"
+        )
     shards = [Shard(with_protocol(uri, p), int(infos[p].get("size") or 0), object_version(infos[p])) for p in paths]
     return shards, formats.pop()
 
@@ -65,7 +69,9 @@ def _read_local(path: str, fmt: str):
     return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True))
 
 
-def _read_one(uri: str, fmt: str, ctx: StorageContext, shard_cache, version: str | None = None, size: int | None = None):
+def _read_one(
+    uri: str, fmt: str, ctx: StorageContext, shard_cache, version: str | None = None, size: int | None = None
+):
     import pyarrow as pa
 
     try:
@@ -105,10 +111,14 @@ def check_schema(uri: str, table, fmt: str, reference: tuple[str, dict[str, str]
     ref_uri, ref = reference
     got = _column_types(table, fmt)
     if set(got) != set(ref):
-        raise UserError(f"schema differs between shards: {uri} has columns {sorted(got)} but {ref_uri} has {sorted(ref)}")
+        raise UserError(
+            f"schema differs between shards: {uri} has columns {sorted(got)} but {ref_uri} has {sorted(ref)}"
+        )
     for col, t in got.items():
         if t != ref[col] and "null" not in (t, ref[col]):
-            raise UserError(f"schema differs between shards: column {col!r} is {t} in {uri} but {ref[col]} in {ref_uri}")
+            raise UserError(
+                f"schema differs between shards: column {col!r} is {t} in {uri} but {ref[col]} in {ref_uri}"
+            )
 
 
 def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, reference=None):
@@ -120,7 +130,11 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
     shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
     before = shard_cache.stats() if shard_cache is not None else None
     for uri, version, size in zip(batch["uri"], batch["version"], batch["size"]):
-        uri, version, size = str(uri), (None if version is None else str(version)), (None if size is None else int(size))
+        uri, version, size = (
+            str(uri),
+            (None if version is None else str(version)),
+            (None if size is None else int(size)),
+        )
         table = _read_one(uri, fmt, ctx, shard_cache, version if version else None, size if version else None)
         check_schema(uri, table, fmt, reference)
         tables.append(table)
@@ -143,8 +157,14 @@ def reference_schema(shard: Shard, fmt: str, ctx: StorageContext, cache=None) ->
     return shard.uri, _column_types(table, fmt)
 
 
-def read_shards(shards: list[str | Shard], fmt: str, ctx: StorageContext, cache=None, num_cpus: float | None = None,
-                check_schemas: bool = True):
+def read_shards(
+    shards: list[str | Shard],
+    fmt: str,
+    ctx: StorageContext,
+    cache=None,
+    num_cpus: float | None = None,
+    check_schemas: bool = True,
+):
     """A Ray Dataset over exactly these shards, one read task per shard, through the shard cache.
 
     Shards from `list_shards` carry their version and size from the listing, so a warm read
@@ -165,8 +185,14 @@ def read_shards(shards: list[str | Shard], fmt: str, ctx: StorageContext, cache=
         items = [{"uri": s.uri, "version": s.version, "size": s.size} for s in group]
         ds = ray.data.from_items(items, override_num_blocks=len(group))
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)} if node_id else {}
-        return ds.map_batches(_read_shard_batch, batch_size=1, batch_format="pyarrow", num_cpus=num_cpus, **placement,
-                              fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference})
+        return ds.map_batches(
+            _read_shard_batch,
+            batch_size=1,
+            batch_format="pyarrow",
+            num_cpus=num_cpus,
+            **placement,
+            fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference},
+        )
 
     groups = shard_placement(shards) if cache is not None and cache.enabled else {}
     reference = None

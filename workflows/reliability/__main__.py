@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     names = args.only or [r.name for r in ROWS if r.fast or r.recorded or not args.fast]
-    command = "python -m workflows.reliability " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m workflows.reliability " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     scratch = Path(tempfile.mkdtemp(prefix="workflows-reliability-"))
     rows, bad = [], []
     for name in names:
@@ -47,17 +49,28 @@ def main(argv: list[str] | None = None) -> int:
             row = fn(workdir, seed=args.seed, **kwargs)
         except Exception as e:  # noqa: BLE001 - a row that crashes is a failed row, reported
             traceback.print_exc()
-            row = make_row(name, injected=None, survived=0, failed=1, allowed_failures=0, lost=0,
-                           detail=f"the row itself crashed: {type(e).__name__}: {str(e)[:300]}")
+            row = make_row(
+                name,
+                injected=None,
+                survived=0,
+                failed=1,
+                allowed_failures=0,
+                lost=0,
+                detail=f"the row itself crashed: {type(e).__name__}: {str(e)[:300]}",
+            )
         row.setdefault("seconds", round(time.time() - t0, 1))
         row["command"] = command.strip()
         if row.get("measured") is not False:  # a recorded row keeps its source's date; an absent one has none
             row["measured_at"] = row.get("measured_at") or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         row["fast"] = BY_NAME[name].fast
         ok = passed(row)
-        print(f"reliability: {name}: injected {row['injected']}, survived {row['survived']}, failed {row['failed']} "
-              f"(allowed {row['allowed_failures']}), lost {row['lost']} -> "
-              f"{'ok' if ok else 'not measured' if ok is None else 'FAILED'} ({row['seconds']}s)", file=sys.stderr, flush=True)
+        print(
+            f"reliability: {name}: injected {row['injected']}, survived {row['survived']}, failed {row['failed']} "
+            f"(allowed {row['allowed_failures']}), lost {row['lost']} -> "
+            f"{'ok' if ok else 'not measured' if ok is None else 'FAILED'} ({row['seconds']}s)",
+            file=sys.stderr,
+            flush=True,
+        )
         if ok is False:
             bad.append(name)
         rows.append(row)

@@ -29,6 +29,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from workflows.reliability import make_row
+from workflows.storage.atomic import atomic_write
 from workflows.storage.cache import ShardCache, _uri_prefix
 from workflows.storage.uri import StorageContext, filesystem
 
@@ -87,10 +88,7 @@ def _child_fetch(directory: str, ctx: StorageContext, uri: str, version, size, d
     SlowLocalFileSystem.delay_s = delay
     path = ShardCache(directory, ctx, chunk_size=CHUNK).fetch(uri, version, size)
     if out:
-        tmp = f"{out}.tmp"
-        with open(tmp, "w") as f:
-            f.write(sha_file(path))
-        os.replace(tmp, out)
+        atomic_write(out, sha_file(path))
 
 
 def cache_download_kill(workdir: Path, seed: int = 0, local_kills: int = 14, s3_kills: int = 6) -> dict:
@@ -158,24 +156,40 @@ def cache_download_kill(workdir: Path, seed: int = 0, local_kills: int = 14, s3_
             injected_proxy = dict(proxy.counts)
     lost = stats["corrupt_entries"] + stats["corrupt_reads"]
     failed = stats["read_errors"] + (stats["waiters"] - stats["waiter_ok"])
-    detail = (f"{stats['kills']} SIGKILLs over {len(local) + len(remote)} downloads ({len(local)} slowfile://, "
-              f"{len(remote)} s3:// via a 1 MiB/s proxy, {CHUNK // 1024} KiB chunks, 1 MiB shards): "
-              f"{stats['mid_download']} mid-download (temp file left), {stats['before']} before it began, "
-              f"{stats['between_rename_and_sidecar']} between data rename and sidecar, {stats['after']} after it completed; "
-              f"{stats['waiters']} rounds had a second process waiting on the entry's lock ({stats['waiter_ok']} got exact bytes); "
-              f"{stats['reads_ok']}/{stats['reads']} later reads exact (sha256), the last pass with verify_checksums; "
-              f"{stats['corrupt_entries']} corrupt entries visible to readers; {len(debris)} temp files left at the end")
+    detail = (
+        f"{stats['kills']} SIGKILLs over {len(local) + len(remote)} downloads ({len(local)} slowfile://, "
+        f"{len(remote)} s3:// via a 1 MiB/s proxy, {CHUNK // 1024} KiB chunks, 1 MiB shards): "
+        f"{stats['mid_download']} mid-download (temp file left), {stats['before']} before it began, "
+        f"{stats['between_rename_and_sidecar']} between data rename and sidecar, {stats['after']} after it completed; "
+        f"{stats['waiters']} rounds had a second process waiting on the entry's lock "
+        f"({stats['waiter_ok']} got exact bytes); "
+        f"{stats['reads_ok']}/{stats['reads']} later reads exact (sha256), the last pass with verify_checksums; "
+        f"{stats['corrupt_entries']} corrupt entries visible to readers; {len(debris)} temp files left at the end"
+    )
     if errors:
         detail += "; errors: " + " | ".join(errors[:5])
-    return make_row("cache_download_kill", injected=stats["kills"], survived=stats["rounds_ok"], failed=failed,
-                    allowed_failures=0, lost=lost, detail=detail, stats=stats, failures=errors, seconds=round(time.time() - t_start, 1),
-                    download_window_s={k: round(v, 2) for k, v in durations.items()}, proxy=injected_proxy)
+    return make_row(
+        "cache_download_kill",
+        injected=stats["kills"],
+        survived=stats["rounds_ok"],
+        failed=failed,
+        allowed_failures=0,
+        lost=lost,
+        detail=detail,
+        stats=stats,
+        failures=errors,
+        seconds=round(time.time() - t_start, 1),
+        download_window_s={k: round(v, 2) for k, v in durations.items()},
+        proxy=injected_proxy,
+    )
 
 
 def _calibrate(s: dict, directory: Path) -> float:
     prefix = _uri_prefix(s["canonical"])
-    child = MP.Process(target=_child_fetch, args=(str(directory), s["child_ctx"], s["uri"], s.get("version"),
-                                                  s.get("size"), s["delay"], None))
+    child = MP.Process(
+        target=_child_fetch,
+        args=(str(directory), s["child_ctx"], s["uri"], s.get("version"), s.get("size"), s["delay"], None),
+    )
     child.start()
     deadline = time.time() + 120
     while not list(directory.glob(prefix + "*.tmp-*")) and child.is_alive() and time.time() < deadline:
@@ -188,16 +202,19 @@ def _calibrate(s: dict, directory: Path) -> float:
     return max(window, 0.05)
 
 
-def _kill_round(i: int, s: dict, directory: Path, rng: random.Random, duration: float, by_canonical: dict,
-                stats: dict, errors: list) -> None:
+def _kill_round(
+    i: int, s: dict, directory: Path, rng: random.Random, duration: float, by_canonical: dict, stats: dict, errors: list
+) -> None:
     prefix = _uri_prefix(s["canonical"])
     with_waiter = i % 4 == 3
     # most kills: at a random point of the download window (and a little after it); the others
     # at a random moment from the child's start (imports, stat, locking, or the download)
     wait_for_tmp = with_waiter or rng.random() < 0.8
     delay = rng.uniform(0, 1.1 * duration) if wait_for_tmp else rng.uniform(0, duration)
-    child = MP.Process(target=_child_fetch, args=(str(directory), s["child_ctx"], s["uri"], s.get("version"),
-                                                  s.get("size"), s["delay"], None))
+    child = MP.Process(
+        target=_child_fetch,
+        args=(str(directory), s["child_ctx"], s["uri"], s.get("version"), s.get("size"), s["delay"], None),
+    )
     child.start()
     waiter = None
     out = directory.parent / f"waiter-{i}.sha"
@@ -206,8 +223,10 @@ def _kill_round(i: int, s: dict, directory: Path, rng: random.Random, duration: 
         while not list(directory.glob(prefix + "*.tmp-*")) and time.time() < deadline and child.is_alive():
             time.sleep(0.002)
     if with_waiter:  # blocks on the entry's lock, held by the child that is about to die
-        waiter = MP.Process(target=_child_fetch, args=(str(directory), s["child_ctx"], s["uri"], s.get("version"),
-                                                       s.get("size"), s["delay"], str(out)))
+        waiter = MP.Process(
+            target=_child_fetch,
+            args=(str(directory), s["child_ctx"], s["uri"], s.get("version"), s.get("size"), s["delay"], str(out)),
+        )
         waiter.start()
     time.sleep(delay)
     os.kill(child.pid, signal.SIGKILL)

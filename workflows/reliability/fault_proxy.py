@@ -101,7 +101,7 @@ class FaultProxy:
         self.down = True
         self.stop()
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         self.start()
         return self
 

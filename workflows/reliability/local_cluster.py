@@ -10,10 +10,10 @@ import secrets
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from workflows.reliability import free_port
 

@@ -75,8 +75,15 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
     from workflows.reliability.fault_proxy import FaultProxy
     from workflows.storage.cache import ShardCache
     from workflows.storage.embedded import EmbeddedS3
-    from workflows.storage.uri import (StorageContext, check_bucket, download_dir, filesystem, read_json,
-                                      write_bytes_atomic, write_json)
+    from workflows.storage.uri import (
+        StorageContext,
+        check_bucket,
+        download_dir,
+        filesystem,
+        read_json,
+        write_bytes_atomic,
+        write_json,
+    )
 
     workdir = Path(workdir)
     rng = random.Random(seed)
@@ -104,18 +111,24 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
         client = direct.boto3_client()
         objects = _put_fixture(client, rng)
         raw = {k: v for k, v in objects.items() if k.startswith("raw/")}
-        etags = {o["Key"]: o["ETag"].strip('"') for o in client.list_objects_v2(Bucket=BUCKET, Prefix="raw/")["Contents"]}
+        etags = {
+            o["Key"]: o["ETag"].strip('"') for o in client.list_objects_v2(Bucket=BUCKET, Prefix="raw/")["Contents"]
+        }
         expected_listing = sorted((f"s3://{BUCKET}/{k}", len(v), etags[k]) for k, v in raw.items())
 
         def stored(key: str) -> bytes:
             return client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
 
-        with FaultProxy(s3.endpoint_url, seed=seed, slowdown=0.2, slow=0.05, reset_before=0.05, reset_mid=0.05,
-                        slow_s=(0.2, 1.0)) as proxy:
+        with FaultProxy(
+            s3.endpoint_url, seed=seed, slowdown=0.2, slow=0.05, reset_before=0.05, reset_mid=0.05, slow_s=(0.2, 1.0)
+        ) as proxy:
             ctx = StorageContext(endpoint_url=proxy.url, region="us-east-1", embedded=True, retries=retries)
             for r in range(rounds):
-                op("list_shards", lambda: list_shards(f"s3://{BUCKET}/raw/", ctx),
-                   lambda res: sorted((s.uri, s.size, s.version) for s in res[0]) == expected_listing)
+                op(
+                    "list_shards",
+                    lambda: list_shards(f"s3://{BUCKET}/raw/", ctx),
+                    lambda res: sorted((s.uri, s.size, s.version) for s in res[0]) == expected_listing,
+                )
                 op("check_bucket", lambda: check_bucket(f"s3://{BUCKET}/x", ctx), lambda res: True)
                 cache = ShardCache(str(workdir / f"cache-{r}"), ctx, chunk_size=64 * 1024)
                 for key, data in raw.items():
@@ -127,18 +140,27 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
                 for k in range(4):
                     doc = {"round": r, "k": k, "pad": rng.randbytes(2000).hex()}
                     uri = f"s3://{BUCKET}/docs/{r}-{k}.json"
-                    op("write_json", lambda: write_json(uri, doc, ctx),
-                       lambda _, u=uri, d=doc: json.loads(stored(u.split("/", 3)[3])) == d)
+                    op(
+                        "write_json",
+                        lambda: write_json(uri, doc, ctx),
+                        lambda _, u=uri, d=doc: json.loads(stored(u.split("/", 3)[3])) == d,
+                    )
                     op("read_json", lambda: read_json(uri, ctx), lambda got, d=doc: got == d)
                 blob = rng.randbytes(256 * 1024)
                 key = f"blobs/{r}.bin"
-                op("write_bytes_atomic", lambda: write_bytes_atomic(f"s3://{BUCKET}/{key}", blob, ctx),
-                   lambda _, k=key, b=blob: stored(k) == b)
+                op(
+                    "write_bytes_atomic",
+                    lambda: write_bytes_atomic(f"s3://{BUCKET}/{key}", blob, ctx),
+                    lambda _, k=key, b=blob: stored(k) == b,
+                )
                 dest = workdir / f"model-{r}"
                 dest.mkdir()
                 model = {k.rsplit("/", 1)[1]: v for k, v in objects.items() if k.startswith("models/m/v1/")}
-                op("download_dir", lambda: download_dir(f"s3://{BUCKET}/models/m/v1", ctx, str(dest)),
-                   lambda _, d=dest, m=model: {p.name: p.read_bytes() for p in d.iterdir()} == m)
+                op(
+                    "download_dir",
+                    lambda: download_dir(f"s3://{BUCKET}/models/m/v1", ctx, str(dest)),
+                    lambda _, d=dest, m=model: {p.name: p.read_bytes() for p in d.iterdir()} == m,
+                )
             stages = {}
             if cli:  # preprocess first: train reuses its materialized dataset
                 for stage, through in (("preprocess", _preprocess_through), ("train", _train_through)):
@@ -153,18 +175,29 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
     lost = sum(t[2] for t in outcomes.values())
     per_op = ", ".join(f"{name} {t[0]}/{sum(t)}" for name, t in outcomes.items())
     faults = ", ".join(f"{counts.get(k, 0)} {k}" for k in ("slowdown", "slow", "reset_before", "reset_mid"))
-    detail = (f"{counts.get('requests', 0)} requests through the proxy, faults injected: {faults} "
-              f"(503 SlowDown with S3's XML body; resets are TCP RSTs); StorageContext(retries={retries}); "
-              f"correct: {per_op}")
+    detail = (
+        f"{counts.get('requests', 0)} requests through the proxy, faults injected: {faults} "
+        f"(503 SlowDown with S3's XML body; resets are TCP RSTs); StorageContext(retries={retries}); "
+        f"correct: {per_op}"
+    )
     for stage, result in stages.items():
         detail += f"; CLI {stage} through the proxy: {result['summary']}"
     if errors:
         detail += "; errors: " + " | ".join(errors[:6])
     injected = sum(counts.get(k, 0) for k in ("slowdown", "slow", "reset_before", "reset_mid"))
-    return make_row("object_store_faults", injected=injected, survived=survived, failed=failed, allowed_failures=0,
-                    lost=lost, detail=detail, failures=errors, proxy=counts, per_op={k: dict(zip(("survived", "failed", "lost"), v))
-                                                                    for k, v in outcomes.items()},
-                    seconds=round(time.time() - t_start, 1))
+    return make_row(
+        "object_store_faults",
+        injected=injected,
+        survived=survived,
+        failed=failed,
+        allowed_failures=0,
+        lost=lost,
+        detail=detail,
+        failures=errors,
+        proxy=counts,
+        per_op={k: dict(zip(("survived", "failed", "lost"), v)) for k, v in outcomes.items()},
+        seconds=round(time.time() - t_start, 1),
+    )
 
 
 def _cat(fs_path) -> bytes:
@@ -184,8 +217,13 @@ def _cli_through(proxy, workdir: Path, command: str, extra: list[str] = ()) -> t
     from workflows.reliability import tiny_overrides
 
     tmp = workdir / "cli"
-    overrides = [*tiny_overrides(tmp), "storage.embedded.enabled=false", f"storage.endpoint_url={proxy.url}",
-                 "storage.retries=10", *extra]
+    overrides = [
+        *tiny_overrides(tmp),
+        "storage.embedded.enabled=false",
+        f"storage.endpoint_url={proxy.url}",
+        "storage.retries=10",
+        *extra,
+    ]
     args = [sys.executable, "-m", "workflows", command, "--config", "configs/quickstart.yaml"]
     for o in overrides:
         args += ["--set", o]
@@ -200,8 +238,12 @@ def _cli_through(proxy, workdir: Path, command: str, extra: list[str] = ()) -> t
 
 
 def _exit_error(res, took: float) -> dict:
-    return {"ok": False, "lost": False, "summary": f"exit {res.returncode} after {took:.0f}s",
-            "error": (res.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return {
+        "ok": False,
+        "lost": False,
+        "summary": f"exit {res.returncode} after {took:.0f}s",
+        "error": (res.stderr.strip().splitlines() or ["?"])[-1][:300],
+    }
 
 
 def _preprocess_through(proxy, s3, workdir: Path) -> dict:
@@ -214,8 +256,12 @@ def _preprocess_through(proxy, s3, workdir: Path) -> dict:
     counts = (summary.get("dataset") or summary).get("counts") or {}
     expected = 4 * 40  # 4 classes x data.builtin_rows_per_class
     if sum(counts.values()) != expected:
-        return {"ok": False, "lost": True, "summary": f"exit 0 in {took:.0f}s but {counts} rows, not {expected}",
-                "error": f"processed {sum(counts.values())} rows, expected {expected}"}
+        return {
+            "ok": False,
+            "lost": True,
+            "summary": f"exit 0 in {took:.0f}s but {counts} rows, not {expected}",
+            "error": f"processed {sum(counts.values())} rows, expected {expected}",
+        }
     return {"ok": True, "lost": False, "summary": f"exit 0 in {took:.0f}s, {expected} rows processed {counts}"}
 
 
@@ -238,7 +284,7 @@ def _train_through(proxy, s3, workdir: Path, epochs: int = 2) -> dict:
     listing: dict[str, dict[str, int]] = {}  # checkpoint folder -> file name -> size
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=run_key + "/"):
         for o in page.get("Contents", []):
-            folder, _, name = o["Key"][len(run_key) + 1:].partition("/")
+            folder, _, name = o["Key"][len(run_key) + 1 :].partition("/")
             if folder.startswith("checkpoint_") and name:  # not Ray's checkpoint_manager_snapshot.json file
                 listing.setdefault(folder, {})[name] = o["Size"]
     problems = []
@@ -258,10 +304,14 @@ def _train_through(proxy, s3, workdir: Path, epochs: int = 2) -> dict:
         blob = client.get_object(Bucket=rbucket, Key=f"{rkey}/model.safetensors")["Body"].read()
         weights = sum(t.numel() for t in load(blob).values())
     if len(history) != epochs or len(listing) < 1 or not registered:
-        problems.append(f"{len(history)} epoch(s) of {epochs}, {len(listing)} checkpoint(s), "
-                        f"registered: {registered.get('name')}:v{registered.get('version')}")
-    text = (f"exit 0 in {took:.0f}s, {len(history)} epochs, {len(listing)} complete checkpoint(s) in the store, "
-            f"registered {registered.get('name')}:v{registered.get('version')} ({weights} weights load)")
+        problems.append(
+            f"{len(history)} epoch(s) of {epochs}, {len(listing)} checkpoint(s), "
+            f"registered: {registered.get('name')}:v{registered.get('version')}"
+        )
+    text = (
+        f"exit 0 in {took:.0f}s, {len(history)} epochs, {len(listing)} complete checkpoint(s) in the store, "
+        f"registered {registered.get('name')}:v{registered.get('version')} ({weights} weights load)"
+    )
     if problems:
         return {"ok": False, "lost": True, "summary": text, "error": "; ".join(problems)[:300]}
     return {"ok": True, "lost": False, "summary": text}
@@ -395,30 +445,53 @@ def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BO
     failed_ops = [r for r in results if r["outcome"] not in ("user_error", "ok", "completed before the outage")]
     survived = len(results) - len(failed_ops) + atomic["kills"] - atomic["partial"]
     slowest = max(results, key=lambda r: r["seconds"])
-    parts = [f"{r['op']} [{r['case']}{', temp file present at the outage' if midway.get(r['op']) and r['case'] == 'mid-transfer' else ''}]: "
-             f"{r['outcome']} in {r['seconds']:.1f}s" for r in results]
-    detail = (f"StorageContext(retries={retries}, the default), bound {bound_s:.0f}s per call; "
-              f"slowest {slowest['op']} [{slowest['case']}] {slowest['seconds']:.1f}s; " + "; ".join(parts)
-              + f"; write_bytes_atomic to a local file SIGKILLed {atomic['kills']}x: {atomic['partial']} partial targets, "
-              f"{atomic['debris']} temp files left beside it")
+    parts = [
+        f"{r['op']} [{r['case']}"
+        f"{', temp file present at the outage' if midway.get(r['op']) and r['case'] == 'mid-transfer' else ''}]: "
+        f"{r['outcome']} in {r['seconds']:.1f}s"
+        for r in results
+    ]
+    detail = (
+        f"StorageContext(retries={retries}, the default), bound {bound_s:.0f}s per call; "
+        f"slowest {slowest['op']} [{slowest['case']}] {slowest['seconds']:.1f}s; "
+        + "; ".join(parts)
+        + f"; write_bytes_atomic to a local file SIGKILLed {atomic['kills']}x: {atomic['partial']} partial targets, "
+        f"{atomic['debris']} temp files left beside it"
+    )
     if failed_ops:
-        detail += (f"; {len(failed_ops)} calls did not raise a UserError naming the URI/endpoint (the CLI prints "
-                   "anything else as a traceback): " + " | ".join(f"{r['op']}: {r['message'][:120]}" for r in failed_ops[:3]))
+        detail += (
+            f"; {len(failed_ops)} calls did not raise a UserError naming the URI/endpoint (the CLI prints "
+            "anything else as a traceback): " + " | ".join(f"{r['op']}: {r['message'][:120]}" for r in failed_ops[:3])
+        )
     if lost_notes:
         detail += "; LOST: " + " | ".join(lost_notes)
-    return make_row("object_store_outage", injected=3 + atomic["kills"], survived=survived, failed=len(failed_ops),
-                    allowed_failures=0, lost=lost, detail=detail, seconds=round(time.time() - t_start, 1),
-                    ops=[{k: v for k, v in r.items() if k != "value"} for r in results], atomic_local=atomic,
-                    failures=[f"{r['outcome']}: {r['op']} [{r['case']}]" for r in failed_ops])
+    return make_row(
+        "object_store_outage",
+        injected=3 + atomic["kills"],
+        survived=survived,
+        failed=len(failed_ops),
+        allowed_failures=0,
+        lost=lost,
+        detail=detail,
+        seconds=round(time.time() - t_start, 1),
+        ops=[{k: v for k, v in r.items() if k != "value"} for r in results],
+        atomic_local=atomic,
+        failures=[f"{r['outcome']}: {r['op']} [{r['case']}]" for r in failed_ops],
+    )
 
 
 def _registry_cfg(endpoint_url: str, workdir: Path):
     from workflows.config import load_config
 
-    return load_config(_repo_root() / "configs" / "quickstart.yaml", [
-        "storage.embedded.enabled=false", f"storage.endpoint_url={endpoint_url}", f"cache.dir={workdir}/model-cache",
-        f"output_dir={workdir}/runs",
-    ])
+    return load_config(
+        _repo_root() / "configs" / "quickstart.yaml",
+        [
+            "storage.embedded.enabled=false",
+            f"storage.endpoint_url={endpoint_url}",
+            f"cache.dir={workdir}/model-cache",
+            f"output_dir={workdir}/runs",
+        ],
+    )
 
 
 def _register_fake_model(cfg, ctx, workdir: Path, rng: random.Random) -> None:
@@ -454,7 +527,10 @@ def _dead_endpoint_ops(ctx, cfg, workdir: Path, warm: tuple, bound_s: float) -> 
         "check_bucket": (lambda: check_bucket(f"{u}/x", ctx), f"{u}/x"),
         "list_shards": (lambda: list_shards(f"{u}/raw/", ctx), f"{u}/raw/"),
         "ShardCache.fetch": (lambda: cache.fetch(f"{u}/raw/part-01.jsonl"), f"{u}/raw/part-01.jsonl"),
-        "ShardCache.fetch (version known)": (lambda: cache.fetch(f"{u}/raw/part-02.jsonl", "0" * 32, 10), f"{u}/raw/part-02.jsonl"),
+        "ShardCache.fetch (version known)": (
+            lambda: cache.fetch(f"{u}/raw/part-02.jsonl", "0" * 32, 10),
+            f"{u}/raw/part-02.jsonl",
+        ),
         "ShardCache.fetch (warm, version known)": (lambda: Path(cache.fetch(*warm)).read_bytes(), warm[0]),
         "read_json": (lambda: read_json(f"{u}/docs/a.json", ctx), f"{u}/docs/a.json"),
         "write_json": (lambda: write_json(f"{u}/docs/b.json", {"a": 1}, ctx), f"{u}/docs/b.json"),
@@ -464,9 +540,11 @@ def _dead_endpoint_ops(ctx, cfg, workdir: Path, warm: tuple, bound_s: float) -> 
     }
     out = []
     with ThreadPoolExecutor(max_workers=len(ops)) as pool:  # in parallel: each waits out its own retries
-        futures = {name: pool.submit(_timed, name, "endpoint killed", fn, bound_s, [uri, ctx.endpoint_url])
-                   for name, (fn, uri) in ops.items()}
-        for name, fut in futures.items():
+        futures = {
+            name: pool.submit(_timed, name, "endpoint killed", fn, bound_s, [uri, ctx.endpoint_url])
+            for name, (fn, uri) in ops.items()
+        }
+        for fut in futures.values():
             out.append(fut.result())
     for r in out:  # only the warm read may succeed: served from the cache, no store request needed
         if r["outcome"] == "ok" and r["op"] != "ShardCache.fetch (warm, version known)":
@@ -491,10 +569,23 @@ def _timed(op: str, case: str, fn, bound_s: float, names: list[str]) -> dict:
     th.join(bound_s)
     took = time.perf_counter() - t0
     if th.is_alive():
-        return {"op": op, "case": case, "outcome": "hang", "seconds": round(took, 1), "message": f"still running after {bound_s:.0f}s"}
+        return {
+            "op": op,
+            "case": case,
+            "outcome": "hang",
+            "seconds": round(took, 1),
+            "message": f"still running after {bound_s:.0f}s",
+        }
     err = box.get("error")
     if err is None:
-        return {"op": op, "case": case, "outcome": "ok", "seconds": round(took, 1), "message": "", "value": box.get("value")}
+        return {
+            "op": op,
+            "case": case,
+            "outcome": "ok",
+            "seconds": round(took, 1),
+            "message": "",
+            "value": box.get("value"),
+        }
     msg = f"{type(err).__name__}: {err}"
     named = any(n and n in str(err) for n in names)
     if isinstance(err, UserError):

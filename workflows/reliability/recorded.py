@@ -42,45 +42,72 @@ def serve_load(workdir: Path | None = None, seed: int = 0) -> dict:
         return _absent("serve_load", "benchmarks/results/serve.json has no `load_10k`; run `workflows bench serve` "
                                      "(needs a registered model: `make demo`)")
     errors = int(load.get("errors", 0))
-    return make_row("serve_load", injected=int(load["requests"]), survived=int(load.get("ok", load["requests"] - errors)),
-                    failed=errors, allowed_failures=0, lost=0,
-                    detail=f"{load['requests']} requests at concurrency {load.get('concurrency')}: {errors} errors "
-                           f"{load.get('error_kinds') or ''}, {load.get('rps')} req/s, p99 {load.get('p99_ms')} ms; "
-                           + _source(doc, "serve.json", "load_10k"),
-                    measured=True, measured_at=doc.get("measured_at"), source="benchmarks/results/serve.json")
+    return make_row(
+        "serve_load",
+        injected=int(load["requests"]),
+        survived=int(load.get("ok", load["requests"] - errors)),
+        failed=errors,
+        allowed_failures=0,
+        lost=0,
+        detail=f"{load['requests']} requests at concurrency {load.get('concurrency')}: {errors} errors "
+        f"{load.get('error_kinds') or ''}, {load.get('rps')} req/s, p99 {load.get('p99_ms')} ms; "
+        + _source(doc, "serve.json", "load_10k"),
+        measured=True,
+        measured_at=doc.get("measured_at"),
+        source="benchmarks/results/serve.json",
+    )
 
 
 def serve_replica_kill(workdir: Path | None = None, seed: int = 0) -> dict:
     doc = _load("serve.json")
     kill = (doc or {}).get("replica_kill")
     if not kill:
-        return _absent("serve_replica_kill", "benchmarks/results/serve.json has no `replica_kill`; run `workflows bench serve`")
+        return _absent(
+            "serve_replica_kill", "benchmarks/results/serve.json has no `replica_kill`; run `workflows bench serve`"
+        )
     requests, failed = int(kill["requests"]), int(kill["failed"])
     allowed = int(requests * 0.01)  # the benchmark's goal: < 1% failed
     recovery = kill.get("recovery_s")
-    return make_row("serve_replica_kill", injected=1, survived=requests - failed, failed=failed, allowed_failures=allowed,
-                    lost=0,
-                    detail=f"one of 2 replicas SIGKILLed under {requests} requests at concurrency 64: {failed} failed "
-                           f"({kill.get('failed_after_kill')} after the kill; {kill.get('error_kinds') or {}}), replica "
-                           f"replaced after {recovery if recovery is not None else 'never (within 120 s)'} s; allowed: "
-                           f"< 1% failed; " + _source(doc, "serve.json", "replica_kill"),
-                    measured=True, measured_at=doc.get("measured_at"), source="benchmarks/results/serve.json")
+    return make_row(
+        "serve_replica_kill",
+        injected=1,
+        survived=requests - failed,
+        failed=failed,
+        allowed_failures=allowed,
+        lost=0,
+        detail=f"one of 2 replicas SIGKILLed under {requests} requests at concurrency 64: {failed} failed "
+        f"({kill.get('failed_after_kill')} after the kill; {kill.get('error_kinds') or {}}), replica "
+        f"replaced after {recovery if recovery is not None else 'never (within 120 s)'} s; allowed: "
+        f"< 1% failed; " + _source(doc, "serve.json", "replica_kill"),
+        measured=True,
+        measured_at=doc.get("measured_at"),
+        source="benchmarks/results/serve.json",
+    )
 
 
 def serve_rolling_update(workdir: Path | None = None, seed: int = 0) -> dict:
     doc = _load("serve.json")
     u = (doc or {}).get("rolling_update")
     if not u:
-        return _absent("serve_rolling_update", "benchmarks/results/serve.json has no `rolling_update`; run "
-                                               "`workflows bench serve`")
+        return _absent(
+            "serve_rolling_update", "benchmarks/results/serve.json has no `rolling_update`; run `workflows bench serve`"
+        )
     requests, failed = int(u["requests"]), int(u["failed"])
     # a rollout that never switched lost the new version: counted as a failed rollout
     failed_rollout = 0 if u.get("switched") else 1
-    return make_row("serve_rolling_update", injected=1, survived=requests - failed, failed=failed + failed_rollout,
-                    allowed_failures=0, lost=0,
-                    detail=f"v{u.get('to_version')} deployed over v{u.get('from_version')} (2 replicas) "
-                           f"under {requests} requests at concurrency {u.get('concurrency')}: {failed} failed "
-                           f"{u.get('error_kinds') or ''}; answered by {u['answered_by']}; first answer of the new "
-                           f"version {u.get('first_new_version_s')} s after the deploy began, last of the old one "
-                           f"{u.get('last_old_version_s')} s; " + _source(doc, "serve.json", "rolling_update"),
-                    measured=True, measured_at=doc.get("measured_at"), source="benchmarks/results/serve.json")
+    return make_row(
+        "serve_rolling_update",
+        injected=1,
+        survived=requests - failed,
+        failed=failed + failed_rollout,
+        allowed_failures=0,
+        lost=0,
+        detail=f"v{u.get('to_version')} deployed over v{u.get('from_version')} (2 replicas) "
+        f"under {requests} requests at concurrency {u.get('concurrency')}: {failed} failed "
+        f"{u.get('error_kinds') or ''}; answered by {u['answered_by']}; first answer of the new "
+        f"version {u.get('first_new_version_s')} s after the deploy began, last of the old one "
+        f"{u.get('last_old_version_s')} s; " + _source(doc, "serve.json", "rolling_update"),
+        measured=True,
+        measured_at=doc.get("measured_at"),
+        source="benchmarks/results/serve.json",
+    )

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from workflows.reliability import BY_NAME, ROWS, passed
+from workflows.storage.atomic import atomic_write
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "reliability.json"
@@ -42,9 +43,7 @@ def write_results(new_rows: list[dict], command: str, results: Path = RESULTS, d
 
 def _atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)
 
 
 def _cell(v) -> str:

@@ -61,19 +61,24 @@ def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: 
             failures.append("stage:" + leak["error"])
         else:
             survived += 1
-        notes.append(f"`workflows preprocess` ({leak['seconds']:.0f}s, exit {leak['rc']}) with fake AWS_ACCESS_KEY_ID/"
-                     f"AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN in its environment ({leak['signed']} requests signed with the "
-                     f"fake key id{', others with ' + str(leak['other_keys']) if leak['other_keys'] else ''}): "
-                     f"{leak['files']} files ({leak['bytes'] / 1e6:.1f} MB) scanned in {', '.join(leak['scanned'])}: "
-                     f"{len(leak['hits'])} hold a secret" + (f" ({'; '.join(leak['hits'][:4])})" if leak["hits"] else ""))
+        notes.append(
+            f"`workflows preprocess` ({leak['seconds']:.0f}s, exit {leak['rc']}) with fake AWS_ACCESS_KEY_ID/"
+            f"AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN in its environment ({leak['signed']} requests signed with the "
+            f"fake key id{', others with ' + str(leak['other_keys']) if leak['other_keys'] else ''}): "
+            f"{leak['files']} files ({leak['bytes'] / 1e6:.1f} MB) scanned in {', '.join(leak['scanned'])}: "
+            f"{len(leak['hits'])} hold a secret" + (f" ({'; '.join(leak['hits'][:4])})" if leak["hits"] else "")
+        )
 
     # 2. static
     static = static_checks(ROOT / "workflows")
     injected += static["checked"]
     survived += static["checked"] - len(static["violations"])
     failures += [f"static:{v}" for v in static["violations"]]
-    notes.append(f"static: {static['checked']} load/from_pretrained call sites in {static['files']} files, "
-                 f"{len(static['violations'])} violations" + (f" ({'; '.join(static['violations'])})" if static["violations"] else ""))
+    notes.append(
+        f"static: {static['checked']} load/from_pretrained call sites in {static['files']} files, "
+        f"{len(static['violations'])} violations"
+        + (f" ({'; '.join(static['violations'])})" if static["violations"] else "")
+    )
 
     # 3. names
     names = name_checks()
@@ -81,20 +86,27 @@ def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: 
     survived += names["checked"] - len(names["accepted"]) - len(names["errors"])
     lost += len(names["accepted"])  # an unsafe name taken as a path: a write outside its place
     failures += [f"names:{e}" for e in names["errors"]]
-    notes.append(f"names: {names['checked']} hostile names through parse_spec/check_name/load_config/register: "
-                 f"{names['checked'] - len(names['accepted'])} rejected" +
-                 (f"; ACCEPTED: {names['accepted']}" if names["accepted"] else "") +
-                 (f"; errors: {names['errors'][:3]}" if names["errors"] else ""))
+    notes.append(
+        f"names: {names['checked']} hostile names through parse_spec/check_name/load_config/register: "
+        f"{names['checked'] - len(names['accepted'])} rejected"
+        + (f"; ACCEPTED: {names['accepted']}" if names["accepted"] else "")
+        + (f"; errors: {names['errors'][:3]}" if names["errors"] else "")
+    )
 
     # 4. bearer token
     auth = token_checks()
     injected += auth["checked"]
     survived += auth["checked"] - len(auth["wrong"]) - len(auth["errors"])
     lost += len(auth["wrongly_accepted"])
-    failures += [f"auth:{w}" for w in auth["wrong"] if w not in auth["wrongly_accepted"]] + [f"auth:{e}" for e in auth["errors"]]
-    notes.append(f"bearer token: {auth['checked']} cases of ModelServer._denied / bearer_token, "
-                 f"{auth['checked'] - len(auth['wrong']) - len(auth['errors'])} decided right" +
-                 (f"; wrong: {auth['wrong']}" if auth["wrong"] else "") + (f"; errors: {auth['errors']}" if auth["errors"] else ""))
+    failures += [f"auth:{w}" for w in auth["wrong"] if w not in auth["wrongly_accepted"]] + [
+        f"auth:{e}" for e in auth["errors"]
+    ]
+    notes.append(
+        f"bearer token: {auth['checked']} cases of ModelServer._denied / bearer_token, "
+        f"{auth['checked'] - len(auth['wrong']) - len(auth['errors'])} decided right"
+        + (f"; wrong: {auth['wrong']}" if auth["wrong"] else "")
+        + (f"; errors: {auth['errors']}" if auth["errors"] else "")
+    )
 
     # 5. Ray token auth for job submission
     if full:
@@ -107,13 +119,25 @@ def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: 
         lost += len(ray_auth["wrongly_accepted"])
         failures += [f"ray-auth:{w}" for w in ray_auth["wrong"] if w not in ray_auth["wrongly_accepted"]]
         failures += [f"ray-auth:{e}" for e in ray_auth["errors"]]
-        notes.append(f"Ray token auth (a head node with RAY_AUTH_MODE=token): {ray_auth['checked']} Jobs API / "
-                     f"`ray job submit` cases, {ray_auth['checked'] - len(ray_auth['wrong']) - len(ray_auth['errors'])} "
-                     "decided right" + (f"; wrong: {ray_auth['wrong']}" if ray_auth["wrong"] else "")
-                     + (f"; errors: {ray_auth['errors']}" if ray_auth["errors"] else ""))
+        notes.append(
+            f"Ray token auth (a head node with RAY_AUTH_MODE=token): {ray_auth['checked']} Jobs API / "
+            f"`ray job submit` cases, {ray_auth['checked'] - len(ray_auth['wrong']) - len(ray_auth['errors'])} "
+            "decided right"
+            + (f"; wrong: {ray_auth['wrong']}" if ray_auth["wrong"] else "")
+            + (f"; errors: {ray_auth['errors']}" if ray_auth["errors"] else "")
+        )
     notes += static["notes"]
-    return make_row("secrets_hygiene", injected=injected, survived=survived, failed=len(failures), allowed_failures=0,
-                    lost=lost, detail="; ".join(notes), failures=failures, seconds=round(time.time() - t_start, 1))
+    return make_row(
+        "secrets_hygiene",
+        injected=injected,
+        survived=survived,
+        failed=len(failures),
+        allowed_failures=0,
+        lost=lost,
+        detail="; ".join(notes),
+        failures=failures,
+        seconds=round(time.time() - t_start, 1),
+    )
 
 
 # -- 1. leaks ---------------------------------------------------------------------------------
@@ -130,8 +154,16 @@ def _stage_leaks(workdir: Path) -> dict:
     # request, proof that the fake credentials were really used (else finding none proves nothing)
     with EmbeddedS3(str(s3_dir)) as s3, FaultProxy(s3.endpoint_url) as proxy:
         s3.ensure_bucket("workflows")
-        args = [sys.executable, "-m", "workflows", "preprocess", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-                "--set", f"storage.endpoint_url={proxy.url}"]
+        args = [
+            sys.executable,
+            "-m",
+            "workflows",
+            "preprocess",
+            "--config",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--set",
+            f"storage.endpoint_url={proxy.url}",
+        ]
         for o in overrides:
             args += ["--set", o]
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -147,8 +179,13 @@ def _stage_leaks(workdir: Path) -> dict:
     (tmp / "captured").mkdir(parents=True, exist_ok=True)
     (tmp / "captured" / "stdout.log").write_bytes(out)
     (tmp / "captured" / "stderr.log").write_bytes(err)
-    places = {"stdout/stderr": tmp / "captured", "summaries": tmp / "runs", "shard cache": tmp / "cache",
-              "object store (persisted objects + manifest)": s3_dir, "Ray session logs": ray_tmp}
+    places = {
+        "stdout/stderr": tmp / "captured",
+        "summaries": tmp / "runs",
+        "shard cache": tmp / "cache",
+        "object store (persisted objects + manifest)": s3_dir,
+        "Ray session logs": ray_tmp,
+    }
     hits, files, nbytes = [], 0, 0
     per_place = {}
     needles = [s.encode() for s in SECRETS.values()]
@@ -174,9 +211,17 @@ def _stage_leaks(workdir: Path) -> dict:
     elif not signed.get(FAKE_KEY_ID):
         error = f"the fake credentials signed no request (keys seen: {sorted(signed)})"
     _rmtree(ray_tmp)
-    return {"hits": hits, "files": files, "bytes": nbytes, "rc": rc, "seconds": seconds, "error": error,
-            "scanned": [f"{label} ({n})" for label, n in per_place.items()], "signed": signed.get(FAKE_KEY_ID, 0),
-            "other_keys": sorted(k for k in signed if k != FAKE_KEY_ID)}
+    return {
+        "hits": hits,
+        "files": files,
+        "bytes": nbytes,
+        "rc": rc,
+        "seconds": seconds,
+        "error": error,
+        "scanned": [f"{label} ({n})" for label, n in per_place.items()],
+        "signed": signed.get(FAKE_KEY_ID, 0),
+        "other_keys": sorted(k for k in signed if k != FAKE_KEY_ID),
+    }
 
 
 def _files(root: Path):
@@ -215,8 +260,16 @@ def static_checks(package: Path) -> dict:
                 checked += 1
                 if not _is_true(kw.get("weights_only")):
                     violations.append(f"torch.load without weights_only=True at {where}")
-            elif name in ("pickle.load", "pickle.loads", "cPickle.load", "joblib.load", "dill.load", "dill.loads",
-                          "cloudpickle.load", "cloudpickle.loads"):
+            elif name in (
+                "pickle.load",
+                "pickle.loads",
+                "cPickle.load",
+                "joblib.load",
+                "dill.load",
+                "dill.loads",
+                "cloudpickle.load",
+                "cloudpickle.loads",
+            ):
                 checked += 1
                 violations.append(f"{name} at {where}")
             elif name.endswith(("np.load", "numpy.load")):
@@ -230,9 +283,11 @@ def static_checks(package: Path) -> dict:
     # Outside workflows/: torch.distributed.checkpoint, which the trainer uses for sharded
     # checkpoints, unpickles the checkpoint's `.metadata` (and torch.load(weights_only=False)s any
     # non-tensor entries) when resuming or exporting. Reported, not counted: it is the only DCP format.
-    notes.append("note: torch.distributed.checkpoint unpickles a checkpoint's .metadata on resume/export "
-                 "(workflows/train/checkpoint.py dcp.load, dcp_to_torch_save): checkpoints under runs/ must be "
-                 "as trusted as the code")
+    notes.append(
+        "note: torch.distributed.checkpoint unpickles a checkpoint's .metadata on resume/export "
+        "(workflows/train/checkpoint.py dcp.load, dcp_to_torch_save): checkpoints under runs/ must be "
+        "as trusted as the code"
+    )
     return {"violations": violations, "notes": notes, "checked": checked, "files": files}
 
 
@@ -249,14 +304,41 @@ def _is_true(node) -> bool:
 
 
 def _imported_from(tree, name: str, module: str) -> bool:
-    return any(isinstance(n, ast.ImportFrom) and n.module == module and any(a.name == name for a in n.names)
-               for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.ImportFrom) and n.module == module and any(a.name == name for a in n.names)
+        for n in ast.walk(tree)
+    )
 
 
 # -- 3. names ---------------------------------------------------------------------------------
-HOSTILE_NAMES = ["..", "../etc", "../../etc/passwd", "a/../../b", "a/b", "/abs", ".hidden", "...", "a..b",
-                 "..%2F..%2Fetc", "%2e%2e", "a\\b", "..\\..\\win", "a\x00b", "a\nb", "a b", "", " ", "-rf",
-                 "x" * 65, "ünïcode", "a:b:c", "s3://bucket/key", "~root", "$HOME", "a;rm -rf /"]
+HOSTILE_NAMES = [
+    "..",
+    "../etc",
+    "../../etc/passwd",
+    "a/../../b",
+    "a/b",
+    "/abs",
+    ".hidden",
+    "...",
+    "a..b",
+    "..%2F..%2Fetc",
+    "%2e%2e",
+    "a\\b",
+    "..\\..\\win",
+    "a\x00b",
+    "a\nb",
+    "a b",
+    "",
+    " ",
+    "-rf",
+    "x" * 65,
+    "ünïcode",
+    "a:b:c",
+    "s3://bucket/key",
+    "~root",
+    "$HOME",
+    "a;rm -rf /",
+]
 
 
 def name_checks() -> dict:
@@ -293,7 +375,10 @@ def name_checks() -> dict:
     from workflows.config import load_config as _load
     from workflows.storage.uri import StorageContext
 
-    cfg = _load(ROOT / "configs" / "quickstart.yaml", ["storage.embedded.enabled=false", "storage.root=/nonexistent-reliability"])
+    cfg = _load(
+        ROOT / "configs" / "quickstart.yaml",
+        ["storage.embedded.enabled=false", "storage.root=/nonexistent-reliability"],
+    )
     for bad in ("../evil", "a/b", ".."):
         checked += 1
         try:
@@ -323,12 +408,21 @@ def token_checks() -> dict:
         return Request({"type": "http", "method": "POST", "path": "/predict", "headers": headers})
 
     cases = [  # (header, should be allowed)
-        (None, False), (b"", False), (b"Bearer", False), (b"Bearer ", False), (b"Bearer wrong", False),
-        (b"Bearer " + token.encode()[:-1], False), (b"Bearer " + token.encode() + b"x", False),
-        (b"Basic " + token.encode(), False), (token.encode(), False), (b"Bearer  " + token.encode(), False),
-        (b"Bearer " + token.upper().encode(), False), (b"Bearer s3cret-T\xf6ken_value", False),
+        (None, False),
+        (b"", False),
+        (b"Bearer", False),
+        (b"Bearer ", False),
+        (b"Bearer wrong", False),
+        (b"Bearer " + token.encode()[:-1], False),
+        (b"Bearer " + token.encode() + b"x", False),
+        (b"Basic " + token.encode(), False),
+        (token.encode(), False),
+        (b"Bearer  " + token.encode(), False),
+        (b"Bearer " + token.upper().encode(), False),
+        (b"Bearer s3cret-T\xf6ken_value", False),
         (b"Bearer " + token.encode() + b"\x00", False),
-        (b"Bearer " + token.encode(), True), (b"bearer " + token.encode(), True),
+        (b"Bearer " + token.encode(), True),
+        (b"bearer " + token.encode(), True),
     ]
     wrong, wrongly_accepted, errors, checked = [], [], [], 0
     for header, allowed in cases:
@@ -391,9 +485,11 @@ def ray_token_auth_checks(cluster, workdir: Path) -> dict:
         if leaked:
             wrong.append(f"{case}: the token in its output")
 
-    for case, headers, status in (("HTTP, no token", {}, 401),
-                                  ("HTTP, another token", {"Authorization": f"Bearer {other}"}, 403),
-                                  ("HTTP, the token", {"Authorization": f"Bearer {token}"}, 200)):
+    for case, headers, status in (
+        ("HTTP, no token", {}, 401),
+        ("HTTP, another token", {"Authorization": f"Bearer {other}"}, 403),
+        ("HTTP, the token", {"Authorization": f"Bearer {token}"}, 200),
+    ):
         try:
             got = requests.get(api, headers=headers, timeout=30).status_code
         except requests.RequestException as e:
@@ -405,13 +501,18 @@ def ray_token_auth_checks(cluster, workdir: Path) -> dict:
 
     no_token = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH")}
     refused_markers: dict[str, str | None] = {}
-    for case, env, should_accept in (("ray job submit, no token", no_token, False),
-                                     ("ray job submit, another token", {**cluster.env, "RAY_AUTH_TOKEN": other}, False),
-                                     ("ray job submit, the token", cluster.env, True)):
+    for case, env, should_accept in (
+        ("ray job submit, no token", no_token, False),
+        ("ray job submit, another token", {**cluster.env, "RAY_AUTH_TOKEN": other}, False),
+        ("ray job submit, the token", cluster.env, True),
+    ):
         marker = f"entrypoint-ran-{pysecrets.token_hex(4)}"
         try:
-            res = ray_cli(["job", "submit", "--address", cluster.dashboard, "--", "python", "-c", f"print('{marker}')"],
-                          {**env, "HOME": str(workdir / "home")}, timeout=300)
+            res = ray_cli(
+                ["job", "submit", "--address", cluster.dashboard, "--", "python", "-c", f"print('{marker}')"],
+                {**env, "HOME": str(workdir / "home")},
+                timeout=300,
+            )
         except Exception as e:  # noqa: BLE001 - a hung or crashed client is an error, reported
             errors.append(f"{case}: {type(e).__name__}")
             continue

@@ -95,11 +95,22 @@ def serve_hostile_inputs(workdir: Path, seed: int = 0) -> dict:
         detail += "; e.g. " + " | ".join(f"{o['case']} -> {o['got']}" for o in failed_cases[:8])
     if auth_bypass:
         detail += "; AUTH BYPASS: " + " | ".join(o["case"] for o in auth_bypass)
-    return make_row("serve_hostile_inputs", injected=len(outcomes), survived=survived, failed=failed,
-                    allowed_failures=0, lost=lost, detail=detail, seconds=round(time.time() - t_start, 1),
-                    responses={o["case"]: o["got"] for o in outcomes},
-                    failures=[f"frozen globals: ModelServer.{m} uses {sorted(n)}, undefined in the replica" for m, n in frozen.items()]
-                    + [f"{o['case']} -> {o['got']}" for o in failed_cases], poisoning=poison)
+    return make_row(
+        "serve_hostile_inputs",
+        injected=len(outcomes),
+        survived=survived,
+        failed=failed,
+        allowed_failures=0,
+        lost=lost,
+        detail=detail,
+        seconds=round(time.time() - t_start, 1),
+        responses={o["case"]: o["got"] for o in outcomes},
+        failures=[
+            f"frozen globals: ModelServer.{m} uses {sorted(n)}, undefined in the replica" for m, n in frozen.items()
+        ]
+        + [f"{o['case']} -> {o['got']}" for o in failed_cases],
+        poisoning=poison,
+    )
 
 
 def _functions(cls):
@@ -133,8 +144,11 @@ def frozen_missing_globals() -> dict[str, set[str]]:
     cls = next(c for c in app.ModelServer.func_or_class.__mro__ if "_denied" in c.__dict__)
     missing = {}
     for name, f in _functions(cls):
-        gone = {n for n in _code_globals(f.__code__) if n not in f.__globals__ and not hasattr(builtins, n)
-                and n in vars(app)}
+        gone = {
+            n
+            for n in _code_globals(f.__code__)
+            if n not in f.__globals__ and not hasattr(builtins, n) and n in vars(app)
+        }
         if gone:
             missing[name] = gone
     return missing
@@ -164,8 +178,14 @@ def _register_untrained(rt, workdir: Path) -> str:
     base = resolve_model_dir("minilm")
     load_classifier(base, labels).save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(base).save_pretrained(str(out))
-    meta = {"task": "sequence-classification", "labels": labels, "text_columns": ["text"], "label_column": "label",
-            "max_length": 32, "lineage": {"note": "untrained head, for workflows.reliability"}}
+    meta = {
+        "task": "sequence-classification",
+        "labels": labels,
+        "text_columns": ["text"],
+        "label_column": "label",
+        "max_length": 32,
+        "lineage": {"note": "untrained head, for workflows.reliability"},
+    }
     (out / "workflows.json").write_text(json.dumps(meta))
     ref = registry.register(rt.cfg, rt.storage, str(out), MODEL, meta)
     rt.persist()
@@ -213,15 +233,21 @@ def _raw(host, port, data: bytes, timeout=60):
             while True:
                 try:
                     c = s.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     break
                 if not c:
                     break
                 chunks.append(c)
                 if b"\r\n\r\n" in b"".join(chunks):
                     head, _, rest = b"".join(chunks).partition(b"\r\n\r\n")
-                    n = next((int(h.split(b":", 1)[1]) for h in head.split(b"\r\n")[1:]
-                              if h.lower().startswith(b"content-length:")), None)
+                    n = next(
+                        (
+                            int(h.split(b":", 1)[1])
+                            for h in head.split(b"\r\n")[1:]
+                            if h.lower().startswith(b"content-length:")
+                        ),
+                        None,
+                    )
                     if n is not None and len(rest) >= n:
                         break
         data = b"".join(chunks)
@@ -268,37 +294,71 @@ def hostile_cases(valid: bytes) -> list[dict]:
     post("token + suffix", valid, {**JSON, "Authorization": f"Bearer {TOKEN}x"}, auth=True)
     post("token in the query string", valid, JSON, path=f"/predict?token={TOKEN}", auth=True)
     post("100 KB Authorization header", valid, {**JSON, "Authorization": "Bearer " + "a" * 100_000}, auth=True)
-    cases.append({"name": "model info without token", "method": "GET", "path": f"/v1/models/{MODEL}", "headers": {}, "auth": True})
+    cases.append(
+        {
+            "name": "model info without token",
+            "method": "GET",
+            "path": f"/v1/models/{MODEL}",
+            "headers": {},
+            "auth": True,
+        }
+    )
     # not JSON, bad encodings
-    for name, body in [("not json", b"not json"), ("empty body", b""), ("truncated json", b'{"instances": [{"text": "x"'),
-                       ("trailing garbage", valid + b"garbage"), ("binary", bytes(range(256))),
-                       ("invalid UTF-8 in a string", b'{"instances": [{"text": "\xff\xfe bad"}]}'),
-                       ("invalid UTF-8 outside strings", b"\xff" + valid), ("UTF-8 BOM + garbage", b"\xef\xbb\xbf{]"),
-                       ("gzip bytes", b"\x1f\x8b\x08\x00\x00\x00\x00\x00"), ("single quotes", b"{'instances': [{'text': 'x'}]}"),
-                       ("NaN text", b'{"instances": [{"text": NaN}]}'), ("Infinity text", b'{"instances": [{"text": Infinity}]}'),
-                       ("5000-digit integer", b'{"instances": [{"text": ' + b"9" * 5000 + b"}]}"),
-                       ("lone surrogate escape", b'{"instances": [{"text": "\\ud800 x"}]}'),
-                       ("lone low surrogate escape", b'{"instances": [{"text": "a \\udfff b"}]}'),
-                       ("duplicate keys, last one bad", b'{"instances": [{"text": "x"}], "instances": 3}')]:
+    for name, body in [
+        ("not json", b"not json"),
+        ("empty body", b""),
+        ("truncated json", b'{"instances": [{"text": "x"'),
+        ("trailing garbage", valid + b"garbage"),
+        ("binary", bytes(range(256))),
+        ("invalid UTF-8 in a string", b'{"instances": [{"text": "\xff\xfe bad"}]}'),
+        ("invalid UTF-8 outside strings", b"\xff" + valid),
+        ("UTF-8 BOM + garbage", b"\xef\xbb\xbf{]"),
+        ("gzip bytes", b"\x1f\x8b\x08\x00\x00\x00\x00\x00"),
+        ("single quotes", b"{'instances': [{'text': 'x'}]}"),
+        ("NaN text", b'{"instances": [{"text": NaN}]}'),
+        ("Infinity text", b'{"instances": [{"text": Infinity}]}'),
+        ("5000-digit integer", b'{"instances": [{"text": ' + b"9" * 5000 + b"}]}"),
+        ("lone surrogate escape", b'{"instances": [{"text": "\\ud800 x"}]}'),
+        ("lone low surrogate escape", b'{"instances": [{"text": "a \\udfff b"}]}'),
+        ("duplicate keys, last one bad", b'{"instances": [{"text": "x"}], "instances": 3}'),
+    ]:
         post(name, body)
     # wrong shapes and types
-    for name, doc in [("null", None), ("number", 1), ("string", "x"), ("list", [1, 2]), ("true", True),
-                      ("empty object", {}), ("instances null", {"instances": None}), ("instances number", {"instances": 7}),
-                      ("instances string", {"instances": "text"}), ("instances object", {"instances": {"text": "x"}}),
-                      ("instances empty", {"instances": []}), ("instance null", {"instances": [None]}),
-                      ("instance number", {"instances": [1]}), ("instance string", {"instances": ["text"]}),
-                      ("instance list", {"instances": [["text", "x"]]}), ("instance empty", {"instances": [{}]}),
-                      ("text null", {"instances": [{"text": None}]}), ("text number", {"instances": [{"text": 3}]}),
-                      ("text bool", {"instances": [{"text": True}]}), ("text list", {"instances": [{"text": ["a"]}]}),
-                      ("text object", {"instances": [{"text": {"a": 1}}]}), ("text empty", {"instances": [{"text": ""}]}),
-                      ("text blank", {"instances": [{"text": " \t\n "}]}), ("extra field", {"instances": [{"text": "x", "y": 1}]}),
-                      ("wrong field", {"instances": [{"txt": "x"}]}), ("extra top-level key", {"instances": [{"text": "x"}], "k": 1}),
-                      ("key case", {"Instances": [{"text": "x"}]}), ("second instance bad", {"instances": [{"text": "x"}, {"text": 1}]}),
-                      ("last of 200 bad", {"instances": [{"text": "x"}] * 199 + [{"text": None}]}),
-                      ("text over 100k chars", {"instances": [{"text": "x" * 100_001}]}),
-                      ("257 instances", {"instances": [{"text": "x"}] * 257}),
-                      ("100k instances", {"instances": [{"text": "a"}] * 100_000}),
-                      ("text number string key", {"instances": [{"1": "x"}]})]:
+    for name, doc in [
+        ("null", None),
+        ("number", 1),
+        ("string", "x"),
+        ("list", [1, 2]),
+        ("true", True),
+        ("empty object", {}),
+        ("instances null", {"instances": None}),
+        ("instances number", {"instances": 7}),
+        ("instances string", {"instances": "text"}),
+        ("instances object", {"instances": {"text": "x"}}),
+        ("instances empty", {"instances": []}),
+        ("instance null", {"instances": [None]}),
+        ("instance number", {"instances": [1]}),
+        ("instance string", {"instances": ["text"]}),
+        ("instance list", {"instances": [["text", "x"]]}),
+        ("instance empty", {"instances": [{}]}),
+        ("text null", {"instances": [{"text": None}]}),
+        ("text number", {"instances": [{"text": 3}]}),
+        ("text bool", {"instances": [{"text": True}]}),
+        ("text list", {"instances": [{"text": ["a"]}]}),
+        ("text object", {"instances": [{"text": {"a": 1}}]}),
+        ("text empty", {"instances": [{"text": ""}]}),
+        ("text blank", {"instances": [{"text": " \t\n "}]}),
+        ("extra field", {"instances": [{"text": "x", "y": 1}]}),
+        ("wrong field", {"instances": [{"txt": "x"}]}),
+        ("extra top-level key", {"instances": [{"text": "x"}], "k": 1}),
+        ("key case", {"Instances": [{"text": "x"}]}),
+        ("second instance bad", {"instances": [{"text": "x"}, {"text": 1}]}),
+        ("last of 200 bad", {"instances": [{"text": "x"}] * 199 + [{"text": None}]}),
+        ("text over 100k chars", {"instances": [{"text": "x" * 100_001}]}),
+        ("257 instances", {"instances": [{"text": "x"}] * 257}),
+        ("100k instances", {"instances": [{"text": "a"}] * 100_000}),
+        ("text number string key", {"instances": [{"1": "x"}]}),
+    ]:
         post(f"shape: {name}", json.dumps(doc).encode())
     # size
     post("10 MB body", b'{"instances": [{"text": "' + b"a" * (10 << 20) + b'"}]}')
@@ -313,19 +373,60 @@ def hostile_cases(valid: bytes) -> list[dict]:
         post(f"nested instances {depth}", b'{"instances": [' + b"[" * depth + b"]" * depth + b"]}")
     post("nested text 10000", b'{"instances": [{"text": ' + b"[" * 10_000 + b"]" * 10_000 + b"}]}")
     # paths
-    for path in ["/v1/models/..%2F..%2Fetc", "/v1/models/..%2F..%2Fetc%2Fpasswd", "/v1/models/../../etc/passwd",
-                 "/v1/models/%2e%2e", "/v1/models/..", "/v1/models/.", "/v1/models/hostile%00", "/v1/models/hostile/../../x",
-                 "/v1/models/" + "a" * 5000, "/v1/models/%ff%fe", "/v1/models/other", "/v1/models/", "/v1/models",
-                 "/%2e%2e/%2e%2e/etc/passwd", "/../../etc/passwd", "/predict/../../etc/passwd", "/static/../../etc/passwd",
-                 "/admin", "/predict2", "/v2/predict", "/predict%00", "/PREDICT", "/.env", "/.git/config",
-                 "/" + "x" * 8000, "/v1/models/hostile;rm%20-rf", "/v1/models/hostile%0d%0aX-Injected:%201"]:
+    for path in [
+        "/v1/models/..%2F..%2Fetc",
+        "/v1/models/..%2F..%2Fetc%2Fpasswd",
+        "/v1/models/../../etc/passwd",
+        "/v1/models/%2e%2e",
+        "/v1/models/..",
+        "/v1/models/.",
+        "/v1/models/hostile%00",
+        "/v1/models/hostile/../../x",
+        "/v1/models/" + "a" * 5000,
+        "/v1/models/%ff%fe",
+        "/v1/models/other",
+        "/v1/models/",
+        "/v1/models",
+        "/%2e%2e/%2e%2e/etc/passwd",
+        "/../../etc/passwd",
+        "/predict/../../etc/passwd",
+        "/static/../../etc/passwd",
+        "/admin",
+        "/predict2",
+        "/v2/predict",
+        "/predict%00",
+        "/PREDICT",
+        "/.env",
+        "/.git/config",
+        "/" + "x" * 8000,
+        "/v1/models/hostile;rm%20-rf",
+        "/v1/models/hostile%0d%0aX-Injected:%201",
+    ]:
         cases.append({"name": f"GET {path[:60]}", "method": "GET", "path": path, "headers": AUTH})
     # methods
-    for method, path in [("GET", "/predict"), ("PUT", "/predict"), ("DELETE", "/predict"), ("PATCH", "/predict"),
-                         ("OPTIONS", "/predict"), ("HEAD", "/predict"), ("POST", "/healthz"), ("DELETE", f"/v1/models/{MODEL}"),
-                         ("PUT", f"/v1/models/{MODEL}"), ("TRACE", "/predict"), ("FOO", "/predict"), ("POST", "/docs")]:
-        cases.append({"name": f"{method} {path}", "method": method, "path": path, "headers": H,
-                      "body": valid if method in ("PUT", "PATCH", "POST") else None})
+    for method, path in [
+        ("GET", "/predict"),
+        ("PUT", "/predict"),
+        ("DELETE", "/predict"),
+        ("PATCH", "/predict"),
+        ("OPTIONS", "/predict"),
+        ("HEAD", "/predict"),
+        ("POST", "/healthz"),
+        ("DELETE", f"/v1/models/{MODEL}"),
+        ("PUT", f"/v1/models/{MODEL}"),
+        ("TRACE", "/predict"),
+        ("FOO", "/predict"),
+        ("POST", "/docs"),
+    ]:
+        cases.append(
+            {
+                "name": f"{method} {path}",
+                "method": method,
+                "path": path,
+                "headers": H,
+                "body": valid if method in ("PUT", "PATCH", "POST") else None,
+            }
+        )
     # malformed HTTP
     for name, raw in [
         ("garbage request line", b"HELLO\r\n\r\n"),
@@ -334,11 +435,24 @@ def hostile_cases(valid: bytes) -> list[dict]:
         ("header without colon", b"GET /healthz HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n"),
         ("negative Content-Length", b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"),
         ("non-numeric Content-Length", b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"),
-        ("conflicting Content-Lengths", b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}"),
-        ("bad chunk size", b"POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n"),
-        ("CL and TE both (smuggling)", b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /admin HTTP/1.1\r\nHost: x\r\n\r\n"),
+        (
+            "conflicting Content-Lengths",
+            b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        ),
+        (
+            "bad chunk size",
+            b"POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+        ),
+        (
+            "CL and TE both (smuggling)",
+            b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            b"GET /admin HTTP/1.1\r\nHost: x\r\n\r\n",
+        ),
         ("1 MB header line", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n"),
-        ("10,000 headers", b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(10_000)) + b"\r\n"),
+        (
+            "10,000 headers",
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(10_000)) + b"\r\n",
+        ),
         ("NUL in the path", b"GET /heal\x00thz HTTP/1.1\r\nHost: x\r\n\r\n"),
         ("space in the path", b"GET /v1/models/a b HTTP/1.1\r\nHost: x\r\n\r\n"),
     ]:
@@ -369,5 +483,9 @@ def _batch_poisoning(host, port, valid: bytes, rounds: int = 3, n_valid: int = 7
             t.join()
         valid_failed += sum(1 for tag, st in results if tag == "valid" and st != 200)
         hostile_status |= {str(st) for tag, st in results if tag == "hostile"}
-    return {"rounds": rounds, "valid_per_round": n_valid, "valid_failed": valid_failed,
-            "hostile_status": "hostile request answered " + ", ".join(sorted(hostile_status))}
+    return {
+        "rounds": rounds,
+        "valid_per_round": n_valid,
+        "valid_failed": valid_failed,
+        "hostile_status": "hostile request answered " + ", ".join(sorted(hostile_status)),
+    }

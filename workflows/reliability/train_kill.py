@@ -72,18 +72,29 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
             notes.append("a checkpoint cut short in upload (one shard missing, newer name) is "
                          + ("passed over by --resume, which takes the previous complete one" if cut_ok
                             else "TAKEN by --resume"))
-            notes.append(f"epochs {epochs}, restarted from epoch {resumed[-1]}'s checkpoint; per-step losses "
-                         f"{'equal' if same else 'DIFFER from'} the uninterrupted run's (rtol {RTOL}); final checkpoint: "
-                         f"epoch {last_epoch}, {'finite' if finite else 'NON-FINITE'} weights")
+            notes.append(
+                f"epochs {epochs}, restarted from epoch {resumed[-1]}'s checkpoint; per-step losses "
+                f"{'equal' if same else 'DIFFER from'} the uninterrupted run's (rtol {RTOL}); final checkpoint: "
+                f"epoch {last_epoch}, {'finite' if finite else 'NON-FINITE'} weights"
+            )
             if epochs != [0, 1] or not same or last_epoch != 1 or not finite or not cut_ok:
                 lost = 1
     if not injected:
         notes.append("the fault never fired")
-    detail = (f"2-epoch FSDP2 run on 2 Ray Train workers (tiny quickstart), worker rank 1 SIGKILLed at step 2 of "
-              f"epoch 1 ({injected} kill); " + "; ".join(notes))
-    return make_row("train_worker_kill", injected=injected, survived=int(injected and not failed and not lost),
-                    failed=failed if injected else 1, allowed_failures=0, lost=lost, detail=detail,
-                    seconds=round(time.time() - t0, 1))
+    detail = (
+        f"2-epoch FSDP2 run on 2 Ray Train workers (tiny quickstart), worker rank 1 SIGKILLed at step 2 of "
+        f"epoch 1 ({injected} kill); " + "; ".join(notes)
+    )
+    return make_row(
+        "train_worker_kill",
+        injected=injected,
+        survived=int(injected and not failed and not lost),
+        failed=failed if injected else 1,
+        allowed_failures=0,
+        lost=lost,
+        detail=detail,
+        seconds=round(time.time() - t0, 1),
+    )
 
 
 def _cut_upload_is_passed_over(cfg, storage, prefix: str) -> bool:

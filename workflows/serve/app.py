@@ -106,7 +106,9 @@ def bearer_token(sc) -> str | None:
         return None
     token = os.environ.get(sc.auth_token_env, "")
     if not token:
-        raise RuntimeError(f"serve.auth_token_env names {sc.auth_token_env}, which is not set in the replica's environment")
+        raise RuntimeError(
+            f"serve.auth_token_env names {sc.auth_token_env}, which is not set in the replica's environment"
+        )
     return token
 
 
@@ -120,11 +122,12 @@ class ModelServer:
         self.cfg = WorkflowConfig.model_validate(cfg)
         storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
-        self.meta = registry.describe(self.cfg, storage, model_spec)  # with evaluation metrics
-        self.predictor = Predictor(model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)),
-                                   precision=self.cfg.serve.precision)
+        self.card = registry.model_card(self.cfg, storage, model_spec)  # with evaluation metrics
+        self.predictor = Predictor(
+            model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)), precision=self.cfg.serve.precision
+        )
         self.token = bearer_token(self.cfg.serve)
-        self.instance = instance_model(self.meta["text_columns"])
+        self.instance = instance_model(self.card.text_columns)
         self.max_instances = self.cfg.serve.max_instances
         self._predict_batch.set_max_batch_size(self.cfg.serve.max_batch_size)
         self._predict_batch.set_batch_wait_timeout_s(self.cfg.serve.batch_wait_timeout_s)
@@ -139,8 +142,11 @@ class ModelServer:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
-            return JSONResponse(status_code=401, content={"error": "missing or wrong bearer token"},
-                                headers={"WWW-Authenticate": "Bearer"})
+            return JSONResponse(
+                status_code=401,
+                content={"error": "missing or wrong bearer token"},
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return None
 
     @api.post("/predict")
@@ -172,26 +178,29 @@ class ModelServer:
                 where = ".".join(str(p) for p in err["loc"])
                 return _error(422, f"instances[{i}]{'.' + where if where else ''}: {err['msg']}")
         predictions = await asyncio.gather(*(self._predict_batch(r) for r in rows))
-        return {"predictions": predictions, "model": self.meta["name"], "version": self.meta["version"]}
+        return {"predictions": predictions, "model": self.card.name, "version": self.card.version}
 
     @api.get("/healthz")
     async def healthz(self):
-        return {"status": "ok", "model": self.meta["name"], "version": self.meta["version"]}
+        return {"status": "ok", "model": self.card.name, "version": self.card.version}
 
     @api.get("/v1/models/{name}")
     async def model_info(self, name: str, request: Request):
         if (denied := self._denied(request)) is not None:
             return denied
-        if name != self.meta["name"]:
+        if name != self.card.name:
             raise HTTPException(status_code=404, detail=f"model {name!r} is not served here")
         keep = ("name", "version", "labels", "text_columns", "metrics", "lineage", "registered_at")
-        return {k: self.meta.get(k) for k in keep}
+        return {k: getattr(self.card, k) for k in keep}
 
 
 def deployment_options(sc) -> dict:
     """Replica count or autoscaling, resources, and how many requests a replica takes at once."""
     opts: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": sc.cpus_per_replica, **({"num_gpus": sc.gpus_per_replica} if sc.gpus_per_replica else {})},
+        "ray_actor_options": {
+            "num_cpus": sc.cpus_per_replica,
+            **({"num_gpus": sc.gpus_per_replica} if sc.gpus_per_replica else {}),
+        },
         # Serve's default of 5 ongoing requests would silently cap batches below max_batch_size.
         "max_ongoing_requests": max(2 * sc.max_batch_size, 32),
     }
@@ -221,6 +230,10 @@ def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_
     """Deploy the model on the running Ray cluster; returns the base URL."""
     sc = cfg.serve
     serve.start(http_options={"host": sc.host, "port": sc.port})
-    serve.run(application(cfg, model_spec), name=name or f"model-{model_spec.split(':')[0]}", route_prefix=route_prefix,
-              blocking=False)
+    serve.run(
+        application(cfg, model_spec),
+        name=name or f"model-{model_spec.split(':')[0]}",
+        route_prefix=route_prefix,
+        blocking=False,
+    )
     return f"http://{sc.host}:{sc.port}{route_prefix.rstrip('/')}"

@@ -35,11 +35,11 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
 
     cfg, ctx = rt.cfg, rt.storage
     spec = check_predict(cfg, ctx, model_spec, output_uri)
-    meta = registry.describe(cfg, ctx, spec)
+    card = registry.model_card(cfg, ctx, spec)
     shards, fmt = list_shards(data_uri, ctx)
     ds = read_dataset(shards, fmt, ctx, cfg.cache)
     names = set(ds.schema().names)
-    missing = [c for c in meta["text_columns"] if c not in names]
+    missing = [c for c in card.text_columns if c not in names]
     if missing:
         raise UserError(f"{data_uri} lacks column(s) {missing} that model {spec} reads (has {sorted(names)})")
 

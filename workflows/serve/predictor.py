@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from workflows.model_card import ModelCard
 from workflows.preprocess.encoding import TextEncoder, compose_texts, pad_batch
 
 
@@ -18,11 +17,12 @@ class Predictor:
     def __init__(self, model_dir: str, threads: int | None = None, precision: str = "fp32"):
         from workflows.train.models import load_trained_classifier
 
-        with open(os.path.join(model_dir, "workflows.json")) as f:
-            self.meta = json.load(f)
-        self.labels: list[str] = self.meta["labels"]
-        self.text_columns: list[str] = self.meta["text_columns"]
-        self.encoder = TextEncoder(model_dir, self.meta["max_length"], self.text_columns)
+        self.card = ModelCard.load(model_dir)
+        if self.card.max_length is None:
+            raise ValueError(f"{model_dir}/workflows.json has no max_length: not a servable model")
+        self.labels: list[str] = self.card.labels
+        self.text_columns: list[str] = self.card.text_columns
+        self.encoder = TextEncoder(model_dir, self.card.max_length, self.text_columns)
         if threads:
             torch.set_num_threads(threads)
         model = load_trained_classifier(model_dir).eval()  # safetensors weights only

@@ -30,16 +30,24 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
+from workflows.storage.transfer import (  # object_version is also imported from here
+    CHUNK,
+    ObjectChanged,
+    Source,
+    object_version,
+    s3_download_to_file,
+    sha256_file,
+    stream_to_file,
+)
 from workflows.storage.uri import StorageContext, filesystem, reaching
 
 log = logging.getLogger(__name__)
-
-CHUNK = 8 * 1024 * 1024  # streamed transfer: never the whole object in memory
 
 
 @dataclass
@@ -51,47 +59,6 @@ class CacheStats:
     bytes_from_store: int = 0
     bytes_from_cache: int = 0
     evictions: int = 0
-
-
-@dataclass(frozen=True)
-class _Source:
-    uri: str  # canonical (protocol://path), so "/a" and "file:///a" are one entry
-    fs: object
-    path: str
-    size: int
-    version: str
-
-
-def object_version(info: dict) -> str:
-    """An object's version from an fsspec info/listing entry: the store's ETag where it has one
-    (s3), else size + modification time. A changed object changes it."""
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return str(etag).strip('"')
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("last_modified") or info.get("created")
-    return f"{info.get('size')}:{stamp}"
-
-
-class _KnownObject:
-    """s3transfer subscriber: size and ETag known from the listing, so no HEAD is sent."""
-
-    def __init__(self, size: int, etag: str | None):
-        self.size, self.etag = size, etag
-
-    def on_queued(self, future, **kwargs):
-        future.meta.provide_transfer_size(self.size)
-        if self.etag:
-            future.meta.provide_object_etag(self.etag)
-
-    def on_progress(self, **kwargs):
-        pass
-
-    def on_done(self, **kwargs):
-        pass
-
-
-class _Changed(Exception):
-    """The object changed between stat and read: stat it again."""
 
 
 class ShardCache:
@@ -130,8 +97,6 @@ class ShardCache:
         finally:
             os.close(fd)  # drops the shared flock: the pin
 
-    reading = open_local
-
     def verify(self, uri: str) -> bool:
         """Re-hash the cached copy of `uri`'s current version against its sidecar.
 
@@ -166,7 +131,7 @@ class ShardCache:
         """Return (fd holding LOCK_SH on the entry, data path), downloading it first if needed."""
         if version is not None and size is not None:
             fs, path = filesystem(uri, self.ctx)
-            src = _Source(fs.unstrip_protocol(path), fs, path, int(size), str(version))
+            src = Source(fs.unstrip_protocol(path), fs, path, int(size), str(version))
         else:
             src = self._stat(uri)
         name = self._name(src)
@@ -188,7 +153,7 @@ class ShardCache:
                 if not self._present(name, src, check_hash=self.verify_checksums):
                     self._download(src, name)
                     downloaded += 1
-            except _Changed:
+            except ObjectChanged:
                 src = self._stat(uri)
                 name = self._name(src)
             finally:
@@ -196,7 +161,7 @@ class ShardCache:
             # Loop: downgrade to LOCK_SH by re-locking (an eviction in between is simply retried).
         raise UserError(f"could not cache {uri}: it kept changing or being evicted while fetching")
 
-    def _stat(self, uri: str) -> _Source:
+    def _stat(self, uri: str) -> Source:
         fs, path = filesystem(uri, self.ctx)
         try:
             with reaching(uri, self.ctx):
@@ -205,9 +170,9 @@ class ShardCache:
             raise UserError(f"object not found: {uri}") from None
         if info.get("type") != "file":
             raise UserError(f"{uri} is a {info.get('type', 'directory')}, not a file or object")
-        return _Source(fs.unstrip_protocol(path), fs, path, int(info["size"]), object_version(info))
+        return Source(fs.unstrip_protocol(path), fs, path, int(info["size"]), object_version(info))
 
-    def _download(self, src: _Source, name: str) -> None:
+    def _download(self, src: Source, name: str) -> None:
         """Stream to a temp file, fsync, rename into place; then write the sidecar the same way."""
         self._remove(name, keep_lock=True)  # a bad copy, or debris of a killed download
         tmp = self._tmp_path(name, "data")
@@ -217,7 +182,7 @@ class ShardCache:
                 "fetched_at": time.time()}
         self._atomic_write(self._meta_path(name), json.dumps(meta).encode())
 
-    def _download_to(self, src: _Source, name: str, tmp: Path):
+    def _download_to(self, src: Source, name: str, tmp: Path):
         """The data file itself; no temp file is left behind whatever is raised."""
         try:
             if src.uri.startswith(("s3://", "s3a://")):
@@ -225,12 +190,12 @@ class ShardCache:
             else:
                 digest, n = self._download_stream(src, tmp)
             if n != src.size:
-                raise _Changed  # truncated read or a rewrite in between: the size check fails
+                raise ObjectChanged  # truncated read or a rewrite in between: the size check fails
             os.rename(tmp, self._data_path(name))
         except OSError as e:
             tmp.unlink(missing_ok=True)
             if type(e).__name__ == "FileExpired":  # s3fs: the ETag changed mid-read
-                raise _Changed from None
+                raise ObjectChanged from None
             if isinstance(e, FileNotFoundError):
                 raise UserError(f"object not found: {src.uri}") from None
             raise
@@ -239,55 +204,16 @@ class ShardCache:
             raise
         return digest, n
 
-    def _download_stream(self, src: _Source, tmp: Path):
-        digest, n = hashlib.sha256(), 0
-        with src.fs.open(src.path, "rb") as fin, open(tmp, "wb") as fout:
-            etag = getattr(fin, "details", {}).get("ETag")
-            if etag and etag.strip('"') != src.version:  # replaced between our stat and this open
-                raise _Changed
-            while chunk := fin.read(self.chunk_size):
-                digest.update(chunk)
-                fout.write(chunk)
-                n += len(chunk)
-            fout.flush()
-            os.fsync(fout.fileno())
-        return digest, n
+    def _download_stream(self, src: Source, tmp: Path):
+        return stream_to_file(src, tmp, self.chunk_size)
 
-    def _download_s3(self, src: _Source, tmp: Path):
-        """s3 objects go through boto3's transfer manager (s3transfer), not s3fs: it fetches byte
-        ranges of one object in parallel threads, where s3fs streams each object over one
-        connection with all transfers on its single event-loop thread (about half the throughput,
-        see `workflows bench data`). The listing's size and ETag are handed to it, so it sends no
-        HEAD, and every ranged GET carries If-Match: a replaced object fails, never mixes."""
-        from botocore.exceptions import ClientError
-        from s3transfer.manager import TransferConfig, TransferManager
-
+    def _download_s3(self, src: Source, tmp: Path):
         with self._stats_lock:  # creating a boto3 client is not thread-safe; using one is
             if self._s3_client is None:
                 self._s3_client = self.ctx.boto3_client()
-        bucket, key = src.path.split("/", 1)
-        # threshold 1: always the ranged path, the one that sends If-Match
-        config = TransferConfig(multipart_threshold=1, multipart_chunksize=self.chunk_size)
-        pinned = _KnownObject(src.size, f'"{src.version}"' if ":" not in src.version else None)  # ETag, not size:mtime
-        try:
-            with open(tmp, "wb") as fout, TransferManager(self._s3_client, config) as transfers:
-                transfers.download(bucket, key, fout, subscribers=[pinned]).result()
-                fout.flush()
-                os.fsync(fout.fileno())
-        except ClientError as e:
-            code = str(e.response.get("Error", {}).get("Code", ""))
-            if code in ("412", "PreconditionFailed"):
-                raise _Changed from None
-            if code in ("404", "NoSuchKey"):
-                raise FileNotFoundError(src.uri) from None
-            raise
-        digest = hashlib.sha256()  # a second pass, from the page cache: far faster than the network
-        with open(tmp, "rb") as f:
-            while chunk := f.read(self.chunk_size):
-                digest.update(chunk)
-        return digest, os.path.getsize(tmp)
+        return s3_download_to_file(self._s3_client, src, tmp, self.chunk_size)
 
-    def _present(self, name: str, src: _Source, check_hash: bool) -> bool:
+    def _present(self, name: str, src: Source, check_hash: bool) -> bool:
         """Both files exist, the sizes agree with the store (cheap), and optionally the hash."""
         meta = self._read_meta(name)
         if meta is None or (meta.get("uri"), meta.get("version"), meta.get("size")) != (src.uri, src.version, src.size):
@@ -297,7 +223,7 @@ class ShardCache:
                 return False
         except FileNotFoundError:
             return False
-        return not check_hash or _sha256_file(self._data_path(name), self.chunk_size) == meta.get("sha256")
+        return not check_hash or sha256_file(self._data_path(name), self.chunk_size) == meta.get("sha256")
 
     def _count(self, downloaded: int, size: int) -> None:
         with self._stats_lock:
@@ -310,7 +236,7 @@ class ShardCache:
                 s.bytes_from_cache += size
 
     # -- eviction and cleanup --------------------------------------------------------------
-    def _sweep(self, src: _Source, keep: str) -> None:
+    def _sweep(self, src: Source, keep: str) -> None:
         """After a download: clean debris of killed downloads, drop older versions of the same
         URI, then least-recently-used entries until under max_bytes. Entries whose lock anyone
         holds (pinned by a reader, or being downloaded) are skipped, never waited for."""
@@ -378,7 +304,7 @@ class ShardCache:
         return [p.name.split(".", 1)[0] for p in self.dir.glob(pattern)]
 
     # -- files and locks -------------------------------------------------------------------
-    def _name(self, src: _Source) -> str:
+    def _name(self, src: Source) -> str:
         return _uri_prefix(src.uri) + hashlib.sha256(f"{src.uri}\0{src.version}".encode()).hexdigest()[:16]
 
     def _data_path(self, name: str) -> Path:
@@ -397,12 +323,7 @@ class ShardCache:
             return None
 
     def _atomic_write(self, path: Path, data: bytes) -> None:
-        tmp = self._tmp_path(path.stem, "meta")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
+        atomic_write(path, data, tmp=self._tmp_path(path.stem, "meta"), fsync=True)
 
     def _lock(self, name: str, op: int) -> int:
         """An fd holding flock `op` on the entry's lock file.
@@ -444,14 +365,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:  # removed meanwhile by a process re-fetching a bad copy
         return 0
-
-
-def _sha256_file(path: Path, chunk_size: int = CHUNK) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 __all__ = ["ShardCache", "CacheStats"]

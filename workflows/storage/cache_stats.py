@@ -58,7 +58,9 @@ def _counters() -> dict:
     if _metrics is None:
         from ray.util.metrics import Counter
 
-        _metrics = {k: Counter(f"workflows_cache_{k}", description=f"shard cache {k.replace('_', ' ')}") for k in FIELDS}
+        _metrics = {
+            k: Counter(f"workflows_cache_{k}", description=f"shard cache {k.replace('_', ' ')}") for k in FIELDS
+        }
     return _metrics
 
 

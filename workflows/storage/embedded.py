@@ -29,21 +29,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import EMBEDDED_KEY, StorageContext
 
 log = logging.getLogger(__name__)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _atomic_write(path: Path, data: bytes | Callable[[Path], object]) -> None:
+    # a hidden, unique temp name beside the target (the store's files are listed by name)
+    atomic_write(path, data, tmp=path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}"), fsync=True)
 
 
 class EmbeddedS3:
@@ -75,7 +73,9 @@ class EmbeddedS3:
         except BaseException:
             self._release()
             raise
-        _atomic_write(self.data_dir / "endpoint.json", json.dumps({"url": self.endpoint_url, "pid": os.getpid()}).encode())
+        _atomic_write(
+            self.data_dir / "endpoint.json", json.dumps({"url": self.endpoint_url, "pid": os.getpid()}).encode()
+        )
         log.info("embedded S3 endpoint at %s (data in %s)", self.endpoint_url, self.data_dir)
         return self.endpoint_url
 
@@ -85,7 +85,9 @@ class EmbeddedS3:
             port = self.port or _free_port(self.host)
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "workflows.storage.s3_server", "-H", self.host, "-p", str(port)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
             )
             url = f"http://{self.host}:{port}"
@@ -105,7 +107,9 @@ class EmbeddedS3:
         try:
             info = json.loads((self.data_dir / "endpoint.json").read_text())
         except (OSError, ValueError):
-            raise UserError(f"embedded S3 data dir {self.data_dir} is locked by another process that is still starting; retry") from None
+            raise UserError(
+                f"embedded S3 data dir {self.data_dir} is locked by another process that is still starting; retry"
+            ) from None
         self.endpoint_url = info["url"]
         log.info("reusing the embedded S3 endpoint of pid %s at %s", info.get("pid"), self.endpoint_url)
         return self.endpoint_url
@@ -131,7 +135,7 @@ class EmbeddedS3:
         os.close(self._lock_fd)
         self.owner = False
 
-    def __enter__(self) -> "EmbeddedS3":
+    def __enter__(self) -> EmbeddedS3:
         self.start()
         return self
 
@@ -181,12 +185,15 @@ class EmbeddedS3:
                         continue
                     name = hashlib.sha256(ident.encode()).hexdigest()
                     target = self.data_dir / "objects" / name
-                    tmp = target.with_name(f".{name}.tmp-{uuid.uuid4().hex}")
-                    client.download_file(bucket, obj["Key"], str(tmp))  # streamed, not held in memory
-                    with open(tmp, "rb+") as f:
-                        os.fsync(f.fileno())
-                    os.replace(tmp, target)
-                    seen[ident] = {"bucket": bucket, "key": obj["Key"], "file": name, "etag": obj["ETag"], "size": obj["Size"]}
+                    # streamed, not held in memory
+                    _atomic_write(target, lambda tmp: client.download_file(bucket, obj["Key"], str(tmp)))
+                    seen[ident] = {
+                        "bucket": bucket,
+                        "key": obj["Key"],
+                        "file": name,
+                        "etag": obj["ETag"],
+                        "size": obj["Size"],
+                    }
                     written += 1
         for ident, entry in self._manifest.items():
             if ident not in seen:

@@ -19,6 +19,7 @@ import fsspec
 import pyarrow.fs as pafs
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
 
 EMBEDDED_KEY = "embedded"  # moto accepts any key; these are not secrets
 
@@ -31,10 +32,15 @@ class StorageContext:
     retries: int = 5
 
     @classmethod
-    def from_config(cls, storage_cfg) -> "StorageContext":
+    def from_config(cls, storage_cfg) -> StorageContext:
         return cls(
-            endpoint_url=storage_cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
-            region=storage_cfg.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            endpoint_url=storage_cfg.endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL"),
+            region=storage_cfg.region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1",
             embedded=storage_cfg.embedded.enabled,
             retries=storage_cfg.retries,
         )
@@ -70,7 +76,8 @@ class StorageContext:
 
 def _is_unreachable(e: BaseException) -> bool:
     """Connection failures after the client's own retries (botocore's are not OSErrors)."""
-    from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError
 
     return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError))
 
@@ -84,8 +91,11 @@ def reaching(uri: str, ctx: StorageContext):
         raise
     except Exception as e:
         if _is_unreachable(e):
-            raise UserError(f"cannot reach {uri} (endpoint {ctx.endpoint_url or 'default'}): "
-                            f"{type(e).__name__}: {e}".splitlines()[0]) from None
+            raise UserError(
+                f"cannot reach {uri} (endpoint {ctx.endpoint_url or 'default'}): {type(e).__name__}: {e}".splitlines()[
+                    0
+                ]
+            ) from None
         raise
 
 
@@ -146,12 +156,7 @@ def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
     fs, path = filesystem(uri, ctx)
     if protocol_of(uri) == "file":
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, data, tmp=f"{path}.tmp-{uuid.uuid4().hex}", fsync=True)
     else:
         with reaching(uri, ctx), fs.open(path, "wb") as f:
             f.write(data)

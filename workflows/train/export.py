@@ -7,6 +7,7 @@ import os
 import tempfile
 
 from workflows.config import WorkflowConfig
+from workflows.model_card import ModelCard
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, download_dir
@@ -31,15 +32,16 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
     model.load_state_dict(state, strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).save_pretrained(out_dir)
-    meta = {
-        "task": "sequence-classification",
-        "labels": data.labels,
-        "text_columns": data.text_columns,
-        "label_column": data.label_column,
-        "max_length": data.max_length,
-        "lineage": {"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
-                    "checkpoint": checkpoint_uri, **lineage},
-    }
+    card = ModelCard(
+        task="sequence-classification",
+        labels=data.labels,
+        text_columns=data.text_columns,
+        label_column=data.label_column,
+        max_length=data.max_length,
+        lineage={"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
+                 "checkpoint": checkpoint_uri, **lineage},
+    )
     with open(os.path.join(out_dir, "workflows.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-    return meta
+        json.dump(card.to_dict(), f, indent=2)
+    # a dict: the pipeline adds the baseline and validation metrics before registering it
+    return card.to_dict()

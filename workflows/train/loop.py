@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -53,7 +53,9 @@ def dropout_seed(seed: int, epoch: int, rank: int = 0) -> int:
     return derived_seed("dropout", seed, epoch, rank)
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float, head_lr: float | None = None) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, head_lr: float | None = None
+) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and norms; `head_lr` (if given) for the new classification
     head (the `classifier` module), which starts from random weights while the encoder is pretrained."""
     groups: dict[tuple[bool, bool], list] = {}
@@ -62,11 +64,14 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, head_lr: fl
             decays = not (p.ndim < 2 or "norm" in name.lower())
             head = head_lr is not None and "classifier" in name.split(".")[:-1]
             groups.setdefault((decays, head), []).append(p)
-    return torch.optim.AdamW([
-        {"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": head_lr if head else lr}
-        # body before head, decayed before not: without head_lr, the two groups of old checkpoints
-        for (decays, head), params in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0]))
-    ], lr=lr)
+    return torch.optim.AdamW(
+        [
+            {"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": head_lr if head else lr}
+            # body before head, decayed before not: without head_lr, the two groups of old checkpoints
+            for (decays, head), params in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0]))
+        ],
+        lr=lr,
+    )
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_fraction: float):
@@ -109,7 +114,7 @@ class TimedIterator:
         self._it = iter(items)
         self.seconds = 0.0
 
-    def __iter__(self) -> "TimedIterator":
+    def __iter__(self) -> TimedIterator:
         return self
 
     def __next__(self):
@@ -120,8 +125,16 @@ class TimedIterator:
             self.seconds += time.perf_counter() - t0
 
 
-def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float | None = None,
-                on_step: Callable[[int], None] | None = None, accum_steps: int = 1) -> dict:
+def train_epoch(
+    model,
+    batches,
+    optimizer,
+    scheduler,
+    device,
+    grad_clip: float | None = None,
+    on_step: Callable[[int], None] | None = None,
+    accum_steps: int = 1,
+) -> dict:
     """One pass over `batches`; the metrics, including every optimizer step's loss averaged over all ranks.
 
     Gradient accumulation: each optimizer step sums the gradients of up to `accum_steps`
@@ -147,7 +160,9 @@ def train_epoch(model, batches, optimizer, scheduler, device, grad_clip: float |
                 (out.loss * (n / group_n)).backward()
             loss = out.loss.item()
             step_loss += loss * n
-            totals += torch.tensor([batch["labels"].shape[0], batch["attention_mask"].sum().item()], dtype=torch.float64)
+            totals += torch.tensor(
+                [batch["labels"].shape[0], batch["attention_mask"].sum().item()], dtype=torch.float64
+            )
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
@@ -289,8 +304,15 @@ def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device
     return {"rows": int(len(y)), "train_accuracy": accuracy, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def build_training(cfg, model_dir: str, labels: list[str], device: torch.device, train_rows: int,
-                   vocab_size: int | None = None, probe_batches: Iterable[dict] | None = None):
+def build_training(
+    cfg,
+    model_dir: str,
+    labels: list[str],
+    device: torch.device,
+    train_rows: int,
+    vocab_size: int | None = None,
+    probe_batches: Iterable[dict] | None = None,
+):
     """Model (seeded head or seeded random init, FSDP2/DDP per train.strategy), optimizer and LR
     schedule: the same under Ray Train and torchrun. The schedule spans all epochs, so a resumed
     run continues it. `train_rows`: rows (classification) or blocks (causal LM) per epoch.
@@ -304,12 +326,17 @@ def build_training(cfg, model_dir: str, labels: list[str], device: torch.device,
     if tc.head_init == "linear_probe" and cfg.model.task == "classification" and probe_batches is not None:
         probe = linear_probe(model.to(device), probe_batches, device, tc.linear_probe_l2)
         if world()[0] == 0:
-            print(f"linear probe: head fitted on {probe['rows']} rows (train accuracy {probe['train_accuracy']:.4f}) "
-                  f"in {probe['seconds']:.1f}s", flush=True)
+            print(
+                f"linear probe: head fitted on {probe['rows']} rows (train accuracy {probe['train_accuracy']:.4f}) "
+                f"in {probe['seconds']:.1f}s",
+                flush=True,
+            )
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(model, tc.strategy, device)
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, tc.head_lr if cfg.model.task == "classification" else None)
+    optimizer = make_optimizer(
+        model, tc.lr, tc.weight_decay, tc.head_lr if cfg.model.task == "classification" else None
+    )
     total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size, tc.grad_accum_steps) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
     return model, optimizer, scheduler
@@ -352,14 +379,28 @@ def epoch_line(m: dict) -> str:
     """One epoch's metrics as the CLI and torchrun print them."""
     val = f"val_perplexity {m['val_perplexity']:.2f}" if "val_perplexity" in m else f"val_f1 {m.get('val_f1', 0):.4f}"
     mfu = f", MFU {m['mfu']:.1%}" if m.get("mfu") is not None else ""
-    return (f"epoch {m.get('epoch')}: loss {m.get('train_loss', 0):.4f}, {val}, {m.get('samples_per_s', 0):.1f} "
-            f"samples/s, {m.get('tokens_per_s', 0):.0f} tokens/s{mfu}, {m.get('epoch_seconds', 0):.1f}s")
+    return (
+        f"epoch {m.get('epoch')}: loss {m.get('train_loss', 0):.4f}, {val}, {m.get('samples_per_s', 0):.1f} "
+        f"samples/s, {m.get('tokens_per_s', 0):.0f} tokens/s{mfu}, {m.get('epoch_seconds', 0):.1f}s"
+    )
 
 
-def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, start_epoch: int, history: list[dict],
-               train_batches: Callable[[int], Iterable[dict]], val_batches: Callable[[], Iterable[dict]],
-               end_of_epoch: Callable[[int, dict, list[dict]], None], resumed_from_epoch: int | None = None,
-               on_step: StepHook | None = None) -> list[dict]:
+def run_epochs(
+    cfg,
+    model,
+    optimizer,
+    scheduler,
+    device,
+    num_labels: int,
+    *,
+    start_epoch: int,
+    history: list[dict],
+    train_batches: Callable[[int], Iterable[dict]],
+    val_batches: Callable[[], Iterable[dict]],
+    end_of_epoch: Callable[[int, dict, list[dict]], None],
+    resumed_from_epoch: int | None = None,
+    on_step: StepHook | None = None,
+) -> list[dict]:
     """Epochs `start_epoch`..train.epochs-1: train, evaluate, then `end_of_epoch(epoch, metrics, history)`
     (checkpoint + report). `metrics` are scalars; each history row adds the per-step losses and the
     epoch of the checkpoint this process started from (None: from scratch)."""
@@ -368,13 +409,19 @@ def run_epochs(cfg, model, optimizer, scheduler, device, num_labels: int, *, sta
     for epoch in range(start_epoch, tc.epochs):
         torch.manual_seed(dropout_seed(tc.seed, epoch, rank))
         hook = (lambda step, e=epoch: on_step(e, step)) if on_step is not None else None
-        stats = train_epoch(model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook,
-                            tc.grad_accum_steps)
+        stats = train_epoch(
+            model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook, tc.grad_accum_steps
+        )
         step_losses = stats.pop("step_losses")
         t_val = time.perf_counter()
         val = validation_metrics(cfg, model, val_batches(), num_labels, device)
-        metrics = {**stats, "epoch": epoch, "global_step": int(scheduler.last_epoch), **val,
-                   "val_seconds": time.perf_counter() - t_val}
+        metrics = {
+            **stats,
+            "epoch": epoch,
+            "global_step": int(scheduler.last_epoch),
+            **val,
+            "val_seconds": time.perf_counter() - t_val,
+        }
         utilization = lm_mfu(cfg, model, stats["tokens_per_s"], device)
         if utilization is not None:
             metrics["mfu"] = utilization

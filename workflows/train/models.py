@@ -77,8 +77,10 @@ def check_linear_head(model: nn.Module) -> nn.Linear:
     """The head that train.head_init=linear_probe fits: one linear layer named `classifier`."""
     head = getattr(model, "classifier", None)
     if not isinstance(head, nn.Linear):
-        raise UserError("train.head_init=linear_probe needs a classifier whose head (`classifier`) is one linear layer; "
-                        f"{type(model).__name__} has {type(head).__name__}; use train.head_init=random or model.pooling=mean")
+        raise UserError(
+            "train.head_init=linear_probe needs a classifier whose head (`classifier`) is one linear layer; "
+            f"{type(model).__name__} has {type(head).__name__}; use train.head_init=random or model.pooling=mean"
+        )
     return head
 
 
@@ -99,8 +101,10 @@ def classifier_config(model_dir: str, labels: list[str], dropout: float | None):
 
     try:
         config = AutoConfig.from_pretrained(
-            model_dir, num_labels=len(labels),
-            id2label=dict(enumerate(labels)), label2id={lab: i for i, lab in enumerate(labels)},
+            model_dir,
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={lab: i for i, lab in enumerate(labels)},
         )
     except (OSError, ValueError) as e:
         raise UserError(f"not a model directory: {model_dir} ({e})".splitlines()[0]) from None
@@ -120,7 +124,9 @@ def load_classifier(model_dir: str, labels: list[str], dropout: float | None = N
     config = classifier_config(model_dir, labels, dropout)
     # safetensors weights only, never a pickle
     if pooling == "mean":
-        return MeanPoolClassifier(AutoModel.from_pretrained(model_dir, config=config, use_safetensors=True), len(labels))
+        return MeanPoolClassifier(
+            AutoModel.from_pretrained(model_dir, config=config, use_safetensors=True), len(labels)
+        )
     return AutoModelForSequenceClassification.from_pretrained(model_dir, config=config, use_safetensors=True)
 
 

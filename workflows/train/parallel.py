@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,11 @@ def parallelize(model: nn.Module, strategy: str, device: torch.device) -> nn.Mod
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if device.type == "cuda"
+            else MixedPrecisionPolicy()
+        )
         for block in transformer_blocks(model):
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)

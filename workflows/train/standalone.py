@@ -22,9 +22,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from workflows.config import WorkflowConfig, load_config
 from workflows.errors import UserError
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
+from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, epoch_line, run_epochs
@@ -119,20 +120,23 @@ def packed_rows(rows: dict[str, list], seq_len: int) -> dict[str, list]:
     from workflows.train.lm import PACK_ROWS, pack_batch
 
     ids = rows["input_ids"]
-    parts = [pack_batch({"input_ids": ids[i:i + PACK_ROWS]}, seq_len)["input_ids"] for i in range(0, len(ids), PACK_ROWS)]
+    parts = [
+        pack_batch({"input_ids": ids[i : i + PACK_ROWS]}, seq_len)["input_ids"] for i in range(0, len(ids), PACK_ROWS)
+    ]
     blocks = np.concatenate(parts) if parts else np.zeros((0, seq_len), np.int64)
     return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
 
 
-def batches(rows: dict[str, list], batch_size: int, pad_id: int, seed: int | None = None,
-            lm: bool = False) -> Iterator[dict]:
+def batches(
+    rows: dict[str, list], batch_size: int, pad_id: int, seed: int | None = None, lm: bool = False
+) -> Iterator[dict]:
     """Padded batches (or packed causal-LM blocks) in a seeded random order (seed=None: file order)."""
     from workflows.train.lm import lm_collate
 
     n = len(rows["label_id"])
     order = np.arange(n) if seed is None else np.random.default_rng(seed).permutation(n)
     for i in range(0, n, batch_size):
-        idx = order[i:i + batch_size]
+        idx = order[i : i + batch_size]
         if lm:
             yield lm_collate([rows["input_ids"][j] for j in idx])
         else:
@@ -160,8 +164,15 @@ def storage_for(cfg: WorkflowConfig, rank: int, world_size: int) -> Iterator[Sto
             barrier()
 
 
-def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *, checkpoint_dir: str | None = None,
-          resume: bool = False, stop_after_epoch: int | None = None) -> dict:
+def train(
+    cfg: WorkflowConfig,
+    storage: StorageContext,
+    data: ProcessedDataset,
+    *,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    stop_after_epoch: int | None = None,
+) -> dict:
     """Train on this process's rank; returns the summary (identical on every rank)."""
     from transformers import AutoTokenizer
 
@@ -188,8 +199,9 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
     train_rows, val_rows = rank_share(train_rows, rank, world_size), rank_share(val_rows, rank, world_size)
 
     probe = None if resume or lm else batches(train_rows, cfg.evaluate.batch_size, pad_id)
-    model, optimizer, scheduler = build_training(cfg, resolve_model_dir(cfg.model.name_or_path), data.labels,
-                                                 device, total_rows, len(tokenizer), probe)
+    model, optimizer, scheduler = build_training(
+        cfg, resolve_model_dir(cfg.model.name_or_path), data.labels, device, total_rows, len(tokenizer), probe
+    )
     start_epoch, history, resumed_from = 0, [], None
     if resume:
         found = ckpt.latest_local(checkpoint_dir) if checkpoint_dir else None
@@ -209,25 +221,45 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
         if checkpoint_dir:
             d = os.path.join(checkpoint_dir, f"epoch_{epoch:04d}")
             os.makedirs(d, exist_ok=True)
-            ckpt.save(d, model, optimizer, scheduler,
-                      {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history})
+            ckpt.save(
+                d,
+                model,
+                optimizer,
+                scheduler,
+                {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history},
+            )
         if epoch >= last_epoch:
             raise Stop
 
     started = time.time()
     try:
-        run_epochs(cfg, model, optimizer, scheduler, device, len(data.labels), start_epoch=start_epoch,
-                   history=history, resumed_from_epoch=resumed_from,
-                   train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch, rank), lm),
-                   val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id, lm=lm),
-                   end_of_epoch=end_of_epoch)
+        run_epochs(
+            cfg,
+            model,
+            optimizer,
+            scheduler,
+            device,
+            len(data.labels),
+            start_epoch=start_epoch,
+            history=history,
+            resumed_from_epoch=resumed_from,
+            train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch, rank), lm),
+            val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id, lm=lm),
+            end_of_epoch=end_of_epoch,
+        )
     except Stop:
         pass
     return {
-        "world_size": world_size, "strategy": tc.strategy if world_size > 1 else "none (single process)",
-        "device": str(device), "torch_threads": torch.get_num_threads(), "batch_size": tc.batch_size,
-        "train_rows": total_rows, "dataset": data.uri, "read_seconds": round(read_seconds, 3),
-        "startup_seconds": round(started - PROCESS_START, 3), "train_seconds": round(time.time() - started, 3),
+        "world_size": world_size,
+        "strategy": tc.strategy if world_size > 1 else "none (single process)",
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "batch_size": tc.batch_size,
+        "train_rows": total_rows,
+        "dataset": data.uri,
+        "read_seconds": round(read_seconds, 3),
+        "startup_seconds": round(started - PROCESS_START, 3),
+        "train_seconds": round(time.time() - started, 3),
         "history": history,
     }
 
@@ -235,12 +267,16 @@ def train(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workflows.train.standalone", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", "-c", default="configs/quickstart.yaml")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value (repeatable)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value (repeatable)"
+    )
     p.add_argument("--data", help="URI of a processed dataset (default: the one preprocessing made for the config)")
     p.add_argument("--output", help="summary JSON (default: <output_dir>/<name>/standalone.json)")
     p.add_argument("--checkpoint-dir", help="local directory for a sharded checkpoint per epoch")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--stop-after-epoch", type=int, help="stop after this epoch (the LR schedule still spans train.epochs)")
+    p.add_argument(
+        "--stop-after-epoch", type=int, help="stop after this epoch (the LR schedule still spans train.epochs)"
+    )
     args = p.parse_args(argv)
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -252,15 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         rank = world()[0]
         with storage_for(cfg, rank, world_size) as storage:
             data = find_dataset(cfg, storage, args.data)
-            summary = train(cfg, storage, data, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-                            stop_after_epoch=args.stop_after_epoch)
+            summary = train(
+                cfg,
+                storage,
+                data,
+                checkpoint_dir=args.checkpoint_dir,
+                resume=args.resume,
+                stop_after_epoch=args.stop_after_epoch,
+            )
         summary["wall_seconds"] = round(time.time() - PROCESS_START, 3)
         if rank == 0:
             out = Path(args.output or Path(cfg.output_dir) / cfg.name / "standalone.json")
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(out.name + ".tmp")
-            tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
-            os.replace(tmp, out)
+            atomic_write(out, json.dumps(summary, indent=2, sort_keys=True))
             print(f"standalone: summary written to {out}", file=sys.stderr, flush=True)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

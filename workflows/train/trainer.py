@@ -20,7 +20,15 @@ from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
-from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol, write_json
+from workflows.storage.uri import (
+    StorageContext,
+    exists,
+    filesystem,
+    pyarrow_filesystem,
+    read_json,
+    with_protocol,
+    write_json,
+)
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, run_epochs
 from workflows.train.models import check_linear_probe_head
@@ -55,7 +63,23 @@ def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: 
     return max(checkpoints, key=lambda cm: (sign * cm[1][metric], -cm[1]["epoch"]))
 
 
-def worker_loop(spec: dict) -> None:
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every Ray Train worker gets from the driver (pickled, in `train_loop_config`)."""
+
+    cfg: dict[str, Any]  # the WorkflowConfig as JSON, validated again in the worker
+    labels: list[str]
+    model_dir: str
+    train_rows: int  # rows (or causal-LM blocks) per epoch, after train.max_train_rows
+    pad_id: int
+    vocab_size: int
+    run_uri: str
+    storage: StorageContext
+    resume_from: str | None = None  # `--resume`: an earlier run's checkpoint
+    fault: dict | None = None  # tests only: $WORKFLOWS_TRAIN_FAULT read in the driver (fault_hook)
+
+
+def worker_loop(config: dict[str, WorkerSpec]) -> None:
     """Runs on every Ray Train worker: loop.run_epochs fed by the worker's Ray Data shards.
 
     After a worker failure Ray Train restarts the group and `get_checkpoint()` returns the last
@@ -65,7 +89,8 @@ def worker_loop(spec: dict) -> None:
     import ray.train.torch
 
     started_at = time.time()
-    cfg = WorkflowConfig.model_validate(spec["cfg"])
+    spec = config["spec"]  # Ray Train hands the train function a dict
+    cfg = WorkflowConfig.model_validate(spec.cfg)
     tc = cfg.train
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -74,19 +99,19 @@ def worker_loop(spec: dict) -> None:
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
-    to_batch = _collate(cfg.model.task, spec["pad_id"])
+    to_batch = _collate(cfg.model.task, spec.pad_id)
 
     # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
     # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and spec.get("resume_from"):
-        fs, path = pyarrow_filesystem(spec["resume_from"], spec["storage"])
+    if checkpoint is None and spec.resume_from:
+        fs, path = pyarrow_filesystem(spec.resume_from, spec.storage)
         checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
     probe_batches = None
     if checkpoint is None and tc.head_init == "linear_probe":
         probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
-    model, optimizer, scheduler = build_training(cfg, spec["model_dir"], spec["labels"], device, spec["train_rows"],
-                                                 spec["vocab_size"], probe_batches)
+    model, optimizer, scheduler = build_training(cfg, spec.model_dir, spec.labels, device, spec.train_rows,
+                                                 spec.vocab_size, probe_batches)
     start_epoch, history, resumed_from = 0, [], None
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -115,17 +140,17 @@ def worker_loop(spec: dict) -> None:
         # checkpoint's save and upload
         history[-1].update(worker_started_at=started_at, checkpoint_seconds=time.perf_counter() - t0)
         if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
-            write_json(f"{spec['run_uri']}/history.json", history, spec["storage"])
-            record_throughput(spec["run_uri"].rsplit("/", 1)[-1], metrics)
+            write_json(f"{spec.run_uri}/history.json", history, spec.storage)
+            record_throughput(spec.run_uri.rsplit("/", 1)[-1], metrics)
 
     if checkpoint is not None and start_epoch >= tc.epochs:
         # a finished run resumed (or a restart after the last report): nothing left to train,
         # report its final state again so that this run has a result and a checkpoint
         end_of_epoch(resumed_from, saved["metrics"], history)
         return
-    run_epochs(cfg, model, optimizer, scheduler, device, len(spec["labels"]), start_epoch=start_epoch,
+    run_epochs(cfg, model, optimizer, scheduler, device, len(spec.labels), start_epoch=start_epoch,
                history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
-               resumed_from_epoch=resumed_from, on_step=fault_hook(spec.get("fault"), rank))
+               resumed_from_epoch=resumed_from, on_step=fault_hook(spec.fault, rank))
 
 
 _GAUGES: dict = {}
@@ -137,8 +162,11 @@ def record_throughput(run: str, metrics: dict) -> None:
 
     for name, key in (("samples_per_second", "samples_per_s"), ("tokens_per_second", "tokens_per_s")):
         if name not in _GAUGES:  # one Gauge per process: Ray metrics register by name
-            _GAUGES[name] = ray_metrics.Gauge(f"workflows_train_{name}", description=f"training throughput, {name.replace('_per_', '/')}",
-                                              tag_keys=("run",))
+            _GAUGES[name] = ray_metrics.Gauge(
+                f"workflows_train_{name}",
+                description=f"training throughput, {name.replace('_per_', '/')}",
+                tag_keys=("run",),
+            )
         _GAUGES[name].set(float(metrics[key]), tags={"run": run})
 
 
@@ -174,8 +202,9 @@ def packed(ds, seq_len: int):
     """Token rows -> blocks of `seq_len` tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
     from workflows.train.lm import PACK_ROWS, pack_batch
 
-    return ds.map_batches(pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=PACK_ROWS,
-                          num_cpus=0)
+    return ds.map_batches(
+        pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=PACK_ROWS, num_cpus=0
+    )
 
 
 def ingest_config():
@@ -207,8 +236,12 @@ def time_breakdown(history: list[dict], fit_started: float, fit_seconds: float) 
     if not history:
         return {}
     out = {"worker_group_start": max(0.0, history[0].get("worker_started_at", fit_started) - fit_started)}
-    for key, column in (("train_steps", "epoch_seconds"), ("data_wait", "data_wait_seconds"),
-                        ("validation", "val_seconds"), ("checkpoint", "checkpoint_seconds")):
+    for key, column in (
+        ("train_steps", "epoch_seconds"),
+        ("data_wait", "data_wait_seconds"),
+        ("validation", "val_seconds"),
+        ("checkpoint", "checkpoint_seconds"),
+    ):
         out[key] = sum(h.get(column) or 0.0 for h in history)
     accounted = out["worker_group_start"] + out["train_steps"] + out["validation"] + out["checkpoint"]
     out["other"] = max(0.0, fit_seconds - accounted)
@@ -227,7 +260,9 @@ def check_resources(num_workers: int, cpus_per_worker: float, use_gpu: bool, wha
             f"but the Ray cluster has {total.get('CPU', 0):g}; lower {what}.num_workers or cpus_per_worker"
         )
     if use_gpu and num_workers > total.get("GPU", 0):
-        raise UserError(f"{what} asks for {num_workers} GPU worker(s), but the Ray cluster has {total.get('GPU', 0):g} GPUs")
+        raise UserError(
+            f"{what} asks for {num_workers} GPU worker(s), but the Ray cluster has {total.get('GPU', 0):g} GPUs"
+        )
 
 
 def _runs_root(cfg: WorkflowConfig) -> str:
@@ -239,12 +274,20 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     any file its train_state.json lists (a crash during upload) is passed over."""
     fs, root = filesystem(_runs_root(cfg), ctx)
     try:
-        runs = sorted((p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith(prefix + "-")), reverse=True)
+        runs = sorted(
+            (p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[-1].startswith(prefix + "-")), reverse=True
+        )
     except FileNotFoundError:
         return None
     for run in runs:
-        checkpoints = sorted((e["name"] for e in fs.ls(run, detail=True) if e["type"] == "directory"
-                              and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")), reverse=True)
+        checkpoints = sorted(
+            (
+                e["name"]
+                for e in fs.ls(run, detail=True)
+                if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")
+            ),
+            reverse=True,
+        )
         for c in checkpoints:
             listing = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(c, detail=True) if e["type"] == "file"}
             state = json.loads(fs.cat_file(f"{c}/{ckpt.STATE_FILE}")) if ckpt.STATE_FILE in listing else None
@@ -253,8 +296,16 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     return None
 
 
-def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *, run_prefix: str | None = None,
-        callbacks: list | None = None, resume: bool = False, check: bool = True) -> TrainOutcome:
+def fit(
+    cfg: WorkflowConfig,
+    storage: StorageContext,
+    data: ProcessedDataset,
+    *,
+    run_prefix: str | None = None,
+    callbacks: list | None = None,
+    resume: bool = False,
+    check: bool = True,
+) -> TrainOutcome:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -281,8 +332,10 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
         train_ds, val_ds = (packed(ds, cfg.model.lm.seq_len) for ds in (train_ds, val_ds))
         train_rows = train_ds.count()
         if train_rows < tc.num_workers:
-            raise UserError(f"causal LM: {train_rows} block(s) of {cfg.model.lm.seq_len} tokens for "
-                            f"{tc.num_workers} workers; lower model.lm.seq_len or bring more text")
+            raise UserError(
+                f"causal LM: {train_rows} block(s) of {cfg.model.lm.seq_len} tokens for "
+                f"{tc.num_workers} workers; lower model.lm.seq_len or bring more text"
+            )
     datasets = {"train": train_ds, "val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
@@ -295,21 +348,35 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
     run_uri = f"{_runs_root(cfg)}/{run_name}"
-    spec = {"cfg": cfg.model_dump(mode="json"), "labels": data.labels, "model_dir": model_dir,
-            "train_rows": train_rows, "pad_id": pad_id, "vocab_size": len(tokenizer), "run_uri": run_uri, "storage": storage, "resume_from": resume_from,
-            "fault": json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None}
+    spec = WorkerSpec(
+        cfg=cfg.model_dump(mode="json"),
+        labels=data.labels,
+        model_dir=model_dir,
+        train_rows=train_rows,
+        pad_id=pad_id,
+        vocab_size=len(tokenizer),
+        run_uri=run_uri,
+        storage=storage,
+        resume_from=resume_from,
+        fault=json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None,
+    )
     trainer = TorchTrainer(
         worker_loop,
-        train_loop_config=spec,
+        train_loop_config={"spec": spec},
         torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker={"CPU": tc.cpus_per_worker},
+            num_workers=tc.num_workers,
+            use_gpu=tc.use_gpu,
+            resources_per_worker={"CPU": tc.cpus_per_worker},
         ),
         run_config=ray.train.RunConfig(
-            name=run_name, storage_path=runs_path, storage_filesystem=pa_fs,
+            name=run_name,
+            storage_path=runs_path,
+            storage_filesystem=pa_fs,
             checkpoint_config=ray.train.CheckpointConfig(
                 # without a score attribute Ray keeps the most recent checkpoints
-                num_to_keep=tc.num_to_keep, checkpoint_score_order=mode,
+                num_to_keep=tc.num_to_keep,
+                checkpoint_score_order=mode,
                 checkpoint_score_attribute=metric if tc.checkpoint_select == "best" else None,
             ),
             failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
@@ -327,7 +394,11 @@ def fit(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, *,
     history_uri = f"{run_uri}/history.json"
     history = read_json(history_uri, storage) if exists(history_uri, storage) else []
     return TrainOutcome(
-        run_name=run_name, run_uri=run_uri, best_checkpoint_uri=with_protocol(cfg.storage.root, best.path),
-        best_metrics=dict(best_metrics), history=history, seconds=fit_seconds,
+        run_name=run_name,
+        run_uri=run_uri,
+        best_checkpoint_uri=with_protocol(cfg.storage.root, best.path),
+        best_metrics=dict(best_metrics),
+        history=history,
+        seconds=fit_seconds,
         breakdown=time_breakdown([h for h in history if h.get("worker_started_at", 0) >= t0], t0, fit_seconds),
     )

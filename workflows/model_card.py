@@ -1,0 +1,44 @@
+"""The model card: a registered version's `workflows.json` (what it predicts, from which columns,
+where it came from), typed for the registry, the server and the predictor."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ModelCard(BaseModel):
+    """The JSON keys of workflows.json, unchanged. Keys this model does not name are kept (extra
+    "allow"), and only keys that were present are written back (`to_dict`), so cards of existing
+    registries load and are written back with the same keys and values."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task: str | None = None
+    labels: list[str]  # index i is the model's output i
+    text_columns: list[str]  # joined into the model's input, in this order
+    label_column: str | None = None
+    max_length: int | None = None  # tokens; required to serve (Predictor)
+    lineage: dict[str, Any] | None = None  # dataset, source, checkpoint, run
+    majority_label: str | None = None  # the train split's most common label (evaluation baseline)
+    val_metrics: dict[str, Any] | None = None
+    # set by registry.register
+    name: str | None = None
+    version: int | None = None
+    artifact_id: str | None = None  # unique per upload: names the node-local cache entry
+    registered_at: str | None = None
+    # not in workflows.json: registry.card attaches the evaluation stored beside the version
+    metrics: dict[str, Any] | None = None
+
+    @classmethod
+    def load(cls, model_dir: str) -> ModelCard:
+        with open(os.path.join(model_dir, "workflows.json")) as f:
+            return cls.model_validate(json.load(f))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object: the keys that were given, extras included, none added. Python mode:
+        values go to json.dumps as they came (JSON mode would turn a NaN metric into null)."""
+        return self.model_dump(exclude_unset=True)

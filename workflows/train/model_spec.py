@@ -1,0 +1,190 @@
+"""What the memory estimate knows about a model: parameter counts from the real model class built on the
+meta device, the architecture from its Hugging Face config, and the bytes its norm and activation layers
+save for backward, probed on small real tensors (see workflows/train/memory_estimate.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the estimate needs to know about a model (counts of parameters, not bytes)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    intermediate: int
+    params: int
+    trainable: int
+    block_params: int  # the largest transformer block (an FSDP unit)
+    block_trainable: int
+    root_params: int  # everything outside the blocks (embeddings, final norm, head): the FSDP root
+    root_trainable: int
+    largest_param: int  # elements of the largest trainable parameter tensor
+    gated_mlp: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attn_implementation: str = "eager"
+    per_token_head: bool = False  # the head reads every position (causal-LM classifiers' `score`, LM heads)
+    lm_head: bool = False  # causal-LM pretraining: vocabulary-wide logits kept for the loss
+    # bytes autograd saves per input element, by precision, probed on small real tensors:
+    norm_bytes: dict = field(default_factory=lambda: {"fp32": 4.0, "bf16": 2.0})  # one norm layer
+    act_bytes: dict = field(default_factory=lambda: {"fp32": 4.0, "bf16": 2.0})  # the MLP's activation
+    act_saves_output: bool = False  # its output is among them (ReLU, tanh): the next linear shares it
+
+
+def _first(config, *names, default=None):
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None and v != "":
+            return v
+    return default
+
+
+def _build_on_meta(config, causal_lm: bool = False) -> nn.Module:
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        if causal_lm:
+            return AutoModelForCausalLM.from_config(config)
+        try:
+            return AutoModelForSequenceClassification.from_config(config)
+        except (ValueError, KeyError):  # an architecture without a sequence-classification head
+            return AutoModel.from_config(config)
+
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def saved_storages(params, forward) -> tuple[dict[int, int], object]:
+    """Bytes autograd saves for backward while `forward()` runs, one count per storage (saved-tensor
+    hooks; the storages of `params` excluded), and what `forward()` returned."""
+    import torch
+
+    own = {t.untyped_storage().data_ptr() for t in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return saved, out
+
+
+def _probe(module: nn.Module | None, width: int, default: float) -> tuple[dict, bool]:
+    """Bytes autograd saves per input element when `module` runs (fp32 and bf16), and whether its
+    output is among them. Runs a copy of the module on a (2, 3, width) CPU tensor: microseconds."""
+    import copy
+
+    import torch
+
+    out_saved, result = False, {}
+    for precision, dtype_name in _DTYPES.items():
+        dtype = getattr(torch, dtype_name)
+        try:
+            probe = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
+            for prm in probe.parameters():
+                prm.data.fill_(1.0)  # to_empty leaves garbage
+            x = torch.randn(2, 3, width, dtype=dtype, requires_grad=True)
+            saved, y = saved_storages(probe.parameters(), lambda: probe(x))
+            result[precision] = sum(saved.values()) / x.numel()
+            out_saved = out_saved or y.untyped_storage().data_ptr() in saved
+        except Exception:  # noqa: BLE001 - an unusual module: assume it saves its input only
+            result[precision] = default * (2 if precision == "bf16" else 4)
+    return result, out_saved
+
+
+def _find(block: nn.Module | None, pred) -> nn.Module | None:
+    return next((m for m in block.modules() if pred(m)), None) if block is not None else None
+
+
+def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool = False,
+                     causal_lm: bool = False) -> ModelSpec:
+    """A ModelSpec from a transformers config: the model is built on the meta device (no memory).
+    causal_lm: the language model with its LM head (pretraining), not a sequence classifier."""
+    from workflows.train.models import transformer_blocks
+
+    model = _build_on_meta(config, causal_lm)
+    if freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+    params = list(model.parameters())  # shared (tied) parameters once
+    blocks = transformer_blocks(model)
+
+    def count(ps, trainable_only=False):
+        return sum(p.numel() for p in ps if p.requires_grad or not trainable_only)
+
+    block_counts = [(count(b.parameters()), count(b.parameters(), True)) for b in blocks] or [(0, 0)]
+    block_params, block_trainable = max(block_counts)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = [p for p in params if id(p) not in in_blocks]
+    hidden = int(_first(config, "hidden_size", "n_embd", "d_model"))
+    heads = int(_first(config, "num_attention_heads", "n_head", "n_heads"))
+    intermediate = int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden))
+    block = blocks[0] if blocks else None
+    names = {n.rsplit(".", 1)[-1] for n, _ in (block.named_modules() if block is not None else [])}
+    norm = _find(block, lambda m: "norm" in type(m).__name__.lower() and not list(m.children()))
+    act_modules = ("transformers.activations", "torch.nn.modules.activation")
+    not_act = (nn.Softmax, nn.MultiheadAttention)
+    act = _find(block, lambda m: type(m).__module__ in act_modules and not isinstance(m, not_act))
+    norm_bytes, _ = _probe(norm, hidden, 1.0) if norm is not None else ({"fp32": 4.0, "bf16": 2.0}, False)
+    act_bytes, act_out = _probe(act, intermediate, 1.0) if act is not None else ({"fp32": 4.0, "bf16": 2.0}, False)
+    return ModelSpec(
+        name=name or str(_first(config, "name_or_path", "_name_or_path", "model_type", default="model")),
+        hidden=hidden,
+        layers=int(_first(config, "num_hidden_layers", "n_layer", "n_layers", default=len(blocks))),
+        heads=heads,
+        kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
+        vocab=int(_first(config, "vocab_size", default=0)),
+        intermediate=intermediate,
+        params=count(params),
+        trainable=count(params, True),
+        block_params=block_params,
+        block_trainable=block_trainable,
+        root_params=count(root),
+        root_trainable=count(root, True),
+        largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
+        gated_mlp=bool(names & {"gate_proj", "gate_up_proj", "w3"}),
+        hidden_dropout=float(
+            _first(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", default=0.0)
+        ),
+        attention_dropout=float(
+            _first(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", default=0.0)
+        ),
+        attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
+        per_token_head=causal_lm or isinstance(getattr(model, "score", None), nn.Linear),
+        lm_head=causal_lm,
+        norm_bytes=norm_bytes,
+        act_bytes=act_bytes,
+        act_saves_output=act_out,
+    )
+
+
+def model_spec(
+    model_dir: str,
+    *,
+    num_labels: int = 2,
+    dropout: float | None = None,
+    freeze_embeddings: bool = False,
+    name: str | None = None,
+) -> ModelSpec:
+    """The spec of the classifier `load_classifier(model_dir, ...)` would build, without its weights."""
+    from transformers.utils import logging as hf_logging
+
+    from workflows.train.models import classifier_config
+
+    hf_logging.set_verbosity_error()
+    config = classifier_config(model_dir, [f"LABEL_{i}" for i in range(num_labels)], dropout)
+    return spec_from_config(config, name=name or model_dir, freeze_embeddings=freeze_embeddings)
+
+
