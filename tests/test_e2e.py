@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
 LABELS = {"plotting", "deep-learning", "dataframes", "scientific-computing"}
 HOLDOUT = [
     {"text": "Plot y versus x as lines and/or markers on the current axes.", "label": "plotting"},
-    {"text": "Applies a 2D convolution over an input signal composed of several input planes.", "label": "deep-learning"},
+    {
+        "text": "Applies a 2D convolution over an input signal composed of several input planes.",
+        "label": "deep-learning",
+    },
     {"text": "Group DataFrame using a mapper or by a Series of columns.", "label": "dataframes"},
     {"text": "Compute the kurtosis of a dataset along an axis.", "label": "scientific-computing"},
 ]
@@ -76,9 +79,15 @@ def test_pipeline_terminal_is_the_platforms_own_lines_with_live_progress(quickst
     assert re.search(r"^workflows logs: Ray's output goes to \S+\.log", err, re.M), err
     assert re.search(r"^workflows tune:   trial [12]/2 started: ", err, re.M), err
     # epoch 1 of 2 leaves time on the trial's budget; the last epoch does not
-    assert re.search(r"^workflows tune:   trial [12]/2 epoch 1/2: val_f1=[\d.]+ \(best so far [\d.]+\), \d+ rows/s, \d+s, ~\d+s left$",
-                     err, re.M), err
-    assert re.search(r"^workflows train: epoch 0 \(1 of 1\) done: loss [\d.]+, val_f1 [\d.]+, \d+ rows/s, \d+s$", err, re.M), err
+    assert re.search(
+        r"^workflows tune:   trial [12]/2 epoch 1/2: val_f1=[\d.]+ \(best so far [\d.]+\), "
+        r"\d+ rows/s, \d+s, ~\d+s left$",
+        err,
+        re.M,
+    ), err
+    assert re.search(
+        r"^workflows train: epoch 0 \(1 of 1\) done: loss [\d.]+, val_f1 [\d.]+, \d+ rows/s, \d+s$", err, re.M
+    ), err
 
 
 def test_tiny_model_beats_its_majority_baseline(quickstart_run):
@@ -186,10 +195,15 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_serve_in_a_new_process_health_and_bearer_auth(server):
     health = requests.get(f"{server}/healthz", timeout=10).json()
     assert health == {"status": "ok", "model": "quickstart", "version": 1}
-    instances = [{"text": "Set the x-axis view limits."}, {"text": "Returns the mean of all elements in the input tensor."}]
+    instances = [
+        {"text": "Set the x-axis view limits."},
+        {"text": "Returns the mean of all elements in the input tensor."},
+    ]
     assert requests.post(f"{server}/predict", json={"instances": instances}, timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
-    assert requests.post(f"{server}/predict", json={"instances": instances}, headers=wrong, timeout=30).status_code == 401
+    assert (
+        requests.post(f"{server}/predict", json={"instances": instances}, headers=wrong, timeout=30).status_code == 401
+    )
     r = requests.post(f"{server}/predict", json={"instances": instances}, headers=AUTH, timeout=30)
     assert r.status_code == 200
     preds = r.json()["predictions"]

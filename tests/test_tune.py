@@ -1,9 +1,9 @@
-"""Ray Tune + ASHA on the session's 2-CPU cluster: one-worker trials train in their Tune actor, trials of more workers are Ray Train runs."""
+"""Ray Tune + ASHA on the session's 2-CPU cluster: one-worker trials train in their Tune actor,
+trials of more workers are Ray Train runs."""
 
 import json
 
 import pytest
-
 import yaml
 
 from tests.conftest import QUICKSTART, tiny_overrides
@@ -66,7 +66,9 @@ def test_one_worker_trials_train_in_their_tune_actor(ray_cluster, tmp_path):
     assert by_lr[1.0]["epochs"] == 1 and by_lr[1.0]["stopped_early"], outcome.trials
     assert by_lr[1e-4]["epochs"] == 2 and outcome.best_params == {"train.lr": 1e-4}
     for t in outcome.trials:  # reported by the in-actor loop only; no checkpoint was asked for
-        assert {"read_rows", "startup", "train_steps", "validation"} <= set(t["seconds"]) and "checkpoint" not in t["seconds"]
+        assert {"read_rows", "startup", "train_steps", "validation"} <= set(t["seconds"]) and "checkpoint" not in t[
+            "seconds"
+        ]
     summary = json.loads((cfg_dir(cfg) / "tune.json").read_text())
     # every trial reads through the node's shard cache: each file fetched once, later reads hit
     cache = summary["shard_cache"]
@@ -87,7 +89,9 @@ def test_optuna_search(ray_cluster, tmp_path):
     with runtime(cfg) as rt:
         outcome = stage_tune(rt, stage_preprocess(rt))
     assert len(outcome.trials) == 1 and all(t["error"] is None for t in outcome.trials)
-    assert outcome.trials[0]["seconds"]["checkpoint"] > 0  # the one-worker trial's epoch checkpoint (the quickstart skips it)
+    assert (
+        outcome.trials[0]["seconds"]["checkpoint"] > 0
+    )  # the one-worker trial's epoch checkpoint (the quickstart skips it)
     assert outcome.trials[0]["params"]["train.batch_size"] in (8, 16)
     assert all(1e-4 <= t["params"]["train.lr"] <= 1e-3 for t in outcome.trials)
 
@@ -144,7 +148,15 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     sets = [*tiny_overrides(tmp_path), "storage.embedded.enabled=false", f"storage.root={store}",
             f"data.source={store}/raw/quickstart/", "ray.num_cpus=2", "tune.num_workers=2", "tune.max_epochs=1",
             "tune.num_samples=1"]
-    args = [sys.executable, "-m", "workflows", "tune", "--config", str(config), *[a for s in sets for a in ("--set", s)]]
+    args = [
+        sys.executable,
+        "-m",
+        "workflows",
+        "tune",
+        "--config",
+        str(config),
+        *[a for s in sets for a in ("--set", s)],
+    ]
     experiment = store / "tune" / "quickstart-tune"
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

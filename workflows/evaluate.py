@@ -25,7 +25,9 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
     }
 
 
-def evaluate_dataset(cfg, model_spec: str, meta: dict, ds, label_column: str | None = None, concurrency: int = 1) -> dict:
+def evaluate_dataset(
+    cfg, model_spec: str, meta: dict, ds, label_column: str | None = None, concurrency: int = 1
+) -> dict:
     """Run the model over a Ray Dataset of raw rows (text columns + label) and score it."""
     import ray.data
 
@@ -37,8 +39,13 @@ def evaluate_dataset(cfg, model_spec: str, meta: dict, ds, label_column: str | N
     if missing:
         raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
     ds = ds.select_columns([*meta["text_columns"], label_column])
-    scored = ds.map_batches(BatchPredictor, fn_constructor_args=(cfg.model_dump(mode="json"), model_spec), batch_format="pandas",
-                            batch_size=64, compute=ray.data.ActorPoolStrategy(size=concurrency))
+    scored = ds.map_batches(
+        BatchPredictor,
+        fn_constructor_args=(cfg.model_dump(mode="json"), model_spec),
+        batch_format="pandas",
+        batch_size=64,
+        compute=ray.data.ActorPoolStrategy(size=concurrency),
+    )
     table: pd.DataFrame = scored.select_columns([label_column, "prediction"]).to_pandas()
     table = table[table[label_column].notna()]
     y_true = table[label_column].astype(str).tolist()
@@ -60,5 +67,8 @@ def format_report(metrics: dict) -> str:
     w = metrics["weighted"]
     lines.append(f"{'weighted':<28} {w['precision']:>9.3f} {w['recall']:>9.3f} {w['f1']:>9.3f} {metrics['rows']:>8d}")
     b = metrics["baseline"]
-    lines.append(f"{'majority baseline':<28} {b['precision']:>9.3f} {b['recall']:>9.3f} {b['f1']:>9.3f}   ({b['majority_label']})")
+    lines.append(
+        f"{'majority baseline':<28} {b['precision']:>9.3f} {b['recall']:>9.3f} {b['f1']:>9.3f}"
+        f"   ({b['majority_label']})"
+    )
     return "\n".join(lines)

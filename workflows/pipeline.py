@@ -67,10 +67,16 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
         outcome = run_tune(rt.cfg, rt.storage, data, resume=resume)
     rt.persist()
     for trial in outcome.trials:
-        say(f"tune:   {trial['params']} -> {t.metric}={trial[t.metric]} after {trial['epochs']} epoch(s)"
-            f"{' (stopped early)' if trial['stopped_early'] else ''}{' ERROR ' + trial['error'] if trial['error'] else ''}")
+        say(
+            f"tune:   {trial['params']} -> {t.metric}={trial[t.metric]} after {trial['epochs']} epoch(s)"
+            f"{' (stopped early)' if trial['stopped_early'] else ''}"
+            f"{' ERROR ' + trial['error'] if trial['error'] else ''}"
+        )
     say(f"tune: best {outcome.best_params} ({t.metric}={outcome.best_metric:.4f}) in {outcome.seconds:.0f}s")
-    ordered = sorted(outcome.trials, key=lambda r: (r[t.metric] is None, -(r[t.metric] or 0) if t.mode == "max" else (r[t.metric] or 0)))
+    ordered = sorted(
+        outcome.trials,
+        key=lambda r: (r[t.metric] is None, -(r[t.metric] or 0) if t.mode == "max" else (r[t.metric] or 0)),
+    )
     table = trials_table(ordered, t.metric, t.max_epochs)
     show(table)
     summary = rt.write_summary("tune", {**asdict(outcome), "shard_cache": cache})
@@ -116,7 +122,9 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
             meta = export_artifact(rt.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
                                    {"run": outcome.run_uri, "train_config": rt.cfg.train.model_dump(mode="json")})
             meta["majority_label"] = max(data.label_counts["train"], key=data.label_counts["train"].get)
-            meta["val_metrics"] = {k: outcome.best_metrics.get(k) for k in ("val_f1", "val_accuracy", "val_loss", "epoch")}
+            meta["val_metrics"] = {
+                k: outcome.best_metrics.get(k) for k in ("val_f1", "val_accuracy", "val_loss", "epoch")
+            }
             ref = registry.register(rt.cfg, rt.storage, tmp, rt.cfg.registry.name, meta)
         rt.persist()
         say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
@@ -207,7 +215,11 @@ def run_pipeline(rt: Runtime) -> dict:
     if cfg.tune.enabled:
         tuned = timed("tune", stage_tune, rt, data)
         apply_params(cfg, tuned.best_params)
-        summary["tune"] = {"best_params": tuned.best_params, "best_metric": tuned.best_metric, "trials": len(tuned.trials)}
+        summary["tune"] = {
+            "best_params": tuned.best_params,
+            "best_metric": tuned.best_metric,
+            "trials": len(tuned.trials),
+        }
     outcome, ref = timed("train", stage_train, rt, data)
     summary["train"] = {"run": outcome.run_uri, "best_metrics": outcome.best_metrics}
     spec = f"{ref.name}:{ref.version}"
@@ -218,13 +230,20 @@ def run_pipeline(rt: Runtime) -> dict:
             if cfg.serve.enabled else None
         metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage, cache=rt.cfg.cache),
                         write_back=True)
-        summary["evaluate"] = {"weighted": metrics["weighted"], "baseline": metrics["baseline"], "rows": metrics["rows"]}
+        summary["evaluate"] = {
+            "weighted": metrics["weighted"],
+            "baseline": metrics["baseline"],
+            "rows": metrics["rows"],
+        }
         summary["model"] = {"name": ref.name, "version": ref.version, "uri": ref.uri}
         if serving is not None:
             summary["serve"] = serving.result()
     timings["total"] = round(time.time() - t0, 2)
     summary["seconds"] = timings
     rt.write_summary("pipeline", summary)
-    say(f"pipeline: done in {timings['total']:.0f}s: {ref.name}:v{ref.version} weighted F1 {metrics['weighted']['f1']:.4f} "
-        f"(majority baseline {metrics['baseline']['f1']:.4f})")
+    say(
+        f"pipeline: done in {timings['total']:.0f}s: {ref.name}:v{ref.version} "
+        f"weighted F1 {metrics['weighted']['f1']:.4f} "
+        f"(majority baseline {metrics['baseline']['f1']:.4f})"
+    )
     return summary

@@ -59,7 +59,10 @@ class TrialProgress(ray.tune.Callback):
         of = f"/{self.max_epochs}" if self.max_epochs else ""
         best = f" (best so far {self._best:.4f})" if self._best is not None else ""
         shown = f"{value:.4f}" if isinstance(value, float) else value
-        say(f"tune:   {self._name(trial)} epoch {epoch}{of}: {self.metric}={shown}{best}{_pace(result, epoch, self.max_epochs)}")
+        say(
+            f"tune:   {self._name(trial)} epoch {epoch}{of}: {self.metric}={shown}{best}"
+            f"{_pace(result, epoch, self.max_epochs)}"
+        )
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
         say(f"tune:   {self._name(trial)} failed: {trial.error_file or 'see the log'}")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.storage.atomic import atomic_write
 
 BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflows.bench.madewithml",
               "data": "workflows.bench.data", "serve": "workflows.bench.serve", "train": "workflows.bench.train",
@@ -29,9 +30,7 @@ def run_benchmark(name: str, config: str | None, overrides: list[str], argv: lis
               "machine": machine(), **result}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(result, indent=2, sort_keys=True))
     write_doc_section(name, module.markdown(result))
     print(f"results written to {path} and {DOC}")
     return result
@@ -52,11 +51,13 @@ def machine() -> dict:
 def write_doc_section(name: str, body: str) -> None:
     """Replace the section between `<!-- bench:NAME -->` markers, or append it."""
     DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME`; none is typed by hand.\n"
+    text = (
+        DOC.read_text()
+        if DOC.exists()
+        else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME`; none is typed by hand.\n"
+    )
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     section = f"{start}\n{body.strip()}\n{end}"
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
-    tmp = DOC.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, DOC)
+    atomic_write(DOC, text)

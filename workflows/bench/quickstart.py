@@ -88,14 +88,19 @@ def _goal(value: float, goal: float, at_most: bool = True) -> str:
 
 def markdown(r: dict) -> str:
     g = r["goals"]["wall_vs_work_ratio"]
-    rows = [f"| **pipeline** | {r['wall_seconds']:.0f} | {r['work_seconds']:.0f} | {r['wall_seconds'] - r['work_seconds']:.0f} "
-            f"| **{r['wall_vs_work_ratio']}x** | {_goal(r['wall_vs_work_ratio'], g['pipeline'])} |"]
+    rows = [
+        f"| **pipeline** | {r['wall_seconds']:.0f} | {r['work_seconds']:.0f} "
+        f"| {r['wall_seconds'] - r['work_seconds']:.0f} "
+        f"| **{r['wall_vs_work_ratio']}x** | {_goal(r['wall_vs_work_ratio'], g['pipeline'])} |"
+    ]
     for s, v in r["stages"].items():
         goal = _goal(v["wall_vs_work_ratio"], g[s]) if s in g else "fixed cost: cut"
         rows.append(f"| {s} | {v['wall_seconds']:.1f} | {v['work_seconds']:.1f} | {v['fixed_seconds']:.1f} "
                     f"| {v['wall_vs_work_ratio']}x | {goal} |")
-    rows.append(f"| outside the stages (process, object store, Ray start and stop) | {r['outside_stages_seconds']:.1f} | 0 "
-                f"| {r['outside_stages_seconds']:.1f} | | |")
+    rows.append(
+        f"| outside the stages (process, object store, Ray start and stop) | {r['outside_stages_seconds']:.1f} | 0 "
+        f"| {r['outside_stages_seconds']:.1f} | | |"
+    )
     b = r["breakdown"]
     where = []
     if "preprocess" in b:
@@ -113,13 +118,13 @@ def markdown(r: dict) -> str:
     w = r["work"]
     return f"""## Quickstart: the pipeline beside its work
 
-`{r['command']}` ({r['measured_at']}, {r['machine']['cpus']} CPUs, torch {r['machine']['torch']})
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, torch {r["machine"]["torch"]})
 
 `workflows pipeline --config configs/quickstart.yaml` in a fresh process from an empty store, then the
 same computations in one plain-PyTorch process without Ray or an object store (`workflows/bench/work.py`:
-tokenizing {w['preprocess']['rows']} rows; {w.get('tune', {}).get('trials', 0)} trials, {w.get('tune', {}).get('epochs', 0)} trial-epochs
-on {w.get('tune', {}).get('threads', 0)} thread(s); the final {w['train']['epochs']} epoch(s) on {w['train']['threads']} threads;
-evaluating {w['evaluate']['rows']} rows; {w['serve']['requests']} single-row predictions).
+tokenizing {w["preprocess"]["rows"]} rows; {w.get("tune", {}).get("trials", 0)} trials, {w.get("tune", {}).get("epochs", 0)} trial-epochs
+on {w.get("tune", {}).get("threads", 0)} thread(s); the final {w["train"]["epochs"]} epoch(s) on {w["train"]["threads"]} threads;
+evaluating {w["evaluate"]["rows"]} rows; {w["serve"]["requests"]} single-row predictions).
 
 | stage | wall s | work s | rest s | wall / work | goal |
 | --- | --- | --- | --- | --- | --- |
@@ -133,8 +138,8 @@ Where the rest goes (as each stage measured itself):
 
 | measure | value | goal |
 | --- | --- | --- |
-| held-out weighted F1 | {r['weighted_f1']:.4f} ({r['test_rows']} rows) | {_goal(r['weighted_f1'], r['goals']['weighted_f1'], at_most=False)} |
-| the same model's F1 in the work's process | {w['evaluate']['weighted_f1']:.4f} | equal |
-| majority-class baseline F1, same rows | {r['majority_baseline_f1']:.4f} | |
-| predictions served over HTTP | {r['served_predictions']} | |
-"""
+| held-out weighted F1 | {r["weighted_f1"]:.4f} ({r["test_rows"]} rows) | {_goal(r["weighted_f1"], r["goals"]["weighted_f1"], at_most=False)} |
+| the same model's F1 in the work's process | {w["evaluate"]["weighted_f1"]:.4f} | equal |
+| majority-class baseline F1, same rows | {r["majority_baseline_f1"]:.4f} | |
+| predictions served over HTTP | {r["served_predictions"]} | |
+"""  # noqa: E501 (markdown table rows: one line each)

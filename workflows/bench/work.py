@@ -34,10 +34,9 @@ class _Stop(Exception):
 
 def copy_out(cfg: WorkflowConfig, run_dir: Path, dest: Path) -> dict:
     """Raw shards, processed parquet files and the registered model, out of the persisted store."""
+    from workflows import registry
     from workflows.runtime import runtime
     from workflows.storage.uri import filesystem
-
-    from workflows import registry
 
     pipeline = json.loads((run_dir / "pipeline.json").read_text())
     model = pipeline["model"]
@@ -54,8 +53,8 @@ def copy_out(cfg: WorkflowConfig, run_dir: Path, dest: Path) -> dict:
 
 
 def _rows(files: list[str], limit: int | None = None) -> dict:
-    from workflows.train.standalone import read_rows
     from workflows.storage.uri import StorageContext
+    from workflows.train.standalone import read_rows
 
     return read_rows(files, StorageContext(), limit)
 
@@ -121,7 +120,9 @@ def evaluate_and_serve(cfg: WorkflowConfig, model_dir: Path, processed: Path, de
     predictor = Predictor(str(model_dir), threads, cfg.serve.precision)
     probs = predictor.probabilities({c: test[c].tolist() for c in meta["text_columns"]}, cfg.evaluate.batch_size)
     predicted = [predictor.labels[i] for i in probs.argmax(1)]
-    f1 = classification_metrics(test[meta["label_column"]].astype(str).tolist(), predicted, predictor.labels)["weighted"]["f1"]
+    f1 = classification_metrics(test[meta["label_column"]].astype(str).tolist(), predicted, predictor.labels)[
+        "weighted"
+    ]["f1"]
     evaluate = time.perf_counter() - t0
     rows = test[meta["text_columns"]].head(demo).astype(str).to_dict("records")
     t0 = time.perf_counter()
@@ -135,7 +136,10 @@ def measure(cfg: WorkflowConfig, run_dir: Path, scratch: Path) -> dict:
     from workflows.tune.search import trial_config
 
     pipeline = copy_out(cfg, run_dir, scratch)
-    processed, labels = scratch / "processed", json.loads((scratch / "processed" / "manifest.json").read_text())["labels"]
+    processed, labels = (
+        scratch / "processed",
+        json.loads((scratch / "processed" / "manifest.json").read_text())["labels"],
+    )
     cpus = os.cpu_count() or 1
     work: dict = {"preprocess": tokenize(cfg, scratch / "raw")}
     final = cfg
@@ -155,8 +159,14 @@ def measure(cfg: WorkflowConfig, run_dir: Path, scratch: Path) -> dict:
     threads = min(cpus, max(1, int(tc.num_workers * tc.cpus_per_worker)))
     work["train"] = {"seconds": train_run(final, processed, labels, tc.epochs, threads), "threads": threads,
                      "epochs": tc.epochs}
-    served = evaluate_and_serve(final, scratch / "model", processed, len(pipeline.get("serve", {}).get("requests", [])), threads)
-    work["evaluate"] = {"seconds": served["evaluate"], "rows": served["test_rows"], "weighted_f1": served["weighted_f1"]}
+    served = evaluate_and_serve(
+        final, scratch / "model", processed, len(pipeline.get("serve", {}).get("requests", [])), threads
+    )
+    work["evaluate"] = {
+        "seconds": served["evaluate"],
+        "rows": served["test_rows"],
+        "weighted_f1": served["weighted_f1"],
+    }
     work["serve"] = {"seconds": served["serve"], "requests": len(pipeline.get("serve", {}).get("requests", []))}
     shutil.rmtree(scratch, ignore_errors=True)
     return work

@@ -57,7 +57,8 @@ def max_concurrent_trials(cfg: WorkflowConfig) -> int:
     per_trial = cfg.tune.num_workers * cfg.train.cpus_per_worker
     if per_trial > cpus:
         raise UserError(
-            f"a tune trial asks for {cfg.tune.num_workers} worker(s) x {cfg.train.cpus_per_worker:g} CPU = {per_trial:g} CPUs, "
+            f"a tune trial asks for {cfg.tune.num_workers} worker(s) x {cfg.train.cpus_per_worker:g} CPU "
+            f"= {per_trial:g} CPUs, "
             f"but the Ray cluster has {cpus:g}; lower tune.num_workers or train.cpus_per_worker"
         )
     return max(1, math.floor(cpus / per_trial))
@@ -132,7 +133,11 @@ def _trial_seconds(history) -> dict[str, float]:
     out: dict[str, float] = {}
     if history is None or not len(history):
         return out
-    for key, column in (("train_steps", "epoch_seconds"), ("validation", "val_seconds"), ("checkpoint", "checkpoint_seconds")):
+    for key, column in (
+        ("train_steps", "epoch_seconds"),
+        ("validation", "val_seconds"),
+        ("checkpoint", "checkpoint_seconds"),
+    ):
         if column in history:
             out[key] = round(float(history[column].fillna(0).sum()), 3)
     for key, column in (("read_rows", "read_seconds"), ("startup", "startup_seconds")):
@@ -205,16 +210,20 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     for r in grid:
         history = r.metrics_dataframe
         epochs = int(history["training_iteration"].max()) if history is not None and len(history) else 0
-        trials.append({
-            "params": {k: r.config.get(k) for k in t.space},
-            t.metric: (r.metrics or {}).get(t.metric),
-            "epochs": epochs,
-            "stopped_early": epochs < t.max_epochs and r.error is None,
-            "best_" + t.metric: _best(history, t.metric, t.mode),
-            "error": str(r.error).splitlines()[0] if r.error else None,
-            "history": history[["training_iteration", t.metric]].to_dict("records") if history is not None and t.metric in history else [],
-            "seconds": _trial_seconds(history),
-        })
+        trials.append(
+            {
+                "params": {k: r.config.get(k) for k in t.space},
+                t.metric: (r.metrics or {}).get(t.metric),
+                "epochs": epochs,
+                "stopped_early": epochs < t.max_epochs and r.error is None,
+                "best_" + t.metric: _best(history, t.metric, t.mode),
+                "error": str(r.error).splitlines()[0] if r.error else None,
+                "history": history[["training_iteration", t.metric]].to_dict("records")
+                if history is not None and t.metric in history
+                else [],
+                "seconds": _trial_seconds(history),
+            }
+        )
     return TuneOutcome(
         best_params={k: best.config[k] for k in t.space}, best_metric=float(best.metrics[t.metric]),
         trials=trials, experiment_uri=f"{runs_uri}/{experiment}", seconds=time.time() - t0, concurrency=concurrency,

@@ -50,7 +50,9 @@ def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Processe
     torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
     device = torch.device("cuda", 0) if tc.use_gpu and torch.cuda.is_available() else torch.device("cpu")
     pad_id = tokenizer_pad_id(resolve_model_dir(data.tokenizer))
-    train_limit = tc.max_train_rows if tc.max_train_rows is not None and tc.max_train_rows < data.counts["train"] else None
+    train_limit = (
+        tc.max_train_rows if tc.max_train_rows is not None and tc.max_train_rows < data.counts["train"] else None
+    )
     train_rows = read_split(data, "train", storage, cfg, train_limit)
     val_rows = read_split(data, "val", storage, cfg, tc.max_val_rows)
     read_seconds = time.perf_counter() - t_start
@@ -72,8 +74,13 @@ def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Processe
         report: dict[str, Any] = {**metrics, **startup}
         if cfg.tune.checkpoint:
             with tempfile.TemporaryDirectory() as d:
-                ckpt.save(d, model, optimizer, scheduler,
-                          {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history})
+                ckpt.save(
+                    d,
+                    model,
+                    optimizer,
+                    scheduler,
+                    {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history},
+                )
                 report["checkpoint_seconds"] = round(time.perf_counter() - t0, 3)
                 ray.tune.report(report, checkpoint=ray.tune.Checkpoint.from_directory(d))
         else:
