@@ -316,13 +316,16 @@ def bench(
     name: str = typer.Argument(..., help="benchmark to run (see `workflows bench --help`)"),
     config: str | None = typer.Option(None, "--config", "-c", help="config (default: the benchmark's own)"),
     set: list[str] | None = SetOpt,
+    tag: str | None = typer.Option(None, "--tag", help="a variant: results in NAME-TAG.json, its own doc section"),
+    results_dir: str = typer.Option("benchmarks/results", "--results-dir", help="directory for the results JSON"),
+    doc: str = typer.Option("docs/BENCHMARKS.md", "--doc", help="markdown file whose bench section is rewritten"),
 ):
-    """Run benchmark NAME: writes benchmarks/results/NAME.json and its section of docs/BENCHMARKS.md."""
+    """Run benchmark NAME: writes RESULTS_DIR/NAME[-TAG].json and its section of the --doc file."""
 
     def go():
         from workflows.bench import run_benchmark
 
-        run_benchmark(name, config, set or [], sys.argv)
+        run_benchmark(name, config, set or [], sys.argv, tag=tag, results_dir=results_dir, doc=doc)
 
     _run(go)
 

@@ -20,19 +20,31 @@ RESULTS_DIR = Path("benchmarks/results")
 DOC = Path("docs/BENCHMARKS.md")
 
 
-def run_benchmark(name: str, config: str | None, overrides: list[str], argv: list[str]) -> dict:
+def run_benchmark(name: str, config: str | None, overrides: list[str], argv: list[str], tag: str | None = None,
+                  results_dir: str | Path = RESULTS_DIR, doc: str | Path = DOC) -> dict:
+    """Run benchmark `name`; write `results_dir/NAME[-TAG].json` and its section of `doc`.
+
+    A tag keeps a variant (another size, another cluster) beside the default run instead of over it.
+    """
     if name not in BENCHMARKS:
         raise UserError(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
+    if tag is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", tag):
+        raise UserError(f"--tag {tag!r}: lower-case letters, digits and '-' (it names a file)")
+    key = f"{name}-{tag}" if tag else name
     module = importlib.import_module(BENCHMARKS[name])
     result = module.run(config, overrides)
     command = "workflows " + " ".join(shlex.quote(a) for a in argv[1:])
-    result = {"benchmark": name, "command": command, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), **result}
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    result = {"benchmark": name, "tag": tag, "command": command,
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), **result}
+    results_dir, doc = Path(results_dir), Path(doc)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{key}.json"
     atomic_write(path, json.dumps(result, indent=2, sort_keys=True))
-    write_doc_section(name, module.markdown(result))
-    print(f"results written to {path} and {DOC}")
+    body = module.markdown(result)
+    if tag:  # the section's heading names its variant
+        body = re.sub(r"^(## .*)$", rf"\1 ({tag})", body, count=1, flags=re.M)
+    write_doc_section(key, body, doc)
+    print(f"results written to {path} and {doc}")
     return result
 
 
@@ -48,16 +60,16 @@ def machine() -> dict:
     return info
 
 
-def write_doc_section(name: str, body: str) -> None:
-    """Replace the section between `<!-- bench:NAME -->` markers, or append it."""
-    DOC.parent.mkdir(parents=True, exist_ok=True)
+def write_doc_section(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace the section between `<!-- bench:NAME -->` markers of `doc`, or append it."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
     text = (
-        DOC.read_text()
-        if DOC.exists()
+        doc.read_text()
+        if doc.exists()
         else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME`; none is typed by hand.\n"
     )
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     section = f"{start}\n{body.strip()}\n{end}"
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
-    atomic_write(DOC, text)
+    atomic_write(doc, text)
