@@ -130,6 +130,8 @@ evaluating {w["evaluate"]["rows"]} rows; {w["serve"]["requests"]} single-row pre
 | --- | --- | --- | --- | --- | --- |
 {chr(10).join(rows)}
 
+Serve deploys while the evaluation runs, so their wall seconds overlap; the pipeline's total counts them once.
+
 Where the rest goes (as each stage measured itself):
 
 | stage | seconds |
