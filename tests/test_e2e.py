@@ -111,10 +111,11 @@ def test_evaluate_of_an_unknown_model_fails_in_one_line(cli, holdout):
 
 
 def test_int8_evaluation(quickstart_run, cli, holdout):
-    """int8 dynamic quantization, evaluated on the same rows."""
+    """int8 dynamic quantization, evaluated on the same rows, by a Ray Data actor pool (the rows are
+    few enough to be scored in process otherwise)."""
     out8 = quickstart_run.tmp / "eval-int8.json"
     res = cli("evaluate", "--model", "quickstart", "--data", str(holdout), "--output", str(out8),
-                             extra=("serve.precision=int8",))
+                             extra=("serve.precision=int8", "evaluate.in_process_max_rows=0"))
     assert res.returncode == 0, res.stderr[-4000:]
     m8 = json.loads(out8.read_text())
     assert m8["precision"] == "int8" and m8["rows"] == 4 and set(m8["per_class"]) == LABELS

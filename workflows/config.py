@@ -245,6 +245,10 @@ class TuneConfig(Strict):
 
 class EvaluateConfig(Strict):
     batch_size: int = Field(64, ge=1)
+    in_process_max_rows: int = Field(
+        2000, ge=0, description="score a dataset of at most this many rows in the calling process, not in a "
+        "Ray Data actor pool (an actor's start and model load cost more than scoring a few thousand rows); "
+        "0: always the pool")
 
 
 class RegistryConfig(Strict):
