@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import QUICKSTART, ROOT, free_port, tiny_overrides
+from conftest import QUICKSTART, ROOT
 
+from tests.helpers import free_port, tiny_overrides
 from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.pipeline import stage_preprocess

@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from workflows.reliability import make_row, tiny_overrides
+from reliability import make_row
+from tests.helpers import tiny_overrides
 
 RTOL, ATOL = 1e-4, 1e-5  # as tests/test_train_resume.py: same process, seeds and data order
 
@@ -37,7 +38,7 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
 
     workdir = Path(workdir)
     t0 = time.time()
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs" / "quickstart.yaml", [
         *tiny_overrides(workdir), "train.epochs=2", f"train.seed={seed}", "train.num_workers=2", "train.strategy=fsdp",
         "train.num_to_keep=2", "train.max_failures=1", "ray.num_cpus=2", "tune.enabled=false", "serve.enabled=false",
