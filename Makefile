@@ -34,7 +34,8 @@ bench: install
 
 # fault injection (reliability/, beside the package and not installed: run from the repo root):
 # writes benchmarks/results/reliability.json and docs/RELIABILITY.md
-# (`$(BIN)/python -m reliability --fast` runs the subset that `make test` runs too)
+# (`$(BIN)/python -m reliability --fast` runs the subset that `make test` runs too; `--render` runs
+# nothing and regenerates the doc from the stored JSON)
 reliability: install
 	$(BIN)/python -m reliability
 

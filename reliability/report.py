@@ -41,6 +41,12 @@ def write_results(new_rows: list[dict], command: str, results: Path = RESULTS, d
     return results, doc
 
 
+def render(results: Path = RESULTS, doc: Path = DOC) -> Path:
+    """Regenerate the document from the results file alone, running nothing."""
+    _atomic(doc, markdown(json.loads(results.read_text())))
+    return doc
+
+
 def _atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, text)
