@@ -18,7 +18,7 @@ import pytest
 
 from reliability import ROWS, passed, row_function
 from reliability.fault_proxy import FaultProxy
-from reliability.report import write_results
+from reliability.report import render, write_results
 
 FAST = [r.name for r in ROWS if r.fast]
 
@@ -137,3 +137,6 @@ def test_results_merge_and_document(tmp_path):
     text = doc.read_text()
     assert "--only secrets_hygiene" in text and "do not edit" in text
     assert "| `cache_download_kill` | yes | 20 | 20 | 0 | 0 | 0 | pass |" in text
+    # --render: the same document again from the file alone
+    doc.unlink()
+    assert render(results, doc) == doc and doc.read_text() == text
