@@ -23,7 +23,7 @@ demo: install
 	$(BIN)/workflows pipeline --config configs/quickstart.yaml
 
 test: install
-	$(BIN)/ruff check workflows tests
+	$(BIN)/ruff check workflows tests reliability
 	$(BIN)/python -m pytest
 
 test-fast: install
@@ -32,10 +32,12 @@ test-fast: install
 bench: install
 	$(BIN)/workflows bench quickstart
 
-# fault injection: writes benchmarks/results/reliability.json and docs/RELIABILITY.md
-# (`$(BIN)/python -m workflows.reliability --fast` runs the subset that `make test` runs too)
+# fault injection (reliability/, beside the package and not installed: run from the repo root):
+# writes benchmarks/results/reliability.json and docs/RELIABILITY.md
+# (`$(BIN)/python -m reliability --fast` runs the subset that `make test` runs too; `--render` runs
+# nothing and regenerates the doc from the stored JSON)
 reliability: install
-	$(BIN)/python -m workflows.reliability
+	$(BIN)/python -m reliability
 
 docs: install
 	$(BIN)/python -m workflows.config_reference

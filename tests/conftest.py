@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from workflows.reliability import free_port, tiny_overrides
-
-__all__ = ["free_port", "tiny_overrides"]  # tests import these from here too
+from tests.helpers import tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -11,7 +11,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.conftest import QUICKSTART, tiny_overrides  # noqa: E402
+from tests.conftest import QUICKSTART  # noqa: E402
+from tests.helpers import tiny_overrides  # noqa: E402
 from workflows.config import load_config  # noqa: E402
 from workflows.pipeline import stage_preprocess  # noqa: E402
 from workflows.preprocess.sources import list_shards, read_shards, shard_placement  # noqa: E402

@@ -5,7 +5,8 @@ import json
 import re
 from pathlib import Path
 
-from tests.conftest import QUICKSTART, run_cli, tiny_overrides
+from tests.conftest import QUICKSTART, run_cli
+from tests.helpers import tiny_overrides
 
 RAY_NOISE = re.compile(r"\(\S*\s?pid=\d+|\x1b\[[0-9;?]*[A-HJKSTf]|\r|INFO |WARNING |streaming_executor")
 

@@ -17,7 +17,8 @@ import time
 import pytest
 import requests
 
-from tests.conftest import QUICKSTART, ROOT, free_port, sets
+from tests.conftest import QUICKSTART, ROOT, sets
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_overrides
-from workflows.reliability.local_cluster import local_cluster, ray_cli
-from workflows.reliability.secrets import ray_token_auth_checks
+from reliability.local_cluster import local_cluster, ray_cli
+from reliability.secrets import ray_token_auth_checks
+from tests.helpers import tiny_overrides
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workflows.reliability import free_port
+from tests.helpers import free_port
 from workflows.train.loop import make_optimizer, make_scheduler, micro_batch_groups, steps_per_epoch, train_epoch
 from workflows.train.parallel import parallelize
 

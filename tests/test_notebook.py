@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, free_port, shutdown_serve
+from tests.conftest import ROOT, shutdown_serve
+from tests.helpers import free_port
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 

@@ -16,9 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from workflows.reliability import ROWS, passed, row_function
-from workflows.reliability.fault_proxy import FaultProxy
-from workflows.reliability.report import write_results
+from reliability import ROWS, passed, row_function
+from reliability.fault_proxy import FaultProxy
+from reliability.report import render, write_results
 
 FAST = [r.name for r in ROWS if r.fast]
 
@@ -120,12 +120,12 @@ def test_results_merge_and_document(tmp_path):
         "lost": 0,
         "detail": "d1",
         "measured_at": "2030-01-01T00:00:00Z",
-        "command": "python -m workflows.reliability --fast",
+        "command": "python -m reliability --fast",
     }
-    write_results([row], "python -m workflows.reliability --fast", results, doc)
+    write_results([row], "python -m reliability --fast", results, doc)
     write_results(
         [{**row, "name": "secrets_hygiene", "detail": "d2"}],
-        "python -m workflows.reliability --only secrets_hygiene",
+        "python -m reliability --only secrets_hygiene",
         results,
         doc,
     )
@@ -137,3 +137,6 @@ def test_results_merge_and_document(tmp_path):
     text = doc.read_text()
     assert "--only secrets_hygiene" in text and "do not edit" in text
     assert "| `cache_download_kill` | yes | 20 | 20 | 0 | 0 | 0 | pass |" in text
+    # --render: the same document again from the file alone
+    doc.unlink()
+    assert render(results, doc) == doc and doc.read_text() == text

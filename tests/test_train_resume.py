@@ -17,8 +17,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import QUICKSTART, ROOT, free_port, tiny_overrides
+from conftest import QUICKSTART, ROOT
 
+from reliability.faults import TrainFault
+from tests.helpers import free_port, tiny_overrides
 from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.pipeline import stage_preprocess
@@ -26,7 +28,7 @@ from workflows.runtime import runtime
 from workflows.storage.uri import filesystem
 from workflows.train.checkpoint import STATE_FILE, consolidated_model_state, read_state
 from workflows.train.export import download_checkpoint
-from workflows.train.trainer import FAULT_ENV, fit, latest_checkpoint
+from workflows.train.trainer import fit, latest_checkpoint
 
 # Same process, same thread count, same data order and seeds: the losses should agree to float
 # rounding; this tolerance still fails at once if a resumed epoch saw other batches, other
@@ -127,12 +129,12 @@ def test_a_checkpoint_cut_short_in_upload_is_never_resumed_from(run):
 
 
 @pytest.mark.slow
-def test_killed_worker_is_restarted_from_the_last_checkpoint(run, monkeypatch):
+def test_killed_worker_is_restarted_from_the_last_checkpoint(run):
     marker = run.tmp / "killed-once"
     assert run.cfg.train.max_failures >= 1
     # SIGKILL worker rank 1 in the middle of epoch 1 (its second step), once
-    monkeypatch.setenv(FAULT_ENV, json.dumps({"action": "kill", "epoch": 1, "step": 1, "rank": 1, "once": str(marker)}))
-    out = fit(run.cfg, run.rt.storage, run.data, run_prefix="killed")
+    kill = TrainFault(epoch=1, step=1, rank=1, action="kill", once=str(marker))
+    out = fit(run.cfg, run.rt.storage, run.data, run_prefix="killed", on_step=kill)
     assert marker.exists(), "the fault never fired"
 
     # completed, with each epoch once: the restarted group began at epoch 1 from epoch 0's checkpoint

@@ -6,7 +6,8 @@ import json
 import pytest
 import yaml
 
-from tests.conftest import QUICKSTART, tiny_overrides
+from tests.conftest import QUICKSTART
+from tests.helpers import tiny_overrides
 from workflows.config import load_config
 from workflows.pipeline import stage_preprocess, stage_tune
 from workflows.runtime import runtime

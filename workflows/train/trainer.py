@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,6 +64,9 @@ def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: 
     return max(checkpoints, key=lambda cm: (sign * cm[1][metric], -cm[1]["epoch"]))
 
 
+RankStepHook = Callable[[int, int, int], None]  # (world rank, epoch, step in epoch), before each step
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every Ray Train worker gets from the driver (pickled, in `train_loop_config`)."""
@@ -76,7 +80,7 @@ class WorkerSpec:
     run_uri: str
     storage: StorageContext
     resume_from: str | None = None  # `--resume`: an earlier run's checkpoint
-    fault: dict | None = None  # tests only: $WORKFLOWS_TRAIN_FAULT read in the driver (fault_hook)
+    on_step: RankStepHook | None = None  # fit's on_step, pickled to every worker
 
 
 def worker_loop(config: dict[str, WorkerSpec]) -> None:
@@ -150,7 +154,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         return
     run_epochs(cfg, model, optimizer, scheduler, device, len(spec.labels), start_epoch=start_epoch,
                history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
-               resumed_from_epoch=resumed_from, on_step=fault_hook(spec.fault, rank))
+               resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None)
 
 
 _GAUGES: dict = {}
@@ -168,34 +172,6 @@ def record_throughput(run: str, metrics: dict) -> None:
                 tag_keys=("run",),
             )
         _GAUGES[name].set(float(metrics[key]), tags={"run": run})
-
-
-FAULT_ENV = "WORKFLOWS_TRAIN_FAULT"
-
-
-def fault_hook(fault: dict | None, rank: int):
-    """Tests only: a fault injected into a training worker, from `$WORKFLOWS_TRAIN_FAULT` in the
-    driver, e.g. {"action": "kill", "epoch": 1, "step": 1, "rank": 0, "once": "/tmp/marker"}.
-
-    "kill" SIGKILLs the worker process (as an OOM kill or a lost node would), "raise" raises.
-    With "once", only the first worker to claim the marker file (O_EXCL) fires.
-    """
-    if not fault or int(fault.get("rank", 0)) != rank:
-        return None
-
-    def on_step(epoch: int, step: int) -> None:
-        if epoch != int(fault.get("epoch", 0)) or step != int(fault.get("step", 0)):
-            return
-        if fault.get("once"):
-            try:
-                os.close(os.open(fault["once"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-        if fault.get("action") == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected fault ({FAULT_ENV}) at epoch {epoch}, step {step}, rank {rank}")
-
-    return on_step
 
 
 def packed(ds, seq_len: int):
@@ -305,6 +281,7 @@ def fit(
     callbacks: list | None = None,
     resume: bool = False,
     check: bool = True,
+    on_step: RankStepHook | None = None,  # run in every worker before each step (faults: reliability/); pickled
 ) -> TrainOutcome:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -358,7 +335,7 @@ def fit(
         run_uri=run_uri,
         storage=storage,
         resume_from=resume_from,
-        fault=json.loads(os.environ[FAULT_ENV]) if os.environ.get(FAULT_ENV) else None,
+        on_step=on_step,
     )
     trainer = TorchTrainer(
         worker_loop,

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from workflows.reliability import free_port
+from tests.helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).parent / "ray"
 START = ROOT / "cluster" / "local" / "start.sh"
 STOP = ROOT / "cluster" / "local" / "stop.sh"

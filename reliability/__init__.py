@@ -1,5 +1,5 @@
 """Fault injection: what the platform does when processes die, the object store misbehaves or
-goes away, and clients send garbage. `python -m workflows.reliability [--fast]` (`make reliability`)
+goes away, and clients send garbage. `python -m reliability [--fast]` (`make reliability`)
 runs the rows below and writes benchmarks/results/reliability.json and docs/RELIABILITY.md.
 
 Every row is a function `row(workdir: Path, seed: int) -> dict` returning
@@ -15,9 +15,7 @@ Rows marked fast run in `make test` (tests/test_reliability.py) as well.
 from __future__ import annotations
 
 import importlib
-import socket
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -32,59 +30,59 @@ class RowSpec:
 ROWS: list[RowSpec] = [
     RowSpec(
         "cache_download_kill",
-        "workflows.reliability.cache_kill",
+        "reliability.cache_kill",
         True,
         "SIGKILL a process at random points of shard downloads into the shard cache; every later read is exact",
     ),
     RowSpec(
         "object_store_faults",
-        "workflows.reliability.object_store",
+        "reliability.object_store",
         True,
         "503 SlowDown, slow responses and connection resets from a proxy in front of the S3 endpoint; "
         "the full run preprocesses and trains through it",
     ),
     RowSpec(
         "object_store_outage",
-        "workflows.reliability.object_store",
+        "reliability.object_store",
         True,
         "the endpoint goes away: clear errors in bounded time, nothing half-written",
     ),
     RowSpec(
         "secrets_hygiene",
-        "workflows.reliability.secrets",
+        "reliability.secrets",
         True,
         "credentials in the environment never reach logs, summaries, the store or the cache; "
         "safe weight loading; path-safe names; bearer-token checks; Ray token auth for job submission (full run)",
     ),
     RowSpec(
         "serve_hostile_inputs",
-        "workflows.reliability.serve_hostile",
+        "reliability.serve_hostile",
         False,
         "hostile HTTP requests to the Ray Serve app: 4xx with a message, and it keeps serving",
     ),
     RowSpec(
         "train_worker_kill",
-        "workflows.reliability.train_kill",
+        "reliability.train_kill",
         False,
         "a Ray Train worker SIGKILLed mid-epoch: restarted from the last checkpoint, same losses as without the kill",
     ),
     RowSpec(
         "serve_load",
-        "workflows.reliability.recorded",
+        "reliability.recorded",
         False,
         "10k requests at concurrency 64 (recorded by `workflows bench serve`)",
         recorded=True,
     ),
     RowSpec(
         "serve_replica_kill",
-        "workflows.reliability.recorded",
+        "reliability.recorded",
         False,
         "one of 2 Serve replicas SIGKILLed under load (recorded by `workflows bench serve`)",
         recorded=True,
     ),
     RowSpec(
         "serve_rolling_update",
-        "workflows.reliability.recorded",
+        "reliability.recorded",
         False,
         "a new model version rolled out while 2 replicas serve under load: no request dropped "
         "(recorded by `workflows bench serve`)",
@@ -129,33 +127,4 @@ def passed(row: dict) -> bool | None:
     return row["lost"] == 0 and row["failed"] <= (row.get("allowed_failures") or 0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tiny_overrides(tmp: Path) -> list[str]:
-    """The quickstart shrunk to seconds: a small dataset, short sequences, one short epoch.
-    Shared by the rows here and the test suite (tests/conftest.py)."""
-    return [
-        f"storage.embedded.data_dir={tmp}/s3",
-        f"output_dir={tmp}/runs",
-        f"cache.dir={tmp}/cache",
-        "data.builtin_rows_per_class=40",
-        "preprocess.max_length=32",
-        "preprocess.concurrency=1",
-        "train.epochs=1",
-        "train.batch_size=8",
-        "train.max_train_rows=48",
-        "train.lr=3e-4",
-        "tune.num_samples=2",
-        "tune.max_epochs=2",
-        "tune.max_train_rows=24",
-        "tune.max_val_rows=16",
-        f"serve.port={free_port()}",
-        "serve.demo_requests=2",
-    ]
-
-
-__all__ = ["ROWS", "BY_NAME", "RowSpec", "free_port", "make_row", "passed", "row_function", "tiny_overrides"]
+__all__ = ["ROWS", "BY_NAME", "RowSpec", "make_row", "passed", "row_function"]

@@ -28,7 +28,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from workflows.reliability import make_row
+from reliability import make_row
 from workflows.storage.atomic import atomic_write
 from workflows.storage.cache import ShardCache, _uri_prefix
 from workflows.storage.uri import StorageContext, filesystem
@@ -92,7 +92,7 @@ def _child_fetch(directory: str, ctx: StorageContext, uri: str, version, size, d
 
 
 def cache_download_kill(workdir: Path, seed: int = 0, local_kills: int = 14, s3_kills: int = 6) -> dict:
-    from workflows.reliability.fault_proxy import FaultProxy
+    from reliability.fault_proxy import FaultProxy
     from workflows.storage.embedded import EmbeddedS3
 
     workdir = Path(workdir)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from workflows.reliability import make_row
+from reliability import make_row
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 NOT_MEASURED = "not measured in this run"
 
 

@@ -1,9 +1,10 @@
-"""`python -m workflows.reliability [--fast] [--only NAME ...]` (`make reliability`).
+"""`python -m reliability [--fast] [--only NAME ...] [--render]` (`make reliability`).
 
 Runs the fault-injection rows (all, or the fast subset), then writes
 benchmarks/results/reliability.json and, from it, docs/RELIABILITY.md. Rows not run this time
 keep their last recorded result (each row carries its own date and command); a row never run is
 listed as not measured. Exits 1 if a row run now lost data or failed more than it allows.
+`--render` runs nothing: it regenerates docs/RELIABILITY.md from the stored results.
 """
 
 from __future__ import annotations
@@ -19,21 +20,26 @@ import time
 import traceback
 from pathlib import Path
 
-from workflows.reliability import BY_NAME, ROWS, make_row, passed, row_function
-from workflows.reliability.report import write_results
+from reliability import BY_NAME, ROWS, make_row, passed, row_function
+from reliability.report import RESULTS, render, write_results
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workflows.reliability", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reliability", description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help="only the fast rows (the ones `make test` runs)")
     parser.add_argument("--only", nargs="+", choices=sorted(BY_NAME), help="run just these rows")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument("--render", action="store_true",
+                        help="run nothing; regenerate docs/RELIABILITY.md from benchmarks/results/reliability.json")
     args = parser.parse_args(argv)
+    if args.render:
+        print(f"{render()} regenerated from {RESULTS}", file=sys.stderr)
+        return 0
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     names = args.only or [r.name for r in ROWS if r.fast or r.recorded or not args.fast]
-    command = "python -m workflows.reliability " + " ".join(
+    command = "python -m reliability " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
     scratch = Path(tempfile.mkdtemp(prefix="workflows-reliability-"))

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from workflows.reliability import make_row
+from reliability import make_row
 
 TOKEN_ENV = "WORKFLOWS_RELIABILITY_TOKEN"
 TOKEN = "reliability-token-0123456789"
@@ -36,9 +36,9 @@ def serve_hostile_inputs(workdir: Path, seed: int = 0) -> dict:
     import ray
     from ray import serve
 
+    from reliability.secrets import ROOT
+    from tests.helpers import tiny_overrides
     from workflows.config import load_config
-    from workflows.reliability import tiny_overrides
-    from workflows.reliability.secrets import ROOT
     from workflows.runtime import runtime
     from workflows.serve.app import deploy
 
@@ -184,7 +184,7 @@ def _register_untrained(rt, workdir: Path) -> str:
         "text_columns": ["text"],
         "label_column": "label",
         "max_length": 32,
-        "lineage": {"note": "untrained head, for workflows.reliability"},
+        "lineage": {"note": "untrained head, for reliability"},
     }
     (out / "workflows.json").write_text(json.dumps(meta))
     ref = registry.register(rt.cfg, rt.storage, str(out), MODEL, meta)

@@ -34,13 +34,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from workflows.reliability import make_row, tiny_overrides
+from reliability import make_row
+from tests.helpers import tiny_overrides
 
 FAKE_KEY_ID = "AKIAFAKERELIABILITY7"
 FAKE_SECRET = "fAkE/Reliability+Secret0123456789abcdefgh"
 FAKE_SESSION = "FaKeSeSsIoNtOkEnReliabilityHygieneCheck000"
 SECRETS = {"AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "AWS_SESSION_TOKEN": FAKE_SESSION}
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: bool = False) -> dict:
@@ -110,7 +111,7 @@ def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: 
 
     # 5. Ray token auth for job submission
     if full:
-        from workflows.reliability.local_cluster import local_cluster
+        from reliability.local_cluster import local_cluster
 
         with local_cluster(workdir / "cluster", workers=0, head_cpus=1) as cluster:
             ray_auth = ray_token_auth_checks(cluster, workdir / "ray-auth")
@@ -142,7 +143,7 @@ def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: 
 
 # -- 1. leaks ---------------------------------------------------------------------------------
 def _stage_leaks(workdir: Path) -> dict:
-    from workflows.reliability.fault_proxy import FaultProxy
+    from reliability.fault_proxy import FaultProxy
     from workflows.storage.embedded import EmbeddedS3
 
     tmp = workdir / "stage"
@@ -245,8 +246,6 @@ def static_checks(package: Path) -> dict:
     """Parse every module; flag unsafe deserialization and weights not loaded via safetensors."""
     violations, notes, checked, files = [], [], 0, 0
     for path in sorted(package.rglob("*.py")):
-        if "reliability" in path.parts:
-            continue
         files += 1
         rel = path.relative_to(package.parent)
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -466,7 +465,7 @@ def ray_token_auth_checks(cluster, workdir: Path) -> dict:
 
     import requests
 
-    from workflows.reliability.local_cluster import ray_cli
+    from reliability.local_cluster import ray_cli
 
     workdir = Path(workdir)
     (workdir / "home").mkdir(parents=True, exist_ok=True)

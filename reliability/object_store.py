@@ -38,8 +38,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from reliability import make_row
 from workflows.errors import UserError
-from workflows.reliability import make_row
 
 BUCKET = "reliability"
 MP = mp.get_context("fork")
@@ -71,8 +71,8 @@ def _put_fixture(client, rng: random.Random, shards: int = 6, size: int = 200_00
 def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds: int = 2, full: bool = False) -> dict:
     """`full` (not --fast) adds real `workflows preprocess` and `workflows train` runs through the proxy."""
     cli = full
+    from reliability.fault_proxy import FaultProxy
     from workflows.preprocess.sources import list_shards
-    from workflows.reliability.fault_proxy import FaultProxy
     from workflows.storage.cache import ShardCache
     from workflows.storage.embedded import EmbeddedS3
     from workflows.storage.uri import (
@@ -214,7 +214,7 @@ def _cli_through(proxy, workdir: Path, command: str, extra: list[str] = ()) -> t
     import subprocess
     import sys
 
-    from workflows.reliability import tiny_overrides
+    from tests.helpers import tiny_overrides
 
     tmp = workdir / "cli"
     overrides = [
@@ -318,7 +318,7 @@ def _train_through(proxy, s3, workdir: Path, epochs: int = 2) -> dict:
 
 
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[1]
 
 
 def _short_tmp() -> str:
@@ -333,8 +333,8 @@ OUTAGE_BOUND_S = 60.0
 
 
 def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BOUND_S, atomic_kills: int = 4) -> dict:
+    from reliability.fault_proxy import FaultProxy
     from workflows.config import StorageConfig
-    from workflows.reliability.fault_proxy import FaultProxy
     from workflows.storage.cache import ShardCache, _uri_prefix
     from workflows.storage.embedded import EmbeddedS3
     from workflows.storage.uri import StorageContext

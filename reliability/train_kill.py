@@ -6,7 +6,7 @@ there); `--resume` must still pick the previous complete checkpoint, never the c
 
 Tiny quickstart settings on a local 2-CPU Ray cluster and the embedded S3 endpoint: an
 uninterrupted 2-epoch FSDP2 run on 2 workers, then the same run with worker rank 1 SIGKILLed at
-its second step of epoch 1 (the trainer's test-only fault hook, $WORKFLOWS_TRAIN_FAULT). Lost = a
+its second step of epoch 1 (faults.TrainFault, passed as fit's on_step). Lost = a
 completed run whose per-step losses differ from the reference (it trained on something else) or
 whose final checkpoint is not a complete, finite checkpoint of the last epoch.
 """
@@ -14,12 +14,13 @@ whose final checkpoint is not a complete, finite checkpoint of the last epoch.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
-from workflows.reliability import make_row, tiny_overrides
+from reliability import make_row
+from reliability.faults import TrainFault
+from tests.helpers import tiny_overrides
 
 RTOL, ATOL = 1e-4, 1e-5  # as tests/test_train_resume.py: same process, seeds and data order
 
@@ -33,11 +34,11 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
     from workflows.runtime import runtime
     from workflows.train.checkpoint import consolidated_model_state, read_state
     from workflows.train.export import download_checkpoint
-    from workflows.train.trainer import FAULT_ENV, fit, latest_checkpoint
+    from workflows.train.trainer import fit, latest_checkpoint
 
     workdir = Path(workdir)
     t0 = time.time()
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs" / "quickstart.yaml", [
         *tiny_overrides(workdir), "train.epochs=2", f"train.seed={seed}", "train.num_workers=2", "train.strategy=fsdp",
         "train.num_to_keep=2", "train.max_failures=1", "ray.num_cpus=2", "tune.enabled=false", "serve.enabled=false",
@@ -48,15 +49,13 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
     with runtime(cfg) as rt:
         data = stage_preprocess(rt)
         reference = fit(cfg, rt.storage, data, run_prefix="reference")
-        os.environ[FAULT_ENV] = json.dumps({"action": "kill", "epoch": 1, "step": 1, "rank": 1, "once": str(marker)})
+        kill = TrainFault(epoch=1, step=1, rank=1, action="kill", once=str(marker))
         try:
-            out = fit(cfg, rt.storage, data, run_prefix="killed")
+            out = fit(cfg, rt.storage, data, run_prefix="killed", on_step=kill)
         except Exception as e:  # noqa: BLE001 - the row reports it
             out = None
             failed = 1
             notes.append(f"the run did not complete: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        finally:
-            os.environ.pop(FAULT_ENV, None)
         injected = int(marker.exists())
         if out is not None:
             epochs = [h["epoch"] for h in out.history]

@@ -1,0 +1,35 @@
+"""Helpers shared by the test suite and the fault-injection harness (reliability/): plain
+functions, importable outside pytest, so `python -m reliability` uses the same tiny settings."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_overrides(tmp: Path) -> list[str]:
+    """The quickstart shrunk to seconds: a small dataset, short sequences, one short epoch."""
+    return [
+        f"storage.embedded.data_dir={tmp}/s3",
+        f"output_dir={tmp}/runs",
+        f"cache.dir={tmp}/cache",
+        "data.builtin_rows_per_class=40",
+        "preprocess.max_length=32",
+        "preprocess.concurrency=1",
+        "train.epochs=1",
+        "train.batch_size=8",
+        "train.max_train_rows=48",
+        "train.lr=3e-4",
+        "tune.num_samples=2",
+        "tune.max_epochs=2",
+        "tune.max_train_rows=24",
+        "tune.max_val_rows=16",
+        f"serve.port={free_port()}",
+        "serve.demo_requests=2",
+    ]
