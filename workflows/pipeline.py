@@ -86,9 +86,10 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     return outcome
 
 
-def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> None:
-    for key, value in params.items():
-        setattr(cfg.train, key.removeprefix("train."), value)
+def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
+    """A new config with the tuned `train.*` values, validated as loading validates them; `cfg` is unchanged."""
+    train = {**cfg.train.model_dump(), **{key.removeprefix("train."): value for key, value in params.items()}}
+    return cfg.model_copy(update={"train": cfg.train.model_validate(train)})
 
 
 def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
@@ -214,7 +215,7 @@ def run_pipeline(rt: Runtime) -> dict:
     summary["dataset"] = {"version": data.version, "uri": data.uri, "counts": data.counts, "reused": data.reused}
     if cfg.tune.enabled:
         tuned = timed("tune", stage_tune, rt, data)
-        apply_params(cfg, tuned.best_params)
+        rt.cfg = cfg = apply_params(cfg, tuned.best_params)
         summary["tune"] = {
             "best_params": tuned.best_params,
             "best_metric": tuned.best_metric,
