@@ -140,9 +140,9 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
     from workflows.evaluate import evaluate_dataset, format_report
 
-    meta = registry.describe(rt.cfg, rt.storage, model_spec)
-    say(f"evaluate: {meta['name']}:v{meta['version']}")
-    metrics = evaluate_dataset(rt.cfg, model_spec, meta, ds, label_column)
+    card = registry.model_card(rt.cfg, rt.storage, model_spec)
+    say(f"evaluate: {card.name}:v{card.version}")
+    metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
     say(f"evaluate: {metrics['rows']} rows")
     show(format_report(metrics))
     if write_back:
