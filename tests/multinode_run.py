@@ -15,8 +15,9 @@ from tests.conftest import QUICKSTART  # noqa: E402
 from tests.helpers import tiny_overrides  # noqa: E402
 from workflows.config import load_config  # noqa: E402
 from workflows.pipeline import stage_preprocess  # noqa: E402
-from workflows.preprocess.sources import list_shards, read_shards, shard_placement  # noqa: E402
+from workflows.preprocess.sources import list_shards  # noqa: E402
 from workflows.runtime import runtime  # noqa: E402
+from workflows.storage.shards import read_shards, shard_placement  # noqa: E402
 
 tmp = Path(sys.argv[1])
 cluster = Cluster()

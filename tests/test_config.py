@@ -103,3 +103,17 @@ def test_unknown_model_fails_before_ray_starts(tmp_path):
         assert "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
         assert not list(ray_tmp.iterdir()), (args, list(ray_tmp.iterdir()))
     ray_tmp.rmdir()
+
+
+def test_tuned_params_make_a_new_validated_config():
+    from pydantic import ValidationError
+
+    from workflows.pipeline import apply_params
+
+    cfg = load_config(QUICKSTART)
+    tuned = apply_params(cfg, {"train.lr": "3e-5", "train.batch_size": 7})
+    assert tuned.train.lr == pytest.approx(3e-5) and tuned.train.batch_size == 7  # typed as on loading
+    assert cfg.model_dump() == load_config(QUICKSTART).model_dump()  # the given config is unchanged
+    assert tuned.model_dump(exclude={"train"}) == cfg.model_dump(exclude={"train"})
+    with pytest.raises(ValidationError):
+        apply_params(cfg, {"train.lr": -1})

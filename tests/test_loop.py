@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,3 +161,26 @@ def test_linear_probe_on_two_ranks_fits_one_head_on_all_rows(tmp_path):
     single, _ = _probe()
     assert torch.tensor(results[0]["weight"]) == pytest.approx(single.classifier.weight.detach(), abs=1e-3)
     assert torch.tensor(results[0]["bias"]) == pytest.approx(single.classifier.bias.detach(), abs=1e-3)
+
+
+def test_validation_scores_are_sklearns_on_the_rows_of_the_confusion_matrix():
+    from sklearn.metrics import accuracy_score, f1_score
+
+    from workflows.train.loop import scores_from_confusion
+
+    rng = np.random.default_rng(0)
+    confusion = rng.integers(0, 20, (5, 5)).astype(np.float64)
+    confusion[3, :] = 0  # a class never gold
+    confusion[:, 1] = 0  # a class never predicted
+    gold, pred = np.divmod(np.repeat(np.arange(25), confusion.reshape(-1).astype(int)), 5)
+    scores = scores_from_confusion(confusion)
+    assert scores["rows"] == len(gold)
+    assert scores["accuracy"] == accuracy_score(gold, pred)
+    assert scores["f1"] == f1_score(gold, pred, labels=range(5), average="weighted", zero_division=0)
+    # the hand-written F1 it replaced: 2PR/(P+R) per class, weighted by support
+    tp, support, predicted = np.diag(confusion), confusion.sum(1), confusion.sum(0)
+    p = np.divide(tp, predicted, out=np.zeros(5), where=predicted > 0)
+    r = np.divide(tp, support, out=np.zeros(5), where=support > 0)
+    f = np.divide(2 * p * r, p + r, out=np.zeros(5), where=p + r > 0)
+    assert scores["f1"] == pytest.approx((f * support).sum() / support.sum(), rel=1e-12)
+    assert scores_from_confusion(np.zeros((3, 3))) == {"accuracy": 0.0, "f1": 0.0, "rows": 0}

@@ -11,6 +11,7 @@ import pandas as pd
 from sklearn.metrics import accuracy_score, precision_recall_fscore_support
 
 from workflows.errors import UserError
+from workflows.model_card import ModelCard
 
 
 def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[str]) -> dict:
@@ -27,19 +28,20 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
 
 
 def evaluate_dataset(
-    cfg, model_spec: str, meta: dict, ds, label_column: str | None = None, concurrency: int = 1
+    cfg, model_spec: str, card: ModelCard, ds, label_column: str | None = None, concurrency: int = 1
 ) -> dict:
-    """Run the model over a Ray Dataset of raw rows (text columns + label) and score it."""
+    """Run the model over a Ray Dataset of raw rows (text columns + label) and score it; `card` is the
+    registered version's (registry.model_card)."""
     import ray.data
 
     from workflows.serve.predictor import BatchPredictor
 
-    label_column = label_column or meta["label_column"]
+    label_column = label_column or card.label_column
     names = set(ds.schema().names)
-    missing = [c for c in [*meta["text_columns"], label_column] if c not in names]
+    missing = [c for c in [*card.text_columns, label_column] if c not in names]
     if missing:
         raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
-    ds = ds.select_columns([*meta["text_columns"], label_column])
+    ds = ds.select_columns([*card.text_columns, label_column])
     args, size = (cfg.model_dump(mode="json"), model_spec), cfg.evaluate.batch_size
     cap = cfg.evaluate.in_process_max_rows
     head = ds.limit(cap + 1).to_pandas() if cap else None
@@ -57,11 +59,11 @@ def evaluate_dataset(
     y_pred = table["prediction"].astype(str).tolist()
     if not y_true:
         raise UserError("evaluation data has no labelled rows")
-    metrics = classification_metrics(y_true, y_pred, meta["labels"])
-    majority = meta.get("majority_label") or pd.Series(y_true).mode().iloc[0]
+    metrics = classification_metrics(y_true, y_pred, card.labels)
+    majority = card.majority_label or pd.Series(y_true).mode().iloc[0]
     metrics["baseline"] = {"majority_label": majority,
-                           **classification_metrics(y_true, [majority] * len(y_true), meta["labels"])["weighted"]}
-    metrics["unknown_labels"] = int(np.sum(~pd.Series(y_true).isin(meta["labels"])))
+                           **classification_metrics(y_true, [majority] * len(y_true), card.labels)["weighted"]}
+    metrics["unknown_labels"] = int(np.sum(~pd.Series(y_true).isin(card.labels)))
     return metrics
 
 

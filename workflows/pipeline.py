@@ -86,9 +86,10 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     return outcome
 
 
-def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> None:
-    for key, value in params.items():
-        setattr(cfg.train, key.removeprefix("train."), value)
+def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
+    """A new config with the tuned `train.*` values, validated as loading validates them; `cfg` is unchanged."""
+    train = {**cfg.train.model_dump(), **{key.removeprefix("train."): value for key, value in params.items()}}
+    return cfg.model_copy(update={"train": cfg.train.model_validate(train)})
 
 
 def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
@@ -139,9 +140,9 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
     from workflows.evaluate import evaluate_dataset, format_report
 
-    meta = registry.describe(rt.cfg, rt.storage, model_spec)
-    say(f"evaluate: {meta['name']}:v{meta['version']}")
-    metrics = evaluate_dataset(rt.cfg, model_spec, meta, ds, label_column)
+    card = registry.model_card(rt.cfg, rt.storage, model_spec)
+    say(f"evaluate: {card.name}:v{card.version}")
+    metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
     say(f"evaluate: {metrics['rows']} rows")
     show(format_report(metrics))
     if write_back:
@@ -214,7 +215,7 @@ def run_pipeline(rt: Runtime) -> dict:
     summary["dataset"] = {"version": data.version, "uri": data.uri, "counts": data.counts, "reused": data.reused}
     if cfg.tune.enabled:
         tuned = timed("tune", stage_tune, rt, data)
-        apply_params(cfg, tuned.best_params)
+        rt.cfg = cfg = apply_params(cfg, tuned.best_params)
         summary["tune"] = {
             "best_params": tuned.best_params,
             "best_metric": tuned.best_metric,

@@ -40,15 +40,15 @@ class TrialProgress(ray.tune.Callback):
 
     def __init__(self, metric: str, mode: str = "max", num_samples: int | None = None, max_epochs: int | None = None):
         self.metric, self.mode, self.total, self.max_epochs = metric, mode, num_samples, max_epochs
-        self._number: dict[str, int] = {}
         self._best: float | None = None
 
-    def _name(self, trial) -> str:
-        n = self._number.setdefault(trial.trial_id, len(self._number) + 1)
+    def _name(self, trials: list, trial) -> str:
+        # Tune's list of trials is in order of creation, as the outcome's (tune_trials.md, .png)
+        n = trials.index(trial) + 1
         return f"trial {n}/{self.total}" if self.total else f"trial {n}"
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info):
-        say(f"tune:   {self._name(trial)} started: {_params(trial.config)}")
+        say(f"tune:   {self._name(trials, trial)} started: {_params(trial.config)}")
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info):
         value = result.get(self.metric)
@@ -60,12 +60,12 @@ class TrialProgress(ray.tune.Callback):
         best = f" (best so far {self._best:.4f})" if self._best is not None else ""
         shown = f"{value:.4f}" if isinstance(value, float) else value
         say(
-            f"tune:   {self._name(trial)} epoch {epoch}{of}: {self.metric}={shown}{best}"
+            f"tune:   {self._name(trials, trial)} epoch {epoch}{of}: {self.metric}={shown}{best}"
             f"{_pace(result, epoch, self.max_epochs)}"
         )
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
-        say(f"tune:   {self._name(trial)} failed: {trial.error_file or 'see the log'}")
+        say(f"tune:   {self._name(trials, trial)} failed: {trial.error_file or 'see the log'}")
 
 
 class EpochProgress(ray.train.UserCallback):

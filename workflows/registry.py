@@ -164,5 +164,5 @@ def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard
 
 
 def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict[str, Any]:
-    """`model_card` as its JSON object (what pipeline.stage_evaluate and evaluate_dataset index)."""
+    """`model_card` as its JSON object: the keys stored, extras included."""
     return model_card(cfg, ctx, spec).to_dict()

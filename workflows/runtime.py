@@ -147,7 +147,8 @@ def runtime(
     if cfg.storage.embedded.enabled:
         e = cfg.storage.embedded
         embedded = EmbeddedS3(e.data_dir, e.host, e.port)
-        cfg.storage.endpoint_url = embedded.start()
+        # a new config that points at the endpoint (Runtime.cfg): the caller's stays as it was loaded
+        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"endpoint_url": embedded.start()})})
         for bucket in sorted(_buckets(cfg)):
             embedded.ensure_bucket(bucket)
         say(f"embedded S3 endpoint {cfg.storage.endpoint_url} (persisted in {embedded.data_dir})")

@@ -49,18 +49,16 @@ def worker(args: argparse.Namespace) -> dict:
     from workflows.train.lm import SIZES, build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
     from workflows.train.loop import make_optimizer, make_scheduler, train_epoch
     from workflows.train.parallel import parallelize, world
+    from workflows.train.worker_setup import join_torchrun_group, torchrun_device
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
-    if world_size > 1:
-        dist.init_process_group("nccl" if gpu else "gloo")
+    join_torchrun_group(gpu)
     rank, _ = world()
+    device = torchrun_device(gpu)
     if gpu:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
-        device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     lm_cfg = SimpleNamespace(size=args.size, n_layer=None, n_embd=None, n_head=None, seq_len=args.seq_len)
     torch.manual_seed(0)

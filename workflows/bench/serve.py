@@ -137,8 +137,8 @@ def _test_rows(rt, spec: str, n: int) -> list[dict]:
     from workflows import registry
     from workflows.preprocess.materialize import ProcessedDataset
 
-    meta = registry.describe(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load(meta["lineage"]["dataset_uri"], rt.storage)
+    card = registry.model_card(rt.cfg, rt.storage, spec)
+    data = ProcessedDataset.load(card.lineage["dataset_uri"], rt.storage)
     cols = [*data.text_columns, data.label_column]
     got = data.read("test", rt.storage, cache=rt.cfg.cache).select_columns(cols).take(n)
     return [{c: str(r[c]) for c in cols} for r in got]
@@ -288,14 +288,14 @@ def _precisions(rt, spec: str, rows: list[dict]) -> dict:
         t0 = time.perf_counter()
         pred.probabilities(columns, batch_size=32)
         out[f"{precision}_rows_per_s"] = round(len(rows) / (time.perf_counter() - t0), 1)
-    meta = registry.describe(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load(meta["lineage"]["dataset_uri"], rt.storage)
+    card = registry.model_card(rt.cfg, rt.storage, spec)
+    data = ProcessedDataset.load(card.lineage["dataset_uri"], rt.storage)
     f1 = {}
     for precision in PRECISIONS:
         cfg = rt.cfg.model_copy(deep=True)
         cfg.serve.precision = precision
         test = data.read("test", rt.storage, cache=cfg.cache).select_columns([*data.text_columns, data.label_column])
-        f1[precision] = evaluate_dataset(cfg, spec, meta, test, concurrency=1)["weighted"]["f1"]
+        f1[precision] = evaluate_dataset(cfg, spec, card, test, concurrency=1)["weighted"]["f1"]
     out["fp32_f1"] = round(f1["fp32"], 4)
     for precision in PRECISIONS[1:]:
         out[f"{precision}_speedup"] = round(out[f"{precision}_rows_per_s"] / out["fp32_rows_per_s"], 2)

@@ -20,7 +20,8 @@ import pandas as pd
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError, surface_user_errors
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
-from workflows.preprocess.sources import Shard, list_shards, read_dataset, read_shards
+from workflows.preprocess.sources import list_shards, read_dataset
+from workflows.storage.shards import Shard, read_shards
 from workflows.storage.uri import (
     StorageContext,
     exists,

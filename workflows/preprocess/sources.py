@@ -1,24 +1,14 @@
-"""Raw shards: list them behind a URI (file, directory or glob) and read them with Ray Data."""
+"""Raw shards: list them behind a URI (file, directory or glob); storage/shards.py reads them."""
 
 from __future__ import annotations
 
-import hashlib
-import re
-from dataclasses import dataclass
-
 from workflows.errors import UserError
 from workflows.storage.cache import object_version
+from workflows.storage.shards import Shard, read_shards
 from workflows.storage.uri import StorageContext, check_bucket, filesystem, reaching, with_protocol
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv"
-
-
-@dataclass(frozen=True)
-class Shard:
-    uri: str
-    size: int
-    version: str  # ETag where the store gives one, else size+mtime: a changed object changes it
 
 
 def _format_of(uri: str) -> str | None:
@@ -54,179 +44,6 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
         )
     shards = [Shard(with_protocol(uri, p), int(infos[p].get("size") or 0), object_version(infos[p])) for p in paths]
     return shards, formats.pop()
-
-
-def _read_local(path: str, fmt: str):
-    import pyarrow.csv as pacsv
-    import pyarrow.json as pajson
-    import pyarrow.parquet as pq
-
-    if fmt == "parquet":
-        return pq.read_table(path)
-    if fmt == "jsonl":
-        return pajson.read_json(path)
-    # Quoted fields in real CSVs carry newlines (Made-With-ML's descriptions do).
-    return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True))
-
-
-def _read_one(
-    uri: str, fmt: str, ctx: StorageContext, shard_cache, version: str | None = None, size: int | None = None
-):
-    import pyarrow as pa
-
-    try:
-        if shard_cache is not None:
-            with shard_cache.open_local(uri, version, size) as local:
-                return _read_local(local, fmt)
-        fs, path = filesystem(uri, ctx)
-        with fs.open(path, "rb") as f:
-            return _read_local(f, fmt)
-    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
-        msg = str(e).strip()
-        row = re.search(r"in row (\d+)", msg) if fmt == "jsonl" else None  # pyarrow counts rows from 0
-        where = f" (line {int(row.group(1)) + 1} of the file)" if row else ""
-        raise UserError(f"malformed {fmt} shard {uri}: {msg}{where}") from None
-
-
-def _column_types(table, fmt: str) -> dict[str, str]:
-    """Column -> type, as strictly as the format allows: parquet types are declared, while
-    JSON/CSV types are inferred per shard (an all-integer shard is int64, another double), so
-    those only distinguish text from everything else."""
-    import pyarrow as pa
-
-    def kind(t) -> str:
-        if fmt == "parquet":
-            return str(t)
-        if pa.types.is_null(t):
-            return "null"
-        return "string" if pa.types.is_string(t) or pa.types.is_large_string(t) else "non-string"
-
-    return {f.name: kind(f.type) for f in table.schema}
-
-
-def check_schema(uri: str, table, fmt: str, reference: tuple[str, dict[str, str]] | None) -> None:
-    """Fail, naming both shards, when `uri`'s columns differ from the reference shard's."""
-    if reference is None or reference[0] == uri:
-        return
-    ref_uri, ref = reference
-    got = _column_types(table, fmt)
-    if set(got) != set(ref):
-        raise UserError(
-            f"schema differs between shards: {uri} has columns {sorted(got)} but {ref_uri} has {sorted(ref)}"
-        )
-    for col, t in got.items():
-        if t != ref[col] and "null" not in (t, ref[col]):
-            raise UserError(
-                f"schema differs between shards: column {col!r} is {t} in {uri} but {ref[col]} in {ref_uri}"
-            )
-
-
-def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, reference=None):
-    """Read the shards named in a batch of URIs, in a Ray task on whatever node it runs on,
-    through that node's shard cache (`cache` is a CacheConfig, resolved on the node)."""
-    import pyarrow as pa
-
-    tables = []
-    shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
-    before = shard_cache.stats() if shard_cache is not None else None
-    for uri, version, size in zip(batch["uri"], batch["version"], batch["size"]):
-        uri, version, size = (
-            str(uri),
-            (None if version is None else str(version)),
-            (None if size is None else int(size)),
-        )
-        table = _read_one(uri, fmt, ctx, shard_cache, version if version else None, size if version else None)
-        check_schema(uri, table, fmt, reference)
-        tables.append(table)
-    if shard_cache is not None:
-        from workflows.storage import cache_stats
-
-        cache_stats.report(before, shard_cache.stats())
-    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-
-
-def reference_schema(shard: Shard, fmt: str, ctx: StorageContext, cache=None) -> tuple[str, dict[str, str]]:
-    """The first shard's columns (read through the cache), for every read task to compare with."""
-    shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
-    before = shard_cache.stats() if shard_cache is not None else None
-    table = _read_one(shard.uri, fmt, ctx, shard_cache, shard.version or None, shard.size if shard.version else None)
-    if shard_cache is not None:
-        from workflows.storage import cache_stats
-
-        cache_stats.report(before, shard_cache.stats())
-    return shard.uri, _column_types(table, fmt)
-
-
-def read_shards(
-    shards: list[str | Shard],
-    fmt: str,
-    ctx: StorageContext,
-    cache=None,
-    num_cpus: float | None = None,
-    check_schemas: bool = True,
-):
-    """A Ray Dataset over exactly these shards, one read task per shard, through the shard cache.
-
-    Shards from `list_shards` carry their version and size from the listing, so a warm read
-    sends no request per shard to the object store; plain URIs are stat'ed by the cache.
-
-    Unlike `ray.data.read_parquet`, no file-listing task is scheduled (it asks for a whole CPU even
-    when the reads ask for none), and the reads can be given `num_cpus=0` (see
-    ProcessedDataset.read for why). With `check_schemas`, a shard whose columns differ from the
-    first shard's fails its read with an error naming both.
-    """
-    import ray
-    import ray.data
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    shards = [s if isinstance(s, Shard) else Shard(s, 0, "") for s in shards]
-
-    def read(group: list[Shard], node_id: str | None):
-        items = [{"uri": s.uri, "version": s.version, "size": s.size} for s in group]
-        ds = ray.data.from_items(items, override_num_blocks=len(group))
-        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)} if node_id else {}
-        return ds.map_batches(
-            _read_shard_batch,
-            batch_size=1,
-            batch_format="pyarrow",
-            num_cpus=num_cpus,
-            **placement,
-            fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference},
-        )
-
-    groups = shard_placement(shards) if cache is not None and cache.enabled else {}
-    reference = None
-    if check_schemas and len(shards) > 1:
-        # read on the node that will read shard 0 anyway, so its cache fetches it once
-        node = next((n for n, g in groups.items() if shards[0] in g), None)
-        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)} if node else {}
-        task = ray.remote(num_cpus=0, max_retries=0)(reference_schema).options(**placement)
-        reference = ray.get(task.remote(shards[0], fmt, ctx, cache))
-    if not groups:  # one node, or no cache: nothing to place
-        return read(shards, None)
-    # One group is placed too: when every shard hashes to one node (1 in 2**(n-1) for n shards on
-    # two nodes; always for one shard), unplaced reads would land anywhere and fill other caches.
-    parts = [read(group, node_id) for node_id, group in groups.items()]
-    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-
-
-def shard_placement(shards: list[Shard]) -> dict[str, list[Shard]]:
-    """Which node reads which shard: rendezvous hashing over the live nodes with CPUs.
-
-    The same shard goes to the same node on every run while the nodes live, so a node's shard
-    cache keeps serving it (a later epoch, job or tuning trial fetches nothing). The affinity is
-    soft: if that node is busy or gone, another reads the shard (and caches it).
-    """
-    import ray
-
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
-    if len(nodes) <= 1:
-        return {}
-    groups: dict[str, list[Shard]] = {}
-    for shard in shards:
-        node = max(nodes, key=lambda n: hashlib.sha256(f"{n}|{shard.uri}".encode()).digest())
-        groups.setdefault(node, []).append(shard)
-    return groups
 
 
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None):

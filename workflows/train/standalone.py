@@ -39,6 +39,14 @@ from workflows.storage.uri import StorageContext, exists, filesystem, join, read
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, epoch_line, run_epochs
 from workflows.train.parallel import exit_rank, world
+from workflows.train.worker_setup import (
+    join_torchrun_group,
+    pad_and_vocab,
+    row_limits,
+    set_torch_threads,
+    start_point,
+    torchrun_device,
+)
 
 PROCESS_START = time.time()
 
@@ -174,24 +182,17 @@ def train(
     stop_after_epoch: int | None = None,
 ) -> dict:
     """Train on this process's rank; returns the summary (identical on every rank)."""
-    from transformers import AutoTokenizer
-
     tc = cfg.train
     lm = cfg.model.task == "causal_lm"
     rank, world_size = world()
-    if tc.use_gpu and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer))
-    pad_id = tokenizer.pad_token_id or 0
+    device = torchrun_device(tc.use_gpu and torch.cuda.is_available())
+    set_torch_threads(tc)
+    pad_id, vocab_size = pad_and_vocab(data.tokenizer)
 
     t_read = time.perf_counter()
-    limit = tc.max_train_rows if tc.max_train_rows is not None and tc.max_train_rows < data.counts["train"] else None
-    train_rows = read_rows(data.files["train"], storage, limit)
-    val_rows = read_rows(data.files["val"], storage, tc.max_val_rows)
+    train_limit, val_limit = row_limits(tc, data.counts["train"])
+    train_rows = read_rows(data.files["train"], storage, train_limit)
+    val_rows = read_rows(data.files["val"], storage, val_limit)
     if lm:  # rows -> blocks of seq_len tokens, as the Ray path packs them
         train_rows, val_rows = (packed_rows(r, cfg.model.lm.seq_len) for r in (train_rows, val_rows))
     read_seconds = time.perf_counter() - t_read
@@ -200,16 +201,14 @@ def train(
 
     probe = None if resume or lm else batches(train_rows, cfg.evaluate.batch_size, pad_id)
     model, optimizer, scheduler = build_training(
-        cfg, resolve_model_dir(cfg.model.name_or_path), data.labels, device, total_rows, len(tokenizer), probe
+        cfg, resolve_model_dir(cfg.model.name_or_path), data.labels, device, total_rows, vocab_size, probe
     )
-    start_epoch, history, resumed_from = 0, [], None
+    found = None
     if resume:
         found = ckpt.latest_local(checkpoint_dir) if checkpoint_dir else None
         if found is None:
             raise UserError(f"--resume: no complete checkpoint under {checkpoint_dir}")
-        saved = ckpt.load(found, model, optimizer, scheduler)
-        resumed_from = saved["epoch"]
-        start_epoch, history = resumed_from + 1, saved.get("history", [])
+    start_epoch, history, resumed_from, _ = start_point(found, model, optimizer, scheduler)
     last_epoch = tc.epochs - 1 if stop_after_epoch is None else min(stop_after_epoch, tc.epochs - 1)
 
     class Stop(Exception):
@@ -282,9 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, args.set)
-        if world_size > 1:
-            backend = "nccl" if cfg.train.use_gpu and torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
+        join_torchrun_group(cfg.train.use_gpu and torch.cuda.is_available())
         rank = world()[0]
         with storage_for(cfg, rank, world_size) as storage:
             data = find_dataset(cfg, storage, args.data)

@@ -11,11 +11,10 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
-
-import torch
 
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
@@ -33,6 +32,7 @@ from workflows.storage.uri import (
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, run_epochs
 from workflows.train.models import check_linear_probe_head
+from workflows.train.worker_setup import pad_and_vocab, row_limits, set_torch_threads, start_point
 
 SHUFFLE_BUFFER = 2048
 
@@ -98,7 +98,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     tc = cfg.train
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
+    set_torch_threads(tc)
     device = ray.train.torch.get_device()
 
     train_shard = ray.train.get_dataset_shard("train")
@@ -116,12 +116,8 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
     model, optimizer, scheduler = build_training(cfg, spec.model_dir, spec.labels, device, spec.train_rows,
                                                  spec.vocab_size, probe_batches)
-    start_epoch, history, resumed_from = 0, [], None
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            saved = ckpt.load(d, model, optimizer, scheduler)
-        resumed_from = saved["epoch"]
-        start_epoch, history = resumed_from + 1, saved.get("history", [])
+    with checkpoint.as_directory() if checkpoint is not None else nullcontext() as d:
+        start_epoch, history, resumed_from, saved = start_point(d, model, optimizer, scheduler)
 
     def train_batches(epoch: int):
         # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
@@ -292,19 +288,17 @@ def fit(
     model_dir = resolve_model_dir(cfg.model.name_or_path)
     if cfg.model.task == "classification" and tc.head_init == "linear_probe":
         check_linear_probe_head(model_dir, data.labels, cfg.model.pooling)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer))
-    pad_id = tokenizer.pad_token_id or 0
+    pad_id, vocab_size = pad_and_vocab(data.tokenizer)
 
     train_ds = data.read("train", storage, num_cpus=0, cache=cfg.cache)
     train_rows = data.counts["train"]
-    if tc.max_train_rows is not None and tc.max_train_rows < train_rows:
-        train_ds = train_ds.limit(tc.max_train_rows)
-        train_rows = tc.max_train_rows
+    train_limit, val_limit = row_limits(tc, train_rows)
+    if train_limit is not None:
+        train_ds = train_ds.limit(train_limit)
+        train_rows = train_limit
     val_ds = data.read("val", storage, num_cpus=0, cache=cfg.cache)
-    if tc.max_val_rows is not None:
-        val_ds = val_ds.limit(tc.max_val_rows)
+    if val_limit is not None:
+        val_ds = val_ds.limit(val_limit)
     if cfg.model.task == "causal_lm":
         train_ds, val_ds = (packed(ds, cfg.model.lm.seq_len) for ds in (train_ds, val_ds))
         train_rows = train_ds.count()
@@ -331,7 +325,7 @@ def fit(
         model_dir=model_dir,
         train_rows=train_rows,
         pad_id=pad_id,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         run_uri=run_uri,
         storage=storage,
         resume_from=resume_from,

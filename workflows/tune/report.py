@@ -6,15 +6,17 @@ from pathlib import Path
 
 
 def trials_table(trials: list[dict], metric: str, max_epochs: int) -> str:
-    """Markdown: one row per trial, best first (the order `mode` prefers is applied by the caller)."""
+    """Markdown: one row per trial, best first (the order `mode` prefers is applied by the caller),
+    each under its number in the plot and the live progress lines."""
     keys = sorted({k for t in trials for k in t["params"]})
     head = ["trial", *keys, metric, "epochs", "stopped early", "error"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for i, t in enumerate(trials):
+    for t in trials:
         vals = [_fmt(t["params"].get(k)) for k in keys]
         m = t.get(metric)
-        lines.append("| " + " | ".join([str(i), *vals, "" if m is None else f"{m:.4f}", f"{t['epochs']}/{max_epochs}",
-                                        "yes" if t["stopped_early"] else "no", t.get("error") or ""]) + " |")
+        row = [str(t["trial"]), *vals, "" if m is None else f"{m:.4f}", f"{t['epochs']}/{max_epochs}",
+               "yes" if t["stopped_early"] else "no", t.get("error") or ""]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -26,11 +28,12 @@ def plot_trials(trials: list[dict], metric: str, path: Path) -> Path:
     from workflows.plots import new_figure, save_png
 
     fig, ax = new_figure()
-    for i, t in enumerate(trials):
+    for t in trials:
         hist = t.get("history") or []
         if hist:
             style = "--" if t["stopped_early"] else "-"
-            label = f"{i}: " + ", ".join(f"{k.removeprefix('train.')}={_fmt(v)}" for k, v in t["params"].items())
+            params = ", ".join(f"{k.removeprefix('train.')}={_fmt(v)}" for k, v in t["params"].items())
+            label = f"{t['trial']}: {params}"
             ax.plot([h["training_iteration"] for h in hist], [h[metric] for h in hist], style, marker="o", label=label)
     from matplotlib.ticker import MaxNLocator
 

@@ -207,11 +207,12 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     grid = tuner.fit()
     best = grid.get_best_result(metric=t.metric, mode=t.mode)
     trials = []
-    for r in grid:
+    for number, r in enumerate(grid, 1):  # Tune's order of creation, as TrialProgress numbers them
         history = r.metrics_dataframe
         epochs = int(history["training_iteration"].max()) if history is not None and len(history) else 0
         trials.append(
             {
+                "trial": number,
                 "params": {k: r.config.get(k) for k in t.space},
                 t.metric: (r.metrics or {}).get(t.metric),
                 "epochs": epochs,

@@ -1,0 +1,66 @@
+"""What a training process sets up the same way under Ray Train (trainer.py) and torchrun
+(standalone.py, bench/lm.py): threads, the tokenizer's pad id, row caps, the epoch to start from
+and, under torchrun, the process group and device (Ray Train brings its own)."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from workflows.train import checkpoint as ckpt
+
+
+def set_torch_threads(tc) -> None:
+    """Intra-op threads: train.torch_threads, else one per CPU the worker is given."""
+    torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
+
+
+def pad_and_vocab(tokenizer: str) -> tuple[int, int]:
+    """(pad token id, vocabulary size) of the dataset's tokenizer; pad 0 if it has none."""
+    from transformers import AutoTokenizer
+
+    from workflows.preprocess.encoding import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(tokenizer))
+    return tok.pad_token_id or 0, len(tok)
+
+
+def row_limits(tc, train_rows: int) -> tuple[int | None, int | None]:
+    """(train, val) rows to keep, the first ones in file order; None: all of them."""
+    train = tc.max_train_rows if tc.max_train_rows is not None and tc.max_train_rows < train_rows else None
+    return train, tc.max_val_rows
+
+
+class StartPoint(NamedTuple):
+    epoch: int  # the first epoch to train
+    history: list[dict]  # the epochs before it
+    resumed_from: int | None  # the checkpoint's epoch; None: from scratch
+    saved: dict | None  # the checkpoint's train state
+
+
+def start_point(directory: str | None, model, optimizer, scheduler) -> StartPoint:
+    """From scratch (`directory` None), or the epoch after the checkpoint in `directory`, whose
+    model, optimizer and scheduler state are loaded in place."""
+    if directory is None:
+        return StartPoint(0, [], None, None)
+    saved = ckpt.load(directory, model, optimizer, scheduler)
+    return StartPoint(saved["epoch"] + 1, saved.get("history", []), saved["epoch"], saved)
+
+
+def join_torchrun_group(gpu: bool) -> None:
+    """torchrun's ranks join the process group its environment describes (NCCL on GPU, else gloo);
+    a single process has none."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if gpu else "gloo")
+
+
+def torchrun_device(gpu: bool) -> torch.device:
+    """This rank's GPU (torchrun's LOCAL_RANK), made the current one, or the CPU."""
+    if not gpu:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
