@@ -161,51 +161,17 @@ def test_standalone_loop_under_torchrun(run, tmp_path):
     sets = [a for o in overrides for a in ("--set", o)]
     out, ckdir = tmp_path / "standalone.json", tmp_path / "ck"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    standalone = [*torchrun, "-m", "workflows.train.standalone", "--config", str(QUICKSTART), *sets,
+                  "--output", str(out), "--checkpoint-dir", str(ckdir)]
+    opts = dict(cwd=ROOT, capture_output=True, text=True, timeout=300)
     # stop after epoch 0 (train.epochs stays 2, so the LR schedule is that of a 2-epoch run)
-    proc = subprocess.run(
-        [
-            *torchrun,
-            "-m",
-            "workflows.train.standalone",
-            "--config",
-            str(QUICKSTART),
-            *sets,
-            "--output",
-            str(out),
-            "--checkpoint-dir",
-            str(ckdir),
-            "--stop-after-epoch",
-            "0",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = subprocess.run([*standalone, "--stop-after-epoch", "0"], **opts)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads(out.read_text())
     assert first["world_size"] == 2 and first["train_rows"] == 48 and [h["epoch"] for h in first["history"]] == [0]
     assert len(first["history"][0]["step_losses"]) == 3
 
-    proc = subprocess.run(
-        [
-            *torchrun,
-            "-m",
-            "workflows.train.standalone",
-            "--config",
-            str(QUICKSTART),
-            *sets,
-            "--output",
-            str(out),
-            "--checkpoint-dir",
-            str(ckdir),
-            "--resume",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = subprocess.run([*standalone, "--resume"], **opts)
     assert proc.returncode == 0, proc.stderr[-3000:]
     second = json.loads(out.read_text())
     assert [h["epoch"] for h in second["history"]] == [0, 1] and second["history"][1]["resumed_from_epoch"] == 0
