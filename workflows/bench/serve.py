@@ -27,19 +27,16 @@ every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the repli
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import signal
 import statistics
-import threading
 import time
 from pathlib import Path
 
+from workflows.bench.serve_changes import autoscaling, replica_kill, rolling_update
+from workflows.bench.serve_load import LOAD_REQUESTS, get_p50_ms, load
 from workflows.errors import UserError
 
 MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
-LOAD_REQUESTS = int(os.environ.get("WORKFLOWS_BENCH_SERVE_REQUESTS", "10000"))
 PLOT = Path("docs/images/serve_latency_throughput.png")
 PRECISIONS = ("fp32", "int8", "bf16")  # fp32 first: the others are compared with it
 GOALS = {
@@ -89,17 +86,17 @@ def _measure(rt) -> dict:
 
     # batched: throughput/latency curve, p50 at concurrency 1, the 10k load
     url = deployed(32)
-    _load(url, rows, 64, 32)  # warm-up
-    curve = {c: _load(url, rows, max(200, 12 * c), c) for c in (1, 4, 16, 32, 64)}
+    load(url, rows, 64, 32)  # warm-up
+    curve = {c: load(url, rows, max(200, 12 * c), c) for c in (1, 4, 16, 32, 64)}
     out["batched"] = curve
-    out["healthz_p50_ms"] = round(_get_p50_ms(f"{url}/healthz", 220), 2)
-    load = _load(url, rows, LOAD_REQUESTS, 64)
-    out["load_10k"] = load
+    out["healthz_p50_ms"] = round(get_p50_ms(f"{url}/healthz", 220), 2)
+    load_10k = load(url, rows, LOAD_REQUESTS, 64)
+    out["load_10k"] = load_10k
     serve.delete("bench")
     # unbatched, same budget
     url = deployed(1)
-    _load(url, rows, 32, 8)
-    out["unbatched_c32"] = _load(url, rows, 400, 32)
+    load(url, rows, 32, 8)
+    out["unbatched_c32"] = load(url, rows, 400, 32)
     serve.delete("bench")
     out["batched_vs_unbatched_throughput"] = round(curve[32]["rps"] / out["unbatched_c32"]["rps"], 2)
 
@@ -108,11 +105,11 @@ def _measure(rt) -> dict:
     out.update(_inprocess_batching(rt, spec, rows))
     out["p50_overhead_ms"] = round(curve[1]["p50_ms"] - direct, 2)
     out.update(_precisions(rt, spec, rows))
-    out["replica_kill"] = _replica_kill(deployed, rows)
+    out["replica_kill"] = replica_kill(deployed, rows)
     serve.delete("bench")
-    out["rolling_update"] = _rolling_update(rt, spec, rows)
+    out["rolling_update"] = rolling_update(rt, spec, rows)
     serve.delete("bench")
-    out["autoscaling"] = _autoscaling(rt, spec, rows)
+    out["autoscaling"] = autoscaling(rt, spec, rows)
     serve.delete("bench")
     _plot(curve, out["unbatched_c32"])
     out["plot"] = str(PLOT)
@@ -121,7 +118,7 @@ def _measure(rt) -> dict:
         "batched_vs_unbatched_throughput": out["batched_vs_unbatched_throughput"]
         >= GOALS["batched_vs_unbatched_throughput"],
         "p50_overhead_ms": out["p50_overhead_ms"] <= GOALS["p50_overhead_ms"],
-        "load_errors": load["errors"] == 0,
+        "load_errors": load_10k["errors"] == 0,
         "replica_kill_failed_fraction": out["replica_kill"]["failed_fraction"] < GOALS["replica_kill_failed_fraction"],
         "replica_kill_recovery_s": (out["replica_kill"]["recovery_s"] or 1e9) < GOALS["replica_kill_recovery_s"],
         "rolling_update_failed": out["rolling_update"]["failed"] == GOALS["rolling_update_failed"]
@@ -144,95 +141,6 @@ def _test_rows(rt, spec: str, n: int) -> list[dict]:
     return [{c: str(r[c]) for c in cols} for r in got]
 
 
-# -- load generation (aiohttp: one client process, many connections) -------------------------
-def _load(
-    url: str,
-    rows: list[dict],
-    n: int,
-    concurrency: int,
-    stop: threading.Event | None = None,
-    record: list | None = None,
-) -> dict:
-    return asyncio.run(_load_async(url, rows, n, concurrency, stop, record))
-
-
-async def _load_async(url, rows, n, concurrency, stop, record) -> dict:
-    import aiohttp
-
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    counter = iter(range(n))
-    text_cols = [c for c in rows[0] if c != "label"] if rows else []
-
-    async def worker(session):
-        for i in counter:
-            if stop is not None and stop.is_set():
-                return
-            row = rows[i % len(rows)]
-            body = {"instances": [{c: row[c] for c in text_cols if c in row} or row]}
-            t0 = time.perf_counter()
-            version = None
-            try:
-                async with session.post(f"{url}/predict", json=body) as resp:
-                    raw = await resp.read()
-                    ok = resp.status == 200
-                    key = str(resp.status)
-                if ok and record is not None:
-                    version = json.loads(raw).get("version")
-            except aiohttp.ClientError as e:
-                ok, key = False, type(e).__name__
-            t1 = time.perf_counter()
-            if ok:
-                latencies.append(t1 - t0)
-            else:
-                errors[key] = errors.get(key, 0) + 1
-            if record is not None:
-                record.append((t1, ok, version))
-
-    t0 = time.perf_counter()
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
-    lat = sorted(latencies)
-
-    def pct(p):
-        return round(1000 * lat[min(len(lat) - 1, int(p * len(lat)))], 2) if lat else None
-
-    return {
-        "requests": len(lat) + sum(errors.values()),
-        "ok": len(lat),
-        "errors": sum(errors.values()),
-        "error_kinds": errors,
-        "concurrency": concurrency,
-        "seconds": round(wall, 2),
-        "rps": round(len(lat) / wall, 1),
-        "p50_ms": pct(0.5),
-        "p95_ms": pct(0.95),
-        "p99_ms": pct(0.99),
-    }
-
-
-def _get_p50_ms(url: str, n: int) -> float:
-    """p50 of `n` sequential GETs (the first 20 are warm-up): the request path with no model in it."""
-    return asyncio.run(_get_p50_ms_async(url, n))
-
-
-async def _get_p50_ms_async(url: str, n: int) -> float:
-    import aiohttp
-
-    times = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            async with session.get(url) as resp:
-                await resp.read()
-                resp.raise_for_status()
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[20:])
-
-
-# -- in-process baselines ---------------------------------------------------------------------
 def _predictor(rt, spec: str, precision: str):
     from workflows import registry
     from workflows.serve.predictor import Predictor
@@ -304,174 +212,6 @@ def _precisions(rt, spec: str, rows: list[dict]) -> dict:
     return out
 
 
-# -- a replica killed under load --------------------------------------------------------------
-def _replica_kill(deployed, rows: list[dict]) -> dict:
-    from ray.util.state import list_actors
-
-    url = deployed(32, replicas=2)
-    _load(url, rows, 64, 16)
-    record: list = []
-    result: dict = {}
-    n = LOAD_REQUESTS // 2
-    runner = threading.Thread(target=lambda: result.update(_load(url, rows, n, 64, record=record)))
-    runner.start()
-    time.sleep(5)
-    replicas = [
-        a
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-        if a.class_name.startswith("ServeReplica:bench")
-    ]
-    killed_at = time.perf_counter()
-    os.kill(replicas[0].pid, signal.SIGKILL)
-    recovery = None
-    deadline = killed_at + 120
-    while time.perf_counter() < deadline:
-        alive = [
-            a
-            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name.startswith("ServeReplica:bench") and a.pid != replicas[0].pid
-        ]
-        if len(alive) >= 2:
-            recovery = time.perf_counter() - killed_at
-            break
-        time.sleep(0.5)
-    runner.join()
-    failed_after = sum(1 for t, ok, _ in record if not ok and t >= killed_at)
-    return {
-        "requests": result["requests"],
-        "failed": result["errors"],
-        "failed_after_kill": failed_after,
-        "failed_fraction": round(result["errors"] / max(result["requests"], 1), 4),
-        "error_kinds": result["error_kinds"],
-        "recovery_s": round(recovery, 1) if recovery else None,
-        "rps": result["rps"],
-    }
-
-
-# -- a new version rolled out under load -------------------------------------------------------
-def _rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 16) -> dict:
-    from workflows import registry
-    from workflows.serve.app import deploy
-    from workflows.storage.uri import filesystem
-
-    cfg = rt.cfg.model_copy(deep=True)
-    cfg.storage.root = f"{rt.cfg.storage.root.rstrip('/')}/bench-rollout"
-    cfg.serve.max_batch_size, cfg.serve.num_replicas, cfg.serve.autoscaling = 32, 2, None
-    cfg.serve.auth_token_env = None
-    local, card = registry.fetch(rt.cfg, rt.storage, spec)
-    registered = {"name", "version", "artifact_id", "registered_at"}  # register sets them anew
-    lineage = card.model_dump(exclude_unset=True, exclude=registered)
-    old, new = (registry.register(cfg, rt.storage, local, "rollout", {**lineage, "copy_of": spec}) for _ in range(2))
-    try:
-        url = deploy(cfg, f"rollout:{old.version}", name="bench")
-        _load(url, rows, 64, concurrency)  # warm-up
-        record: list = []
-        result: dict = {}
-        stop = threading.Event()
-        runner = threading.Thread(target=lambda: result.update(_load(url, rows, 10**9, concurrency, stop, record)))
-        runner.start()
-        time.sleep(5)
-        started = time.perf_counter()
-        deploy(cfg, f"rollout:{new.version}", name="bench")  # returns once the application runs v2
-        deployed_s = time.perf_counter() - started
-        deadline = time.perf_counter() + 120
-        while time.perf_counter() < deadline:  # the load goes on until only v2 has answered for 5 s
-            now = time.perf_counter()
-            recent = [v for t, ok, v in list(record) if t > now - 5]
-            if now - started > deployed_s + 5 and recent and all(v == new.version for v in recent):
-                break
-            time.sleep(0.5)
-        stop.set()
-        runner.join()
-    finally:
-        fs, path = filesystem(cfg.uri("models"), rt.storage)
-        fs.rm(path, recursive=True)
-    during = [(t, ok, v) for t, ok, v in record if t >= started]
-    first_new = min((t for t, ok, v in during if v == new.version), default=None)
-    last_old = max((t for t, ok, v in during if v == old.version), default=None)
-    return {
-        "requests": result["requests"],
-        "failed": result["errors"],
-        "error_kinds": result["error_kinds"],
-        "failed_during_rollout": sum(1 for _, ok, _ in during if not ok),
-        "concurrency": concurrency,
-        "from_version": old.version,
-        "to_version": new.version,
-        "answered_by": {
-            f"v{old.version}": sum(1 for *_, v in record if v == old.version),
-            f"v{new.version}": sum(1 for *_, v in record if v == new.version),
-        },
-        "switched": first_new is not None,
-        "deploy_returned_s": round(deployed_s, 1),
-        "first_new_version_s": round(first_new - started, 1) if first_new else None,
-        "last_old_version_s": round(last_old - started, 1) if last_old else None,
-        "rps": result["rps"],
-        "p99_ms": result["p99_ms"],
-    }
-
-
-# -- autoscaling under load -------------------------------------------------------------------
-def _autoscaling(rt, spec: str, rows: list[dict], concurrency: int = 32) -> dict:
-    from ray import serve
-
-    from workflows.config import AutoscalingConfig
-    from workflows.serve.app import deploy
-
-    cfg = rt.cfg.model_copy(deep=True)
-    cfg.serve.max_batch_size, cfg.serve.auth_token_env = 32, None
-    cfg.serve.autoscaling = AutoscalingConfig(
-        min_replicas=1, max_replicas=2, target_ongoing_requests=8, upscale_delay_s=5, downscale_delay_s=15
-    )
-
-    def running() -> int:
-        app = serve.status().applications.get("bench")
-        return app.deployments["ModelServer"].replica_states.get("RUNNING", 0) if app else 0
-
-    url = deploy(cfg, spec, name="bench")
-    _load(url, rows, 16, 1)  # warm-up, below the target: still one replica
-    record: list = []
-    result: dict = {}
-    stop = threading.Event()
-    runner = threading.Thread(target=lambda: result.update(_load(url, rows, 10**9, concurrency, stop, record)))
-    started = time.perf_counter()
-    runner.start()
-    up = None
-    while time.perf_counter() - started < 180:
-        if running() >= 2:
-            up = time.perf_counter() - started
-            break
-        time.sleep(1)
-
-    def rps(t0: float, t1: float) -> float | None:
-        return round(sum(1 for t, ok, _ in list(record) if ok and t0 <= t < t1) / (t1 - t0), 1) if t1 > t0 else None
-
-    one = two = None
-    if up is not None:  # one replica: from 3 s into the load until the second runs; two: 20 s after it warmed up
-        one = rps(started + 3, started + up)
-        time.sleep(25)
-        two = rps(time.perf_counter() - 20, time.perf_counter())
-    stop.set()
-    runner.join()
-    stopped = time.perf_counter()
-    down = None
-    while time.perf_counter() - stopped < 180:
-        if running() <= 1:
-            down = time.perf_counter() - stopped
-            break
-        time.sleep(1)
-    return {
-        **cfg.serve.autoscaling.model_dump(),
-        "concurrency": concurrency,
-        "requests": result["requests"],
-        "errors": result["errors"],
-        "error_kinds": result["error_kinds"],
-        "scaled_up_s": round(up, 1) if up is not None else None,
-        "scaled_down_s": round(down, 1) if down is not None else None,
-        "rps_one_replica": one,
-        "rps_two_replicas": two,
-    }
-
-
 def _plot(curve: dict, unbatched: dict) -> None:
     from workflows.plots import new_figure, save_png
 
@@ -541,7 +281,7 @@ def markdown(r: dict) -> str:
         f"| {c} | {v['rps']:.0f} | {v['p50_ms']} | {v['p95_ms']} | {v['errors']} |"
         for c, v in sorted(r["batched"].items(), key=lambda kv: int(kv[0]))
     )
-    k, load = r["replica_kill"], r["load_10k"]
+    k, load_10k = r["replica_kill"], r["load_10k"]
     c32 = r["batched"].get(32) or r["batched"]["32"]  # int keys in memory, str once through JSON
     return f"""## Serving
 
@@ -558,7 +298,7 @@ aiohttp client on the same machine.
 | `int8_speedup` (in-process, batches of 32) | {r["int8_speedup"]}x ({r["int8_rows_per_s"]:.0f} vs {r["fp32_rows_per_s"]:.0f} rows/s) | |
 | `int8_f1_delta` (fp32 − int8 weighted F1, held-out split) | {r["int8_f1_delta"]} ({r["fp32_f1"]} vs {r["int8_f1"]}) | |
 {_bf16_rows(r)}
-| {load["requests"]} requests at concurrency 64: errors | {load["errors"]} ({load["rps"]:.0f} req/s, p99 {load["p99_ms"]} ms) | 0 ({mark("load_errors")}) |
+| {load_10k["requests"]} requests at concurrency 64: errors | {load_10k["errors"]} ({load_10k["rps"]:.0f} req/s, p99 {load_10k["p99_ms"]} ms) | 0 ({mark("load_errors")}) |
 | one of 2 replicas SIGKILLed under load: failed requests | {k["failed"]} of {k["requests"]} ({100 * k["failed_fraction"]:.2f}%) | < 1% ({mark("replica_kill_failed_fraction")}) |
 | replica replaced after | {k["recovery_s"]} s | < 30 s ({mark("replica_kill_recovery_s")}) |
 {_rollout_row(r)}

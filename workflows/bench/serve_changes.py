@@ -1,0 +1,179 @@
+"""`workflows bench serve` while the deployment changes under load: a replica killed, a new model
+version rolled out, autoscaling from 1 to 2 replicas and back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from workflows.bench.serve_load import LOAD_REQUESTS, load
+
+
+# -- a replica killed under load --------------------------------------------------------------
+def replica_kill(deployed, rows: list[dict]) -> dict:
+    from ray.util.state import list_actors
+
+    url = deployed(32, replicas=2)
+    load(url, rows, 64, 16)
+    record: list = []
+    result: dict = {}
+    n = LOAD_REQUESTS // 2
+    runner = threading.Thread(target=lambda: result.update(load(url, rows, n, 64, record=record)))
+    runner.start()
+    time.sleep(5)
+    replicas = [
+        a
+        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        if a.class_name.startswith("ServeReplica:bench")
+    ]
+    killed_at = time.perf_counter()
+    os.kill(replicas[0].pid, signal.SIGKILL)
+    recovery = None
+    deadline = killed_at + 120
+    while time.perf_counter() < deadline:
+        alive = [
+            a
+            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name.startswith("ServeReplica:bench") and a.pid != replicas[0].pid
+        ]
+        if len(alive) >= 2:
+            recovery = time.perf_counter() - killed_at
+            break
+        time.sleep(0.5)
+    runner.join()
+    failed_after = sum(1 for t, ok, _ in record if not ok and t >= killed_at)
+    return {
+        "requests": result["requests"],
+        "failed": result["errors"],
+        "failed_after_kill": failed_after,
+        "failed_fraction": round(result["errors"] / max(result["requests"], 1), 4),
+        "error_kinds": result["error_kinds"],
+        "recovery_s": round(recovery, 1) if recovery else None,
+        "rps": result["rps"],
+    }
+
+
+# -- a new version rolled out under load -------------------------------------------------------
+def rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 16) -> dict:
+    from workflows import registry
+    from workflows.serve.app import deploy
+    from workflows.storage.uri import filesystem
+
+    cfg = rt.cfg.model_copy(deep=True)
+    cfg.storage.root = f"{rt.cfg.storage.root.rstrip('/')}/bench-rollout"
+    cfg.serve.max_batch_size, cfg.serve.num_replicas, cfg.serve.autoscaling = 32, 2, None
+    cfg.serve.auth_token_env = None
+    local, card = registry.fetch(rt.cfg, rt.storage, spec)
+    registered = {"name", "version", "artifact_id", "registered_at"}  # register sets them anew
+    lineage = card.model_dump(exclude_unset=True, exclude=registered)
+    old, new = (registry.register(cfg, rt.storage, local, "rollout", {**lineage, "copy_of": spec}) for _ in range(2))
+    try:
+        url = deploy(cfg, f"rollout:{old.version}", name="bench")
+        load(url, rows, 64, concurrency)  # warm-up
+        record: list = []
+        result: dict = {}
+        stop = threading.Event()
+        runner = threading.Thread(target=lambda: result.update(load(url, rows, 10**9, concurrency, stop, record)))
+        runner.start()
+        time.sleep(5)
+        started = time.perf_counter()
+        deploy(cfg, f"rollout:{new.version}", name="bench")  # returns once the application runs v2
+        deployed_s = time.perf_counter() - started
+        deadline = time.perf_counter() + 120
+        while time.perf_counter() < deadline:  # the load goes on until only v2 has answered for 5 s
+            now = time.perf_counter()
+            recent = [v for t, ok, v in list(record) if t > now - 5]
+            if now - started > deployed_s + 5 and recent and all(v == new.version for v in recent):
+                break
+            time.sleep(0.5)
+        stop.set()
+        runner.join()
+    finally:
+        fs, path = filesystem(cfg.uri("models"), rt.storage)
+        fs.rm(path, recursive=True)
+    during = [(t, ok, v) for t, ok, v in record if t >= started]
+    first_new = min((t for t, ok, v in during if v == new.version), default=None)
+    last_old = max((t for t, ok, v in during if v == old.version), default=None)
+    return {
+        "requests": result["requests"],
+        "failed": result["errors"],
+        "error_kinds": result["error_kinds"],
+        "failed_during_rollout": sum(1 for _, ok, _ in during if not ok),
+        "concurrency": concurrency,
+        "from_version": old.version,
+        "to_version": new.version,
+        "answered_by": {
+            f"v{old.version}": sum(1 for *_, v in record if v == old.version),
+            f"v{new.version}": sum(1 for *_, v in record if v == new.version),
+        },
+        "switched": first_new is not None,
+        "deploy_returned_s": round(deployed_s, 1),
+        "first_new_version_s": round(first_new - started, 1) if first_new else None,
+        "last_old_version_s": round(last_old - started, 1) if last_old else None,
+        "rps": result["rps"],
+        "p99_ms": result["p99_ms"],
+    }
+
+
+# -- autoscaling under load -------------------------------------------------------------------
+def autoscaling(rt, spec: str, rows: list[dict], concurrency: int = 32) -> dict:
+    from ray import serve
+
+    from workflows.config import AutoscalingConfig
+    from workflows.serve.app import deploy
+
+    cfg = rt.cfg.model_copy(deep=True)
+    cfg.serve.max_batch_size, cfg.serve.auth_token_env = 32, None
+    cfg.serve.autoscaling = AutoscalingConfig(
+        min_replicas=1, max_replicas=2, target_ongoing_requests=8, upscale_delay_s=5, downscale_delay_s=15
+    )
+
+    def running() -> int:
+        app = serve.status().applications.get("bench")
+        return app.deployments["ModelServer"].replica_states.get("RUNNING", 0) if app else 0
+
+    url = deploy(cfg, spec, name="bench")
+    load(url, rows, 16, 1)  # warm-up, below the target: still one replica
+    record: list = []
+    result: dict = {}
+    stop = threading.Event()
+    runner = threading.Thread(target=lambda: result.update(load(url, rows, 10**9, concurrency, stop, record)))
+    started = time.perf_counter()
+    runner.start()
+    up = None
+    while time.perf_counter() - started < 180:
+        if running() >= 2:
+            up = time.perf_counter() - started
+            break
+        time.sleep(1)
+
+    def rps(t0: float, t1: float) -> float | None:
+        return round(sum(1 for t, ok, _ in list(record) if ok and t0 <= t < t1) / (t1 - t0), 1) if t1 > t0 else None
+
+    one = two = None
+    if up is not None:  # one replica: from 3 s into the load until the second runs; two: 20 s after it warmed up
+        one = rps(started + 3, started + up)
+        time.sleep(25)
+        two = rps(time.perf_counter() - 20, time.perf_counter())
+    stop.set()
+    runner.join()
+    stopped = time.perf_counter()
+    down = None
+    while time.perf_counter() - stopped < 180:
+        if running() <= 1:
+            down = time.perf_counter() - stopped
+            break
+        time.sleep(1)
+    return {
+        **cfg.serve.autoscaling.model_dump(),
+        "concurrency": concurrency,
+        "requests": result["requests"],
+        "errors": result["errors"],
+        "error_kinds": result["error_kinds"],
+        "scaled_up_s": round(up, 1) if up is not None else None,
+        "scaled_down_s": round(down, 1) if down is not None else None,
+        "rps_one_replica": one,
+        "rps_two_replicas": two,
+    }

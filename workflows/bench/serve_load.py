@@ -1,0 +1,102 @@
+"""Load generation for `workflows bench serve`: one aiohttp client process, many connections."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import threading
+import time
+
+LOAD_REQUESTS = int(os.environ.get("WORKFLOWS_BENCH_SERVE_REQUESTS", "10000"))
+
+
+def load(
+    url: str,
+    rows: list[dict],
+    n: int,
+    concurrency: int,
+    stop: threading.Event | None = None,
+    record: list | None = None,
+) -> dict:
+    return asyncio.run(load_async(url, rows, n, concurrency, stop, record))
+
+
+async def load_async(url, rows, n, concurrency, stop, record) -> dict:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    counter = iter(range(n))
+    text_cols = [c for c in rows[0] if c != "label"] if rows else []
+
+    async def worker(session):
+        for i in counter:
+            if stop is not None and stop.is_set():
+                return
+            row = rows[i % len(rows)]
+            body = {"instances": [{c: row[c] for c in text_cols if c in row} or row]}
+            t0 = time.perf_counter()
+            version = None
+            try:
+                async with session.post(f"{url}/predict", json=body) as resp:
+                    raw = await resp.read()
+                    ok = resp.status == 200
+                    key = str(resp.status)
+                if ok and record is not None:
+                    version = json.loads(raw).get("version")
+            except aiohttp.ClientError as e:
+                ok, key = False, type(e).__name__
+            t1 = time.perf_counter()
+            if ok:
+                latencies.append(t1 - t0)
+            else:
+                errors[key] = errors.get(key, 0) + 1
+            if record is not None:
+                record.append((t1, ok, version))
+
+    t0 = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    lat = sorted(latencies)
+
+    def pct(p):
+        return round(1000 * lat[min(len(lat) - 1, int(p * len(lat)))], 2) if lat else None
+
+    return {
+        "requests": len(lat) + sum(errors.values()),
+        "ok": len(lat),
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+        "concurrency": concurrency,
+        "seconds": round(wall, 2),
+        "rps": round(len(lat) / wall, 1),
+        "p50_ms": pct(0.5),
+        "p95_ms": pct(0.95),
+        "p99_ms": pct(0.99),
+    }
+
+
+def get_p50_ms(url: str, n: int) -> float:
+    """p50 of `n` sequential GETs (the first 20 are warm-up): the request path with no model in it."""
+    return asyncio.run(get_p50_ms_async(url, n))
+
+
+async def get_p50_ms_async(url: str, n: int) -> float:
+    import aiohttp
+
+    times = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with session.get(url) as resp:
+                await resp.read()
+                resp.raise_for_status()
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[20:])
+
+
+# -- in-process baselines ---------------------------------------------------------------------
