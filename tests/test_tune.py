@@ -37,14 +37,12 @@ def test_one_worker_trials_train_in_their_tune_actor(ray_cluster, tmp_path):
         fs, runs = filesystem(cfg.uri("runs"), rt.storage)
         train_runs = fs.ls(runs) if fs.exists(runs) else []
     assert not train_runs, f"one-worker trials started Ray Train runs: {train_runs}"
-    by_lr = {t["params"]["train.lr"]: t for t in outcome.trials}
-    assert all(t["error"] is None for t in outcome.trials), outcome.trials
-    assert by_lr[1.0]["epochs"] == 1 and by_lr[1.0]["stopped_early"], outcome.trials
-    assert by_lr[1e-4]["epochs"] == 2 and outcome.best_params == {"train.lr": 1e-4}
+    by_lr = {t.params["train.lr"]: t for t in outcome.trials}
+    assert all(t.error is None for t in outcome.trials), outcome.trials
+    assert by_lr[1.0].epochs == 1 and by_lr[1.0].stopped_early, outcome.trials
+    assert by_lr[1e-4].epochs == 2 and outcome.best_params == {"train.lr": 1e-4}
     for t in outcome.trials:  # reported by the in-actor loop only; no checkpoint was asked for
-        assert {"read_rows", "startup", "train_steps", "validation"} <= set(t["seconds"]) and "checkpoint" not in t[
-            "seconds"
-        ]
+        assert {"read_rows", "startup", "train_steps", "validation"} <= set(t.seconds) and "checkpoint" not in t.seconds
     table = (cfg_dir(cfg) / "tune_trials.md").read_text()
     assert "| trial | train.lr | val_loss | epochs | stopped early | error |" in table and "| 1/2 | yes |" in table
     assert (cfg_dir(cfg) / "tune_trials.png").stat().st_size > 1000
@@ -67,12 +65,10 @@ def test_optuna_search(ray_cluster, tmp_path):
                    "tune.search=optuna", "tune.num_samples=1", "tune.max_epochs=1", "tune.checkpoint=true")
     with runtime(cfg) as rt:
         outcome = stage_tune(rt, stage_preprocess(rt))
-    assert len(outcome.trials) == 1 and all(t["error"] is None for t in outcome.trials)
-    assert (
-        outcome.trials[0]["seconds"]["checkpoint"] > 0
-    )  # the one-worker trial's epoch checkpoint (the quickstart skips it)
-    assert outcome.trials[0]["params"]["train.batch_size"] in (8, 16)
-    assert all(1e-4 <= t["params"]["train.lr"] <= 1e-3 for t in outcome.trials)
+    assert len(outcome.trials) == 1 and all(t.error is None for t in outcome.trials)
+    assert outcome.trials[0].seconds["checkpoint"] > 0  # the one-worker trial's epoch checkpoint (quickstart: off)
+    assert outcome.trials[0].params["train.batch_size"] in (8, 16)
+    assert all(1e-4 <= t.params["train.lr"] <= 1e-3 for t in outcome.trials)
 
 
 def test_bad_tune_settings_fail_fast(ray_cluster, tiny_cfg, tmp_path):

@@ -68,14 +68,14 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     rt.persist()
     for trial in outcome.trials:
         say(
-            f"tune:   {trial['params']} -> {t.metric}={trial[t.metric]} after {trial['epochs']} epoch(s)"
-            f"{' (stopped early)' if trial['stopped_early'] else ''}"
-            f"{' ERROR ' + trial['error'] if trial['error'] else ''}"
+            f"tune:   {trial.params} -> {t.metric}={trial.value} after {trial.epochs} epoch(s)"
+            f"{' (stopped early)' if trial.stopped_early else ''}"
+            f"{' ERROR ' + trial.error if trial.error else ''}"
         )
     say(f"tune: best {outcome.best_params} ({t.metric}={outcome.best_metric:.4f}) in {outcome.seconds:.0f}s")
     ordered = sorted(
         outcome.trials,
-        key=lambda r: (r[t.metric] is None, -(r[t.metric] or 0) if t.mode == "max" else (r[t.metric] or 0)),
+        key=lambda r: (r.value is None, -(r.value or 0) if t.mode == "max" else (r.value or 0)),
     )
     table = trials_table(ordered, t.metric, t.max_epochs)
     show(table)

@@ -103,16 +103,16 @@ def asha_ratio_model(trials: int, reduction_factor: float, grace_period: int, ma
 
 def _summary(outcome, metric: str) -> dict:
     trials = outcome.trials
-    best = max(trials, key=lambda tr: tr[f"best_{metric}"] if tr[f"best_{metric}"] is not None else -1)
+    best = max(trials, key=lambda tr: tr.best if tr.best is not None else -1)
     return {
-        "epochs": sum(tr["epochs"] for tr in trials),
-        "best": best[f"best_{metric}"],
-        "best_params": best["params"],
-        "stopped_early": sum(tr["stopped_early"] for tr in trials),
-        "errors": sum(tr["error"] is not None for tr in trials),
+        "epochs": sum(tr.epochs for tr in trials),
+        "best": best.best,
+        "best_params": best.params,
+        "stopped_early": sum(tr.stopped_early for tr in trials),
+        "errors": sum(tr.error is not None for tr in trials),
         "seconds": round(outcome.seconds, 1),
-        "trials": [{"params": tr["params"], "epochs": tr["epochs"], f"best_{metric}": tr[f"best_{metric}"],
-                    "stopped_early": tr["stopped_early"]} for tr in trials],
+        "trials": [{"params": tr.params, "epochs": tr.epochs, f"best_{metric}": tr.best,
+                    "stopped_early": tr.stopped_early} for tr in trials],
     }
 
 

@@ -147,10 +147,26 @@ def _trial_seconds(history) -> dict[str, float]:
 
 
 @dataclass
+class TrialResult:
+    """One trial of a search, as the reports and tune.json show it."""
+
+    trial: int  # place in Tune's list of trials (order of creation), as the live lines number it
+    params: dict[str, Any]  # the sampled train.* values
+    metric: str  # tune.metric
+    value: float | None  # the metric at the trial's last epoch
+    best: float | None  # its best value at any epoch (the last one need not be the best)
+    epochs: int
+    stopped_early: bool  # by the scheduler (ASHA), before tune.max_epochs
+    error: str | None  # the first line of the trial's error
+    history: list[dict[str, Any]] = field(default_factory=list)  # {training_iteration, <metric>} per epoch
+    seconds: dict[str, float] = field(default_factory=dict)  # where its time went (_trial_seconds)
+
+
+@dataclass
 class TuneOutcome:
     best_params: dict[str, Any]
     best_metric: float
-    trials: list[dict[str, Any]] = field(default_factory=list)
+    trials: list[TrialResult] = field(default_factory=list)
     experiment_uri: str = ""
     seconds: float = 0.0
     concurrency: int = 1  # trials at once
@@ -210,21 +226,15 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     for number, r in enumerate(grid, 1):  # Tune's order of creation, as TrialProgress numbers them
         history = r.metrics_dataframe
         epochs = int(history["training_iteration"].max()) if history is not None and len(history) else 0
-        trials.append(
-            {
-                "trial": number,
-                "params": {k: r.config.get(k) for k in t.space},
-                t.metric: (r.metrics or {}).get(t.metric),
-                "epochs": epochs,
-                "stopped_early": epochs < t.max_epochs and r.error is None,
-                "best_" + t.metric: _best(history, t.metric, t.mode),
-                "error": str(r.error).splitlines()[0] if r.error else None,
-                "history": history[["training_iteration", t.metric]].to_dict("records")
-                if history is not None and t.metric in history
-                else [],
-                "seconds": _trial_seconds(history),
-            }
-        )
+        trials.append(TrialResult(
+            trial=number, params={k: r.config.get(k) for k in t.space}, metric=t.metric,
+            value=(r.metrics or {}).get(t.metric), best=_best(history, t.metric, t.mode), epochs=epochs,
+            stopped_early=epochs < t.max_epochs and r.error is None,
+            error=str(r.error).splitlines()[0] if r.error else None,
+            history=history[["training_iteration", t.metric]].to_dict("records")
+            if history is not None and t.metric in history else [],
+            seconds=_trial_seconds(history),
+        ))
     return TuneOutcome(
         best_params={k: best.config[k] for k in t.space}, best_metric=float(best.metrics[t.metric]),
         trials=trials, experiment_uri=f"{runs_uri}/{experiment}", seconds=time.time() - t0, concurrency=concurrency,
