@@ -6,6 +6,7 @@ hashes to the same node."""
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,10 @@ def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path):
     assert first["misses"] == 4 and first["bytes_from_store"] > 0, out  # 4 raw shards, fetched once each
     assert out["second"]["version"] != out["first"]["version"]  # a new job: recomputed, not reused
     assert second["misses"] == 0 and second["bytes_from_store"] == 0 and second["hits"] >= 4
-    assert out["cached_files"]["head"] > 0 and out["cached_files"]["worker"] > 0  # both nodes cache
+    # each node caches the shards placed on it: rendezvous hashing over the run's random node ids puts
+    # all 4 on one node in 1 run of 8, so "both nodes cache" is not asserted, the per-node count is
+    owners = Counter(p["owner"] for p in out["placement"].values())
+    assert out["cached_files"] == {name: owners.get(name, 0) for name in ("head", "worker")}, out
     # each shard lives in its own node's cache only, even when all shards (or the one read) hash to one node
     assert all(p["cached_on"] == [p["owner"]] for p in out["placement"].values()), out["placement"]
     assert out["single_shard_reads"]["misses"] == 0 and out["single_shard_reads"]["hits"] == 4, out
