@@ -180,21 +180,13 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
     """The text of the first `n` held-out rows, read straight from the split's first file
     (through the node's shard cache): a few rows need no Ray Data job."""
-    import pyarrow.parquet as pq
-
-    from workflows.storage.uri import filesystem
+    from workflows.storage.shards import read_parquet
 
     files = data.files.get("test") or []
     if n <= 0 or not files:
         return []
     cache = rt.cfg.cache.shard_cache(rt.storage) if rt.cfg.cache.enabled else None
-    if cache is not None:
-        with cache.open_local(files[0]) as local:
-            table = pq.read_table(local, columns=data.text_columns)
-    else:
-        fs, path = filesystem(files[0], rt.storage)
-        with fs.open(path, "rb") as f:
-            table = pq.read_table(f, columns=data.text_columns)
+    table = read_parquet(files[0], rt.storage, data.text_columns, cache)
     return [{c: str(v) for c, v in row.items()} for row in table.slice(0, n).to_pylist()]
 
 

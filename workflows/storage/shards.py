@@ -31,6 +31,19 @@ def _read_local(path: str, fmt: str):
     return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(newlines_in_values=True))
 
 
+def read_parquet(uri: str, ctx: StorageContext, columns: list[str] | None = None, shard_cache=None):
+    """One parquet file as a pyarrow Table (only `columns`, if given), through `shard_cache` if given:
+    for the few rows a process reads itself, where a Ray Data job would cost more than the read."""
+    import pyarrow.parquet as pq
+
+    if shard_cache is not None:
+        with shard_cache.open_local(uri) as local:
+            return pq.read_table(local, columns=columns)
+    fs, path = filesystem(uri, ctx)
+    with fs.open(path, "rb") as f:
+        return pq.read_table(f, columns=columns)
+
+
 def _read_one(
     uri: str, fmt: str, ctx: StorageContext, shard_cache, version: str | None = None, size: int | None = None
 ):

@@ -78,19 +78,14 @@ def read_rows(files: list[str], storage: StorageContext, limit: int | None = Non
     """`input_ids` and `label_id` of the first `limit` rows of these parquet files, in file order
     (the rows Ray Data's `limit` keeps with preserve_order); through `shard_cache` if given."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from workflows.storage.shards import read_parquet
 
     tables, n = [], 0
     for uri in files:
         if limit is not None and n >= limit:
             break
-        if shard_cache is not None:
-            with shard_cache.open_local(uri) as local:
-                t = pq.read_table(local, columns=["input_ids", "label_id"])
-        else:
-            fs, path = filesystem(uri, storage)
-            with fs.open(path, "rb") as f:
-                t = pq.read_table(f, columns=["input_ids", "label_id"])
+        t = read_parquet(uri, storage, ["input_ids", "label_id"], shard_cache)
         tables.append(t)
         n += t.num_rows
     if not tables:
