@@ -4,6 +4,7 @@ and, under torchrun, the process group and device (Ray Train brings its own)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -18,8 +19,10 @@ def set_torch_threads(tc) -> None:
     torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
 
 
+@functools.cache
 def pad_and_vocab(tokenizer: str) -> tuple[int, int]:
-    """(pad token id, vocabulary size) of the dataset's tokenizer; pad 0 if it has none."""
+    """(pad token id, vocabulary size) of the dataset's tokenizer; pad 0 if it has none. Loaded once
+    per process: Tune reuses a one-worker trial's actor for the next trial."""
     from transformers import AutoTokenizer
 
     from workflows.preprocess.encoding import resolve_model_dir

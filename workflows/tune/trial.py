@@ -44,29 +44,27 @@ def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Processe
     from workflows.train import checkpoint as ckpt
     from workflows.train.loop import build_training, data_seed, run_epochs
     from workflows.train.standalone import batches
+    from workflows.train.worker_setup import pad_and_vocab, row_limits, set_torch_threads, start_point
 
     tc = cfg.train
     t_start = time.perf_counter()
-    torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
+    set_torch_threads(tc)
     device = torch.device("cuda", 0) if tc.use_gpu and torch.cuda.is_available() else torch.device("cpu")
-    pad_id = tokenizer_pad_id(resolve_model_dir(data.tokenizer))
-    train_limit = (
-        tc.max_train_rows if tc.max_train_rows is not None and tc.max_train_rows < data.counts["train"] else None
-    )
+    pad_id = pad_and_vocab(data.tokenizer)[0]
+    train_limit, val_limit = row_limits(tc, data.counts["train"])
     train_rows = read_split(data, "train", storage, cfg, train_limit)
-    val_rows = read_split(data, "val", storage, cfg, tc.max_val_rows)
+    val_rows = read_split(data, "val", storage, cfg, val_limit)
     read_seconds = time.perf_counter() - t_start
 
     checkpoint = ray.tune.get_checkpoint()
     probe = None if checkpoint is not None else batches(train_rows, cfg.evaluate.batch_size, pad_id)
     model, optimizer, scheduler = build_training(cfg, resolve_model_dir(cfg.model.name_or_path), data.labels, device,
                                                  len(train_rows["label_id"]), None, probe)
-    start_epoch, history, resumed_from = 0, [], None
-    if checkpoint is not None:  # a restarted trial (failure, or `tune --resume`) continues its epochs
+    if checkpoint is None:
+        start_epoch, history, resumed_from, _ = start_point(None, model, optimizer, scheduler)
+    else:  # a restarted trial (failure, or `tune --resume`) continues its epochs
         with checkpoint.as_directory() as d:
-            saved = ckpt.load(d, model, optimizer, scheduler)
-        resumed_from = saved["epoch"]
-        start_epoch, history = resumed_from + 1, saved.get("history", [])
+            start_epoch, history, resumed_from, _ = start_point(d, model, optimizer, scheduler)
     startup = {"read_seconds": round(read_seconds, 3), "startup_seconds": round(time.perf_counter() - t_start, 3)}
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
@@ -90,15 +88,3 @@ def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Processe
                train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch)),
                val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id),
                end_of_epoch=end_of_epoch, resumed_from_epoch=resumed_from)
-
-
-_PAD_IDS: dict[str, int] = {}
-
-
-def tokenizer_pad_id(tokenizer_dir: str) -> int:
-    """The tokenizer's pad id, loaded once per process (Tune reuses a trial actor for the next trial)."""
-    if tokenizer_dir not in _PAD_IDS:
-        from transformers import AutoTokenizer
-
-        _PAD_IDS[tokenizer_dir] = AutoTokenizer.from_pretrained(tokenizer_dir).pad_token_id or 0
-    return _PAD_IDS[tokenizer_dir]
