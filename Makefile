@@ -24,6 +24,7 @@ demo: install
 
 test: install
 	$(BIN)/ruff check workflows tests reliability
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 test-fast: install

@@ -16,7 +16,7 @@ _IN_TRACEBACK = re.compile(r"^workflows\.errors\.UserError: (.+)$", re.M)
 def find_user_error(exc: BaseException) -> UserError | None:
     """A UserError raised here or inside a Ray task/actor/worker (Ray wraps those)."""
     seen = set()
-    stack = [exc]
+    stack: list[BaseException | None] = [exc]
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:

@@ -126,6 +126,8 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
     """Local directory holding the model version (downloaded once per node), and its card."""
     ref = resolve(cfg, ctx, spec)
     card = ModelCard.model_validate(read_json(join(ref.uri, META_FILE), ctx))
+    if card.artifact_id is None:  # written by every register(); a hand-made version lacks it
+        raise UserError(f"{ref.uri}/{META_FILE} has no artifact_id: register the model again")
     cache = Path(cfg.cache.resolved_dir()) / "models" / card.artifact_id
     if (cache / META_FILE).exists():
         return str(cache), card

@@ -69,15 +69,9 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def exit_rank(code: int) -> NoReturn:
-    """End a torchrun rank's process: with several ranks, without interpreter finalization.
-
-    Gloo's worker threads outlive destroy_process_group (the backend goes with its last C++ reference,
-    which here outlives the call) and may drop a finished all-reduce, and its tensors, while Python
-    finalizes: the decref then needs the GIL, the thread exits inside a destructor and the rank aborts
-    (SIGABRT, "terminate called without an active exception"; 5 of 30 two-rank CPU bench runs, and
-    pytorch/pytorch#179291's atexit fix was abandoned). Callers write their results (temp name, then
-    rename) and leave their context managers before this, so skipping finalization loses nothing.
-    """
+    """End a torchrun rank's process: with several ranks, without interpreter finalization, where
+    gloo's threads can abort the rank (SIGABRT) after its work is done; docs/guides/train.md says
+    why. Callers have written their results (temp name, then rename) and left their context managers."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     sys.stdout.flush()

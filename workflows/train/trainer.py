@@ -146,6 +146,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     if checkpoint is not None and start_epoch >= tc.epochs:
         # a finished run resumed (or a restart after the last report): nothing left to train,
         # report its final state again so that this run has a result and a checkpoint
+        assert resumed_from is not None and saved is not None  # a checkpoint was loaded
         end_of_epoch(resumed_from, saved["metrics"], history)
         return
     run_epochs(cfg, model, optimizer, scheduler, device, len(spec.labels), start_epoch=start_epoch,

@@ -12,12 +12,15 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workflows.config import SearchDim, WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, pyarrow_filesystem
+
+if TYPE_CHECKING:
+    from ray.tune import Result
 
 
 def to_tune_space(space: dict[str, SearchDim]) -> dict[str, Any]:
@@ -32,7 +35,7 @@ def to_tune_space(space: dict[str, SearchDim]) -> dict[str, Any]:
         elif dim.choice is not None:
             out[key] = tune.choice(dim.choice)
         else:
-            out[key] = tune.grid_search(dim.grid)
+            out[key] = tune.grid_search(dim.grid or [])
     return out
 
 
@@ -223,11 +226,12 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     grid = tuner.fit()
     best = grid.get_best_result(metric=t.metric, mode=t.mode)
     trials = []
-    for number, r in enumerate(grid, 1):  # Tune's order of creation, as TrialProgress numbers them
+    results: list[Result] = [grid[i] for i in range(len(grid))]
+    for number, r in enumerate(results, 1):  # Tune's order of creation, as TrialProgress numbers them
         history = r.metrics_dataframe
         epochs = int(history["training_iteration"].max()) if history is not None and len(history) else 0
         trials.append(TrialResult(
-            trial=number, params={k: r.config.get(k) for k in t.space}, metric=t.metric,
+            trial=number, params={k: (r.config or {}).get(k) for k in t.space}, metric=t.metric,
             value=(r.metrics or {}).get(t.metric), best=_best(history, t.metric, t.mode), epochs=epochs,
             stopped_early=epochs < t.max_epochs and r.error is None,
             error=str(r.error).splitlines()[0] if r.error else None,
@@ -236,6 +240,6 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
             seconds=_trial_seconds(history),
         ))
     return TuneOutcome(
-        best_params={k: best.config[k] for k in t.space}, best_metric=float(best.metrics[t.metric]),
+        best_params={k: (best.config or {})[k] for k in t.space}, best_metric=float((best.metrics or {})[t.metric]),
         trials=trials, experiment_uri=f"{runs_uri}/{experiment}", seconds=time.time() - t0, concurrency=concurrency,
     )
