@@ -319,13 +319,19 @@ def bench(
     tag: str | None = typer.Option(None, "--tag", help="a variant: results in NAME-TAG.json, its own doc section"),
     results_dir: str = typer.Option("benchmarks/results", "--results-dir", help="directory for the results JSON"),
     doc: str = typer.Option("docs/BENCHMARKS.md", "--doc", help="markdown file whose bench section is rewritten"),
+    render_only: bool = typer.Option(False, "--render", help="run nothing: rewrite NAME's sections (NAME 'all': "
+                                     "every one) of --doc from the results stored in --results-dir"),
 ):
     """Run benchmark NAME: writes RESULTS_DIR/NAME[-TAG].json and its section of the --doc file."""
 
     def go():
-        from workflows.bench import run_benchmark
+        from workflows.bench import render, run_benchmark
 
-        run_benchmark(name, config, set or [], sys.argv, tag=tag, results_dir=results_dir, doc=doc)
+        if render_only:
+            paths = render(name, results_dir, doc)
+            print(f"{doc} rewritten from {len(paths)} result file(s) in {results_dir}")
+        else:
+            run_benchmark(name, config, set or [], sys.argv, tag=tag, results_dir=results_dir, doc=doc)
 
     _run(go)
 

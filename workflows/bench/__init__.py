@@ -40,12 +40,35 @@ def run_benchmark(name: str, config: str | None, overrides: list[str], argv: lis
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{key}.json"
     atomic_write(path, json.dumps(result, indent=2, sort_keys=True))
-    body = module.markdown(result)
-    if tag:  # the section's heading names its variant
-        body = re.sub(r"^(## .*)$", rf"\1 ({tag})", body, count=1, flags=re.M)
-    write_doc_section(key, body, doc)
+    write_doc_section(key, section_body(module, result), doc)
     print(f"results written to {path} and {doc}")
     return result
+
+
+def section_body(module, result: dict) -> str:
+    body = module.markdown(result)
+    if result.get("tag"):  # the section's heading names its variant
+        body = re.sub(r"^(## .*)$", rf"\1 ({result['tag']})", body, count=1, flags=re.M)
+    return body
+
+
+def render(name: str, results_dir: str | Path = RESULTS_DIR, doc: str | Path = DOC) -> list[Path]:
+    """Rewrite `doc`'s sections from the stored results of benchmark `name` ("all": every one, tags
+    included) without running anything: after a change to a benchmark's report, or to check that
+    the doc is what its results say."""
+    if name != "all" and name not in BENCHMARKS:
+        raise UserError(f"unknown benchmark {name!r}; available: all, {', '.join(sorted(BENCHMARKS))}")
+    paths = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        result = json.loads(path.read_text())
+        bench = result.get("benchmark")
+        if bench in BENCHMARKS and name in ("all", bench):
+            key = f"{bench}-{result['tag']}" if result.get("tag") else bench
+            write_doc_section(key, section_body(importlib.import_module(BENCHMARKS[bench]), result), Path(doc))
+            paths.append(path)
+    if not paths:
+        raise UserError(f"no stored results for {name!r} in {results_dir}")
+    return paths
 
 
 def machine() -> dict:
@@ -66,7 +89,8 @@ def write_doc_section(name: str, body: str, doc: Path = DOC) -> None:
     text = (
         doc.read_text()
         if doc.exists()
-        else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME`; none is typed by hand.\n"
+        else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME` (`--render`: from the stored"
+        " results); none is typed by hand.\n"
     )
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     section = f"{start}\n{body.strip()}\n{end}"

@@ -93,7 +93,8 @@ def markdown(r: dict) -> str:
         f"| {r['wall_seconds'] - r['work_seconds']:.0f} "
         f"| **{r['wall_vs_work_ratio']}x** | {_goal(r['wall_vs_work_ratio'], g['pipeline'])} |"
     ]
-    for s, v in r["stages"].items():
+    for s in (s for s in STAGES if s in r["stages"]):  # pipeline order (the results JSON is key-sorted)
+        v = r["stages"][s]
         goal = _goal(v["wall_vs_work_ratio"], g[s]) if s in g else "fixed cost: cut"
         rows.append(f"| {s} | {v['wall_seconds']:.1f} | {v['work_seconds']:.1f} | {v['fixed_seconds']:.1f} "
                     f"| {v['wall_vs_work_ratio']}x | {goal} |")
@@ -111,8 +112,9 @@ def markdown(r: dict) -> str:
         where.append(f"| tune ({b['tune']['concurrency']} trials at once; seconds summed over trials) | "
                      + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in t.items()) + " |")
     if "train" in b:
-        where.append("| train | " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in b["train"].items()
-                                               if v is not None) + " |")
+        train = sorted(b["train"].items(), key=lambda kv: kv[0] == "registry")  # the worker's parts, then registry
+        where.append("| train | " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in train if v is not None)
+                     + " |")
     if "serve" in b:
         where.append(f"| serve | Serve start and deploy {b['serve']['serve_start'] or 0:.1f} s |")
     w = r["work"]
