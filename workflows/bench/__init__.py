@@ -39,7 +39,9 @@ def run_benchmark(name: str, config: str | None, overrides: list[str], argv: lis
     results_dir, doc = Path(results_dir), Path(doc)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{key}.json"
-    atomic_write(path, json.dumps(result, indent=2, sort_keys=True))
+    text = json.dumps(result, indent=2, sort_keys=True)
+    atomic_write(path, text)
+    result = json.loads(text)  # the doc renders what was stored, as `--render` will later
     write_doc_section(key, section_body(module, result), doc)
     print(f"results written to {path} and {doc}")
     return result
