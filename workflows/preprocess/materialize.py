@@ -155,18 +155,6 @@ def _split_label_counts(batch: pd.DataFrame, text_columns, label, seed, val_frac
     return pairs.groupby(["split", "label"], as_index=False).size().rename(columns={"size": "rows"})
 
 
-def _check_columns(ds, shards: list[Shard], cfg: WorkflowConfig) -> None:
-    names = set(ds.schema().names)
-    wanted = [*cfg.data.text_columns, cfg.data.label_column]
-    missing = [c for c in wanted if c not in names]
-    if missing:
-        raise UserError(
-            f"column(s) {missing} not found in {cfg.data.source} "
-            f"(shards {shards[0].uri}...; columns: {sorted(names)}); "
-            "set data.text_columns / data.label_column"
-        )
-
-
 @surface_user_errors()
 def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> ProcessedDataset:
     import ray.data
@@ -184,9 +172,8 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
 
     t0 = time.time()
     say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri}")
-    raw = read_dataset(shards, fmt, ctx, cfg.cache)
-    _check_columns(raw, shards, cfg)
-    raw = raw.select_columns([*d.text_columns, d.label_column])
+    columns = [*d.text_columns, d.label_column]
+    raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=columns).select_columns(columns)
     fraction = None
     if d.max_rows is not None:
         total = raw.count()

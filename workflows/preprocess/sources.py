@@ -46,9 +46,11 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     return shards, formats.pop()
 
 
-def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None):
-    """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver)."""
-    return read_shards(shards, fmt, ctx, cache)
+def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None,
+                 required_columns: list[str] | None = None):
+    """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver); a shard
+    without one of `required_columns` fails its read with an error naming it."""
+    return read_shards(list(shards), fmt, ctx, cache, required_columns=required_columns)
 
 
 def _listing(fs, path: str) -> dict:

@@ -96,7 +96,15 @@ def check_schema(uri: str, table, fmt: str, reference: tuple[str, dict[str, str]
             )
 
 
-def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, reference=None):
+def check_columns(uri: str, table, required: list[str]) -> None:
+    """Fail, naming the shard and its columns, when a column the config names is missing."""
+    missing = [c for c in required if c not in table.column_names]
+    if missing:
+        raise UserError(f"column(s) {missing} not found in {uri} (columns: {sorted(table.column_names)}); "
+                        "set data.text_columns / data.label_column")
+
+
+def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, reference=None, required=()):
     """Read the shards named in a batch of URIs, in a Ray task on whatever node it runs on,
     through that node's shard cache (`cache` is a CacheConfig, resolved on the node)."""
     import pyarrow as pa
@@ -112,6 +120,7 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
         )
         table = _read_one(uri, fmt, ctx, shard_cache, version if version else None, size if version else None)
         check_schema(uri, table, fmt, reference)
+        check_columns(uri, table, list(required))
         tables.append(table)
     if shard_cache is not None:
         from workflows.storage import cache_stats
@@ -139,6 +148,7 @@ def read_shards(
     cache=None,
     num_cpus: float | None = None,
     check_schemas: bool = True,
+    required_columns: list[str] | None = None,
 ):
     """A Ray Dataset over exactly these shards, one read task per shard, through the shard cache.
 
@@ -148,7 +158,9 @@ def read_shards(
     Unlike `ray.data.read_parquet`, no file-listing task is scheduled (it asks for a whole CPU even
     when the reads ask for none), and the reads can be given `num_cpus=0` (see
     ProcessedDataset.read for why). With `check_schemas`, a shard whose columns differ from the
-    first shard's fails its read with an error naming both.
+    first shard's fails its read with an error naming both. Each read checks `required_columns` as
+    it reads, so no pass over the data is spent on it (Ray's `ds.schema()` would run reads, then
+    cancel them).
     """
     import ray
     import ray.data
@@ -166,7 +178,8 @@ def read_shards(
             batch_format="pyarrow",
             num_cpus=num_cpus,
             **placement,
-            fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference},
+            fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference,
+                       "required": list(required_columns or [])},
         )
 
     groups = shard_placement(shards) if cache is not None and cache.enabled else {}
