@@ -31,6 +31,7 @@ class TrackingSpec:
     run_id: str
     experiment_id: str
     step_loss_every: int = 10
+    tags: tuple[tuple[str, str], ...] = ()  # the driver's run tags that child runs share (git commit, ...)
 
 
 def resolve_uri(cfg) -> str:
@@ -200,7 +201,8 @@ class RunLogger:
     def _create(self, client, name: str, tags: dict[str, Any], params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        run_tags = {**{k: str(v) for k, v in tags.items() if v is not None}, "mlflow.parentRunId": self.spec.run_id}
+        run_tags = {**dict(self.spec.tags), **{k: str(v) for k, v in tags.items() if v is not None},
+                    "mlflow.parentRunId": self.spec.run_id}
         run = client.create_run(self.spec.experiment_id, start_time=now_ms(), tags=run_tags, run_name=name)
         self.run_id = run.info.run_id
         items = [Param(k, v) for k, v in params.items()]
@@ -212,7 +214,8 @@ class RunLogger:
         self.tracker.flush(timeout)
         if self.tracker.off or self.run_id is None:
             return None
-        return TrackingSpec(self.spec.uri, self.run_id, self.spec.experiment_id, self.spec.step_loss_every)
+        return TrackingSpec(self.spec.uri, self.run_id, self.spec.experiment_id, self.spec.step_loss_every,
+                            self.spec.tags)
 
     def log_epoch(self, metrics: dict, step_losses: list[float] | None = None) -> None:
         rows = epoch_metrics(metrics, step_losses, self.spec.step_loss_every)

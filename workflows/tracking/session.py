@@ -104,7 +104,8 @@ class Run:
         info = self._run.result() if self._run is not None else None
         if info is None or self._s is None or self._s.tracker.off:
             return None
-        return TrackingSpec(self._s.uri, info.run_id, info.experiment_id, self._s.cfg.tracking.step_loss_every)
+        return TrackingSpec(self._s.uri, info.run_id, info.experiment_id, self._s.cfg.tracking.step_loss_every,
+                            tuple(self._s.shared_tags().items()))
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -157,11 +158,16 @@ class Tracking:
                     raise e from None
         return exp.experiment_id
 
+    def shared_tags(self) -> dict[str, str]:
+        """Tags of every run of the command, the runs other processes create (trials) included."""
+        tags = {"workflows.config": self.cfg.name, "mlflow.source.git.commit": git_commit(),
+                "ray.job_id": ray_job_id(), "dataset.version": self.dataset_version}
+        return {k: str(v) for k, v in tags.items() if v is not None}
+
     def start(self, name: str, parent: Run | None = None, tags: dict[str, Any] | None = None) -> Run:
         """A new run named `name`: a child of `parent`, else of the command's pipeline run, if any."""
         parent = parent if parent is not None else self.parent
-        base = {"workflows.stage": name, "workflows.config": self.cfg.name, "mlflow.source.git.commit": git_commit(),
-                "ray.job_id": ray_job_id(), "dataset.version": self.dataset_version, **(tags or {})}
+        base = {"workflows.stage": name, **self.shared_tags(), **(tags or {})}
 
         def create(client):
             exp = self._experiment.result()

@@ -85,9 +85,10 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
     try:
         fit(trial_config(cfg, params), storage, data, run_prefix=f"{cfg.name}-trial",
             callbacks=[TuneReportCallback()], check=False, tracking=logger.child_spec() if logger else None)
+        if logger is not None:  # a trial stopped or failed is marked by the tune stage (tracking.stages.log_tune)
+            logger.end()
     finally:
         if logger is not None:
-            logger.end()
             logger.close()
 
 

@@ -41,14 +41,14 @@ def trial_logger(cfg: WorkflowConfig, tracking: TrackingSpec | None, dataset_ver
     trial's config, with the sampled train.* values)."""
     import ray.tune
 
-    from workflows.tracking.session import config_params, git_commit, ray_job_id
+    from workflows.tracking.session import config_params
 
     if tracking is None:
         return None
     ctx = ray.tune.get_context()
     trial_id = ctx.get_trial_id()
     tags = {"ray.trial_id": trial_id, "ray.trial_name": ctx.get_trial_name(), "workflows.stage": "trial",
-            "mlflow.source.git.commit": git_commit(), "ray.job_id": ray_job_id(), "dataset.version": dataset_version}
+            "dataset.version": dataset_version}
     return RunLogger(tracking, child={"name": f"trial-{trial_id}", "tags": tags, "params": config_params(cfg)})
 
 
