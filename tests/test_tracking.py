@@ -222,3 +222,45 @@ def test_params_hold_no_secrets():
     assert params["tracking.uri"] == "http://***@mlflow.example:5000"
     assert params["storage.endpoint_url"] == "http://***@minio:9000"
     assert not [v for v in params.values() if "s3cret" in v or "pass@" in v]
+
+
+def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp_path):
+    """`workflows ui` on the default store (SQLite under output_dir): MLflow's server lists the runs
+    and serves their artifacts, which it reads from the embedded S3 endpoint."""
+    import signal
+    import sys
+
+    import requests
+
+    from tests.conftest import sets, wait_healthy
+    from workflows.config import load_config
+    from workflows.runtime import runtime
+    from workflows.tracking.session import Tracking
+
+    overrides = [f"output_dir={tmp_path}/runs", f"storage.embedded.data_dir={tmp_path}/s3", "tracking.enabled=true"]
+    plot = tmp_path / "train_loss.png"
+    plot.write_bytes(b"\x89PNG a loss curve")
+    warnings: list[str] = []
+    with runtime(load_config(QUICKSTART, overrides), ray_needed=False) as rt:
+        t = Tracking(rt.cfg, rt.storage, warnings.append)
+        with t.stage("train") as run:
+            run.log_metrics({"val_f1": 0.5})
+            run.log_files([plot])
+        t.close()
+    assert not warnings and t.uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "workflows", "ui", "--config", str(QUICKSTART), *sets(overrides),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        found = requests.post(f"{url}/api/2.0/mlflow/runs/search",
+                              json={"experiment_ids": [run._run.result().experiment_id]}, timeout=30).json()
+        assert [r["info"]["run_name"] for r in found["runs"]] == ["train"]
+        art = requests.get(f"{url}/get-artifact", params={"path": "train_loss.png", "run_uuid": run.id}, timeout=30)
+        assert art.status_code == 200 and art.content == plot.read_bytes()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-2000:]
+    assert f"ui: MLflow on {url}" in out

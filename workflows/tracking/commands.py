@@ -4,6 +4,7 @@ on the configured store, its artifacts read from the configured object store).""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -111,6 +112,11 @@ def run_ui(rt, host: str, port: int, say) -> int:
             "pip install --no-deps 'mlflow==<the installed mlflow-skinny version>' (README, Experiment tracking)")
     proc = subprocess.Popen(server_command(uri, host, port), env=server_env(rt.storage))
     say(f"ui: MLflow on http://{host}:{port} (store {uri}); Ctrl-C to stop")
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # as Ctrl-C: the server stops, then the embedded endpoint
     try:
         return proc.wait()
     except KeyboardInterrupt:
