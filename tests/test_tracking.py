@@ -264,3 +264,15 @@ def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out[-2000:]
     assert f"ui: MLflow on {url}" in out
+
+
+def test_runs_on_an_empty_or_unreachable_store(tmp_path):
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.tracking.commands import recent_runs
+
+    assert recent_runs(load_config(QUICKSTART, [f"output_dir={tmp_path}"])) == []
+    assert not (tmp_path / "mlflow.db").exists()  # listing creates no store
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UserError, match=f"tracking store {dead}: ConnectionError"):
+        recent_runs(load_config(QUICKSTART, [f"tracking.uri={dead}"]))

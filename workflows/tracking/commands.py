@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 from workflows.tracking.client import redact_uri, resolve_uri
 
@@ -26,11 +27,17 @@ def _duration(start: int | None, end: int | None) -> str:
 def recent_runs(cfg, limit: int = 20) -> list[dict]:
     """The newest `limit` runs of the config's experiment (name, status, key metrics, duration);
     children after their parent."""
-    from workflows.tracking.client import _http_defaults, check_reachable
+    from workflows.errors import UserError
+    from workflows.tracking.client import _http_defaults, check_reachable, one_line
 
     uri = resolve_uri(cfg)
+    if uri.startswith("sqlite:") and not Path(uri.split(":///", 1)[-1]).exists():
+        return []  # nothing tracked with this config yet
     _http_defaults()
-    check_reachable(uri, create=False)
+    try:
+        check_reachable(uri, create=False)
+    except Exception as e:
+        raise UserError(f"tracking store {redact_uri(uri)}: {one_line(e)}") from None
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
