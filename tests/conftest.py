@@ -115,8 +115,58 @@ class QuickstartRun:
         return run_cli(*args, "--config", str(QUICKSTART), *sets([*self.overrides, *extra]), timeout=timeout, env=env)
 
 
+@dataclass
+class MlflowServer:
+    url: str
+    db: Path
+
+
+def start_mlflow_server(tmp: Path) -> tuple[subprocess.Popen, MlflowServer]:
+    """A real `mlflow server` process on 127.0.0.1: SQLite backend, no artifact store of its own
+    (the experiments the platform creates keep their artifacts on the configured object store)."""
+    from tests.helpers import free_port
+    from workflows.tracking.commands import server_command
+
+    db = tmp / "mlflow.db"
+    cmd = [*server_command(f"sqlite:///{db}", "127.0.0.1", free_port()),
+           "--no-serve-artifacts", "--default-artifact-root", "s3://workflows/mlflow"]
+    log = open(tmp / "mlflow-server.log", "w")  # the process writes it until the session ends
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    return proc, MlflowServer(url=f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", db=db)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180) -> None:
+    import time
+
+    import requests
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"mlflow server exited with {proc.returncode}"
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"mlflow server at {url} not healthy after {timeout:.0f}s")
+
+
 @pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory) -> QuickstartRun:
+def mlflow_server(tmp_path_factory):
+    """One real MLflow tracking server for the session; the shared pipeline run logs to it."""
+    proc, server = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
+    try:
+        wait_healthy(proc, server.url)
+        yield server
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory, mlflow_server) -> QuickstartRun:
     """ONE tiny quickstart pipeline (data, preprocess, tune, train, evaluate, register, serve) through
     the real CLI in a new process, into a session temp dir. The tests that need a registered model,
     processed data or the stage summaries run their own commands against its persisted store
@@ -125,7 +175,9 @@ def quickstart_run(tmp_path_factory) -> QuickstartRun:
     # No checkpoint per tune trial epoch (720 of the store's 950 MB): every later command restores
     # the whole embedded store at its start, 10-15 s more each with them. Trial checkpoints are
     # tested by test_tune and by test_jobs' pipeline, which keeps the default.
-    overrides = [*tiny_overrides(tmp), "tune.checkpoint=false"]
+    # Tracked (test_tracking reads the run tree, histories, artifacts and registry link it leaves).
+    overrides = [*tiny_overrides(tmp), "tune.checkpoint=false", "tracking.enabled=true",
+                 f"tracking.uri={mlflow_server.url}", "tracking.step_loss_every=1"]
     res = run_cli("pipeline", "--config", str(QUICKSTART), *sets(overrides), timeout=900)
     assert res.returncode == 0, "the shared quickstart pipeline failed:\n" + res.stderr[-4000:]
     return QuickstartRun(tmp=tmp, overrides=overrides, stdout=res.stdout, stderr=res.stderr)

@@ -32,4 +32,7 @@ def tiny_overrides(tmp: Path) -> list[str]:
         "tune.max_val_rows=16",
         f"serve.port={free_port()}",
         "serve.demo_requests=2",
+        # off unless a test tracks on purpose (test_tracking, the shared pipeline run): every
+        # command would otherwise create and migrate a SQLite store of its own
+        "tracking.enabled=false",
     ]

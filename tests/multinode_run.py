@@ -54,6 +54,31 @@ out["placement"] = {
 out["cached_files"] = {
     name: len(list((tmp / f"cache-{name}" / "shards").glob("*.data"))) for name in ("head", "worker")
 }
+
+if len(sys.argv) > 2:  # an MLflow server: a process on each node logs an epoch into one run on it
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from workflows.tracking.client import RunLogger
+
+    @ray.remote(num_cpus=1)
+    def log_epoch(spec, epoch: int) -> str:
+        logger = RunLogger(spec)  # as rank 0 of a Train run does
+        logger.log_epoch({"epoch": epoch, "val_f1": 0.25 * (epoch + 1), "global_step": 0})
+        logger.close()
+        return ray.get_runtime_context().get_node_id()
+
+    cfg = load_config(QUICKSTART, [*base, "tracking.enabled=true", f"tracking.uri={sys.argv[2]}",
+                                   "tracking.experiment=multinode"])
+    with runtime(cfg) as rt:
+        run = rt.tracking.start("train")
+        spec = run.spec()
+        ids = {name: node for node, name in node_names.items()}
+        placed = ray.get([
+            log_epoch.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[name], soft=False)).remote(spec, i)
+            for i, name in enumerate(("head", "worker"))
+        ])
+        run.end()
+    out["tracking"] = {"run_id": spec.run_id, "nodes": [node_names[p] for p in placed]}
 print("RESULT " + json.dumps(out))
 ray.shutdown()
 cluster.shutdown()

@@ -13,9 +13,10 @@ import pytest
 
 
 @pytest.mark.slow
-def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path):
+def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path, mlflow_server):
     script = Path(__file__).with_name("multinode_run.py")
-    res = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, str(script), str(tmp_path), mlflow_server.url], capture_output=True,
+                         text=True, timeout=600)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert res.returncode == 0 and line, res.stderr[-4000:]
     out = json.loads(line[len("RESULT "):])
@@ -31,3 +32,9 @@ def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path):
     # each shard lives in its own node's cache only, even when all shards (or the one read) hash to one node
     assert all(p["cached_on"] == [p["owner"]] for p in out["placement"].values()), out["placement"]
     assert out["single_shard_reads"]["misses"] == 0 and out["single_shard_reads"]["hits"] == 4, out
+    # experiment tracking: a process on each node logged its epoch into the same run on the one server
+    from mlflow import MlflowClient
+
+    assert out["tracking"]["nodes"] == ["head", "worker"]
+    history = MlflowClient(mlflow_server.url).get_metric_history(out["tracking"]["run_id"], "val_f1")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.25), (1, 0.5)]

@@ -265,6 +265,37 @@ def models(config: str = ConfigOpt, set: list[str] | None = SetOpt):
 
 
 @app.command()
+def runs(config: str = ConfigOpt, set: list[str] | None = SetOpt,
+         limit: int = typer.Option(20, "--limit", "-n", min=1, help="newest runs to list"),
+         as_json: bool = typer.Option(False, "--json", help="print the runs as JSON")):
+    """List recent tracked runs (MLflow): name, status, duration, key metrics; stages under their pipeline."""
+
+    def go():
+        from workflows.tracking.commands import format_runs, recent_runs
+
+        found = recent_runs(_load(config, set), limit)
+        typer.echo(json.dumps(found, indent=2) if as_json else format_runs(found) if found else "no tracked runs yet")
+
+    _run(go)
+
+
+@app.command()
+def ui(config: str = ConfigOpt, set: list[str] | None = SetOpt,
+       host: str = typer.Option("127.0.0.1", "--host", help="address to bind (default: this machine only)"),
+       port: int = typer.Option(5000, "--port", min=1, max=65535)):
+    """Start the MLflow UI on the configured tracking store (artifacts from the configured object store)."""
+    from workflows.runtime import say
+    from workflows.tracking.commands import run_ui
+
+    def body(rt):
+        code = run_ui(rt, host, port, say)
+        if code:
+            raise typer.Exit(code)
+
+    _in_runtime("ui", config, set, body, ray_needed=False)
+
+
+@app.command()
 def plan(
     config: str = ConfigOpt,
     set: list[str] | None = SetOpt,

@@ -305,6 +305,17 @@ class ServeConfig(Strict):
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
 
 
+class TrackingConfig(Strict):
+    """MLflow experiment tracking (workflows/tracking): a run per pipeline, stage and tune trial."""
+
+    enabled: bool = True
+    uri: str | None = Field(
+        None, description="MLflow tracking URI (http://... for a team server); None: sqlite:///<output_dir>/mlflow.db"
+    )
+    experiment: str | None = Field(None, description="experiment name; None: the config's name")
+    step_loss_every: int = Field(10, ge=1, description="log the training loss of every N-th optimizer step")
+
+
 class WorkflowConfig(Strict):
     name: str = Field("quickstart", description="run name: prefixes runs and summaries")
     seed: int = 0
@@ -320,6 +331,7 @@ class WorkflowConfig(Strict):
     evaluate: EvaluateConfig = EvaluateConfig()
     registry: RegistryConfig = RegistryConfig()
     serve: ServeConfig = ServeConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @field_validator("name")
     @classmethod

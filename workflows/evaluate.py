@@ -27,6 +27,13 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
     }
 
 
+def confusion(y_true: list[str], y_pred: list[str], labels: list[str]) -> dict:
+    """The confusion matrix: rows are true labels, columns predicted ones, in `labels` order."""
+    from sklearn.metrics import confusion_matrix
+
+    return {"labels": labels, "matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist()}
+
+
 def evaluate_dataset(
     cfg, model_spec: str, card: ModelCard, ds, label_column: str | None = None, concurrency: int = 1
 ) -> dict:
@@ -60,6 +67,7 @@ def evaluate_dataset(
     if not y_true:
         raise UserError("evaluation data has no labelled rows")
     metrics = classification_metrics(y_true, y_pred, card.labels)
+    metrics["confusion"] = confusion(y_true, y_pred, list(metrics["per_class"]))
     majority = card.majority_label or pd.Series(y_true).mode().iloc[0]
     metrics["baseline"] = {"majority_label": majority,
                            **classification_metrics(y_true, [majority] * len(y_true), card.labels)["weighted"]}

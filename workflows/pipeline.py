@@ -15,6 +15,7 @@ from workflows.console import show
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset, preprocess
 from workflows.runtime import Runtime, say
+from workflows.tracking import stages as tracking
 
 
 def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
@@ -40,13 +41,16 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
 
 
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
-    built = ensure_raw_data(rt)
-    t0 = time.time()
-    with rt.cache_counts() as cache:
-        data = preprocess(rt.cfg, rt.storage, say)
-    rt.persist()
-    rt.write_summary("preprocess", {"dataset": asdict(data), "raw_data": built, "seconds": time.time() - t0,
-                                    "shard_cache": cache})
+    with tracking.tracked(rt, "preprocess") as run:
+        built = ensure_raw_data(rt)
+        t0 = time.time()
+        with rt.cache_counts() as cache:
+            data = preprocess(rt.cfg, rt.storage, say)
+        rt.persist()
+        rt.write_summary("preprocess", {"dataset": asdict(data), "raw_data": built, "seconds": time.time() - t0,
+                                        "shard_cache": cache})
+        tracking.log_preprocess(rt, run, data)
+        run.log_metrics({"seconds": time.time() - t0})
     return data
 
 
@@ -57,15 +61,23 @@ def classification_only(cfg: WorkflowConfig, what: str) -> None:
 
 
 def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
-    from workflows.tune.report import plot_trials, trials_table
     from workflows.tune.search import run_tune
 
     classification_only(rt.cfg, "tuning")
     t = rt.cfg.tune
     say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
-    with rt.cache_counts() as cache:
-        outcome = run_tune(rt.cfg, rt.storage, data, resume=resume)
-    rt.persist()
+    with tracking.tracked(rt, "tune") as run:
+        with rt.cache_counts() as cache:
+            outcome = run_tune(rt.cfg, rt.storage, data, resume=resume, tracking=run.spec())
+        rt.persist()
+        _report_tune(rt, outcome, cache, run)
+    return outcome
+
+
+def _report_tune(rt: Runtime, outcome, cache: dict, run) -> None:
+    from workflows.tune.report import plot_trials, trials_table
+
+    t = rt.cfg.tune
     for trial in outcome.trials:
         say(
             f"tune:   {trial.params} -> {t.metric}={trial.value} after {trial.epochs} epoch(s)"
@@ -83,7 +95,7 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     (summary.parent / "tune_trials.md").write_text(table + "\n")
     plot = plot_trials(outcome.trials, t.metric, summary.parent / "tune_trials.png")
     say(f"tune: trials table {summary.parent / 'tune_trials.md'}, plot {plot}")
-    return outcome
+    tracking.log_tune(run, outcome, rt.cfg, [summary.parent / "tune_trials.md", plot])
 
 
 def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
@@ -93,6 +105,11 @@ def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
 
 
 def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
+    with tracking.tracked(rt, "train") as run:
+        return _train(rt, data, resume, register, run)
+
+
+def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, run):
     from workflows.progress import EpochProgress
     from workflows.train.export import export_artifact
     from workflows.train.loop import epoch_line
@@ -103,7 +120,8 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
     say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
         f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
     with rt.cache_counts() as cache:
-        outcome = fit(rt.cfg, rt.storage, data, resume=resume, callbacks=[EpochProgress(tc.epochs)])
+        outcome = fit(rt.cfg, rt.storage, data, resume=resume, callbacks=[EpochProgress(tc.epochs)],
+                      tracking=run.spec())
     rt.persist()
     for h in outcome.history:
         say(f"train:   {epoch_line(h)}")
@@ -113,6 +131,7 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
     if curve is not None:
         summary["loss_curve"] = str(curve)
         say(f"train: loss curve {curve}")
+    tracking.log_train(run, outcome, curve)
     ref = None
     t_register = time.time()
     if register and rt.cfg.model.task == "causal_lm":
@@ -126,8 +145,12 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
             meta["val_metrics"] = {
                 k: outcome.best_metrics.get(k) for k in ("val_f1", "val_accuracy", "val_loss", "epoch")
             }
+            link = tracking.registry_link(run, rt.tracking.uri if rt.tracking else "")
+            if link is not None:  # the MLflow run that trained this version
+                meta["mlflow"] = link
             ref = registry.register(rt.cfg, rt.storage, tmp, rt.cfg.registry.name, meta)
         rt.persist()
+        tracking.log_registered(run, ref)
         say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
         summary["registered"] = asdict(ref)
         summary["register_seconds"] = round(time.time() - t_register, 2)  # export + upload to the registry
@@ -140,14 +163,17 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
     from workflows.evaluate import evaluate_dataset, format_report
 
-    card = registry.model_card(rt.cfg, rt.storage, model_spec)
-    say(f"evaluate: {card.name}:v{card.version}")
-    metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
-    say(f"evaluate: {metrics['rows']} rows")
-    show(format_report(metrics))
-    if write_back:
-        registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
-        rt.persist()
+    with tracking.tracked(rt, "evaluate") as run:
+        card = registry.model_card(rt.cfg, rt.storage, model_spec)
+        say(f"evaluate: {card.name}:v{card.version}")
+        metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
+        say(f"evaluate: {metrics['rows']} rows")
+        show(format_report(metrics))
+        if write_back:
+            registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
+            rt.persist()
+        tracking.log_evaluation(run, f"{card.name}:v{card.version}", metrics,
+                                Path(rt.cfg.output_dir) / rt.cfg.name / "evaluation")
     return metrics
 
 
@@ -191,8 +217,18 @@ def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
 
 
 def run_pipeline(rt: Runtime) -> dict:
+    classification_only(rt.cfg, "the pipeline (train -> evaluate -> register -> serve)")
+    with tracking.pipeline_run(rt) as run:
+        summary = _pipeline(rt)
+        run.log_metrics({"weighted_f1": summary["evaluate"]["weighted"]["f1"],
+                         **{f"seconds_{k}": v for k, v in summary["seconds"].items()}})
+        run.set_tags({"registered_model.name": summary["model"]["name"],
+                      "registered_model.version": summary["model"]["version"]})
+    return summary
+
+
+def _pipeline(rt: Runtime) -> dict:
     cfg = rt.cfg
-    classification_only(cfg, "the pipeline (train -> evaluate -> register -> serve)")
     t0 = time.time()
     timings: dict[str, float] = {}
     summary: dict[str, Any] = {}

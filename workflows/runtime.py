@@ -27,6 +27,7 @@ class Runtime:
     storage: StorageContext
     embedded: EmbeddedS3 | None = None
     started: float = field(default_factory=time.time)
+    tracking: Any = None  # workflows.tracking.session.Tracking of a command that runs stages
 
     def persist(self) -> None:
         """Stage boundary: make what was produced durable (the embedded store lives in memory)."""
@@ -152,14 +153,21 @@ def runtime(
         for bucket in sorted(_buckets(cfg)):
             embedded.ensure_bucket(bucket)
         say(f"embedded S3 endpoint {cfg.storage.endpoint_url} (persisted in {embedded.data_dir})")
+    tracking = None
     try:
         storage = StorageContext.from_config(cfg.storage)
         check_bucket(cfg.storage.root, storage)
         if before_ray is not None:
             before_ray(storage)
+        if ray_needed and cfg.tracking.enabled:
+            from workflows.tracking.session import Tracking
+
+            tracking = Tracking(cfg, storage, warn)  # opens the store while Ray starts
         if ray_needed:
             init_ray(cfg)
-        yield Runtime(cfg, storage, embedded)
+        yield Runtime(cfg, storage, embedded, tracking=tracking)
     finally:
+        if tracking is not None:
+            tracking.close()  # before the embedded endpoint stops: artifacts may still be uploading
         if embedded is not None:
             embedded.stop()

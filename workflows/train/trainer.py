@@ -29,6 +29,7 @@ from workflows.storage.uri import (
     with_protocol,
     write_json,
 )
+from workflows.tracking.client import RunLogger, TrackingSpec
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, run_epochs
 from workflows.train.models import check_linear_probe_head
@@ -81,6 +82,7 @@ class WorkerSpec:
     storage: StorageContext
     resume_from: str | None = None  # `--resume`: an earlier run's checkpoint
     on_step: RankStepHook | None = None  # fit's on_step, pickled to every worker
+    tracking: TrackingSpec | None = None  # the MLflow run rank 0 logs its epochs into
 
 
 def worker_loop(config: dict[str, WorkerSpec]) -> None:
@@ -127,6 +129,9 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
             local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=data_seed(tc.seed, epoch, rank),
         )
 
+    # MLflow from rank 0, where the numbers are (Train V2 has no tracking callback)
+    logger = RunLogger(spec.tracking) if rank == 0 and spec.tracking is not None else None
+
     def val_batches():
         return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
 
@@ -142,16 +147,22 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
             write_json(f"{spec.run_uri}/history.json", history, spec.storage)
             record_throughput(spec.run_uri.rsplit("/", 1)[-1], metrics)
+            if logger is not None:
+                logger.log_epoch(metrics, history[-1].get("step_losses"))
 
-    if checkpoint is not None and start_epoch >= tc.epochs:
-        # a finished run resumed (or a restart after the last report): nothing left to train,
-        # report its final state again so that this run has a result and a checkpoint
-        assert resumed_from is not None and saved is not None  # a checkpoint was loaded
-        end_of_epoch(resumed_from, saved["metrics"], history)
-        return
-    run_epochs(cfg, model, optimizer, scheduler, device, len(spec.labels), start_epoch=start_epoch,
-               history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
-               resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None)
+    try:
+        if checkpoint is not None and start_epoch >= tc.epochs:
+            # a finished run resumed (or a restart after the last report): nothing left to train,
+            # report its final state again so that this run has a result and a checkpoint
+            assert resumed_from is not None and saved is not None  # a checkpoint was loaded
+            end_of_epoch(resumed_from, saved["metrics"], history)
+            return
+        run_epochs(cfg, model, optimizer, scheduler, device, len(spec.labels), start_epoch=start_epoch,
+                   history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
+                   resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None)
+    finally:
+        if logger is not None:
+            logger.close(timeout=30)
 
 
 _GAUGES: dict = {}
@@ -279,6 +290,7 @@ def fit(
     resume: bool = False,
     check: bool = True,
     on_step: RankStepHook | None = None,  # run in every worker before each step (faults: reliability/); pickled
+    tracking: TrackingSpec | None = None,  # an MLflow run for rank 0's epochs
 ) -> TrainOutcome:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -331,6 +343,7 @@ def fit(
         storage=storage,
         resume_from=resume_from,
         on_step=on_step,
+        tracking=tracking,
     )
     trainer = TorchTrainer(
         worker_loop,

@@ -18,6 +18,7 @@ from workflows.config import SearchDim, WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, pyarrow_filesystem
+from workflows.tracking.client import TrackingSpec
 
 if TYPE_CHECKING:
     from ray.tune import Result
@@ -67,11 +68,12 @@ def max_concurrent_trials(cfg: WorkflowConfig) -> int:
     return max(1, math.floor(cpus / per_trial))
 
 
-def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset) -> None:
+def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset,
+           tracking: TrackingSpec | None = None) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from workflows.train.trainer import fit
-    from workflows.tune.trial import run_local_trial
+    from workflows.tune.trial import run_local_trial, trial_logger
 
     if cfg.tune.num_workers == 1:
         # Tune reuses this actor for the next trial only if this function's thread ends within
@@ -79,10 +81,18 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
         # not, and a failed reuse errors the next trial. Its reset_config reads the variable in
         # this process, after this function first ran.
         os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", "60")
-        run_local_trial(trial_config(cfg, params), storage, data)
+        run_local_trial(trial_config(cfg, params), storage, data, tracking)
         return
-    fit(trial_config(cfg, params), storage, data, run_prefix=f"{cfg.name}-trial",
-        callbacks=[TuneReportCallback()], check=False)
+    # a Ray Train trial: this driver creates the trial's run, its rank 0 logs the epochs into it
+    logger = trial_logger(trial_config(cfg, params), tracking, data.version)
+    try:
+        fit(trial_config(cfg, params), storage, data, run_prefix=f"{cfg.name}-trial",
+            callbacks=[TuneReportCallback()], check=False, tracking=logger.child_spec() if logger else None)
+        if logger is not None:  # a trial stopped or failed is marked by the tune stage (tracking.stages.log_tune)
+            logger.end()
+    finally:
+        if logger is not None:
+            logger.close()
 
 
 def trial_resources(cfg: WorkflowConfig):
@@ -163,6 +173,7 @@ class TrialResult:
     error: str | None  # the first line of the trial's error
     history: list[dict[str, Any]] = field(default_factory=list)  # {training_iteration, <metric>} per epoch
     seconds: dict[str, float] = field(default_factory=dict)  # where its time went (_trial_seconds)
+    trial_id: str | None = None  # Tune's id (the trial's MLflow run carries it as tag ray.trial_id)
 
 
 @dataclass
@@ -175,7 +186,8 @@ class TuneOutcome:
     concurrency: int = 1  # trials at once
 
 
-def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, resume: bool = False) -> TuneOutcome:
+def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset, resume: bool = False,
+             tracking: TrackingSpec | None = None) -> TuneOutcome:
     import ray.tune
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -189,7 +201,8 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     experiment = f"{cfg.name}-tune"
     runs_uri = cfg.uri("tune")
     pa_fs, runs_path = pyarrow_filesystem(runs_uri, storage)
-    trainable = tune.with_resources(tune.with_parameters(_trial, cfg=cfg, storage=storage, data=data),
+    trainable = tune.with_resources(tune.with_parameters(_trial, cfg=cfg, storage=storage, data=data,
+                                                         tracking=tracking),
                                     trial_resources(cfg))
     t0 = time.time()
     if resume:
@@ -231,7 +244,8 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
         history = r.metrics_dataframe
         epochs = int(history["training_iteration"].max()) if history is not None and len(history) else 0
         trials.append(TrialResult(
-            trial=number, params={k: (r.config or {}).get(k) for k in t.space}, metric=t.metric,
+            trial=number, trial_id=(r.metrics or {}).get("trial_id"),
+            params={k: (r.config or {}).get(k) for k in t.space}, metric=t.metric,
             value=(r.metrics or {}).get(t.metric), best=_best(history, t.metric, t.mode), epochs=epochs,
             stopped_early=epochs < t.max_epochs and r.error is None,
             error=str(r.error).splitlines()[0] if r.error else None,

@@ -18,6 +18,7 @@ from typing import Any
 from workflows.config import WorkflowConfig
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext
+from workflows.tracking.client import RunLogger, TrackingSpec
 
 
 def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg: WorkflowConfig,
@@ -35,8 +36,38 @@ def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg:
     return rows
 
 
-def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset) -> None:
-    """Train one trial's config in this process, reporting every epoch to Tune."""
+def trial_logger(cfg: WorkflowConfig, tracking: TrackingSpec | None, dataset_version: str) -> RunLogger | None:
+    """The trial's own MLflow run, a child of the tune run, created from this process (its params: the
+    trial's config, with the sampled train.* values)."""
+    import ray.tune
+
+    from workflows.tracking.session import config_params
+
+    if tracking is None:
+        return None
+    ctx = ray.tune.get_context()
+    trial_id = ctx.get_trial_id()
+    tags = {"ray.trial_id": trial_id, "ray.trial_name": ctx.get_trial_name(), "workflows.stage": "trial",
+            "dataset.version": dataset_version}
+    return RunLogger(tracking, child={"name": f"trial-{trial_id}", "tags": tags, "params": config_params(cfg)})
+
+
+def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset,
+                    tracking: TrackingSpec | None = None) -> None:
+    """Train one trial's config in this process, reporting every epoch to Tune (and to the trial's
+    MLflow run, as it goes: an ASHA-stopped trial has its epochs logged)."""
+    logger = trial_logger(cfg, tracking, data.version)
+    try:
+        _run_local_trial(cfg, storage, data, logger)
+        if logger is not None:
+            logger.end()
+    finally:
+        if logger is not None:
+            logger.close(timeout=30)
+
+
+def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset,
+                     logger: RunLogger | None) -> None:
     import ray.tune
     import torch
 
@@ -68,6 +99,8 @@ def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Processe
     startup = {"read_seconds": round(read_seconds, 3), "startup_seconds": round(time.perf_counter() - t_start, 3)}
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
+        if logger is not None:  # before the report: Tune may stop the trial inside it
+            logger.log_epoch(metrics, history[-1].get("step_losses"))
         t0 = time.perf_counter()
         report: dict[str, Any] = {**metrics, **startup}
         if cfg.tune.checkpoint:

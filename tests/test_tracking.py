@@ -1,0 +1,278 @@
+"""Experiment tracking against a real `mlflow server` process (SQLite backend; artifacts on the
+embedded S3 endpoint): the shared pipeline run's run tree, metric histories, artifacts and registry
+link; and tracking that fails (a dead server, a server answering errors) never stops the work."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.conftest import QUICKSTART
+from tests.helpers import free_port
+
+
+@pytest.fixture(scope="module")
+def tracked(quickstart_run, mlflow_server):
+    """The pipeline run and its stage runs, as the server has them."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name("quickstart")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    (pipeline,) = [r for r in runs if r.info.run_name == "pipeline"]
+    stages = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == pipeline.info.run_id}
+    tune_id = stages["tune"].info.run_id if "tune" in stages else None
+    trials = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == tune_id]
+    return client, exp, pipeline, stages, trials
+
+
+def test_run_tree_tags_and_params(tracked, quickstart_run):
+    client, exp, pipeline, stages, trials = tracked
+    assert set(stages) == {"preprocess", "tune", "train", "evaluate"}
+    assert exp.artifact_location == "s3://workflows/mlflow/quickstart"
+    assert {r.info.status for r in [pipeline, *stages.values()]} == {"FINISHED"}
+    version = quickstart_run.summary("preprocess")["dataset"]["version"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for r in [pipeline, *stages.values(), *trials]:
+        assert r.data.tags["dataset.version"] == version, r.info.run_name
+        assert r.data.tags["ray.job_id"], r.info.run_name
+        if head:
+            assert r.data.tags["mlflow.source.git.commit"] == head
+    # params: the resolved config, flattened; the train run has the tuned values it trained with
+    train_cfg = quickstart_run.summary("train")["config"]
+    params = stages["train"].data.params
+    assert float(params["train.lr"]) == train_cfg["train"]["lr"]
+    assert params["train.batch_size"] == str(train_cfg["train"]["batch_size"])
+    assert params["tracking.step_loss_every"] == "1" and params["data.label_column"] == "label"
+    secretish = [k for k in params if any(s in k.lower() for s in ("secret", "password", "token", "credential"))]
+    assert secretish == ["serve.auth_token_env"]  # the variable's name, never a value
+
+
+def test_epoch_and_step_metric_histories(tracked, quickstart_run):
+    client, _, _, stages, _ = tracked
+    run_id = stages["train"].info.run_id
+    history = quickstart_run.summary("train")["train"]["history"]
+
+    def series(key):
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+    for key in ("train_loss", "val_f1", "val_accuracy", "samples_per_s", "tokens_per_s", "epoch_seconds"):
+        assert series(key) == [(h["epoch"], pytest.approx(h[key])) for h in history], key
+    # every step's loss (tracking.step_loss_every=1), all ranks averaged, at its global step
+    losses = [loss for h in history for loss in h["step_losses"]]
+    assert series("train_step_loss") == [(i + 1, pytest.approx(v)) for i, v in enumerate(losses)]
+
+
+def test_each_trial_is_a_child_of_the_tune_run_with_its_epochs(tracked, quickstart_run):
+    client, _, _, _, trials = tracked
+    summary = {t["trial_id"]: t for t in quickstart_run.summary("tune")["trials"]}
+    assert len(trials) == len(summary) == 2
+    for run in trials:
+        t = summary[run.data.tags["ray.trial_id"]]
+        vals = sorted(client.get_metric_history(run.info.run_id, "val_f1"), key=lambda m: m.step)
+        assert [(m.step + 1, m.value) for m in vals] == [(h["training_iteration"], pytest.approx(h["val_f1"]))
+                                                        for h in t["history"]]
+        # logged as each epoch ended, not all at the end
+        assert all(a.timestamp < b.timestamp for a, b in zip(vals, vals[1:]))
+        assert run.data.tags["tune.stopped_early"] == str(t["stopped_early"]).lower()
+        assert run.info.status == ("KILLED" if t["stopped_early"] else "FINISHED")
+        assert float(run.data.params["train.lr"]) == pytest.approx(t["params"]["train.lr"])
+
+
+def test_artifacts_on_the_embedded_object_store(tracked, quickstart_run):
+    import json
+
+    from workflows.config import load_config
+    from workflows.storage.embedded import EmbeddedS3
+    from workflows.storage.uri import StorageContext, filesystem
+
+    _, _, _, stages, _ = tracked
+    cfg = load_config(QUICKSTART, quickstart_run.overrides)
+    with EmbeddedS3(cfg.storage.embedded.data_dir) as s3:
+        ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+
+        def listing(stage):
+            uri = stages[stage].info.artifact_uri
+            assert uri.startswith("s3://workflows/mlflow/quickstart/")
+            fs, path = filesystem(uri, ctx)
+            return fs, {p[len(path) + 1:]: p for p in fs.find(path)}
+
+        _, train = listing("train")
+        assert set(train) == {"train_loss.png"}
+        _, tune = listing("tune")
+        assert set(tune) == {"tune_trials.md", "tune_trials.png"}
+        fs, ev = listing("evaluate")
+        assert set(ev) == {"evaluation/evaluation.json", "evaluation/confusion_matrix.json",
+                           "evaluation/confusion_matrix.png"}
+        report = json.loads(fs.cat_file(ev["evaluation/evaluation.json"]))
+        confusion = json.loads(fs.cat_file(ev["evaluation/confusion_matrix.json"]))
+    assert set(report["per_class"]) == set(confusion["labels"])
+    assert sum(map(sum, confusion["matrix"])) == report["rows"]
+    assert report["weighted"] == quickstart_run.summary("pipeline")["evaluate"]["weighted"]
+
+
+def test_registry_links_both_ways(tracked, quickstart_run, mlflow_server):
+    import json
+
+    _, exp, _, stages, _ = tracked
+    train = stages["train"]
+    registered = quickstart_run.summary("train")["registered"]
+    assert train.data.tags["registered_model.name"] == registered["name"]
+    assert train.data.tags["registered_model.version"] == str(registered["version"])
+    from workflows.config import load_config
+    from workflows.storage.embedded import EmbeddedS3
+    from workflows.storage.uri import StorageContext, filesystem
+
+    cfg = load_config(QUICKSTART, quickstart_run.overrides)
+    with EmbeddedS3(cfg.storage.embedded.data_dir) as s3:
+        ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+        fs, path = filesystem(f"{registered['uri']}/workflows.json", ctx)
+        card = json.loads(fs.cat_file(path))
+    assert card["mlflow"] == {"run_id": train.info.run_id, "experiment_id": exp.experiment_id,
+                              "tracking_uri": mlflow_server.url}
+
+
+def test_runs_command_lists_the_pipeline_and_its_stages(quickstart_run):
+    res = quickstart_run.cli("runs", "--limit", "50")
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:3] == ["started", "(UTC)", "run"]
+    tree = [ln.split()[2:4] for ln in lines[1:] if ln[:4].isdigit()]
+    for stage in ("pipeline", "preprocess", "tune", "train", "evaluate"):
+        assert [stage, "FINISHED"] in tree, res.stdout
+
+
+def _tracking(uri: str, warnings: list[str], tmp_path):
+    from workflows.config import load_config
+    from workflows.storage.uri import StorageContext
+    from workflows.tracking.session import Tracking
+
+    cfg = load_config(QUICKSTART, [f"output_dir={tmp_path}/runs", f"storage.root={tmp_path}/store",
+                                   "storage.embedded.enabled=false", f"tracking.uri={uri}"])
+    return Tracking(cfg, StorageContext.from_config(cfg.storage), warnings.append)
+
+
+def test_unreachable_server_gives_one_warning_and_the_work_goes_on(tmp_path):
+    from workflows.tracking.client import RunLogger, TrackingSpec
+
+    warnings: list[str] = []
+    dead = f"http://127.0.0.1:{free_port()}"
+    t0 = time.time()
+    t = _tracking(dead, warnings, tmp_path)
+    t.parent = t.start("pipeline")
+    with t.stage("train") as run:
+        assert run.spec() is None  # nothing for the workers to log into
+        run.log_metrics({"x": 1.0})
+        run.log_files([__file__])
+    t.close()
+    assert len(warnings) == 1 and dead in warnings[0] and "the run goes on" in warnings[0]
+    # a worker handed a run on a server that has gone away: one warning, no exception, no wait
+    worker_warnings: list[str] = []
+    logger = RunLogger(TrackingSpec(dead, "0" * 32, "1"), worker_warnings.append)
+    for epoch in range(3):
+        logger.log_epoch({"epoch": epoch, "train_loss": 1.0, "global_step": 2}, [1.0, 0.9])
+    logger.close()
+    assert len(worker_warnings) == 1
+    assert time.time() - t0 < 60
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    """A tracking server that is up but fails every API call."""
+
+    def _answer(self):
+        code = 200 if self.path.startswith("/health") else 500
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"OK" if code == 200 else b'{"error_code": "INTERNAL_ERROR", "message": "boom"}')
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+def test_failing_server_gives_one_warning_and_the_work_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        warnings: list[str] = []
+        t = _tracking(f"http://127.0.0.1:{server.server_address[1]}", warnings, tmp_path)
+        with t.stage("train") as run:
+            assert run.spec() is None
+            run.log_metrics({"x": 1.0})
+        t.close()
+    finally:
+        server.shutdown()
+    assert len(warnings) == 1 and "the run goes on" in warnings[0]
+
+
+def test_params_hold_no_secrets():
+    from workflows.config import load_config
+    from workflows.tracking.session import config_params
+
+    cfg = load_config(QUICKSTART, ["tracking.uri=http://alice:s3cret@mlflow.example:5000",
+                                   "storage.endpoint_url=http://key:pass@minio:9000"])
+    params = config_params(cfg)
+    assert params["tracking.uri"] == "http://***@mlflow.example:5000"
+    assert params["storage.endpoint_url"] == "http://***@minio:9000"
+    assert not [v for v in params.values() if "s3cret" in v or "pass@" in v]
+
+
+def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp_path):
+    """`workflows ui` on the default store (SQLite under output_dir): MLflow's server lists the runs
+    and serves their artifacts, which it reads from the embedded S3 endpoint."""
+    import signal
+    import sys
+
+    import requests
+
+    from tests.conftest import sets, wait_healthy
+    from workflows.config import load_config
+    from workflows.runtime import runtime
+    from workflows.tracking.session import Tracking
+
+    overrides = [f"output_dir={tmp_path}/runs", f"storage.embedded.data_dir={tmp_path}/s3", "tracking.enabled=true"]
+    plot = tmp_path / "train_loss.png"
+    plot.write_bytes(b"\x89PNG a loss curve")
+    warnings: list[str] = []
+    with runtime(load_config(QUICKSTART, overrides), ray_needed=False) as rt:
+        t = Tracking(rt.cfg, rt.storage, warnings.append)
+        with t.stage("train") as run:
+            run.log_metrics({"val_f1": 0.5})
+            run.log_files([plot])
+        t.close()
+    assert not warnings and t.uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "workflows", "ui", "--config", str(QUICKSTART), *sets(overrides),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        found = requests.post(f"{url}/api/2.0/mlflow/runs/search",
+                              json={"experiment_ids": [run._run.result().experiment_id]}, timeout=30).json()
+        assert [r["info"]["run_name"] for r in found["runs"]] == ["train"]
+        art = requests.get(f"{url}/get-artifact", params={"path": "train_loss.png", "run_uuid": run.id}, timeout=30)
+        assert art.status_code == 200 and art.content == plot.read_bytes()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-2000:]
+    assert f"ui: MLflow on {url}" in out
+
+
+def test_runs_on_an_empty_or_unreachable_store(tmp_path):
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.tracking.commands import recent_runs
+
+    assert recent_runs(load_config(QUICKSTART, [f"output_dir={tmp_path}"])) == []
+    assert not (tmp_path / "mlflow.db").exists()  # listing creates no store
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UserError, match=f"tracking store {dead}: ConnectionError"):
+        recent_runs(load_config(QUICKSTART, [f"tracking.uri={dead}"]))

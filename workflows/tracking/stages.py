@@ -1,0 +1,131 @@
+"""What each stage logs from the driver: its summary numbers, tags and artifacts (the numbers of
+training epochs and tune trials are logged where they are produced: trainer.py, tune/trial.py)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from workflows.storage.atomic import atomic_write
+from workflows.tracking.session import Run, config_params
+
+
+def tracked(rt, name: str):
+    """rt.tracking.stage(name) with the runtime's current config, or an inert run."""
+    if getattr(rt, "tracking", None) is None:
+        return nullcontext(Run(None, None))
+    return rt.tracking.stage(name, cfg=rt.cfg)
+
+
+@contextmanager
+def pipeline_run(rt):
+    """The `pipeline` parent run: every stage run of the command becomes its child."""
+    t = getattr(rt, "tracking", None)
+    if t is None:
+        yield Run(None, None)
+        return
+    t.parent = t.start("pipeline")
+    t.parent.log_params(config_params(rt.cfg))
+    try:
+        yield t.parent
+    except BaseException:
+        t.parent.end("FAILED")
+        raise
+    t.parent.end("FINISHED")
+
+
+def log_preprocess(rt, run: Run, data) -> None:
+    if getattr(rt, "tracking", None) is not None:
+        rt.tracking.set_dataset(data.version)
+    run.set_tags({"dataset.version": data.version, "dataset.uri": data.uri, "dataset.reused": data.reused})
+    run.log_metrics({f"rows_{split}": n for split, n in data.counts.items()})
+
+
+def log_tune(run: Run, outcome, cfg, files: list[Path]) -> None:
+    """The search's best result and its trials table and plot; each trial run is marked with how it
+    ended (ASHA's early stop included): a stopped trial's own process may not get to say so."""
+    run.log_metrics({f"best_{cfg.tune.metric}": outcome.best_metric, "trials": len(outcome.trials),
+                     "seconds": outcome.seconds})
+    run.log_params({f"best.{k}": v for k, v in outcome.best_params.items()})
+    run.log_files(files)
+    trials = {t.trial_id: t for t in outcome.trials if getattr(t, "trial_id", None)}
+
+    def mark(client, info):
+        found = client.search_runs([info.experiment_id], f"tags.mlflow.parentRunId = '{info.run_id}'",
+                                   max_results=1000)
+        for r in found:
+            t = trials.get(r.data.tags.get("ray.trial_id"))
+            if t is None:
+                continue
+            status = "FAILED" if t.error else "KILLED" if t.stopped_early else "FINISHED"
+            client.set_tag(r.info.run_id, "tune.stopped_early", str(t.stopped_early).lower())
+            if t.stopped_early:
+                client.set_tag(r.info.run_id, "tune.stopped_by", cfg.tune.scheduler.upper())
+            client.set_tag(r.info.run_id, "tune.epochs", str(t.epochs))
+            client.set_terminated(r.info.run_id, status, r.info.end_time or None)
+    run._call(mark)
+
+
+def log_train(run: Run, outcome, curve: Path | None) -> None:
+    best = {f"best_{k}": v for k, v in outcome.best_metrics.items()
+            if k in ("epoch", "train_loss", "val_f1", "val_accuracy", "val_loss", "val_perplexity")}
+    run.log_metrics({**best, "fit_seconds": outcome.seconds,
+                     **{f"seconds_{k}": v for k, v in outcome.breakdown.items()}})
+    run.set_tags({"train.run_uri": outcome.run_uri, "train.best_checkpoint": outcome.best_checkpoint_uri})
+    run.log_files([curve] if curve is not None else [])
+
+
+def registry_link(run: Run, uri: str) -> dict[str, Any] | None:
+    """What a registered version records of the run that trained it (None when tracking is off)."""
+    from workflows.tracking.client import redact_uri
+
+    spec = run.spec()
+    if spec is None:
+        return None
+    return {"run_id": spec.run_id, "experiment_id": spec.experiment_id, "tracking_uri": redact_uri(uri)}
+
+
+def log_registered(run: Run, ref) -> None:
+    run.set_tags({"registered_model.name": ref.name, "registered_model.version": ref.version,
+                  "registered_model.uri": ref.uri})
+
+
+def confusion_png(matrix: list[list[int]], labels: list[str], path: Path) -> Path:
+    from workflows.plots import new_figure, save_png
+
+    size = max(4.0, 0.5 * len(labels) + 2)
+    fig, ax = new_figure(size, size)
+    ax.imshow(matrix, cmap="Blues")
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    for i, row in enumerate(matrix):
+        for j, n in enumerate(row):
+            if n:
+                ax.text(j, i, str(n), ha="center", va="center", fontsize=6)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    return save_png(fig, path)
+
+
+def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path) -> None:
+    """Weighted and per-class scores as metrics; the report (per-class P/R/F1) and the confusion
+    matrix as JSON and PNG artifacts."""
+    flat = {"accuracy": metrics.get("accuracy"), "rows": metrics.get("rows"),
+            **{f"weighted_{k}": v for k, v in metrics.get("weighted", {}).items()},
+            **{f"baseline_{k}": v for k, v in metrics.get("baseline", {}).items() if k != "majority_label"}}
+    for label, m in metrics.get("per_class", {}).items():
+        flat[f"f1.{label}"] = m["f1"]
+    run.log_metrics(flat)
+    run.set_tags({"evaluate.model": model_spec})
+    if run._run is None or run._s is None or run._s.tracker.off:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    report = atomic_write(out / "evaluation.json", json.dumps(metrics, indent=2, default=str))
+    files = [report]
+    confusion = metrics.get("confusion")
+    if confusion:
+        files += [atomic_write(out / "confusion_matrix.json", json.dumps(confusion, indent=2)),
+                  confusion_png(confusion["matrix"], confusion["labels"], out / "confusion_matrix.png")]
+    run.log_files(files, "evaluation")
