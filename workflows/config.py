@@ -93,7 +93,13 @@ class DataConfig(Strict):
     text_columns: list[str] = Field(["text"], min_length=1)
     label_column: str = "label"
     builtin: Literal["quickstart"] | None = Field(
-        None, description="build this dataset into `source` when no shard is there"
+        None,
+        description="build this dataset into `source` when no shard is there: in the embedded store only, "
+        "unless write_builtin is set (anywhere else an empty source is an error)",
+    )
+    write_builtin: bool = Field(
+        False, description="let `builtin` write its dataset into a source outside the embedded store "
+        "(a real bucket or a local directory)"
     )
     builtin_rows_per_class: int = Field(900, ge=10)
     val_fraction: float = Field(0.1, ge=0.0, lt=0.5)
@@ -382,15 +388,34 @@ def _format_error(err: ValidationError, source: str) -> str:
     return "invalid config: " + "; ".join(lines)
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped in the package (`--config quickstart`)."""
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
+def resolve_config(path: str | os.PathLike) -> Path:
+    """A config file: an existing path as given, else a bare name (no '/' or suffix) of a shipped
+    config, so `--config quickstart` works from any directory."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    name = str(path)
+    if "/" not in name and not p.suffix and (SHIPPED_CONFIGS / f"{name}.yaml").is_file():
+        return SHIPPED_CONFIGS / f"{name}.yaml"
+    raise UserError(f"config file not found: {p} (shipped configs, by name: {', '.join(shipped_configs())})")
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> WorkflowConfig:
-    """Read YAML at `path` (None = defaults only), apply overrides, validate."""
+    """Read YAML at `path` (a file or a shipped config's name; None = defaults only), apply
+    overrides, validate."""
     data: dict = {}
     source = "<defaults>"
     if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise UserError(f"config file not found: {p}")
+        p = resolve_config(path)
+        source = str(path) if p.parent == SHIPPED_CONFIGS else str(p)
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:

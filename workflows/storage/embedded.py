@@ -210,6 +210,20 @@ class EmbeddedS3:
             client.create_bucket(Bucket=bucket)
 
 
+def running_endpoint(data_dir: str) -> str | None:
+    """The URL of the endpoint another process runs for `data_dir` (`workflows store`, a command
+    in progress), if one answers there."""
+    from urllib.parse import urlsplit
+
+    try:
+        url = json.loads((Path(data_dir).expanduser().resolve() / "endpoint.json").read_text())["url"]
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=2):
+            return url
+    except (OSError, ValueError, KeyError, TypeError):  # none recorded, or a killed owner's stale record
+        return None
+
+
 def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
     """Requests and bytes counted at an embedded endpoint since its start (or last reset).
 
@@ -240,4 +254,4 @@ def _die_with_parent() -> None:
         pass
 
 
-__all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic"]
+__all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic", "running_endpoint"]
