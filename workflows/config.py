@@ -54,8 +54,9 @@ class CacheConfig(Strict):
     enabled: bool = Field(True, description="read shards through the per-node cache")
     dir: str = Field(
         "auto",
-        description="per-node cache directory; 'auto' = /mnt/nvme/workflows-cache if it exists, "
-        "else the user cache dir",
+        description="per-node cache directory (shards/, models/); 'auto' = $WORKFLOWS_CACHE_DIR if the node "
+        "sets it, else /mnt/nvme/workflows-cache if /mnt/nvme exists, else ~/.cache/workflows "
+        "($XDG_CACHE_HOME/workflows when set)",
     )
     max_bytes: int | None = Field(
         None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded"
