@@ -67,6 +67,9 @@ class EmbeddedS3:
             return self._attach()
         self._lock_fd = fd
         self.owner = True
+        # a killed owner's record names a dead endpoint: gone before the restore (which takes a
+        # while), so that a command attaching meanwhile waits for ours instead of using it
+        (self.data_dir / "endpoint.json").unlink(missing_ok=True)
         try:
             self.endpoint_url = self._spawn()
             self._restore()
@@ -103,13 +106,17 @@ class EmbeddedS3:
                 break
         raise UserError(f"the embedded S3 endpoint could not start on {self.host}:{self.port or 'a free port'}")
 
-    def _attach(self) -> str:
-        try:
-            info = json.loads((self.data_dir / "endpoint.json").read_text())
-        except (OSError, ValueError):
-            raise UserError(
-                f"embedded S3 data dir {self.data_dir} is locked by another process that is still starting; retry"
-            ) from None
+    def _attach(self, wait_s: float = 120) -> str:
+        deadline = time.time() + wait_s
+        while True:  # the owner writes its record once its store is restored
+            try:
+                info = json.loads((self.data_dir / "endpoint.json").read_text())
+                break
+            except (OSError, ValueError):
+                if time.time() > deadline:
+                    raise UserError(f"embedded S3 data dir {self.data_dir} is locked by another process that is "
+                                    f"still starting after {wait_s:.0f} s; retry") from None
+                time.sleep(0.5)
         self.endpoint_url = info["url"]
         log.info("reusing the embedded S3 endpoint of pid %s at %s", info.get("pid"), self.endpoint_url)
         return self.endpoint_url
