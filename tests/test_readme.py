@@ -10,7 +10,8 @@ A comment before each block says what it runs against (`<!-- readme-test: KIND -
 What the test changes around the commands, and only this:
 - `workflows` and `.venv/bin/workflows` are a shim that runs this checkout's CLI and appends the
   tiny settings (`--set`: store dir, output and cache dirs, a free serve port, small data and
-  one short epoch, no tuning, joining the session's Ray cluster); `serve run` joins it too;
+  one short epoch on one worker, no tuning, joining the session's Ray cluster); `serve run` joins
+  it too;
 - `localhost:8000` becomes the free serve port, `http://minio.local:9000` the moto server;
 - a command whose comment says "Ctrl-C to stop" runs in the background until it is ready (a
   `workflows` command prints "Ctrl-C to stop"; `serve run`: the serve port answers /healthz), and
@@ -40,6 +41,9 @@ README = ROOT / "README.md"
 MARKED = re.compile(r"<!-- readme-test: (?P<kind>[^>]+?) -->\n```(?:bash|sh|shell)\n(?P<body>.*?)```", re.S)
 SHELL = re.compile(r"^```(?:bash|sh|shell)$", re.M)
 KINDS = {"embedded", "s3", "cluster"}
+# what the README's pipelines skip here: tuning, 2-worker FSDP and the pipeline's own serving are
+# tested elsewhere (test_tune, test_train, test_e2e); the commands are still the README's
+CHEAP = ["tune.enabled=false", "serve.enabled=false", "train.num_workers=1"]
 QUICKSTART_LABELS = ["dataframes", "deep-learning", "plotting", "scientific-computing"]
 
 # Before each block's script: background commands in their own process groups (job control, so
@@ -165,7 +169,7 @@ def workdir(quickstart_run, ray_join, tmp_path_factory):
     (work / "tickets.csv").write_text(tickets())
     port = free_port()
     sets = [s for s in tiny_overrides(work) if not s.startswith("serve.port=")]
-    sets += [f"serve.port={port}", "tune.enabled=false", "serve.enabled=false", *ray_join.overrides]
+    sets += [f"serve.port={port}", *CHEAP, *ray_join.overrides]
     shim(work / "bin", sets)
     env = {**ray_join.env, "WF_TEST_PORT": str(port), "RAY_ADDRESS": ray_join.address}
     yield work, env, {"localhost:8000": f"localhost:{port}"}
@@ -213,7 +217,7 @@ def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
         s3.put_object(Bucket="my-bucket", Key="tickets/tickets.csv", Body=tickets().encode())
         port = free_port()
         sets = [s for s in tiny_overrides(tmp_path) if not s.startswith(("serve.port=", "storage.embedded"))]
-        shim(tmp_path / "bin", [*sets, f"serve.port={port}", "tune.enabled=false", "serve.enabled=false"])
+        shim(tmp_path / "bin", [*sets, f"serve.port={port}", *CHEAP])
         # a new local Ray even where another cluster on this machine would be joined by default
         env = {"WF_TEST_PORT": str(port), "RAY_ADDRESS": "local"}
         for b in (b for b in readme_blocks() if b.kind == "s3"):
@@ -241,7 +245,7 @@ def test_readme_block_on_a_local_cluster(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "ray").symlink_to(Path(sys.executable).parent / "ray")
     sets = [s for s in tiny_overrides(tmp_path) if not s.startswith("cache.dir=")]
-    sets += ["cache.dir=auto", "tune.enabled=false", "serve.enabled=false"]
+    sets += ["cache.dir=auto", *CHEAP]
     extra = " ".join(shlex.quote(a) for s in sets for a in ("--set", s))
     python = shlex.quote(sys.executable)
     (bin_dir / "python").write_text(
