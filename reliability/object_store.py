@@ -220,6 +220,7 @@ def _cli_through(proxy, workdir: Path, command: str, extra: list[str] = ()) -> t
     overrides = [
         *tiny_overrides(tmp),
         "storage.embedded.enabled=false",
+        "data.write_builtin=true",
         f"storage.endpoint_url={proxy.url}",
         "storage.retries=10",
         *extra,

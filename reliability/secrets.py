@@ -149,7 +149,7 @@ def _stage_leaks(workdir: Path) -> dict:
     tmp = workdir / "stage"
     ray_tmp = Path(tempfile.mkdtemp(prefix="wfrel-", dir="/tmp"))  # short: Ray's AF_UNIX socket paths
     s3_dir = tmp / "store"
-    overrides = [*tiny_overrides(tmp), "storage.embedded.enabled=false"]
+    overrides = [*tiny_overrides(tmp), "storage.embedded.enabled=false", "data.write_builtin=true"]
     t0 = time.time()
     # a proxy without faults in front of the endpoint: it records which access key signed each
     # request, proof that the fake credentials were really used (else finding none proves nothing)

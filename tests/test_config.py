@@ -48,6 +48,21 @@ def test_missing_required_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_a_shipped_config_by_name_from_any_directory(tmp_path, monkeypatch):
+    """`--config quickstart` is the config shipped in the package; a path still wins, and an unknown
+    name lists the shipped ones."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config("quickstart") == load_config(QUICKSTART)
+    assert load_config("madewithml").registry.name == "madewithml"
+    (tmp_path / "quickstart").write_text("name: mine\ndata: {source: x}\n")
+    assert load_config("quickstart").name == "mine"
+    with pytest.raises(UserError, match="config file not found: nope .*quickstart"):
+        load_config("nope")
+    # the default (no --config) outside the repository: `plan` needs no store and no Ray
+    res = run_cli("plan", "--devices", "1", timeout=120, cwd=tmp_path)
+    assert res.returncode == 0 and "fsdp" in res.stdout.lower(), res.stderr[-2000:]
+
+
 def test_bad_override_key_and_form():
     with pytest.raises(UserError, match=r"train\.nope"):
         load_config(QUICKSTART, ["train.nope=1"])
@@ -77,7 +92,8 @@ def test_cli_reports_config_errors_in_one_line(tmp_path):
 
 
 def test_cli_help_on_every_command():
-    for cmd in ["preprocess", "train", "tune", "evaluate", "serve", "predict", "pipeline", "bench", "models", "plan"]:
+    for cmd in ["preprocess", "train", "tune", "evaluate", "serve", "predict", "pipeline", "bench", "models", "plan",
+                "store"]:
         res = run_cli(cmd, "--help", timeout=120)
         assert res.returncode == 0 and "--help" in res.stdout, (cmd, res.stderr)
 

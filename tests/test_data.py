@@ -73,3 +73,19 @@ def test_read_path_names_bad_credentials(tmp_path, monkeypatch):
         assert "not-the-secret" not in str(err.value)
     finally:
         s3._release()  # not stop(): persisting would need credentials this endpoint now refuses
+
+
+def test_builtin_dataset_is_not_written_outside_the_embedded_store(tmp_path):
+    """An empty source in a user's own store is an error naming it, not a place to build demo data."""
+    from tests.conftest import QUICKSTART
+    from workflows.config import load_config
+    from workflows.pipeline import ensure_raw_data
+    from workflows.runtime import Runtime
+
+    source = f"{tmp_path}/raw/"
+    cfg = load_config(QUICKSTART, ["storage.embedded.enabled=false", f"storage.root={tmp_path}/store",
+                                   f"data.source={source}"])
+    with pytest.raises(UserError) as err:
+        ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
+    assert "\n" not in str(err.value) and f"no shard matched {source}" in str(err.value), err.value
+    assert "data.write_builtin=true" in str(err.value) and not (tmp_path / "raw").exists()

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from tests.conftest import QUICKSTART, run_cli
+from tests.conftest import QUICKSTART, ROOT, run_cli
 from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.serve.deploy_config import route_prefixes, serve_config
@@ -23,26 +23,37 @@ def test_emitted_config_is_a_valid_serve_config_with_side_by_side_versions(tmp_p
     assert [a["route_prefix"] for a in doc["applications"]] == ["/quickstart/v1", "/quickstart/v2"]
     app = apps["model-quickstart-v2"]
     assert app["import_path"] == "workflows.serve.app:build_app"
+    # paths made absolute: `serve run` builds the application in a worker with another working dir
     assert app["args"] == {
         "config": str(QUICKSTART),
         "model": "quickstart:2",
-        "set": ["serve.autoscaling.max_replicas=3"],
+        "set": ["serve.autoscaling.max_replicas=3", f"storage.embedded.data_dir={ROOT / '.workflows' / 's3'}"],
     }
+    assert "workflows store" in res.stdout  # what `serve run` of an embedded-store config needs first
     dep = app["deployments"][0]
     assert dep["name"] == "ModelServer" and "num_replicas" not in dep
     assert dep["autoscaling_config"]["max_replicas"] == 3 and dep["max_ongoing_requests"] >= 32
     assert doc["http_options"]["host"] == "127.0.0.1"
 
 
-def test_build_app_takes_the_emitted_args():
+def test_build_app_takes_the_emitted_args_and_the_running_store(tmp_path):
+    """An embedded-store config: without a running store, one line says what to start; with one,
+    the application's replicas get its endpoint."""
     from ray.serve import Application
 
     from workflows.serve.app import build_app
+    from workflows.storage.embedded import EmbeddedS3
 
-    cfg = load_config(QUICKSTART, ["serve.num_replicas=2"])
-    doc = serve_config(cfg, str(QUICKSTART), ["serve.num_replicas=2"], ["quickstart"])
-    app = build_app(doc["applications"][0]["args"])
+    sets = ["serve.num_replicas=2", f"storage.embedded.data_dir={tmp_path}/s3"]
+    doc = serve_config(load_config("quickstart", sets), "quickstart", sets, ["quickstart"])
+    args = doc["applications"][0]["args"]
+    assert args["config"] == "quickstart"  # a shipped config's name resolves on any node
+    with pytest.raises(UserError, match=r"no process runs: start `workflows store`"):
+        build_app(args)
+    with EmbeddedS3(f"{tmp_path}/s3") as s3:
+        app = build_app(args)
     assert isinstance(app, Application)
+    assert app._bound_deployment.init_args[0]["storage"]["endpoint_url"] == s3.endpoint_url
     assert (
         doc["applications"][0]["route_prefix"] == "/" and doc["applications"][0]["deployments"][0]["num_replicas"] == 2
     )

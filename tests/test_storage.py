@@ -55,6 +55,20 @@ def test_second_process_reuses_the_running_endpoint(tmp_path):
         owner.ensure_bucket("still-up")
 
 
+def test_a_killed_owners_record_is_never_used(tmp_path):
+    """A SIGKILLed owner leaves endpoint.json naming a dead endpoint: `running_endpoint` (serve
+    run's lookup) reports none while the record is stale, and the next owner's record replaces it."""
+    from workflows.storage.embedded import running_endpoint
+
+    (tmp_path / "s3").mkdir()
+    (tmp_path / "s3" / "endpoint.json").write_text(json.dumps({"url": "http://127.0.0.1:9", "pid": 1}))
+    assert running_endpoint(str(tmp_path / "s3")) is None
+    with EmbeddedS3(str(tmp_path / "s3")) as owner:
+        other = EmbeddedS3(str(tmp_path / "s3"))
+        assert other.start() == owner.endpoint_url == running_endpoint(str(tmp_path / "s3")) and not other.owner
+    assert running_endpoint(str(tmp_path / "s3")) is None  # the owner's stop removed its record
+
+
 def test_missing_bucket_names_the_uri(tmp_path):
     with EmbeddedS3(str(tmp_path / "s3")) as s3:
         with pytest.raises(UserError, match="s3://no-such-bucket/x"):

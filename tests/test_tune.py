@@ -123,7 +123,8 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     config.write_text(yaml.safe_dump(doc))
     store = tmp_path / "store"
     sets = [*tiny_overrides(tmp_path), "storage.embedded.enabled=false", f"storage.root={store}",
-            f"data.source={store}/raw/quickstart/", "ray.num_cpus=2", "tune.num_workers=2", "tune.max_epochs=1",
+            f"data.source={store}/raw/quickstart/", "data.write_builtin=true", "ray.num_cpus=2", "tune.num_workers=2",
+            "tune.max_epochs=1",
             "tune.num_samples=1"]
     args = [
         sys.executable,

@@ -18,8 +18,9 @@ from workflows.storage.atomic import atomic_write
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ray-based ML workflows: object storage -> Ray Data -> Ray Train/Tune -> Ray Serve.")
 
-DEFAULT_CONFIG = "configs/quickstart.yaml"
-ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="workflow YAML config")
+DEFAULT_CONFIG = "quickstart"
+ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c",
+                         help="a workflow YAML file, or a shipped config by name: quickstart, madewithml")
 SetOpt = typer.Option(None, "--set", help="override a config value: --set train.lr=3e-5 (repeatable)")
 VerboseOpt = typer.Option(False, "--verbose", "-v", envvar="WORKFLOWS_VERBOSE",
                           help="show Ray's logs and progress here instead of only in the run's log file")
@@ -124,21 +125,37 @@ def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
 @app.command()
 def evaluate(
     model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
-    data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"),
+    data: str | None = typer.Option(
+        None, "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"
+    ),
+    split: str | None = typer.Option(
+        None, "--split", help="instead of --data: train, val or test of the processed dataset the model was trained on"
+    ),
     output: Path | None = typer.Option(None, "--output", "-o", help="write the metrics JSON here too"),
     label_column: str | None = typer.Option(None, "--label-column", help="default: the model's"),
     config: str = ConfigOpt,
     set: list[str] | None = SetOpt,
     verbose: bool = VerboseOpt,
 ):
-    """Weighted and per-class precision/recall/F1 of a registered model on any labelled data."""
+    """Weighted and per-class precision/recall/F1 and the confusion matrix of a registered model on
+    labelled data: any URI, or a split of the model's own processed dataset (--split test: held out)."""
     from workflows.pipeline import stage_evaluate
     from workflows.preprocess.sources import list_shards, read_dataset
 
+    if (data is None) == (split is None):
+        console.echo("error: give exactly one of --data URI and --split train|val|test")
+        raise typer.Exit(2)
+
     def body(rt):
-        shards, fmt = list_shards(data, rt.storage)
-        metrics = stage_evaluate(rt, model, read_dataset(shards, fmt, rt.storage, rt.cfg.cache), label_column)
-        result = {"model": model, "data": data, "precision": rt.cfg.serve.precision, **metrics}
+        if split is not None:
+            from workflows.pipeline import model_split
+
+            uri, ds = model_split(rt, model, split)
+        else:
+            shards, fmt = list_shards(data, rt.storage)
+            uri, ds = data, read_dataset(shards, fmt, rt.storage, rt.cfg.cache)
+        metrics = stage_evaluate(rt, model, ds, label_column)
+        result = {"model": model, "data": uri, "precision": rt.cfg.serve.precision, **metrics}
         if output:
             output.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(output, json.dumps(result, indent=2))
@@ -207,11 +224,15 @@ def serve(
 
             from workflows.serve.deploy_config import serve_config
 
-            doc = serve_config(_load(config, set), config, set or [], model)
+            cfg = _load(config, set)
+            doc = serve_config(cfg, config, set or [], model)
             emit_config.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(emit_config, yaml.safe_dump(doc, sort_keys=False))
+            first = "`workflows store` (the embedded store it reads the model from), then " \
+                if cfg.storage.embedded.enabled else ""
             typer.echo(
-                f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}"
+                f"Serve config for {', '.join(model)} written to {emit_config}; run it with: {first}"
+                f"serve run {emit_config}"
             )
 
         _run(write)
@@ -239,6 +260,40 @@ def serve(
             ray_serve.shutdown()
 
     _in_runtime("serve", config, set, body, before_ray=_registered(*model), verbose=verbose)
+
+
+@app.command()
+def store(config: str = ConfigOpt, set: list[str] | None = SetOpt):
+    """Keep the config's embedded S3 endpoint up until Ctrl-C, for what runs outside a `workflows`
+    command (`serve run` of an emitted config, a notebook); commands meanwhile use it."""
+
+    def go():
+        from workflows.errors import UserError
+        from workflows.storage.embedded import EmbeddedS3
+
+        cfg = _load(config, set)
+        e = cfg.storage.embedded
+        if not e.enabled:
+            raise UserError(f"storage.embedded.enabled is false: the store is {cfg.storage.root}, nothing to start")
+        with EmbeddedS3(e.data_dir, e.host, e.port) as s3:
+            if not s3.owner:
+                raise UserError(f"the embedded store in {s3.data_dir} already runs at {s3.endpoint_url}")
+            s3.ensure_bucket(cfg.storage.root.split("://", 1)[-1].split("/", 1)[0])
+            stop = {"now": False}
+            signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+            console.echo(f"store: embedded S3 endpoint {s3.endpoint_url} (data in {s3.data_dir}); Ctrl-C to stop")
+            last = time.time()
+            try:
+                while not stop["now"]:
+                    time.sleep(0.5)
+                    if time.time() - last > 60:  # what others wrote survives a crash of this process
+                        s3.persist()
+                        last = time.time()
+            except KeyboardInterrupt:
+                pass
+        console.echo(f"store: stopped; data persisted in {s3.data_dir}")
+
+    _run(go)
 
 
 @app.command()

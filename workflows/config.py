@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from workflows.errors import UserError
+from workflows.overrides import apply_overrides
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -54,8 +55,9 @@ class CacheConfig(Strict):
     enabled: bool = Field(True, description="read shards through the per-node cache")
     dir: str = Field(
         "auto",
-        description="per-node cache directory; 'auto' = /mnt/nvme/workflows-cache if it exists, "
-        "else the user cache dir",
+        description="per-node cache directory (shards/, models/); 'auto' = $WORKFLOWS_CACHE_DIR if the node "
+        "sets it, else /mnt/nvme/workflows-cache if /mnt/nvme exists, else ~/.cache/workflows "
+        "($XDG_CACHE_HOME/workflows when set)",
     )
     max_bytes: int | None = Field(
         None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded"
@@ -93,7 +95,13 @@ class DataConfig(Strict):
     text_columns: list[str] = Field(["text"], min_length=1)
     label_column: str = "label"
     builtin: Literal["quickstart"] | None = Field(
-        None, description="build this dataset into `source` when no shard is there"
+        None,
+        description="build this dataset into `source` when no shard is there: in the embedded store only, "
+        "unless write_builtin is set (anywhere else an empty source is an error)",
+    )
+    write_builtin: bool = Field(
+        False, description="let `builtin` write its dataset into a source outside the embedded store "
+        "(a real bucket or a local directory)"
     )
     builtin_rows_per_class: int = Field(900, ge=10)
     val_fraction: float = Field(0.1, ge=0.0, lt=0.5)
@@ -343,41 +351,6 @@ class WorkflowConfig(Strict):
         return "/".join([self.storage.root.rstrip("/"), *parts])
 
 
-def _parse_value(raw: str) -> Any:
-    """`--set` values are YAML scalars/lists: 3 -> int, 1e-4 -> float, [a,b] -> list, null -> None."""
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return raw
-    # YAML 1.1 reads "1e-4" as a string; accept plain float literals too.
-    if isinstance(value, str):
-        try:
-            return float(value) if re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value) else value
-        except ValueError:
-            return value
-    return value
-
-
-def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
-    for item in overrides:
-        if "=" not in item:
-            raise UserError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. train.lr=3e-5")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise UserError(f"--set {item!r}: empty part in key {key!r}")
-        node = data
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise UserError(f"--set {key}: {part!r} is not a section in {source}")
-            node = child
-        node[parts[-1]] = _parse_value(raw)
-    return data
-
-
 def _format_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -394,15 +367,34 @@ def _format_error(err: ValidationError, source: str) -> str:
     return "invalid config: " + "; ".join(lines)
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped in the package (`--config quickstart`)."""
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
+def resolve_config(path: str | os.PathLike) -> Path:
+    """A config file: an existing path as given, else a bare name (no '/' or suffix) of a shipped
+    config, so `--config quickstart` works from any directory."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    name = str(path)
+    if "/" not in name and not p.suffix and (SHIPPED_CONFIGS / f"{name}.yaml").is_file():
+        return SHIPPED_CONFIGS / f"{name}.yaml"
+    raise UserError(f"config file not found: {p} (shipped configs, by name: {', '.join(shipped_configs())})")
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> WorkflowConfig:
-    """Read YAML at `path` (None = defaults only), apply overrides, validate."""
+    """Read YAML at `path` (a file or a shipped config's name; None = defaults only), apply
+    overrides, validate."""
     data: dict = {}
     source = "<defaults>"
     if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise UserError(f"config file not found: {p}")
+        p = resolve_config(path)
+        source = str(path) if p.parent == SHIPPED_CONFIGS else str(p)
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:

@@ -36,7 +36,8 @@ HEADER = f"""# Configuration reference
 
 <!-- Generated from workflows/config.py by `{REGENERATE}`: do not edit by hand. -->
 
-Every command reads one YAML file (`--config FILE`, default `configs/quickstart.yaml`) and any
+Every command reads one YAML file (`--config FILE`: a path, or a shipped config by name, default
+`quickstart`, the package's copy of `configs/quickstart.yaml`) and any
 number of `--set key=value` overrides, where `key` is a dotted path below (`--set train.lr=3e-5`;
 values are YAML: `--set 'data.text_columns=[subject, body]'`, `--set data.builtin=null`). Unknown
 keys, wrong types and values outside the constraints are rejected with the key and the file named.

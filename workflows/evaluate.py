@@ -6,9 +6,11 @@ calling process for a split of at most `evaluate.in_process_max_rows` rows.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
-from sklearn.metrics import accuracy_score, precision_recall_fscore_support
+from sklearn.metrics import accuracy_score, confusion_matrix, precision_recall_fscore_support
 
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
@@ -24,14 +26,10 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
         "weighted": {"precision": float(wp), "recall": float(wr), "f1": float(wf)},
         "per_class": {lab: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]), "support": int(s[i])}
                       for i, lab in enumerate(labels)},
+        # matrix[i][j]: rows of true label i predicted as label j
+        "confusion_matrix": {"labels": labels,
+                             "matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist() if y_true else []},
     }
-
-
-def confusion(y_true: list[str], y_pred: list[str], labels: list[str]) -> dict:
-    """The confusion matrix: rows are true labels, columns predicted ones, in `labels` order."""
-    from sklearn.metrics import confusion_matrix
-
-    return {"labels": labels, "matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist()}
 
 
 def evaluate_dataset(
@@ -67,7 +65,6 @@ def evaluate_dataset(
     if not y_true:
         raise UserError("evaluation data has no labelled rows")
     metrics = classification_metrics(y_true, y_pred, card.labels)
-    metrics["confusion"] = confusion(y_true, y_pred, list(metrics["per_class"]))
     majority = card.majority_label or pd.Series(y_true).mode().iloc[0]
     metrics["baseline"] = {"majority_label": majority,
                            **classification_metrics(y_true, [majority] * len(y_true), card.labels)["weighted"]}
@@ -86,4 +83,27 @@ def format_report(metrics: dict) -> str:
         f"{'majority baseline':<28} {b['precision']:>9.3f} {b['recall']:>9.3f} {b['f1']:>9.3f}"
         f"   ({b['majority_label']})"
     )
+    if cm := metrics.get("confusion_matrix"):
+        lines += ["", "confusion matrix (rows: true label, columns: predicted, in this order)"]
+        width = max(8, *(len(str(n)) + 1 for row in cm["matrix"] for n in row))
+        lines.append(f"{'':<28}" + "".join(f"{lab[:width - 1]:>{width}}" for lab in cm["labels"]))
+        lines += [f"{lab:<28}" + "".join(f"{n:>{width}d}" for n in row) for lab, row in zip(cm["labels"], cm["matrix"])]
     return "\n".join(lines)
+
+
+def plot_confusion(metrics: dict, path) -> Path:
+    """The confusion matrix as a PNG (counts in the cells, rows = true label)."""
+    from workflows.plots import new_figure, save_png
+
+    labels, matrix = metrics["confusion_matrix"]["labels"], np.array(metrics["confusion_matrix"]["matrix"])
+    fig, ax = new_figure(1.5 + 0.9 * len(labels), 1.0 + 0.8 * len(labels))
+    ax.imshow(matrix, cmap="Blues")
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    top = matrix.max() if matrix.size else 0
+    for (i, j), n in np.ndenumerate(matrix):
+        ax.text(j, i, str(n), ha="center", va="center", color="white" if n > top / 2 else "black")
+    ax.set_title(f"confusion matrix, {int(matrix.sum())} rows")
+    return save_png(fig, Path(path))

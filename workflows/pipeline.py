@@ -15,6 +15,7 @@ from workflows.console import show
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset, preprocess
 from workflows.runtime import Runtime, say
+from workflows.storage.uri import protocol_of
 from workflows.tracking import stages as tracking
 
 
@@ -29,8 +30,12 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
     try:
         shards, _ = list_shards(d.source, rt.storage, d.format)
         return {"built": False, "shards": len(shards)}
-    except UserError:
-        pass
+    except UserError as e:
+        # a user's own bucket or directory that is empty by mistake must not fill up with demo data
+        if not (d.write_builtin or (rt.cfg.storage.embedded.enabled and protocol_of(d.source) in ("s3", "s3a"))):
+            raise UserError(f"{e}; data.builtin={d.builtin} is built only into the embedded store: "
+                            "point data.source at your data (and set data.builtin=null), or set "
+                            "data.write_builtin=true to build it there") from None
     say(f"data: building the {d.builtin} dataset from installed libraries' docstrings -> {d.source}")
     t0 = time.time()
     rows = quickstart_data.build(d.builtin_rows_per_class)
@@ -161,7 +166,7 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
 def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | None = None,
                    write_back: bool = False) -> dict:
     """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
-    from workflows.evaluate import evaluate_dataset, format_report
+    from workflows.evaluate import evaluate_dataset, format_report, plot_confusion
 
     with tracking.tracked(rt, "evaluate") as run:
         card = registry.model_card(rt.cfg, rt.storage, model_spec)
@@ -169,12 +174,29 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
         metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
         say(f"evaluate: {metrics['rows']} rows")
         show(format_report(metrics))
+        png = plot_confusion(metrics, Path(rt.cfg.output_dir) / rt.cfg.name / "confusion_matrix.png")
+        say(f"evaluate: confusion matrix {png}")
         if write_back:
             registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
             rt.persist()
         tracking.log_evaluation(run, f"{card.name}:v{card.version}", metrics,
                                 Path(rt.cfg.output_dir) / rt.cfg.name / "evaluation")
     return metrics
+
+
+def model_split(rt: Runtime, model_spec: str, split: str):
+    """(URI, Ray Dataset) of a split of the processed dataset a registered model was trained on,
+    found through its lineage: `--split test` is the model's own held-out rows."""
+    from workflows.preprocess.materialize import SPLITS
+
+    if split not in SPLITS:
+        raise UserError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
+    card = registry.model_card(rt.cfg, rt.storage, model_spec)
+    uri = (card.lineage or {}).get("dataset_uri")
+    if not uri:
+        raise UserError(f"model {model_spec} records no processed dataset in its lineage; evaluate it with --data URI")
+    data = ProcessedDataset.load(uri, rt.storage)
+    return f"{uri}/split={split}/", data.read(split, rt.storage, cache=rt.cfg.cache)
 
 
 def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None, route_prefix: str = "/",

@@ -42,7 +42,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
     scratch = Path(tempfile.mkdtemp(prefix="workflows-bench-data-"))
     try:
-        cfg = load_config(config or "configs/quickstart.yaml", [
+        cfg = load_config(config or "quickstart", [
             *overrides, f"storage.embedded.data_dir={scratch}/s3", f"cache.dir={scratch}/cache",
             f"output_dir={scratch}/runs", "cache.max_bytes=null"])
         if not cfg.storage.embedded.enabled:

@@ -24,7 +24,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.bench import work
     from workflows.config import load_config
 
-    config = config or "configs/quickstart.yaml"
+    config = config or "quickstart"
     with tempfile.TemporaryDirectory() as tmp:
         wall, summary = run_pipeline_in(tmp, config, overrides)
         cfg = load_config(config, [*fresh_overrides(tmp), *overrides])

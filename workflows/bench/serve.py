@@ -54,7 +54,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.config import load_config
     from workflows.runtime import runtime
 
-    cfg = load_config(config or "configs/quickstart.yaml", overrides)
+    cfg = load_config(config or "quickstart", overrides)
     with runtime(cfg) as rt:
         return _measure(rt)
 

@@ -62,7 +62,7 @@ def _summary(result: dict, wall: float, load: list[float]) -> dict:
 def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.config import load_config
 
-    config = config or "configs/quickstart.yaml"
+    config = config or "quickstart"
     cfg = load_config(config, overrides)
     workers, batch = cfg.train.num_workers, cfg.train.batch_size
     py = sys.executable

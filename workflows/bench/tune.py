@@ -32,7 +32,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.runtime import runtime, say
     from workflows.tune.search import run_tune
 
-    config = config or "configs/quickstart.yaml"
+    config = config or "quickstart"
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
                 "serve.enabled=false", *DEFAULTS, *overrides]

@@ -222,8 +222,27 @@ def build_app(args: dict) -> serve.Application:
     """
     from workflows.config import load_config
 
-    cfg = load_config(args.get("config") or "configs/quickstart.yaml", list(args.get("set") or []))
-    return application(cfg, str(args["model"]))
+    cfg = load_config(args.get("config") or "quickstart", list(args.get("set") or []))
+    return application(_with_store_endpoint(cfg), str(args["model"]))
+
+
+def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
+    """A config file names no embedded endpoint (it lives as long as the process that runs it):
+    use the one running for the config's data_dir, or say what to start."""
+    from workflows.errors import UserError
+    from workflows.storage.embedded import running_endpoint
+
+    st = cfg.storage
+    if not st.embedded.enabled or st.endpoint_url:
+        return cfg
+    url = running_endpoint(st.embedded.data_dir)
+    if url is None:
+        raise UserError(
+            f"the config's store is the embedded endpoint (data in {st.embedded.data_dir}), which no process runs: "
+            "start `workflows store` with the same config first, or serve from a real store "
+            "(storage.embedded.enabled=false)"
+        )
+    return cfg.model_copy(update={"storage": st.model_copy(update={"endpoint_url": url})})
 
 
 def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:

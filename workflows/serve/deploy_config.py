@@ -9,6 +9,8 @@ model version rolls the application over: Serve starts the new replicas before i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from workflows import registry
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
@@ -36,8 +38,15 @@ def serve_config(cfg: WorkflowConfig, config_path: str, overrides: list[str], sp
     """A Serve deploy config for these models, validated against Ray Serve's schema."""
     from ray.serve.schema import ServeDeploySchema
 
+    from workflows.config import SHIPPED_CONFIGS, resolve_config
     from workflows.serve.app import deployment_options
 
+    # `serve run` builds the application in a Ray worker whose working directory is not this one
+    if resolve_config(config_path).parent != SHIPPED_CONFIGS:
+        config_path = str(Path(config_path).resolve())
+    if cfg.storage.embedded.enabled:
+        data_dir = Path(cfg.storage.embedded.data_dir).expanduser().resolve()
+        overrides = [*overrides, f"storage.embedded.data_dir={data_dir}"]
     apps = []
     for spec, prefix in route_prefixes(specs).items():
         apps.append({

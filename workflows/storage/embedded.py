@@ -67,6 +67,9 @@ class EmbeddedS3:
             return self._attach()
         self._lock_fd = fd
         self.owner = True
+        # a killed owner's record names a dead endpoint: gone before the restore (which takes a
+        # while), so that a command attaching meanwhile waits for ours instead of using it
+        (self.data_dir / "endpoint.json").unlink(missing_ok=True)
         try:
             self.endpoint_url = self._spawn()
             self._restore()
@@ -103,13 +106,17 @@ class EmbeddedS3:
                 break
         raise UserError(f"the embedded S3 endpoint could not start on {self.host}:{self.port or 'a free port'}")
 
-    def _attach(self) -> str:
-        try:
-            info = json.loads((self.data_dir / "endpoint.json").read_text())
-        except (OSError, ValueError):
-            raise UserError(
-                f"embedded S3 data dir {self.data_dir} is locked by another process that is still starting; retry"
-            ) from None
+    def _attach(self, wait_s: float = 120) -> str:
+        deadline = time.time() + wait_s
+        while True:  # the owner writes its record once its store is restored
+            try:
+                info = json.loads((self.data_dir / "endpoint.json").read_text())
+                break
+            except (OSError, ValueError):
+                if time.time() > deadline:
+                    raise UserError(f"embedded S3 data dir {self.data_dir} is locked by another process that is "
+                                    f"still starting after {wait_s:.0f} s; retry") from None
+                time.sleep(0.5)
         self.endpoint_url = info["url"]
         log.info("reusing the embedded S3 endpoint of pid %s at %s", info.get("pid"), self.endpoint_url)
         return self.endpoint_url
@@ -210,6 +217,20 @@ class EmbeddedS3:
             client.create_bucket(Bucket=bucket)
 
 
+def running_endpoint(data_dir: str) -> str | None:
+    """The URL of the endpoint another process runs for `data_dir` (`workflows store`, a command
+    in progress), if one answers there."""
+    from urllib.parse import urlsplit
+
+    try:
+        url = json.loads((Path(data_dir).expanduser().resolve() / "endpoint.json").read_text())["url"]
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=2):
+            return url
+    except (OSError, ValueError, KeyError, TypeError):  # none recorded, or a killed owner's stale record
+        return None
+
+
 def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
     """Requests and bytes counted at an embedded endpoint since its start (or last reset).
 
@@ -240,4 +261,4 @@ def _die_with_parent() -> None:
         pass
 
 
-__all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic"]
+__all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic", "running_endpoint"]

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("MOTO_PORT", str(args.port))  # moto builds some URLs from it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ctrl-C reaches the terminal's whole process group: the command that started this server
+    # still persists the store through it, then stops it with SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     app = TrafficCounter(DomainDispatcherApplication(create_backend_app))
     run_simple(args.host, args.port, app, threaded=True, request_handler=MotoRequestHandler)
 

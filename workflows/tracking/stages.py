@@ -92,23 +92,6 @@ def log_registered(run: Run, ref) -> None:
                   "registered_model.uri": ref.uri})
 
 
-def confusion_png(matrix: list[list[int]], labels: list[str], path: Path) -> Path:
-    from workflows.plots import new_figure, save_png
-
-    size = max(4.0, 0.5 * len(labels) + 2)
-    fig, ax = new_figure(size, size)
-    ax.imshow(matrix, cmap="Blues")
-    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    for i, row in enumerate(matrix):
-        for j, n in enumerate(row):
-            if n:
-                ax.text(j, i, str(n), ha="center", va="center", fontsize=6)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    return save_png(fig, path)
-
-
 def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path) -> None:
     """Weighted and per-class scores as metrics; the report (per-class P/R/F1) and the confusion
     matrix as JSON and PNG artifacts."""
@@ -124,8 +107,9 @@ def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = atomic_write(out / "evaluation.json", json.dumps(metrics, indent=2, default=str))
     files = [report]
-    confusion = metrics.get("confusion")
-    if confusion:
-        files += [atomic_write(out / "confusion_matrix.json", json.dumps(confusion, indent=2)),
-                  confusion_png(confusion["matrix"], confusion["labels"], out / "confusion_matrix.png")]
+    if metrics.get("confusion_matrix", {}).get("matrix"):  # evaluate's own JSON and PNG of it
+        from workflows.evaluate import plot_confusion
+
+        files += [atomic_write(out / "confusion_matrix.json", json.dumps(metrics["confusion_matrix"], indent=2)),
+                  plot_confusion(metrics, out / "confusion_matrix.png")]
     run.log_files(files, "evaluation")

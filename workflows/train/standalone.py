@@ -260,7 +260,7 @@ def train(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workflows.train.standalone", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", "-c", default="configs/quickstart.yaml")
+    p.add_argument("--config", "-c", default="quickstart")
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value (repeatable)"
     )

@@ -1,0 +1,270 @@
+"""The README, executed: every shell block runs as written, so an edit that breaks a command fails.
+
+A comment before each block says what it runs against (`<!-- readme-test: KIND -->`):
+- `embedded`: the quickstart's embedded store, as the shared tiny pipeline (`quickstart_run`) left
+  it (a hard-linked copy: the blocks register and write into it);
+- `s3`: a separate moto S3 server on 127.0.0.1 with `storage.embedded.enabled=false`;
+- `cluster`: a multi-node cluster from `cluster/local/start.sh`;
+- `skip: WHY`: not run, for the reason given. A shell block without a comment fails the test.
+
+What the test changes around the commands, and only this:
+- `workflows` and `.venv/bin/workflows` are a shim that runs this checkout's CLI and appends the
+  tiny settings (`--set`: store dir, output and cache dirs, a free serve port, small data and
+  one short epoch on one worker, no tuning, joining the session's Ray cluster); `serve run` joins
+  it too;
+- `localhost:8000` becomes the free serve port, `http://minio.local:9000` the moto server;
+- a command whose comment says "Ctrl-C to stop" runs in the background until it is ready (a
+  `workflows` command prints "Ctrl-C to stop"; `serve run`: the serve port answers /healthz), and
+  its process group gets SIGINT, as from Ctrl-C, when its block ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, shutdown_serve
+from tests.helpers import free_port, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+README = ROOT / "README.md"
+MARKED = re.compile(r"<!-- readme-test: (?P<kind>[^>]+?) -->\n```(?:bash|sh|shell)\n(?P<body>.*?)```", re.S)
+SHELL = re.compile(r"^```(?:bash|sh|shell)$", re.M)
+KINDS = {"embedded", "s3", "cluster"}
+# what the README's pipelines skip here: tuning, 2-worker FSDP and the pipeline's own serving are
+# tested elsewhere (test_tune, test_train, test_e2e); the commands are still the README's
+CHEAP = ["tune.enabled=false", "serve.enabled=false", "train.num_workers=1"]
+QUICKSTART_LABELS = ["dataframes", "deep-learning", "plotting", "scientific-computing"]
+
+# Before each block's script: background commands in their own process groups (job control, so
+# that SIGINT reaches them as Ctrl-C would), a readiness wait, and Ctrl-C to each at the end.
+PRELUDE = r"""
+set -m
+__pids=()
+__ready() {  # $1: log, $2: pid, $3: what says it is ready (log: `workflows` prints it; http: /healthz)
+  for _ in $(seq 600); do
+    [ "$3" = log ] && grep -q "Ctrl-C to stop" "$1" && return 0
+    [ "$3" = http ] && curl -sf "http://127.0.0.1:$WF_TEST_PORT/healthz" >/dev/null 2>&1 && return 0
+    kill -0 "$2" 2>/dev/null || { echo "background command exited early:" >&2; cat "$1" >&2; return 1; }
+    sleep 1
+  done
+  echo "background command not ready in 600 s:" >&2; cat "$1" >&2; return 1
+}
+__stop() {
+  for ((i=${#__pids[@]}-1; i>=0; i--)); do
+    p=${__pids[i]}; kill -INT -- "-$p" 2>/dev/null || true  # as Ctrl-C: the job's process group
+    for _ in $(seq 90); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$p" 2>/dev/null || true
+  done
+}
+trap __stop EXIT
+set -euo pipefail
+"""
+
+
+@dataclass
+class Block:
+    kind: str
+    body: str
+    line: int
+
+    def script(self, substitutions: dict[str, str]) -> str:
+        """The block as a bash script: backgrounded servers, then every other line as written."""
+        lines = []
+        for n, line in enumerate(self.body.splitlines()):
+            for old, new in substitutions.items():
+                line = line.replace(old, new)
+            command, _, comment = line.partition("  #") if "  #" in line else line.partition(" # ")
+            if "Ctrl-C to stop" in comment:
+                log = f"background-{self.line}-{n}.log"
+                ready = "log" if re.match(r"(\.venv/bin/)?workflows ", command.strip()) else "http"
+                line = (f"{{ {command.strip()} ; }} >{log} 2>&1 &\n__pids+=($!)\n__ready {log} $! {ready}\n"
+                        f"echo '[started in the background: {command.strip()}]'")
+            lines.append(line)
+        return PRELUDE + "\n".join(lines) + "\n"
+
+
+def readme_blocks() -> list[Block]:
+    text = README.read_text()
+    return [Block(m["kind"].strip(), m["body"], text[: m.start()].count("\n") + 1) for m in MARKED.finditer(text)]
+
+
+def test_every_shell_block_in_the_readme_says_what_it_runs_against():
+    blocks = readme_blocks()
+    assert len(blocks) == len(SHELL.findall(README.read_text())), "a README shell block lacks <!-- readme-test: -->"
+    for b in blocks:
+        assert b.kind in KINDS or re.fullmatch(r"skip: \S.*", b.kind), (b.line, b.kind)
+    assert {b.kind for b in blocks} >= KINDS
+
+
+def shim(bin_dir: Path, sets: list[str]) -> None:
+    """`workflows` that runs this checkout's CLI with the test's settings appended."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    extra = " ".join(shlex.quote(a) for s in sets for a in ("--set", s))
+    path = bin_dir / "workflows"
+    path.write_text(f'#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)} -m workflows "$@" {extra}\n')
+    path.chmod(0o755)
+
+
+def run_block(block: Block, cwd: Path, bin_dir: Path, env: dict, substitutions: dict, timeout: float = 900):
+    """Run the block with bash in `cwd`; `env` adds to this process's environment ("" unsets)."""
+    if (bin_dir / "workflows").exists() and not (cwd / ".venv" / "bin" / "workflows").exists():
+        (cwd / ".venv" / "bin").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(bin_dir / "workflows", cwd / ".venv" / "bin" / "workflows")
+    full_env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        # this checkout's package, also in the Ray workers that `serve run` and jobs start
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        **env,
+    }
+    full_env = {k: v for k, v in full_env.items() if v != ""}
+    res = subprocess.run(["bash", "-c", block.script(substitutions)], cwd=cwd, env=full_env, capture_output=True,
+                         text=True, timeout=timeout)
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(cwd.glob("background-*.log")))
+    assert res.returncode == 0, (
+        f"README block at line {block.line} ({block.kind}) failed, exit {res.returncode}:\n{block.body}\n"
+        f"stdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-6000:]}{logs}"
+    )
+    return res
+
+
+def tickets(rows: int = 60) -> str:
+    """A small tickets table, the 'own data' of the README: subject, body -> queue."""
+    import csv
+    import io
+
+    topics = {
+        "billing": ("Invoice {i} charged twice", "My card was charged twice for invoice {i}; please refund one."),
+        "outage": ("Service {i} is down", "Since this morning service {i} returns errors and times out."),
+        "access": ("Cannot log in to account {i}", "The password reset link for account {i} never arrives."),
+    }
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["subject", "body", "queue"])
+    for i in range(rows):
+        queue = list(topics)[i % len(topics)]
+        subject, body = topics[queue]
+        w.writerow([subject.format(i=i), body.format(i=i), queue])
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def workdir(quickstart_run, ray_join, tmp_path_factory):
+    """A user's directory after `make demo`: the shared run's store (hard links: the store writes
+    each object to a new file), tickets.csv, and the `workflows` shim with the test's settings."""
+    work = tmp_path_factory.mktemp("readme")
+    shutil.copytree(quickstart_run.tmp / "s3", work / "s3", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("lock", "endpoint.json"))
+    (work / "tickets.csv").write_text(tickets())
+    port = free_port()
+    sets = [s for s in tiny_overrides(work) if not s.startswith("serve.port=")]
+    sets += [f"serve.port={port}", *CHEAP, *ray_join.overrides]
+    shim(work / "bin", sets)
+    env = {**ray_join.env, "WF_TEST_PORT": str(port), "RAY_ADDRESS": ray_join.address}
+    yield work, env, {"localhost:8000": f"localhost:{port}"}
+    shutdown_serve()
+
+
+def test_readme_blocks_on_the_embedded_store(quickstart_run, workdir):
+    work, env, subs = workdir
+    outputs = [run_block(b, work, work / "bin", env, subs) for b in readme_blocks() if b.kind == "embedded"]
+    out = "".join(r.stdout + r.stderr for r in outputs)
+    # one request to `workflows serve`, one to `serve run` of the emitted config
+    assert out.count('{"predictions":[{"label":') == 2, out[-3000:]
+    assert "quickstart: v1" in out and "registered tickets:v1" in out
+    # `evaluate --split test` scored the rows the pipeline held out, and wrote the confusion matrix
+    ev = json.loads((work / "eval.json").read_text())
+    held_out = quickstart_run.summary("pipeline")["evaluate"]
+    assert ev["data"].endswith("/split=test/") and ev["rows"] == held_out["rows"], (ev["data"], ev["rows"])
+    assert ev["weighted"]["f1"] == pytest.approx(held_out["weighted"]["f1"])
+    cm = ev["confusion_matrix"]
+    assert cm["labels"] == QUICKSTART_LABELS and sum(map(sum, cm["matrix"])) == ev["rows"]
+    assert sum(cm["matrix"][i][i] for i in range(len(cm["labels"]))) == round(ev["accuracy"] * ev["rows"])
+    runs = work / "runs" / "quickstart"
+    assert (runs / "evaluate.json").exists() and (runs / "confusion_matrix.png").stat().st_size > 1000
+    assert "confusion matrix (rows: true label" in out
+    # Ctrl-C stopped `workflows store` cleanly: its store persisted (its moto server outlived the signal)
+    store_log = next(p.read_text() for p in work.glob("background-*.log") if "store: embedded" in p.read_text())
+    assert "store: stopped; data persisted" in store_log, store_log
+
+
+def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
+    """The 'Real S3 or MinIO' block against moto's server, the embedded store off: it trains on the
+    bucket's tickets and registers them there, and builds nothing into the bucket. It starts a Ray
+    of its own, as a user's command does: the credentials the block exports reach the workers
+    through the environment of the cluster's processes, which the session's cluster cannot get."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{server._server.server_port}"
+        s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="test",
+                          aws_secret_access_key="test")
+        s3.create_bucket(Bucket="my-bucket")
+        s3.put_object(Bucket="my-bucket", Key="tickets/tickets.csv", Body=tickets().encode())
+        port = free_port()
+        sets = [s for s in tiny_overrides(tmp_path) if not s.startswith(("serve.port=", "storage.embedded"))]
+        shim(tmp_path / "bin", [*sets, f"serve.port={port}", *CHEAP])
+        # a new local Ray even where another cluster on this machine would be joined by default
+        env = {"WF_TEST_PORT": str(port), "RAY_ADDRESS": "local"}
+        for b in (b for b in readme_blocks() if b.kind == "s3"):
+            run_block(b, tmp_path, tmp_path / "bin", env, {"http://minio.local:9000": url})
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="my-bucket")["Contents"]]
+        assert any(k.startswith("workflows/models/tickets/v1/") for k in keys), keys
+        assert not any(k.startswith(("raw/", "workflows/raw/")) for k in keys), keys
+        assert not (tmp_path / "s3").exists()  # no embedded store was started
+    finally:
+        server.stop()
+
+
+def test_readme_block_on_a_local_cluster(tmp_path):
+    """The cluster block: `cluster/local/start.sh` (on free ports, a token of its own), a pipeline
+    as a Ray job, `stop.sh`. The nodes' `python` (start.sh puts the directory of `$RAY` first on
+    their PATH) is a shim that appends the tiny settings to `python -m workflows`."""
+    import secrets
+
+    from reliability.local_cluster import _base_port
+
+    state = ROOT / ".workflows" / "local-cluster"  # the block sources its default STATE_DIR's env file
+    if (state / "pids").exists():
+        pytest.skip(f"a local cluster started from {state} may be running (cluster/local/stop.sh stops it)")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").symlink_to(Path(sys.executable).parent / "ray")
+    sets = [s for s in tiny_overrides(tmp_path) if not s.startswith("cache.dir=")]
+    sets += ["cache.dir=auto", *CHEAP]
+    extra = " ".join(shlex.quote(a) for s in sets for a in ("--set", s))
+    python = shlex.quote(sys.executable)
+    (bin_dir / "python").write_text(
+        f'#!/usr/bin/env bash\nif [ "${{1:-}} ${{2:-}}" = "-m workflows" ]; then exec {python} "$@" {extra}; fi\n'
+        f'exec {python} "$@"\n'
+    )
+    (bin_dir / "python").chmod(0o755)
+    env = {
+        "RAY": str(bin_dir / "ray"), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_PORT": str(free_port()), "DASHBOARD_PORT": str(free_port()), "CLIENT_PORT": str(free_port()),
+        "BASE_PORT": str(_base_port(2)), "OBJECT_STORE_MB": "256", "RAY_ADDRESS": "",
+        "RAY_API_SERVER_ADDRESS": "", "WF_TEST_PORT": str(free_port()),
+    }
+    try:
+        blocks = [b for b in readme_blocks() if b.kind == "cluster"]
+        out = "".join(r.stdout + r.stderr for r in (run_block(b, ROOT, bin_dir, env, {}) for b in blocks))
+        assert "registered quickstart:v1" in out and "workflows pipeline: done" in out, out[-4000:]
+        assert "succeeded" in out.lower()
+    finally:  # a failed block leaves the cluster running; the per-node caches go too
+        stop_env = {k: v for k, v in {**os.environ, **env}.items() if v != ""}
+        subprocess.run(["bash", str(ROOT / "cluster" / "local" / "stop.sh"), "--purge"], cwd=ROOT, env=stop_env,
+                       capture_output=True, timeout=300)
