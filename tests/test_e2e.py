@@ -96,16 +96,6 @@ def test_tiny_model_beats_its_majority_baseline(quickstart_run):
     assert ev["rows"] > 0 and 0.0 <= ev["baseline"]["f1"] < ev["weighted"]["f1"] <= 1.0, ev
 
 
-def test_evaluate_in_a_new_process_finds_the_registered_model(quickstart_run, cli, holdout):
-    out = quickstart_run.tmp / "eval.json"
-    res = cli("evaluate", "--model", "quickstart", "--data", str(holdout), "--output", str(out))
-    assert res.returncode == 0, res.stderr[-4000:]
-    metrics = json.loads(out.read_text())
-    assert metrics["rows"] == 4 and set(metrics["per_class"]) == LABELS
-    assert metrics["precision"] == "fp32"
-    assert "weighted" in res.stdout and "majority baseline" in res.stdout
-
-
 def test_evaluate_of_an_unknown_model_fails_in_one_line(cli, holdout):
     res = cli("evaluate", "--model", "nope", "--data", str(holdout))
     assert res.returncode == 2 and "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr

@@ -264,6 +264,10 @@ def test_readme_block_on_a_local_cluster(tmp_path):
         out = "".join(r.stdout + r.stderr for r in (run_block(b, ROOT, bin_dir, env, {}) for b in blocks))
         assert "registered quickstart:v1" in out and "workflows pipeline: done" in out, out[-4000:]
         assert "succeeded" in out.lower()
+        # cache.dir=auto: each node cached the shards it read in its own WORKFLOWS_CACHE_DIR (start.sh),
+        # kept by the block's plain stop.sh
+        cached = {node.name: len(list(node.glob("cache/shards/*.data"))) for node in state.iterdir() if node.is_dir()}
+        assert sum(cached.values()) > 0, cached
     finally:  # a failed block leaves the cluster running; the per-node caches go too
         stop_env = {k: v for k, v in {**os.environ, **env}.items() if v != ""}
         subprocess.run(["bash", str(ROOT / "cluster" / "local" / "stop.sh"), "--purge"], cwd=ROOT, env=stop_env,
