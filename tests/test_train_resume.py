@@ -171,8 +171,23 @@ def test_standalone_loop_under_torchrun(run, tmp_path):
     assert first["world_size"] == 2 and first["train_rows"] == 48 and [h["epoch"] for h in first["history"]] == [0]
     assert len(first["history"][0]["step_losses"]) == 3
 
-    proc = subprocess.run([*standalone, "--resume"], **opts)
+    # resumed, and tracked: rank 0 logs the epochs it trains into a run of its own
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = [a for o in ("tracking.enabled=true", f"tracking.uri={store}", "tracking.step_loss_every=1")
+                for a in ("--set", o)]
+    proc = subprocess.run([*standalone, "--resume", *tracking], **opts)
     assert proc.returncode == 0, proc.stderr[-3000:]
     second = json.loads(out.read_text())
     assert [h["epoch"] for h in second["history"]] == [0, 1] and second["history"][1]["resumed_from_epoch"] == 0
     assert second["history"][1]["global_step"] == 6 and np.isfinite(second["history"][1]["step_losses"]).all()
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    (tracked,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    assert tracked.info.run_name == "train (torchrun)" and tracked.info.status == "FINISHED"
+    assert tracked.data.params["train.strategy"] == "fsdp"
+    f1 = client.get_metric_history(tracked.info.run_id, "val_f1")
+    assert [(m.step, m.value) for m in f1] == [(1, pytest.approx(second["history"][1]["val_f1"]))]
+    steps = client.get_metric_history(tracked.info.run_id, "train_step_loss")
+    assert sorted(m.step for m in steps) == [4, 5, 6]  # epoch 1's optimizer steps

@@ -36,6 +36,7 @@ from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
+from workflows.tracking.client import RunLogger
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, collate, data_seed, epoch_line, run_epochs
 from workflows.train.parallel import exit_rank, world
@@ -175,8 +176,10 @@ def train(
     checkpoint_dir: str | None = None,
     resume: bool = False,
     stop_after_epoch: int | None = None,
+    logger: RunLogger | None = None,
 ) -> dict:
-    """Train on this process's rank; returns the summary (identical on every rank)."""
+    """Train on this process's rank; returns the summary (identical on every rank). `logger`
+    (rank 0's): the MLflow run that each epoch's metrics go to."""
     tc = cfg.train
     lm = cfg.model.task == "causal_lm"
     rank, world_size = world()
@@ -212,6 +215,8 @@ def train(
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         if rank == 0:
             print(f"standalone: {epoch_line(metrics)}", file=sys.stderr, flush=True)
+            if logger is not None:
+                logger.log_epoch(metrics, history[-1].get("step_losses"))
         if checkpoint_dir:
             d = os.path.join(checkpoint_dir, f"epoch_{epoch:04d}")
             os.makedirs(d, exist_ok=True)
@@ -258,6 +263,29 @@ def train(
     }
 
 
+@contextmanager
+def tracked_run(cfg: WorkflowConfig, storage: StorageContext, rank: int) -> Iterator[RunLogger | None]:
+    """Rank 0's MLflow run, `train (torchrun)`, as the Ray path's train run: the config as params,
+    each epoch's metrics; FAILED if training raises. Other ranks, or tracking off: None."""
+    if rank != 0 or not cfg.tracking.enabled:
+        yield None
+        return
+    from workflows.tracking.session import Tracking
+
+    tracking = Tracking(cfg, storage)
+    try:
+        with tracking.stage("train (torchrun)") as run:
+            spec = run.spec()
+            logger = RunLogger(spec) if spec is not None else None
+            try:
+                yield logger
+            finally:
+                if logger is not None:
+                    logger.close(timeout=30)
+    finally:
+        tracking.close(timeout=30)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workflows.train.standalone", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", "-c", default="quickstart")
@@ -278,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         join_torchrun_group(cfg.train.use_gpu and torch.cuda.is_available())
         rank = world()[0]
-        with storage_for(cfg, rank, world_size) as storage:
+        with storage_for(cfg, rank, world_size) as storage, tracked_run(cfg, storage, rank) as logger:
             data = find_dataset(cfg, storage, args.data)
             summary = train(
                 cfg,
@@ -287,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint_dir=args.checkpoint_dir,
                 resume=args.resume,
                 stop_after_epoch=args.stop_after_epoch,
+                logger=logger,
             )
         summary["wall_seconds"] = round(time.time() - PROCESS_START, 3)
         if rank == 0:
