@@ -115,8 +115,10 @@ def run_ui(rt, host: str, port: int, say) -> int:
         say(f"ui: the tracking server serves its own UI: {redact_uri(uri)}")
         return 0
     if not ui_available():
-        say("ui: mlflow-skinny serves the REST API only; for the web pages: "
-            "pip install --no-deps 'mlflow==<the installed mlflow-skinny version>' (README, Experiment tracking)")
+        from importlib.metadata import version
+
+        say("ui: mlflow-skinny serves the REST API only; for the web pages: `make mlflow-ui`, or "
+            f"pip install --no-deps mlflow=={version('mlflow-skinny')} (README, Experiment tracking)")
     proc = subprocess.Popen(server_command(uri, host, port), env=server_env(rt.storage))
     say(f"ui: MLflow on http://{host}:{port} (store {uri}); Ctrl-C to stop")
 
