@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from workflows import console
+from workflows import console, stop
 from workflows.errors import find_user_error
 from workflows.storage.atomic import atomic_write
 
@@ -27,13 +26,15 @@ VerboseOpt = typer.Option(False, "--verbose", "-v", envvar="WORKFLOWS_VERBOSE",
 
 def _run(fn: Callable[[], object]) -> None:
     """User errors in one line (exit 2). Once Ray's output goes to a log file, any failure also
-    shows the log's last lines, and an unexpected exception's traceback goes into the log (exit 1)."""
+    shows the log's last lines, and an unexpected exception's traceback goes into the log (exit 1).
+    SIGTERM/SIGINT: what was started is shut down, one line, exit 143/130 (workflows.stop)."""
+    stop.install()
     try:
         fn()
-    except KeyboardInterrupt:
-        console.echo("interrupted")
-        console.show_log_tail(0)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:
+        log = console.active_log()
+        console.echo(f"stopped by {stop.signal_name(e)}" + (f"; Ray's output is in {log.path}" if log else ""))
+        raise typer.Exit(stop.exit_code(e)) from None
     except typer.Exit:
         raise
     except Exception as e:
@@ -218,27 +219,45 @@ def serve(
         return
 
     def body(rt):
-        from ray import serve as ray_serve
-
+        from workflows.serve import drain
         from workflows.serve.deploy_config import app_name, route_prefixes
 
+        # before the replicas start, so that each finds it (workflows.serve.drain)
+        drainer = drain.create() if block else None
         served = [
             stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
             for spec, prefix in route_prefixes(model).items()
         ]
         rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
-            stop = {"now": False}
-            signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-            say("serve: serving; Ctrl-C to stop")
+            say("serve: serving; Ctrl-C or SIGTERM stops it")
             try:
-                while not stop["now"]:
-                    time.sleep(0.5)
-            except KeyboardInterrupt:
-                pass
-            ray_serve.shutdown()
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt as e:
+                _stop_serving(drainer, e)
 
     _in_runtime("serve", config, set, body, before_ray=_registered(*model), verbose=verbose)
+
+
+def _stop_serving(drainer, signal: KeyboardInterrupt) -> None:
+    """Drain (in-flight requests answered, new ones 503), shut Serve down; Ray stops with the runtime.
+    Exit 0 for Ctrl-C, the usual way to stop a server, 143 for SIGTERM."""
+    from ray import serve as ray_serve
+
+    from workflows.runtime import say
+    from workflows.serve import drain
+
+    t0 = time.time()
+    drained = drain.drain(drainer)
+    ray_serve.shutdown()
+    say(f"serve: stopped by {stop.signal_name(signal)} in {time.time() - t0:.1f}s: "
+        f"{drained['in_flight_answered']} request(s) in flight answered, new ones answered 503 meanwhile"
+        + (f"; not drained first ({drained['error']})" if drained.get("error") else "")
+        + ("" if drained["drained"] == drained["replicas"] else
+           f"; {drained['replicas'] - drained['drained']} replica(s) had not drained after {drained['seconds']}s"))
+    code = stop.exit_code(signal)
+    raise typer.Exit(0 if code == 130 else code)
 
 
 @app.command()

@@ -83,7 +83,9 @@ class CacheConfig(Strict):
 
 
 class RayConfig(Strict):
-    address: str | None = Field(None, description="Ray cluster address; None starts or joins a local one")
+    address: str | None = Field(
+        None, description="Ray cluster address; None starts a local one (RAY_ADDRESS, set by `ray job submit`, wins)"
+    )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a newly started local cluster")
 
 
@@ -299,7 +301,12 @@ class ServeConfig(Strict):
         0.0,
         ge=0,
         description="how long a batch waits to fill once its first instance arrived; 0 batches what queued "
-        "up while the model ran (no idle wait: the model call holds the replica's event loop)",
+        "up while the model ran (no idle wait)",
+    )
+    model_in_thread: bool = Field(
+        True,
+        description="run the model in a thread of the replica: its event loop keeps reading and queueing "
+        "requests while a batch runs (false: the model call holds the loop; docs/BENCHMARKS.md measures both)",
     )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")

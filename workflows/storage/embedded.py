@@ -124,11 +124,8 @@ class EmbeddedS3:
 
     def _release(self) -> None:
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+            self._proc.kill()  # it ignores SIGTERM (s3_server.main); its objects are persisted
+            self._proc.wait(timeout=10)
             self._proc = None
         (self.data_dir / "endpoint.json").unlink(missing_ok=True)
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -233,9 +230,9 @@ def _free_port(host: str) -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent process dies (Linux)."""
+    """In the child, before exec: get SIGKILL when the parent process dies (Linux)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:
         pass
 
