@@ -87,6 +87,11 @@ class RayConfig(Strict):
         None, description="Ray cluster address; None starts a local one (RAY_ADDRESS, set by `ray job submit`, wins)"
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a newly started local cluster")
+    dashboard: bool = Field(
+        True,
+        description="start Ray's dashboard with a local cluster; false: fewer processes for a one-node "
+        "`workflows serve` (train, tune and `bench serve` need it: Ray Train V2 and the state API use it)",
+    )
 
 
 class DataConfig(Strict):

@@ -85,7 +85,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
     # Train V2 gives a worker group 60 s to start; on a busy 2-core machine importing torch in
     # each worker can take longer. Workers of a local cluster inherit this from the driver.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
-    # The dashboard stays on: Ray Train V2 queries actor state through it.
+    # The dashboard stays on unless ray.dashboard=false: Ray Train V2 queries actor state through it.
     kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
@@ -94,13 +94,16 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         # last `ray start` on this machine recorded (anyone's), while saying nothing. RAY_ADDRESS,
         # as `ray job submit` sets it, still wins.
         kwargs["address"] = "local"
-        # A second local cluster on this machine (a test suite, another command) must not lose
-        # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
-        kwargs["dashboard_port"] = _port_or_free(8265)
-        # Ray's state API (Train V2's placement-group cleaner asks it whether a controller is
-        # alive) finds the dashboard by auto-detection, which fails once a machine runs two
-        # clusters: the cleaner then never frees a dead trial's resources. Workers inherit this.
-        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
+        if not cfg.ray.dashboard:
+            kwargs["include_dashboard"] = False
+        else:
+            # A second local cluster on this machine (a test suite, another command) must not lose
+            # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
+            kwargs["dashboard_port"] = _port_or_free(8265)
+            # Ray's state API (Train V2's placement-group cleaner asks it whether a controller is
+            # alive) finds the dashboard by auto-detection, which fails once a machine runs two
+            # clusters: the cleaner then never frees a dead trial's resources. Workers inherit this.
+            os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
         if cfg.ray.num_cpus:
             kwargs["num_cpus"] = cfg.ray.num_cpus
     info = ray.init(**kwargs)
