@@ -214,6 +214,9 @@ def serve(
             typer.echo(
                 f"Serve config for {', '.join(model)} written to {emit_config}; run it with: serve run {emit_config}"
             )
+            if _load(config, set).serve.haproxy:  # a Serve config cannot set the cluster's environment
+                typer.echo("serve.haproxy: start the cluster with RAY_SERVE_ENABLE_HA_PROXY=1 in its environment "
+                           "(cluster/kuberay/rayservice.yaml shows where)")
 
         _run(write)
         return
@@ -250,6 +253,14 @@ def _stop_serving(drainer, signal: KeyboardInterrupt) -> None:
 
     t0 = time.time()
     drained = drain.drain(drainer)
+    # serve.shutdown() waits up to 30 s for Serve's controller, which with HAProxy ingress in Ray 2.60
+    # never reports done (its replicas and HAProxy are stopped by then): give it 15 s (the client's
+    # own timeout; serve.shutdown has none), then Ray's shutdown ends what is left.
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is not None:
+        client.shutdown(timeout_s=15)
     ray_serve.shutdown()
     say(f"serve: stopped by {stop.signal_name(signal)} in {time.time() - t0:.1f}s: "
         f"{drained['in_flight_answered']} request(s) in flight answered, new ones answered 503 meanwhile"

@@ -309,9 +309,17 @@ class ServeConfig(Strict):
         "up while the model ran (no idle wait)",
     )
     model_in_thread: bool = Field(
-        True,
-        description="run the model in a thread of the replica: its event loop keeps reading and queueing "
-        "requests while a batch runs (false: the model call holds the loop; docs/BENCHMARKS.md measures both)",
+        False,
+        description="run the model in a thread of the replica, so that its event loop keeps reading and "
+        "queueing requests while a batch runs; measured slower on 1-CPU replicas (the threads contend for the "
+        "CPU and the GIL: docs/BENCHMARKS.md), hence off; for replicas with more cores or a GPU",
+    )
+    haproxy: bool = Field(
+        False,
+        description="front the replicas with Ray Serve's HAProxy ingress instead of its Python proxy "
+        "(RAY_SERVE_ENABLE_HA_PROXY=1, set for a cluster the command starts; a running cluster needs it in "
+        "its environment). Closest to a plain FastAPI server in docs/BENCHMARKS.md, but replicas then "
+        "listen on all interfaces",
     )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")

@@ -89,11 +89,16 @@ def init_ray(cfg: WorkflowConfig) -> bool:
     kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
+        if cfg.serve.haproxy:
+            warn(f"serve.haproxy: the cluster at {cfg.ray.address} uses HAProxy only if it was started with "
+                 "RAY_SERVE_ENABLE_HA_PROXY=1 in its environment")
     else:
         # "local": a cluster of this command's own. Without it ray.init() joins the cluster that the
         # last `ray start` on this machine recorded (anyone's), while saying nothing. RAY_ADDRESS,
         # as `ray job submit` sets it, still wins.
         kwargs["address"] = "local"
+        if cfg.serve.haproxy:  # read by Serve's processes when they start: the cluster's environment
+            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         if not cfg.ray.dashboard:
             kwargs["include_dashboard"] = False
         else:

@@ -83,6 +83,7 @@ def _measure(rt) -> dict:
         "model": spec,
         "cpus_per_replica": cfg.serve.cpus_per_replica,
         "batch_wait_timeout_s": cfg.serve.batch_wait_timeout_s,
+        "model_in_thread": cfg.serve.model_in_thread,
     }
 
     def deployed(max_batch: int, replicas: int = 1):
@@ -326,8 +327,10 @@ def markdown(r: dict) -> str:
     return f"""## Serving
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs), model {r["model"]}, 1 replica x
-{r["cpus_per_replica"]} CPU, `serve.batch_wait_timeout_s` {r.get("batch_wait_timeout_s", "n/a")}, real HTTP from an
-aiohttp client on the same machine.
+{r["cpus_per_replica"]} CPU, `serve.batch_wait_timeout_s` {r.get("batch_wait_timeout_s", "n/a")},
+`serve.model_in_thread` {r.get("model_in_thread", "n/a")}, real HTTP from an aiohttp client on the same machine.
+The machine may be shared with other work while measured: the Serve-vs-peer figures alternate between the two
+servers point by point so that both see the same load; absolute req/s and ms move with it.
 
 | measure | value | goal |
 | --- | --- | --- |

@@ -56,23 +56,6 @@ def serve_metrics() -> dict:
     return _serve_metrics
 
 
-async def record_request_metrics(request: Request, call_next):
-    """Count every request and time it, tagged with the route template (e.g. /predict,
-    /v1/models/{name}; "other" when no route matched) and the HTTP status ("500" if it raised)."""
-    t0 = time.perf_counter()
-    status = "500"
-    try:
-        response = await call_next(request)
-        status = str(response.status_code)
-        return response
-    finally:
-        route = request.scope.get("route")
-        tags = {"endpoint": getattr(route, "path", None) or "other", "status": status}
-        m = serve_metrics()
-        m["requests"].inc(1, tags=tags)
-        m["latency_ms"].observe((time.perf_counter() - t0) * 1000, tags=tags)
-
-
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": message}, headers=headers)
 
@@ -82,13 +65,39 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
 
 
-async def limit_headers(request: Request, call_next):
-    headers = request.scope.get("headers") or []
-    size = sum(len(k) + len(v) for k, v in headers)
-    if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
-        return _error(431, f"request headers too large: {len(headers)} headers, {size} bytes "
-                           f"(limits {MAX_HEADERS}, {MAX_HEADER_BYTES})")
-    return await call_next(request)
+class RequestGuard:
+    """Plain ASGI middleware (Starlette's @app.middleware("http") costs a task and a stream copy per
+    request): requests with too many or too large headers get 431; every other request is counted
+    and timed, tagged with its route template (e.g. /predict, /v1/models/{name}; "other" when no
+    route matched) and its HTTP status ("500" if it raised)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope.get("headers") or []
+        size = sum(len(k) + len(v) for k, v in headers)
+        if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+            return await _error(431, f"request headers too large: {len(headers)} headers, {size} bytes "
+                                     f"(limits {MAX_HEADERS}, {MAX_HEADER_BYTES})")(scope, receive, send)
+        t0, status = time.perf_counter(), "500"
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            tags = {"endpoint": getattr(route, "path", None) or "other", "status": status}
+            m = serve_metrics()
+            m["requests"].inc(1, tags=tags)
+            m["latency_ms"].observe((time.perf_counter() - t0) * 1000, tags=tags)
 
 
 def bearer_token(sc) -> str | None:
@@ -118,8 +127,7 @@ def build_api(server: "ModelServer") -> FastAPI:
     api = FastAPI(title=f"workflows model server: {card.name} v{card.version}", lifespan=lifespan,
                   description=f"Predictions of registered model {card.name}:{card.version} "
                               f"(labels {', '.join(card.labels)}).")
-    api.middleware("http")(record_request_metrics)
-    api.middleware("http")(limit_headers)  # added last: outermost, before the metrics
+    api.add_middleware(RequestGuard)
 
     @api.post("/predict", response_class=JSONResponse, summary="Predict labels for instances",
               responses={200: {"model": response_model, "description": "one prediction per instance"},
