@@ -61,6 +61,13 @@ ROWS: list[RowSpec] = [
         "hostile HTTP requests to the Ray Serve app: 4xx with a message, and it keeps serving",
     ),
     RowSpec(
+        "serve_openapi_fuzz",
+        "reliability.serve_openapi",
+        False,
+        "schemathesis generates requests from the Serve app's /openapi.json, with and without the token: "
+        "no 5xx, and every answer matches the declared status codes, content type and schema",
+    ),
+    RowSpec(
         "train_worker_kill",
         "reliability.train_kill",
         False,

@@ -83,3 +83,50 @@ def test_verbose_brings_ray_output_back(tmp_path):
     # the actor's traceback as Ray forwards it, and the driver's own traceback, as before
     assert re.search(r"\(MapWorker\(MapBatches\(Tokenize\)\) pid=\d+", res.stderr), res.stderr[-3000:]
     assert "Traceback (most recent call last)" in res.stderr
+
+
+def test_sigterm_stops_a_long_command_in_one_line_and_leaves_no_ray(tmp_path):
+    """SIGTERM to a command mid-run (preprocess, once Ray is up): Ray shut down, one line, exit 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.conftest import ROOT
+
+    rows = tmp_path / "raw" / "rows.jsonl"
+    rows.parent.mkdir()
+    rows.write_text("".join(json.dumps({"text": f"row {i} " + "word " * 40, "label": "ab"[i % 2]}) + "\n"
+                            for i in range(40_000)))  # enough to still be tokenizing when the signal comes
+    overrides = [*tiny_overrides(tmp_path), "data.builtin=null", f"data.source={rows.parent}/"]
+    err = tmp_path / "stderr"
+    with open(err, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "workflows", "preprocess", "--config", str(QUICKSTART),
+                                 *sets(overrides)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=sink,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while "workflows ray: started" not in err.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)
+        ray_procs = psutil.Process(proc.pid).children(recursive=True)
+        assert proc.poll() is None and ray_procs, err.read_text()
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err.read_text()
+    assert rc == 143 and took < 30, (rc, took, text[-3000:])
+    lines = text.splitlines()
+    assert lines[-1].startswith("stopped by SIGTERM; Ray's output is in "), text
+    assert not lines[-2].startswith("stopped"), text  # one line
+    assert "Traceback" not in text
+    time.sleep(2)
+    left = [p for p in ray_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline()[:2] for p in left]

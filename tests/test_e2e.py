@@ -12,7 +12,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
@@ -134,9 +137,16 @@ def test_predict_refuses_an_output_that_is_not_empty(cli, holdout, batch_predict
     assert res.returncode == 2 and "is not empty" in res.stderr
 
 
+@dataclass
+class Serving:
+    base: str
+    proc: subprocess.Popen
+    out: Path
+
+
 @pytest.fixture(scope="module")
-def server(quickstart_run):
-    """`workflows serve` in a new process, bearer-token auth on; its base URL once /healthz answers.
+def serving(quickstart_run):
+    """`workflows serve` in a new process, bearer-token auth on, once /healthz answers.
     It starts its own local Ray, as a user's does: the token reaches the replicas through the
     environment of the cluster's processes, which the session's cluster cannot get afterwards."""
     port = free_port()
@@ -162,9 +172,14 @@ def server(quickstart_run):
             time.sleep(1)
         else:
             pytest.fail(f"serve did not answer /healthz in 300 s:\n{out.read_text()[-4000:]}")
-        yield base
+        yield Serving(base, proc, out)
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(serving) -> str:
+    return serving.base
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -251,3 +266,89 @@ def _read_predictions(overrides, uri) -> dict:
                 frames.append(pd.read_parquet(fh))
     df = pd.concat(frames)
     return {t: (p, float(s)) for t, p, s in zip(df["text"], df["prediction"], df["score"])}
+
+
+def test_openapi_declares_the_typed_contract(server):
+    """/openapi.json: the model's request (its text columns, an example for /docs) and response
+    models, and every error answer as {"error": ...}; a real answer validates against it."""
+    import jsonschema
+
+    spec = requests.get(f"{server}/openapi.json", timeout=10).json()
+    schemas = spec["components"]["schemas"]
+    op = spec["paths"]["/predict"]["post"]
+    body = op["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/PredictRequest"}
+    assert set(body["example"]["instances"][0]) == {"text"}  # what /docs pre-fills
+    assert schemas["Instance"]["properties"]["text"]["type"] == "string"
+    assert schemas["Instance"]["additionalProperties"] is False
+    for code in ("400", "401", "413", "422", "431", "503"):
+        assert op["responses"][code]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}, code
+    assert set(schemas["ErrorResponse"]["required"]) == {"error"}
+    assert set(schemas["Prediction"]["properties"]["label"]["enum"]) == LABELS
+    assert set(schemas["PredictResponse"]["required"]) == {"predictions", "model", "version"}
+
+    def valid(doc, model):
+        jsonschema.validate(doc, {"$ref": f"#/components/schemas/{model}", "components": spec["components"]})
+
+    valid(body["example"], "PredictRequest")
+    r = requests.post(f"{server}/predict", json=body["example"], headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    valid(r.json(), "PredictResponse")
+    bad = requests.post(f"{server}/predict", data=b"{", headers=AUTH, timeout=30)
+    assert bad.status_code == 400
+    valid(bad.json(), "ErrorResponse")
+    with pytest.raises(jsonschema.ValidationError):  # the schema does reject what the server rejects
+        valid({"instances": [{"text": 3}]}, "PredictRequest")
+    assert "swagger" in requests.get(f"{server}/docs", timeout=10).text.lower()
+
+
+def test_sigterm_drains_and_stops_cleanly(serving):
+    """SIGTERM to `workflows serve` under load (the module's last test: it stops the server): every
+    request in flight is answered 200 or 503, none loses its connection; Serve and Ray shut down
+    within 30 s; one line is printed, no traceback; exit 143."""
+    import http.client
+
+    body = json.dumps({"instances": [{"text": "Plot y versus x as lines."}]}).encode()
+    port = int(serving.base.rsplit(":", 1)[1])
+    outcomes: list[tuple[float, object]] = []
+    deadline = time.time() + 120
+
+    def client():  # a keep-alive client that stops once told the server is going (503) or gone
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while time.time() < deadline:
+            t = time.time()
+            try:
+                conn.request("POST", "/predict", body, {**AUTH, "Content-Type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                outcomes.append((t, resp.status))
+                if resp.status != 200:
+                    return
+            except ConnectionRefusedError:  # the port closed before this request: not in flight
+                outcomes.append((t, "refused"))
+                return
+            except (OSError, http.client.HTTPException) as e:
+                outcomes.append((t, type(e).__name__))
+                return
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for th in threads:
+        th.start()
+    time.sleep(2)
+    before = len(outcomes)
+    t0 = time.time()
+    serving.proc.send_signal(signal.SIGTERM)
+    rc = serving.proc.wait(timeout=60)
+    stopped_s = time.time() - t0
+    for th in threads:
+        th.join(timeout=60)
+    log = serving.out.read_text()
+    assert before > 0 and all(s == 200 for _, s in outcomes[:before]), outcomes[:before]
+    assert rc == 143, log[-3000:]
+    assert stopped_s < 30, (stopped_s, log[-3000:])
+    kinds = {s for _, s in outcomes}
+    assert kinds <= {200, 503, "refused"}, outcomes
+    after = log.split("serving; Ctrl-C or SIGTERM stops it\n", 1)[1]
+    assert after.count("\n") == 1 and after.startswith("workflows serve: stopped by SIGTERM in "), after
+    assert "Traceback" not in log

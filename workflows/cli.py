@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from workflows import console
+from workflows import console, stop
 from workflows.errors import find_user_error
 from workflows.storage.atomic import atomic_write
 
@@ -28,13 +27,15 @@ VerboseOpt = typer.Option(False, "--verbose", "-v", envvar="WORKFLOWS_VERBOSE",
 
 def _run(fn: Callable[[], object]) -> None:
     """User errors in one line (exit 2). Once Ray's output goes to a log file, any failure also
-    shows the log's last lines, and an unexpected exception's traceback goes into the log (exit 1)."""
+    shows the log's last lines, and an unexpected exception's traceback goes into the log (exit 1).
+    SIGTERM/SIGINT: what was started is shut down, one line, exit 143/130 (workflows.stop)."""
+    stop.install()
     try:
         fn()
-    except KeyboardInterrupt:
-        console.echo("interrupted")
-        console.show_log_tail(0)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:
+        log = console.active_log()
+        console.echo(f"stopped by {stop.signal_name(e)}" + (f"; Ray's output is in {log.path}" if log else ""))
+        raise typer.Exit(stop.exit_code(e)) from None
     except typer.Exit:
         raise
     except Exception as e:
@@ -234,32 +235,61 @@ def serve(
                 f"Serve config for {', '.join(model)} written to {emit_config}; run it with: {first}"
                 f"serve run {emit_config}"
             )
+            if _load(config, set).serve.haproxy:  # a Serve config cannot set the cluster's environment
+                typer.echo("serve.haproxy: start the cluster with RAY_SERVE_ENABLE_HA_PROXY=1 in its environment "
+                           "(cluster/kuberay/rayservice.yaml shows where)")
 
         _run(write)
         return
 
     def body(rt):
-        from ray import serve as ray_serve
-
+        from workflows.serve import drain
         from workflows.serve.deploy_config import app_name, route_prefixes
 
+        # before the replicas start, so that each finds it (workflows.serve.drain)
+        drainer = drain.create() if block else None
         served = [
             stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
             for spec, prefix in route_prefixes(model).items()
         ]
         rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
-            stop = {"now": False}
-            signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-            say("serve: serving; Ctrl-C to stop")
+            say("serve: serving; Ctrl-C or SIGTERM stops it")
             try:
-                while not stop["now"]:
-                    time.sleep(0.5)
-            except KeyboardInterrupt:
-                pass
-            ray_serve.shutdown()
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt as e:
+                _stop_serving(drainer, e)
 
     _in_runtime("serve", config, set, body, before_ray=_registered(*model), verbose=verbose)
+
+
+def _stop_serving(drainer, signal: KeyboardInterrupt) -> None:
+    """Drain (in-flight requests answered, new ones 503), shut Serve down; Ray stops with the runtime.
+    Exit 0 for Ctrl-C, the usual way to stop a server, 143 for SIGTERM."""
+    from ray import serve as ray_serve
+
+    from workflows.runtime import say
+    from workflows.serve import drain
+
+    t0 = time.time()
+    drained = drain.drain(drainer)
+    # serve.shutdown() waits up to 30 s for Serve's controller, which with HAProxy ingress in Ray 2.60
+    # never reports done (its replicas and HAProxy are stopped by then): give it 15 s (the client's
+    # own timeout; serve.shutdown has none), then Ray's shutdown ends what is left.
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is not None:
+        client.shutdown(timeout_s=15)
+    ray_serve.shutdown()
+    say(f"serve: stopped by {stop.signal_name(signal)} in {time.time() - t0:.1f}s: "
+        f"{drained['in_flight_answered']} request(s) in flight answered, new ones answered 503 meanwhile"
+        + (f"; not drained first ({drained['error']})" if drained.get("error") else "")
+        + ("" if drained["drained"] == drained["replicas"] else
+           f"; {drained['replicas'] - drained['drained']} replica(s) had not drained after {drained['seconds']}s"))
+    code = stop.exit_code(signal)
+    raise typer.Exit(0 if code == 130 else code)
 
 
 @app.command()
@@ -268,30 +298,9 @@ def store(config: str = ConfigOpt, set: list[str] | None = SetOpt):
     command (`serve run` of an emitted config, a notebook); commands meanwhile use it."""
 
     def go():
-        from workflows.errors import UserError
-        from workflows.storage.embedded import EmbeddedS3
+        from workflows.storage.embedded import keep_up
 
-        cfg = _load(config, set)
-        e = cfg.storage.embedded
-        if not e.enabled:
-            raise UserError(f"storage.embedded.enabled is false: the store is {cfg.storage.root}, nothing to start")
-        with EmbeddedS3(e.data_dir, e.host, e.port) as s3:
-            if not s3.owner:
-                raise UserError(f"the embedded store in {s3.data_dir} already runs at {s3.endpoint_url}")
-            s3.ensure_bucket(cfg.storage.root.split("://", 1)[-1].split("/", 1)[0])
-            stop = {"now": False}
-            signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-            console.echo(f"store: embedded S3 endpoint {s3.endpoint_url} (data in {s3.data_dir}); Ctrl-C to stop")
-            last = time.time()
-            try:
-                while not stop["now"]:
-                    time.sleep(0.5)
-                    if time.time() - last > 60:  # what others wrote survives a crash of this process
-                        s3.persist()
-                        last = time.time()
-            except KeyboardInterrupt:
-                pass
-        console.echo(f"store: stopped; data persisted in {s3.data_dir}")
+        keep_up(_load(config, set), console.echo)
 
     _run(go)
 

@@ -85,8 +85,15 @@ class CacheConfig(Strict):
 
 
 class RayConfig(Strict):
-    address: str | None = Field(None, description="Ray cluster address; None starts or joins a local one")
+    address: str | None = Field(
+        None, description="Ray cluster address; None starts a local one (RAY_ADDRESS, set by `ray job submit`, wins)"
+    )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a newly started local cluster")
+    dashboard: bool = Field(
+        True,
+        description="start Ray's dashboard with a local cluster; false: fewer processes for a one-node "
+        "`workflows serve` (train, tune and `bench serve` need it: Ray Train V2 and the state API use it)",
+    )
 
 
 class DataConfig(Strict):
@@ -307,7 +314,20 @@ class ServeConfig(Strict):
         0.0,
         ge=0,
         description="how long a batch waits to fill once its first instance arrived; 0 batches what queued "
-        "up while the model ran (no idle wait: the model call holds the replica's event loop)",
+        "up while the model ran (no idle wait)",
+    )
+    model_in_thread: bool = Field(
+        False,
+        description="run the model in a thread of the replica, so that its event loop keeps reading and "
+        "queueing requests while a batch runs; measured slower on 1-CPU replicas (the threads contend for the "
+        "CPU and the GIL: docs/BENCHMARKS.md), hence off; for replicas with more cores or a GPU",
+    )
+    haproxy: bool = Field(
+        False,
+        description="front the replicas with Ray Serve's HAProxy ingress instead of its Python proxy "
+        "(RAY_SERVE_ENABLE_HA_PROXY=1, set for a cluster the command starts; a running cluster needs it in "
+        "its environment). Closest to a plain FastAPI server in docs/BENCHMARKS.md, but replicas then "
+        "listen on all interfaces",
     )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")

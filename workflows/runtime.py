@@ -74,30 +74,46 @@ def _buckets(cfg: WorkflowConfig) -> set[str]:
     return {u.split("://", 1)[1].split("/", 1)[0] for u in uris if protocol_of(u) in ("s3", "s3a")}
 
 
-def init_ray(cfg: WorkflowConfig) -> None:
+def init_ray(cfg: WorkflowConfig) -> bool:
+    """Start or join Ray; False if this process had already (then it is not ours to shut down)."""
     import ray
 
+    from workflows import stop
+
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     # Train V2 gives a worker group 60 s to start; on a busy 2-core machine importing torch in
     # each worker can take longer. Workers of a local cluster inherit this from the driver.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
-    # The dashboard stays on: Ray Train V2 queries actor state through it.
+    # The dashboard stays on unless ray.dashboard=false: Ray Train V2 queries actor state through it.
     kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
+        if cfg.serve.haproxy:
+            warn(f"serve.haproxy: the cluster at {cfg.ray.address} uses HAProxy only if it was started with "
+                 "RAY_SERVE_ENABLE_HA_PROXY=1 in its environment")
     else:
-        # A second local cluster on this machine (a test suite, another command) must not lose
-        # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
-        kwargs["dashboard_port"] = _port_or_free(8265)
-        # Ray's state API (Train V2's placement-group cleaner asks it whether a controller is
-        # alive) finds the dashboard by auto-detection, which fails once a machine runs two
-        # clusters: the cleaner then never frees a dead trial's resources. Workers inherit this.
-        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
+        # "local": a cluster of this command's own. Without it ray.init() joins the cluster that the
+        # last `ray start` on this machine recorded (anyone's), while saying nothing. RAY_ADDRESS,
+        # as `ray job submit` sets it, still wins.
+        kwargs["address"] = "local"
+        if cfg.serve.haproxy:  # read by Serve's processes when they start: the cluster's environment
+            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        if not cfg.ray.dashboard:
+            kwargs["include_dashboard"] = False
+        else:
+            # A second local cluster on this machine (a test suite, another command) must not lose
+            # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
+            kwargs["dashboard_port"] = _port_or_free(8265)
+            # Ray's state API (Train V2's placement-group cleaner asks it whether a controller is
+            # alive) finds the dashboard by auto-detection, which fails once a machine runs two
+            # clusters: the cleaner then never frees a dead trial's resources. Workers inherit this.
+            os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
         if cfg.ray.num_cpus:
             kwargs["num_cpus"] = cfg.ray.num_cpus
     info = ray.init(**kwargs)
+    stop.install()  # ray.init replaced the SIGTERM handler with one that exits wherever it lands
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -108,6 +124,7 @@ def init_ray(cfg: WorkflowConfig) -> None:
         f"dashboard {_http(info.dashboard_url) if info.dashboard_url else 'off'}"
     )
     _warn_missing_gpus(cfg, resources.get("GPU", 0))
+    return True
 
 
 def _http(url: str) -> str:
@@ -144,7 +161,7 @@ def runtime(
     """The object store (embedded endpoint if configured), then Ray. `before_ray(storage)` runs in
     between: checks that need only the store (a model that is not registered, an output that is
     not empty) fail in a second instead of after Ray has started."""
-    embedded = None
+    embedded, started_ray = None, False
     if cfg.storage.embedded.enabled:
         e = cfg.storage.embedded
         embedded = EmbeddedS3(e.data_dir, e.host, e.port)
@@ -164,10 +181,14 @@ def runtime(
 
             tracking = Tracking(cfg, storage, warn)  # opens the store while Ray starts
         if ray_needed:
-            init_ray(cfg)
+            started_ray = init_ray(cfg)
         yield Runtime(cfg, storage, embedded, tracking=tracking)
     finally:
         if tracking is not None:
             tracking.close()  # before the embedded endpoint stops: artifacts may still be uploading
+        if started_ray:  # now, not at interpreter exit: a stopped command's Ray is gone when it exits
+            import ray
+
+            ray.shutdown()
         if embedded is not None:
             embedded.stop()

@@ -1,13 +1,18 @@
-"""Serving: dynamic batching, HTTP overhead, int8 and bf16, a 10k-request load and a replica killed under load.
+"""Serving: Serve against a plain FastAPI peer, dynamic batching, HTTP overhead, int8 and bf16, a 10k-request
+load and a replica killed under load.
 
 Measures the model `make demo` registered (`quickstart`, latest version; `--set` or a config to
 use another store), over real HTTP to Ray Serve on this machine, with the same CPU budget for
 every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the replica-kill run):
 
+- serve_vs_peer_throughput / p50_over_peer_ms: the batched deployment against a plain FastAPI app
+  under uvicorn in one process (workflows.bench.serve_peer: same Predictor and threads, an
+  equivalent micro-batcher), same client and rows, alternating: req/s at concurrency 32, Serve /
+  peer (goal >= 0.9), and p50 at concurrency 1, Serve − peer (goal <= 3 ms).
 - batched_vs_unbatched_throughput: requests/s at concurrency 32 with @serve.batch
-  (max_batch_size 32) over the same deployment with max_batch_size 1. Goal >= 4.
+  (max_batch_size 32) over the same deployment with max_batch_size 1 (the 4x goal moved to GPUs).
 - p50_overhead_ms: p50 latency over HTTP at concurrency 1 minus the p50 of the same row through
-  the predictor in this process. Goal <= 5 ms. Beside it, healthz_p50_ms: the p50 of GET /healthz,
+  the predictor in this process. Beside it, healthz_p50_ms: the p50 of GET /healthz,
   the same request path with no model call, the floor of that overhead on this machine.
 - int8_speedup / int8_f1_delta: dynamic int8 quantization vs fp32, in-process throughput on
   batches of 32, and weighted F1 on the model's held-out split (fp32 minus int8). bf16_speedup /
@@ -39,9 +44,11 @@ from workflows.errors import UserError
 MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
 PLOT = Path("docs/images/serve_latency_throughput.png")
 PRECISIONS = ("fp32", "int8", "bf16")  # fp32 first: the others are compared with it
+# The peer comparison replaced the goals of batched >= 4x unbatched and p50 overhead <= 5 ms over
+# the in-process call, both bound by the CPU on 2 cores (issue 20); they are still measured.
 GOALS = {
-    "batched_vs_unbatched_throughput": 4.0,
-    "p50_overhead_ms": 5.0,
+    "serve_vs_peer_throughput": 0.9,
+    "p50_over_peer_ms": 3.0,
     "load_errors": 0,
     "replica_kill_failed_fraction": 0.01,
     "replica_kill_recovery_s": 30.0,
@@ -76,6 +83,7 @@ def _measure(rt) -> dict:
         "model": spec,
         "cpus_per_replica": cfg.serve.cpus_per_replica,
         "batch_wait_timeout_s": cfg.serve.batch_wait_timeout_s,
+        "model_in_thread": cfg.serve.model_in_thread,
     }
 
     def deployed(max_batch: int, replicas: int = 1):
@@ -92,6 +100,9 @@ def _measure(rt) -> dict:
     out["healthz_p50_ms"] = round(get_p50_ms(f"{url}/healthz", 220), 2)
     load_10k = load(url, rows, LOAD_REQUESTS, 64)
     out["load_10k"] = load_10k
+    out["peer"] = _peer(rt, spec, url, rows)
+    out["serve_vs_peer_throughput"] = out["peer"]["serve_vs_peer_throughput"]
+    out["p50_over_peer_ms"] = out["peer"]["p50_over_peer_ms"]
     serve.delete("bench")
     # unbatched, same budget
     url = deployed(1)
@@ -115,9 +126,9 @@ def _measure(rt) -> dict:
     out["plot"] = str(PLOT)
     out["goals"] = GOALS
     out["goals_met"] = {
-        "batched_vs_unbatched_throughput": out["batched_vs_unbatched_throughput"]
-        >= GOALS["batched_vs_unbatched_throughput"],
-        "p50_overhead_ms": out["p50_overhead_ms"] <= GOALS["p50_overhead_ms"],
+        "serve_vs_peer_throughput": (out["serve_vs_peer_throughput"] or 0) >= GOALS["serve_vs_peer_throughput"],
+        "p50_over_peer_ms": (out["p50_over_peer_ms"] if out["p50_over_peer_ms"] is not None else 1e9)
+        <= GOALS["p50_over_peer_ms"],
         "load_errors": load_10k["errors"] == 0,
         "replica_kill_failed_fraction": out["replica_kill"]["failed_fraction"] < GOALS["replica_kill_failed_fraction"],
         "replica_kill_recovery_s": (out["replica_kill"]["recovery_s"] or 1e9) < GOALS["replica_kill_recovery_s"],
@@ -128,6 +139,21 @@ def _measure(rt) -> dict:
         and out["autoscaling"]["scaled_down_s"] is not None,
     }
     return out
+
+
+def _peer(rt, spec: str, url: str, rows: list[dict]) -> dict:
+    """The deployment against the plain FastAPI peer (workflows.bench.serve_peer): same Predictor,
+    threads, batch size, client and rows, alternating point by point."""
+    from workflows import registry
+    from workflows.bench.serve_levers import _free_port, compare
+    from workflows.bench.serve_peer import Peer
+
+    model_dir, _ = registry.fetch(rt.cfg, rt.storage, spec)
+    log = Path(rt.cfg.output_dir) / rt.cfg.name / "logs" / "bench-serve-peer.log"
+    threads = max(1, int(rt.cfg.serve.cpus_per_replica))
+    text_rows = [{k: v for k, v in r.items() if k != "label"} for r in rows]
+    with Peer(model_dir, _free_port(), threads, 32, spec, log) as peer:
+        return compare(url, peer.url, text_rows)
 
 
 def _test_rows(rt, spec: str, n: int) -> list[dict]:
@@ -269,6 +295,21 @@ def _bf16_rows(r: dict) -> str:
     )
 
 
+def _peer_rows(r: dict) -> str:
+    p = r.get("peer")
+    if not p:
+        return "| Serve vs the plain FastAPI peer | not measured in this run | |"
+    s, q = p["serve"], p["peer"]
+    return (
+        f"| `serve_vs_peer_throughput`: req/s at concurrency 32, Serve / the plain FastAPI peer (medians of "
+        f"{p['reps']} alternating runs) | {p['serve_vs_peer_throughput']} ({s['32']['rps']:.0f} vs "
+        f"{q['32']['rps']:.0f} req/s) | >= {GOALS['serve_vs_peer_throughput']} "
+        f"({_mark(r, 'serve_vs_peer_throughput')}) |\n"
+        f"| `p50_over_peer_ms`: p50 at concurrency 1, Serve − peer | {p['p50_over_peer_ms']} ms ({s['1']['p50_ms']} vs "
+        f"{q['1']['p50_ms']} ms) | <= {GOALS['p50_over_peer_ms']} ({_mark(r, 'p50_over_peer_ms')}) |"
+    )
+
+
 def _mark(r: dict, goal: str) -> str:
     return "met" if r["goals_met"].get(goal) else "**not met**"
 
@@ -286,14 +327,17 @@ def markdown(r: dict) -> str:
     return f"""## Serving
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs), model {r["model"]}, 1 replica x
-{r["cpus_per_replica"]} CPU, `serve.batch_wait_timeout_s` {r.get("batch_wait_timeout_s", "n/a")}, real HTTP from an
-aiohttp client on the same machine.
+{r["cpus_per_replica"]} CPU, `serve.batch_wait_timeout_s` {r.get("batch_wait_timeout_s", "n/a")},
+`serve.model_in_thread` {r.get("model_in_thread", "n/a")}, real HTTP from an aiohttp client on the same machine.
+The machine may be shared with other work while measured: the Serve-vs-peer figures alternate between the two
+servers point by point so that both see the same load; absolute req/s and ms move with it.
 
 | measure | value | goal |
 | --- | --- | --- |
-| `batched_vs_unbatched_throughput` at concurrency 32 | {r["batched_vs_unbatched_throughput"]}x ({c32["rps"]:.0f} vs {r["unbatched_c32"]["rps"]:.0f} req/s) | >= 4 ({mark("batched_vs_unbatched_throughput")}) |
+{_peer_rows(r)}
+| `batched_vs_unbatched_throughput` at concurrency 32 | {r["batched_vs_unbatched_throughput"]}x ({c32["rps"]:.0f} vs {r["unbatched_c32"]["rps"]:.0f} req/s) | (the 4x goal moved to the GPU) |
 | ceiling: the predictor alone, batches of 32 vs single rows (no HTTP) | {r.get("inprocess_batched_vs_unbatched", "n/a")}x ({r.get("inprocess_rows_per_s_batch32", "n/a")} vs {r.get("inprocess_rows_per_s_batch1", "n/a")} rows/s) | |
-| `p50_overhead_ms` (HTTP p50 at concurrency 1 − in-process predictor p50 {r["direct_p50_ms"]} ms) | {r["p50_overhead_ms"]} ms | <= 5 ({mark("p50_overhead_ms")}) |
+| `p50_overhead_ms` (HTTP p50 at concurrency 1 − in-process predictor p50 {r["direct_p50_ms"]} ms) | {r["p50_overhead_ms"]} ms | |
 | floor: `GET /healthz` p50 at concurrency 1 (proxy, replica, FastAPI; no model, no batching) | {r.get("healthz_p50_ms", "n/a")} ms | |
 | `int8_speedup` (in-process, batches of 32) | {r["int8_speedup"]}x ({r["int8_rows_per_s"]:.0f} vs {r["fp32_rows_per_s"]:.0f} rows/s) | |
 | `int8_f1_delta` (fp32 − int8 weighted F1, held-out split) | {r["int8_f1_delta"]} ({r["fp32_f1"]} vs {r["int8_f1"]}) | |

@@ -23,11 +23,15 @@ def replica_kill(deployed, rows: list[dict]) -> dict:
     runner = threading.Thread(target=lambda: result.update(load(url, rows, n, 64, record=record)))
     runner.start()
     time.sleep(5)
-    replicas = [
-        a
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-        if a.class_name.startswith("ServeReplica:bench")
-    ]
+    replicas: list = []
+    deadline = time.time() + 120  # the state API can lag on a busy machine
+    while len(replicas) < 2 and time.time() < deadline:
+        replicas = [
+            a
+            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name.startswith("ServeReplica:bench")
+        ]
+        time.sleep(0.5)
     killed_at = time.perf_counter()
     os.kill(replicas[0].pid, signal.SIGKILL)
     recovery = None

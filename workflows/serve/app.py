@@ -1,7 +1,12 @@
 """Ray Serve application: FastAPI ingress, dynamic batching, the shared predictor.
 
-POST /predict  {"instances": [{<text columns>}]} -> {"predictions": [{"label", "score", "probabilities"}]}
-GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json)
+POST /predict  {"instances": [{<text columns>}]} -> {"predictions": [{"label", "score", "probabilities"}],
+                                                      "model", "version"}
+GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json: the typed contract of
+workflows.serve.contract)
+
+Each replica builds its FastAPI app after loading the model (`__serve_build_asgi_app__`), so the
+OpenAPI document declares that model's request and response models.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` annotation.
@@ -10,19 +15,20 @@ import hmac
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import ValidationError
 from ray import serve
 
 from workflows.config import WorkflowConfig
+from workflows.serve.contract import ErrorResponse, error_responses, instance_model, predict_models, with_request_body
 from workflows.storage.uri import StorageContext
 
 MAX_BODY_BYTES = 1 << 20
-
-api = FastAPI(title="workflows model server", description="Predictions from a registered model.")
 
 # Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on
 # first use inside a replica, so Serve adds its deployment/replica/application tags.
@@ -50,39 +56,8 @@ def serve_metrics() -> dict:
     return _serve_metrics
 
 
-@api.middleware("http")
-async def record_request_metrics(request: Request, call_next):
-    """Count every request and time it, tagged with the route template (e.g. /predict,
-    /v1/models/{name}; "other" when no route matched) and the HTTP status ("500" if it raised)."""
-    t0 = time.perf_counter()
-    status = "500"
-    try:
-        response = await call_next(request)
-        status = str(response.status_code)
-        return response
-    finally:
-        route = request.scope.get("route")
-        tags = {"endpoint": getattr(route, "path", None) or "other", "status": status}
-        m = serve_metrics()
-        m["requests"].inc(1, tags=tags)
-        m["latency_ms"].observe((time.perf_counter() - t0) * 1000, tags=tags)
-
-
-def instance_model(text_columns: list[str]) -> type[BaseModel]:
-    """Pydantic model of one instance: the model's text columns, strings, nothing else."""
-    fields: dict[str, Any] = {c: (str, Field(..., max_length=100_000)) for c in text_columns}
-
-    def not_all_empty(self):
-        if not any(str(getattr(self, c)).strip() for c in text_columns):
-            raise ValueError(f"all text fields are empty ({', '.join(text_columns)})")
-        return self
-
-    return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True),
-                        __validators__={"not_all_empty": model_validator(mode="after")(not_all_empty)}, **fields)
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": message})
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": message}, headers=headers)
 
 
 # Serve's HTTP proxy sets no limit on request headers; these are what common front proxies allow.
@@ -90,14 +65,39 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100
 
 
-@api.middleware("http")
-async def limit_headers(request: Request, call_next):
-    headers = request.scope.get("headers") or []
-    size = sum(len(k) + len(v) for k, v in headers)
-    if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
-        return _error(431, f"request headers too large: {len(headers)} headers, {size} bytes "
-                           f"(limits {MAX_HEADERS}, {MAX_HEADER_BYTES})")
-    return await call_next(request)
+class RequestGuard:
+    """Plain ASGI middleware (Starlette's @app.middleware("http") costs a task and a stream copy per
+    request): requests with too many or too large headers get 431; every other request is counted
+    and timed, tagged with its route template (e.g. /predict, /v1/models/{name}; "other" when no
+    route matched) and its HTTP status ("500" if it raised)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope.get("headers") or []
+        size = sum(len(k) + len(v) for k, v in headers)
+        if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+            return await _error(431, f"request headers too large: {len(headers)} headers, {size} bytes "
+                                     f"(limits {MAX_HEADERS}, {MAX_HEADER_BYTES})")(scope, receive, send)
+        t0, status = time.perf_counter(), "500"
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            tags = {"endpoint": getattr(route, "path", None) or "other", "status": status}
+            m = serve_metrics()
+            m["requests"].inc(1, tags=tags)
+            m["latency_ms"].observe((time.perf_counter() - t0) * 1000, tags=tags)
 
 
 def bearer_token(sc) -> str | None:
@@ -112,8 +112,60 @@ def bearer_token(sc) -> str | None:
     return token
 
 
+def build_api(server: "ModelServer") -> FastAPI:
+    """The replica's FastAPI app: routes that call `server`, the model's typed contract in OpenAPI."""
+    card = server.card
+    request_model, response_model = predict_models(card, server.max_instances)
+    @asynccontextmanager
+    async def lifespan(_):
+        from workflows.serve.drain import watch
+
+        task = asyncio.create_task(watch(server, serve.get_replica_context().replica_id.unique_id))
+        yield
+        task.cancel()
+
+    api = FastAPI(title=f"workflows model server: {card.name} v{card.version}", lifespan=lifespan,
+                  description=f"Predictions of registered model {card.name}:{card.version} "
+                              f"(labels {', '.join(card.labels)}).")
+    api.add_middleware(RequestGuard)
+
+    @api.post("/predict", response_class=JSONResponse, summary="Predict labels for instances",
+              responses={200: {"model": response_model, "description": "one prediction per instance"},
+                         **error_responses(400, 401, 413, 422, 431, 503)})
+    async def predict(request: Request):
+        return await server.predict(request)
+
+    @api.get("/healthz", summary="Readiness: the model is loaded and the server is not stopping",
+             responses=error_responses(503))
+    async def healthz():
+        if server.stopping:
+            return server.stopping_response()
+        return {"status": "ok", "model": card.name, "version": card.version}
+
+    @api.get("/v1/models/{name}", summary="The served model's card: labels, columns, metrics, lineage",
+             responses={404: {"model": ErrorResponse, "description": "another model's name"},
+                        **error_responses(401, 431)})
+    async def model_info(name: str, request: Request):
+        if (denied := server._denied(request)) is not None:
+            return denied
+        if name != card.name:
+            return _error(404, f"model {name!r} is not served here")
+        keep = ("name", "version", "labels", "text_columns", "metrics", "lineage", "registered_at")
+        return {k: getattr(card, k) for k in keep}
+
+    generated = api.openapi
+
+    def openapi() -> dict:
+        if api.openapi_schema is None:
+            api.openapi_schema = with_request_body(generated(), "/predict", request_model)
+        return api.openapi_schema
+
+    api.openapi = openapi
+    return api
+
+
 @serve.deployment
-@serve.ingress(api)
+@serve.ingress()
 class ModelServer:
     def __init__(self, cfg: dict, model_spec: str):
         from workflows import registry
@@ -131,29 +183,31 @@ class ModelServer:
         self.max_instances = self.cfg.serve.max_instances
         self._predict_batch.set_max_batch_size(self.cfg.serve.max_batch_size)
         self._predict_batch.set_batch_wait_timeout_s(self.cfg.serve.batch_wait_timeout_s)
+        self.stopping, self.in_flight = False, 0  # workflows.serve.drain
+        # one thread: batches run one at a time, as @serve.batch hands them out
+        self._model_thread = ThreadPoolExecutor(1, "model") if self.cfg.serve.model_in_thread else None
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)  # both set from the config in __init__
     async def _predict_batch(self, rows: list[dict]) -> list[dict]:
         serve_metrics()["batch_size"].observe(len(rows))
-        return self.predictor.predict(rows)
+        if self._model_thread is None:
+            return self.predictor.predict(rows)
+        # torch releases the GIL: the loop parses and queues the next requests meanwhile
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, self.predictor.predict, rows)
 
     def _denied(self, request: Request) -> JSONResponse | None:
         if self.token is None:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
-            return JSONResponse(
-                status_code=401,
-                content={"error": "missing or wrong bearer token"},
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
         return None
 
-    @api.post("/predict")
-    async def predict(self, request: Request):
-        if (denied := self._denied(request)) is not None:
-            return denied
-        body = await request.body()
+    def validate_body(self, body: bytes) -> list[dict] | JSONResponse:
+        """The instances of a /predict body as rows, or the 4xx answer (rules and messages are the contract)."""
         if len(body) > MAX_BODY_BYTES:
             return _error(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
         try:
@@ -177,21 +231,26 @@ class ModelServer:
                 err = e.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
                 return _error(422, f"instances[{i}]{'.' + where if where else ''}: {err['msg']}")
-        predictions = await asyncio.gather(*(self._predict_batch(r) for r in rows))
-        return {"predictions": predictions, "model": self.card.name, "version": self.card.version}
+        return rows
 
-    @api.get("/healthz")
-    async def healthz(self):
-        return {"status": "ok", "model": self.card.name, "version": self.card.version}
+    def stopping_response(self) -> JSONResponse:
+        # Connection: close makes the client drop its keep-alive connection before the proxy goes.
+        return _error(503, "the server is shutting down", {"Connection": "close", "Retry-After": "5"})
 
-    @api.get("/v1/models/{name}")
-    async def model_info(self, name: str, request: Request):
-        if (denied := self._denied(request)) is not None:
-            return denied
-        if name != self.card.name:
-            raise HTTPException(status_code=404, detail=f"model {name!r} is not served here")
-        keep = ("name", "version", "labels", "text_columns", "metrics", "lineage", "registered_at")
-        return {k: getattr(self.card, k) for k in keep}
+    async def predict(self, request: Request) -> JSONResponse:
+        if self.stopping:
+            return self.stopping_response()
+        self.in_flight += 1
+        try:
+            if (denied := self._denied(request)) is not None:
+                return denied
+            rows = self.validate_body(await request.body())
+            if isinstance(rows, JSONResponse):
+                return rows
+            predictions = await asyncio.gather(*(self._predict_batch(r) for r in rows))
+            return JSONResponse({"predictions": predictions, "model": self.card.name, "version": self.card.version})
+        finally:
+            self.in_flight -= 1
 
 
 def deployment_options(sc) -> dict:

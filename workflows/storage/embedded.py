@@ -131,11 +131,8 @@ class EmbeddedS3:
 
     def _release(self) -> None:
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+            self._proc.kill()  # it ignores SIGTERM (s3_server.main); its objects are persisted
+            self._proc.wait(timeout=10)
             self._proc = None
         (self.data_dir / "endpoint.json").unlink(missing_ok=True)
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -254,11 +251,36 @@ def _free_port(host: str) -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent process dies (Linux)."""
+    """In the child, before exec: get SIGKILL when the parent process dies (Linux)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:
         pass
 
 
 __all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic", "running_endpoint"]
+
+
+def keep_up(cfg, say) -> None:
+    """`workflows store`: the config's embedded endpoint until Ctrl-C or SIGTERM (workflows.stop
+    turns both into KeyboardInterrupt), persisting every minute; other commands meanwhile use it."""
+    from workflows.errors import UserError
+
+    e = cfg.storage.embedded
+    if not e.enabled:
+        raise UserError(f"storage.embedded.enabled is false: the store is {cfg.storage.root}, nothing to start")
+    with EmbeddedS3(e.data_dir, e.host, e.port) as s3:
+        if not s3.owner:
+            raise UserError(f"the embedded store in {s3.data_dir} already runs at {s3.endpoint_url}")
+        s3.ensure_bucket(cfg.storage.root.split("://", 1)[-1].split("/", 1)[0])
+        say(f"store: embedded S3 endpoint {s3.endpoint_url} (data in {s3.data_dir}); Ctrl-C to stop")
+        last = time.time()
+        try:
+            while True:
+                time.sleep(0.5)
+                if time.time() - last > 60:  # what others wrote survives a crash of this process
+                    s3.persist()
+                    last = time.time()
+        except KeyboardInterrupt:
+            pass
+    say(f"store: stopped; data persisted in {s3.data_dir}")

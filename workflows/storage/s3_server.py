@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import threading
 from collections import defaultdict
 
@@ -80,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-p", "--port", type=int, required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("MOTO_PORT", str(args.port))  # moto builds some URLs from it
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    # Ctrl-C reaches the terminal's whole process group: the command that started this server
-    # still persists the store through it, then stops it with SIGTERM
+    # Its parent persists the objects, then kills it (and PR_SET_PDEATHSIG kills it with the parent):
+    # a Ctrl-C or SIGTERM to the whole process group or cgroup must not end it before that.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     app = TrafficCounter(DomainDispatcherApplication(create_backend_app))
     run_simple(args.host, args.port, app, threaded=True, request_handler=MotoRequestHandler)

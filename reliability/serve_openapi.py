@@ -1,0 +1,126 @@
+"""serve_openapi_fuzz: a schema-driven fuzzer (schemathesis) against the Serve app's own
+/openapi.json. It generates requests from the declared contract (valid ones, and ones that break
+it: wrong types, missing fields, extra keys, boundary sizes) to every operation, with and without
+the bearer token, and checks each answer: no 5xx, a status code the document declares, the
+declared content type, a body that validates against the declared response schema.
+
+The app is deployed as serve_hostile_inputs deploys it (an untrained head on the packaged MiniLM,
+1 replica, bearer token on). `injected` = requests sent; `failed` = distinct failures schemathesis
+reports (a 5xx, or a response that breaks the schema); `lost` = requests answered 2xx without the
+token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from reliability import make_row
+from reliability.serve_hostile import AUTH, TOKEN, TOKEN_ENV, _register_untrained, _wait_healthy
+
+CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+MAX_EXAMPLES = 40
+
+
+def serve_openapi_fuzz(workdir: Path, seed: int = 0) -> dict:
+    import ray
+    from ray import serve
+
+    from reliability.secrets import ROOT
+    from tests.helpers import tiny_overrides
+    from workflows.config import load_config
+    from workflows.runtime import runtime
+    from workflows.serve.app import deploy
+
+    workdir = Path(workdir)
+    t_start = time.time()
+    os.environ[TOKEN_ENV] = TOKEN  # before Ray starts: replicas inherit the environment
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
+        *tiny_overrides(workdir), f"serve.auth_token_env={TOKEN_ENV}", "serve.num_replicas=1",
+        "serve.max_batch_size=16", "ray.num_cpus=2"])
+    runs = {}
+    with runtime(cfg) as rt:
+        spec = _register_untrained(rt, workdir)
+        url = deploy(rt.cfg, spec, name="reliability-openapi")
+        _wait_healthy(rt.cfg.serve.host, rt.cfg.serve.port)
+        for name, headers in (("with token", [f"Authorization: {AUTH['Authorization']}"]), ("without token", [])):
+            runs[name] = _schemathesis(url, headers, workdir / name.replace(" ", "-"), seed)
+        serve.delete("reliability-openapi")
+        serve.shutdown()
+    ray.shutdown()
+
+    sent = sum(r["requests"] for r in runs.values())
+    failures = [f"{name}: {f}" for name, r in runs.items() for f in r["failures"]]
+    unauthorized_2xx = runs["without token"]["guarded_2xx"]
+    detail = (f"schemathesis {_version()} on {url}/openapi.json (model {spec}, bearer token on), checks {CHECKS}, "
+              f"up to {MAX_EXAMPLES} examples per operation and phase, seed {seed}: "
+              + "; ".join(f"{name}: {r['requests']} requests, answers {r['by_status']}, "
+                          f"{len(r['failures'])} failure(s)" for name, r in runs.items()))
+    if failures:
+        detail += "; e.g. " + " | ".join(failures[:5])
+    return make_row(
+        "serve_openapi_fuzz",
+        injected=sent,
+        survived=sent - len(failures),
+        failed=len(failures),
+        allowed_failures=0,
+        lost=unauthorized_2xx,
+        detail=detail,
+        seconds=round(time.time() - t_start, 1),
+        failures=failures,
+        runs=runs,
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("schemathesis")
+
+
+def _schemathesis(url: str, headers: list[str], out: Path, seed: int) -> dict:
+    """One `schemathesis run` (in a new process, its CLI as a user runs it); its NDJSON events read back."""
+    out.mkdir(parents=True, exist_ok=True)
+    events = out / "events.ndjson"
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", CHECKS,
+           "--max-examples", str(MAX_EXAMPLES), "--seed", str(seed), "--generation-deterministic",
+           "--phases", "examples,coverage,fuzzing", "--report", "ndjson", "--report-ndjson-path", str(events),
+           "--no-color", *[a for h in headers for a in ("-H", h)]]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=out)
+    statuses: dict[str, int] = {}
+    guarded_2xx = 0  # 2xx answers from an operation that needs the token (all but /healthz)
+    failures: set[str] = set()
+    for line in events.read_text().splitlines() if events.exists() else []:
+        finished = json.loads(line).get("ScenarioFinished")
+        if not finished:
+            continue
+        rec = finished["recorder"]
+        for inter in rec.get("interactions", {}).values():
+            code = (inter.get("response") or {}).get("status_code")
+            if code is None:  # no answer at all: a dropped connection or a timeout
+                failures.add(f"{rec['label']}: no response")
+                continue
+            statuses[str(code)] = statuses.get(str(code), 0) + 1
+            guarded_2xx += 200 <= code < 300 and "/healthz" not in rec["label"]
+        for case_id, checks in rec.get("checks", {}).items():
+            for c in checks:
+                if c.get("status") == "failure":
+                    code = (rec.get("interactions", {}).get(case_id, {}).get("response") or {}).get("status_code")
+                    failures.add(f"{rec['label']}: {c['name']} (status {code})")
+    requests = sum(statuses.values())
+    if res.returncode not in (0, 1) or not requests:  # 1: failures found (reported above)
+        failures.add(f"schemathesis exited {res.returncode}: {(res.stdout + res.stderr)[-500:]}")
+    return {"requests": requests, "by_status": _by_class(statuses), "statuses": statuses, "guarded_2xx": guarded_2xx,
+            "failures": sorted(failures), "exit_code": res.returncode, "summary": res.stdout[-1500:]}
+
+
+def _by_class(statuses: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for code, n in statuses.items():
+        k = f"{code[0]}xx"
+        out[k] = out.get(k, 0) + n
+    return out

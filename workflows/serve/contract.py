@@ -1,0 +1,93 @@
+"""The HTTP contract of a served model: pydantic request and response models built from its card,
+declared in the OpenAPI document (/openapi.json, /docs) with every error the app answers.
+
+The app still parses and validates bodies itself (workflows.serve.app.validate_body): its status
+codes and messages (400 for bad JSON, 413 for too many instances, 422 naming the bad field) are
+part of the contract too, and FastAPI's own body validation would answer 422 with another shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+MAX_TEXT_CHARS = 100_000
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(..., description="what was wrong with the request, in one line")
+
+
+# Every error the predict route can answer, each {"error": ...}.
+ERRORS = {
+    400: "the body is not valid JSON",
+    401: "missing or wrong bearer token (when serve.auth_token_env is set)",
+    413: "the body is over 1 MiB, or more instances than serve.max_instances",
+    422: "the body is JSON, but not an object {\"instances\": [...]} of valid instances",
+    431: "request headers too large or too many",
+    503: "the server is shutting down (it answers the requests it holds, then stops)",
+}
+
+
+def instance_model(text_columns: list[str]) -> type[BaseModel]:
+    """One instance: the model's text columns, strings, nothing else; not all of them blank."""
+    fields: dict[str, Any] = {c: (str, Field(..., max_length=MAX_TEXT_CHARS)) for c in text_columns}
+
+    def not_all_empty(self):
+        if not any(str(getattr(self, c)).strip() for c in text_columns):
+            raise ValueError(f"all text fields are empty ({', '.join(text_columns)})")
+        return self
+
+    return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True),
+                        __validators__={"not_all_empty": model_validator(mode="after")(not_all_empty)}, **fields)
+
+
+def example_instance(text_columns: list[str]) -> dict[str, str]:
+    return {c: "Return the mean of the array elements along the given axis." for c in text_columns}
+
+
+def predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(PredictRequest, PredictResponse) for the model `card` describes."""
+    instance = instance_model(card.text_columns)
+    request = create_model(
+        "PredictRequest",
+        __config__=ConfigDict(extra="forbid", json_schema_extra={
+            "examples": [{"instances": [example_instance(card.text_columns)]}]}),
+        instances=(list[instance], Field(..., min_length=1, max_length=max_instances)),
+    )
+    label = Literal[tuple(card.labels)]  # type: ignore[valid-type]
+    prediction = create_model(
+        "Prediction",
+        label=(label, Field(..., description="the most probable label")),
+        score=(float, Field(..., ge=0, le=1, description="its probability")),
+        probabilities=(dict[label, float], Field(..., description="every label's probability")),
+    )
+    response = create_model(
+        "PredictResponse",
+        predictions=(list[prediction], Field(..., description="one per instance, in order")),
+        model=(Literal[card.name], ...),  # type: ignore[valid-type]
+        version=(int, Field(..., ge=1)),
+    )
+    return request, response
+
+
+def error_responses(*codes: int) -> dict[int | str, dict]:
+    return {code: {"model": ErrorResponse, "description": ERRORS[code]} for code in codes}
+
+
+def with_request_body(openapi: dict, path: str, model: type[BaseModel]) -> dict:
+    """Declare `model` as the JSON body of POST `path` in a FastAPI-generated OpenAPI document."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = openapi.setdefault("components", {}).setdefault("schemas", {})
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+    op = openapi["paths"][path]["post"]
+    op["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"},
+            "example": schema["examples"][0],
+        }},
+    }
+    return openapi
