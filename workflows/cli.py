@@ -254,7 +254,7 @@ def serve(
         ]
         rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
-            say("serve: serving; Ctrl-C or SIGTERM stops it")
+            say("serve: serving; Ctrl-C to stop (SIGTERM too)")
             try:
                 while True:
                     time.sleep(3600)
