@@ -183,6 +183,7 @@ def test_readme_blocks_on_the_embedded_store(quickstart_run, workdir):
     # one request to `workflows serve`, one to `serve run` of the emitted config
     assert out.count('{"predictions":[{"label":') == 2, out[-3000:]
     assert "quickstart: v1" in out and "registered tickets:v1" in out
+    assert "recommended: " in out  # workflows plan
     # `evaluate --split test` scored the rows the pipeline held out, and wrote the confusion matrix
     ev = json.loads((work / "eval.json").read_text())
     held_out = quickstart_run.summary("pipeline")["evaluate"]
