@@ -8,6 +8,7 @@ The same class serves the driver (which creates the runs) and the processes wher
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -130,6 +131,10 @@ class Tracker:
         check_reachable(self.uri, self._create)
         from mlflow import MlflowClient
 
+        # MLflow's SQLite store logs its table creation and migrations at INFO on the terminal;
+        # the platform's terminal shows its own lines only (a failure still warns, once)
+        for name in ("mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         return MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
 
     @staticmethod
