@@ -180,7 +180,7 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
             registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
             rt.persist()
         tracking.log_evaluation(run, f"{card.name}:v{card.version}", metrics,
-                                Path(rt.cfg.output_dir) / rt.cfg.name / "evaluation")
+                                Path(rt.cfg.output_dir) / rt.cfg.name / "evaluation", png)
     return metrics
 
 

@@ -92,9 +92,9 @@ def log_registered(run: Run, ref) -> None:
                   "registered_model.uri": ref.uri})
 
 
-def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path) -> None:
+def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path, confusion_png: Path | None = None) -> None:
     """Weighted and per-class scores as metrics; the report (per-class P/R/F1) and the confusion
-    matrix as JSON and PNG artifacts."""
+    matrix as JSON and PNG (`confusion_png`: the one evaluate wrote) artifacts."""
     flat = {"accuracy": metrics.get("accuracy"), "rows": metrics.get("rows"),
             **{f"weighted_{k}": v for k, v in metrics.get("weighted", {}).items()},
             **{f"baseline_{k}": v for k, v in metrics.get("baseline", {}).items() if k != "majority_label"}}
@@ -107,9 +107,7 @@ def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = atomic_write(out / "evaluation.json", json.dumps(metrics, indent=2, default=str))
     files = [report]
-    if metrics.get("confusion_matrix", {}).get("matrix"):  # evaluate's own JSON and PNG of it
-        from workflows.evaluate import plot_confusion
-
+    if metrics.get("confusion_matrix", {}).get("matrix"):  # evaluate's own matrix and PNG of it
         files += [atomic_write(out / "confusion_matrix.json", json.dumps(metrics["confusion_matrix"], indent=2)),
-                  plot_confusion(metrics, out / "confusion_matrix.png")]
+                  confusion_png]
     run.log_files(files, "evaluation")
