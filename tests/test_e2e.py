@@ -220,6 +220,20 @@ def test_serve_in_a_new_process_health_and_bearer_auth(server):
         assert p["score"] == max(p["probabilities"].values())
 
 
+def test_serve_listens_through_haproxy_where_installed(serving):
+    """serve.haproxy=auto: HAProxy itself holds the port where its binary is installed (Linux CI)."""
+    import psutil
+
+    from workflows.serve.ingress import haproxy_binary
+
+    port = int(serving.base.rsplit(":", 1)[1])
+    listeners = [c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+    assert len(set(listeners)) == 1, listeners
+    expected = "haproxy" if haproxy_binary() else "ray::ProxyActor"
+    assert psutil.Process(listeners[0]).name().startswith(expected[:15])  # names are cut at 15 characters
+    assert ("behind HAProxy" if haproxy_binary() else "behind Serve's Python proxy") in serving.out.read_text()
+
+
 def test_served_predictions_equal_the_batch_ones(batch_predictions, server):
     """No train/serve skew: served predictions equal the batch (offline) ones for the same rows."""
     _, _, offline = batch_predictions

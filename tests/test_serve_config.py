@@ -69,3 +69,38 @@ def test_routes_and_bad_settings_are_clear():
         load_config(QUICKSTART, ["serve.autoscaling.min_replicas=5", "serve.autoscaling.max_replicas=2"])
     with pytest.raises(UserError, match="serve.precision"):
         load_config(QUICKSTART, ["serve.precision=fp8"])
+
+
+def test_haproxy_auto_follows_the_binary_and_true_insists(tmp_path, monkeypatch):
+    from workflows.serve import ingress
+
+    fake = tmp_path / "haproxy"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    auto, on, off = (load_config(QUICKSTART, [f"serve.haproxy={v}"]).serve for v in ("auto", "true", "false"))
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(fake))
+    assert ingress.use_haproxy(auto) and ingress.use_haproxy(on) and not ingress.use_haproxy(off)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "missing"))
+    assert not ingress.use_haproxy(auto) and not ingress.use_haproxy(off)
+    with pytest.raises(UserError, match="serve.haproxy=true, but no HAProxy binary"):
+        ingress.use_haproxy(on)
+    with pytest.raises(UserError, match="serve.haproxy"):
+        load_config(QUICKSTART, ["serve.haproxy=sometimes"])
+
+
+def test_each_cluster_gets_its_own_haproxy_ports_and_the_env_is_scoped(monkeypatch):
+    import os
+
+    from workflows.serve import ingress
+
+    assert ingress.cluster_env(False) == {}
+    a, b = ingress.cluster_env(True), ingress.cluster_env(True)
+    assert a["RAY_SERVE_HAPROXY_STATS_PORT"] != a["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    assert a["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")  # the user's own choice stays
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_METRICS_PORT", raising=False)
+    with ingress.scoped_env(b):
+        assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+        assert os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] == b["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    assert "RAY_SERVE_HAPROXY_METRICS_PORT" not in os.environ  # later commands choose their own
+    assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"

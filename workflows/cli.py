@@ -235,9 +235,9 @@ def serve(
                 f"Serve config for {', '.join(model)} written to {emit_config}; run it with: {first}"
                 f"serve run {emit_config}"
             )
-            if _load(config, set).serve.haproxy:  # a Serve config cannot set the cluster's environment
-                typer.echo("serve.haproxy: start the cluster with RAY_SERVE_ENABLE_HA_PROXY=1 in its environment "
-                           "(cluster/kuberay/rayservice.yaml shows where)")
+            if cfg.serve.haproxy is not False:  # a Serve config cannot set the cluster's environment
+                typer.echo("serve.haproxy: for HAProxy ingress, start the cluster with RAY_SERVE_ENABLE_HA_PROXY=1 "
+                           "in its environment (cluster/kuberay/rayservice.yaml does)")
 
         _run(write)
         return

@@ -322,12 +322,17 @@ class ServeConfig(Strict):
         "queueing requests while a batch runs; measured slower on 1-CPU replicas (the threads contend for the "
         "CPU and the GIL: docs/BENCHMARKS.md), hence off; for replicas with more cores or a GPU",
     )
-    haproxy: bool = Field(
-        False,
-        description="front the replicas with Ray Serve's HAProxy ingress instead of its Python proxy "
-        "(RAY_SERVE_ENABLE_HA_PROXY=1, set for a cluster the command starts; a running cluster needs it in "
-        "its environment). Closest to a plain FastAPI server in docs/BENCHMARKS.md, but replicas then "
-        "listen on all interfaces",
+    haproxy: bool | Literal["auto"] = Field(
+        "auto",
+        description="front the replicas with Ray Serve's HAProxy ingress instead of its Python proxy, on a "
+        "cluster the command starts (a running cluster needs RAY_SERVE_ENABLE_HA_PROXY=1 in its environment): "
+        "auto where the binary is installed (ray[serve] brings it on Linux), true to insist, false for the "
+        "Python proxy; HAProxy measured as fast as a plain FastAPI server in docs/BENCHMARKS.md",
+    )
+    access_log: bool = Field(
+        True,
+        description="log a line per request in the proxy and the replica (Ray Serve's access log, in "
+        "/tmp/ray/session_latest/logs/serve/); false measured faster in docs/BENCHMARKS.md",
     )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")

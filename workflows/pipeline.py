@@ -203,6 +203,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
                 app_name: str | None = None) -> dict:
     import requests
 
+    from workflows.serve import ingress
     from workflows.serve.app import bearer_token, deploy
 
     ref = registry.resolve(rt.cfg, rt.storage, model_spec)
@@ -211,7 +212,8 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     t0 = time.time()
     url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
     deploy_seconds = time.time() - t0
-    say(f"serve: {url}/predict is up (docs at {url}/docs)")
+    front = ingress.describe(rt.cfg)
+    say(f"serve: {url}/predict is up behind {front} (docs at {url}/docs)")
     token = bearer_token(rt.cfg.serve)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     sent = []
@@ -222,7 +224,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
         text = " ".join(str(v) for v in row.values())
         say(f"serve:   POST /predict {text[:70]!r} -> {pred['label']} ({pred['score']:.2f})")
         sent.append({"instance": row, "prediction": pred})
-    return {"url": url, "model": spec, "requests": sent, "deploy_seconds": round(deploy_seconds, 2)}
+    return {"url": url, "model": spec, "ingress": front, "requests": sent, "deploy_seconds": round(deploy_seconds, 2)}
 
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:

@@ -79,6 +79,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
     import ray
 
     from workflows import stop
+    from workflows.serve import ingress
 
     if ray.is_initialized():
         return False
@@ -88,9 +89,10 @@ def init_ray(cfg: WorkflowConfig) -> bool:
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
     # The dashboard stays on unless ray.dashboard=false: Ray Train V2 queries actor state through it.
     kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
+    cluster_env: dict[str, str] = {}
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
-        if cfg.serve.haproxy:
+        if cfg.serve.haproxy is True:
             warn(f"serve.haproxy: the cluster at {cfg.ray.address} uses HAProxy only if it was started with "
                  "RAY_SERVE_ENABLE_HA_PROXY=1 in its environment")
     else:
@@ -98,8 +100,10 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         # last `ray start` on this machine recorded (anyone's), while saying nothing. RAY_ADDRESS,
         # as `ray job submit` sets it, still wins.
         kwargs["address"] = "local"
-        if cfg.serve.haproxy:  # read by Serve's processes when they start: the cluster's environment
-            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        # Read by Serve's processes as they start (the cluster's environment) and by serve.run here.
+        haproxy = ingress.use_haproxy(cfg.serve)
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if haproxy else "0"
+        cluster_env = ingress.cluster_env(haproxy)
         if not cfg.ray.dashboard:
             kwargs["include_dashboard"] = False
         else:
@@ -112,7 +116,8 @@ def init_ray(cfg: WorkflowConfig) -> bool:
             os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
         if cfg.ray.num_cpus:
             kwargs["num_cpus"] = cfg.ray.num_cpus
-    info = ray.init(**kwargs)
+    with ingress.scoped_env(cluster_env):
+        info = ray.init(**kwargs)
     stop.install()  # ray.init replaced the SIGTERM handler with one that exits wherever it lands
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False

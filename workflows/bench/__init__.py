@@ -33,10 +33,13 @@ def run_benchmark(name: str, config: str | None, overrides: list[str], argv: lis
         raise UserError(f"--tag {tag!r}: lower-case letters, digits and '-' (it names a file)")
     key = f"{name}-{tag}" if tag else name
     module = importlib.import_module(BENCHMARKS[name])
+    load_before = round(os.getloadavg()[0], 2)  # a busy machine shifts absolute figures (not ratios)
     result = module.run(config, overrides)
     command = "workflows " + " ".join(shlex.quote(a) for a in argv[1:])
+    load = {"before": load_before, "after_15min": round(os.getloadavg()[2], 2)}
     result = {"benchmark": name, "tag": tag, "command": command,
-              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), **result}
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {**machine(), "load_average": load}, **result}
     results_dir, doc = Path(results_dir), Path(doc)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{key}.json"

@@ -23,13 +23,16 @@ from workflows.bench.serve_load import load
 
 POINTS = ((1, 60), (32, 320))  # (concurrency, requests) per rep: short runs, many reps, against drift
 
-# (name, what it changes, environment, --set overrides); the default row first after the baseline
+# (name, what it changes, environment, --set overrides); the default row first
 LEVERS = [
+    ("HAProxy ingress (default)", "serve.haproxy=auto: HAProxy where its binary is installed (Linux)", {}, []),
+    ("Python proxy", "serve.haproxy=false: Serve's proxy actor in front of the replicas", {},
+     ["serve.haproxy=false"]),
+    ("Python proxy + gRPC proxy -> replica", "serve.haproxy=false, RAY_SERVE_USE_GRPC_BY_DEFAULT=1",
+     {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}, ["serve.haproxy=false"]),
     ("model call in a thread", "serve.model_in_thread=true", {}, ["serve.model_in_thread=true"]),
-    ("model call on the replica's event loop (default)", "serve.model_in_thread=false", {}, []),
-    ("+ gRPC proxy -> replica", "RAY_SERVE_USE_GRPC_BY_DEFAULT=1", {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}, []),
-    ("HAProxy ingress", "serve.haproxy=true (RAY_SERVE_ENABLE_HA_PROXY=1; replicas listen on all interfaces)", {},
-     ["serve.haproxy=true"]),
+    ("access log off", "serve.access_log=false (no line per request in the proxy and replica logs)", {},
+     ["serve.access_log=false"]),
     ("throughput-optimized", "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (gRPC, direct ingress, no separate user loop)",
      {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, []),
     ("fewer Ray processes", "ray.dashboard=false (no dashboard process)", {}, ["ray.dashboard=false"]),
@@ -169,6 +172,13 @@ def lever_rows(levers_: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _load(machine: dict) -> str:
+    load = machine.get("load_average")
+    if load is None:  # results stored before the load was recorded
+        return "**shared with other work while measured**"
+    return f"load average {load['before']} before, {load['after_15min']} over the last 15 min of the run"
+
+
 def markdown(r: dict) -> str:
     def met(key, ok):
         return "met" if ok else "**not met**"
@@ -176,9 +186,8 @@ def markdown(r: dict) -> str:
     ratio, over = r["serve_vs_peer_throughput"], r["p50_over_peer_ms"]
     return f"""## Serving: Ray Serve against a plain FastAPI peer, lever by lever
 
-`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, **shared with other work while measured**:
-figures are medians of {r["levers"][0].get("reps", "n/a")} alternating runs, and only the ratios within a row
-mean much), model {r["model"]}, 1 replica x {r["cpus_per_replica"]} CPU, batches of at most {r["max_batch_size"]}.
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {_load(r["machine"])}; figures are medians
+of {r["levers"][0].get("reps", "n/a")} alternating runs, and the ratios within a row mean more than absolute times), model {r["model"]}, 1 replica x {r["cpus_per_replica"]} CPU, batches of at most {r["max_batch_size"]}.
 Each row is `workflows serve` started afresh with that setting, driven by the same aiohttp client as the peer
 (`workflows/bench/serve_peer.py`: FastAPI + uvicorn, one process, the same Predictor and threads, an asyncio
 micro-batcher), both alternating point by point; the last column is its SIGTERM stop. The peer is one process;

@@ -262,12 +262,18 @@ def deployment_options(sc) -> dict:
         },
         # Serve's default of 5 ongoing requests would silently cap batches below max_batch_size.
         "max_ongoing_requests": max(2 * sc.max_batch_size, 32),
+        "logging_config": logging_config(sc),
     }
     if sc.autoscaling is not None:
         opts["autoscaling_config"] = sc.autoscaling.model_dump()
     else:
         opts["num_replicas"] = sc.num_replicas
     return opts
+
+
+def logging_config(sc) -> dict:
+    """Serve's logging for the replicas and (through serve.start) the proxy."""
+    return {"enable_access_log": sc.access_log}
 
 
 def application(cfg: WorkflowConfig, model_spec: str) -> serve.Application:
@@ -307,7 +313,7 @@ def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
 def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
     """Deploy the model on the running Ray cluster; returns the base URL."""
     sc = cfg.serve
-    serve.start(http_options={"host": sc.host, "port": sc.port})
+    serve.start(http_options={"host": sc.host, "port": sc.port}, logging_config=logging_config(sc))
     serve.run(
         application(cfg, model_spec),
         name=name or f"model-{model_spec.split(':')[0]}",

