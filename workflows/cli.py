@@ -274,9 +274,9 @@ def _stop_serving(drainer, signal: KeyboardInterrupt) -> None:
 
     t0 = time.time()
     drained = drain.drain(drainer)
-    # serve.shutdown() waits up to 30 s for Serve's controller, which with HAProxy ingress in Ray 2.60
-    # never reports done (its replicas and HAProxy are stopped by then): give it 15 s (the client's
-    # own timeout; serve.shutdown has none), then Ray's shutdown ends what is left.
+    # serve.shutdown() waits for Serve's controller, which behind HAProxy waits for each replica's
+    # deregistration window (Ray's 30 s on a cluster we joined, 2 s on ours: workflows.serve.ingress):
+    # give it 15 s (the client's own timeout; serve.shutdown has none), then Ray's shutdown ends the rest.
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)

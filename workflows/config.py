@@ -332,7 +332,7 @@ class ServeConfig(Strict):
     access_log: bool = Field(
         True,
         description="log a line per request in the proxy and the replica (Ray Serve's access log, in "
-        "/tmp/ray/session_latest/logs/serve/); false measured faster in docs/BENCHMARKS.md",
+        "/tmp/ray/session_latest/logs/serve/); turning it off saved no measurable time (docs/BENCHMARKS.md)",
     )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")

@@ -70,6 +70,7 @@ def _measure(rt) -> dict:
     from ray import serve
 
     from workflows import registry
+    from workflows.serve import ingress
     from workflows.serve.app import deploy
 
     cfg, ctx = rt.cfg, rt.storage
@@ -84,6 +85,7 @@ def _measure(rt) -> dict:
         "cpus_per_replica": cfg.serve.cpus_per_replica,
         "batch_wait_timeout_s": cfg.serve.batch_wait_timeout_s,
         "model_in_thread": cfg.serve.model_in_thread,
+        "ingress": ingress.describe(cfg),
     }
 
     def deployed(max_batch: int, replicas: int = 1):
@@ -328,7 +330,7 @@ def markdown(r: dict) -> str:
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs), model {r["model"]}, 1 replica x
 {r["cpus_per_replica"]} CPU, `serve.batch_wait_timeout_s` {r.get("batch_wait_timeout_s", "n/a")},
-`serve.model_in_thread` {r.get("model_in_thread", "n/a")}, real HTTP from an aiohttp client on the same machine.
+`serve.model_in_thread` {r.get("model_in_thread", "n/a")}, behind {r.get("ingress", "n/a")}, real HTTP from an aiohttp client on the same machine.
 The machine may be shared with other work while measured: the Serve-vs-peer figures alternate between the two
 servers point by point so that both see the same load; absolute req/s and ms move with it.
 
@@ -338,7 +340,7 @@ servers point by point so that both see the same load; absolute req/s and ms mov
 | `batched_vs_unbatched_throughput` at concurrency 32 | {r["batched_vs_unbatched_throughput"]}x ({c32["rps"]:.0f} vs {r["unbatched_c32"]["rps"]:.0f} req/s) | (the 4x goal moved to the GPU) |
 | ceiling: the predictor alone, batches of 32 vs single rows (no HTTP) | {r.get("inprocess_batched_vs_unbatched", "n/a")}x ({r.get("inprocess_rows_per_s_batch32", "n/a")} vs {r.get("inprocess_rows_per_s_batch1", "n/a")} rows/s) | |
 | `p50_overhead_ms` (HTTP p50 at concurrency 1 − in-process predictor p50 {r["direct_p50_ms"]} ms) | {r["p50_overhead_ms"]} ms | |
-| floor: `GET /healthz` p50 at concurrency 1 (proxy, replica, FastAPI; no model, no batching) | {r.get("healthz_p50_ms", "n/a")} ms | |
+| floor: `GET /healthz` p50 at concurrency 1 (ingress, replica, FastAPI; no model, no batching) | {r.get("healthz_p50_ms", "n/a")} ms | |
 | `int8_speedup` (in-process, batches of 32) | {r["int8_speedup"]}x ({r["int8_rows_per_s"]:.0f} vs {r["fp32_rows_per_s"]:.0f} rows/s) | |
 | `int8_f1_delta` (fp32 − int8 weighted F1, held-out split) | {r["int8_f1_delta"]} ({r["fp32_f1"]} vs {r["int8_f1"]}) | |
 {_bf16_rows(r)}
