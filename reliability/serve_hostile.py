@@ -40,6 +40,7 @@ def serve_hostile_inputs(workdir: Path, seed: int = 0) -> dict:
     from tests.helpers import tiny_overrides
     from workflows.config import load_config
     from workflows.runtime import runtime
+    from workflows.serve import ingress
     from workflows.serve.app import deploy
 
     workdir = Path(workdir)
@@ -54,6 +55,7 @@ def serve_hostile_inputs(workdir: Path, seed: int = 0) -> dict:
     with runtime(cfg) as rt:
         spec = _register_untrained(rt, workdir)
         url = deploy(rt.cfg, spec, name="reliability-hostile")
+        front = ingress.describe(rt.cfg)
         host, port = rt.cfg.serve.host, rt.cfg.serve.port
         _wait_healthy(host, port)
         deployed_s = time.time() - t_start
@@ -85,7 +87,8 @@ def serve_hostile_inputs(workdir: Path, seed: int = 0) -> dict:
         detail = (f"DEPLOY BROKEN: Serve's @serve.ingress froze ModelServer (cloudpickled by value) when app.py was "
                   f"imported, before these module globals were defined: {frozen}; every replica raises NameError in "
                   f"__init__. Measured below with the missing names copied into the frozen globals by this harness. ")
-    detail += (f"{len(outcomes)} hostile requests to {url} (model {spec}, untrained head, 1 replica, bearer token on; "
+    detail += (f"{len(outcomes)} hostile requests to {url} behind {front} (model {spec}, untrained head, 1 replica, "
+              f"bearer token on; "
               f"deployed in {deployed_s:.0f}s): {survived} answered 4xx with a message"
               + (f", {len(failed_cases)} not: {by_kind}" if failed_cases else "")
               + f"; still serving: {health['ok']}/{health['checks']} valid requests between them answered 200; "

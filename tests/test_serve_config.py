@@ -97,6 +97,9 @@ def test_each_cluster_gets_its_own_haproxy_ports_and_the_env_is_scoped(monkeypat
     a, b = ingress.cluster_env(True), ingress.cluster_env(True)
     assert a["RAY_SERVE_HAPROXY_STATS_PORT"] != a["RAY_SERVE_HAPROXY_METRICS_PORT"]
     assert a["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
+    files = os.path.dirname(a["RAY_SERVE_HAPROXY_SOCKET_PATH"])  # the admin socket: this user's only
+    assert os.stat(files).st_mode & 0o777 == 0o700 and files != os.path.dirname(b["RAY_SERVE_HAPROXY_SOCKET_PATH"])
+    assert len(a["RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"]) + 57 <= 97  # Ray adds "/<node id>"; HAProxy's limit
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")  # the user's own choice stays
     monkeypatch.delenv("RAY_SERVE_HAPROXY_METRICS_PORT", raising=False)
     with ingress.scoped_env(b):

