@@ -231,7 +231,11 @@ def test_serve_listens_through_haproxy_where_installed(serving):
     assert len(set(listeners)) == 1, listeners
     expected = "haproxy" if haproxy_binary() else "ray::ProxyActor"
     assert psutil.Process(listeners[0]).name().startswith(expected[:15])  # names are cut at 15 characters
-    assert ("behind HAProxy" if haproxy_binary() else "behind Serve's Python proxy") in serving.out.read_text()
+    said = "behind HAProxy" if haproxy_binary() else "behind Serve's Python proxy"
+    deadline = time.time() + 120  # /healthz may answer before the command prints that it is up
+    while said not in serving.out.read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    assert said in serving.out.read_text()
 
 
 def test_served_predictions_equal_the_batch_ones(batch_predictions, server):
