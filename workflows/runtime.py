@@ -103,7 +103,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         # Read by Serve's processes as they start (the cluster's environment) and by serve.run here.
         haproxy = ingress.use_haproxy(cfg.serve)
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if haproxy else "0"
-        cluster_env = ingress.cluster_env(haproxy)
+        cluster_env = ingress.cluster_env(haproxy and not os.environ.get("RAY_ADDRESS"))  # else: not ours
         if not cfg.ray.dashboard:
             kwargs["include_dashboard"] = False
         else:
