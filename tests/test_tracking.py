@@ -222,6 +222,11 @@ def test_params_hold_no_secrets():
     assert params["tracking.uri"] == "http://***@mlflow.example:5000"
     assert params["storage.endpoint_url"] == "http://***@minio:9000"
     assert not [v for v in params.values() if "s3cret" in v or "pass@" in v]
+    assert params["preprocess.tokenizer"] == "minilm"  # "token" inside a word is no secret
+    assert params["serve.auth_token_env"] == "None"  # names a variable, holds no secret
+    from workflows.tracking.session import secret_key
+
+    assert secret_key("x.auth_token") and secret_key("aws_secret_access_key") and not secret_key("x.tokenizer")
 
 
 def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp_path):

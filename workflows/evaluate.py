@@ -28,7 +28,7 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
                       for i, lab in enumerate(labels)},
         # matrix[i][j]: rows of true label i predicted as label j
         "confusion_matrix": {"labels": labels,
-                             "matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist() if y_true else []},
+                             "matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist()},
     }
 
 

@@ -121,7 +121,7 @@ class Tracker:
             try:
                 if client is None:
                     client = self._connect()
-                fut.set_result(self._retry_locked(fn, client))
+                fut.set_result(fn(client))
             except Exception as e:  # any failure of the tracking side: one warning, then off
                 self.fail(e)
                 fut.set_result(None)
@@ -135,18 +135,7 @@ class Tracker:
         # the platform's terminal shows its own lines only (a failure still warns, once)
         for name in ("mlflow", "alembic"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        return MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
-
-    @staticmethod
-    def _retry_locked(fn, client):
-        # SQLite: the driver, tune trials and rank 0 may write at the same moment
-        for attempt in range(3):
-            try:
-                return fn(client)
-            except Exception as e:
-                if "database is locked" not in str(e) or attempt == 2:
-                    raise
-                time.sleep(0.5 * (attempt + 1))
+        return _RetryLocked(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri))
 
     def fail(self, e: BaseException) -> None:
         if not self.off:
@@ -166,6 +155,31 @@ class Tracker:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout)
+
+
+class _RetryLocked:
+    """The client, each of whose calls is retried while SQLite reports the database locked (the
+    driver, tune trials and rank 0 may write at the same moment). Per call, not per queued function:
+    a function that creates a run and then logs to it must not create a second run on a retry."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            for attempt in range(3):
+                try:
+                    return attr(*args, **kwargs)
+                except Exception as e:
+                    if "database is locked" not in str(e) or attempt == 2:
+                        raise
+                    time.sleep(0.5 * (attempt + 1))
+
+        return call
 
 
 def now_ms() -> int:
@@ -204,15 +218,11 @@ class RunLogger:
             self.tracker.call(lambda c: self._create(c, **child))
 
     def _create(self, client, name: str, tags: dict[str, Any], params: dict[str, str]) -> None:
-        from mlflow.entities import Param
-
         run_tags = {**dict(self.spec.tags), **{k: str(v) for k, v in tags.items() if v is not None},
                     "mlflow.parentRunId": self.spec.run_id}
         run = client.create_run(self.spec.experiment_id, start_time=now_ms(), tags=run_tags, run_name=name)
         self.run_id = run.info.run_id
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), 100):  # MLflow's limit per batch
-            client.log_batch(self.run_id, params=items[i:i + 100])
+        log_params(client, self.run_id, params)
 
     def child_spec(self, timeout: float = 120) -> TrackingSpec | None:
         """For rank 0 of a Train run to log into the child run (waits for its creation)."""
@@ -241,6 +251,14 @@ def log_metrics(client, run_id: str, rows: list[tuple[str, float, int]], ts: int
     metrics = [Metric(k, v, ts, step) for k, v, step in rows]
     for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
+
+
+def log_params(client, run_id: str, params: dict[str, Any]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)) for k, v in params.items()]
+    for i in range(0, len(items), 100):  # MLflow's limit per batch
+        client.log_batch(run_id, params=items[i:i + 100])
 
 
 def set_tags(client, run_id: str, tags: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from workflows.tracking.client import (
     TrackingSpec,
     Warn,
     log_metrics,
+    log_params,
     now_ms,
     redact_uri,
     resolve_uri,
@@ -43,13 +44,19 @@ def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def secret_key(key: str) -> bool:
+    """A config key whose value may be a secret: one of SECRET among its _-separated words (so
+    `auth_token` is one and `tokenizer` is not); a key ending in _env names an environment variable."""
+    leaf = key.rsplit(".", 1)[-1].lower()
+    return not leaf.endswith("_env") and any(f"_{s}_" in f"_{leaf}_" for s in SECRET)
+
+
 def config_params(cfg) -> dict[str, str]:
-    """The resolved config as MLflow params (train.lr, ...): no values of secret-looking keys (a key
-    ending in _env names an environment variable, not its value), no user:password@ in URIs."""
+    """The resolved config as MLflow params (train.lr, ...): no values of secret-looking keys, no
+    user:password@ in URIs."""
     params = {}
     for key, value in flatten(cfg.model_dump(mode="json")).items():
-        leaf = key.rsplit(".", 1)[-1].lower()
-        if any(s in leaf for s in SECRET) and not leaf.endswith("_env"):
+        if secret_key(key):
             continue
         text = redact_uri(str(value)) if isinstance(value, str) else str(value)
         params[key] = text[:6000]  # MLflow's limit on a param's value
@@ -108,11 +115,8 @@ class Run:
                             tuple(self._s.shared_tags().items()))
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        items = [Param(k, str(v)) for k, v in params.items()]
-        self._call(lambda c, info: [c.log_batch(info.run_id, params=items[i:i + 100])
-                                    for i in range(0, len(items), 100)])
+        params = dict(params)  # as it is now: the call runs later, on the tracking thread
+        self._call(lambda c, info: log_params(c, info.run_id, params))
 
     def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
         rows = [(k, float(v), step) for k, v in metrics.items() if isinstance(v, int | float) and v is not None]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows.storage.atomic import atomic_write
-from workflows.tracking.session import Run, config_params
+from workflows.tracking.session import Run
 
 
 def tracked(rt, name: str):
@@ -26,14 +26,9 @@ def pipeline_run(rt):
     if t is None:
         yield Run(None, None)
         return
-    t.parent = t.start("pipeline")
-    t.parent.log_params(config_params(rt.cfg))
-    try:
-        yield t.parent
-    except BaseException:
-        t.parent.end("FAILED")
-        raise
-    t.parent.end("FINISHED")
+    with t.stage("pipeline", cfg=rt.cfg) as run:
+        t.parent = run
+        yield run
 
 
 def log_preprocess(rt, run: Run, data) -> None:

@@ -84,9 +84,10 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
         run_local_trial(trial_config(cfg, params), storage, data, tracking)
         return
     # a Ray Train trial: this driver creates the trial's run, its rank 0 logs the epochs into it
-    logger = trial_logger(trial_config(cfg, params), tracking, data.version)
+    trial_cfg = trial_config(cfg, params)
+    logger = trial_logger(trial_cfg, tracking, data.version)
     try:
-        fit(trial_config(cfg, params), storage, data, run_prefix=f"{cfg.name}-trial",
+        fit(trial_cfg, storage, data, run_prefix=f"{cfg.name}-trial",
             callbacks=[TuneReportCallback()], check=False, tracking=logger.child_spec() if logger else None)
         if logger is not None:  # a trial stopped or failed is marked by the tune stage (tracking.stages.log_tune)
             logger.end()
