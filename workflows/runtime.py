@@ -69,7 +69,8 @@ class Runtime:
         return path
 
 
-def _buckets(cfg: WorkflowConfig) -> set[str]:
+def buckets(cfg: WorkflowConfig) -> set[str]:
+    """The buckets of the embedded store that the config's root and data source name."""
     uris = [cfg.storage.root, cfg.data.source]
     return {u.split("://", 1)[1].split("/", 1)[0] for u in uris if protocol_of(u) in ("s3", "s3a")}
 
@@ -172,7 +173,7 @@ def runtime(
         embedded = EmbeddedS3(e.data_dir, e.host, e.port)
         # a new config that points at the endpoint (Runtime.cfg): the caller's stays as it was loaded
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"endpoint_url": embedded.start()})})
-        for bucket in sorted(_buckets(cfg)):
+        for bucket in sorted(buckets(cfg)):
             embedded.ensure_bucket(bucket)
         say(f"embedded S3 endpoint {cfg.storage.endpoint_url} (persisted in {embedded.data_dir})")
     tracking = None

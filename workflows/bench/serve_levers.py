@@ -176,7 +176,7 @@ def _load(machine: dict) -> str:
     load = machine.get("load_average")
     if load is None:  # results stored before the load was recorded
         return "**shared with other work while measured**"
-    return f"load average {load['before']} before, {load['after_15min']} over the last 15 min of the run"
+    return f"load average {load['before']} (1 min) before the run, {load['after_15min']} (15 min) when it ended"
 
 
 def markdown(r: dict) -> str:

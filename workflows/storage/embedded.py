@@ -261,9 +261,10 @@ def _die_with_parent() -> None:
 __all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic", "running_endpoint"]
 
 
-def keep_up(cfg, say) -> None:
-    """`workflows store`: the config's embedded endpoint until Ctrl-C or SIGTERM (workflows.stop
-    turns both into KeyboardInterrupt), persisting every minute; other commands meanwhile use it."""
+def keep_up(cfg, buckets: set[str], say) -> None:
+    """`workflows store`: the config's embedded endpoint, with `buckets` (as a command's runtime
+    creates them), until Ctrl-C or SIGTERM (workflows.stop turns both into KeyboardInterrupt),
+    persisting every minute; other commands meanwhile use it."""
     from workflows.errors import UserError
 
     e = cfg.storage.embedded
@@ -272,7 +273,8 @@ def keep_up(cfg, say) -> None:
     with EmbeddedS3(e.data_dir, e.host, e.port) as s3:
         if not s3.owner:
             raise UserError(f"the embedded store in {s3.data_dir} already runs at {s3.endpoint_url}")
-        s3.ensure_bucket(cfg.storage.root.split("://", 1)[-1].split("/", 1)[0])
+        for bucket in sorted(buckets):
+            s3.ensure_bucket(bucket)
         say(f"store: embedded S3 endpoint {s3.endpoint_url} (data in {s3.data_dir}); Ctrl-C to stop")
         last = time.time()
         try:
