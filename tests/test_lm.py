@@ -56,10 +56,10 @@ def test_heads_must_divide_hidden(tmp_path):
 
 
 def test_pipeline_and_tuning_refuse_a_causal_lm(tiny_cfg):
-    from workflows.pipeline import classification_only
+    from workflows.pipeline import registering_task_only
 
     with pytest.raises(UserError, match="workflows train"):
-        classification_only(tiny_cfg("model.task=causal_lm"), "tuning")
+        registering_task_only(tiny_cfg("model.task=causal_lm"), "tuning")
 
 
 def test_ray_train_pretrains_a_causal_lm_with_fsdp(ray_cluster, tiny_cfg):
@@ -110,13 +110,16 @@ def test_freeze_embeddings_applies_to_fine_tuning_only():
     not freeze its random ones (tied to the LM head)."""
     from tests.conftest import QUICKSTART
     from workflows.config import load_config
-    from workflows.preprocess.encoding import packaged_minilm
+    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.tasks import get_task
     from workflows.train.loop import build_training
 
+    data = ProcessedDataset(uri="", version="", labels=["a", "b"], label_column="label", files={}, counts={},
+                            label_counts={}, source="", tokenizer="minilm")
     common = ["train.strategy=ddp", "train.freeze_embeddings=true"]
     lm_cfg = load_config(QUICKSTART, [*common, "model.task=causal_lm", "model.lm.size=tiny", "model.lm.seq_len=32"])
-    model, _, _ = build_training(lm_cfg, packaged_minilm(), [], torch.device("cpu"), 8, vocab_size=100)
+    model, _, _ = build_training(lm_cfg, get_task(lm_cfg), data, torch.device("cpu"), 8)
     assert model.get_input_embeddings().weight.requires_grad
     cls_cfg = load_config(QUICKSTART, common)
-    model, _, _ = build_training(cls_cfg, packaged_minilm(), ["a", "b"], torch.device("cpu"), 8)
+    model, _, _ = build_training(cls_cfg, get_task(cls_cfg), data, torch.device("cpu"), 8)
     assert not model.get_input_embeddings().weight.requires_grad

@@ -30,7 +30,7 @@ def registered(quickstart_run):
     from workflows.storage.embedded import EmbeddedS3
     from workflows.storage.shards import read_parquet
     from workflows.storage.uri import StorageContext, filesystem
-    from workflows.train.standalone import token_lists
+    from workflows.train.standalone import column_values
 
     cfg = load_config(QUICKSTART, quickstart_run.overrides)
     with EmbeddedS3(cfg.storage.embedded.data_dir) as s3:
@@ -41,7 +41,7 @@ def registered(quickstart_run):
         def frame(uris):  # the token ids as training reads them (standalone.read_rows)
             table = pa.concat_tables([read_parquet(u, ctx, ["text", "input_ids"]) for u in uris])
             return pd.DataFrame({"text": table.column("text").to_pylist(),
-                                 "input_ids": [ids.tolist() for ids in token_lists(table.column("input_ids"))]})
+                                 "input_ids": [ids.tolist() for ids in column_values(table.column("input_ids"))]})
 
         fs, path = filesystem(cfg.data.source, ctx)
         raw = [json.loads(line) for f in sorted(fs.glob(f"{path}/*.jsonl")) for line in fs.cat(f).decode().splitlines()]

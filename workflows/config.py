@@ -99,9 +99,16 @@ class RayConfig(Strict):
 class DataConfig(Strict):
     source: str = Field(..., description="URI of a raw shard, a directory of shards or a glob")
     format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"
-    text_columns: list[str] = Field(["text"], min_length=1)
+    text_columns: list[str] = Field(["text"], min_length=1, description="text tasks: the columns joined into the input")
     label_column: str = "label"
-    builtin: Literal["quickstart"] | None = Field(
+    image_column: str = Field(
+        "image", description="image tasks, parquet shards: the column of encoded image bytes (tar shards and "
+        "class-per-folder files carry their images themselves)")
+    max_bad_records: int = Field(
+        0, ge=0, description="records that cannot be decoded (an image that is truncated, empty, not an image, a "
+        "decompression bomb) skipped and named in the preprocessing summary; one more fails preprocessing, "
+        "naming the first bad key (0: the first bad record fails it)")
+    builtin: Literal["quickstart", "digits"] | None = Field(
         None,
         description="build this dataset into `source` when no shard is there: in the embedded store only, "
         "unless write_builtin is set (anywhere else an empty source is an error)",
@@ -120,8 +127,14 @@ class DataConfig(Strict):
 class PreprocessConfig(Strict):
     tokenizer: str = Field("minilm", description="'minilm' (the packaged all-MiniLM-L6-v2) or a local HF directory")
     max_length: int = Field(128, ge=8, le=4096)
+    image_size: int = Field(
+        224, ge=8, le=1024, description="image tasks: images are decoded, resized (shorter side) and center-cropped "
+        "to this square once, and stored as uint8 tensors; serving decodes requests the same way")
+    max_image_pixels: int = Field(
+        40_000_000, ge=1, description="image tasks: an image declaring more pixels is refused undecoded "
+        "(decompression bombs), in preprocessing and serving alike")
     batch_size: int = Field(256, ge=1)
-    concurrency: int = Field(2, ge=1, description="tokenizer actors")
+    concurrency: int = Field(2, ge=1, description="tokenizer or image-decoding actors")
     rows_per_shard: int = Field(2000, ge=1)
 
 
@@ -136,10 +149,19 @@ class CausalLMConfig(Strict):
 
 
 class ModelConfig(Strict):
-    task: Literal["classification", "causal_lm"] = Field(
-        "classification", description="fine-tune a sequence classifier, or pretrain a causal LM from model.lm"
+    task: str = Field(
+        "classification",
+        description="classification (fine-tune a text classifier), causal_lm (pretrain a causal LM from model.lm), "
+        "image_classification, or a plug-in task by import path, module.path:ClassName (a workflows.tasks.base.Task)",
     )
-    name_or_path: str = Field("minilm", description="'minilm' or a local Hugging Face model directory (classification)")
+    name_or_path: str = Field(
+        "minilm",
+        description="text: 'minilm' or a local Hugging Face model directory; images: an architecture by name "
+        "(small_cnn, resnet18, resnet50, vit_small, convnext_tiny: new weights), or a directory or object-store "
+        "URI in from_pretrained layout (safetensors) whose weights are fine-tuned on the dataset's labels",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="a plug-in task's own settings (its Options model validates them)")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
     pooling: Literal["cls", "mean"] = Field(
         "cls",
@@ -148,6 +170,13 @@ class ModelConfig(Strict):
     )
     lm: CausalLMConfig = CausalLMConfig()
 
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        from workflows.tasks import check_task_name
+
+        return check_task_name(v)
+
     @model_validator(mode="after")
     def _heads_divide_hidden(self):
         from workflows.train.lm import shape
@@ -155,6 +184,25 @@ class ModelConfig(Strict):
         _, hidden, heads = shape(self.lm)
         if hidden % heads:
             raise ValueError(f"lm: hidden size {hidden} is not divisible by {heads} heads")
+        return self
+
+
+class AugmentConfig(Strict):
+    """On-the-fly augmentation of training images, in the training workers (seeded per sample and
+    epoch, so a resumed epoch sees the same crops)."""
+
+    enabled: bool = True
+    crop_scale: tuple[float, float] = Field(
+        (0.08, 1.0), description="RandomResizedCrop: the range of the crop's area as a fraction of the image")
+    crop_ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="RandomResizedCrop: aspect ratio range")
+    flip: bool = Field(True, description="horizontal flip with probability 0.5 (off for digits, text, ...)")
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        for name in ("crop_scale", "crop_ratio"):
+            lo, hi = getattr(self, name)
+            if not 0 < lo <= hi or (name == "crop_scale" and hi > 1):
+                raise ValueError(f"{name} must be 0 < low <= high{' <= 1' if name == 'crop_scale' else ''}")
         return self
 
 
@@ -204,6 +252,7 @@ class TrainConfig(Strict):
     num_to_keep: int = Field(1, ge=1)
     max_failures: int = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
+    augment: AugmentConfig = AugmentConfig()
 
 
 class SearchDim(Strict):

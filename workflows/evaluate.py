@@ -1,4 +1,5 @@
-"""Evaluation: weighted and per-class precision/recall/F1 against a majority-class baseline.
+"""Evaluation: the task's held-out report (a classifier: weighted and per-class precision/recall/F1
+against a majority-class baseline, and the confusion matrix).
 
 Predictions come from the same predictor as serving, run as a Ray Data actor pool, or in the
 calling process for a split of at most `evaluate.in_process_max_rows` rows.
@@ -35,18 +36,21 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
 def evaluate_dataset(
     cfg, model_spec: str, card: ModelCard, ds, label_column: str | None = None, concurrency: int = 1
 ) -> dict:
-    """Run the model over a Ray Dataset of raw rows (text columns + label) and score it; `card` is the
-    registered version's (registry.model_card)."""
+    """Run the model over a Ray Dataset of rows (the model's input columns + label) and score it
+    with its task; `card` is the registered version's (registry.model_card)."""
     import ray.data
 
     from workflows.serve.predictor import BatchPredictor
+    from workflows.tasks import task_for_card
 
+    task = task_for_card(cfg, card)
     label_column = label_column or card.label_column
     names = set(ds.schema().names)
-    missing = [c for c in [*card.text_columns, label_column] if c not in names]
+    inputs = task.input_columns(card, names)
+    missing = [c for c in [*inputs, label_column] if c not in names]
     if missing:
         raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
-    ds = ds.select_columns([*card.text_columns, label_column])
+    ds = ds.select_columns([*inputs, label_column])
     args, size = (cfg.model_dump(mode="json"), model_spec), cfg.evaluate.batch_size
     cap = cfg.evaluate.in_process_max_rows
     head = ds.limit(cap + 1).to_pandas() if cap else None
@@ -60,16 +64,9 @@ def evaluate_dataset(
                                 compute=ray.data.ActorPoolStrategy(size=concurrency))
         table = scored.select_columns([label_column, "prediction"]).to_pandas()
     table = table[table[label_column].notna()]
-    y_true = table[label_column].astype(str).tolist()
-    y_pred = table["prediction"].astype(str).tolist()
-    if not y_true:
+    if not len(table):
         raise UserError("evaluation data has no labelled rows")
-    metrics = classification_metrics(y_true, y_pred, card.labels)
-    majority = card.majority_label or pd.Series(y_true).mode().iloc[0]
-    metrics["baseline"] = {"majority_label": majority,
-                           **classification_metrics(y_true, [majority] * len(y_true), card.labels)["weighted"]}
-    metrics["unknown_labels"] = int(np.sum(~pd.Series(y_true).isin(card.labels)))
-    return metrics
+    return task.evaluate_rows(table[label_column].tolist(), table["prediction"].tolist(), card)
 
 
 def format_report(metrics: dict) -> str:

@@ -19,9 +19,12 @@ class ModelCard(BaseModel):
 
     task: str | None = None
     labels: list[str]  # index i is the model's output i
-    text_columns: list[str]  # joined into the model's input, in this order
+    text_columns: list[str] = []  # text tasks: joined into the model's input, in this order
+    image_size: int | None = None  # image tasks: the side of the square uint8 tensor the model reads
+    image_mean: list[float] | None = None  # image tasks: per-channel normalization of that tensor
+    image_std: list[float] | None = None
     label_column: str | None = None
-    max_length: int | None = None  # tokens; required to serve (Predictor)
+    max_length: int | None = None  # tokens; required to serve a text model (TextPredictor)
     lineage: dict[str, Any] | None = None  # dataset, source, checkpoint, run
     majority_label: str | None = None  # the train split's most common label (evaluation baseline)
     val_metrics: dict[str, Any] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset, preprocess
 from workflows.runtime import Runtime, say
 from workflows.storage.uri import protocol_of
+from workflows.tasks import get_task
 from workflows.tracking import stages as tracking
 
 
@@ -59,16 +61,18 @@ def stage_preprocess(rt: Runtime) -> ProcessedDataset:
     return data
 
 
-def classification_only(cfg: WorkflowConfig, what: str) -> None:
-    if cfg.model.task != "classification":
-        raise UserError(f"{what} takes model.task=classification; a causal LM ({cfg.model.task}) is trained "
+def registering_task_only(cfg: WorkflowConfig, what: str) -> None:
+    """Tuning and the pipeline end in a registered model: a task that registers none (causal-LM
+    pretraining) is trained with `workflows train` or torchrun."""
+    if not get_task(cfg).registers:
+        raise UserError(f"{what} takes a task that registers its model; model.task={cfg.model.task} is trained "
                         "with `workflows train` or torchrun (python -m workflows.train.standalone)")
 
 
 def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     from workflows.tune.search import run_tune
 
-    classification_only(rt.cfg, "tuning")
+    registering_task_only(rt.cfg, "tuning")
     t = rt.cfg.tune
     say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
     with tracking.tracked(rt, "tune") as run:
@@ -139,9 +143,8 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
     tracking.log_train(run, outcome, curve)
     ref = None
     t_register = time.time()
-    if register and rt.cfg.model.task == "causal_lm":
-        say(f"train: causal-LM pretraining run; its checkpoints stay at {outcome.run_uri} (the registry and "
-            "serving take classification models)")
+    if register and not get_task(rt.cfg).registers:
+        say(f"train: a {rt.cfg.model.task} run registers no model; its checkpoints stay at {outcome.run_uri}")
     elif register:
         with tempfile.TemporaryDirectory() as tmp:
             meta = export_artifact(rt.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
@@ -166,16 +169,19 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
 def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | None = None,
                    write_back: bool = False) -> dict:
     """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
-    from workflows.evaluate import evaluate_dataset, format_report, plot_confusion
+    from workflows.evaluate import evaluate_dataset, plot_confusion
+    from workflows.tasks import task_for_card
 
     with tracking.tracked(rt, "evaluate") as run:
         card = registry.model_card(rt.cfg, rt.storage, model_spec)
         say(f"evaluate: {card.name}:v{card.version}")
         metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
         say(f"evaluate: {metrics['rows']} rows")
-        show(format_report(metrics))
-        png = plot_confusion(metrics, Path(rt.cfg.output_dir) / rt.cfg.name / "confusion_matrix.png")
-        say(f"evaluate: confusion matrix {png}")
+        show(task_for_card(rt.cfg, card).format_report(metrics))
+        png = None
+        if "confusion_matrix" in metrics:
+            png = plot_confusion(metrics, Path(rt.cfg.output_dir) / rt.cfg.name / "confusion_matrix.png")
+            say(f"evaluate: confusion matrix {png}")
         if write_back:
             registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
             rt.persist()
@@ -205,9 +211,11 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
 
     from workflows.serve import ingress
     from workflows.serve.app import bearer_token, deploy
+    from workflows.tasks import task_for_card
 
     ref = registry.resolve(rt.cfg, rt.storage, model_spec)
     spec = f"{ref.name}:{ref.version}"
+    task = task_for_card(rt.cfg, registry.model_card(rt.cfg, rt.storage, spec))
     say(f"serve: deploying {spec} with Ray Serve")
     t0 = time.time()
     url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
@@ -221,30 +229,23 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
         resp = requests.post(f"{url}/predict", json={"instances": [row]}, headers=headers, timeout=60)
         resp.raise_for_status()
         pred = resp.json()["predictions"][0]
-        text = " ".join(str(v) for v in row.values())
-        say(f"serve:   POST /predict {text[:70]!r} -> {pred['label']} ({pred['score']:.2f})")
+        shown = f"{pred['label']} ({pred['score']:.2f})" if "label" in pred else json.dumps(pred)[:60]
+        say(f"serve:   POST /predict {task.describe(row)!r} -> {shown}")
         sent.append({"instance": row, "prediction": pred})
     return {"url": url, "model": spec, "ingress": front, "requests": sent, "deploy_seconds": round(deploy_seconds, 2)}
 
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
-    """The text of the first `n` held-out rows, read straight from the split's first file
-    (through the node's shard cache): a few rows need no Ray Data job."""
-    from workflows.storage.shards import read_parquet
-
-    files = data.files.get("test") or []
-    if n <= 0 or not files:
-        return []
-    cache = rt.cfg.cache.shard_cache(rt.storage) if rt.cfg.cache.enabled else None
-    table = read_parquet(files[0], rt.storage, data.text_columns, cache)
-    return [{c: str(v) for c, v in row.items()} for row in table.slice(0, n).to_pylist()]
+    """The first `n` held-out rows as request instances (the task reads them)."""
+    return get_task(rt.cfg).demo_instances(data, rt.storage, n)
 
 
 def run_pipeline(rt: Runtime) -> dict:
-    classification_only(rt.cfg, "the pipeline (train -> evaluate -> register -> serve)")
+    registering_task_only(rt.cfg, "the pipeline (train -> evaluate -> register -> serve)")
     with tracking.pipeline_run(rt) as run:
         summary = _pipeline(rt)
-        run.log_metrics({"weighted_f1": summary["evaluate"]["weighted"]["f1"],
+        headline = summary["evaluate"]["headline"]
+        run.log_metrics({headline["name"].replace(" ", "_").lower(): headline["value"],
                          **{f"seconds_{k}": v for k, v in summary["seconds"].items()}})
         run.set_tags({"registered_model.name": summary["model"]["name"],
                       "registered_model.version": summary["model"]["version"]})
@@ -283,10 +284,11 @@ def _pipeline(rt: Runtime) -> dict:
             if cfg.serve.enabled else None
         metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage, cache=rt.cfg.cache),
                         write_back=True)
+        name, value, against = get_task(cfg).headline(metrics)
         summary["evaluate"] = {
-            "weighted": metrics["weighted"],
-            "baseline": metrics["baseline"],
+            **{k: metrics[k] for k in ("weighted", "baseline") if k in metrics},
             "rows": metrics["rows"],
+            "headline": {"name": name, "value": value, "against": against},
         }
         summary["model"] = {"name": ref.name, "version": ref.version, "uri": ref.uri}
         if serving is not None:
@@ -294,9 +296,5 @@ def _pipeline(rt: Runtime) -> dict:
     timings["total"] = round(time.time() - t0, 2)
     summary["seconds"] = timings
     rt.write_summary("pipeline", summary)
-    say(
-        f"pipeline: done in {timings['total']:.0f}s: {ref.name}:v{ref.version} "
-        f"weighted F1 {metrics['weighted']['f1']:.4f} "
-        f"(majority baseline {metrics['baseline']['f1']:.4f})"
-    )
+    say(f"pipeline: done in {timings['total']:.0f}s: {ref.name}:v{ref.version} {name} {value:.4f} ({against})")
     return summary

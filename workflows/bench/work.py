@@ -52,11 +52,22 @@ def copy_out(cfg: WorkflowConfig, run_dir: Path, dest: Path) -> dict:
     return pipeline
 
 
-def _rows(files: list[str], limit: int | None = None) -> dict:
+def _rows(files: list[str], columns, limit: int | None = None) -> dict:
     from workflows.storage.uri import StorageContext
     from workflows.train.standalone import read_rows
 
-    return read_rows(files, StorageContext(), limit)
+    return read_rows(files, StorageContext(), columns, limit)
+
+
+def local_dataset(processed: Path):
+    """The copied processed dataset, its files named by their local paths."""
+    from workflows.preprocess.materialize import ProcessedDataset
+
+    m = json.loads((processed / "manifest.json").read_text())
+    data = ProcessedDataset.from_manifest(m)
+    data.uri = str(processed)
+    data.files = {s: sorted(glob.glob(str(processed / f"split={s}" / "*.parquet"))) for s in data.files}
+    return data
 
 
 def tokenize(cfg: WorkflowConfig, raw_dir: Path) -> dict:
@@ -75,34 +86,32 @@ def tokenize(cfg: WorkflowConfig, raw_dir: Path) -> dict:
     return {"seconds": time.perf_counter() - t0, "rows": len(texts)}
 
 
-def train_run(cfg: WorkflowConfig, processed: Path, labels: list[str], epochs: int, threads: int) -> float:
+def train_run(cfg: WorkflowConfig, processed: Path, epochs: int, threads: int) -> float:
     """Seconds to build the model and train+validate `epochs` epochs of `cfg` in this process."""
-    from transformers import AutoTokenizer
-
-    from workflows.preprocess.encoding import resolve_model_dir
+    from workflows.tasks import get_task
     from workflows.train.loop import build_training, data_seed, run_epochs
-    from workflows.train.standalone import batches
+    from workflows.train.standalone import batches, epoch_batches, row_count
 
     tc = cfg.train
+    task, data = get_task(cfg), local_dataset(processed)
     torch.set_num_threads(threads)
-    files = {s: sorted(glob.glob(str(processed / f"split={s}" / "*.parquet"))) for s in ("train", "val")}
-    train_rows = _rows(files["train"], tc.max_train_rows)
-    val_rows = _rows(files["val"], tc.max_val_rows)
+    train_rows = task.prepare_rows(_rows(data.files["train"], task.columns, tc.max_train_rows))
+    val_rows = task.prepare_rows(_rows(data.files["val"], task.columns, tc.max_val_rows))
     t0 = time.perf_counter()
-    pad_id = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.preprocess.tokenizer)).pad_token_id or 0
     device = torch.device("cpu")
-    probe = batches(train_rows, cfg.evaluate.batch_size, pad_id)
-    model, optimizer, scheduler = build_training(cfg, resolve_model_dir(cfg.model.name_or_path), labels, device,
-                                                 len(train_rows["label_id"]), None, probe)
+    eval_batch = task.collate(data, train=False)
+    probe = batches(train_rows, cfg.evaluate.batch_size, eval_batch)
+    model, optimizer, scheduler = build_training(cfg, task, data, device, row_count(train_rows), probe)
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         if epoch + 1 >= epochs:
             raise _Stop
 
     try:
-        run_epochs(cfg, model, optimizer, scheduler, device, len(labels), start_epoch=0, history=[],
-                   train_batches=lambda e: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, e)),
-                   val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id), end_of_epoch=end_of_epoch)
+        run_epochs(cfg, task, data, model, optimizer, scheduler, device, start_epoch=0, history=[],
+                   train_batches=lambda e: epoch_batches(task, data, train_rows, tc.batch_size, data_seed(tc.seed, e)),
+                   val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
+                   end_of_epoch=end_of_epoch)
     except _Stop:
         pass
     return time.perf_counter() - t0
@@ -136,10 +145,7 @@ def measure(cfg: WorkflowConfig, run_dir: Path, scratch: Path) -> dict:
     from workflows.tune.search import trial_config
 
     pipeline = copy_out(cfg, run_dir, scratch)
-    processed, labels = (
-        scratch / "processed",
-        json.loads((scratch / "processed" / "manifest.json").read_text())["labels"],
-    )
+    processed = scratch / "processed"
     cpus = os.cpu_count() or 1
     work: dict = {"preprocess": tokenize(cfg, scratch / "raw")}
     final = cfg
@@ -147,7 +153,7 @@ def measure(cfg: WorkflowConfig, run_dir: Path, scratch: Path) -> dict:
         tune = json.loads((run_dir / "tune.json").read_text())
         t = cfg.tune
         threads = min(cpus, max(1, int(t.num_workers * cfg.train.cpus_per_worker * tune.get("concurrency", cpus))))
-        seconds = [train_run(trial_config(cfg, trial["params"]), processed, labels, trial["epochs"], threads)
+        seconds = [train_run(trial_config(cfg, trial["params"]), processed, trial["epochs"], threads)
                    for trial in tune["trials"] if trial["epochs"]]
         work["tune"] = {"seconds": sum(seconds), "trials": len(seconds), "threads": threads,
                         "epochs": sum(trial["epochs"] for trial in tune["trials"])}
@@ -157,7 +163,7 @@ def measure(cfg: WorkflowConfig, run_dir: Path, scratch: Path) -> dict:
         final = WorkflowConfig.model_validate(data)
     tc = final.train
     threads = min(cpus, max(1, int(tc.num_workers * tc.cpus_per_worker)))
-    work["train"] = {"seconds": train_run(final, processed, labels, tc.epochs, threads), "threads": threads,
+    work["train"] = {"seconds": train_run(final, processed, tc.epochs, threads), "threads": threads,
                      "epochs": tc.epochs}
     served = evaluate_and_serve(
         final, scratch / "model", processed, len(pipeline.get("serve", {}).get("requests", [])), threads

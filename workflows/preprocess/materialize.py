@@ -1,4 +1,6 @@
-"""Preprocessing on Ray Data: raw shards -> token ids + label ids, split, written once per dataset version.
+"""Preprocessing on Ray Data: raw shards -> the task's stored examples (text: token ids + label ids),
+split, written once per dataset version. `preprocess` runs the config's task (workflows.tasks);
+`preprocess_text` is the text tasks' implementation.
 
 Output: `<storage.root>/processed/<dataset-version>/split=<train|val|test>/*.parquet` and a
 `manifest.json` written last, which lists the exact files, the label vocabulary and the counts.
@@ -12,7 +14,8 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -41,21 +44,26 @@ FORMAT_VERSION = 1  # bump when the processed layout or encoding changes
 class ProcessedDataset:
     uri: str
     version: str
-    labels: list[str]
-    text_columns: list[str]
+    labels: list[str]  # a classifier's label vocabulary (index = label id); empty for other tasks
     label_column: str
-    tokenizer: str
-    max_length: int
     files: dict[str, list[str]]
     counts: dict[str, int]
     label_counts: dict[str, dict[str, int]]
     source: str
+    task: str = "classification"  # model.task that wrote it
+    text_columns: list[str] = field(default_factory=list)  # text tasks
+    tokenizer: str | None = None
+    max_length: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # what else the task stored (an image size, ...)
     reused: bool = False
 
     @classmethod
-    def load(cls, uri: str, ctx: StorageContext) -> ProcessedDataset:
-        m = read_json(join(uri, "manifest.json"), ctx)
+    def from_manifest(cls, m: dict) -> ProcessedDataset:
         return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
+
+    @classmethod
+    def load(cls, uri: str, ctx: StorageContext) -> ProcessedDataset:
+        return cls.from_manifest(read_json(join(uri, "manifest.json"), ctx))
 
     def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None, cache=None):
         """A Ray Dataset of one split, read from exactly the files the manifest lists.
@@ -157,6 +165,13 @@ def _split_label_counts(batch: pd.DataFrame, text_columns, label, seed, val_frac
 
 @surface_user_errors()
 def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> ProcessedDataset:
+    """The config's task turns the raw shards into its processed dataset (or finds it made)."""
+    from workflows.tasks import get_task
+
+    return get_task(cfg).preprocess(ctx, say)
+
+
+def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> ProcessedDataset:
     import ray.data
 
     d, p = cfg.data, cfg.preprocess
@@ -228,6 +243,7 @@ def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Processed
         raise UserError(f"{d.source}: no training rows after cleaning and splitting")
 
     result = ProcessedDataset(
+        task=cfg.model.task,
         uri=out_uri,
         version=version,
         labels=labels,

@@ -1,7 +1,8 @@
 """Ray Serve application: FastAPI ingress, dynamic batching, the shared predictor.
 
-POST /predict  {"instances": [{<text columns>}]} -> {"predictions": [{"label", "score", "probabilities"}],
-                                                      "model", "version"}
+POST /predict  {"instances": [{...}]} -> {"predictions": [{...}], "model", "version"}: the instances and
+               predictions of the model's task (text: {<text columns>} -> {"label", "score",
+               "probabilities"}; images also take a raw image body or multipart files)
 GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json: the typed contract of
 workflows.serve.contract)
 
@@ -12,7 +13,6 @@ OpenAPI document declares that model's request and response models.
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` annotation.
 import asyncio
 import hmac
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,14 +21,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from ray import serve
 
 from workflows.config import WorkflowConfig
-from workflows.serve.contract import ErrorResponse, error_responses, instance_model, predict_models, with_request_body
+from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses  # noqa: F401 (re-exported)
 from workflows.storage.uri import StorageContext
-
-MAX_BODY_BYTES = 1 << 20
 
 # Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on
 # first use inside a replica, so Serve adds its deployment/replica/application tags.
@@ -114,8 +111,7 @@ def bearer_token(sc) -> str | None:
 
 def build_api(server: "ModelServer") -> FastAPI:
     """The replica's FastAPI app: routes that call `server`, the model's typed contract in OpenAPI."""
-    card = server.card
-    request_model, response_model = predict_models(card, server.max_instances)
+    card, contract = server.card, server.contract
     @asynccontextmanager
     async def lifespan(_):
         from workflows.serve.drain import watch
@@ -130,8 +126,8 @@ def build_api(server: "ModelServer") -> FastAPI:
     api.add_middleware(RequestGuard)
 
     @api.post("/predict", response_class=JSONResponse, summary="Predict labels for instances",
-              responses={200: {"model": response_model, "description": "one prediction per instance"},
-                         **error_responses(400, 401, 413, 422, 431, 503)})
+              responses={200: {"model": contract.response_model, "description": "one prediction per instance"},
+                         **error_responses(*contract.errors)})
     async def predict(request: Request):
         return await server.predict(request)
 
@@ -150,14 +146,15 @@ def build_api(server: "ModelServer") -> FastAPI:
             return denied
         if name != card.name:
             return _error(404, f"model {name!r} is not served here")
-        keep = ("name", "version", "labels", "text_columns", "metrics", "lineage", "registered_at")
+        keep = ("name", "version", "task", "labels", "text_columns", "image_size", "metrics", "lineage",
+                "registered_at")
         return {k: getattr(card, k) for k in keep}
 
     generated = api.openapi
 
     def openapi() -> dict:
         if api.openapi_schema is None:
-            api.openapi_schema = with_request_body(generated(), "/predict", request_model)
+            api.openapi_schema = contract.openapi(generated(), "/predict")
         return api.openapi_schema
 
     api.openapi = openapi
@@ -169,18 +166,17 @@ def build_api(server: "ModelServer") -> FastAPI:
 class ModelServer:
     def __init__(self, cfg: dict, model_spec: str):
         from workflows import registry
-        from workflows.serve.predictor import Predictor
+        from workflows.tasks import task_for_card
 
         self.cfg = WorkflowConfig.model_validate(cfg)
         storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
         self.card = registry.model_card(self.cfg, storage, model_spec)  # with evaluation metrics
-        self.predictor = Predictor(
-            model_dir, threads=max(1, int(self.cfg.serve.cpus_per_replica)), precision=self.cfg.serve.precision
-        )
+        task = task_for_card(self.cfg, self.card)
+        self.predictor = task.predictor(model_dir, self.card, threads=max(1, int(self.cfg.serve.cpus_per_replica)),
+                                        precision=self.cfg.serve.precision)
         self.token = bearer_token(self.cfg.serve)
-        self.instance = instance_model(self.card.text_columns)
-        self.max_instances = self.cfg.serve.max_instances
+        self.contract = task.http_contract(self.card, self.cfg.serve.max_instances)
         self._predict_batch.set_max_batch_size(self.cfg.serve.max_batch_size)
         self._predict_batch.set_batch_wait_timeout_s(self.cfg.serve.batch_wait_timeout_s)
         self.stopping, self.in_flight = False, 0  # workflows.serve.drain
@@ -206,33 +202,6 @@ class ModelServer:
             return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
         return None
 
-    def validate_body(self, body: bytes) -> list[dict] | JSONResponse:
-        """The instances of a /predict body as rows, or the 4xx answer (rules and messages are the contract)."""
-        if len(body) > MAX_BODY_BYTES:
-            return _error(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            return _error(400, f"body is not valid JSON: {e}")
-        except RecursionError:
-            return _error(400, "body is not valid JSON: nested too deeply")
-        if not isinstance(payload, dict) or set(payload) != {"instances"}:
-            return _error(422, 'body must be an object with exactly one key, "instances"')
-        instances = payload["instances"]
-        if not isinstance(instances, list) or not instances:
-            return _error(422, '"instances" must be a non-empty list')
-        if len(instances) > self.max_instances:
-            return _error(413, f"{len(instances)} instances; at most {self.max_instances} per request")
-        rows = []
-        for i, inst in enumerate(instances):
-            try:
-                rows.append(self.instance.model_validate(inst).model_dump())
-            except ValidationError as e:
-                err = e.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                return _error(422, f"instances[{i}]{'.' + where if where else ''}: {err['msg']}")
-        return rows
-
     def stopping_response(self) -> JSONResponse:
         # Connection: close makes the client drop its keep-alive connection before the proxy goes.
         return _error(503, "the server is shutting down", {"Connection": "close", "Retry-After": "5"})
@@ -244,9 +213,9 @@ class ModelServer:
         try:
             if (denied := self._denied(request)) is not None:
                 return denied
-            rows = self.validate_body(await request.body())
-            if isinstance(rows, JSONResponse):
-                return rows
+            rows = self.contract.parse(request.headers.get("content-type"), await request.body())
+            if isinstance(rows, tuple):  # (status, message): not a valid request
+                return _error(*rows)
             predictions = await asyncio.gather(*(self._predict_batch(r) for r in rows))
             return JSONResponse({"predictions": predictions, "model": self.card.name, "version": self.card.version})
         finally:

@@ -1,18 +1,23 @@
 """The HTTP contract of a served model: pydantic request and response models built from its card,
 declared in the OpenAPI document (/openapi.json, /docs) with every error the app answers.
 
-The app still parses and validates bodies itself (workflows.serve.app.validate_body): its status
-codes and messages (400 for bad JSON, 413 for too many instances, 422 naming the bad field) are
-part of the contract too, and FastAPI's own body validation would answer 422 with another shape.
+A task's `http_contract` (workflows.tasks.base.HttpContract) parses and validates bodies itself:
+its status codes and messages (400 for bad JSON, 413 for too many instances, 422 naming the bad
+field) are part of the contract too, and FastAPI's own body validation would answer 422 with
+another shape. `JsonInstances` is the contract of every task whose instances are JSON objects.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from workflows.tasks.base import HttpContract
 
 MAX_TEXT_CHARS = 100_000
+MAX_BODY_BYTES = 1 << 20
 
 
 class ErrorResponse(BaseModel):
@@ -47,29 +52,87 @@ def example_instance(text_columns: list[str]) -> dict[str, str]:
     return {c: "Return the mean of the array elements along the given axis." for c in text_columns}
 
 
-def predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[BaseModel]]:
-    """(PredictRequest, PredictResponse) for the model `card` describes."""
-    instance = instance_model(card.text_columns)
-    request = create_model(
-        "PredictRequest",
-        __config__=ConfigDict(extra="forbid", json_schema_extra={
-            "examples": [{"instances": [example_instance(card.text_columns)]}]}),
-        instances=(list[instance], Field(..., min_length=1, max_length=max_instances)),
-    )
-    label = Literal[tuple(card.labels)]  # type: ignore[valid-type]
-    prediction = create_model(
+def classification_prediction(labels: list[str]) -> type[BaseModel]:
+    """One prediction of a classifier: the label, its probability, every label's probability."""
+    label = Literal[tuple(labels)]  # type: ignore[valid-type]
+    return create_model(
         "Prediction",
         label=(label, Field(..., description="the most probable label")),
         score=(float, Field(..., ge=0, le=1, description="its probability")),
         probabilities=(dict[label, float], Field(..., description="every label's probability")),
     )
-    response = create_model(
+
+
+def response_model(card, prediction: type[BaseModel]) -> type[BaseModel]:
+    """The body of a 200 answer: one prediction per instance, the model's name and version."""
+    return create_model(
         "PredictResponse",
         predictions=(list[prediction], Field(..., description="one per instance, in order")),
         model=(Literal[card.name], ...),  # type: ignore[valid-type]
         version=(int, Field(..., ge=1)),
     )
-    return request, response
+
+
+def request_model(instance: type[BaseModel], max_instances: int, example: dict) -> type[BaseModel]:
+    return create_model(
+        "PredictRequest",
+        __config__=ConfigDict(extra="forbid", json_schema_extra={"examples": [{"instances": [example]}]}),
+        instances=(list[instance], Field(..., min_length=1, max_length=max_instances)),
+    )
+
+
+def predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(PredictRequest, PredictResponse) of a text classifier `card` describes."""
+    request = request_model(instance_model(card.text_columns), max_instances, example_instance(card.text_columns))
+    return request, response_model(card, classification_prediction(card.labels))
+
+
+class JsonInstances(HttpContract):
+    """POST /predict {"instances": [{...}, ...]}: each instance validated by a pydantic model."""
+
+    def __init__(self, instance: type[BaseModel], prediction: type[BaseModel], card, max_instances: int,
+                 example: dict, max_body_bytes: int = MAX_BODY_BYTES):
+        self.instance, self.max_instances, self.max_body_bytes = instance, max_instances, max_body_bytes
+        self._example = example
+        self.request_model = request_model(instance, max_instances, example)
+        self.response_model = response_model(card, prediction)
+
+    def example(self) -> dict:
+        return {"instances": [self._example]}
+
+    def parse(self, content_type: str | None, body: bytes) -> list[dict] | tuple[int, str]:
+        if len(body) > self.max_body_bytes:
+            return 413, f"request body is {len(body)} bytes; the limit is {self.max_body_bytes}"
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            return 400, f"body is not valid JSON: {e}"
+        except RecursionError:
+            return 400, "body is not valid JSON: nested too deeply"
+        if not isinstance(payload, dict) or set(payload) != {"instances"}:
+            return 422, 'body must be an object with exactly one key, "instances"'
+        instances = payload["instances"]
+        if not isinstance(instances, list) or not instances:
+            return 422, '"instances" must be a non-empty list'
+        if len(instances) > self.max_instances:
+            return 413, f"{len(instances)} instances; at most {self.max_instances} per request"
+        rows = []
+        for i, inst in enumerate(instances):
+            try:
+                rows.append(self.instance.model_validate(inst).model_dump())
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                return 422, f"instances[{i}]{'.' + where if where else ''}: {err['msg']}"
+        return rows
+
+    def openapi(self, document: dict, path: str) -> dict:
+        return with_request_body(document, path, self.request_model)
+
+
+def text_contract(card, max_instances: int) -> JsonInstances:
+    return JsonInstances(instance_model(card.text_columns), classification_prediction(card.labels), card,
+                         max_instances, example_instance(card.text_columns))
 
 
 def error_responses(*codes: int) -> dict[int | str, dict]:

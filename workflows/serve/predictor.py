@@ -1,4 +1,6 @@
-"""The predictor shared by online serving, batch inference and evaluation (one code path, no skew)."""
+"""The predictors shared by online serving, batch inference and evaluation (one code path, no skew):
+each task's `predictor` builds one (workflows.tasks.base.Predictor); this module holds the text
+classifier's and the Ray Data actor that runs any of them."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import torch
 
 from workflows.model_card import ModelCard
 from workflows.preprocess.encoding import TextEncoder, compose_texts, pad_batch
+from workflows.tasks import base
+from workflows.tasks.classify import add_predictions, prediction
 
 
-class Predictor:
-    """A registered model loaded once: raw rows in, labels and probabilities out."""
+class TextPredictor(base.Predictor):
+    """A registered text classifier loaded once: raw rows in, labels and probabilities out."""
 
     def __init__(self, model_dir: str, threads: int | None = None, precision: str = "fp32"):
         from workflows.train.models import load_trained_classifier
@@ -22,6 +26,7 @@ class Predictor:
             raise ValueError(f"{model_dir}/workflows.json has no max_length: not a servable model")
         self.labels: list[str] = self.card.labels
         self.text_columns: list[str] = self.card.text_columns
+        self.input_columns = self.text_columns
         self.encoder = TextEncoder(model_dir, self.card.max_length, self.text_columns)
         if threads:
             torch.set_num_threads(threads)
@@ -56,12 +61,21 @@ class Predictor:
     def predict(self, rows: Sequence[Mapping[str, object]]) -> list[dict]:
         columns = {c: [row.get(c) for row in rows] for c in self.text_columns}
         probs = self.probabilities(columns)
-        return [self._prediction(p) for p in probs]
+        return [prediction(self.labels, p) for p in probs]
 
-    def _prediction(self, p: np.ndarray) -> dict:
-        i = int(p.argmax())
-        return {"label": self.labels[i], "score": float(p[i]),
-                "probabilities": {lab: float(x) for lab, x in zip(self.labels, p)}}
+    def predict_frame(self, batch):
+        return add_predictions(batch, self.labels, self.probabilities(batch))
+
+
+Predictor = TextPredictor  # the name benches and notebooks import
+
+
+def load_predictor(cfg, model_dir: str, threads: int | None = None, precision: str | None = None) -> base.Predictor:
+    """The predictor of a registered model directory, built by the task its card names."""
+    from workflows.tasks import task_for_card
+
+    card = ModelCard.load(model_dir)
+    return task_for_card(cfg, card).predictor(model_dir, card, threads, precision or cfg.serve.precision)
 
 
 class BatchPredictor:
@@ -78,11 +92,7 @@ class BatchPredictor:
 
         wcfg = WorkflowConfig.model_validate(cfg)
         model_dir, _ = registry.fetch(wcfg, StorageContext.from_config(wcfg.storage), model_spec)
-        self.predictor = Predictor(model_dir, threads, precision or wcfg.serve.precision)
+        self.predictor = load_predictor(wcfg, model_dir, threads, precision)
 
     def __call__(self, batch):
-        probs = self.predictor.probabilities(batch)
-        idx = probs.argmax(1)
-        batch["prediction"] = [self.predictor.labels[i] for i in idx]
-        batch["score"] = probs[np.arange(len(idx)), idx]
-        return batch
+        return self.predictor.predict_frame(batch)

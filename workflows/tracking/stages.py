@@ -90,7 +90,7 @@ def log_registered(run: Run, ref) -> None:
 def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path, confusion_png: Path | None = None) -> None:
     """Weighted and per-class scores as metrics; the report (per-class P/R/F1) and the confusion
     matrix as JSON and PNG (`confusion_png`: the one evaluate wrote) artifacts."""
-    flat = {"accuracy": metrics.get("accuracy"), "rows": metrics.get("rows"),
+    flat = {**{k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)},
             **{f"weighted_{k}": v for k, v in metrics.get("weighted", {}).items()},
             **{f"baseline_{k}": v for k, v in metrics.get("baseline", {}).items() if k != "majority_label"}}
     for label, m in metrics.get("per_class", {}).items():

@@ -160,9 +160,8 @@ def train_epoch(
                 (out.loss * (n / group_n)).backward()
             loss = out.loss.item()
             step_loss += loss * n
-            totals += torch.tensor(
-                [batch["labels"].shape[0], batch["attention_mask"].sum().item()], dtype=torch.float64
-            )
+            tokens = batch["attention_mask"].sum().item() if "attention_mask" in batch else 0  # images: none
+            totals += torch.tensor([batch["labels"].shape[0], tokens], dtype=torch.float64)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
@@ -233,17 +232,6 @@ def steps_per_epoch(rows: int, world_size: int, batch_size: int, accum_steps: in
     return max(1, math.ceil(math.ceil(rows / world_size / batch_size) / accum_steps))
 
 
-def build_model(cfg, model_dir: str, labels: list[str], vocab_size: int | None = None) -> nn.Module:
-    """The task's model: a classifier from `model_dir` with a new head, or a GPT built from model.lm."""
-    if cfg.model.task == "causal_lm":
-        from workflows.train.lm import build_causal_lm
-
-        return build_causal_lm(cfg.model.lm, vocab_size, cfg.model.dropout)
-    from workflows.train.models import load_classifier
-
-    return load_classifier(model_dir, labels, cfg.model.dropout, cfg.model.pooling)
-
-
 LINEAR_PROBE_MAX_ROWS = 20_000  # all ranks together: plenty for a logistic regression on ~1k features
 
 
@@ -311,94 +299,46 @@ def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device
     return {"rows": int(len(y)), "train_accuracy": accuracy, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def build_training(
-    cfg,
-    model_dir: str,
-    labels: list[str],
-    device: torch.device,
-    train_rows: int,
-    vocab_size: int | None = None,
-    probe_batches: Iterable[dict] | None = None,
-):
-    """Model (seeded head or seeded random init, FSDP2/DDP per train.strategy), optimizer and LR
-    schedule: the same under Ray Train and torchrun. The schedule spans all epochs, so a resumed
-    run continues it. `train_rows`: rows (classification) or blocks (causal LM) per epoch.
-    `probe_batches`: this rank's training rows, for train.head_init=linear_probe (None when resuming:
-    the checkpoint holds the head)."""
+def build_training(cfg, task, data, device: torch.device, train_rows: int,
+                   probe_batches: Iterable[dict] | None = None):
+    """Model (the task's, with seeded new weights; FSDP2/DDP per train.strategy), optimizer and LR
+    schedule: the same under Ray Train, torchrun and Tune. The schedule spans all epochs, so a
+    resumed run continues it. `train_rows`: training examples per epoch (a causal LM: blocks).
+    `probe_batches`: this rank's training batches for the task's `prepare_model` (None when
+    resuming: the checkpoint holds everything)."""
     tc = cfg.train
     torch.manual_seed(tc.seed)  # new weights identical on every rank and every run
-    model = build_model(cfg, model_dir, labels, vocab_size)
-    if tc.freeze_embeddings and cfg.model.task == "classification":  # pretrained ones only: an LM's are
-        model.get_input_embeddings().requires_grad_(False)  # random and tied to its head
-    if tc.head_init == "linear_probe" and cfg.model.task == "classification" and probe_batches is not None:
-        probe = linear_probe(model.to(device), probe_batches, device, tc.linear_probe_l2)
-        if world()[0] == 0:
-            print(
-                f"linear probe: head fitted on {probe['rows']} rows (train accuracy {probe['train_accuracy']:.4f}) "
-                f"in {probe['seconds']:.1f}s",
-                flush=True,
-            )
+    model = task.build_model(data)
+    task.prepare_model(model, device, probe_batches)
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model = parallelize(model, tc.strategy, device)
-    optimizer = make_optimizer(
-        model, tc.lr, tc.weight_decay, tc.head_lr if cfg.model.task == "classification" else None
-    )
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, task.head_lr())
     total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size, tc.grad_accum_steps) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
     return model, optimizer, scheduler
 
 
-@torch.no_grad()
-def evaluate_lm(model, batches, device: torch.device) -> dict:
-    """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means) and
-    its perplexity."""
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64)  # loss*blocks, blocks
-    for batch in in_step(batches, device):
-        n = batch["input_ids"].shape[0]
-        sums += torch.tensor([model(**batch).loss.item() * n, n], dtype=torch.float64)
-    loss_sum, blocks = all_reduce_sum(sums).tolist()
-    loss = loss_sum / max(blocks, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "rows": int(blocks)}
-
-
-def validation_metrics(cfg, model, batches, num_labels: int, device: torch.device) -> dict:
-    """val_* metrics of the task: F1/accuracy/loss (classification) or loss/perplexity (causal LM)."""
-    if cfg.model.task == "causal_lm":
-        val = evaluate_lm(model, batches, device)
-        return {"val_loss": val["loss"], "val_perplexity": val["perplexity"]}
-    val = evaluate(model, batches, num_labels, device)
-    return {"val_f1": val["f1"], "val_accuracy": val["accuracy"], "val_loss": val["loss"]}
-
-
-def lm_mfu(cfg, model, tokens_per_s: float, device: torch.device) -> float | None:
-    """MFU of a causal-LM epoch on GPU (None elsewhere: no meaningful peak)."""
-    if cfg.model.task != "causal_lm" or device.type != "cuda":
-        return None
-    from workflows.train.lm import mfu, model_shape
-
-    params, layers, hidden = model_shape(model)
-    return mfu(tokens_per_s, params, layers, hidden, cfg.model.lm.seq_len, world()[1], device)
-
-
 def epoch_line(m: dict) -> str:
-    """One epoch's metrics as the CLI and torchrun print them."""
-    val = f"val_perplexity {m['val_perplexity']:.2f}" if "val_perplexity" in m else f"val_f1 {m.get('val_f1', 0):.4f}"
+    """One epoch's metrics as the CLI and torchrun print them: every val_* metric."""
+    val = ", ".join(f"{k} {v:.4f}" for k, v in m.items() if k.startswith("val_") and k != "val_seconds"
+                    and isinstance(v, int | float))
     mfu = f", MFU {m['mfu']:.1%}" if m.get("mfu") is not None else ""
+    tokens = f", {m['tokens_per_s']:.0f} tokens/s" if m.get("tokens_per_s") else ""
     return (
         f"epoch {m.get('epoch')}: loss {m.get('train_loss', 0):.4f}, {val}, {m.get('samples_per_s', 0):.1f} "
-        f"samples/s, {m.get('tokens_per_s', 0):.0f} tokens/s{mfu}, {m.get('epoch_seconds', 0):.1f}s"
+        f"samples/s{tokens}{mfu}, {m.get('epoch_seconds', 0):.1f}s"
     )
 
 
 def run_epochs(
     cfg,
+    task,
+    data,
     model,
     optimizer,
     scheduler,
     device,
-    num_labels: int,
     *,
     start_epoch: int,
     history: list[dict],
@@ -421,7 +361,7 @@ def run_epochs(
         )
         step_losses = stats.pop("step_losses")
         t_val = time.perf_counter()
-        val = validation_metrics(cfg, model, val_batches(), num_labels, device)
+        val = task.validate(model, val_batches(), device, data)
         metrics = {
             **stats,
             "epoch": epoch,
@@ -429,9 +369,7 @@ def run_epochs(
             **val,
             "val_seconds": time.perf_counter() - t_val,
         }
-        utilization = lm_mfu(cfg, model, stats["tokens_per_s"], device)
-        if utilization is not None:
-            metrics["mfu"] = utilization
+        metrics.update(task.epoch_extras(model, stats, device))
         history.append({**metrics, "step_losses": step_losses, "resumed_from_epoch": resumed_from_epoch})
         end_of_epoch(epoch, metrics, history)
     return history

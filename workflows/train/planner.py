@@ -251,30 +251,11 @@ def plan_from_config(
     checkpointing: bool = False,
 ) -> Plan:
     """A plan for the model and settings of a WorkflowConfig (the arguments override them)."""
-    from workflows.preprocess.encoding import resolve_model_dir
+    from workflows.tasks import get_task
 
-    model_cfg, train_cfg = cfg.model, cfg.train
-    if getattr(model_cfg, "task", "classification") == "causal_lm":
-        from transformers import AutoTokenizer
-
-        from workflows.train.lm import causal_lm_config
-
-        lm = model_cfg.lm
-        vocab = len(AutoTokenizer.from_pretrained(resolve_model_dir(cfg.preprocess.tokenizer)))  # as the trainer
-        # the trainer uses SDPA on GPUs, eager on CPU
-        config = causal_lm_config(
-            lm, vocab, getattr(model_cfg, "dropout", None), attn="sdpa" if train_cfg.use_gpu else "eager"
-        )
-        spec = spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", causal_lm=True)  # never frozen
-        seq_len = seq_len or lm.seq_len
-    else:
-        name = getattr(model_cfg, "name_or_path", "minilm")
-        spec = model_spec(
-            resolve_model_dir(name),
-            dropout=getattr(model_cfg, "dropout", None),
-            freeze_embeddings=bool(getattr(train_cfg, "freeze_embeddings", False)),
-            name=name,
-        )
+    train_cfg = cfg.train
+    spec, task_seq = get_task(cfg).memory_spec()
+    seq_len = seq_len or task_seq
     if device_memory is None:
         found = detected_device_memory()
         mem, source = (
@@ -287,7 +268,7 @@ def plan_from_config(
         )
     else:
         mem, source = parse_bytes(device_memory), "given"
-    seq = seq_len or getattr(model_cfg, "max_length", None) or cfg.preprocess.max_length
+    seq = seq_len or cfg.preprocess.max_length
     return make_plan(
         spec,
         devices=devices or train_cfg.num_workers,

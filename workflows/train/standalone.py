@@ -22,9 +22,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,17 +33,16 @@ import torch.distributed as dist
 
 from workflows.config import WorkflowConfig, load_config
 from workflows.errors import UserError
-from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
+from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import build_training, collate, data_seed, epoch_line, run_epochs
+from workflows.train.loop import build_training, data_seed, epoch_line, run_epochs
 from workflows.train.parallel import exit_rank, world
 from workflows.train.worker_setup import (
     join_torchrun_group,
-    pad_and_vocab,
     row_limits,
     set_torch_threads,
     start_point,
@@ -55,19 +55,17 @@ PROCESS_START = time.time()
 def find_dataset(cfg: WorkflowConfig, storage: StorageContext, uri: str | None = None) -> ProcessedDataset:
     """The processed dataset of `cfg` (as `workflows preprocess` wrote it), or the one at `uri`."""
     if uri is None:
-        from workflows.preprocess.materialize import dataset_version
         from workflows.preprocess.sources import list_shards
 
         shards, _ = list_shards(cfg.data.source, storage, cfg.data.format)
-        version = dataset_version(shards, cfg, resolve_model_dir(cfg.preprocess.tokenizer))
+        version = get_task(cfg).dataset_version(shards, storage)
         uri = cfg.uri("processed", version)
         if not exists(join(uri, "manifest.json"), storage):
             raise UserError(f"no processed dataset for this config at {uri}: run `workflows preprocess` first")
         return ProcessedDataset.load(uri, storage)
     if not exists(join(uri, "manifest.json"), storage):
         raise UserError(f"{uri}: not a processed dataset (no manifest.json)")
-    m = read_json(join(uri, "manifest.json"), storage)
-    data = ProcessedDataset(**{k: m[k] for k in ProcessedDataset.__dataclass_fields__ if k in m})
+    data = ProcessedDataset.from_manifest(read_json(join(uri, "manifest.json"), storage))
     data.uri = uri
     fs, path = filesystem(uri, storage)  # a copy: its files are where it is, not where it was written
     data.files = {s: [with_protocol(uri, p) for p in sorted(fs.glob(f"{path.rstrip('/')}/split={s}/*.parquet"))]
@@ -75,9 +73,11 @@ def find_dataset(cfg: WorkflowConfig, storage: StorageContext, uri: str | None =
     return data
 
 
-def read_rows(files: list[str], storage: StorageContext, limit: int | None = None, shard_cache=None) -> dict[str, list]:
-    """`input_ids` and `label_id` of the first `limit` rows of these parquet files, in file order
-    (the rows Ray Data's `limit` keeps with preserve_order); through `shard_cache` if given."""
+def read_rows(files: list[str], storage: StorageContext, columns: tuple[str, ...] | list[str],
+              limit: int | None = None, shard_cache=None) -> dict[str, Any]:
+    """The task's stored `columns` of the first `limit` rows of these parquet files, in file order
+    (the rows Ray Data's `limit` keeps with preserve_order); through `shard_cache` if given. A
+    variable-length tensor column (token ids) becomes a list of arrays, any other a numpy array."""
     import pyarrow as pa
 
     from workflows.storage.shards import read_parquet
@@ -86,7 +86,7 @@ def read_rows(files: list[str], storage: StorageContext, limit: int | None = Non
     for uri in files:
         if limit is not None and n >= limit:
             break
-        t = read_parquet(uri, storage, ["input_ids", "label_id"], shard_cache)
+        t = read_parquet(uri, storage, list(columns), shard_cache)
         tables.append(t)
         n += t.num_rows
     if not tables:
@@ -94,13 +94,12 @@ def read_rows(files: list[str], storage: StorageContext, limit: int | None = Non
     table = pa.concat_tables(tables)
     if limit is not None:
         table = table.slice(0, limit)
-    return {"input_ids": token_lists(table.column("input_ids")),
-            "label_id": table.column("label_id").to_numpy().astype(np.int64)}
+    return {c: column_values(table.column(c)) for c in columns}
 
 
-def token_lists(column) -> list[np.ndarray]:
-    """Token id rows of an `input_ids` column as Ray Data writes it: a variable-shaped tensor
-    (extension type over a {data, shape} struct), a fixed-shape one, or a plain list column."""
+def column_values(column):
+    """A parquet column as training reads it: token id rows as a list of arrays (Ray Data writes
+    them as a tensor extension type over a {data, shape} struct, or a list column), else numpy."""
     import pyarrow as pa
 
     arr = column.combine_chunks()
@@ -108,43 +107,39 @@ def token_lists(column) -> list[np.ndarray]:
         arr = arr.storage
     if pa.types.is_struct(arr.type):
         arr = arr.flatten()[arr.type.get_field_index("data")]  # flatten() honours the slice offset
-    return list(arr.to_numpy(zero_copy_only=False))
+        return list(arr.to_numpy(zero_copy_only=False))
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        return list(arr.to_numpy(zero_copy_only=False))
+    return arr.to_numpy(zero_copy_only=False)
 
 
-def rank_share(rows: dict[str, list], rank: int, world_size: int) -> dict[str, list]:
+def row_count(rows: dict[str, Any]) -> int:
+    return len(next(iter(rows.values())))
+
+
+def rank_share(rows: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """This rank's contiguous share; equal shares (the remainder is dropped, as Ray's equal split does)."""
-    per = len(rows["label_id"]) // world_size
+    per = row_count(rows) // world_size
     lo, hi = rank * per, (rank + 1) * per
-    return {"input_ids": rows["input_ids"][lo:hi], "label_id": rows["label_id"][lo:hi]}
+    return {c: v[lo:hi] for c, v in rows.items()}
 
 
-def packed_rows(rows: dict[str, list], seq_len: int) -> dict[str, list]:
-    """Causal LM: token rows -> blocks of seq_len tokens (lm.pack_batch per lm.PACK_ROWS rows, as Ray
-    Data's map_batches packs them); label_id is unused there but keeps the row count."""
-    from workflows.train.lm import PACK_ROWS, pack_batch
-
-    ids = rows["input_ids"]
-    parts = [
-        pack_batch({"input_ids": ids[i : i + PACK_ROWS]}, seq_len)["input_ids"] for i in range(0, len(ids), PACK_ROWS)
-    ]
-    blocks = np.concatenate(parts) if parts else np.zeros((0, seq_len), np.int64)
-    return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
-
-
-def batches(
-    rows: dict[str, list], batch_size: int, pad_id: int, seed: int | None = None, lm: bool = False
-) -> Iterator[dict]:
-    """Padded batches (or packed causal-LM blocks) in a seeded random order (seed=None: file order)."""
-    from workflows.train.lm import lm_collate
-
-    n = len(rows["label_id"])
+def batches(rows: dict[str, Any], batch_size: int, collate: Callable, seed: int | None = None) -> Iterator[dict]:
+    """Batches of `rows` through the task's `collate`, in a seeded random order (seed=None: file order)."""
+    n = row_count(rows)
     order = np.arange(n) if seed is None else np.random.default_rng(seed).permutation(n)
     for i in range(0, n, batch_size):
-        idx = order[i : i + batch_size]
-        if lm:
-            yield lm_collate([rows["input_ids"][j] for j in idx])
-        else:
-            yield collate({"input_ids": [rows["input_ids"][j] for j in idx], "label_id": rows["label_id"][idx]}, pad_id)
+        idx = order[i: i + batch_size]
+        yield collate({c: take(v, idx) for c, v in rows.items()})
+
+
+def take(values, idx: np.ndarray):
+    return values[idx] if isinstance(values, np.ndarray) else [values[j] for j in idx]
+
+
+def epoch_batches(task, data, rows: dict[str, Any], batch_size: int, seed: int) -> Iterator[dict]:
+    """One epoch's training batches: rows in a seeded order, the task's augmentation seeded alike."""
+    return batches(rows, batch_size, task.collate(data, train=True, seed=seed), seed)
 
 
 @contextmanager
@@ -181,26 +176,22 @@ def train(
     """Train on this process's rank; returns the summary (identical on every rank). `logger`
     (rank 0's): the MLflow run that each epoch's metrics go to."""
     tc = cfg.train
-    lm = cfg.model.task == "causal_lm"
+    task = get_task(cfg)
     rank, world_size = world()
     device = torchrun_device(tc.use_gpu and torch.cuda.is_available())
     set_torch_threads(tc)
-    pad_id, vocab_size = pad_and_vocab(data.tokenizer)
 
     t_read = time.perf_counter()
     train_limit, val_limit = row_limits(tc, data.counts["train"])
-    train_rows = read_rows(data.files["train"], storage, train_limit)
-    val_rows = read_rows(data.files["val"], storage, val_limit)
-    if lm:  # rows -> blocks of seq_len tokens, as the Ray path packs them
-        train_rows, val_rows = (packed_rows(r, cfg.model.lm.seq_len) for r in (train_rows, val_rows))
+    train_rows = task.prepare_rows(read_rows(data.files["train"], storage, task.columns, train_limit))
+    val_rows = task.prepare_rows(read_rows(data.files["val"], storage, task.columns, val_limit))
     read_seconds = time.perf_counter() - t_read
-    total_rows = len(train_rows["label_id"])
+    total_rows = row_count(train_rows)
     train_rows, val_rows = rank_share(train_rows, rank, world_size), rank_share(val_rows, rank, world_size)
 
-    probe = None if resume or lm else batches(train_rows, cfg.evaluate.batch_size, pad_id)
-    model, optimizer, scheduler = build_training(
-        cfg, resolve_model_dir(cfg.model.name_or_path), data.labels, device, total_rows, vocab_size, probe
-    )
+    eval_batch = task.collate(data, train=False)
+    probe = None if resume else batches(train_rows, cfg.evaluate.batch_size, eval_batch)
+    model, optimizer, scheduler = build_training(cfg, task, data, device, total_rows, probe)
     found = None
     if resume:
         found = ckpt.latest_local(checkpoint_dir) if checkpoint_dir else None
@@ -234,16 +225,18 @@ def train(
     try:
         run_epochs(
             cfg,
+            task,
+            data,
             model,
             optimizer,
             scheduler,
             device,
-            len(data.labels),
             start_epoch=start_epoch,
             history=history,
             resumed_from_epoch=resumed_from,
-            train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch, rank), lm),
-            val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id, lm=lm),
+            train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
+                                                      data_seed(tc.seed, epoch, rank)),
+            val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
             end_of_epoch=end_of_epoch,
         )
     except Stop:

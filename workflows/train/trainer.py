@@ -18,7 +18,6 @@ from typing import Any
 
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
-from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import (
     StorageContext,
@@ -29,32 +28,24 @@ from workflows.storage.uri import (
     with_protocol,
     write_json,
 )
+from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import build_training, collate, data_seed, run_epochs
-from workflows.train.models import check_linear_probe_head
-from workflows.train.worker_setup import pad_and_vocab, row_limits, set_torch_threads, start_point
+from workflows.train.loop import build_training, data_seed, run_epochs
+from workflows.train.worker_setup import row_limits, set_torch_threads, start_point
 
 SHUFFLE_BUFFER = 2048
 
 
-def _collate(task: str, pad_id: int):
-    """loop.collate (padded classification rows) or lm.lm_collate (packed blocks) as the
-    collate-function class Ray Data's iter_torch_batches expects."""
+def ray_collate(fn):
+    """A task's collate function as the collate-function class Ray Data's iter_torch_batches expects."""
     from ray.data.collate_fn import NumpyBatchCollateFn
-
-    from workflows.train.lm import lm_collate
 
     class Collate(NumpyBatchCollateFn):
         def __call__(self, batch):
-            return lm_collate(batch["input_ids"]) if task == "causal_lm" else collate(batch, pad_id)
+            return fn(batch)
 
     return Collate()
-
-
-def score(cfg: WorkflowConfig) -> tuple[str, str]:
-    """The metric that ranks checkpoints: validation F1 (classification) or loss (causal LM)."""
-    return ("val_loss", "min") if cfg.model.task == "causal_lm" else ("val_f1", "max")
 
 
 def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: str, mode: str) -> tuple[Any, dict]:
@@ -73,11 +64,8 @@ class WorkerSpec:
     """What every Ray Train worker gets from the driver (pickled, in `train_loop_config`)."""
 
     cfg: dict[str, Any]  # the WorkflowConfig as JSON, validated again in the worker
-    labels: list[str]
-    model_dir: str
+    data: ProcessedDataset
     train_rows: int  # rows (or causal-LM blocks) per epoch, after train.max_train_rows
-    pad_id: int
-    vocab_size: int
     run_uri: str
     storage: StorageContext
     resume_from: str | None = None  # `--resume`: an earlier run's checkpoint
@@ -97,6 +85,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     started_at = time.time()
     spec = config["spec"]  # Ray Train hands the train function a dict
     cfg = WorkflowConfig.model_validate(spec.cfg)
+    task = get_task(cfg)
     tc = cfg.train
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -105,7 +94,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
-    to_batch = _collate(cfg.model.task, spec.pad_id)
+    eval_batch = ray_collate(task.collate(spec.data, train=False))
 
     # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
     # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
@@ -115,25 +104,26 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
     probe_batches = None
     if checkpoint is None and tc.head_init == "linear_probe":
-        probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
-    model, optimizer, scheduler = build_training(cfg, spec.model_dir, spec.labels, device, spec.train_rows,
-                                                 spec.vocab_size, probe_batches)
+        probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
+    model, optimizer, scheduler = build_training(cfg, task, spec.data, device, spec.train_rows, probe_batches)
     with checkpoint.as_directory() if checkpoint is not None else nullcontext() as d:
         start_epoch, history, resumed_from, saved = start_point(d, model, optimizer, scheduler)
 
     def train_batches(epoch: int):
-        # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
-        # by (seed, epoch, rank), so an epoch sees the same batches however the run got there.
+        # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle (and the
+        # task's augmentation) is seeded by (seed, epoch, rank), so an epoch sees the same batches
+        # however the run got there.
+        seed = data_seed(tc.seed, epoch, rank)
         return train_shard.iter_torch_batches(
-            batch_size=tc.batch_size, collate_fn=to_batch,
-            local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=data_seed(tc.seed, epoch, rank),
+            batch_size=tc.batch_size, collate_fn=ray_collate(task.collate(spec.data, train=True, seed=seed)),
+            local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=seed,
         )
 
     # MLflow from rank 0, where the numbers are (Train V2 has no tracking callback)
     logger = RunLogger(spec.tracking) if rank == 0 and spec.tracking is not None else None
 
     def val_batches():
-        return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=to_batch)
+        return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         t0 = time.perf_counter()
@@ -157,7 +147,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
             assert resumed_from is not None and saved is not None  # a checkpoint was loaded
             end_of_epoch(resumed_from, saved["metrics"], history)
             return
-        run_epochs(cfg, model, optimizer, scheduler, device, len(spec.labels), start_epoch=start_epoch,
+        run_epochs(cfg, task, spec.data, model, optimizer, scheduler, device, start_epoch=start_epoch,
                    history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
                    resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None)
     finally:
@@ -180,15 +170,6 @@ def record_throughput(run: str, metrics: dict) -> None:
                 tag_keys=("run",),
             )
         _GAUGES[name].set(float(metrics[key]), tags={"run": run})
-
-
-def packed(ds, seq_len: int):
-    """Token rows -> blocks of `seq_len` tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
-    from workflows.train.lm import PACK_ROWS, pack_batch
-
-    return ds.map_batches(
-        pack_batch, fn_kwargs={"seq_len": seq_len}, batch_format="numpy", batch_size=PACK_ROWS, num_cpus=0
-    )
 
 
 def ingest_config():
@@ -298,10 +279,8 @@ def fit(
     tc = cfg.train
     if check:
         check_resources(tc.num_workers, tc.cpus_per_worker, tc.use_gpu)
-    model_dir = resolve_model_dir(cfg.model.name_or_path)
-    if cfg.model.task == "classification" and tc.head_init == "linear_probe":
-        check_linear_probe_head(model_dir, data.labels, cfg.model.pooling)
-    pad_id, vocab_size = pad_and_vocab(data.tokenizer)
+    task = get_task(cfg)
+    task.check(data)
 
     train_ds = data.read("train", storage, num_cpus=0, cache=cfg.cache)
     train_rows = data.counts["train"]
@@ -312,14 +291,13 @@ def fit(
     val_ds = data.read("val", storage, num_cpus=0, cache=cfg.cache)
     if val_limit is not None:
         val_ds = val_ds.limit(val_limit)
-    if cfg.model.task == "causal_lm":
-        train_ds, val_ds = (packed(ds, cfg.model.lm.seq_len) for ds in (train_ds, val_ds))
+    prepared = task.prepare_dataset(train_ds)
+    if prepared is not train_ds:  # rows become other examples (a causal LM's blocks): count them
+        train_ds, val_ds = prepared, task.prepare_dataset(val_ds)
         train_rows = train_ds.count()
-        if train_rows < tc.num_workers:
-            raise UserError(
-                f"causal LM: {train_rows} block(s) of {cfg.model.lm.seq_len} tokens for "
-                f"{tc.num_workers} workers; lower model.lm.seq_len or bring more text"
-            )
+    if train_rows < tc.num_workers:
+        raise UserError(f"{train_rows} training example(s) ({task.name}) for {tc.num_workers} workers; lower "
+                        "train.num_workers, bring more data, or (a causal LM) lower model.lm.seq_len")
     datasets = {"train": train_ds, "val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
@@ -328,17 +306,14 @@ def fit(
         resume_from = latest_checkpoint(cfg, storage, prefix)
         if resume_from is None:
             raise UserError(f"--resume: no checkpoint of a run named {prefix}-* under {_runs_root(cfg)}")
-    metric, mode = score(cfg)
+    metric, mode = task.score
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
     run_uri = f"{_runs_root(cfg)}/{run_name}"
     spec = WorkerSpec(
         cfg=cfg.model_dump(mode="json"),
-        labels=data.labels,
-        model_dir=model_dir,
+        data=data,
         train_rows=train_rows,
-        pad_id=pad_id,
-        vocab_size=vocab_size,
         run_uri=run_uri,
         storage=storage,
         resume_from=resume_from,

@@ -18,6 +18,7 @@ from typing import Any
 from workflows.config import WorkflowConfig
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext
+from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
 
 
@@ -30,7 +31,7 @@ def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg:
 
     shard_cache = cfg.cache.shard_cache(storage) if cfg.cache.enabled else None
     before = shard_cache.stats() if shard_cache is not None else None
-    rows = read_rows(data.files[split], storage, limit, shard_cache=shard_cache)
+    rows = read_rows(data.files[split], storage, get_task(cfg).columns, limit, shard_cache=shard_cache)
     if shard_cache is not None:
         cache_stats.report(before, shard_cache.stats())
     return rows
@@ -71,26 +72,25 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
     import ray.tune
     import torch
 
-    from workflows.preprocess.encoding import resolve_model_dir
     from workflows.train import checkpoint as ckpt
     from workflows.train.loop import build_training, data_seed, run_epochs
-    from workflows.train.standalone import batches
-    from workflows.train.worker_setup import pad_and_vocab, row_limits, set_torch_threads, start_point
+    from workflows.train.standalone import batches, epoch_batches, row_count
+    from workflows.train.worker_setup import row_limits, set_torch_threads, start_point
 
     tc = cfg.train
+    task = get_task(cfg)
     t_start = time.perf_counter()
     set_torch_threads(tc)
     device = torch.device("cuda", 0) if tc.use_gpu and torch.cuda.is_available() else torch.device("cpu")
-    pad_id = pad_and_vocab(data.tokenizer)[0]
     train_limit, val_limit = row_limits(tc, data.counts["train"])
-    train_rows = read_split(data, "train", storage, cfg, train_limit)
-    val_rows = read_split(data, "val", storage, cfg, val_limit)
+    train_rows = task.prepare_rows(read_split(data, "train", storage, cfg, train_limit))
+    val_rows = task.prepare_rows(read_split(data, "val", storage, cfg, val_limit))
     read_seconds = time.perf_counter() - t_start
 
     checkpoint = ray.tune.get_checkpoint()
-    probe = None if checkpoint is not None else batches(train_rows, cfg.evaluate.batch_size, pad_id)
-    model, optimizer, scheduler = build_training(cfg, resolve_model_dir(cfg.model.name_or_path), data.labels, device,
-                                                 len(train_rows["label_id"]), None, probe)
+    eval_batch = task.collate(data, train=False)
+    probe = None if checkpoint is not None else batches(train_rows, cfg.evaluate.batch_size, eval_batch)
+    model, optimizer, scheduler = build_training(cfg, task, data, device, row_count(train_rows), probe)
     if checkpoint is None:
         start_epoch, history, resumed_from, _ = start_point(None, model, optimizer, scheduler)
     else:  # a restarted trial (failure, or `tune --resume`) continues its epochs
@@ -117,7 +117,8 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
         else:
             ray.tune.report(report)
 
-    run_epochs(cfg, model, optimizer, scheduler, device, len(data.labels), start_epoch=start_epoch, history=history,
-               train_batches=lambda epoch: batches(train_rows, tc.batch_size, pad_id, data_seed(tc.seed, epoch)),
-               val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, pad_id),
+    run_epochs(cfg, task, data, model, optimizer, scheduler, device, start_epoch=start_epoch, history=history,
+               train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
+                                                         data_seed(tc.seed, epoch)),
+               val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
                end_of_epoch=end_of_epoch, resumed_from_epoch=resumed_from)

@@ -1,0 +1,104 @@
+"""Causal-LM pretraining: a GPT-2-style model built from model.lm, trained on the tokenized text
+packed into blocks of model.lm.seq_len tokens. Its checkpoints stay with the run: the registry
+and serving take the tasks that predict (registers = False)."""
+
+from __future__ import annotations
+
+import math
+
+from workflows.tasks.base import Task
+
+
+class CausalLM(Task):
+    name = "causal_lm"
+    columns = ("input_ids", "label_id")  # label_id only keeps the row count of in-memory rows
+    registers = False
+    score = ("val_loss", "min")
+
+    def preprocess(self, ctx, say):
+        from workflows.preprocess.materialize import preprocess_text
+
+        return preprocess_text(self.cfg, ctx, say)
+
+    def dataset_version(self, shards, ctx) -> str:
+        from workflows.preprocess.encoding import resolve_model_dir
+        from workflows.preprocess.materialize import dataset_version
+
+        return dataset_version(shards, self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer))
+
+    def prepare_dataset(self, ds):
+        """Token rows -> blocks of seq_len tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
+        from workflows.train.lm import PACK_ROWS, pack_batch
+
+        return ds.map_batches(pack_batch, fn_kwargs={"seq_len": self.cfg.model.lm.seq_len}, batch_format="numpy",
+                              batch_size=PACK_ROWS, num_cpus=0)
+
+    def prepare_rows(self, rows):
+        """The same packing of rows held in memory, as Ray Data's map_batches packs them."""
+        import numpy as np
+
+        from workflows.train.lm import PACK_ROWS, pack_batch
+
+        ids, seq_len = rows["input_ids"], self.cfg.model.lm.seq_len
+        parts = [pack_batch({"input_ids": ids[i: i + PACK_ROWS]}, seq_len)["input_ids"]
+                 for i in range(0, len(ids), PACK_ROWS)]
+        blocks = np.concatenate(parts) if parts else np.zeros((0, seq_len), np.int64)
+        return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
+
+    def collate(self, data, *, train: bool, seed: int | None = None):
+        from workflows.train.lm import lm_collate
+
+        return lambda batch: lm_collate(batch["input_ids"])
+
+    def build_model(self, data):
+        from workflows.train.lm import build_causal_lm
+        from workflows.train.worker_setup import pad_and_vocab
+
+        return build_causal_lm(self.cfg.model.lm, pad_and_vocab(data.tokenizer)[1], self.cfg.model.dropout)
+
+    def memory_spec(self):
+        from transformers import AutoTokenizer
+
+        from workflows.preprocess.encoding import resolve_model_dir
+        from workflows.train.lm import causal_lm_config
+        from workflows.train.model_spec import spec_from_config
+
+        lm, use_gpu = self.cfg.model.lm, self.cfg.train.use_gpu
+        vocab = len(AutoTokenizer.from_pretrained(resolve_model_dir(self.cfg.preprocess.tokenizer)))  # as the trainer
+        # the trainer uses SDPA on GPUs, eager on CPU
+        config = causal_lm_config(lm, vocab, self.cfg.model.dropout, attn="sdpa" if use_gpu else "eager")
+        return spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", causal_lm=True), lm.seq_len
+
+    def validate(self, model, batches, device, data) -> dict:
+        val = evaluate_lm(model, batches, device)
+        return {"val_loss": val["loss"], "val_perplexity": val["perplexity"]}
+
+    def epoch_extras(self, model, stats, device) -> dict:
+        """MFU of the epoch on GPU (none elsewhere: no meaningful peak)."""
+        if device.type != "cuda":
+            return {}
+        from workflows.train.lm import mfu, model_shape
+        from workflows.train.parallel import world
+
+        params, layers, hidden = model_shape(model)
+        return {"mfu": mfu(stats["tokens_per_s"], params, layers, hidden, self.cfg.model.lm.seq_len, world()[1],
+                           device)}
+
+
+def evaluate_lm(model, batches, device) -> dict:
+    """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means) and
+    its perplexity."""
+    import torch
+
+    from workflows.train.loop import in_step
+    from workflows.train.parallel import all_reduce_sum
+
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64)  # loss*blocks, blocks
+    with torch.no_grad():
+        for batch in in_step(batches, device):
+            n = batch["input_ids"].shape[0]
+            sums += torch.tensor([model(**batch).loss.item() * n, n], dtype=torch.float64)
+    loss_sum, blocks = all_reduce_sum(sums).tolist()
+    loss = loss_sum / max(blocks, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "rows": int(blocks)}
