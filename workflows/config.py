@@ -86,7 +86,10 @@ class CacheConfig(Strict):
 
 class RayConfig(Strict):
     address: str | None = Field(
-        None, description="Ray cluster address; None starts a local one (RAY_ADDRESS, set by `ray job submit`, wins)"
+        None,
+        description="Ray cluster to join ('auto', host:port, ray://...); 'local' starts a cluster of the command's "
+        "own; None joins RAY_ADDRESS's cluster where it is set and not 'local' (`ray job submit` sets it), "
+        "else starts a local one",
     )
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a newly started local cluster")
     dashboard: bool = Field(

@@ -75,6 +75,17 @@ def buckets(cfg: WorkflowConfig) -> set[str]:
     return {u.split("://", 1)[1].split("/", 1)[0] for u in uris if protocol_of(u) in ("s3", "s3a")}
 
 
+def cluster_address(cfg: WorkflowConfig) -> str | None:
+    """The running cluster a command joins, or None to start a local cluster of its own: ray.address
+    if set ("local" starts one), else RAY_ADDRESS if set and not "local" (`ray job submit` sets it
+    in a job's driver to the cluster's GCS address; cluster/local/start.sh's env file exports it),
+    joined as ray.address=auto would."""
+    if cfg.ray.address:
+        return None if cfg.ray.address == "local" else cfg.ray.address
+    env = os.environ.get("RAY_ADDRESS", "")
+    return env if env and env != "local" else None
+
+
 def init_ray(cfg: WorkflowConfig) -> bool:
     """Start or join Ray; False if this process had already (then it is not ours to shut down)."""
     import ray
@@ -91,20 +102,21 @@ def init_ray(cfg: WorkflowConfig) -> bool:
     # The dashboard stays on unless ray.dashboard=false: Ray Train V2 queries actor state through it.
     kwargs: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.WARNING}
     cluster_env: dict[str, str] = {}
-    if cfg.ray.address:
-        kwargs["address"] = cfg.ray.address
+    address = cluster_address(cfg)
+    if address:
+        kwargs["address"] = address
         if cfg.serve.haproxy is True:
-            warn(f"serve.haproxy: the cluster at {cfg.ray.address} uses HAProxy only if it was started with "
+            warn(f"serve.haproxy: the cluster at {address} uses HAProxy only if it was started with "
                  "RAY_SERVE_ENABLE_HA_PROXY=1 in its environment")
     else:
-        # "local": a cluster of this command's own. Without it ray.init() joins the cluster that the
-        # last `ray start` on this machine recorded (anyone's), while saying nothing. RAY_ADDRESS,
-        # as `ray job submit` sets it, still wins.
+        # "local": a cluster of this command's own. Without it ray.init() would join RAY_ADDRESS's
+        # cluster (unset, empty or "local" here, or overridden by ray.address=local) or the one that
+        # the last `ray start` on this machine recorded (anyone's), while saying nothing.
         kwargs["address"] = "local"
         # Read by Serve's processes as they start (the cluster's environment) and by serve.run here.
         haproxy = ingress.use_haproxy(cfg.serve)
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if haproxy else "0"
-        cluster_env = ingress.cluster_env(haproxy and not os.environ.get("RAY_ADDRESS"))  # else: not ours
+        cluster_env = ingress.cluster_env(haproxy)
         if not cfg.ray.dashboard:
             kwargs["include_dashboard"] = False
         else:
@@ -124,7 +136,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     resources = ray.cluster_resources()
-    where = f"joined {cfg.ray.address}" if cfg.ray.address else "started a local cluster"
+    where = f"joined {address}" if address else "started a local cluster"
     say(
         f"ray: {where}, {resources.get('CPU', 0):g} CPU(s), {resources.get('GPU', 0):g} GPU(s); "
         f"dashboard {_http(info.dashboard_url) if info.dashboard_url else 'off'}"

@@ -61,7 +61,9 @@ def use_haproxy(sc) -> bool:
 
 def describe(cfg) -> str:
     """The ingress in front of the replicas, as this command set it up."""
-    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):  # a running cluster: its environment decides
+    from workflows.runtime import cluster_address
+
+    if cluster_address(cfg):  # a running cluster: its environment decides
         return "the cluster's ingress"
     return "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve's Python proxy"
 
