@@ -24,6 +24,7 @@ ERRORS = {
     400: "the body is not valid JSON",
     401: "missing or wrong bearer token (when serve.auth_token_env is set)",
     413: "the body is over 1 MiB, or more instances than serve.max_instances",
+    415: "the Content-Type is not one the route accepts (the answer lists those it does)",
     422: "the body is JSON, but not an object {\"instances\": [...]} of valid instances",
     431: "request headers too large or too many",
     503: "the server is shutting down (it answers the requests it holds, then stops)",
@@ -47,47 +48,60 @@ def example_instance(text_columns: list[str]) -> dict[str, str]:
     return {c: "Return the mean of the array elements along the given axis." for c in text_columns}
 
 
-def predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[BaseModel]]:
-    """(PredictRequest, PredictResponse) for the model `card` describes."""
-    instance = instance_model(card.text_columns)
-    request = create_model(
-        "PredictRequest",
-        __config__=ConfigDict(extra="forbid", json_schema_extra={
-            "examples": [{"instances": [example_instance(card.text_columns)]}]}),
-        instances=(list[instance], Field(..., min_length=1, max_length=max_instances)),
-    )
-    label = Literal[tuple(card.labels)]  # type: ignore[valid-type]
-    prediction = create_model(
+def classification_prediction(labels: list[str]) -> type[BaseModel]:
+    """One prediction of a classifier: the label, its probability, every label's probability."""
+    label = Literal[tuple(labels)]  # type: ignore[valid-type]
+    return create_model(
         "Prediction",
         label=(label, Field(..., description="the most probable label")),
         score=(float, Field(..., ge=0, le=1, description="its probability")),
         probabilities=(dict[label, float], Field(..., description="every label's probability")),
     )
-    response = create_model(
+
+
+def response_model(card, prediction: type[BaseModel]) -> type[BaseModel]:
+    """The body of a 200 answer: one prediction per instance, the model's name and version."""
+    return create_model(
         "PredictResponse",
         predictions=(list[prediction], Field(..., description="one per instance, in order")),
         model=(Literal[card.name], ...),  # type: ignore[valid-type]
         version=(int, Field(..., ge=1)),
     )
-    return request, response
+
+
+def request_model(instance: type[BaseModel], max_instances: int, example: dict) -> type[BaseModel]:
+    return create_model(
+        "PredictRequest",
+        __config__=ConfigDict(extra="forbid", json_schema_extra={"examples": [{"instances": [example]}]}),
+        instances=(list[instance], Field(..., min_length=1, max_length=max_instances)),
+    )
+
+
+def predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(PredictRequest, PredictResponse) of a text classifier `card` describes."""
+    request = request_model(instance_model(card.text_columns), max_instances, example_instance(card.text_columns))
+    return request, response_model(card, classification_prediction(card.labels))
 
 
 def error_responses(*codes: int) -> dict[int | str, dict]:
     return {code: {"model": ErrorResponse, "description": ERRORS[code]} for code in codes}
 
 
-def with_request_body(openapi: dict, path: str, model: type[BaseModel]) -> dict:
-    """Declare `model` as the JSON body of POST `path` in a FastAPI-generated OpenAPI document."""
+def register_schema(openapi: dict, model: type[BaseModel]) -> tuple[str, dict]:
+    """Add `model`'s JSON schema (and the models it uses) to the document's components; its $ref and schema."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     components = openapi.setdefault("components", {}).setdefault("schemas", {})
     components.update(schema.pop("$defs", {}))
     components[model.__name__] = schema
+    return f"#/components/schemas/{model.__name__}", schema
+
+
+def with_request_body(openapi: dict, path: str, model: type[BaseModel]) -> dict:
+    """Declare `model` as the JSON body of POST `path` in a FastAPI-generated OpenAPI document."""
+    ref, schema = register_schema(openapi, model)
     op = openapi["paths"][path]["post"]
     op["requestBody"] = {
         "required": True,
-        "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"},
-            "example": schema["examples"][0],
-        }},
+        "content": {"application/json": {"schema": {"$ref": ref}, "example": schema["examples"][0]}},
     }
     return openapi
