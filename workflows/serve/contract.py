@@ -29,6 +29,7 @@ ERRORS = {
     400: "the body is not valid JSON",
     401: "missing or wrong bearer token (when serve.auth_token_env is set)",
     413: "the body is over 1 MiB, or more instances than serve.max_instances",
+    415: "the Content-Type is not one the route accepts (the answer lists those it does)",
     422: "the body is JSON, but not an object {\"instances\": [...]} of valid instances",
     431: "request headers too large or too many",
     503: "the server is shutting down (it answers the requests it holds, then stops)",
@@ -139,18 +140,21 @@ def error_responses(*codes: int) -> dict[int | str, dict]:
     return {code: {"model": ErrorResponse, "description": ERRORS[code]} for code in codes}
 
 
-def with_request_body(openapi: dict, path: str, model: type[BaseModel]) -> dict:
-    """Declare `model` as the JSON body of POST `path` in a FastAPI-generated OpenAPI document."""
+def register_schema(openapi: dict, model: type[BaseModel]) -> tuple[str, dict]:
+    """Add `model`'s JSON schema (and the models it uses) to the document's components; its $ref and schema."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     components = openapi.setdefault("components", {}).setdefault("schemas", {})
     components.update(schema.pop("$defs", {}))
     components[model.__name__] = schema
+    return f"#/components/schemas/{model.__name__}", schema
+
+
+def with_request_body(openapi: dict, path: str, model: type[BaseModel]) -> dict:
+    """Declare `model` as the JSON body of POST `path` in a FastAPI-generated OpenAPI document."""
+    ref, schema = register_schema(openapi, model)
     op = openapi["paths"][path]["post"]
     op["requestBody"] = {
         "required": True,
-        "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"},
-            "example": schema["examples"][0],
-        }},
+        "content": {"application/json": {"schema": {"$ref": ref}, "example": schema["examples"][0]}},
     }
     return openapi
