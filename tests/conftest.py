@@ -17,6 +17,7 @@ from tests.helpers import tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+DIGITS = ROOT / "configs" / "digits.yaml"
 SHARED = ROOT.parent / "shared"
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
@@ -181,3 +182,36 @@ def quickstart_run(tmp_path_factory, mlflow_server) -> QuickstartRun:
     res = run_cli("pipeline", "--config", str(QUICKSTART), *sets(overrides), timeout=900)
     assert res.returncode == 0, "the shared quickstart pipeline failed:\n" + res.stderr[-4000:]
     return QuickstartRun(tmp=tmp, overrides=overrides, stdout=res.stdout, stderr=res.stderr)
+
+
+@dataclass
+class DigitsRun(QuickstartRun):
+    """What the shared `workflows pipeline --config digits` run left (the vision fixture)."""
+
+    @property
+    def runs(self) -> Path:
+        return self.tmp / "runs" / "digits"
+
+    def cli(self, *args: str, extra: tuple[str, ...] = (), timeout: float = 600, env: dict | None = None):
+        return run_cli(*args, "--config", str(DIGITS), *sets([*self.overrides, *extra]), timeout=timeout, env=env)
+
+
+def digits_overrides(tmp: Path) -> list[str]:
+    """The digits pipeline in about a minute: 4 epochs (held-out accuracy ~0.98 already), a
+    one-epoch search of two trials, untracked."""
+    from tests.helpers import free_port
+
+    return [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
+            "train.epochs=4", "tune.num_samples=2", "tune.max_epochs=1", "tune.max_train_rows=256",
+            "preprocess.concurrency=1", f"serve.port={free_port()}", "tracking.enabled=false"]
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory) -> DigitsRun:
+    """ONE digits pipeline (built-in PNG tar shards, decode on Ray Data, tune, FSDP2 training of the
+    small ResNet, evaluate, register, serve) through the real CLI, shared by the image tests."""
+    tmp = tmp_path_factory.mktemp("digits")
+    overrides = digits_overrides(tmp)
+    res = run_cli("pipeline", "--config", str(DIGITS), *sets(overrides), timeout=900)
+    assert res.returncode == 0, "the shared digits pipeline failed:\n" + res.stderr[-4000:]
+    return DigitsRun(tmp=tmp, overrides=overrides, stdout=res.stdout, stderr=res.stderr)

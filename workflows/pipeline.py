@@ -21,9 +21,20 @@ from workflows.tasks import get_task
 from workflows.tracking import stages as tracking
 
 
+def builtin_dataset(name: str, cfg: WorkflowConfig):
+    """(what it is, build() -> rows, write_shards(rows, uri, ctx) -> URIs) of a built-in dataset."""
+    if name == "digits":
+        from workflows.preprocess import digits_data
+
+        return "scikit-learn's bundled handwritten digits as PNGs", digits_data.build, digits_data.write_shards
+    from workflows.preprocess import quickstart_data
+
+    return ("the quickstart dataset from installed libraries' docstrings",
+            lambda: quickstart_data.build(cfg.data.builtin_rows_per_class), quickstart_data.write_shards)
+
+
 def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
     """Build the built-in dataset into `data.source` when asked for and nothing is there yet."""
-    from workflows.preprocess import quickstart_data
     from workflows.preprocess.sources import list_shards
 
     d = rt.cfg.data
@@ -38,10 +49,11 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
             raise UserError(f"{e}; data.builtin={d.builtin} is built only into the embedded store: "
                             "point data.source at your data (and set data.builtin=null), or set "
                             "data.write_builtin=true to build it there") from None
-    say(f"data: building the {d.builtin} dataset from installed libraries' docstrings -> {d.source}")
+    what, build, write_shards = builtin_dataset(d.builtin, rt.cfg)
+    say(f"data: building {what} -> {d.source}")
     t0 = time.time()
-    rows = quickstart_data.build(d.builtin_rows_per_class)
-    uris = quickstart_data.write_shards(rows, d.source, rt.storage)
+    rows = build()
+    uris = write_shards(rows, d.source, rt.storage)
     rt.persist()
     say(f"data: wrote {len(rows)} rows in {len(uris)} shards")
     return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2)}

@@ -1,0 +1,181 @@
+"""Preprocessing of labelled images on Ray Data: raw shards (WebDataset tars, parquet with an
+image-bytes column, or class-per-folder files) -> decoded, resized, center-cropped uint8 tensors of
+preprocess.image_size, split, written once per dataset version.
+
+Decoding runs on a pool of Ray Data actors (preprocess.concurrency) with the same function serving
+uses (workflows.preprocess.images.decode_image), so a served image reaches the model as the stored
+training tensor does. Each processed row is `key`, `label` and `pixels` (the size x size x 3 uint8
+tensor's bytes, row-major HWC); the label ids follow the manifest's label list, so an added class
+changes the version, not the stored rows' meaning.
+
+A record that cannot be used (not an image, truncated, empty, a decompression bomb, no label) is
+written to the `split=bad` partition with its key and reason, never to a training split: up to
+data.max_bad_records of them are named in the summary and skipped; one more fails preprocessing,
+naming the first, and no manifest is written (so nothing reads the output as a dataset).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict
+
+import numpy as np
+import pandas as pd
+
+from workflows.errors import UserError
+from workflows.preprocess.materialize import (
+    SPLITS,
+    ProcessedDataset,
+    _keep_fraction,
+    split_of,
+)
+from workflows.preprocess.sources import list_shards, read_dataset
+from workflows.storage.uri import exists, filesystem, join, pyarrow_filesystem, with_protocol, write_json
+
+FORMAT_VERSION = 1  # bump when the stored layout or decoding changes
+BAD = "bad"
+
+
+def dataset_version(shards, fmt: str, cfg) -> str:
+    d, p = cfg.data, cfg.preprocess
+    key = {
+        "task": "image", "format_version": FORMAT_VERSION, "format": fmt,
+        "shards": [(s.uri, s.version, s.size) for s in shards],
+        "image_column": d.image_column if fmt == "parquet" else None, "label_column": d.label_column,
+        "val": d.val_fraction, "test": d.test_fraction, "split_seed": d.split_seed, "max_rows": d.max_rows,
+        "image_size": p.image_size, "max_image_pixels": p.max_image_pixels,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class DecodeImages:
+    """Ray Data actor: decode + resize + center-crop each image, assign its split (by a hash of the
+    image bytes: identical images always land in the same split) or mark it bad with the reason."""
+
+    def __init__(self, size: int, max_pixels: int, seed: int, val_fraction: float, test_fraction: float,
+                 keep_fraction: float | None):
+        self.size, self.max_pixels = size, max_pixels
+        self.split_args = (seed, val_fraction, test_fraction)
+        self.keep_fraction, self.seed = keep_fraction, seed
+
+    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
+        from workflows.preprocess.images import BadImage, decode_image
+
+        keys, labels, pixels, splits, errors = [], [], [], [], []
+        for key, image, label in zip(batch["key"], batch["image"], batch["label"]):
+            digest = hashlib.sha256(image).hexdigest() if isinstance(image, bytes | bytearray) else None
+            if digest is not None and self.keep_fraction is not None \
+                    and _keep_fraction(digest, self.seed) >= self.keep_fraction:
+                continue  # data.max_rows: a deterministic subset
+            error, data = None, None
+            if image is None:
+                error = "no image in the record"
+            elif label is None or (isinstance(label, float) and np.isnan(label)) or not str(label).strip():
+                error = "no label"
+            else:
+                try:
+                    data = decode_image(bytes(image), self.size, self.max_pixels).tobytes()
+                except BadImage as e:
+                    error = str(e)
+            keys.append(str(key))
+            labels.append(None if label is None else str(label).strip())
+            pixels.append(data if data is not None else b"")  # one column type in every block
+            errors.append(error)
+            splits.append(BAD if error else split_of(digest, *self.split_args))
+        return pd.DataFrame({"key": keys, "label": labels, "pixels": pixels, "error": errors, "split": splits})
+
+
+def _as_records(batch: pd.DataFrame, image_column: str, label_column: str) -> pd.DataFrame:
+    """Parquet rows -> (key, image, label): the key is the row's `key` column if it has one, else a
+    hash of the image bytes (what names a bad record)."""
+    images = batch[image_column]
+    if "key" in batch.columns:
+        keys = batch["key"].astype(str)
+    else:
+        keys = [hashlib.sha256(b).hexdigest()[:16] if isinstance(b, bytes | bytearray) else "(no image)"
+                for b in images]
+    return pd.DataFrame({"key": list(keys), "image": list(images), "label": list(batch[label_column])})
+
+
+def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
+    import pyarrow.parquet as pq
+    import ray.data
+
+    d, p = cfg.data, cfg.preprocess
+    shards, fmt = list_shards(d.source, ctx, d.format)
+    version = dataset_version(shards, fmt, cfg)
+    out_uri = cfg.uri("processed", version)
+    if exists(join(out_uri, "manifest.json"), ctx):
+        ds = ProcessedDataset.load(out_uri, ctx)
+        ds.reused = True
+        say(f"preprocess: dataset version {version} already materialized at {out_uri}: reusing it")
+        return ds
+
+    t0 = time.time()
+    say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri} "
+        f"({p.image_size}x{p.image_size} uint8, {p.concurrency} decoding actor(s))")
+    if fmt == "parquet":
+        raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=[d.image_column, d.label_column])
+        raw = raw.map_batches(_as_records, batch_format="pandas", fn_args=(d.image_column, d.label_column))
+    elif fmt in ("tar", "image"):
+        raw = read_dataset(shards, fmt, ctx, cfg.cache)
+    else:
+        raise UserError(f"{d.source}: {fmt} shards hold no images; image tasks read tar, parquet or image files "
+                        "(set data.format)")
+    fraction = None
+    if d.max_rows is not None:
+        fraction = min(1.0, d.max_rows / max(raw.count(), 1))
+    decoded = raw.map_batches(
+        DecodeImages, batch_format="pandas", batch_size=p.batch_size,
+        compute=ray.data.ActorPoolStrategy(size=p.concurrency),
+        fn_constructor_args=(p.image_size, p.max_image_pixels, d.split_seed, d.val_fraction, d.test_fraction,
+                             fraction),
+    )
+    pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
+    decoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
+
+    # Counts from what was written (labels and errors only: the pixel column is not read back).
+    fs, _ = filesystem(out_uri, ctx)
+    files: dict[str, list[str]] = {}
+    label_counts: dict[str, dict[str, int]] = {}
+    bad: list[tuple[str, str]] = []
+    for split in (*SPLITS, BAD):
+        found = sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))
+        columns = ["key", "error"] if split == BAD else ["label"]
+        tables = []
+        for f in found:
+            with fs.open(f, "rb") as fh:
+                tables.append(pq.read_table(fh, columns=columns))
+        if split == BAD:
+            bad = [(r["key"], r["error"]) for t in tables for r in t.to_pylist()]
+            continue
+        files[split] = [with_protocol(out_uri, f) for f in found]
+        labels = pd.Series([v for t in tables for v in t.column("label").to_pylist()], dtype=object)
+        label_counts[split] = {str(k): int(v) for k, v in sorted(labels.value_counts().items())}
+    if len(bad) > d.max_bad_records:
+        key, reason = bad[0]
+        raise UserError(f"{d.source}: {len(bad)} bad record(s) (data.max_bad_records={d.max_bad_records}); "
+                        f"the first: {key}: {reason}")
+    counts = {s: sum(c.values()) for s, c in label_counts.items()}
+    labels = sorted({lab for c in label_counts.values() for lab in c})
+    if len(labels) < 2:
+        raise UserError(f"{d.source}: {len(labels)} distinct label(s); need at least 2")
+    if counts["train"] == 0:
+        raise UserError(f"{d.source}: no training images after decoding and splitting")
+
+    result = ProcessedDataset(
+        task=cfg.model.task, uri=out_uri, version=version, labels=labels, label_column="label", files=files,
+        counts=counts, label_counts=label_counts, source=d.source,
+        info={"image_size": p.image_size, "pixels": "uint8 HWC bytes", "bad_records": len(bad),
+              "bad_examples": [{"key": k, "reason": r} for k, r in bad[:20]]},
+    )
+    manifest = asdict(result)
+    manifest.pop("reused")
+    manifest.update(shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
+    write_json(join(out_uri, "manifest.json"), manifest, ctx)  # last: marks the output complete
+    skipped = f", {len(bad)} bad record(s) skipped (first: {bad[0][0]}: {bad[0][1]})" if bad else ""
+    say(f"preprocess: {sum(counts.values())} images ({counts}) in {time.time() - t0:.1f}s, "
+        f"{len(labels)} labels{skipped}")
+    return result

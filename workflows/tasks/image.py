@@ -1,0 +1,261 @@
+"""Image classification: labelled images -> stored uint8 tensors (workflows/preprocess/image_dataset.py)
+-> a transformers vision classifier (workflows/tasks/image_models.py) trained with on-the-fly
+augmentation -> served from JSON base64, a raw image body or multipart files.
+
+One decode/resize path (workflows.preprocess.images.decode_image) serves preprocessing and serving;
+one normalization (`to_model_input`, ImageNet's mean and std, recorded in the model card) serves
+training and serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from workflows.tasks.base import HttpContract
+from workflows.tasks.base import Predictor as BasePredictor
+from workflows.tasks.classify import Classification, add_predictions, prediction
+
+IMAGE_MAX_BODY_BYTES = 16 << 20  # a few photos, base64 included
+
+
+def stack_pixels(values, size: int):
+    """Stored `pixels` (size*size*3 bytes each) -> a uint8 tensor [N, size, size, 3]."""
+    import torch
+
+    flat = np.frombuffer(b"".join(bytes(v) for v in values), dtype=np.uint8)
+    return torch.from_numpy(flat.reshape(len(values), size, size, 3).copy())
+
+
+def sample_seed(seed: int, key: str) -> int:
+    """The augmentation seed of one sample in one epoch: the same crop however batches are formed,
+    on whichever rank, after a resume."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") >> 1
+
+
+class ImageClassification(Classification):
+    name = "image_classification"
+    columns = ("pixels", "label", "key")
+
+    # --- data
+    def preprocess(self, ctx, say):
+        from workflows.preprocess.image_dataset import preprocess_images
+
+        return preprocess_images(self.cfg, ctx, say)
+
+    def dataset_version(self, shards, ctx) -> str:
+        from workflows.preprocess.image_dataset import dataset_version
+        from workflows.preprocess.sources import list_shards
+
+        _, fmt = list_shards(self.cfg.data.source, ctx, self.cfg.data.format)
+        return dataset_version(shards, fmt, self.cfg)
+
+    def collate(self, data, *, train: bool, seed: int | None = None):
+        import torch
+
+        from workflows.preprocess.images import random_resized_crop_flip, to_model_input
+
+        size = int(data.info["image_size"])
+        ids = {lab: i for i, lab in enumerate(data.labels)}
+        aug = self.cfg.train.augment
+        augment = train and aug.enabled
+
+        def collate(batch: dict[str, Any]) -> dict:
+            pixels = stack_pixels(batch["pixels"], size)
+            if augment:
+                pixels = torch.cat([
+                    random_resized_crop_flip(pixels[i: i + 1],
+                                             torch.Generator().manual_seed(sample_seed(seed or 0, str(key))),
+                                             aug.crop_scale, aug.crop_ratio, aug.flip)
+                    for i, key in enumerate(batch["key"])])
+            labels = torch.tensor([ids[str(lab)] for lab in batch["label"]], dtype=torch.int64)
+            return {"pixel_values": to_model_input(pixels), "labels": labels}
+
+        return collate
+
+    # --- model
+    def build_model(self, data):
+        from workflows.tasks.image_models import build_image_classifier
+
+        return build_image_classifier(self.cfg, data.labels)
+
+    def check(self, data) -> None:
+        from workflows.errors import UserError
+        from workflows.tasks.image_models import image_config
+
+        if int(data.info.get("image_size", 0)) != self.cfg.preprocess.image_size:
+            raise UserError(f"the dataset stores {data.info.get('image_size')}px images; preprocess.image_size is "
+                            f"{self.cfg.preprocess.image_size}")
+        image_config(self.cfg, data.labels)  # an unknown architecture or a missing directory fails here
+
+    def export(self, state, data, out_dir, lineage) -> dict:
+        from transformers import AutoModelForImageClassification
+
+        from workflows.model_card import ModelCard
+        from workflows.preprocess.images import IMAGENET_MEAN, IMAGENET_STD
+        from workflows.tasks.image_models import image_config
+        from workflows.train.export import write_card
+
+        model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels))
+        model.load_state_dict(state, strict=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        return write_card(ModelCard(task=self.name, labels=data.labels, label_column="label",
+                                    image_size=int(data.info["image_size"]), image_mean=list(IMAGENET_MEAN),
+                                    image_std=list(IMAGENET_STD), lineage=lineage), out_dir)
+
+    # --- serving
+    def predictor(self, model_dir, card, threads=None, precision="fp32"):
+        return ImagePredictor(model_dir, card, threads, precision, self.cfg.preprocess.max_image_pixels)
+
+    def http_contract(self, card, max_instances):
+        return ImageContract(card, max_instances, self.cfg.preprocess.max_image_pixels)
+
+    def input_columns(self, card, available):
+        return ["pixels"] if "pixels" in available else ["image"]
+
+    def demo_instances(self, data, ctx, n):
+        """The first `n` held-out images, PNG-encoded from their stored tensors, as JSON instances."""
+        import base64
+        import io
+
+        from PIL import Image
+
+        from workflows.storage.shards import read_parquet
+
+        files = data.files.get("test") or []
+        if n <= 0 or not files:
+            return []
+        cache = self.cfg.cache.shard_cache(ctx) if self.cfg.cache.enabled else None
+        rows = read_parquet(files[0], ctx, ["pixels", "key"], cache).slice(0, n).to_pylist()
+        size = int(data.info["image_size"])
+        out = []
+        for row in rows:
+            buf = io.BytesIO()
+            Image.fromarray(stack_pixels([row["pixels"]], size)[0].numpy()).save(buf, format="PNG")
+            out.append({"image": {"b64": base64.b64encode(buf.getvalue()).decode()}})
+        return out
+
+    def describe(self, instance) -> str:
+        b64 = instance.get("image", {}).get("b64", "")
+        return f"image ({len(b64) * 3 // 4:,} bytes)"
+
+
+class ImagePredictor(BasePredictor):
+    """A registered image classifier loaded once: encoded images (or stored tensors) in, labels and
+    probabilities out."""
+
+    def __init__(self, model_dir: str, card, threads: int | None = None, precision: str = "fp32",
+                 max_pixels: int | None = None):
+        import torch
+        from transformers import AutoModelForImageClassification
+
+        from workflows.preprocess.images import MAX_PIXELS
+
+        self.card, self.labels = card, list(card.labels)
+        if card.image_size is None:
+            raise ValueError(f"{model_dir}/workflows.json has no image_size: not a servable image model")
+        self.size = int(card.image_size)
+        self.mean, self.std = tuple(card.image_mean or ()), tuple(card.image_std or ())
+        self.max_pixels = max_pixels or MAX_PIXELS
+        self.input_columns = ["image"]
+        if threads:
+            torch.set_num_threads(threads)
+        model = AutoModelForImageClassification.from_pretrained(model_dir, use_safetensors=True).eval()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.precision = precision
+        if precision == "int8":  # the Linear layers only: convolutions keep fp32 (no dynamic int8 conv kernels)
+            self.device = torch.device("cpu")
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        elif precision == "bf16":
+            model = model.to(torch.bfloat16)
+        elif precision != "fp32":
+            raise ValueError(f"unknown precision {precision!r}")
+        self.model = model.to(self.device)
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def tensor(self, images: list[bytes]):
+        """Encoded images -> the uint8 tensor [N, size, size, 3] the model reads (as stored in training)."""
+        import torch
+
+        from workflows.preprocess.images import decode_image
+
+        arrays = [decode_image(bytes(b), self.size, self.max_pixels) for b in images]
+        return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, self.size, self.size, 3),
+                                                                             dtype=torch.uint8)
+
+    def probabilities(self, pixels, batch_size: int = 64) -> np.ndarray:
+        import torch
+
+        from workflows.preprocess.images import to_model_input
+
+        out = []
+        with torch.inference_mode():
+            for i in range(0, len(pixels), batch_size):
+                x = to_model_input(pixels[i: i + batch_size], self.mean, self.std)
+                logits = self.model(pixel_values=x.to(self.device, self.dtype)).logits
+                out.append(torch.softmax(logits.float(), dim=-1).cpu().numpy())
+        return np.concatenate(out) if out else np.zeros((0, len(self.labels)), dtype=np.float32)
+
+    def predict(self, instances) -> list[dict]:
+        """Instances as ImageContract.parse returns them: each holds its decoded `pixels`."""
+        import torch
+
+        pixels = torch.from_numpy(np.stack([inst["pixels"] for inst in instances]))
+        return [prediction(self.labels, p) for p in self.probabilities(pixels)]
+
+    def predict_frame(self, batch):
+        """A batch of stored rows (`pixels`) or raw ones (encoded `image` bytes): the tensors are
+        dropped from the output, `prediction` and `score` added."""
+        from workflows.errors import UserError
+        from workflows.preprocess.images import BadImage
+
+        if "pixels" in batch.columns:
+            pixels = stack_pixels(list(batch["pixels"]), self.size)
+        else:
+            try:
+                pixels = self.tensor(list(batch["image"]))
+            except BadImage as e:
+                raise UserError(f"an image in the data cannot be decoded: {e}") from None
+        out = batch.drop(columns=[c for c in ("pixels", "image") if c in batch.columns])
+        return add_predictions(out, self.labels, self.probabilities(pixels))
+
+
+class ImageContract(HttpContract):
+    """POST /predict for images: JSON {"instances": [{"image": {"b64": ...}}]}, a raw image body, or
+    multipart files (workflows.serve.image_requests); every image decoded here, so a bad one is a
+    422 for its request alone, before any batch."""
+
+    errors = (400, 401, 413, 415, 422, 431, 503)
+
+    def __init__(self, card, max_instances: int, max_pixels: int):
+        from workflows.serve.image_requests import image_predict_models
+
+        self.card, self.max_instances, self.max_pixels = card, max_instances, max_pixels
+        self.request_model, self.response_model = image_predict_models(card, max_instances)
+
+    def parse(self, content_type, body):
+        from workflows.preprocess.images import BadImage, decode_image
+        from workflows.serve.image_requests import RequestError, parse_image_request
+
+        images = parse_image_request(content_type, body, self.max_instances, IMAGE_MAX_BODY_BYTES)
+        if isinstance(images, RequestError):
+            return images.status, images.message
+        instances = []
+        for i, data in enumerate(images):
+            try:
+                instances.append({"pixels": decode_image(data, int(self.card.image_size), self.max_pixels)})
+            except BadImage as e:
+                return 422, f"instances[{i}]: {e}"
+        return instances
+
+    def openapi(self, document, path):
+        from workflows.serve.image_requests import with_image_request_body
+
+        return with_image_request_body(document, path, self.request_model, max_body_bytes=IMAGE_MAX_BODY_BYTES)
+
+    def example(self) -> dict:
+        from workflows.serve.image_requests import EXAMPLE_REQUEST
+
+        return EXAMPLE_REQUEST
