@@ -101,7 +101,7 @@ class RayConfig(Strict):
 
 class DataConfig(Strict):
     source: str = Field(..., description="URI of a raw shard, a directory of shards or a glob")
-    format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"
+    format: Literal["auto", "csv", "jsonl", "parquet", "tar", "image"] = "auto"
     text_columns: list[str] = Field(["text"], min_length=1, description="text tasks: the columns joined into the input")
     label_column: str = "label"
     image_column: str = Field(

@@ -7,8 +7,11 @@ from workflows.storage.cache import object_version
 from workflows.storage.shards import Shard, read_shards
 from workflows.storage.uri import StorageContext, check_bucket, filesystem, reaching, with_protocol
 
-EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
-PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv"
+EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
+              ".tar": "tar", ".jpg": "image", ".jpeg": "image", ".png": "image", ".webp": "image"}
+PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv|*.tar|*.jpg|*.jpeg|*.png|*.webp"
+# Loose image files are small: one Ray read task per file would cost more than the read itself.
+SHARDS_PER_TASK = {"image": 128}
 
 
 def _format_of(uri: str) -> str | None:
@@ -34,9 +37,12 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     paths = sorted(
         p for p, i in infos.items() if i.get("type") != "directory" and not p.rsplit("/", 1)[-1].startswith((".", "_"))
     )
+    if fmt != "auto":  # a named format skips files of another known one (a preview .png beside .jsonl shards)
+        paths = [p for p in paths if _format_of(p) in (None, fmt)]
     if not paths:
         check_bucket(uri, ctx)  # "bucket not found" says more than "no shard matched"
-        raise UserError(f"no shard matched {uri} (pattern {PATTERN if fmt == 'auto' else '*.' + fmt})")
+        pattern = PATTERN if fmt == "auto" else "|".join(f"*{e}" for e, f in EXTENSIONS.items() if f == fmt)
+        raise UserError(f"no shard matched {uri} (pattern {pattern or '*.' + fmt})")
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
         raise UserError(
@@ -47,10 +53,15 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
 
 
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None,
-                 required_columns: list[str] | None = None):
+                 required_columns: list[str] | None = None, shards_per_task: int | None = None):
     """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver); a shard
-    without one of `required_columns` fails its read with an error naming it."""
-    return read_shards(list(shards), fmt, ctx, cache, required_columns=required_columns)
+    without one of `required_columns` fails its read with an error naming it.
+
+    "tar" and "image" shards read as rows (key, image: the encoded bytes, label); see
+    storage/shards.py. `shards_per_task` defaults to SHARDS_PER_TASK's value for the format, else 1.
+    """
+    per_task = shards_per_task or SHARDS_PER_TASK.get(fmt, 1)
+    return read_shards(list(shards), fmt, ctx, cache, required_columns=required_columns, shards_per_task=per_task)
 
 
 def _listing(fs, path: str) -> dict:

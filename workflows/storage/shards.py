@@ -4,7 +4,9 @@ processed dataset's parquet files (training) alike, placed on the node whose sha
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+import tarfile
 from dataclasses import dataclass
 
 from workflows.errors import UserError
@@ -18,13 +20,101 @@ class Shard:
     version: str  # ETag where the store gives one, else size+mtime: a changed object changes it
 
 
-def _read_local(path: str, fmt: str):
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image member of a tar sample
+LABEL_EXTENSIONS = ("cls", "json")  # its label, in this order of preference
+READ_THREADS = 16  # per read task, when it reads several shards
+
+
+def _image_schema():
+    import pyarrow as pa
+
+    # the encoded bytes, undecoded: decoding (and counting bad images) is preprocessing's job
+    return pa.schema([("key", pa.string()), ("image", pa.binary()), ("label", pa.string())])
+
+
+def _read_image_file(f, uri: str):
+    """One loose image file of a class-per-folder layout (`…/<label>/<name>.jpg`): one row, labelled
+    with its parent directory's name, keyed by its URI."""
+    import pyarrow as pa
+
+    if hasattr(f, "read"):
+        data = f.read()
+    else:
+        with open(f, "rb") as local:
+            data = local.read()
+    parts = uri.rstrip("/").split("/")
+    label = parts[-2] if len(parts) >= 2 and parts[-2] else None
+    return pa.Table.from_pylist([{"key": uri, "image": data, "label": label}], schema=_image_schema())
+
+
+def _label_of(ext: str, data: bytes) -> str | None:
+    """`key.cls`: the class name or number as text. `key.json`: an object's "label" field. Anything
+    unreadable is no label (the sample then counts as unlabeled), not a failed shard."""
+    import json
+
+    try:
+        if ext == "cls":
+            value = data.decode("utf-8").strip()
+        else:
+            obj = json.loads(data)
+            value = obj.get("label") if isinstance(obj, dict) else None
+            value = None if value is None or isinstance(value, dict | list) else str(value).strip()
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value or None
+
+
+def _read_tar(f, uri: str):
+    """A WebDataset-style tar shard: members grouped by key, the member path up to the first dot of
+    its basename (`a/b/x.seg.png` is key `a/b/x`, extension `seg.png`), as webdataset does.
+
+    One row per key, in first-seen order: `key` is "<shard basename>/<member key>", `image` the one
+    member named key.jpg|jpeg|png|webp, `label` from key.cls (else key.json's "label"). A key with
+    no image member, or more than one, is kept with a null image, so that preprocessing counts it as
+    a bad record and names it. Members without a key (no dot in the basename, or a basename starting
+    with a dot such as macOS's `._x.jpg`) and non-files are skipped, as webdataset skips them.
+    """
+    import pyarrow as pa
+
+    shard = uri.rstrip("/").rsplit("/", 1)[-1]
+    samples: dict[str, dict[str, list[bytes]]] = {}
+    with (tarfile.open(fileobj=f, mode="r:*") if hasattr(f, "read") else tarfile.open(f, mode="r:*")) as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            directory, _, base = member.name.rpartition("/")
+            stem, dot, ext = base.partition(".")
+            if not stem or not dot:
+                continue
+            key = f"{directory}/{stem}" if directory else stem
+            data = tar.extractfile(member).read()
+            samples.setdefault(key, {}).setdefault(ext.lower(), []).append(data)
+        # tarfile stops quietly at a truncated or garbled header after the first member, as if the
+        # archive ended there: a shard cut short would lose its tail unnoticed. A real end is a zero block.
+        tar.fileobj.seek(tar.offset)
+        if tar.fileobj.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:
+            raise tarfile.ReadError(f"truncated or corrupt header at byte {tar.offset}, no end-of-archive block")
+    rows = []
+    for key, members in samples.items():
+        images = [d for ext in IMAGE_EXTENSIONS for d in members.get(ext, [])]
+        label = next((_label_of(ext, members[ext][0]) for ext in LABEL_EXTENSIONS if ext in members), None)
+        rows.append({"key": f"{shard}/{key}", "image": images[0] if len(images) == 1 else None, "label": label})
+    return pa.Table.from_pylist(rows, schema=_image_schema())
+
+
+def _read_local(path, fmt: str, uri: str = ""):
+    """One shard (a local path, or an open binary file) as a pyarrow Table; `uri` names it in image
+    keys and labels."""
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
     if fmt == "parquet":
         return pq.read_table(path)
+    if fmt == "tar":
+        return _read_tar(path, uri)
+    if fmt == "image":
+        return _read_image_file(path, uri)
     if fmt == "jsonl":
         return pajson.read_json(path)
     # Quoted fields in real CSVs carry newlines (Made-With-ML's descriptions do).
@@ -52,10 +142,12 @@ def _read_one(
     try:
         if shard_cache is not None:
             with shard_cache.open_local(uri, version, size) as local:
-                return _read_local(local, fmt)
+                return _read_local(local, fmt, uri)
         fs, path = filesystem(uri, ctx)
         with fs.open(path, "rb") as f:
-            return _read_local(f, fmt)
+            return _read_local(f, fmt, uri)
+    except tarfile.TarError as e:
+        raise UserError(f"malformed tar shard {uri}: {' '.join(str(e).split()) or type(e).__name__}") from None
     except (pa.ArrowInvalid, UnicodeDecodeError) as e:
         msg = str(e).strip()
         row = re.search(r"in row (\d+)", msg) if fmt == "jsonl" else None  # pyarrow counts rows from 0
@@ -109,10 +201,10 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
     through that node's shard cache (`cache` is a CacheConfig, resolved on the node)."""
     import pyarrow as pa
 
-    tables = []
     shard_cache = cache.shard_cache(ctx) if cache is not None and cache.enabled else None
     before = shard_cache.stats() if shard_cache is not None else None
-    for uri, version, size in zip(batch["uri"], batch["version"], batch["size"]):
+
+    def read(uri, version, size):
         uri, version, size = (
             str(uri),
             (None if version is None else str(version)),
@@ -121,7 +213,19 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
         table = _read_one(uri, fmt, ctx, shard_cache, version if version else None, size if version else None)
         check_schema(uri, table, fmt, reference)
         check_columns(uri, table, list(required))
-        tables.append(table)
+        return table
+
+    shards = list(zip(batch["uri"], batch["version"], batch["size"]))
+    if len(shards) > 1:
+        # Several shards per task (small files, e.g. loose images): a read is mostly waiting on the
+        # store, so a few threads overlap them. The cache is safe across threads (per-entry flocks on
+        # separate fds, a locked client creation); the order of the shards is kept.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(READ_THREADS, len(shards))) as pool:
+            tables = list(pool.map(lambda s: read(*s), shards))
+    else:
+        tables = [read(*s) for s in shards]
     if shard_cache is not None:
         from workflows.storage import cache_stats
 
@@ -149,8 +253,11 @@ def read_shards(
     num_cpus: float | None = None,
     check_schemas: bool = True,
     required_columns: list[str] | None = None,
+    shards_per_task: int = 1,
 ):
-    """A Ray Dataset over exactly these shards, one read task per shard, through the shard cache.
+    """A Ray Dataset over exactly these shards, through the shard cache: one read task per
+    `shards_per_task` shards (1 for real shards; many for small files such as loose images, where a
+    task per file would cost more than its read), the shards of one task read by a few threads.
 
     Shards from `list_shards` carry their version and size from the listing, so a warm read
     sends no request per shard to the object store; plain URIs are stat'ed by the cache.
@@ -166,15 +273,18 @@ def read_shards(
     import ray.data
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    if shards_per_task < 1:
+        raise ValueError(f"shards_per_task must be >= 1, got {shards_per_task}")
     shards = [s if isinstance(s, Shard) else Shard(s, 0, "") for s in shards]
 
     def read(group: list[Shard], node_id: str | None):
         items = [{"uri": s.uri, "version": s.version, "size": s.size} for s in group]
-        ds = ray.data.from_items(items, override_num_blocks=len(group))
+        # one block per read task; batch_size=None makes the whole block one batch (one call)
+        ds = ray.data.from_items(items, override_num_blocks=math.ceil(len(group) / shards_per_task))
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)} if node_id else {}
         return ds.map_batches(
             _read_shard_batch,
-            batch_size=1,
+            batch_size=1 if shards_per_task == 1 else None,
             batch_format="pyarrow",
             num_cpus=num_cpus,
             **placement,
