@@ -151,10 +151,16 @@ def test_served_images_in_three_shapes_get_the_same_predictions(image_server):
     assert labels == ["0", "1", "2"]  # the first three scans of the set
     raw = requests.post(f"{image_server}/predict", data=digits[1], headers={"content-type": "image/png"},
                         timeout=60)
-    assert raw.status_code == 200 and raw.json()["predictions"] == body["predictions"][1:2]
+    assert raw.status_code == 200
     multi = requests.post(f"{image_server}/predict", timeout=60,
                           files=[("images", (f"{i}.png", d, "image/png")) for i, d in enumerate(digits)])
-    assert multi.status_code == 200 and multi.json()["predictions"] == body["predictions"]
+    assert multi.status_code == 200
+
+    def scores(predictions):  # batches of other sizes round differently in the last float digits
+        return [(p["label"], pytest.approx(p["score"], abs=1e-5)) for p in predictions]
+
+    assert scores(raw.json()["predictions"]) == scores(body["predictions"][1:2])
+    assert scores(multi.json()["predictions"]) == scores(body["predictions"])
 
 
 def _truncated_png() -> bytes:

@@ -3,6 +3,7 @@
 A comment before each block says what it runs against (`<!-- readme-test: KIND -->`):
 - `embedded`: the quickstart's embedded store, as the shared tiny pipeline (`quickstart_run`) left
   it (a hard-linked copy: the blocks register and write into it);
+- `digits`: likewise the store the shared digits pipeline (`digits_run`) left, with a `digit.png`;
 - `s3`: a separate moto S3 server on 127.0.0.1 with `storage.embedded.enabled=false`;
 - `cluster`: a multi-node cluster from `cluster/local/start.sh`;
 - `skip: WHY`: not run, for the reason given. A shell block without a comment fails the test.
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.slow
 README = ROOT / "README.md"
 MARKED = re.compile(r"<!-- readme-test: (?P<kind>[^>]+?) -->\n```(?:bash|sh|shell)\n(?P<body>.*?)```", re.S)
 SHELL = re.compile(r"^```(?:bash|sh|shell)$", re.M)
-KINDS = {"embedded", "s3", "cluster"}
+KINDS = {"embedded", "s3", "cluster", "digits"}
 # what the README's pipelines skip here: tuning, 2-worker FSDP and the pipeline's own serving are
 # tested elsewhere (test_tune, test_train, test_e2e); the commands are still the README's
 CHEAP = ["tune.enabled=false", "serve.enabled=false", "train.num_workers=1"]
@@ -273,3 +274,31 @@ def test_readme_block_on_a_local_cluster(tmp_path):
         stop_env = {k: v for k, v in {**os.environ, **env}.items() if v != ""}
         subprocess.run(["bash", str(ROOT / "cluster" / "local" / "stop.sh"), "--purge"], cwd=ROOT, env=stop_env,
                        capture_output=True, timeout=300)
+
+
+def test_readme_image_blocks_on_the_digits_store(digits_run, ray_join, tmp_path_factory):
+    """The Images section's commands on the store the shared digits pipeline left: evaluate, serve
+    with the three request shapes, batch predictions over the raw tar shards."""
+    from tests.conftest import digits_overrides
+    from tests.test_images_e2e import _digit_png
+
+    work = tmp_path_factory.mktemp("readme-digits")
+    shutil.copytree(digits_run.tmp / "s3", work / "s3", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("lock", "endpoint.json"))
+    (work / "digit.png").write_bytes(_digit_png(3))
+    port = free_port()
+    sets = [s for s in digits_overrides(work) if not s.startswith("serve.port=")]
+    shim(work / "bin", [*sets, f"serve.port={port}", *ray_join.overrides])
+    env = {**ray_join.env, "WF_TEST_PORT": str(port), "RAY_ADDRESS": ray_join.address}
+    try:
+        outputs = [run_block(b, work, work / "bin", env, {"localhost:8000": f"localhost:{port}"})
+                   for b in readme_blocks() if b.kind == "digits"]
+    finally:
+        shutdown_serve()
+    out = "".join(r.stdout + r.stderr for r in outputs)
+    answers = [json.loads(line) for line in out.splitlines() if line.startswith('{"predictions":')]
+    assert [len(a["predictions"]) for a in answers] == [1, 2, 1], out[-3000:]
+    assert {p["label"] for a in answers for p in a["predictions"]} == {"3"}  # load_digits().images[3] is a 3
+    assert "weighted" in out and "confusion matrix" in out
+    summary = json.loads((work / "runs" / "digits" / "predict.json").read_text())
+    assert summary["rows"] == 1797

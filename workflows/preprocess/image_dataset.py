@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from dataclasses import asdict
 
 import numpy as np
@@ -133,7 +134,11 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
         fn_constructor_args=(p.image_size, p.max_image_pixels, d.split_seed, d.val_fraction, d.test_fraction,
                              fraction),
     )
-    pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
+    # Each attempt writes under a folder of its own: a failed or interrupted earlier attempt's files
+    # are never counted or listed (the manifest names this attempt's files only).
+    attempt = f"attempt-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    pa_fs, version_path = pyarrow_filesystem(out_uri, ctx)
+    out_path = f"{version_path.rstrip('/')}/{attempt}"
     decoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
 
     # Counts from what was written (labels and errors only: the pixel column is not read back).

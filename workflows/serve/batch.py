@@ -38,8 +38,10 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
     card = registry.model_card(cfg, ctx, spec)
     shards, fmt = list_shards(data_uri, ctx)
     ds = read_dataset(shards, fmt, ctx, cfg.cache)
+    from workflows.tasks import task_for_card
+
     names = set(ds.schema().names)
-    missing = [c for c in card.text_columns if c not in names]
+    missing = [c for c in task_for_card(cfg, card).input_columns(card, names) if c not in names]
     if missing:
         raise UserError(f"{data_uri} lacks column(s) {missing} that model {spec} reads (has {sorted(names)})")
 
@@ -52,12 +54,14 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
     scored.write_parquet(pa_path, filesystem=pa_fs)
     fs, out_path = filesystem(output_uri, ctx)
     files = sorted(with_protocol(output_uri, f) for f in fs.glob(f"{out_path.rstrip('/')}/*.parquet"))
-    rows = 0
+    rows, columns = 0, []
     for f in files:
         with fs.open(filesystem(f, ctx)[1], "rb") as fh:
-            rows += pq.ParquetFile(fh).metadata.num_rows
+            meta = pq.ParquetFile(fh)
+            rows += meta.metadata.num_rows
+            columns = columns or meta.schema_arrow.names
     result = {"model": spec, "precision": cfg.serve.precision, "data": data_uri, "output": output_uri,
-              "rows": rows, "files": files, "columns": [*sorted(names), "prediction", "score"],
+              "rows": rows, "files": files, "columns": sorted(columns),
               "seconds": round(time.time() - t0, 2)}
     write_json(join(output_uri, "manifest.json"), result, ctx)  # last: marks the output complete
     rt.persist()
