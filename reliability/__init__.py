@@ -61,6 +61,14 @@ ROWS: list[RowSpec] = [
         "hostile HTTP requests to the Ray Serve app: 4xx with a message, and it keeps serving",
     ),
     RowSpec(
+        "serve_hostile_images",
+        "reliability.serve_hostile_images",
+        False,
+        "hostile images (bombs, truncated, not images, bad base64, broken multipart, oversized bodies) sent "
+        "several times to a served digits model between valid requests: 4xx with a one-line message, right "
+        "labels for the valid ones, the same replica serving throughout",
+    ),
+    RowSpec(
         "serve_openapi_fuzz",
         "reliability.serve_openapi",
         False,
