@@ -101,6 +101,18 @@ def test_a_task_that_does_not_import_is_a_clear_user_error(plugin_path):
         task_class("tabular_task:Options")  # a class, not a task
 
 
+def test_tuning_ranks_trials_by_the_tasks_own_metric_unless_told(tmp_path, plugin_path):
+    from workflows.tune.search import with_task_metric
+
+    cfg = regression_config(tmp_path)
+    tuned = with_task_metric(load_config(write_config(tmp_path / "c.yaml", cfg))).tune
+    assert (tuned.metric, tuned.mode) == ("val_r2", "max")
+    told = with_task_metric(load_config(write_config(tmp_path / "c.yaml", {**cfg, "tune": {"metric": "val_mse"}})))
+    assert (told.tune.metric, told.tune.mode) == ("val_mse", "max")  # another metric: the mode is the user's to set
+    text = with_task_metric(load_config(write_config(tmp_path / "c.yaml", {**cfg, "model": {}}))).tune
+    assert (text.metric, text.mode) == ("val_f1", "max")  # the built-in classifier's, as before
+
+
 def test_the_cli_refuses_a_bad_option_before_starting_ray(tmp_path):
     cfg = regression_config(tmp_path)
     cfg["model"]["options"]["hiden"] = 8

@@ -1,8 +1,12 @@
 """Tasks: the kinds of model the stages run (workflows.tasks.base.Task).
 
 `model.task` names a built-in (`classification`, `causal_lm`, `image_classification`) or a user's
-own by import path, `my_pkg.tasks:MyTask` (importable where the stages run: the working directory
-of a `ray job submit --working-dir` job is, on every node).
+own by import path, `my_pkg.tasks:MyTask`, with its settings in `model.options` (the task's
+`Options` model validates them). It must import where the stages run: the working directory of a
+`ray job submit --working-dir` job does, on every node; a command that starts its own local cluster
+passes its PYTHONPATH and working directory to the workers; one that joins a running cluster ships
+the module's file or top-level package to them (`plugin_source`, workflows.runtime.init_ray).
+tests/plugins/tabular_task.py is a complete example kept outside the package.
 """
 
 from __future__ import annotations
