@@ -22,11 +22,11 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def submit_job(cluster: LocalCluster, *entrypoint: str) -> str:
-    """`ray job submit` of this checkout (cluster/runtime-env.yaml) and the job's final status:
-    asserts it succeeded, returns its logs."""
+def submit_job(cluster: LocalCluster, *entrypoint: str, working_dir: str | Path = ".") -> str:
+    """`ray job submit` of this checkout (cluster/runtime-env.yaml), or of another `working_dir`, and
+    the job's final status: asserts it succeeded, returns its logs."""
     job_id = f"workflows-test-{uuid.uuid4().hex[:8]}"
-    submit = ["job", "submit", "--address", cluster.dashboard, "--working-dir", ".", "--runtime-env",
+    submit = ["job", "submit", "--address", cluster.dashboard, "--working-dir", str(working_dir), "--runtime-env",
               "cluster/runtime-env.yaml", "--submission-id", job_id, "--", *entrypoint]
     res = ray_cli(submit, cluster.env, 300)
     status = ray_cli(["job", "status", "--address", cluster.dashboard, job_id], cluster.env, 120)
@@ -68,3 +68,27 @@ def test_a_command_in_a_job_joins_the_jobs_cluster(cluster, tmp_path):
     # the driver is connected to that GCS, of a cluster of 2 nodes (head and worker); its task ran there
     assert probe["gcs"] == joined[1] and len(probe["nodes"]) == 2, probe
     assert probe["task_node"] in probe["nodes"], probe
+
+
+@pytest.mark.slow
+def test_a_users_task_in_the_jobs_working_directory(cluster, tmp_path):
+    """A user's plug-in task (tests/plugins/tabular_task.py), uploaded as the job's working directory
+    beside its config: `model.task=tabular_task:TabularRegression` imports in the job's driver and in
+    the Ray Data workers that preprocess, on either node (their functions are the module's, pickled by
+    reference), from the working directory alone: nothing else ships it."""
+    import shutil
+
+    from tests.test_plugin_task import PLUGINS, TASK, regression_config, write_config, write_regression_shards
+
+    work = tmp_path / "project"
+    work.mkdir()
+    shutil.copy(PLUGINS / "tabular_task.py", work)
+    write_regression_shards(tmp_path / "raw")
+    write_config(work / "tabular.yaml", regression_config(tmp_path))
+    logs = submit_job(cluster, "python", "-m", "workflows", "preprocess", "--config", "tabular.yaml", "--verbose",
+                      working_dir=work)
+    assert "shipping the plug-in" not in logs, logs[-6000:]  # a job's working directory is on its workers' path
+    processed = list((tmp_path / "store" / "processed").glob("*/manifest.json"))
+    assert len(processed) == 1, logs[-6000:]
+    manifest = json.loads(processed[0].read_text())
+    assert manifest["task"] == TASK and sum(manifest["counts"].values()) == 600, manifest

@@ -89,6 +89,13 @@ def _registered(*specs: str) -> Callable:
     return check
 
 
+def _task_ready(cfg, storage) -> None:
+    """A before_ray check: the config's task imports and takes its model.options."""
+    from workflows.tasks import get_task
+
+    get_task(cfg).check_config()
+
+
 def _load(config: str, overrides: list[str] | None):
     from workflows.config import load_config
 
@@ -100,7 +107,8 @@ def preprocess(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose:
     """Read raw shards from object storage, tokenize on Ray Data, materialize processed shards."""
     from workflows.pipeline import stage_preprocess
 
-    _in_runtime("preprocess", config, set, stage_preprocess, verbose=verbose)
+    _in_runtime("preprocess", config, set, stage_preprocess, verbose=verbose,
+                before_ray=_task_ready)
 
 
 @app.command()
@@ -110,7 +118,8 @@ def train(config: str = ConfigOpt, set: list[str] | None = SetOpt,
     """Fine-tune with Ray Train (FSDP2 or DDP), checkpoint to object storage, register the best model."""
     from workflows.pipeline import stage_preprocess, stage_train
 
-    _in_runtime("train", config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume), verbose=verbose)
+    _in_runtime("train", config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
+                before_ray=_task_ready)
 
 
 @app.command()
@@ -120,7 +129,8 @@ def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
     """Search hyperparameters with Ray Tune + ASHA; every trial is a Ray Train run."""
     from workflows.pipeline import stage_preprocess, stage_tune
 
-    _in_runtime("tune", config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume), verbose=verbose)
+    _in_runtime("tune", config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
+                before_ray=_task_ready)
 
 
 @app.command()
@@ -312,7 +322,8 @@ def pipeline(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: b
     """Everything: preprocess -> tune -> train -> evaluate -> register -> serve (serve.enabled)."""
     from workflows.pipeline import run_pipeline
 
-    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose)
+    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose,
+                before_ray=_task_ready)
 
 
 @app.command()

@@ -281,8 +281,11 @@ class TuneConfig(Strict):
         "asha", description="asha stops poor trials early; fifo runs every trial to max_epochs (a baseline)"
     )
     num_samples: int = Field(4, ge=1)
-    metric: str = "val_f1"
-    mode: Literal["max", "min"] = "max"
+    metric: str | None = Field(
+        None, description="the validation metric trials are ranked by; None: the task's checkpoint metric "
+        "(val_f1 for a classifier, a plug-in task's `score`)")
+    mode: Literal["max", "min"] | None = Field(
+        None, description="None: the task's for its own metric, else max")
     max_epochs: int = Field(2, ge=1)
     grace_period: int = Field(1, ge=1)
     reduction_factor: float = Field(2, gt=1)

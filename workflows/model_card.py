@@ -18,7 +18,7 @@ class ModelCard(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     task: str | None = None
-    labels: list[str]  # index i is the model's output i
+    labels: list[str] = []  # a classifier's: index i is the model's output i (none for a regression)
     text_columns: list[str] = []  # text tasks: joined into the model's input, in this order
     image_size: int | None = None  # image tasks: the side of the square uint8 tensor the model reads
     image_mean: list[float] | None = None  # image tasks: per-channel normalization of that tensor

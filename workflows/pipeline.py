@@ -82,9 +82,10 @@ def registering_task_only(cfg: WorkflowConfig, what: str) -> None:
 
 
 def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
-    from workflows.tune.search import run_tune
+    from workflows.tune.search import run_tune, with_task_metric
 
     registering_task_only(rt.cfg, "tuning")
+    rt.cfg = with_task_metric(rt.cfg)
     t = rt.cfg.tune
     say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
     with tracking.tracked(rt, "tune") as run:
@@ -141,7 +142,8 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
     say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
         f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
     with rt.cache_counts() as cache:
-        outcome = fit(rt.cfg, rt.storage, data, resume=resume, callbacks=[EpochProgress(tc.epochs)],
+        outcome = fit(rt.cfg, rt.storage, data, resume=resume,
+                      callbacks=[EpochProgress(tc.epochs, get_task(rt.cfg).score[0])],
                       tracking=run.spec())
     rt.persist()
     for h in outcome.history:
@@ -161,10 +163,9 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
         with tempfile.TemporaryDirectory() as tmp:
             meta = export_artifact(rt.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
                                    {"run": outcome.run_uri, "train_config": rt.cfg.train.model_dump(mode="json")})
-            meta["majority_label"] = max(data.label_counts["train"], key=data.label_counts["train"].get)
-            meta["val_metrics"] = {
-                k: outcome.best_metrics.get(k) for k in ("val_f1", "val_accuracy", "val_loss", "epoch")
-            }
+            if counts := data.label_counts.get("train"):  # a classifier's evaluation baseline
+                meta["majority_label"] = max(counts, key=counts.get)
+            meta["val_metrics"] = val_metrics(outcome.best_metrics)
             link = tracking.registry_link(run, rt.tracking.uri if rt.tracking else "")
             if link is not None:  # the MLflow run that trained this version
                 meta["mlflow"] = link
@@ -176,6 +177,12 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
         summary["register_seconds"] = round(time.time() - t_register, 2)  # export + upload to the registry
     rt.write_summary("train", summary)
     return outcome, ref
+
+
+def val_metrics(metrics: dict) -> dict:
+    """The validation metrics of the registered epoch (every val_* number the task reports) for its card."""
+    return {**{k: v for k, v in metrics.items() if k.startswith("val_") and k != "val_seconds"},
+            "epoch": metrics.get("epoch")}
 
 
 def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | None = None,

@@ -72,14 +72,16 @@ class EpochProgress(ray.train.UserCallback):
     """One line per epoch that the workers report, as it ends. Runs in Ray Train's controller:
     `ray.train.RunConfig(callbacks=[EpochProgress(epochs)])`, or `trainer.fit(..., callbacks=[...])`."""
 
-    def __init__(self, epochs: int | None = None):
+    def __init__(self, epochs: int | None = None, metric: str | None = None):
         self.epochs = epochs
+        self.metric = metric  # the task's checkpoint metric (Task.score), shown first
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         m = metrics[0] if metrics else {}
         if "epoch" not in m:
             return
         of = f" ({m['epoch'] + 1} of {self.epochs})" if self.epochs else ""
-        val = next((f", {k} {m[k]:.4f}" for k in ("val_f1", "val_perplexity", "val_loss") if k in m), "")
+        val = next((f", {k} {m[k]:.4f}" for k in (self.metric, "val_f1", "val_perplexity", "val_loss")
+                    if k in m), "")
         say(f"train: epoch {m['epoch']}{of} done: loss {m.get('train_loss', float('nan')):.4f}{val}"
             f"{_pace(m, m['epoch'] + 1, self.epochs)}")

@@ -30,6 +30,7 @@ from workflows.storage.uri import (
     exists,
     filesystem,
     join,
+    protocol_of,
     reaching,
     read_json,
     write_json,
@@ -113,6 +114,8 @@ def register(
     uri = join(_models_root(cfg), name, f"v{version}")
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
+        if protocol_of(uri) == "file":  # a local storage.root: no directory comes with the first file
+            fs.makedirs(path, exist_ok=True)
         for f in sorted(Path(local_dir).iterdir()):
             if f.is_file() and f.name != META_FILE:
                 fs.put_file(str(f), f"{path}/{f.name}")

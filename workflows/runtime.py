@@ -86,6 +86,20 @@ def cluster_address(cfg: WorkflowConfig) -> str | None:
     return env if env and env != "local" else None
 
 
+def plugin_runtime_env(cfg: WorkflowConfig) -> dict | None:
+    """A cluster this process joins has workers that import what their own environment has, not this
+    process's PYTHONPATH: a plug-in task's module (model.task) found here goes to them as a runtime
+    env's py_modules. Not in a Ray job that brings its own code (`--working-dir`, py_modules: its
+    workers have the job's files), nor for a built-in or installed module (workflows.tasks.plugin_source)."""
+    from workflows.tasks import plugin_source
+
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {}
+    if job.get("working_dir") or job.get("py_modules"):
+        return None
+    source = plugin_source(cfg.model.task)
+    return {"py_modules": [source]} if source else None
+
+
 def init_ray(cfg: WorkflowConfig) -> bool:
     """Start or join Ray; False if this process had already (then it is not ours to shut down)."""
     import ray
@@ -129,6 +143,9 @@ def init_ray(cfg: WorkflowConfig) -> bool:
             os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
         if cfg.ray.num_cpus:
             kwargs["num_cpus"] = cfg.ray.num_cpus
+    if address and (shipped := plugin_runtime_env(cfg)) is not None:
+        kwargs["runtime_env"] = shipped
+        say(f"ray: shipping the plug-in task's module {shipped['py_modules'][0]} to the cluster's workers")
     with ingress.scoped_env(cluster_env):
         info = ray.init(**kwargs)
     stop.install()  # ray.init replaced the SIGTERM handler with one that exits wherever it lands

@@ -45,10 +45,10 @@ class ProcessedDataset:
     uri: str
     version: str
     labels: list[str]  # a classifier's label vocabulary (index = label id); empty for other tasks
-    label_column: str
+    label_column: str  # the column of the stored rows that evaluation scores predictions against
     files: dict[str, list[str]]
-    counts: dict[str, int]
-    label_counts: dict[str, dict[str, int]]
+    counts: dict[str, int]  # rows per split
+    label_counts: dict[str, dict[str, int]]  # a classifier's rows per split and label; empty for other tasks
     source: str
     task: str = "classification"  # model.task that wrote it
     text_columns: list[str] = field(default_factory=list)  # text tasks
@@ -163,6 +163,33 @@ def _split_label_counts(batch: pd.DataFrame, text_columns, label, seed, val_frac
     return pairs.groupby(["split", "label"], as_index=False).size().rename(columns={"size": "rows"})
 
 
+def materialized(out_uri: str, ctx: StorageContext, say=print) -> ProcessedDataset | None:
+    """The processed dataset already written at `out_uri` (its manifest is there), marked reused; or None."""
+    if not exists(join(out_uri, "manifest.json"), ctx):
+        return None
+    ds = ProcessedDataset.load(out_uri, ctx)
+    ds.reused = True
+    say(f"preprocess: dataset version {ds.version} already materialized at {out_uri}: reusing it")
+    return ds
+
+
+def write_splits(ds, out_uri: str, ctx: StorageContext, rows_per_file: int) -> dict[str, list[str]]:
+    """Write a Ray Dataset with a `split` column as `<out_uri>/split=<name>/*.parquet`; the files of each split."""
+    pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
+    ds.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=rows_per_file)
+    fs, _ = filesystem(out_uri, ctx)  # listing through fsspec: pyarrow's wrapper has no glob
+    return {split: [with_protocol(out_uri, f) for f in sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))]
+            for split in SPLITS}
+
+
+def write_manifest(data: ProcessedDataset, ctx: StorageContext, **extra: Any) -> None:
+    """`manifest.json`, written last: it marks the dataset complete (`extra`: more keys, e.g. the shards)."""
+    manifest = asdict(data)
+    manifest.pop("reused")
+    manifest.update(extra)
+    write_json(join(data.uri, "manifest.json"), manifest, ctx)
+
+
 @surface_user_errors()
 def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> ProcessedDataset:
     """The config's task turns the raw shards into its processed dataset (or finds it made)."""
@@ -179,11 +206,8 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
     tokenizer_dir = resolve_model_dir(p.tokenizer)
     version = dataset_version(shards, cfg, tokenizer_dir)
     out_uri = cfg.uri("processed", version)
-    if exists(join(out_uri, "manifest.json"), ctx):
-        ds = ProcessedDataset.load(out_uri, ctx)
-        ds.reused = True
-        say(f"preprocess: dataset version {version} already materialized at {out_uri}: reusing it")
-        return ds
+    if (done := materialized(out_uri, ctx, say)) is not None:
+        return done
 
     t0 = time.time()
     say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri}")
@@ -226,14 +250,7 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
             d.test_fraction,
         ),
     )
-    pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
-    encoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
-
-    fs, _ = filesystem(out_uri, ctx)  # listing through fsspec: pyarrow's wrapper has no glob
-    files: dict[str, list[str]] = {}
-    for split in SPLITS:
-        found = sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))
-        files[split] = [with_protocol(out_uri, f) for f in found]
+    files = write_splits(encoded, out_uri, ctx, p.rows_per_shard)
     label_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
     for row in table.itertuples(index=False):
         label_counts[row[0]][str(row[1])] = int(row[2])
@@ -256,9 +273,6 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
         label_counts=label_counts,
         source=d.source,
     )
-    manifest = asdict(result)
-    manifest.pop("reused")
-    manifest.update(shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
-    write_json(join(out_uri, "manifest.json"), manifest, ctx)  # last: marks the output complete
+    write_manifest(result, ctx, shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
     say(f"preprocess: {sum(counts.values())} rows ({counts}) in {time.time() - t0:.1f}s, labels {labels}")
     return result

@@ -120,12 +120,12 @@ def build_api(server: "ModelServer") -> FastAPI:
         yield
         task.cancel()
 
+    what = f"labels {', '.join(card.labels)}" if card.labels else card.task  # a regression has no labels
     api = FastAPI(title=f"workflows model server: {card.name} v{card.version}", lifespan=lifespan,
-                  description=f"Predictions of registered model {card.name}:{card.version} "
-                              f"(labels {', '.join(card.labels)}).")
+                  description=f"Predictions of registered model {card.name}:{card.version} ({what}).")
     api.add_middleware(RequestGuard)
 
-    @api.post("/predict", response_class=JSONResponse, summary="Predict labels for instances",
+    @api.post("/predict", response_class=JSONResponse, summary="Predict for instances (one prediction each)",
               responses={200: {"model": contract.response_model, "description": "one prediction per instance"},
                          **error_responses(*contract.errors)})
     async def predict(request: Request):

@@ -89,7 +89,8 @@ def predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[Base
 
 
 class JsonInstances(HttpContract):
-    """POST /predict {"instances": [{...}, ...]}: each instance validated by a pydantic model."""
+    """POST /predict {"instances": [{...}, ...]}: each instance validated by a pydantic model, handed
+    to the predictor as its dict by alias (the JSON keys)."""
 
     def __init__(self, instance: type[BaseModel], prediction: type[BaseModel], card, max_instances: int,
                  example: dict, max_body_bytes: int = MAX_BODY_BYTES):
@@ -120,7 +121,8 @@ class JsonInstances(HttpContract):
         rows = []
         for i, inst in enumerate(instances):
             try:
-                rows.append(self.instance.model_validate(inst).model_dump())
+                # by alias: a column whose name is no Python identifier ("sepal length") is a field with an alias
+                rows.append(self.instance.model_validate(inst).model_dump(by_alias=True))
             except ValidationError as e:
                 err = e.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])

@@ -1,13 +1,18 @@
 """Tasks: the kinds of model the stages run (workflows.tasks.base.Task).
 
 `model.task` names a built-in (`classification`, `causal_lm`, `image_classification`) or a user's
-own by import path, `my_pkg.tasks:MyTask` (importable where the stages run: the working directory
-of a `ray job submit --working-dir` job is, on every node).
+own by import path, `my_pkg.tasks:MyTask`, with its settings in `model.options` (the task's
+`Options` model validates them). It must import where the stages run: the working directory of a
+`ray job submit --working-dir` job does, on every node; a command that starts its own local cluster
+passes its PYTHONPATH and working directory to the workers; one that joins a running cluster ships
+the module's file or top-level package to them (`plugin_source`, workflows.runtime.init_ray).
+tests/plugins/tabular_task.py is a complete example kept outside the package.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -52,6 +57,33 @@ def task_class(name: str) -> type[Task]:
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserError(f"model.task {name!r}: {module_name}.{attr} is not a workflows.tasks.base.Task subclass")
     return cls
+
+
+def plugin_source(name: str) -> str | None:
+    """The file (or package directory) of a plug-in task's top-level module, to ship to the workers of
+    a cluster this process joins (`runtime_env.py_modules`); None for a built-in, a module installed
+    in the environment (site-packages: the cluster's image has it too) or one not found here."""
+    import importlib.util
+    import sysconfig
+
+    target = BUILTIN.get(CARD_ALIASES.get(name, name), name)
+    top = target.partition(":")[0].split(".")[0]
+    if top == "workflows":
+        return None
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # as task_class finds it
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if len(locations) > 1 or (not locations and not (spec.origin or "").endswith(".py")):
+        return None  # a namespace package spread over directories, or an extension module
+    path = os.path.abspath(locations[0] if locations else spec.origin)
+    installed = {os.path.abspath(sysconfig.get_path(k)) for k in ("purelib", "platlib")}
+    return None if any(path.startswith(d + os.sep) for d in installed) else path
 
 
 def get_task(cfg: WorkflowConfig) -> Task:

@@ -8,7 +8,10 @@ from the config (and, for serving, from the registered model's card).
 
 What a task implements, by stage:
 
-- data: `preprocess` raw shards -> a ProcessedDataset (Ray Data, materialized once per version),
+- config: `Options`, a pydantic model of the task's own settings (`model.options`), validated into
+  `self.options` on first use (a wrong key is a UserError naming `model.options.<key>`);
+- data: `preprocess` raw shards -> a ProcessedDataset (Ray Data, materialized once per version;
+  workflows.preprocess.materialize has the helpers to find, write and describe one),
   `dataset_version`, the stored `columns` training reads, `prepare_rows`/`prepare_dataset` for a
   last in-memory step (a causal LM packs rows into blocks);
 - batches: `collate(columns, train, seed)` numpy columns -> the model's keyword tensors (the
@@ -24,11 +27,13 @@ What a task implements, by stage:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
+    from pydantic import BaseModel
 
     from workflows.config import WorkflowConfig
     from workflows.model_card import ModelCard
@@ -79,12 +84,23 @@ class Task:
     """Base class of every task. Subclasses set `name` and implement the methods the stages call."""
 
     name: ClassVar[str] = ""
-    columns: ClassVar[tuple[str, ...]] = ()  # the stored columns training reads
+    columns: ClassVar[tuple[str, ...]] = ()  # the stored columns training reads (a property if options name them)
     registers: ClassVar[bool] = True  # the trained model goes to the registry and can be served
     score: ClassVar[tuple[str, str]] = ("val_f1", "max")  # checkpoint ranking: (metric, max|min)
+    Options: ClassVar[type[BaseModel] | None] = None  # model.options' model; None: the task takes none
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
+
+    @cached_property
+    def options(self) -> Any:
+        """`model.options` validated by the task's `Options` model. On first use, not in __init__:
+        serving builds the task from any config and reads what it needs from the model's card."""
+        return parse_options(type(self), self.cfg.model.options)
+
+    def check_config(self) -> None:
+        """Fail fast, before Ray starts, on a config this task cannot run (default: its options)."""
+        self.options  # noqa: B018
 
     # --- data -------------------------------------------------------------------------------
     def preprocess(self, ctx: StorageContext, say: Callable[[str], None]) -> ProcessedDataset:
@@ -144,7 +160,8 @@ class Task:
         return {}
 
     def evaluate_rows(self, y_true: list, y_pred: list, card: ModelCard) -> dict:
-        """The held-out report's metrics of predictions against the label column."""
+        """The held-out report's metrics of predictions against the label column (`card.label_column`),
+        with `rows`; a `baseline` dict of numbers, if any, is logged beside them."""
         raise NotImplementedError
 
     def format_report(self, metrics: dict) -> str:
@@ -173,3 +190,33 @@ class Task:
     def describe(self, instance: Mapping[str, Any]) -> str:
         """A short text of a request instance for the pipeline's demo lines."""
         return " ".join(str(v) for v in instance.values())[:70]
+
+
+def parse_options(task: type[Task], options: Mapping[str, Any]) -> Any:
+    """`model.options` validated by `task.Options`; any error is a UserError naming the key."""
+    from pydantic import ValidationError
+
+    from workflows.errors import UserError
+
+    name = task.name or task.__name__
+    if task.Options is None:
+        if options:
+            raise UserError(f"model.options: task {name} takes no options (got {', '.join(map(str, options))})")
+        return None
+    fields = task.Options.model_fields
+    known = [*fields, *(f.alias for f in fields.values() if f.alias and f.alias not in fields)]
+    problems = []
+    if task.Options.model_config.get("extra", "ignore") == "ignore":  # a typo is an error even so
+        problems = [f"model.options.{k}: unknown option" for k in options if k not in known]
+    try:
+        if not problems:
+            return task.Options.model_validate(dict(options))
+    except ValidationError as e:
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            msg = {"extra_forbidden": "unknown option", "missing": "required option is missing"}.get(
+                err["type"], err["msg"])
+            if err["type"] not in ("extra_forbidden", "missing") and not isinstance(err.get("input"), dict | list):
+                msg += f" (got {err.get('input')!r})"
+            problems.append(f"model.options{'.' + key if key else ''}: {msg}")
+    raise UserError(f"task {name}: " + "; ".join(problems) + f" (its options: {', '.join(known) or 'none'})")

@@ -64,8 +64,8 @@ def log_tune(run: Run, outcome, cfg, files: list[Path]) -> None:
 
 
 def log_train(run: Run, outcome, curve: Path | None) -> None:
-    best = {f"best_{k}": v for k, v in outcome.best_metrics.items()
-            if k in ("epoch", "train_loss", "val_f1", "val_accuracy", "val_loss", "val_perplexity")}
+    best = {f"best_{k}": v for k, v in outcome.best_metrics.items()  # every val_* metric the task reports
+            if k in ("epoch", "train_loss") or (k.startswith("val_") and k != "val_seconds")}
     run.log_metrics({**best, "fit_seconds": outcome.seconds,
                      **{f"seconds_{k}": v for k, v in outcome.breakdown.items()}})
     run.set_tags({"train.run_uri": outcome.run_uri, "train.best_checkpoint": outcome.best_checkpoint_uri})

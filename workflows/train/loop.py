@@ -103,8 +103,12 @@ def micro_batch_groups(batches: Iterable[dict], size: int) -> Iterator[list[dict
 
 
 def label_count(batch: dict) -> int:
-    """What the batch's mean loss averages over: rows (classification) or predicted tokens (causal LM)."""
-    return int((batch["labels"] != -100).sum().item())
+    """What the batch's mean loss averages over: rows (classification, regression) or predicted tokens
+    (causal LM: integer labels of -100 are ignored; a real-valued target of -100 is a target)."""
+    labels = batch["labels"]
+    if labels.is_floating_point():
+        return int(labels.shape[0])
+    return int((labels != -100).sum().item())
 
 
 class TimedIterator:

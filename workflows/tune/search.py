@@ -53,6 +53,19 @@ def trial_config(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
     return WorkflowConfig.model_validate(data)
 
 
+def with_task_metric(cfg: WorkflowConfig) -> WorkflowConfig:
+    """`cfg` with tune.metric and tune.mode set: unset, they are the task's checkpoint metric (Task.score)."""
+    from workflows.tasks import get_task
+
+    t = cfg.tune
+    if t.metric is not None and t.mode is not None:
+        return cfg
+    metric, mode = get_task(cfg).score
+    chosen = t.metric or metric
+    tune = t.model_copy(update={"metric": chosen, "mode": t.mode or (mode if chosen == metric else "max")})
+    return cfg.model_copy(update={"tune": tune})
+
+
 def max_concurrent_trials(cfg: WorkflowConfig) -> int:
     """As many trials as the cluster's CPUs hold at once; at least 1, or fail fast."""
     import ray
@@ -195,6 +208,7 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
 
     from workflows.progress import TrialProgress
 
+    cfg = with_task_metric(cfg)
     t = cfg.tune
     if not t.space:
         raise UserError("tune.space is empty: add at least one train.* dimension")
