@@ -210,6 +210,8 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
 
     cfg = with_task_metric(cfg)
     t = cfg.tune
+    metric, mode = t.metric, t.mode
+    assert metric is not None and mode is not None  # with_task_metric set both
     if not t.space:
         raise UserError("tune.space is empty: add at least one train.* dimension")
     concurrency = max_concurrent_trials(cfg)
@@ -248,7 +250,7 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
                 failure_config=ray.tune.FailureConfig(max_failures=1), verbose=0,
                 # a trial resumes from its latest epoch: older checkpoints are only bytes to store
                 checkpoint_config=ray.tune.CheckpointConfig(num_to_keep=1),
-                callbacks=[TrialProgress(t.metric, t.mode, trial_count(cfg), t.max_epochs)],
+                callbacks=[TrialProgress(metric, mode, trial_count(cfg), t.max_epochs)],
             ),
         )
     grid = tuner.fit()
@@ -260,8 +262,8 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
         epochs = int(history["training_iteration"].max()) if history is not None and len(history) else 0
         trials.append(TrialResult(
             trial=number, trial_id=(r.metrics or {}).get("trial_id"),
-            params={k: (r.config or {}).get(k) for k in t.space}, metric=t.metric,
-            value=(r.metrics or {}).get(t.metric), best=_best(history, t.metric, t.mode), epochs=epochs,
+            params={k: (r.config or {}).get(k) for k in t.space}, metric=metric,
+            value=(r.metrics or {}).get(metric), best=_best(history, metric, mode), epochs=epochs,
             stopped_early=epochs < t.max_epochs and r.error is None,
             error=str(r.error).splitlines()[0] if r.error else None,
             history=history[["training_iteration", t.metric]].to_dict("records")
