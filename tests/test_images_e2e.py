@@ -231,3 +231,39 @@ def test_a_bad_record_in_a_training_shard_is_named_and_counted(ray_cluster, tmp_
     data = preprocess(load_config(DIGITS, [*base, "data.max_bad_records=1"]), StorageContext())
     assert sum(data.counts.values()) == 24 and data.info["bad_records"] == 1
     assert data.info["bad_examples"][0]["key"].endswith("broken.png")
+
+
+def test_parquet_with_an_image_bytes_column_is_preprocessed(ray_cluster, tmp_path):
+    """Parquet shards with encoded images in `data.image_column` and a label column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.helpers import tiny_overrides
+    from workflows.config import load_config
+    from workflows.preprocess.materialize import preprocess
+    from workflows.storage.uri import StorageContext
+
+    (tmp_path / "raw").mkdir()
+    for shard in range(2):
+        idx = range(shard * 20, shard * 20 + 20)
+        pq.write_table(pa.table({"png": [_digit_png(i) for i in idx], "digit": [str(i % 10) for i in idx]}),
+                       tmp_path / "raw" / f"part-{shard}.parquet")
+    cfg = load_config(DIGITS, [*tiny_overrides(tmp_path), "storage.embedded.enabled=false",
+                               f"storage.root={tmp_path}/store", f"data.source={tmp_path}/raw", "data.builtin=null",
+                               "data.image_column=png", "data.label_column=digit", "preprocess.image_size=16"])
+    os.makedirs(tmp_path / "store", exist_ok=True)
+    data = preprocess(cfg, StorageContext())
+    assert sum(data.counts.values()) == 40 and data.labels == [str(i) for i in range(10)]
+    assert data.info["image_size"] == 16 and data.info["bad_records"] == 0
+
+
+def test_a_registered_image_model_is_fine_tuned_from_the_store(digits_run, ray_join):
+    """`model.name_or_path` = the registered version's URI: one epoch at a small learning rate keeps
+    the trained model's accuracy (from new weights it would be far lower), and registers it anew."""
+    res = digits_run.cli("train", extra=(*ray_join.overrides, "model.name_or_path=s3://workflows/models/digits/v1",
+                                         "train.epochs=1", "train.lr=1e-4", "registry.name=digits-tuned"),
+                         env=ray_join.env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((digits_run.runs / "train.json").read_text())
+    assert summary["registered"]["name"] == "digits-tuned"
+    assert summary["train"]["best_metrics"]["val_f1"] >= 0.95, summary["train"]["best_metrics"]

@@ -14,6 +14,7 @@ from tests.conftest import ROOT, shutdown_serve
 from tests.helpers import free_port
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+DIGITS_NOTEBOOK = ROOT / "notebooks" / "digits.ipynb"
 
 
 def _text(output) -> str:
@@ -22,10 +23,11 @@ def _text(output) -> str:
     return str(output.get("data", {}).get("text/plain", ""))
 
 
-def test_committed_notebook_has_no_outputs():
+@pytest.mark.parametrize("path", [NOTEBOOK, DIGITS_NOTEBOOK], ids=lambda p: p.name)
+def test_committed_notebook_has_no_outputs(path):
     import nbformat
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(not c.outputs and c.execution_count is None for c in code)
@@ -93,3 +95,42 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
     assert len(plots) >= 2  # tuning curves, training curves
     runs = tmp_path / "runs" / "notebook"
     assert all((runs / f"{s}.json").exists() for s in ("preprocess", "tune", "train"))
+
+
+@pytest.mark.slow
+def test_digits_notebook_runs_top_to_bottom(tmp_path, ray_join):
+    """notebooks/digits.ipynb in a real kernel: one short epoch on one worker, its PNG answered."""
+    import nbformat
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+    from nbclient import NotebookClient
+
+    spec_dir = tmp_path / "kernels" / "workflows-test"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "workflows (test)", "language": "python",
+    }))
+    km = AsyncKernelManager(kernel_name="workflows-test",
+                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]))
+    nb = nbformat.read(DIGITS_NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, km=km, timeout=900, allow_errors=False,
+                            resources={"metadata": {"path": str(DIGITS_NOTEBOOK.parent)}})
+    overrides = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
+                 f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", *ray_join.overrides,
+                 "train.epochs=1", "train.num_workers=1", "preprocess.concurrency=1", "tracking.enabled=false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MPLBACKEND")}
+    env.update(ray_join.env, WORKFLOWS_NOTEBOOK_SET="\n".join(overrides), RAY_TRAIN_V2_ENABLED="1")
+    shutdown_serve()
+    try:
+        client.execute(env=env)
+    finally:
+        nbformat.write(nb, tmp_path / "digits.executed.ipynb")
+        if km.has_kernel:
+            asyncio.run(km.shutdown_kernel(now=True))
+        shutdown_serve()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    texts = ["".join(_text(o) for o in c.outputs) for c in code]
+    assert any(o.get("output_type") == "display_data" for c in code for o in c.outputs)  # the image grid
+    assert "accuracy" in texts[5] and "weighted F1" in texts[5]
+    assert "200 " in texts[6] and "(the scan is a 7)" in texts[6], texts[6]
