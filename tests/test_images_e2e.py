@@ -267,3 +267,37 @@ def test_a_registered_image_model_is_fine_tuned_from_the_store(digits_run, ray_j
     summary = json.loads((digits_run.runs / "train.json").read_text())
     assert summary["registered"]["name"] == "digits-tuned"
     assert summary["train"]["best_metrics"]["val_f1"] >= 0.95, summary["train"]["best_metrics"]
+
+
+def test_images_train_with_ddp_under_torchrun_resume_and_are_tracked(digits_run, tmp_path):
+    """The Ray-free loop on the digits' processed tensors: torchrun, 2 ranks, DDP over gloo, a
+    sharded checkpoint per epoch; stopped after epoch 0, resumed to epoch 1 and tracked in MLflow."""
+    import shutil
+
+    from tests.conftest import digits_overrides
+
+    shutil.copytree(digits_run.tmp / "s3", tmp_path / "s3", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("lock", "endpoint.json"))
+    overrides = [*digits_overrides(tmp_path), "train.epochs=2", "train.strategy=ddp"]
+    out, ckdir = tmp_path / "standalone.json", tmp_path / "ck"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    standalone = [*torchrun, "-m", "workflows.train.standalone", "--config", str(DIGITS), *sets(overrides),
+                  "--output", str(out), "--checkpoint-dir", str(ckdir)]
+    opts = dict(cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*standalone, "--stop-after-epoch", "0"], **opts)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads(out.read_text())
+    assert first["world_size"] == 2 and first["strategy"] == "ddp" and [h["epoch"] for h in first["history"]] == [0]
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = subprocess.run([*standalone, "--resume", *sets(["tracking.enabled=true", f"tracking.uri={store}"])], **opts)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = json.loads(out.read_text())
+    assert [h["epoch"] for h in second["history"]] == [0, 1] and second["history"][1]["resumed_from_epoch"] == 0
+    assert second["history"][1]["val_f1"] > 0.9, second["history"][1]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    (tracked,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    assert tracked.info.status == "FINISHED" and tracked.data.params["model.task"] == "image_classification"
+    assert [m.step for m in client.get_metric_history(tracked.info.run_id, "val_f1")] == [1]
