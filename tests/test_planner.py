@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -35,6 +34,7 @@ import pytest
 import torch
 
 from tests.conftest import QUICKSTART, ROOT
+from tests.helpers import free_port
 from workflows.errors import UserError
 from workflows.train import planner
 from workflows.train.planner import GiB, ModelSpec, activation_bytes, estimate, max_micro_batch, parse_bytes
@@ -390,19 +390,13 @@ run(arg["rank"], arg["world"])
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("strategy,world", [("ddp", 1), ("fsdp", 2)])
 def test_peak_rss_of_a_training_process_matches_the_estimate(strategy, world):
     """A fresh process trains a BERT of 11.2M parameters (179 MB of fp32 training state), s=128, b=8."""
     kind, s, b = "bert", 128, 8
     model = {**TINY[kind]}
     toy = dict(model, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
-    arg = {"model": model, "toy": toy, "s": s, "b": b, "strategy": strategy, "world": world, "port": _free_port()}
+    arg = {"model": model, "toy": toy, "s": s, "b": b, "strategy": strategy, "world": world, "port": free_port()}
     env = {
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": "131072",
