@@ -89,3 +89,42 @@ def test_builtin_dataset_is_not_written_outside_the_embedded_store(tmp_path):
         ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
     assert "\n" not in str(err.value) and f"no shard matched {source}" in str(err.value), err.value
     assert "data.write_builtin=true" in str(err.value) and not (tmp_path / "raw").exists()
+
+
+def test_quickstart_build_names_the_modules_it_skipped(tmp_path, monkeypatch):
+    """A module that fails to import changes the rows (and the dataset's version): the build says which and why."""
+    (tmp_path / "wf_broken_on_purpose.py").write_text('raise RuntimeError("broken\\n on purpose")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    libraries = {"a": ["json", "wf_no_such_module"], "b": ["csv", "wf_broken_on_purpose"]}
+    built = quickstart_data.build_dataset(50, libraries)
+    assert built.skipped == {
+        "wf_no_such_module": "ModuleNotFoundError: No module named 'wf_no_such_module'",
+        "wf_broken_on_purpose": "RuntimeError: broken on purpose",
+    }
+    assert built.rows and {r["label"] for r in built.rows} == {"a", "b"}
+    assert quickstart_data.build_dataset(50, {"a": ["json"], "b": ["csv"]}).skipped == {}
+
+
+def test_building_the_quickstart_data_reports_skipped_modules(tmp_path, monkeypatch, capsys):
+    """The data line of `preprocess`/`pipeline` warns, and the summary (preprocess.json's raw_data) records them."""
+    from tests.conftest import QUICKSTART
+    from workflows.config import load_config
+    from workflows.pipeline import ensure_raw_data
+    from workflows.runtime import Runtime
+
+    monkeypatch.setattr(quickstart_data, "LIBRARIES", {"a": ["json", "wf_no_such_module"], "b": ["csv"]})
+    cfg = load_config(QUICKSTART, ["storage.embedded.enabled=false", f"storage.root={tmp_path}/store",
+                                   f"data.source={tmp_path}/raw/", "data.write_builtin=true"])
+    built = ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
+    why = "ModuleNotFoundError: No module named 'wf_no_such_module'"
+    assert built["built"] and built["skipped_modules"] == {"wf_no_such_module": why}, built
+    err = capsys.readouterr().err
+    assert ("workflows warning: data: skipped 1 module(s) that failed to import, so these rows (and the dataset's "
+            f"version) differ from a build where they import: wf_no_such_module ({why})") in err, err
+    # nothing skipped: nothing said
+    monkeypatch.setattr(quickstart_data, "LIBRARIES", {"a": ["json"], "b": ["csv"]})
+    cfg = load_config(QUICKSTART, ["storage.embedded.enabled=false", f"storage.root={tmp_path}/store",
+                                   f"data.source={tmp_path}/raw2/", "data.write_builtin=true"])
+    built = ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
+    assert built["built"] and built["skipped_modules"] == {}
+    assert "skipped" not in capsys.readouterr().err

@@ -15,22 +15,27 @@ from workflows.config import WorkflowConfig
 from workflows.console import show
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset, preprocess
-from workflows.runtime import Runtime, say
+from workflows.runtime import Runtime, say, warn
 from workflows.storage.uri import protocol_of
 from workflows.tasks import get_task
 from workflows.tracking import stages as tracking
 
 
 def builtin_dataset(name: str, cfg: WorkflowConfig):
-    """(what it is, build() -> rows, write_shards(rows, uri, ctx) -> URIs) of a built-in dataset."""
+    """(what it is, build() -> (rows, {skipped module: why}), write_shards(rows, uri, ctx) -> URIs)
+    of a built-in dataset."""
     if name == "digits":
         from workflows.preprocess import digits_data
 
-        return "scikit-learn's bundled handwritten digits as PNGs", digits_data.build, digits_data.write_shards
+        return ("scikit-learn's bundled handwritten digits as PNGs", lambda: (digits_data.build(), {}),
+                digits_data.write_shards)
     from workflows.preprocess import quickstart_data
 
-    return ("the quickstart dataset from installed libraries' docstrings",
-            lambda: quickstart_data.build(cfg.data.builtin_rows_per_class), quickstart_data.write_shards)
+    def build():
+        built = quickstart_data.build_dataset(cfg.data.builtin_rows_per_class)
+        return built.rows, built.skipped
+
+    return "the quickstart dataset from installed libraries' docstrings", build, quickstart_data.write_shards
 
 
 def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
@@ -52,11 +57,16 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
     what, build, write_shards = builtin_dataset(d.builtin, rt.cfg)
     say(f"data: building {what} -> {d.source}")
     t0 = time.time()
-    rows = build()
+    rows, skipped = build()
     uris = write_shards(rows, d.source, rt.storage)
     rt.persist()
     say(f"data: wrote {len(rows)} rows in {len(uris)} shards")
-    return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2)}
+    if skipped:
+        from workflows.preprocess.quickstart_data import describe_skipped
+
+        warn(f"data: {describe_skipped(skipped)}")
+    return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2),
+            "skipped_modules": skipped}
 
 
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
