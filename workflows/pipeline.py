@@ -189,13 +189,17 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
 
 
 def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | None = None,
-                   write_back: bool = False) -> dict:
-    """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
+                   write_back: bool = False, card=None) -> dict:
+    """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default).
+    `card`: the model's, when the caller has read it already (its version is then the one evaluated)."""
     from workflows.evaluate import evaluate_dataset, plot_confusion
     from workflows.tasks import task_for_card
 
     with tracking.tracked(rt, "evaluate") as run:
-        card = registry.model_card(rt.cfg, rt.storage, model_spec)
+        if card is None:
+            card = registry.model_card(rt.cfg, rt.storage, model_spec)
+        elif card.name and card.version:
+            model_spec = f"{card.name}:{card.version}"  # the version read, not whichever is latest now
         say(f"evaluate: {card.name}:v{card.version}")
         metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
         say(f"evaluate: {metrics['rows']} rows")
@@ -212,19 +216,30 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     return metrics
 
 
-def model_split(rt: Runtime, model_spec: str, split: str):
-    """(URI, Ray Dataset) of a split of the processed dataset a registered model was trained on,
-    found through its lineage: `--split test` is the model's own held-out rows."""
+def check_split(split: str) -> None:
     from workflows.preprocess.materialize import SPLITS
 
     if split not in SPLITS:
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
-    card = registry.model_card(rt.cfg, rt.storage, model_spec)
+
+
+def model_split(cfg: WorkflowConfig, storage, model_spec: str, split: str):
+    """(the model's card, the URI of the split, the ProcessedDataset) of a split of the processed
+    dataset a registered model was trained on, found through its lineage: `--split test` is the
+    model's own held-out rows. Needs only the store: `evaluate --split` runs it before Ray starts,
+    and reads the card here only (ProcessedDataset.read then gives the Ray Dataset)."""
+    check_split(split)
+    card = registry.model_card(cfg, storage, model_spec)
+    spec = f"{card.name}:v{card.version}"
     uri = (card.lineage or {}).get("dataset_uri")
     if not uri:
-        raise UserError(f"model {model_spec} records no processed dataset in its lineage; evaluate it with --data URI")
-    data = ProcessedDataset.load(uri, rt.storage)
-    return f"{uri}/split={split}/", data.read(split, rt.storage, cache=rt.cfg.cache)
+        raise UserError(f"model {spec} records no processed dataset in its lineage; evaluate it with --data URI")
+    try:
+        data = ProcessedDataset.load(uri, storage)
+    except FileNotFoundError:
+        raise UserError(f"model {spec} was trained on the processed dataset {uri}, which is gone "
+                        "(no manifest.json there); evaluate it with --data URI") from None
+    return card, f"{uri}/split={split}/", data
 
 
 def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None, route_prefix: str = "/",
