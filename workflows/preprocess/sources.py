@@ -54,8 +54,9 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
 
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None,
                  required_columns: list[str] | None = None, shards_per_task: int | None = None):
-    """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver); a shard
-    without one of `required_columns` fails its read with an error naming it.
+    """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver); shards
+    without one of `required_columns` are an error naming the shard and its columns (checked once,
+    on the first shard's columns: see read_shards).
 
     "tar" and "image" shards read as rows (key, image: the encoded bytes, label); see
     storage/shards.py. `shards_per_task` defaults to SHARDS_PER_TASK's value for the format, else 1.
