@@ -39,8 +39,10 @@ def builtin_dataset(name: str, cfg: WorkflowConfig):
 
 
 def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
-    """Build the built-in dataset into `data.source` when asked for and nothing is there yet."""
-    from workflows.preprocess.sources import list_shards
+    """Build the built-in dataset into `data.source` when asked for and nothing is there yet (no
+    shard matched: a store that cannot be reached or read, or shards of mixed formats, is an error
+    as it is, with nothing built)."""
+    from workflows.preprocess.sources import NoShards, list_shards
 
     d = rt.cfg.data
     if d.builtin is None:
@@ -48,7 +50,7 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
     try:
         shards, _ = list_shards(d.source, rt.storage, d.format)
         return {"built": False, "shards": len(shards)}
-    except UserError as e:
+    except NoShards as e:
         # a user's own bucket or directory that is empty by mistake must not fill up with demo data
         if not (d.write_builtin or (rt.cfg.storage.embedded.enabled and protocol_of(d.source) in ("s3", "s3a"))):
             raise UserError(f"{e}; data.builtin={d.builtin} is built only into the embedded store: "

@@ -14,6 +14,11 @@ PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv|*.tar|*.jpg|*.jpeg|*.png|*.we
 SHARDS_PER_TASK = {"image": 128}
 
 
+class NoShards(UserError):
+    """Nothing at the URI is a shard (empty, missing, or only files of another format): unlike an
+    unreachable store or denied access, a place where a built-in dataset may be built."""
+
+
 def _format_of(uri: str) -> str | None:
     for ext, fmt in EXTENSIONS.items():
         if uri.lower().endswith(ext):
@@ -42,7 +47,7 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     if not paths:
         check_bucket(uri, ctx)  # "bucket not found" says more than "no shard matched"
         pattern = PATTERN if fmt == "auto" else "|".join(f"*{e}" for e, f in EXTENSIONS.items() if f == fmt)
-        raise UserError(f"no shard matched {uri} (pattern {pattern or '*.' + fmt})")
+        raise NoShards(f"no shard matched {uri} (pattern {pattern or '*.' + fmt})")
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
         raise UserError(
