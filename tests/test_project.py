@@ -66,3 +66,14 @@ def test_the_package_parses_as_the_floor_python():
         except SyntaxError as e:
             bad.append(f"{path.relative_to(ROOT)}:{e.lineno}: {e.msg}")
     assert not bad, bad
+
+
+def test_mypy_checks_serving_and_tracking():
+    """`make test` runs mypy over [tool.mypy] files: every module of these packages is among them."""
+    files = [ROOT / f for f in PYPROJECT["tool"]["mypy"]["files"]]
+    for package in ("workflows/serve", "workflows/tracking"):
+        modules = sorted((ROOT / package).rglob("*.py"))
+        assert modules
+        unchecked = [str(m.relative_to(ROOT)) for m in modules
+                     if not any(m == f or f in m.parents for f in files)]
+        assert not unchecked, f"not type-checked: {unchecked}"
