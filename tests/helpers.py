@@ -3,14 +3,9 @@ functions, importable outside pytest, so `python -m reliability` uses the same t
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from workflows.net import free_port  # noqa: F401  (re-exported: the tests and reliability/ import it from here)
 
 
 def tiny_overrides(tmp: Path) -> list[str]:

@@ -89,3 +89,100 @@ def test_builtin_dataset_is_not_written_outside_the_embedded_store(tmp_path):
         ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
     assert "\n" not in str(err.value) and f"no shard matched {source}" in str(err.value), err.value
     assert "data.write_builtin=true" in str(err.value) and not (tmp_path / "raw").exists()
+
+
+def test_quickstart_build_names_the_modules_it_skipped(tmp_path, monkeypatch):
+    """A module that fails to import changes the rows (and the dataset's version): the build says which and why."""
+    (tmp_path / "wf_broken_on_purpose.py").write_text('raise RuntimeError("broken\\n on purpose")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    libraries = {"a": ["json", "wf_no_such_module"], "b": ["csv", "wf_broken_on_purpose"]}
+    built = quickstart_data.build_dataset(50, libraries)
+    assert built.skipped == {
+        "wf_no_such_module": "ModuleNotFoundError: No module named 'wf_no_such_module'",
+        "wf_broken_on_purpose": "RuntimeError: broken on purpose",
+    }
+    assert built.rows and {r["label"] for r in built.rows} == {"a", "b"}
+    assert quickstart_data.build_dataset(50, {"a": ["json"], "b": ["csv"]}).skipped == {}
+
+
+def test_building_the_quickstart_data_reports_skipped_modules(tmp_path, monkeypatch, capsys):
+    """The data line of `preprocess`/`pipeline` warns, and the summary (preprocess.json's raw_data) records them."""
+    from tests.conftest import QUICKSTART
+    from workflows.config import load_config
+    from workflows.pipeline import ensure_raw_data
+    from workflows.runtime import Runtime
+
+    monkeypatch.setattr(quickstart_data, "LIBRARIES", {"a": ["json", "wf_no_such_module"], "b": ["csv"]})
+    cfg = load_config(QUICKSTART, ["storage.embedded.enabled=false", f"storage.root={tmp_path}/store",
+                                   f"data.source={tmp_path}/raw/", "data.write_builtin=true"])
+    built = ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
+    why = "ModuleNotFoundError: No module named 'wf_no_such_module'"
+    assert built["built"] and built["skipped_modules"] == {"wf_no_such_module": why}, built
+    err = capsys.readouterr().err
+    assert ("workflows warning: data: skipped 1 module(s) that failed to import, so these rows (and the dataset's "
+            f"version) differ from a build where they import: wf_no_such_module ({why})") in err, err
+    # nothing skipped: nothing said
+    monkeypatch.setattr(quickstart_data, "LIBRARIES", {"a": ["json"], "b": ["csv"]})
+    cfg = load_config(QUICKSTART, ["storage.embedded.enabled=false", f"storage.root={tmp_path}/store",
+                                   f"data.source={tmp_path}/raw2/", "data.write_builtin=true"])
+    built = ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
+    assert built["built"] and built["skipped_modules"] == {}
+    assert "skipped" not in capsys.readouterr().err
+
+
+def _ensure_raw_data(*overrides: str):
+    from tests.conftest import QUICKSTART
+    from workflows.config import load_config
+    from workflows.pipeline import ensure_raw_data
+    from workflows.runtime import Runtime
+
+    cfg = load_config(QUICKSTART, list(overrides))
+    return ensure_raw_data(Runtime(cfg, StorageContext.from_config(cfg.storage)))
+
+
+def test_an_unreachable_store_is_not_taken_for_an_empty_one(monkeypatch):
+    """The built-in-data hint (and the build) are for a source with no shards, not for a store that
+    does not answer: its error is the whole message, and nothing is built."""
+    from tests.helpers import free_port
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for embedded in ("false", "true"):  # a user's store; the embedded one (where the data would be built)
+        with pytest.raises(UserError) as err:
+            _ensure_raw_data(f"storage.embedded.enabled={embedded}", f"storage.endpoint_url={endpoint}",
+                             "storage.retries=0", "storage.root=s3://workflows", "data.source=s3://raw/shards/")
+        assert str(err.value) == (
+            f"cannot reach s3://raw/shards/ (endpoint {endpoint}): EndpointConnectionError: Could not connect to "
+            f'the endpoint URL: "{endpoint}/raw?list-type=2&prefix=shards%2F&delimiter=%2F&encoding-type=url"'
+        ), embedded
+
+
+def test_access_denied_is_not_taken_for_an_empty_source(tmp_path, monkeypatch):
+    from workflows.storage.embedded import EmbeddedS3
+
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # read by the endpoint's child process
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-0123456789")
+    s3 = EmbeddedS3(str(tmp_path / "s3"))
+    s3.start()
+    try:
+        with pytest.raises(UserError) as err:
+            _ensure_raw_data("storage.embedded.enabled=false", f"storage.endpoint_url={s3.endpoint_url}",
+                             "storage.retries=0", "storage.root=s3://workflows", "data.source=s3://raw/shards/")
+        assert str(err.value) == "access denied to s3://raw/shards/: check the AWS credentials"
+    finally:
+        s3._release()
+
+
+def test_shards_of_two_formats_are_an_error_as_they_are(tmp_path):
+    source = tmp_path / "raw"
+    source.mkdir()
+    (source / "a.jsonl").write_text(json.dumps({"text": "x", "label": "a"}) + "\n")
+    (source / "b.csv").write_text("text,label\nz,a\n")
+    with pytest.raises(UserError) as err:
+        _ensure_raw_data("storage.embedded.enabled=false", f"storage.root={tmp_path}/store",
+                         f"data.source={source}/", "data.write_builtin=true")
+    assert str(err.value) == (f"cannot tell one format for the shards at {source}/ (found ['csv', 'jsonl']); "
+                              "set data.format")
+    assert sorted(p.name for p in source.iterdir()) == ["a.jsonl", "b.csv"]  # nothing built beside them

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -35,6 +34,7 @@ import pytest
 import torch
 
 from tests.conftest import QUICKSTART, ROOT
+from tests.helpers import free_port
 from workflows.errors import UserError
 from workflows.train import planner
 from workflows.train.planner import GiB, ModelSpec, activation_bytes, estimate, max_micro_batch, parse_bytes
@@ -390,19 +390,13 @@ run(arg["rank"], arg["world"])
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("strategy,world", [("ddp", 1), ("fsdp", 2)])
 def test_peak_rss_of_a_training_process_matches_the_estimate(strategy, world):
     """A fresh process trains a BERT of 11.2M parameters (179 MB of fp32 training state), s=128, b=8."""
     kind, s, b = "bert", 128, 8
     model = {**TINY[kind]}
     toy = dict(model, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
-    arg = {"model": model, "toy": toy, "s": s, "b": b, "strategy": strategy, "world": world, "port": _free_port()}
+    arg = {"model": model, "toy": toy, "s": s, "b": b, "strategy": strategy, "world": world, "port": free_port()}
     env = {
         **os.environ,
         "MALLOC_MMAP_THRESHOLD_": "131072",
@@ -564,3 +558,62 @@ def test_causal_lm_live_tensor_peak_matches_the_estimate():
     )
     assert abs(e.total / measured - 1) <= PEAK_TOLERANCE, (e.to_dict(), measured)
     assert e.upper_bound >= measured
+
+
+def test_plan_says_what_it_estimated_instead_of_measuring(monkeypatch):
+    """A failed probe of a layer's saved bytes falls back to an assumption: the plan says so, in its
+    table and in --json (model.estimated and the notes); a plan that measured everything says nothing."""
+    from typer.testing import CliRunner
+
+    from workflows.cli import app
+    from workflows.train import model_spec
+
+    args = ["plan", "--config", str(QUICKSTART), "--device-memory", "16GiB"]
+    runner = CliRunner()
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["model"]["estimated"] == [] and not any("estimated" in n for n in out["notes"]), out["notes"]
+
+    def no_hooks(params, forward):
+        raise RuntimeError("saved-tensor hooks\n unavailable")
+
+    monkeypatch.setattr(model_spec, "saved_storages", no_hooks)
+    assumed = "assumed it saves its input only: 4 bytes per element in fp32, 2 bytes per element in bf16"
+    expected = [
+        f"norm layer LayerNorm: the probe failed (RuntimeError: saved-tensor hooks unavailable); {assumed}",
+        f"MLP activation GELUActivation: the probe failed (RuntimeError: saved-tensor hooks unavailable); {assumed}",
+    ]
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["model"]["estimated"] == expected
+    assert out["notes"][:2] == [f"activation bytes estimated, not measured: {n}" for n in expected]
+    assert out["model"]["norm_bytes"] == {"fp32": 4.0, "bf16": 2.0}
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    for n in expected:
+        assert f"note: activation bytes estimated, not measured: {n}\n" in res.output, res.output
+
+
+def test_a_probe_failing_in_one_precision_or_a_layer_not_found_is_named():
+    from workflows.train.model_spec import _measured
+
+    class NoBf16(torch.nn.Module):
+        def forward(self, x):
+            if x.dtype == torch.bfloat16:
+                raise NotImplementedError("no bf16 kernel")
+            return torch.tanh(x)
+
+    estimated: list[str] = []
+    got, out_saved = _measured(NoBf16(), 8, "MLP activation", estimated)
+    assert got == {"fp32": 4.0, "bf16": 2.0} and out_saved  # tanh saves its output, measured in fp32
+    assert estimated == ["MLP activation NoBf16: the bf16 probe failed (NotImplementedError: no bf16 kernel); "
+                         "assumed it saves its input only: 2 bytes per element in bf16"]
+    estimated.clear()
+    assert _measured(None, 8, "norm layer", estimated) == ({"fp32": 4.0, "bf16": 2.0}, False)
+    assert estimated == ["norm layer: none found in the first transformer block; "
+                         "assumed it saves its input only: 4 bytes per element in fp32, 2 bytes per element in bf16"]
+    estimated.clear()
+    _measured(torch.nn.LayerNorm(8), 8, "norm layer", estimated)
+    assert estimated == []

@@ -1,10 +1,11 @@
 """Preprocessing on a real Ray cluster, reading from and writing to a real embedded S3 endpoint."""
 
+import re
 from pathlib import Path
 
 import pytest
 
-from workflows.errors import UserError
+from workflows.errors import UserError, surface_user_errors
 from workflows.pipeline import stage_preprocess
 from workflows.runtime import runtime
 from workflows.storage.uri import read_json
@@ -90,3 +91,29 @@ def test_malformed_json_line_names_the_shard_and_row(ray_cluster, tiny_cfg, tmp_
         pytest.raises(UserError, match=r"malformed jsonl shard .*bad\.jsonl: .*line 3 of the file"),
     ):
         stage_preprocess(rt)
+
+
+def test_required_columns_are_checked_once_on_the_reference_shard(ray_cluster, tmp_path):
+    """Several shards: the check runs on the first shard's columns as the dataset is set up, before
+    any read task; one shard: its one read checks them. Either way the message names shard and columns."""
+    import json
+
+    from workflows.storage.shards import read_shards
+    from workflows.storage.uri import StorageContext
+
+    src = tmp_path / "raw"
+    src.mkdir()
+    for i in range(3):
+        (src / f"part-{i}.jsonl").write_text(json.dumps({"body": f"row {i}", "label": "a"}) + "\n")
+    shards = [str(src / f"part-{i}.jsonl") for i in range(3)]
+    ctx = StorageContext()
+    expected = (f"column(s) ['text'] not found in {shards[0]} (columns: ['body', 'label']); "
+                "set data.text_columns / data.label_column")
+    with pytest.raises(UserError) as err:
+        read_shards(shards, "jsonl", ctx, required_columns=["text", "label"])  # nothing read yet
+    assert str(err.value) == expected
+    ds = read_shards(shards, "jsonl", ctx, required_columns=["body", "label"])
+    assert sorted(r["body"] for r in ds.take_all()) == ["row 0", "row 1", "row 2"]
+    one = read_shards(shards[:1], "jsonl", ctx, required_columns=["text", "label"])
+    with pytest.raises(UserError, match=re.escape(expected)), surface_user_errors():  # raised in the read task
+        one.materialize()

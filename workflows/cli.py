@@ -156,16 +156,23 @@ def evaluate(
     if (data is None) == (split is None):
         console.echo("error: give exactly one of --data URI and --split train|val|test")
         raise typer.Exit(2)
+    found: dict = {}  # --split: what model_split read from the store before Ray started
+
+    def check(cfg, storage):
+        if split is None:
+            _registered(model)(cfg, storage)
+        else:
+            from workflows.pipeline import model_split
+
+            found["card"], found["uri"], found["data"] = model_split(cfg, storage, model, split)
 
     def body(rt):
         if split is not None:
-            from workflows.pipeline import model_split
-
-            uri, ds = model_split(rt, model, split)
+            uri, ds = found["uri"], found["data"].read(split, rt.storage, cache=rt.cfg.cache)
         else:
             shards, fmt = list_shards(data, rt.storage)
             uri, ds = data, read_dataset(shards, fmt, rt.storage, rt.cfg.cache)
-        metrics = stage_evaluate(rt, model, ds, label_column)
+        metrics = stage_evaluate(rt, model, ds, label_column, card=found.get("card"))
         result = {"model": model, "data": uri, "precision": rt.cfg.serve.precision, **metrics}
         if output:
             output.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +180,7 @@ def evaluate(
             console.say(f"evaluate: metrics written to {output}")
         rt.write_summary("evaluate", result)
 
-    _in_runtime("evaluate", config, set, body, before_ray=_registered(model), verbose=verbose)
+    _in_runtime("evaluate", config, set, body, before_ray=check, verbose=verbose)
 
 
 @app.command()

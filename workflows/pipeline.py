@@ -15,27 +15,34 @@ from workflows.config import WorkflowConfig
 from workflows.console import show
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset, preprocess
-from workflows.runtime import Runtime, say
+from workflows.runtime import Runtime, say, warn
 from workflows.storage.uri import protocol_of
 from workflows.tasks import get_task
 from workflows.tracking import stages as tracking
 
 
 def builtin_dataset(name: str, cfg: WorkflowConfig):
-    """(what it is, build() -> rows, write_shards(rows, uri, ctx) -> URIs) of a built-in dataset."""
+    """(what it is, build() -> (rows, {skipped module: why}), write_shards(rows, uri, ctx) -> URIs)
+    of a built-in dataset."""
     if name == "digits":
         from workflows.preprocess import digits_data
 
-        return "scikit-learn's bundled handwritten digits as PNGs", digits_data.build, digits_data.write_shards
+        return ("scikit-learn's bundled handwritten digits as PNGs", lambda: (digits_data.build(), {}),
+                digits_data.write_shards)
     from workflows.preprocess import quickstart_data
 
-    return ("the quickstart dataset from installed libraries' docstrings",
-            lambda: quickstart_data.build(cfg.data.builtin_rows_per_class), quickstart_data.write_shards)
+    def build():
+        built = quickstart_data.build_dataset(cfg.data.builtin_rows_per_class)
+        return built.rows, built.skipped
+
+    return "the quickstart dataset from installed libraries' docstrings", build, quickstart_data.write_shards
 
 
 def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
-    """Build the built-in dataset into `data.source` when asked for and nothing is there yet."""
-    from workflows.preprocess.sources import list_shards
+    """Build the built-in dataset into `data.source` when asked for and nothing is there yet (no
+    shard matched: a store that cannot be reached or read, or shards of mixed formats, is an error
+    as it is, with nothing built)."""
+    from workflows.preprocess.sources import NoShards, list_shards
 
     d = rt.cfg.data
     if d.builtin is None:
@@ -43,7 +50,7 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
     try:
         shards, _ = list_shards(d.source, rt.storage, d.format)
         return {"built": False, "shards": len(shards)}
-    except UserError as e:
+    except NoShards as e:
         # a user's own bucket or directory that is empty by mistake must not fill up with demo data
         if not (d.write_builtin or (rt.cfg.storage.embedded.enabled and protocol_of(d.source) in ("s3", "s3a"))):
             raise UserError(f"{e}; data.builtin={d.builtin} is built only into the embedded store: "
@@ -52,11 +59,16 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
     what, build, write_shards = builtin_dataset(d.builtin, rt.cfg)
     say(f"data: building {what} -> {d.source}")
     t0 = time.time()
-    rows = build()
+    rows, skipped = build()
     uris = write_shards(rows, d.source, rt.storage)
     rt.persist()
     say(f"data: wrote {len(rows)} rows in {len(uris)} shards")
-    return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2)}
+    if skipped:
+        from workflows.preprocess.quickstart_data import describe_skipped
+
+        warn(f"data: {describe_skipped(skipped)}")
+    return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2),
+            "skipped_modules": skipped}
 
 
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
@@ -186,13 +198,17 @@ def val_metrics(metrics: dict) -> dict:
 
 
 def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | None = None,
-                   write_back: bool = False) -> dict:
-    """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default)."""
+                   write_back: bool = False, card=None) -> dict:
+    """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default).
+    `card`: the model's, when the caller has read it already (its version is then the one evaluated)."""
     from workflows.evaluate import evaluate_dataset, plot_confusion
     from workflows.tasks import task_for_card
 
     with tracking.tracked(rt, "evaluate") as run:
-        card = registry.model_card(rt.cfg, rt.storage, model_spec)
+        if card is None:
+            card = registry.model_card(rt.cfg, rt.storage, model_spec)
+        elif card.name and card.version:
+            model_spec = f"{card.name}:{card.version}"  # the version read, not whichever is latest now
         say(f"evaluate: {card.name}:v{card.version}")
         metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
         say(f"evaluate: {metrics['rows']} rows")
@@ -209,19 +225,30 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
     return metrics
 
 
-def model_split(rt: Runtime, model_spec: str, split: str):
-    """(URI, Ray Dataset) of a split of the processed dataset a registered model was trained on,
-    found through its lineage: `--split test` is the model's own held-out rows."""
+def check_split(split: str) -> None:
     from workflows.preprocess.materialize import SPLITS
 
     if split not in SPLITS:
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
-    card = registry.model_card(rt.cfg, rt.storage, model_spec)
+
+
+def model_split(cfg: WorkflowConfig, storage, model_spec: str, split: str):
+    """(the model's card, the URI of the split, the ProcessedDataset) of a split of the processed
+    dataset a registered model was trained on, found through its lineage: `--split test` is the
+    model's own held-out rows. Needs only the store: `evaluate --split` runs it before Ray starts,
+    and reads the card here only (ProcessedDataset.read then gives the Ray Dataset)."""
+    check_split(split)
+    card = registry.model_card(cfg, storage, model_spec)
+    spec = f"{card.name}:v{card.version}"
     uri = (card.lineage or {}).get("dataset_uri")
     if not uri:
-        raise UserError(f"model {model_spec} records no processed dataset in its lineage; evaluate it with --data URI")
-    data = ProcessedDataset.load(uri, rt.storage)
-    return f"{uri}/split={split}/", data.read(split, rt.storage, cache=rt.cfg.cache)
+        raise UserError(f"model {spec} records no processed dataset in its lineage; evaluate it with --data URI")
+    try:
+        data = ProcessedDataset.load(uri, storage)
+    except FileNotFoundError:
+        raise UserError(f"model {spec} was trained on the processed dataset {uri}, which is gone "
+                        "(no manifest.json there); evaluate it with --data URI") from None
+    return card, f"{uri}/split={split}/", data
 
 
 def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None, route_prefix: str = "/",

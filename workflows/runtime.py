@@ -14,6 +14,7 @@ from typing import Any
 
 from workflows.config import WorkflowConfig, dump_config
 from workflows.console import console, say, warn  # noqa: F401  (say is imported from here by the stages)
+from workflows.net import free_port
 from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext, check_bucket, protocol_of
@@ -178,15 +179,8 @@ def _warn_missing_gpus(cfg: WorkflowConfig, gpus: float) -> None:
 
 
 def _port_or_free(port: int) -> int:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    """`port` if it is free on 127.0.0.1, else one the OS picks (tests/conftest.py imports this name)."""
+    return free_port(preferred=port)
 
 
 @contextmanager

@@ -40,11 +40,9 @@ LEVERS = [
 
 
 def _free_port() -> int:
-    import socket
+    from workflows.net import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _median(xs):

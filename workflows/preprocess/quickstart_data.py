@@ -8,7 +8,10 @@ library; the label is the library. Four libraries, four domains of scientific Py
 
 The rows are deterministic for a given environment (same library versions -> same rows): modules
 are walked in a fixed order, texts deduplicated across classes, and the kept subset chosen by a
-hash of the text, not by a random generator. See docs/data/quickstart.md for the data card.
+hash of the text, not by a random generator. A module that fails to import (missing from this
+version of its library, or broken) is skipped, which changes the rows and so the dataset's
+version: `build_dataset` names each one and why, and the data line of `workflows preprocess` /
+`workflows pipeline` and the preprocess summary repeat it. See docs/data/quickstart.md for the data card.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ import importlib
 import inspect
 import io
 import json
+import logging
 import re
 import warnings
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 LIBRARIES: dict[str, list[str]] = {
     "deep-learning": [
@@ -92,8 +99,15 @@ def _public_objects(module):
                         yield f"{module.__name__}.{name}.{mname}", member
 
 
-def collect(libraries: dict[str, list[str]] = LIBRARIES) -> list[dict]:
-    """Every usable docstring summary, labelled; texts seen under two labels are dropped."""
+@dataclass
+class BuiltDataset:
+    rows: list[dict]
+    skipped: dict[str, str] = field(default_factory=dict)  # module -> why it was not read ("ImportError: ...")
+
+
+def collect(libraries: dict[str, list[str]] = LIBRARIES, skipped: dict[str, str] | None = None) -> list[dict]:
+    """Every usable docstring summary, labelled; texts seen under two labels are dropped. A module
+    that fails to import is left out, and recorded in `skipped` (module -> the error, one line)."""
     rows: dict[str, dict] = {}
     conflicted: set[str] = set()
     with warnings.catch_warnings():
@@ -102,8 +116,10 @@ def collect(libraries: dict[str, list[str]] = LIBRARIES) -> list[dict]:
             for modname in modules:
                 try:
                     module = importlib.import_module(modname)
-                except Exception:
-                    continue  # a module missing in this version of the library
+                except Exception as e:  # missing in this version of the library, or broken here
+                    if skipped is not None:
+                        skipped[modname] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
+                    continue
                 for qualname, obj in _public_objects(module):
                     doc = inspect.getdoc(obj.fget if isinstance(obj, property) else obj)
                     text = _summary(doc) if doc else None
@@ -121,10 +137,12 @@ def _rank(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def build(rows_per_class: int = 800) -> list[dict]:
-    """Up to `rows_per_class` rows per label, chosen by text hash; sorted by id."""
+def build_dataset(rows_per_class: int = 800, libraries: dict[str, list[str]] | None = None) -> BuiltDataset:
+    """Up to `rows_per_class` rows per label, chosen by text hash, sorted by id; and the modules
+    skipped because they failed to import. `libraries`: LIBRARIES by default."""
+    skipped: dict[str, str] = {}
     by_label: dict[str, list[dict]] = {}
-    for row in collect():
+    for row in collect(LIBRARIES if libraries is None else libraries, skipped):
         by_label.setdefault(row["label"], []).append(row)
     out = []
     for label in sorted(by_label):
@@ -132,7 +150,21 @@ def build(rows_per_class: int = 800) -> list[dict]:
         out.extend(kept)
     for row in out:
         row["id"] = _rank(row["text"])[:16]
-    return sorted(out, key=lambda r: r["id"])
+    return BuiltDataset(sorted(out, key=lambda r: r["id"]), skipped)
+
+
+def build(rows_per_class: int = 800) -> list[dict]:
+    """The rows of `build_dataset`; each skipped module is logged as a warning."""
+    built = build_dataset(rows_per_class)
+    for modname, why in built.skipped.items():
+        log.warning("quickstart dataset: skipped module %s (%s)", modname, why)
+    return built.rows
+
+
+def describe_skipped(skipped: dict[str, str]) -> str:
+    """One line naming the skipped modules and why, for the data line of a command."""
+    return (f"skipped {len(skipped)} module(s) that failed to import, so these rows (and the dataset's version) "
+            "differ from a build where they import: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()))
 
 
 def write_shards(rows: list[dict], uri: str, ctx, num_shards: int = 4) -> list[str]:

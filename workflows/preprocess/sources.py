@@ -14,6 +14,11 @@ PATTERN = "*.parquet|*.jsonl|*.json|*.ndjson|*.csv|*.tar|*.jpg|*.jpeg|*.png|*.we
 SHARDS_PER_TASK = {"image": 128}
 
 
+class NoShards(UserError):
+    """Nothing at the URI is a shard (empty, missing, or only files of another format): unlike an
+    unreachable store or denied access, a place where a built-in dataset may be built."""
+
+
 def _format_of(uri: str) -> str | None:
     for ext, fmt in EXTENSIONS.items():
         if uri.lower().endswith(ext):
@@ -42,7 +47,7 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
     if not paths:
         check_bucket(uri, ctx)  # "bucket not found" says more than "no shard matched"
         pattern = PATTERN if fmt == "auto" else "|".join(f"*{e}" for e, f in EXTENSIONS.items() if f == fmt)
-        raise UserError(f"no shard matched {uri} (pattern {pattern or '*.' + fmt})")
+        raise NoShards(f"no shard matched {uri} (pattern {pattern or '*.' + fmt})")
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
     if None in formats or len(formats) != 1:
         raise UserError(
@@ -54,8 +59,9 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
 
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None,
                  required_columns: list[str] | None = None, shards_per_task: int | None = None):
-    """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver); a shard
-    without one of `required_columns` fails its read with an error naming it.
+    """A Ray Dataset over raw shards (read tasks run on the cluster, not on the driver); shards
+    without one of `required_columns` are an error naming the shard and its columns (checked once,
+    on the first shard's columns: see read_shards).
 
     "tar" and "image" shards read as rows (key, image: the encoded bytes, label); see
     storage/shards.py. `shards_per_task` defaults to SHARDS_PER_TASK's value for the format, else 1.

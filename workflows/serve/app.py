@@ -157,7 +157,7 @@ def build_api(server: "ModelServer") -> FastAPI:
             api.openapi_schema = contract.openapi(generated(), "/predict")
         return api.openapi_schema
 
-    api.openapi = openapi
+    api.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
     return api
 
 
@@ -246,7 +246,8 @@ def logging_config(sc) -> dict:
 
 
 def application(cfg: WorkflowConfig, model_spec: str) -> serve.Application:
-    return ModelServer.options(**deployment_options(cfg.serve)).bind(cfg.model_dump(mode="json"), model_spec)
+    deployment: Any = ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
+    return deployment.options(**deployment_options(cfg.serve)).bind(cfg.model_dump(mode="json"), model_spec)
 
 
 def build_app(args: dict) -> serve.Application:

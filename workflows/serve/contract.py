@@ -10,6 +10,7 @@ another shape. `JsonInstances` is the contract of every task whose instances are
 from __future__ import annotations
 
 import json
+from types import GenericAlias
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
@@ -45,8 +46,9 @@ def instance_model(text_columns: list[str]) -> type[BaseModel]:
             raise ValueError(f"all text fields are empty ({', '.join(text_columns)})")
         return self
 
-    return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True),
-                        __validators__={"not_all_empty": model_validator(mode="after")(not_all_empty)}, **fields)
+    validators: dict[str, Any] = {"not_all_empty": model_validator(mode="after")(not_all_empty)}
+    return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True), __validators__=validators,
+                        **fields)
 
 
 def example_instance(text_columns: list[str]) -> dict[str, str]:
@@ -55,30 +57,35 @@ def example_instance(text_columns: list[str]) -> dict[str, str]:
 
 def classification_prediction(labels: list[str]) -> type[BaseModel]:
     """One prediction of a classifier: the label, its probability, every label's probability."""
-    label = Literal[tuple(labels)]  # type: ignore[valid-type]
+    # types built at run time: Any to mypy (GenericAlias(dict, ...) is dict[label, float])
+    label: Any = Literal[tuple(labels)]  # type: ignore[valid-type]
+    probabilities: Any = GenericAlias(dict, (label, float))
     return create_model(
         "Prediction",
         label=(label, Field(..., description="the most probable label")),
         score=(float, Field(..., ge=0, le=1, description="its probability")),
-        probabilities=(dict[label, float], Field(..., description="every label's probability")),
+        probabilities=(probabilities, Field(..., description="every label's probability")),
     )
 
 
 def response_model(card, prediction: type[BaseModel]) -> type[BaseModel]:
     """The body of a 200 answer: one prediction per instance, the model's name and version."""
+    predictions: Any = GenericAlias(list, prediction)  # list[prediction]
+    name: Any = Literal[card.name]  # type: ignore[valid-type]
     return create_model(
         "PredictResponse",
-        predictions=(list[prediction], Field(..., description="one per instance, in order")),
-        model=(Literal[card.name], ...),  # type: ignore[valid-type]
+        predictions=(predictions, Field(..., description="one per instance, in order")),
+        model=(name, ...),
         version=(int, Field(..., ge=1)),
     )
 
 
 def request_model(instance: type[BaseModel], max_instances: int, example: dict) -> type[BaseModel]:
+    instances: Any = GenericAlias(list, instance)  # list[instance]
     return create_model(
         "PredictRequest",
         __config__=ConfigDict(extra="forbid", json_schema_extra={"examples": [{"instances": [example]}]}),
-        instances=(list[instance], Field(..., min_length=1, max_length=max_instances)),
+        instances=(instances, Field(..., min_length=1, max_length=max_instances)),
     )
 
 

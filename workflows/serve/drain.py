@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from typing import Any
 
 import ray
 
@@ -22,7 +23,7 @@ NAME, NAMESPACE = "workflows-serve-drain", "workflows"
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class Drain:
-    def __init__(self):
+    def __init__(self) -> None:
         # Ctrl-C in a terminal signals the whole process group (systemd's default SIGTERMs the whole
         # cgroup), this worker too: it must outlive the drain; it dies with its owner, the command.
         try:
@@ -50,7 +51,8 @@ class Drain:
 
 
 def create() -> ray.actor.ActorHandle:
-    return Drain.options(name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime=None).remote()
+    actor: Any = Drain  # an actor class (ray.remote), which mypy sees as the plain class
+    return actor.options(name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime=None).remote()
 
 
 def drain(actor, timeout_s: float = 10.0) -> dict:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from workflows.errors import UserError
+from workflows.net import free_ports
 
 DEREGISTRATION_WINDOW_S = "2"
 
@@ -68,22 +68,11 @@ def describe(cfg) -> str:
     return "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve's Python proxy"
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]  # all bound at once: n distinct ports
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def cluster_env(on: bool) -> dict[str, str]:
     """Environment for the processes of a local cluster about to start (not kept by this process)."""
     if not on:
         return {}
-    stats, metrics = _free_ports(2)
+    stats, metrics = free_ports(2)
     # Short: Ray adds the node id (56 characters) below it, and HAProxy takes socket paths of at most 97.
     files = tempfile.mkdtemp(prefix="wfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
     atexit.register(shutil.rmtree, files, True)  # the runtime has shut Ray (and HAProxy) down by then

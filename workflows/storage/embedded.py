@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.net import free_port
 from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import EMBEDDED_KEY, StorageContext
 
@@ -85,7 +86,7 @@ class EmbeddedS3:
     def _spawn(self) -> str:
         """Start moto's server in a child process and wait until it answers."""
         for _attempt in range(3):
-            port = self.port or _free_port(self.host)
+            port = self.port or free_port(self.host)
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "workflows.storage.s3_server", "-H", self.host, "-p", str(port)],
                 stdin=subprocess.DEVNULL,
@@ -242,12 +243,6 @@ def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
     r = requests.post(url, timeout=10) if reset else requests.get(url, timeout=10)
     r.raise_for_status()
     return r.json()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

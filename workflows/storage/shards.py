@@ -188,11 +188,11 @@ def check_schema(uri: str, table, fmt: str, reference: tuple[str, dict[str, str]
             )
 
 
-def check_columns(uri: str, table, required: list[str]) -> None:
+def check_columns(uri: str, columns, required: list[str]) -> None:
     """Fail, naming the shard and its columns, when a column the config names is missing."""
-    missing = [c for c in required if c not in table.column_names]
+    missing = [c for c in required if c not in columns]
     if missing:
-        raise UserError(f"column(s) {missing} not found in {uri} (columns: {sorted(table.column_names)}); "
+        raise UserError(f"column(s) {missing} not found in {uri} (columns: {sorted(columns)}); "
                         "set data.text_columns / data.label_column")
 
 
@@ -212,7 +212,7 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
         )
         table = _read_one(uri, fmt, ctx, shard_cache, version if version else None, size if version else None)
         check_schema(uri, table, fmt, reference)
-        check_columns(uri, table, list(required))
+        check_columns(uri, table.column_names, list(required))
         return table
 
     shards = list(zip(batch["uri"], batch["version"], batch["size"]))
@@ -265,9 +265,10 @@ def read_shards(
     Unlike `ray.data.read_parquet`, no file-listing task is scheduled (it asks for a whole CPU even
     when the reads ask for none), and the reads can be given `num_cpus=0` (see
     ProcessedDataset.read for why). With `check_schemas`, a shard whose columns differ from the
-    first shard's fails its read with an error naming both. Each read checks `required_columns` as
-    it reads, so no pass over the data is spent on it (Ray's `ds.schema()` would run reads, then
-    cancel them).
+    first shard's fails its read with an error naming both. `required_columns` are checked once, on
+    the first shard's columns, here (every other shard has the same columns or fails its read);
+    a single shard has no reference read, and its one read checks them instead. No pass over the
+    data is spent on either (Ray's `ds.schema()` would run reads, then cancel them).
     """
     import ray
     import ray.data
@@ -289,7 +290,7 @@ def read_shards(
             num_cpus=num_cpus,
             **placement,
             fn_kwargs={"fmt": fmt, "ctx": ctx, "cache": cache, "reference": reference,
-                       "required": list(required_columns or [])},
+                       "required": [] if reference is not None else list(required_columns or [])},
         )
 
     groups = shard_placement(shards) if cache is not None and cache.enabled else {}
@@ -300,6 +301,7 @@ def read_shards(
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)} if node else {}
         task = ray.remote(num_cpus=0, max_retries=0)(reference_schema).options(**placement)
         reference = ray.get(task.remote(shards[0], fmt, ctx, cache))
+        check_columns(reference[0], list(reference[1]), list(required_columns or []))
     if not groups:  # one node, or no cache: nothing to place
         return read(shards, None)
     # One group is placed too: when every shard hashes to one node (1 in 2**(n-1) for n shards on

@@ -232,13 +232,20 @@ class RunLogger:
         return TrackingSpec(self.spec.uri, self.run_id, self.spec.experiment_id, self.spec.step_loss_every,
                             self.spec.tags)
 
+    def _id(self) -> str:
+        """The run's id, on the tracking thread: a child run was created by the calls before (its
+        creation failing turned tracking off, and no later call runs)."""
+        if self.run_id is None:
+            raise RuntimeError("no MLflow run to log into")
+        return self.run_id
+
     def log_epoch(self, metrics: dict, step_losses: list[float] | None = None) -> None:
         rows = epoch_metrics(metrics, step_losses, self.spec.step_loss_every)
         ts = now_ms()  # when the epoch ended, not when the thread gets to it
-        self.tracker.call(lambda c: log_metrics(c, self.run_id, rows, ts))
+        self.tracker.call(lambda c: log_metrics(c, self._id(), rows, ts))
 
     def end(self, status: str = "FINISHED") -> None:
-        self.tracker.call(lambda c: c.set_terminated(self.run_id, status, now_ms()))
+        self.tracker.call(lambda c: c.set_terminated(self._id(), status, now_ms()))
 
     def close(self, timeout: float = 60) -> None:
         self.tracker.flush(timeout)

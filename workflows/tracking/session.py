@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,9 +126,13 @@ class Run:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self._call(lambda c, info: set_tags(c, info.run_id, tags))
 
-    def log_files(self, files: list[Path | str], subdir: str = "") -> None:
-        files = [Path(f) for f in files if f is not None and Path(f).is_file()]
-        self._call(lambda c, info: self._s.upload(c, info, files, subdir))
+    def log_files(self, files: Sequence[Path | str | None], subdir: str = "") -> None:
+        """Upload the files that exist (None and missing paths skipped) as artifacts of the run."""
+        session = self._s
+        if session is None:
+            return
+        paths = [Path(f) for f in files if f is not None and Path(f).is_file()]
+        self._call(lambda c, info: session.upload(c, info, paths, subdir))
 
     def end(self, status: str = "FINISHED") -> None:
         self._call(lambda c, info: c.set_terminated(info.run_id, status, now_ms()))

@@ -101,7 +101,7 @@ def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path, confusio
         return
     out.mkdir(parents=True, exist_ok=True)
     report = atomic_write(out / "evaluation.json", json.dumps(metrics, indent=2, default=str))
-    files = [report]
+    files: list[Path | None] = [report]
     if metrics.get("confusion_matrix", {}).get("matrix"):  # evaluate's own matrix and PNG of it
         files += [atomic_write(out / "confusion_matrix.json", json.dumps(metrics["confusion_matrix"], indent=2)),
                   confusion_png]

@@ -37,6 +37,8 @@ class ModelSpec:
     norm_bytes: dict = field(default_factory=lambda: {"fp32": 4.0, "bf16": 2.0})  # one norm layer
     act_bytes: dict = field(default_factory=lambda: {"fp32": 4.0, "bf16": 2.0})  # the MLP's activation
     act_saves_output: bool = False  # its output is among them (ReLU, tanh): the next linear shares it
+    # what was assumed instead of probed, one line each (a layer not found, a probe that failed)
+    estimated: tuple[str, ...] = ()
 
 
 def _first(config, *names, default=None):
@@ -82,14 +84,23 @@ def saved_storages(params, forward) -> tuple[dict[int, int], object]:
     return saved, out
 
 
-def _probe(module: nn.Module | None, width: int, default: float) -> tuple[dict, bool]:
-    """Bytes autograd saves per input element when `module` runs (fp32 and bf16), and whether its
-    output is among them. Runs a copy of the module on a (2, 3, width) CPU tensor: microseconds."""
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}  # the assumption where nothing was measured: the layer saves its input
+
+
+def _assumed(precisions) -> str:
+    return "assumed it saves its input only: " + ", ".join(f"{_ELEMENT_BYTES[p]} bytes per element in {p}"
+                                                           for p in precisions)
+
+
+def _probe(module: nn.Module, width: int) -> tuple[dict, bool, dict[str, str]]:
+    """Bytes autograd saves per input element when `module` runs (fp32 and bf16), whether its
+    output is among them, and the precisions whose probe failed (-> the error; their bytes are
+    assumed: the input only). Runs a copy of the module on a (2, 3, width) CPU tensor: microseconds."""
     import copy
 
     import torch
 
-    out_saved, result = False, {}
+    out_saved, result, failed = False, {}, {}
     for precision, dtype_name in _DTYPES.items():
         dtype = getattr(torch, dtype_name)
         try:
@@ -100,8 +111,23 @@ def _probe(module: nn.Module | None, width: int, default: float) -> tuple[dict, 
             saved, y = saved_storages(probe.parameters(), lambda: probe(x))
             result[precision] = sum(saved.values()) / x.numel()
             out_saved = out_saved or y.untyped_storage().data_ptr() in saved
-        except Exception:  # noqa: BLE001 - an unusual module: assume it saves its input only
-            result[precision] = default * (2 if precision == "bf16" else 4)
+        except Exception as e:  # noqa: BLE001 - an unusual module: assume it saves its input only
+            result[precision] = float(_ELEMENT_BYTES[precision])
+            failed[precision] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
+    return result, out_saved, failed
+
+
+def _measured(module: nn.Module | None, width: int, what: str, estimated: list[str]) -> tuple[dict, bool]:
+    """`_probe` of the block's `what` layer; each thing assumed instead of measured goes to `estimated`."""
+    if module is None:
+        estimated.append(f"{what}: none found in the first transformer block; {_assumed(_DTYPES)}")
+        return {p: float(n) for p, n in _ELEMENT_BYTES.items()}, False
+    result, out_saved, failed = _probe(module, width)
+    if failed:
+        errors = set(failed.values())
+        why = errors.pop() if len(errors) == 1 else "; ".join(f"{p}: {e}" for p, e in failed.items())
+        which = "the probe" if len(failed) == len(_DTYPES) else f"the {'/'.join(failed)} probe"
+        estimated.append(f"{what} {type(module).__name__}: {which} failed ({why}); {_assumed(failed)}")
     return result, out_saved
 
 
@@ -137,8 +163,9 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
     act_modules = ("transformers.activations", "torch.nn.modules.activation")
     not_act = (nn.Softmax, nn.MultiheadAttention)
     act = _find(block, lambda m: type(m).__module__ in act_modules and not isinstance(m, not_act))
-    norm_bytes, _ = _probe(norm, hidden, 1.0) if norm is not None else ({"fp32": 4.0, "bf16": 2.0}, False)
-    act_bytes, act_out = _probe(act, intermediate, 1.0) if act is not None else ({"fp32": 4.0, "bf16": 2.0}, False)
+    estimated: list[str] = []
+    norm_bytes, _ = _measured(norm, hidden, "norm layer", estimated)
+    act_bytes, act_out = _measured(act, intermediate, "MLP activation", estimated)
     return ModelSpec(
         name=name or str(_first(config, "name_or_path", "_name_or_path", "model_type", default="model")),
         hidden=hidden,
@@ -167,6 +194,7 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
         norm_bytes=norm_bytes,
         act_bytes=act_bytes,
         act_saves_output=act_out,
+        estimated=tuple(estimated),
     )
 
 

@@ -216,7 +216,7 @@ def make_plan(
             f"neither fits at micro-batch {micro_batch}: FSDP needs {gib(estimates['fsdp'].total)} > "
             f"{gib(budget)} usable; try " + ", or ".join(tips)
         )
-    notes = []
+    notes = [f"activation bytes estimated, not measured: {n}" for n in spec.estimated]
     if config_strategy and recommended and config_strategy != recommended:
         notes.append(f"the config trains with {config_strategy}; the plan recommends {recommended}")
     return Plan(

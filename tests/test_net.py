@@ -1,0 +1,59 @@
+"""workflows/net.py: the one free-port helper, and no copy of it elsewhere in the repository."""
+
+from __future__ import annotations
+
+import ast
+import socket
+from pathlib import Path
+
+from tests.conftest import ROOT
+from workflows.net import free_port, free_ports
+
+
+def test_free_port_can_be_bound():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_a_free_preferred_port_is_kept_and_a_taken_one_replaced():
+    from workflows.runtime import _port_or_free  # tests/conftest.py's name for it
+
+    taken = free_port()
+    with socket.socket() as s:  # a port free a moment ago, held now
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        other = free_port(preferred=taken)
+        assert other != taken
+        assert _port_or_free(taken) != taken
+    assert free_port(preferred=taken) == taken
+    assert _port_or_free(taken) == taken
+
+
+def test_free_ports_are_distinct():
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(p > 0 for p in ports)
+
+
+def _binds_port_zero(call: ast.Call) -> bool:
+    """`x.bind((host, 0))`: the OS picks the port, i.e. a free-port finder."""
+    return (isinstance(call.func, ast.Attribute) and call.func.attr == "bind" and len(call.args) == 1
+            and isinstance(call.args[0], ast.Tuple) and len(call.args[0].elts) == 2
+            and isinstance(call.args[0].elts[1], ast.Constant) and call.args[0].elts[1].value == 0)
+
+
+def test_no_other_module_finds_free_ports_itself():
+    found = []
+    for folder in ("workflows", "tests", "reliability", "benchmarks", "notebooks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "workflows" / "net.py":
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            found += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree)
+                      if isinstance(n, ast.Call) and _binds_port_zero(n)]
+    assert not found, f"bind((host, 0)) outside workflows/net.py (use workflows.net.free_port): {found}"
+
+
+def test_the_helper_itself_is_seen_by_the_scan():
+    tree = ast.parse(Path(ROOT / "workflows" / "net.py").read_text())
+    assert any(isinstance(n, ast.Call) and _binds_port_zero(n) for n in ast.walk(tree))
