@@ -54,7 +54,7 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
     scored.write_parquet(pa_path, filesystem=pa_fs)
     fs, out_path = filesystem(output_uri, ctx)
     files = sorted(with_protocol(output_uri, f) for f in fs.glob(f"{out_path.rstrip('/')}/*.parquet"))
-    rows, columns = 0, []
+    rows, columns = 0, list[str]()
     for f in files:
         with fs.open(filesystem(f, ctx)[1], "rb") as fh:
             meta = pq.ParquetFile(fh)
