@@ -227,10 +227,19 @@ def test_serve_listens_through_haproxy_where_installed(serving):
     from workflows.serve.ingress import haproxy_binary
 
     port = int(serving.base.rsplit(":", 1)[1])
-    listeners = [c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
-    assert len(set(listeners)) == 1, listeners
     expected = "haproxy" if haproxy_binary() else "ray::ProxyActor"
-    assert psutil.Process(listeners[0]).name().startswith(expected[:15])  # names are cut at 15 characters
+    for _ in range(60):  # a reload replaces HAProxy's process: the one listed may be gone when asked
+        listeners = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+        try:
+            names = {psutil.Process(pid).name() for pid in listeners}
+        except psutil.NoSuchProcess:
+            time.sleep(0.5)
+            continue
+        if len(listeners) == 1:
+            break
+        time.sleep(0.5)
+    assert len(listeners) == 1, listeners
+    assert names.pop().startswith(expected[:15])  # names are cut at 15 characters
     said = "behind HAProxy" if haproxy_binary() else "behind Serve's Python proxy"
     deadline = time.time() + 120  # /healthz may answer before the command prints that it is up
     while said not in serving.out.read_text() and time.time() < deadline:
