@@ -62,7 +62,8 @@ def _run(wall: float, work_s: float, fixed_by_stage: dict) -> dict:
             "wall_vs_work_ratio": round(wall / work_s, 2), "stages": stages, "outside_stages_seconds": 5.0,
             "breakdown": {"preprocess": {"raw_data_build": 1.0, "ray_data": 6.0},
                           "serve": {"serve_start": 8.0}},
-            "work": {"preprocess": {"seconds": 0.2, "rows": 1797}, "tune": {"trials": 2, "epochs": 4, "threads": 2},
+            "work": {"preprocess": {"seconds": 0.2, "rows": 1797},
+                     "tune": {"trials": 2, "epochs": 4, "threads": 2, "threads_used": [1, 2]},
                      "train": {"epochs": 6, "threads": 2, "seconds": 20.0},
                      "evaluate": {"rows": 368, "weighted_f1": 0.99, "accuracy": 0.99, "seconds": 1.0},
                      "serve": {"requests": 3, "seconds": 0.01}},
@@ -85,6 +86,7 @@ def test_digits_fixed_cost_is_compared_with_the_quickstarts():
     assert "| **pipeline** | 75 | 30 | **45** | **2.5x** | 137 | 67 | **70** | 2.04x |" in md
     assert "| serve |  |  |  |  | 10.1 | 1.0 | 9.1 | 10.1x |" in md  # a stage only one pipeline ran
     assert "Ray Data read/decode/write 6.0 s" in md
+    assert "4 trial-epochs on the faster of 1 and 2 threads (used: 1, 2)" in md
 
 
 def test_serve_image_rows():
@@ -97,3 +99,26 @@ def test_serve_image_rows():
     assert "| 1.0 ms (5.0 vs 4.0 ms) | <= 3.0 (**not met**) |" in md
     skipped = serve._image_rows_md({"image": {"skipped": "no model"}, "goals_met": {}})
     assert "not measured in this run (no model)" in skipped
+
+
+def test_fastest_keeps_the_faster_thread_count_and_gives_the_slower_run_a_limit():
+    calls = []
+
+    def run(n, limit):
+        calls.append((n, limit))
+        return {1: 3.0, 2: 1.0}[n]
+
+    assert work.fastest(run, 2) == (1.0, 2) and calls == [(1, None), (2, 3.0)]
+    assert work.fastest(lambda n, limit: {1: 1.0, 2: float("inf")}[n], 2) == (1.0, 1)
+    calls.clear()
+    assert work.fastest(run, 1) == (3.0, 1) and calls == [(1, None)]  # one thread: one run
+
+
+def test_within_abandons_a_run_past_its_limit():
+    import time
+
+    import pytest
+
+    assert list(work._within(iter([1, 2]), time.perf_counter(), None)) == [1, 2]
+    with pytest.raises(work._Slower):
+        list(work._within(iter([1, 2]), time.perf_counter() - 10, 5.0))

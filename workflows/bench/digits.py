@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from workflows.bench.quickstart import STAGES, where_rows
+from workflows.bench.quickstart import STAGES, threads, where_rows
 
 # fixed cost (wall − work) of the digits pipeline at most the quickstart's, measured in the same run
 GOALS = {"fixed_seconds_vs_quickstart": 0.0}
@@ -85,8 +85,8 @@ def markdown(r: dict) -> str:
 `workflows pipeline --config configs/digits.yaml` in a fresh process from an empty store, then the
 same computations in one plain-PyTorch process without Ray or an object store (`workflows/bench/work.py`,
 through the task seam: reading the tar shards and decoding + resizing {w["preprocess"]["rows"]} PNGs to
-32x32 with `decode_image`; {tune.get("trials", 0)} trials, {tune.get("epochs", 0)} trial-epochs on {tune.get("threads", 0)} thread(s);
-the final {w["train"]["epochs"]} epoch(s) on {w["train"]["threads"]} threads; evaluating {ev["rows"]} held-out images;
+32x32 with `decode_image`; {tune.get("trials", 0)} trials, {tune.get("epochs", 0)} trial-epochs on {threads(tune, "thread(s)")};
+the final {w["train"]["epochs"]} epoch(s) on {threads(w["train"], "threads")}; evaluating {ev["rows"]} held-out images;
 {w["serve"]["requests"]} single-image requests, JSON base64 PNGs parsed, decoded and predicted).
 The quickstart's pipeline and work then ran the same way in the same run (`bench digits` runs both), for
 its fixed cost on the same machine at the same time. Load average (1 min) before the digits pipeline

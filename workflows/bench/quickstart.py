@@ -95,6 +95,15 @@ def _goal(value: float, goal: float, at_most: bool = True) -> str:
     return f"{'<=' if at_most else '>='} {goal} ({'met' if met else 'not met'})"
 
 
+def threads(w: dict, unit: str) -> str:
+    """The threads a piece of work ran on: results from before work.fastest name one count."""
+    if "threads_used" not in w:
+        return f"{w.get('threads', 0)} {unit}"
+    used = w["threads_used"]
+    used = ", ".join(map(str, used)) if isinstance(used, list) else used
+    return f"the faster of 1 and {w['threads']} threads (used: {used})"
+
+
 def where_rows(b: dict, ray_data: str) -> list[str]:
     """The rows of the "where the rest goes" table from a run's breakdown; `ray_data` names what
     preprocessing's Ray Data job does."""
@@ -140,7 +149,7 @@ def markdown(r: dict) -> str:
 `workflows pipeline --config configs/quickstart.yaml` in a fresh process from an empty store, then the
 same computations in one plain-PyTorch process without Ray or an object store (`workflows/bench/work.py`:
 tokenizing {w["preprocess"]["rows"]} rows; {w.get("tune", {}).get("trials", 0)} trials, {w.get("tune", {}).get("epochs", 0)} trial-epochs
-on {w.get("tune", {}).get("threads", 0)} thread(s); the final {w["train"]["epochs"]} epoch(s) on {w["train"]["threads"]} threads;
+on {threads(w.get("tune", {}), "thread(s)")}; the final {w["train"]["epochs"]} epoch(s) on {threads(w["train"], "threads")};
 evaluating {w["evaluate"]["rows"]} rows; {w["serve"]["requests"]} single-row predictions).
 
 | stage | wall s | work s | rest s | wall / work | goal |
