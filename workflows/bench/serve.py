@@ -161,9 +161,10 @@ def _measure(rt) -> dict:
     return out
 
 
-def _peer(rt, spec: str, url: str, rows: list[dict]) -> dict:
+def _peer(rt, spec: str, url: str, rows: list[dict], cpu_requests: int = 0) -> dict:
     """The deployment against the plain FastAPI peer (workflows.bench.serve_peer): same Predictor,
-    threads, batch size, client and rows, alternating point by point."""
+    threads, batch size, client and rows, alternating point by point. With `cpu_requests`, then
+    the CPU each spends per request at concurrency 32, process by process (`cpu_per_request`)."""
     from workflows import registry
     from workflows.bench.serve_levers import _free_port, compare
     from workflows.bench.serve_peer import Peer
@@ -173,7 +174,66 @@ def _peer(rt, spec: str, url: str, rows: list[dict]) -> dict:
     threads = max(1, int(rt.cfg.serve.cpus_per_replica))
     text_rows = [{k: v for k, v in r.items() if k != "label"} for r in rows]
     with Peer(model_dir, _free_port(), threads, 32, spec, log, rt.cfg) as peer:
-        return compare(url, peer.url, text_rows)
+        out = compare(url, peer.url, text_rows)
+        if cpu_requests:
+            out["cpu_ms_per_request"] = {name: cpu_per_request(u, text_rows, cpu_requests, 32)
+                                         for name, u in (("serve", url), ("peer", peer.url))}
+        return out
+
+
+CPU_REQUESTS = 2000  # per server, at concurrency 32, for the CPU accounting of the image row
+
+
+def process_group(name: str, cmdline: list[str], pid: int) -> str:
+    """Which part of the serving stack a process of this benchmark's tree is, from its title."""
+    title = " ".join(cmdline) or name
+    if pid == os.getpid():
+        return "client (aiohttp, this process)"
+    for key, group in (("ServeReplica", "Serve replica"), ("serve_peer", "peer (FastAPI + uvicorn)"),
+                       ("HAProxyManager", "HAProxy manager actor"), ("ProxyActor", "Serve proxy actor"),
+                       ("ServeController", "Serve controller"), ("haproxy", "HAProxy"),
+                       ("raylet", "Ray core (raylet, GCS)"), ("gcs_server", "Ray core (raylet, GCS)"),
+                       ("log_monitor", "Ray log monitor"), ("dashboard", "Ray dashboard and agents"),
+                       ("DashboardAgent", "Ray dashboard and agents"), ("RuntimeEnvAgent", "Ray dashboard and agents")):
+        if key in title:
+            return group
+    return "other Ray processes"
+
+
+def _cpu_snapshot() -> dict[int, tuple[str, float]]:
+    import psutil
+
+    me = psutil.Process()
+    out = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (process_group(p.name(), p.cmdline(), p.pid), t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, summed by process group (a process that started in
+    between counts from zero; one that ended is lost)."""
+    out: dict[str, float] = {}
+    for pid, (group, t) in after.items():
+        spent = t - before[pid][1] if pid in before else t
+        out[group] = out.get(group, 0.0) + max(0.0, spent)
+    return out
+
+
+def cpu_per_request(url: str, rows: list[dict], n: int, concurrency: int) -> dict:
+    """CPU milliseconds per answered request that this process and every process it started (Ray's,
+    the peer) spend while `n` requests run at `concurrency`: where a server's time goes, whatever
+    else runs on the machine (CPU time, unlike req/s, is not taken by other tenants)."""
+    before = _cpu_snapshot()
+    got = load(url, rows, n, concurrency)
+    spent = cpu_by_group(before, _cpu_snapshot())
+    ok = max(1, got["ok"])
+    groups = {g: round(1000 * v / ok, 3) for g, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0}
+    return {"requests": got["ok"], "rps": got["rps"], "total": round(sum(groups.values()), 2), "groups": groups}
 
 
 def _image(rt, deployed) -> dict:
@@ -193,8 +253,8 @@ def _image(rt, deployed) -> dict:
     try:
         load(url, rows, 64, 32)  # warm-up
         out = {"model": spec, "request": "json-base64", "images": len(rows),
-               "image_bytes_median": int(statistics.median(len(r["image"]["b64"]) * 3 // 4 for r in rows)),
-               "peer": _peer(rt, spec, url, rows)}
+               "image_bytes_median": int(statistics.median(len(r["image"]["b64"]) * 3 // 4 for r in rows))}
+        out["peer"] = _peer(rt, spec, url, rows, cpu_requests=CPU_REQUESTS)
     finally:
         serve.delete("bench")
     return out
@@ -402,6 +462,27 @@ def _image_rows_md(r: dict) -> str:
     )
 
 
+def _image_cpu_md(r: dict) -> str:
+    """Where the image row's CPU goes: ms per request by process, Serve beside the peer."""
+    cpu = ((r.get("image") or {}).get("peer") or {}).get("cpu_ms_per_request")
+    if not cpu:
+        return ""
+    s, q = cpu["serve"], cpu["peer"]
+    groups = sorted(set(s["groups"]) | set(q["groups"]), key=lambda g: -(s["groups"].get(g, 0) + q["groups"].get(g, 0)))
+    rows = "\n".join(f"| {g} | {s['groups'].get(g, 0):.3f} | {q['groups'].get(g, 0):.3f} |" for g in groups)
+    return f"""
+Image classifier: CPU per answered request at concurrency 32 ({s["requests"]} requests to each server, one after the
+other; user + system CPU of this process and every process it started, Ray's and the peer's, by process). Unlike
+req/s, CPU time per request is not taken by other work on the machine; on {r["machine"]["cpus"]} cores, req/s at
+concurrency 32 is bounded by cores ÷ total CPU per request.
+
+| process | Serve ms CPU / request | peer ms CPU / request |
+| --- | --- | --- |
+{rows}
+| **total** | **{s["total"]}** ({s["rps"]:.0f} req/s) | **{q["total"]}** ({q["rps"]:.0f} req/s) |
+"""
+
+
 def _mark(r: dict, goal: str) -> str:
     return "met" if r["goals_met"].get(goal) else "**not met**"
 
@@ -448,4 +529,4 @@ Batched deployment, by concurrency:
 {rows}
 
 ![latency and throughput](images/{PLOT.name})
-"""  # noqa: E501 (markdown table rows: one line each)
+{_image_cpu_md(r)}"""  # noqa: E501 (markdown table rows: one line each)
