@@ -144,5 +144,11 @@ def test_serve_image_cpu_table():
            "peer": {"requests": 2000, "rps": 1200.0, "total": 1.0, "groups": {"peer (FastAPI + uvicorn)": 0.8}}}
     md = serve._image_cpu_md({"image": {"peer": {"cpu_ms_per_request": cpu}}, "machine": {"cpus": 2}})
     assert "| Serve replica | 1.500 | 0.000 |" in md and "| peer (FastAPI + uvicorn) | 0.000 | 0.800 |" in md
-    assert "| **total** | **2.3** (500 req/s) | **1.0** (1200 req/s) |" in md
+    assert "| **total** | **2.3** (500 req/s) | **1.0** (1200 req/s) |" in md and "| lever |" not in md
+    lever = {"lever": "access log off", "change": "serve.access_log=false", "serve_vs_peer_throughput": 0.6,
+             "p50_over_peer_ms": 1.2, "serve": {"1": {"p50_ms": 5.2}, "32": {"rps": 600.0}},
+             "peer": {"1": {"p50_ms": 4.0}, "32": {"rps": 1000.0}}}
+    with_lever = {"image": {"peer": {"cpu_ms_per_request": cpu, "levers": [lever]}}, "machine": {"cpus": 2}}
+    md = serve._image_cpu_md(with_lever)
+    assert "| access log off | `serve.access_log=false` | 0.6 (600 vs 1000 req/s) | 1.2 ms (5.2 vs 4.0 ms) |" in md
     assert serve._image_cpu_md({"image": {"skipped": "no model"}}) == ""

@@ -99,10 +99,12 @@ def _measure(rt) -> dict:
         "ingress": ingress.describe(cfg),
     }
 
-    def deployed(max_batch: int, replicas: int = 1, model: str = spec):
+    def deployed(max_batch: int, replicas: int = 1, model: str = spec, **serve_settings):
         c = cfg.model_copy(deep=True)
         c.serve.max_batch_size, c.serve.num_replicas, c.serve.autoscaling = max_batch, replicas, None
         c.serve.auth_token_env = None
+        for key, value in serve_settings.items():
+            setattr(c.serve, key, value)
         return deploy(c, model, name="bench")
 
     # batched: throughput/latency curve, p50 at concurrency 1, the 10k load
@@ -161,10 +163,11 @@ def _measure(rt) -> dict:
     return out
 
 
-def _peer(rt, spec: str, url: str, rows: list[dict], cpu_requests: int = 0) -> dict:
+def _peer(rt, spec: str, url: str, rows: list[dict], cpu_requests: int = 0, more=None) -> dict:
     """The deployment against the plain FastAPI peer (workflows.bench.serve_peer): same Predictor,
     threads, batch size, client and rows, alternating point by point. With `cpu_requests`, then
-    the CPU each spends per request at concurrency 32, process by process (`cpu_per_request`)."""
+    the CPU each spends per request at concurrency 32, process by process (`cpu_per_request`);
+    with `more`, `more(peer_url)` as "levers" (other deployments against the same peer)."""
     from workflows import registry
     from workflows.bench.serve_levers import _free_port, compare
     from workflows.bench.serve_peer import Peer
@@ -178,10 +181,15 @@ def _peer(rt, spec: str, url: str, rows: list[dict], cpu_requests: int = 0) -> d
         if cpu_requests:
             out["cpu_ms_per_request"] = {name: cpu_per_request(u, text_rows, cpu_requests, 32)
                                          for name, u in (("serve", url), ("peer", peer.url))}
+        if more is not None:
+            out["levers"] = more(peer.url)
         return out
 
 
 CPU_REQUESTS = 2000  # per server, at concurrency 32, for the CPU accounting of the image row
+# the image row's deployment again with one serve.* setting changed (no new cluster needed), against the same peer
+IMAGE_LEVERS = [("access log off", "serve.access_log=false", {"access_log": False}),
+                ("model call in a thread", "serve.model_in_thread=true", {"model_in_thread": True})]
 
 
 def process_group(name: str, cmdline: list[str], pid: int) -> str:
@@ -247,14 +255,28 @@ def _image(rt, deployed) -> dict:
         ref = registry.resolve(rt.cfg, rt.storage, IMAGE_MODEL)
     except UserError as e:
         return {"model": IMAGE_MODEL, "skipped": f"{e}; run `workflows pipeline --config digits` first"}
+    from workflows.bench.serve_levers import compare
+
     spec = f"{ref.name}:{ref.version}"
     rows = _image_rows(rt, spec, 256)
+
+    def levers(peer_url: str) -> list[dict]:
+        out = []
+        for name, change, settings in IMAGE_LEVERS:
+            serve.delete("bench")
+            url = deployed(32, model=spec, **settings)
+            load(url, rows, 64, 32)  # warm-up
+            got = compare(url, peer_url, rows)
+            out.append({"lever": name, "change": change, "serve": got["serve"], "peer": got["peer"],
+                        **{k: got[k] for k in ("serve_vs_peer_throughput", "p50_over_peer_ms", "reps")}})
+        return out
+
     url = deployed(32, model=spec)
     try:
         load(url, rows, 64, 32)  # warm-up
         out = {"model": spec, "request": "json-base64", "images": len(rows),
                "image_bytes_median": int(statistics.median(len(r["image"]["b64"]) * 3 // 4 for r in rows))}
-        out["peer"] = _peer(rt, spec, url, rows, cpu_requests=CPU_REQUESTS)
+        out["peer"] = _peer(rt, spec, url, rows, cpu_requests=CPU_REQUESTS, more=levers)
     finally:
         serve.delete("bench")
     return out
@@ -480,6 +502,23 @@ concurrency 32 is bounded by cores ÷ total CPU per request.
 | --- | --- | --- |
 {rows}
 | **total** | **{s["total"]}** ({s["rps"]:.0f} req/s) | **{q["total"]}** ({q["rps"]:.0f} req/s) |
+{_image_levers_md(r)}"""
+
+
+def _image_levers_md(r: dict) -> str:
+    levers = r["image"]["peer"].get("levers") or []
+    if not levers:
+        return ""
+    rows = "\n".join(
+        f"| {v['lever']} | `{v['change']}` | {v['serve_vs_peer_throughput']} ({v['serve']['32']['rps']:.0f} vs "
+        f"{v['peer']['32']['rps']:.0f} req/s) | {v['p50_over_peer_ms']} ms ({v['serve']['1']['p50_ms']} vs "
+        f"{v['peer']['1']['p50_ms']} ms) |" for v in levers)
+    return f"""
+The image deployment again with one setting changed, against the same peer (same alternation and reps):
+
+| lever | change | Serve / peer req/s at concurrency 32 | p50 at concurrency 1, Serve − peer |
+| --- | --- | --- | --- |
+{rows}
 """
 
 
