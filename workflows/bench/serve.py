@@ -9,6 +9,14 @@ every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the repli
   under uvicorn in one process (workflows.bench.serve_peer: same Predictor and threads, an
   equivalent micro-batcher), same client and rows, alternating: req/s at concurrency 32, Serve /
   peer (goal >= 0.9), and p50 at concurrency 1, Serve − peer (goal <= 3 ms).
+- image: the same comparison for an image classifier (`digits`, latest version, registered by
+  `workflows pipeline --config digits`; WORKFLOWS_BENCH_SERVE_IMAGE_MODEL names another): its
+  deployment (same budget, max batch 32) against the peer with the same ImagePredictor and
+  ImageContract (a body's images decoded by decode_image before batching, as in the replica),
+  same client; the requests are JSON {"instances": [{"image": {"b64": ...}}]}, one image each:
+  the raw PNGs of the held-out split as stored in the raw shards (the digits: 8x8 grayscale scans,
+  resized to the model's 32x32 by the server). Goals: Serve >= 0.95x the peer's req/s at
+  concurrency 32, p50 at concurrency 1 within 3 ms of the peer's.
 - batched_vs_unbatched_throughput: requests/s at concurrency 32 with @serve.batch
   (max_batch_size 32) over the same deployment with max_batch_size 1 (the 4x goal moved to GPUs).
 - p50_overhead_ms: p50 latency over HTTP at concurrency 1 minus the p50 of the same row through
@@ -42,6 +50,7 @@ from workflows.bench.serve_load import LOAD_REQUESTS, get_p50_ms, load
 from workflows.errors import UserError
 
 MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
+IMAGE_MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_IMAGE_MODEL", "digits")
 PLOT = Path("docs/images/serve_latency_throughput.png")
 PRECISIONS = ("fp32", "int8", "bf16")  # fp32 first: the others are compared with it
 # The peer comparison replaced the goals of batched >= 4x unbatched and p50 overhead <= 5 ms over
@@ -54,6 +63,8 @@ GOALS = {
     "replica_kill_recovery_s": 30.0,
     "rolling_update_failed": 0,
     "autoscaling_errors": 0,
+    "image_serve_vs_peer_throughput": 0.95,
+    "image_p50_over_peer_ms": 3.0,
 }
 
 
@@ -88,11 +99,13 @@ def _measure(rt) -> dict:
         "ingress": ingress.describe(cfg),
     }
 
-    def deployed(max_batch: int, replicas: int = 1):
+    def deployed(max_batch: int, replicas: int = 1, model: str = spec, **serve_settings):
         c = cfg.model_copy(deep=True)
         c.serve.max_batch_size, c.serve.num_replicas, c.serve.autoscaling = max_batch, replicas, None
         c.serve.auth_token_env = None
-        return deploy(c, spec, name="bench")
+        for key, value in serve_settings.items():
+            setattr(c.serve, key, value)
+        return deploy(c, model, name="bench")
 
     # batched: throughput/latency curve, p50 at concurrency 1, the 10k load
     url = deployed(32)
@@ -106,6 +119,7 @@ def _measure(rt) -> dict:
     out["serve_vs_peer_throughput"] = out["peer"]["serve_vs_peer_throughput"]
     out["p50_over_peer_ms"] = out["peer"]["p50_over_peer_ms"]
     serve.delete("bench")
+    out["image"] = _image(rt, deployed)
     # unbatched, same budget
     url = deployed(1)
     load(url, rows, 32, 8)
@@ -140,22 +154,162 @@ def _measure(rt) -> dict:
         and out["autoscaling"]["scaled_up_s"] is not None
         and out["autoscaling"]["scaled_down_s"] is not None,
     }
+    image = out["image"].get("peer")
+    if image:
+        out["goals_met"]["image_serve_vs_peer_throughput"] = (
+            (image["serve_vs_peer_throughput"] or 0) >= GOALS["image_serve_vs_peer_throughput"])
+        out["goals_met"]["image_p50_over_peer_ms"] = (
+            image["p50_over_peer_ms"] is not None and image["p50_over_peer_ms"] <= GOALS["image_p50_over_peer_ms"])
     return out
 
 
-def _peer(rt, spec: str, url: str, rows: list[dict]) -> dict:
+def _peer(rt, spec: str, url: str, rows: list[dict], cpu_requests: int = 0, more=None) -> dict:
     """The deployment against the plain FastAPI peer (workflows.bench.serve_peer): same Predictor,
-    threads, batch size, client and rows, alternating point by point."""
+    threads, batch size, client and rows, alternating point by point. With `cpu_requests`, then
+    the CPU each spends per request at concurrency 32, process by process (`cpu_per_request`);
+    with `more`, `more(peer_url)` as "levers" (other deployments against the same peer)."""
     from workflows import registry
     from workflows.bench.serve_levers import _free_port, compare
     from workflows.bench.serve_peer import Peer
 
     model_dir, _ = registry.fetch(rt.cfg, rt.storage, spec)
-    log = Path(rt.cfg.output_dir) / rt.cfg.name / "logs" / "bench-serve-peer.log"
+    log = Path(rt.cfg.output_dir) / rt.cfg.name / "logs" / f"bench-serve-peer-{spec.split(':')[0]}.log"
     threads = max(1, int(rt.cfg.serve.cpus_per_replica))
     text_rows = [{k: v for k, v in r.items() if k != "label"} for r in rows]
-    with Peer(model_dir, _free_port(), threads, 32, spec, log) as peer:
-        return compare(url, peer.url, text_rows)
+    with Peer(model_dir, _free_port(), threads, 32, spec, log, rt.cfg) as peer:
+        out = compare(url, peer.url, text_rows)
+        if cpu_requests:
+            out["cpu_ms_per_request"] = {name: cpu_per_request(u, text_rows, cpu_requests, 32)
+                                         for name, u in (("serve", url), ("peer", peer.url))}
+        if more is not None:
+            out["levers"] = more(peer.url)
+        return out
+
+
+CPU_REQUESTS = 2000  # per server, at concurrency 32, for the CPU accounting of the image row
+# the image row's deployment again with one serve.* setting changed (no new cluster needed), against the same peer
+IMAGE_LEVERS = [("access log off", "serve.access_log=false", {"access_log": False}),
+                ("model call in a thread", "serve.model_in_thread=true", {"model_in_thread": True})]
+
+
+def process_group(name: str, cmdline: list[str], pid: int) -> str:
+    """Which part of the serving stack a process of this benchmark's tree is, from its title."""
+    title = " ".join(cmdline) or name
+    if pid == os.getpid():
+        return "client (aiohttp, this process)"
+    for key, group in (("ServeReplica", "Serve replica"), ("serve_peer", "peer (FastAPI + uvicorn)"),
+                       ("HAProxyManager", "HAProxy manager actor"), ("ProxyActor", "Serve proxy actor"),
+                       ("ServeController", "Serve controller"), ("haproxy", "HAProxy"),
+                       ("raylet", "Ray core (raylet, GCS)"), ("gcs_server", "Ray core (raylet, GCS)"),
+                       ("log_monitor", "Ray log monitor"), ("dashboard", "Ray dashboard and agents"),
+                       ("DashboardAgent", "Ray dashboard and agents"), ("RuntimeEnvAgent", "Ray dashboard and agents")):
+        if key in title:
+            return group
+    return "other Ray processes"
+
+
+def _cpu_snapshot() -> dict[int, tuple[str, float]]:
+    import psutil
+
+    me = psutil.Process()
+    out = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (process_group(p.name(), p.cmdline(), p.pid), t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, summed by process group (a process that started in
+    between counts from zero; one that ended is lost)."""
+    out: dict[str, float] = {}
+    for pid, (group, t) in after.items():
+        spent = t - before[pid][1] if pid in before else t
+        out[group] = out.get(group, 0.0) + max(0.0, spent)
+    return out
+
+
+def cpu_per_request(url: str, rows: list[dict], n: int, concurrency: int) -> dict:
+    """CPU milliseconds per answered request that this process and every process it started (Ray's,
+    the peer) spend while `n` requests run at `concurrency`: where a server's time goes, whatever
+    else runs on the machine (CPU time, unlike req/s, is not taken by other tenants)."""
+    before = _cpu_snapshot()
+    got = load(url, rows, n, concurrency)
+    spent = cpu_by_group(before, _cpu_snapshot())
+    ok = max(1, got["ok"])
+    groups = {g: round(1000 * v / ok, 3) for g, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0}
+    return {"requests": got["ok"], "rps": got["rps"], "total": round(sum(groups.values()), 2), "groups": groups}
+
+
+def _image(rt, deployed) -> dict:
+    """The image classifier's deployment against the peer, with held-out raw images as requests; a
+    dict naming why when no image model is registered."""
+    from ray import serve
+
+    from workflows import registry
+
+    try:
+        ref = registry.resolve(rt.cfg, rt.storage, IMAGE_MODEL)
+    except UserError as e:
+        return {"model": IMAGE_MODEL, "skipped": f"{e}; run `workflows pipeline --config digits` first"}
+    from workflows.bench.serve_levers import compare
+
+    spec = f"{ref.name}:{ref.version}"
+    rows = _image_rows(rt, spec, 256)
+
+    def levers(peer_url: str) -> list[dict]:
+        out = []
+        for name, change, settings in IMAGE_LEVERS:
+            serve.delete("bench")
+            url = deployed(32, model=spec, **settings)
+            load(url, rows, 64, 32)  # warm-up
+            got = compare(url, peer_url, rows)
+            out.append({"lever": name, "change": change, "serve": got["serve"], "peer": got["peer"],
+                        **{k: got[k] for k in ("serve_vs_peer_throughput", "p50_over_peer_ms", "reps")}})
+        return out
+
+    url = deployed(32, model=spec)
+    try:
+        load(url, rows, 64, 32)  # warm-up
+        out = {"model": spec, "request": "json-base64", "images": len(rows),
+               "image_bytes_median": int(statistics.median(len(r["image"]["b64"]) * 3 // 4 for r in rows))}
+        out["peer"] = _peer(rt, spec, url, rows, cpu_requests=CPU_REQUESTS, more=levers)
+    finally:
+        serve.delete("bench")
+    return out
+
+
+def _image_rows(rt, spec: str, n: int) -> list[dict]:
+    """The first `n` held-out images of the model's dataset as JSON request instances
+    ({"image": {"b64": ...}}), with the bytes of the raw records (tar or image-file shards) they were
+    decoded from in preprocessing: what a client sends, not the stored tensors."""
+    import base64
+
+    from workflows import registry
+    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.preprocess.sources import list_shards
+    from workflows.storage.shards import _read_local, read_parquet
+    from workflows.storage.uri import filesystem
+
+    card = registry.model_card(rt.cfg, rt.storage, spec)
+    data = ProcessedDataset.load(card.lineage["dataset_uri"], rt.storage)
+    keys = [k for f in data.files["test"] for k in read_parquet(f, rt.storage, ["key"]).column("key").to_pylist()]
+    shards, fmt = list_shards(data.source, rt.storage)
+    if fmt not in ("tar", "image"):
+        raise UserError(f"bench serve's image row reads tar or image-file raw shards; {data.source} holds {fmt}")
+    wanted, found = set(keys[:n]), {}
+    for shard in shards:
+        fs, path = filesystem(shard.uri, rt.storage)
+        with fs.open(path, "rb") as f:
+            for row in _read_local(f, fmt, shard.uri).to_pylist():
+                if row["key"] in wanted and row["image"]:
+                    found[row["key"]] = row["image"]
+        if len(found) == len(wanted):
+            break
+    return [{"image": {"b64": base64.b64encode(found[k]).decode()}} for k in keys[:n] if k in found]
 
 
 def _test_rows(rt, spec: str, n: int) -> list[dict]:
@@ -312,6 +466,62 @@ def _peer_rows(r: dict) -> str:
     )
 
 
+def _image_rows_md(r: dict) -> str:
+    i = r.get("image")
+    if not i or not i.get("peer"):
+        why = f" ({i['skipped']})" if i and i.get("skipped") else ""
+        return f"| image classifier: Serve vs the plain FastAPI peer | not measured in this run{why} | |"
+    p = i["peer"]
+    s, q = p["serve"], p["peer"]
+    return (
+        f"| image classifier {i['model']} (JSON base64 PNGs, the held-out raw images, median "
+        f"{i['image_bytes_median']} bytes): req/s at concurrency 32, Serve / the peer (same ImagePredictor and "
+        f"decode path; medians of {p['reps']} alternating runs) | {p['serve_vs_peer_throughput']} "
+        f"({s['32']['rps']:.0f} vs {q['32']['rps']:.0f} req/s) | >= {GOALS['image_serve_vs_peer_throughput']} "
+        f"({_mark(r, 'image_serve_vs_peer_throughput')}) |\n"
+        f"| image classifier: p50 at concurrency 1, Serve − peer | {p['p50_over_peer_ms']} ms ({s['1']['p50_ms']} vs "
+        f"{q['1']['p50_ms']} ms) | <= {GOALS['image_p50_over_peer_ms']} ({_mark(r, 'image_p50_over_peer_ms')}) |"
+    )
+
+
+def _image_cpu_md(r: dict) -> str:
+    """Where the image row's CPU goes: ms per request by process, Serve beside the peer."""
+    cpu = ((r.get("image") or {}).get("peer") or {}).get("cpu_ms_per_request")
+    if not cpu:
+        return ""
+    s, q = cpu["serve"], cpu["peer"]
+    groups = sorted(set(s["groups"]) | set(q["groups"]), key=lambda g: -(s["groups"].get(g, 0) + q["groups"].get(g, 0)))
+    rows = "\n".join(f"| {g} | {s['groups'].get(g, 0):.3f} | {q['groups'].get(g, 0):.3f} |" for g in groups)
+    return f"""
+Image classifier: CPU per answered request at concurrency 32 ({s["requests"]} requests to each server, one after the
+other; user + system CPU of this process and every process it started, Ray's and the peer's, by process). Unlike
+req/s, CPU time per request is not taken by other work on the machine; on {r["machine"]["cpus"]} cores, req/s at
+concurrency 32 is bounded by cores ÷ total CPU per request.
+
+| process | Serve ms CPU / request | peer ms CPU / request |
+| --- | --- | --- |
+{rows}
+| **total** | **{s["total"]}** ({s["rps"]:.0f} req/s) | **{q["total"]}** ({q["rps"]:.0f} req/s) |
+{_image_levers_md(r)}"""
+
+
+def _image_levers_md(r: dict) -> str:
+    levers = r["image"]["peer"].get("levers") or []
+    if not levers:
+        return ""
+    rows = "\n".join(
+        f"| {v['lever']} | `{v['change']}` | {v['serve_vs_peer_throughput']} ({v['serve']['32']['rps']:.0f} vs "
+        f"{v['peer']['32']['rps']:.0f} req/s) | {v['p50_over_peer_ms']} ms ({v['serve']['1']['p50_ms']} vs "
+        f"{v['peer']['1']['p50_ms']} ms) |" for v in levers)
+    return f"""
+The image deployment again with one setting changed, against the same peer (same alternation and reps):
+
+| lever | change | Serve / peer req/s at concurrency 32 | p50 at concurrency 1, Serve − peer |
+| --- | --- | --- | --- |
+{rows}
+"""
+
+
 def _mark(r: dict, goal: str) -> str:
     return "met" if r["goals_met"].get(goal) else "**not met**"
 
@@ -337,6 +547,7 @@ servers point by point so that both see the same load; absolute req/s and ms mov
 | measure | value | goal |
 | --- | --- | --- |
 {_peer_rows(r)}
+{_image_rows_md(r)}
 | `batched_vs_unbatched_throughput` at concurrency 32 | {r["batched_vs_unbatched_throughput"]}x ({c32["rps"]:.0f} vs {r["unbatched_c32"]["rps"]:.0f} req/s) | (the 4x goal moved to the GPU) |
 | ceiling: the predictor alone, batches of 32 vs single rows (no HTTP) | {r.get("inprocess_batched_vs_unbatched", "n/a")}x ({r.get("inprocess_rows_per_s_batch32", "n/a")} vs {r.get("inprocess_rows_per_s_batch1", "n/a")} rows/s) | |
 | `p50_overhead_ms` (HTTP p50 at concurrency 1 − in-process predictor p50 {r["direct_p50_ms"]} ms) | {r["p50_overhead_ms"]} ms | |
@@ -357,4 +568,4 @@ Batched deployment, by concurrency:
 {rows}
 
 ![latency and throughput](images/{PLOT.name})
-"""  # noqa: E501 (markdown table rows: one line each)
+{_image_cpu_md(r)}"""  # noqa: E501 (markdown table rows: one line each)

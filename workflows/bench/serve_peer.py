@@ -1,13 +1,14 @@
 """The peer `workflows bench serve` holds Ray Serve against: what a user writes in 40 lines.
 
-A plain FastAPI app under uvicorn, one process, with the same Predictor (same threads), the same
-body validation (workflows.serve.contract) and an asyncio micro-batcher equivalent to
-@serve.batch (at most `max_batch` instances, no idle wait: a batch takes what queued while the
-previous one ran; the model call runs in a thread so the event loop keeps reading requests).
-It belongs to the bench, not the product.
+A plain FastAPI app under uvicorn, one process, with the same predictor (the model's task builds
+it, with the same threads and precision), the same body parsing and validation (the task's HTTP
+contract: a text row validated, an image decoded, before any batch) and an asyncio micro-batcher
+equivalent to @serve.batch (at most `max_batch` instances, no idle wait: a batch takes what queued
+while the previous one ran; the model call runs in a thread so the event loop keeps reading
+requests). It belongs to the bench, not the product.
 
-`python -m workflows.bench.serve_peer MODEL_DIR PORT THREADS MAX_BATCH NAME VERSION` serves on
-127.0.0.1:PORT.
+`python -m workflows.bench.serve_peer MODEL_DIR PORT THREADS MAX_BATCH NAME VERSION [CONFIG_JSON]`
+serves on 127.0.0.1:PORT; CONFIG_JSON is a workflow config dumped as JSON (default: the quickstart's).
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real `Request` annotation.
@@ -19,20 +20,22 @@ import time
 from pathlib import Path
 
 
-def make_app(model_dir: str, threads: int, max_batch: int, name: str, version: int):
-    import json
+def make_app(model_dir: str, threads: int, max_batch: int, name: str, version: int, cfg=None):
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
-    from pydantic import ValidationError
 
-    from workflows.serve.contract import instance_model
-    from workflows.serve.predictor import Predictor
+    from workflows.config import load_config
+    from workflows.model_card import ModelCard
+    from workflows.tasks import task_for_card
 
-    predictor = Predictor(model_dir, threads=threads)
-    instance = instance_model(predictor.text_columns)
+    cfg = cfg or load_config("quickstart", [])
+    card = ModelCard.load(model_dir)
+    task = task_for_card(cfg, card)
+    predictor = task.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
+    contract = task.http_contract(card, cfg.serve.max_instances)
     queue: asyncio.Queue = asyncio.Queue()
     executor = ThreadPoolExecutor(1)
 
@@ -60,10 +63,9 @@ def make_app(model_dir: str, threads: int, max_batch: int, name: str, version: i
 
     @app.post("/predict")
     async def predict(request: Request):
-        try:
-            rows = [instance.model_validate(i).model_dump() for i in json.loads(await request.body())["instances"]]
-        except (ValueError, KeyError, TypeError, ValidationError) as e:
-            return JSONResponse({"error": str(e)[:200]}, status_code=422)
+        rows = contract.parse(request.headers.get("content-type"), await request.body())
+        if isinstance(rows, tuple):  # (status, message): not a valid request
+            return JSONResponse({"error": rows[1]}, status_code=rows[0])
         loop = asyncio.get_running_loop()
         futs = [loop.create_future() for _ in rows]
         for row, fut in zip(rows, futs):
@@ -80,16 +82,20 @@ def make_app(model_dir: str, threads: int, max_batch: int, name: str, version: i
 class Peer:
     """The peer server in a process of its own, for the duration of a `with` block."""
 
-    def __init__(self, model_dir: str, port: int, threads: int, max_batch: int, spec: str, log: Path):
+    def __init__(self, model_dir: str, port: int, threads: int, max_batch: int, spec: str, log: Path, cfg=None):
         name, version = spec.split(":")
         self.args = [sys.executable, "-m", "workflows.bench.serve_peer", model_dir, str(port), str(threads),
                      str(max_batch), name, version]
-        self.url, self.log = f"http://127.0.0.1:{port}", log
+        self.url, self.log, self.cfg = f"http://127.0.0.1:{port}", log, cfg
 
     def __enter__(self) -> "Peer":
         import requests
 
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        if self.cfg is not None:  # the config the peer builds the task from, beside its log
+            config = self.log.with_suffix(".config.json")
+            config.write_text(self.cfg.model_dump_json())
+            self.args.append(str(config))
         with open(self.log, "w") as sink:
             self.proc = subprocess.Popen(self.args, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
         deadline = time.time() + 300
@@ -117,8 +123,11 @@ class Peer:
 def main(argv: list[str]) -> None:
     import uvicorn
 
+    from workflows.config import WorkflowConfig
+
     model_dir, port, threads, max_batch, name, version = argv[0], *map(int, argv[1:4]), argv[4], int(argv[5])
-    app = make_app(model_dir, threads, max_batch, name, version)
+    cfg = WorkflowConfig.model_validate_json(Path(argv[6]).read_text()) if len(argv) > 6 else None
+    app = make_app(model_dir, threads, max_batch, name, version, cfg)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

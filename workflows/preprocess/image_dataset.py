@@ -88,6 +88,12 @@ class DecodeImages:
         return pd.DataFrame({"key": keys, "label": labels, "pixels": pixels, "error": errors, "split": splits})
 
 
+def decoder_args(cfg, keep_fraction: float | None = None) -> tuple:
+    """DecodeImages' constructor arguments from the config (`keep_fraction`: data.max_rows' share)."""
+    d, p = cfg.data, cfg.preprocess
+    return p.image_size, p.max_image_pixels, d.split_seed, d.val_fraction, d.test_fraction, keep_fraction
+
+
 def _as_records(batch: pd.DataFrame, image_column: str, label_column: str) -> pd.DataFrame:
     """Parquet rows -> (key, image, label): the key is the row's `key` column if it has one, else a
     hash of the image bytes (what names a bad record)."""
@@ -131,8 +137,7 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
     decoded = raw.map_batches(
         DecodeImages, batch_format="pandas", batch_size=p.batch_size,
         compute=ray.data.ActorPoolStrategy(size=p.concurrency),
-        fn_constructor_args=(p.image_size, p.max_image_pixels, d.split_seed, d.val_fraction, d.test_fraction,
-                             fraction),
+        fn_constructor_args=decoder_args(cfg, fraction),
     )
     # Each attempt writes under a folder of its own: a failed or interrupted earlier attempt's files
     # are never counted or listed (the manifest names this attempt's files only).

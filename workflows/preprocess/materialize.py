@@ -139,6 +139,13 @@ class Tokenize:
         return out
 
 
+def tokenize_args(cfg: WorkflowConfig, tokenizer_dir: str, labels: list[str]) -> tuple:
+    """Tokenize's constructor arguments from the config."""
+    d, p = cfg.data, cfg.preprocess
+    return tokenizer_dir, p.max_length, d.text_columns, d.label_column, labels, d.split_seed, d.val_fraction, \
+        d.test_fraction
+
+
 def _clean(batch: pd.DataFrame, text_columns: list[str], label_column: str, max_rows_fraction: float | None,
            seed: int) -> pd.DataFrame:
     """Drop rows without a label or without any text; optionally keep a deterministic subset."""
@@ -239,16 +246,7 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
         batch_format="pandas",
         batch_size=p.batch_size,
         compute=ray.data.ActorPoolStrategy(size=p.concurrency),
-        fn_constructor_args=(
-            tokenizer_dir,
-            p.max_length,
-            d.text_columns,
-            d.label_column,
-            labels,
-            d.split_seed,
-            d.val_fraction,
-            d.test_fraction,
-        ),
+        fn_constructor_args=tokenize_args(cfg, tokenizer_dir, labels),
     )
     files = write_splits(encoded, out_uri, ctx, p.rows_per_shard)
     label_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}

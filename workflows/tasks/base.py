@@ -13,7 +13,8 @@ What a task implements, by stage:
 - data: `preprocess` raw shards -> a ProcessedDataset (Ray Data, materialized once per version;
   workflows.preprocess.materialize has the helpers to find, write and describe one),
   `dataset_version`, the stored `columns` training reads, `prepare_rows`/`prepare_dataset` for a
-  last in-memory step (a causal LM packs rows into blocks);
+  last in-memory step (a causal LM packs rows into blocks), `record_encoder` (preprocessing's
+  per-record function, built for one process: what `workflows bench` times against the stage);
 - batches: `collate(columns, train, seed)` numpy columns -> the model's keyword tensors (the
   augmentation of the training split runs here, in the training workers);
 - model: `build_model`, `prepare_model` (anything before sharding: a linear probe, frozen layers),
@@ -107,6 +108,13 @@ class Task:
         raise NotImplementedError
 
     def dataset_version(self, shards: list, ctx: StorageContext) -> str:
+        raise NotImplementedError
+
+    def record_encoder(self, data: ProcessedDataset) -> Callable:
+        """The function `preprocess` maps over raw records on Ray Data, built here in the calling
+        process: a pandas batch of raw records (as storage.shards reads the raw shards) -> processed
+        rows. `data`: the dataset `preprocess` made of them (its labels). Benchmarks time the stage's
+        work with it, without Ray."""
         raise NotImplementedError
 
     def prepare_dataset(self, ds):

@@ -52,6 +52,11 @@ class ImageClassification(Classification):
         _, fmt = list_shards(self.cfg.data.source, ctx, self.cfg.data.format)
         return dataset_version(shards, fmt, self.cfg)
 
+    def record_encoder(self, data):
+        from workflows.preprocess.image_dataset import DecodeImages, decoder_args
+
+        return DecodeImages(*decoder_args(self.cfg))
+
     def collate(self, data, *, train: bool, seed: int | None = None):
         import torch
 
