@@ -79,13 +79,15 @@ def test_digits_fixed_cost_is_compared_with_the_quickstarts():
     assert c["stage_fixed_vs_quickstart_seconds"] == {"preprocess": 0.1, "train": -25.2}  # stages both ran
     assert not digits.compare(q, d)["goals_met"]["fixed_seconds_vs_quickstart"]
 
-    r = {**d, **c, "quickstart": q, "goals": digits.GOALS, "load_before_pipeline": {"digits": 1.0, "quickstart": 2.0},
+    load = {"digits": {"mean": 1.0, "max": 2.0}, "quickstart": {"mean": 3.0, "max": 4.0}}
+    r = {**d, **c, "quickstart": q, "goals": digits.GOALS, "load_average": load,
          "command": "workflows bench digits", "measured_at": "now", "machine": {"cpus": 2, "torch": "2"}}
     md = digits.markdown(r)
     assert "| -25.0 s (45.0 vs 70.0 s) | <= 0 (met) |" in md
     assert "| **pipeline** | 75 | 30 | **45** | **2.5x** | 137 | 67 | **70** | 2.04x |" in md
     assert "| serve |  |  |  |  | 10.1 | 1.0 | 9.1 | 10.1x |" in md  # a stage only one pipeline ran
     assert "Ray Data read/decode/write 6.0 s" in md
+    assert "digits mean 1.0 (max 2.0), quickstart mean\n3.0 (max 4.0)" in md
     assert "4 trial-epochs on the faster of 1 and 2 threads (used: 1, 2)" in md
 
 
@@ -152,3 +154,12 @@ def test_serve_image_cpu_table():
     md = serve._image_cpu_md(with_lever)
     assert "| access log off | `serve.access_log=false` | 0.6 (600 vs 1000 req/s) | 1.2 ms (5.2 vs 4.0 ms) |" in md
     assert serve._image_cpu_md({"image": {"skipped": "no model"}}) == ""
+
+
+def test_load_sampler_summarizes_the_load_while_a_block_runs():
+    import time
+
+    with digits.LoadSampler(every=0.01) as sampler:
+        time.sleep(0.05)
+    got = sampler.summary()
+    assert got["samples"] >= 3 and got["max"] >= got["mean"] >= 0 and set(got) == {"before", "mean", "max", "samples"}
