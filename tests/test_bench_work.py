@@ -79,13 +79,15 @@ def test_digits_fixed_cost_is_compared_with_the_quickstarts():
     assert c["stage_fixed_vs_quickstart_seconds"] == {"preprocess": 0.1, "train": -25.2}  # stages both ran
     assert not digits.compare(q, d)["goals_met"]["fixed_seconds_vs_quickstart"]
 
-    r = {**d, **c, "quickstart": q, "goals": digits.GOALS, "load_before_pipeline": {"digits": 1.0, "quickstart": 2.0},
+    load = {"digits": {"mean": 1.0, "max": 2.0}, "quickstart": {"mean": 3.0, "max": 4.0}}
+    r = {**d, **c, "quickstart": q, "goals": digits.GOALS, "load_average": load,
          "command": "workflows bench digits", "measured_at": "now", "machine": {"cpus": 2, "torch": "2"}}
     md = digits.markdown(r)
     assert "| -25.0 s (45.0 vs 70.0 s) | <= 0 (met) |" in md
     assert "| **pipeline** | 75 | 30 | **45** | **2.5x** | 137 | 67 | **70** | 2.04x |" in md
     assert "| serve |  |  |  |  | 10.1 | 1.0 | 9.1 | 10.1x |" in md  # a stage only one pipeline ran
     assert "Ray Data read/decode/write 6.0 s" in md
+    assert "digits mean 1.0 (max 2.0), quickstart mean\n3.0 (max 4.0)" in md
     assert "4 trial-epochs on the faster of 1 and 2 threads (used: 1, 2)" in md
 
 
@@ -142,13 +144,28 @@ def test_serve_cpu_accounting_groups_processes_and_sums_deltas():
 def test_serve_image_cpu_table():
     cpu = {"serve": {"requests": 2000, "rps": 500.0, "total": 2.3, "groups": {"Serve replica": 1.5, "HAProxy": 0.1}},
            "peer": {"requests": 2000, "rps": 1200.0, "total": 1.0, "groups": {"peer (FastAPI + uvicorn)": 0.8}}}
-    md = serve._image_cpu_md({"image": {"peer": {"cpu_ms_per_request": cpu}}, "machine": {"cpus": 2}})
+    met = {"goals_met": {"image_serve_vs_peer_throughput": False}, "direct_p50_ms": 14.0}
+    md = serve._image_cpu_md({"image": {"peer": {"cpu_ms_per_request": cpu, "serve_vs_peer_throughput": 0.5}},
+                              "machine": {"cpus": 2}, **met})
     assert "| Serve replica | 1.500 | 0.000 |" in md and "| peer (FastAPI + uvicorn) | 0.000 | 0.800 |" in md
     assert "| **total** | **2.3** (500 req/s) | **1.0** (1200 req/s) |" in md and "| lever |" not in md
     lever = {"lever": "access log off", "change": "serve.access_log=false", "serve_vs_peer_throughput": 0.6,
              "p50_over_peer_ms": 1.2, "serve": {"1": {"p50_ms": 5.2}, "32": {"rps": 600.0}},
              "peer": {"1": {"p50_ms": 4.0}, "32": {"rps": 1000.0}}}
-    with_lever = {"image": {"peer": {"cpu_ms_per_request": cpu, "levers": [lever]}}, "machine": {"cpus": 2}}
+    assert "at most 0.43x the peer's (peer ÷ Serve CPU per request), against the 0.5x measured" in " ".join(md.split())
+    assert "and why it misses its goals" in md and "spends 0.70 ms more CPU" in " ".join(md.split())
+    with_lever = {"image": {"peer": {"cpu_ms_per_request": cpu, "levers": [lever], "serve_vs_peer_throughput": 0.5}},
+                  "machine": {"cpus": 2}, **met}
     md = serve._image_cpu_md(with_lever)
     assert "| access log off | `serve.access_log=false` | 0.6 (600 vs 1000 req/s) | 1.2 ms (5.2 vs 4.0 ms) |" in md
+    assert "None of the settings below reaches the throughput goal." in " ".join(md.split())
     assert serve._image_cpu_md({"image": {"skipped": "no model"}}) == ""
+
+
+def test_load_sampler_summarizes_the_load_while_a_block_runs():
+    import time
+
+    with digits.LoadSampler(every=0.01) as sampler:
+        time.sleep(0.05)
+    got = sampler.summary()
+    assert got["samples"] >= 3 and got["max"] >= got["mean"] >= 0 and set(got) == {"before", "mean", "max", "samples"}

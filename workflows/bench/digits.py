@@ -16,6 +16,7 @@ overrides apply to the digits pipeline only).
 from __future__ import annotations
 
 import os
+import threading
 
 from workflows.bench.quickstart import STAGES, threads, where_rows
 
@@ -29,16 +30,43 @@ def _port_override() -> str:
     return f"serve.port={_free_port()}"
 
 
+class LoadSampler:
+    """The machine's 1-minute load average, sampled every `every` seconds while a `with` block runs:
+    other work on a shared machine inflates wall and work alike, and not the same for two runs."""
+
+    def __init__(self, every: float = 5.0):
+        self.every, self.samples = every, [os.getloadavg()[0]]
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> LoadSampler:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict:
+        return {"before": round(self.samples[0], 2), "mean": round(sum(self.samples) / len(self.samples), 2),
+                "max": round(max(self.samples), 2), "samples": len(self.samples)}
+
+
 def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.bench.quickstart import measure_pipeline
 
     port = [] if any(o.startswith("serve.port=") for o in overrides) else [_port_override()]
-    load = {"digits": round(os.getloadavg()[0], 2)}
-    digits = measure_pipeline(config or "digits", [*port, *overrides])
-    load["quickstart"] = round(os.getloadavg()[0], 2)
-    quickstart = measure_pipeline("quickstart", [_port_override()])
-    return {**digits, **compare(digits, quickstart), "quickstart": quickstart, "load_before_pipeline": load,
-            "goals": GOALS}
+    with LoadSampler() as digits_load:
+        digits = measure_pipeline(config or "digits", [*port, *overrides])
+    with LoadSampler() as quickstart_load:
+        quickstart = measure_pipeline("quickstart", [_port_override()])
+    load = {"digits": digits_load.summary(), "quickstart": quickstart_load.summary()}
+    return {**digits, **compare(digits, quickstart), "quickstart": quickstart, "load_average": load, "goals": GOALS}
 
 
 def compare(digits: dict, quickstart: dict) -> dict:
@@ -75,7 +103,7 @@ def markdown(r: dict) -> str:
     where = where_rows(r["breakdown"], "Ray Data read/decode/write")
     tune = w.get("tune", {})
     ev = w["evaluate"]
-    load = r["load_before_pipeline"]
+    d_load, q_load = r["load_average"]["digits"], r["load_average"]["quickstart"]
     acc = f"{r['accuracy']:.4f}" if r.get("accuracy") is not None else "n/a"
     work_acc = f"{ev['accuracy']:.4f} / " if ev.get("accuracy") is not None else ""
     return f"""## Digits: the image pipeline beside its work
@@ -89,8 +117,9 @@ through the task seam: reading the tar shards and decoding + resizing {w["prepro
 the final {w["train"]["epochs"]} epoch(s) on {threads(w["train"], "threads")}; evaluating {ev["rows"]} held-out images;
 {w["serve"]["requests"]} single-image requests, JSON base64 PNGs parsed, decoded and predicted).
 The quickstart's pipeline and work then ran the same way in the same run (`bench digits` runs both), for
-its fixed cost on the same machine at the same time. Load average (1 min) before the digits pipeline
-{load["digits"]}, before the quickstart's {load["quickstart"]}.
+its fixed cost on the same machine at about the same time. The machine's 1-minute load average (2 CPUs; other work
+shares them) while each ran, pipeline and work: digits mean {d_load["mean"]} (max {d_load["max"]}), quickstart mean
+{q_load["mean"]} (max {q_load["max"]}); a higher load lengthens wall and work, and the fixed cost with them.
 
 | stage | digits wall s | work s | fixed s | wall / work | quickstart wall s | work s | fixed s | wall / work |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |

@@ -502,7 +502,38 @@ concurrency 32 is bounded by cores ÷ total CPU per request.
 | --- | --- | --- |
 {rows}
 | **total** | **{s["total"]}** ({s["rps"]:.0f} req/s) | **{q["total"]}** ({q["rps"]:.0f} req/s) |
+
+{_image_why(r)}
 {_image_levers_md(r)}"""
+
+
+def _image_why(r: dict) -> str:
+    """The image row's CPU accounting in words, every figure from the results."""
+    import textwrap
+
+    i = r["image"]["peer"]
+    s, q = i["cpu_ms_per_request"]["serve"], i["cpu_ms_per_request"]["peer"]
+    met = r["goals_met"].get("image_serve_vs_peer_throughput") and r["goals_met"].get("image_p50_over_peer_ms")
+    levers = i.get("levers") or []
+    closing = [v["lever"] for v in levers
+               if (v["serve_vs_peer_throughput"] or 0) >= GOALS["image_serve_vs_peer_throughput"]]
+    said = (f"Where the image row's time goes{'' if met else ', and why it misses its goals'}: the model is cheap, so "
+            f"per request the serving stack, not the model, takes most of the CPU, and both servers and the client "
+            f"share the same {r['machine']['cpus']} cores. From CPU alone, Serve's req/s can be at most "
+            f"{q['total'] / s['total']:.2f}x the peer's (peer ÷ Serve CPU per request), against the "
+            f"{i['serve_vs_peer_throughput']}x measured. The replica alone spends "
+            f"{s['groups'].get('Serve replica', 0) - q['groups'].get('peer (FastAPI + uvicorn)', 0):.2f} ms more CPU "
+            "per request than the peer's process for the same ImagePredictor and decode; HAProxy, its manager and "
+            "Ray's other processes add the rest. A py-spy profile of the replica under this load (outside the bench) "
+            "put the model's forward at a smaller share of the replica's samples than of the peer's, the difference "
+            "going to Serve's request path: the Ray metric records of every request (RequestGuard's counter and "
+            "latency histogram, Serve's own), the access log and its forwarding to the driver, Serve's replica "
+            "wrapper and direct-ingress HTTP handling, and the hop to the separate user-code event loop thread. "
+            + (f"Of the settings below, {', '.join(closing)} reaches the throughput goal. " if closing else
+               "None of the settings below reaches the throughput goal. " if levers else "")
+            + f"The text row's model, about {r.get('direct_p50_ms', 0):.0f} ms a row in process, hides the same "
+            "per-request cost.")
+    return textwrap.fill(said, 118)
 
 
 def _image_levers_md(r: dict) -> str:
@@ -520,6 +551,14 @@ The image deployment again with one setting changed, against the same peer (same
 | --- | --- | --- | --- |
 {rows}
 """
+
+
+def _load_line(r: dict) -> str:
+    load = r["machine"].get("load_average")
+    if not load:
+        return ""
+    return (f"\nThe machine's load average: {load['before']} (1 min) when this run started, {load['after_15min']} "
+            "(15 min) when it ended.")
 
 
 def _mark(r: dict, goal: str) -> str:
@@ -542,7 +581,7 @@ def markdown(r: dict) -> str:
 {r["cpus_per_replica"]} CPU, `serve.batch_wait_timeout_s` {r.get("batch_wait_timeout_s", "n/a")},
 `serve.model_in_thread` {r.get("model_in_thread", "n/a")}, behind {r.get("ingress", "n/a")}, real HTTP from an aiohttp client on the same machine.
 The machine may be shared with other work while measured: the Serve-vs-peer figures alternate between the two
-servers point by point so that both see the same load; absolute req/s and ms move with it.
+servers point by point so that both see the same load; absolute req/s and ms move with it.{_load_line(r)}
 
 | measure | value | goal |
 | --- | --- | --- |
