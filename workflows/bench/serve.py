@@ -490,7 +490,9 @@ def _image_cpu_md(r: dict) -> str:
     if not cpu:
         return ""
     s, q = cpu["serve"], cpu["peer"]
-    groups = sorted(set(s["groups"]) | set(q["groups"]), key=lambda g: -(s["groups"].get(g, 0) + q["groups"].get(g, 0)))
+    # by CPU, ties by name: the same results always render the same doc
+    groups = sorted(set(s["groups"]) | set(q["groups"]),
+                    key=lambda g: (-(s["groups"].get(g, 0) + q["groups"].get(g, 0)), g))
     rows = "\n".join(f"| {g} | {s['groups'].get(g, 0):.3f} | {q['groups'].get(g, 0):.3f} |" for g in groups)
     return f"""
 Image classifier: CPU per answered request at concurrency 32 ({s["requests"]} requests to each server, one after the
