@@ -81,6 +81,32 @@ def test_unreachable_endpoint_is_a_clear_error():
         check_bucket("s3://b/x", ctx)
 
 
+def test_missing_credentials_are_a_clear_error(tmp_path):
+    """An S3 source with no credentials anywhere: one line naming the URI, not botocore's traceback.
+    A fresh process, so that no cached filesystem or session holds credentials from other tests."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true")
+    code = (
+        "from workflows.storage.embedded import EmbeddedS3\n"
+        "from workflows.storage.uri import StorageContext\n"
+        "from workflows.preprocess.sources import list_shards\n"
+        "from workflows.errors import UserError\n"
+        f"with EmbeddedS3({str(tmp_path / 's3')!r}) as s3:\n"
+        "    try:\n"
+        "        list_shards('s3://raw/data/', StorageContext(endpoint_url=s3.endpoint_url, region='us-east-1'))\n"
+        "    except UserError as e:\n"
+        "        print('USER ERROR:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "USER ERROR: no credentials for s3://raw/data/ (endpoint http://127.0.0.1:" in out.stdout, out.stderr[-2000:]
+    assert "AWS_ACCESS_KEY_ID" in out.stdout and "Traceback" not in out.stderr
+
+
 def test_local_writes_are_atomic(tmp_path):
     target = tmp_path / "d" / "f.json"
     write_bytes_atomic(str(target), b'{"a": 1}', StorageContext())

@@ -82,6 +82,12 @@ def _is_unreachable(e: BaseException) -> bool:
     return isinstance(e, (BotoConnectionError, HTTPClientError, ConnectionError, TimeoutError))
 
 
+def _lacks_credentials(e: BaseException) -> bool:
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    return isinstance(e, (NoCredentialsError, PartialCredentialsError))
+
+
 @contextmanager
 def reaching(uri: str, ctx: StorageContext):
     """Turn "the store cannot be reached" into a UserError naming the URI and the endpoint."""
@@ -90,11 +96,14 @@ def reaching(uri: str, ctx: StorageContext):
     except UserError:
         raise
     except Exception as e:
+        endpoint = ctx.endpoint_url or "default"
         if _is_unreachable(e):
+            message = f"cannot reach {uri} (endpoint {endpoint}): {type(e).__name__}: {e}"
+            raise UserError(message.splitlines()[0]) from None
+        if _lacks_credentials(e):
             raise UserError(
-                f"cannot reach {uri} (endpoint {ctx.endpoint_url or 'default'}): {type(e).__name__}: {e}".splitlines()[
-                    0
-                ]
+                f"no credentials for {uri} (endpoint {endpoint}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE, or give the node a role; for the built-in store, storage.embedded.enabled=true"
             ) from None
         raise
 
