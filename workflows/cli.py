@@ -282,7 +282,21 @@ def serve(
             except KeyboardInterrupt as e:
                 _stop_serving(drainer, e)
 
-    _in_runtime("serve", config, set, body, before_ray=_registered(*model), verbose=verbose)
+    def check(cfg, storage):
+        _registered(*model)(cfg, storage)
+        _serve_port_free(cfg)
+
+    _in_runtime("serve", config, set, body, before_ray=check, verbose=verbose)
+
+
+def _serve_port_free(cfg) -> None:
+    """A cluster this command starts must bind serve.port: free it of a stale HAProxy of ours, or
+    name its holder now rather than after Ray started (a cluster joined serves on its own port)."""
+    from workflows.runtime import cluster_address, say
+    from workflows.serve.stale_ingress import free_serve_port
+
+    if cluster_address(cfg) is None:
+        free_serve_port(cfg.serve.host, cfg.serve.port, say)
 
 
 def _stop_serving(drainer, signal: KeyboardInterrupt) -> None:
@@ -329,8 +343,12 @@ def pipeline(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: b
     """Everything: preprocess -> tune -> train -> evaluate -> register -> serve (serve.enabled)."""
     from workflows.pipeline import run_pipeline
 
-    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose,
-                before_ray=_task_ready)
+    def check(cfg, storage):
+        _task_ready(cfg, storage)
+        if cfg.serve.enabled:
+            _serve_port_free(cfg)
+
+    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose, before_ray=check)
 
 
 @app.command()
