@@ -126,3 +126,153 @@ def test_atomic_write_text_bytes_and_writer(tmp_path):
     atomic_write(target, lambda tmp: (seen.append(tmp.name), tmp.write_text("w")), tmp=tmp_path / "t.tmp.json")
     assert seen == ["t.tmp.json"] and target.read_text() == "w"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def _store_with_objects(data_dir, n: int) -> None:
+    """A persisted store of `n` small objects: its next owner takes a few seconds to restore it."""
+    with EmbeddedS3(data_dir) as s3:
+        s3.ensure_bucket("many")
+        c = ctx_for(s3).boto3_client()
+        for i in range(n):
+            c.put_object(Bucket="many", Key=f"k{i}", Body=b"x" * 64)
+
+
+def _owner_process(data_dir):
+    """A real process that owns `data_dir`'s store (spawn, restore), once its pid is in the lock file."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    code = "import sys, time; from workflows.storage.embedded import EmbeddedS3; EmbeddedS3(sys.argv[1]).start(); " \
+           "time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code, data_dir], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    deadline = time.time() + 60
+    while (Path(data_dir) / "lock").read_text().strip() != str(proc.pid):
+        assert proc.poll() is None and time.time() < deadline, "the owner process did not take the lock"
+        time.sleep(0.02)
+    return proc
+
+
+def test_a_waiter_takes_the_store_over_when_its_owner_dies_starting(tmp_path):
+    """An owner SIGKILLed while it restores frees the lock: the process waiting for its endpoint
+    takes the store over within seconds (it used to wait 120 s for a record that never came)."""
+    import threading
+    import time
+
+    import psutil
+
+    data_dir = str(tmp_path / "s3")
+    _store_with_objects(data_dir, 150)
+    owner = _owner_process(data_dir)
+    killed = []
+
+    def kill_while_restoring():
+        deadline = time.time() + 60
+        while not any(c.status == psutil.CONN_LISTEN for p in psutil.Process(owner.pid).children()
+                      for c in p.net_connections()):  # its moto server is up: the restore begins
+            assert time.time() < deadline, "the owner's endpoint did not start"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert not (tmp_path / "s3" / "endpoint.json").exists()  # the owner is still restoring
+        owner.kill()
+        owner.wait()
+        killed.append(time.time())
+
+    # the waiter starts in this thread: its endpoint's process dies with the thread that started it
+    threading.Thread(target=kill_while_restoring).start()
+    waiter = EmbeddedS3(data_dir)
+    waiter.start()
+    try:
+        assert killed and waiter.owner and time.time() - killed[0] < 30
+        c = ctx_for(waiter).boto3_client()
+        assert c.get_object(Bucket="many", Key="k149")["Body"].read() == b"x" * 64
+    finally:
+        waiter.stop()
+
+
+def test_a_waiter_names_the_owner_still_restoring(tmp_path):
+    import time
+
+    data_dir = str(tmp_path / "s3")
+    _store_with_objects(data_dir, 100)
+    owner = _owner_process(data_dir)
+    try:
+        t0 = time.time()
+        with pytest.raises(UserError, match=f"locked by pid {owner.pid}, still restoring its store after 1 s"):
+            EmbeddedS3(data_dir).start(wait_s=1)
+        assert time.time() - t0 < 10
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_running_endpoint_asks_the_lock_not_the_port(tmp_path):
+    """A free lock means no owner, even where something (anyone, by now) listens on the recorded
+    port; a held lock with a record means the endpoint runs."""
+    import fcntl
+    import os
+    import socket
+
+    from workflows.storage.embedded import running_endpoint
+
+    data_dir = tmp_path / "s3"
+    data_dir.mkdir()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        (data_dir / "endpoint.json").write_text(json.dumps({"url": url, "pid": 1}))
+        (data_dir / "lock").touch()
+        assert running_endpoint(str(data_dir)) is None
+        fd = os.open(data_dir / "lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            assert running_endpoint(str(data_dir)) == url
+            (data_dir / "endpoint.json").unlink()  # locked, no record yet: still starting
+            assert running_endpoint(str(data_dir)) is None
+        finally:
+            os.close(fd)
+
+
+def test_store_command_runs_in_the_runtime_and_persists_on_sigterm(tmp_path):
+    """`workflows store`: the runtime's endpoint (with the config's buckets), found by
+    running_endpoint while it runs; SIGTERM persists and stops it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from workflows.storage.embedded import running_endpoint
+
+    data_dir = tmp_path / "s3"
+    proc = subprocess.Popen([sys.executable, "-m", "workflows", "store",
+                             "--set", f"storage.embedded.data_dir={data_dir}",
+                             "--set", f"output_dir={tmp_path}/runs", "--set", "tracking.enabled=false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        lines = []
+        deadline = time.time() + 120
+        while not any("Ctrl-C to stop" in ln for ln in lines):
+            assert time.time() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        url = running_endpoint(str(data_dir))
+        assert url and url in lines[-1]
+        ctx = StorageContext(endpoint_url=url, region="us-east-1", embedded=True)
+        ctx.boto3_client().put_object(Bucket="workflows", Key="from-outside", Body=b"kept")
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0 and f"store: stopped; data persisted in {data_dir}" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert running_endpoint(str(data_dir)) is None
+    with EmbeddedS3(str(data_dir)) as s3:
+        assert ctx_for(s3).boto3_client().get_object(Bucket="workflows", Key="from-outside")["Body"].read() == b"kept"
+    proc = subprocess.run([sys.executable, "-m", "workflows", "store", "--set", "storage.embedded.enabled=false",
+                           "--set", f"storage.root={tmp_path}/plain"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
+    assert proc.returncode == 2 and "storage.embedded.enabled is false" in proc.stdout + proc.stderr

@@ -58,15 +58,19 @@ def _one_line(e: BaseException) -> str:
 
 
 def _in_runtime(command: str, config: str, overrides: list[str] | None, body: Callable, ray_needed: bool = True,
-                before_ray: Callable | None = None, verbose: bool = False) -> None:
+                before_ray: Callable | None = None, verbose: bool = False,
+                on_load: Callable | None = None) -> None:
     """Load the config, start the runtime (object store, Ray), run `body(rt)`; user errors in one line.
-    `before_ray(cfg, storage)` checks what needs only the object store before Ray starts. Unless
+    `on_load(cfg)` checks the config before anything starts; `before_ray(cfg, storage)` checks
+    what needs only the object store before Ray starts. Unless
     `verbose`, everything written to fds 1/2 from Ray's start on goes to
     `<output_dir>/<name>/logs/<command>-<time>.log` (workflows.console)."""
     def go():
         from workflows.runtime import runtime
 
         cfg = _load(config, overrides)
+        if on_load is not None:
+            on_load(cfg)
 
         def check(storage):
             if before_ray is not None:
@@ -278,7 +282,21 @@ def serve(
             except KeyboardInterrupt as e:
                 _stop_serving(drainer, e)
 
-    _in_runtime("serve", config, set, body, before_ray=_registered(*model), verbose=verbose)
+    def check(cfg, storage):
+        _registered(*model)(cfg, storage)
+        _serve_port_free(cfg)
+
+    _in_runtime("serve", config, set, body, before_ray=check, verbose=verbose)
+
+
+def _serve_port_free(cfg) -> None:
+    """A cluster this command starts must bind serve.port: free it of a stale HAProxy of ours, or
+    name its holder now rather than after Ray started (a cluster joined serves on its own port)."""
+    from workflows.runtime import cluster_address, say
+    from workflows.serve.stale_ingress import free_serve_port
+
+    if cluster_address(cfg) is None:
+        free_serve_port(cfg.serve.host, cfg.serve.port, say)
 
 
 def _stop_serving(drainer, signal: KeyboardInterrupt) -> None:
@@ -314,14 +332,10 @@ def store(config: str = ConfigOpt, set: list[str] | None = SetOpt):
     """Keep the config's embedded S3 endpoint up until Ctrl-C, for what runs outside a `workflows`
     command (`serve run` of an emitted config, a notebook); commands meanwhile use it."""
 
-    def go():
-        from workflows.runtime import buckets
-        from workflows.storage.embedded import keep_up
+    from workflows.storage.embedded import check_store_enabled, keep_up
 
-        cfg = _load(config, set)
-        keep_up(cfg, buckets(cfg), console.echo)
-
-    _run(go)
+    _in_runtime("store", config, set, lambda rt: keep_up(rt, console.echo), ray_needed=False,
+                on_load=check_store_enabled)
 
 
 @app.command()
@@ -329,8 +343,12 @@ def pipeline(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: b
     """Everything: preprocess -> tune -> train -> evaluate -> register -> serve (serve.enabled)."""
     from workflows.pipeline import run_pipeline
 
-    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose,
-                before_ray=_task_ready)
+    def check(cfg, storage):
+        _task_ready(cfg, storage)
+        if cfg.serve.enabled:
+            _serve_port_free(cfg)
+
+    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose, before_ray=check)
 
 
 @app.command()

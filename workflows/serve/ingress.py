@@ -16,13 +16,19 @@ leaving (stop, rolling update, downscale) holds itself open for a deregistration
 default, before it closes: HAProxy is reloaded within 0.1 s of the change and retries a refused
 connection on another replica, so 2 s is plenty, and a stopped `workflows serve` exits in seconds
 instead of half a minute.
+
+HAProxy runs through workflows.serve.haproxy_guard (Serve runs the executable its
+RAY_SERVE_HAPROXY_BINARY_PATH names): it dies with Serve's HAProxyManager actor and with this
+command, however either is killed, instead of holding the port for the next `workflows serve`.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +37,9 @@ from workflows.errors import UserError
 from workflows.net import free_ports
 
 DEREGISTRATION_WINDOW_S = "2"
+TEMP_PREFIX = "wfh-"  # the private directory of each cluster's HAProxy files (stale_ingress finds them by it)
+# set in the cluster's environment even where the user set their own: the guard runs theirs
+GUARDED = ("RAY_SERVE_HAPROXY_BINARY_PATH",)
 
 
 def haproxy_binary() -> str | None:
@@ -74,9 +83,11 @@ def cluster_env(on: bool) -> dict[str, str]:
         return {}
     stats, metrics = free_ports(2)
     # Short: Ray adds the node id (56 characters) below it, and HAProxy takes socket paths of at most 97.
-    files = tempfile.mkdtemp(prefix="wfh-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    files = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp" if os.path.isdir("/tmp") else None)
     atexit.register(shutil.rmtree, files, True)  # the runtime has shut Ray (and HAProxy) down by then
+    guarded = _guarded_binary(files)
     return {
+        **({"RAY_SERVE_HAPROXY_BINARY_PATH": guarded, **owner_env()} if guarded else {}),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(files, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(files, "admin.sock"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(files, "metrics.sock"),
@@ -88,15 +99,44 @@ def cluster_env(on: bool) -> dict[str, str]:
     }
 
 
+def owner_env() -> dict[str, str]:
+    """Who the guard's watchdog outlives no more: this process (pid and start time, as a pid
+    alone may be reused)."""
+    from workflows.serve.haproxy_guard import OWNER_ENV, start_time
+
+    started = start_time(os.getpid())
+    return {OWNER_ENV: f"{os.getpid()}:{started}"} if started else {}
+
+
+def _guarded_binary(files: str) -> str | None:
+    """An executable in `files` that runs the real HAProxy through workflows.serve.haproxy_guard.
+    Serve takes an executable path, not a command line: hence a script."""
+    from workflows.serve import haproxy_guard
+
+    real = haproxy_binary()
+    if real is None:
+        return None
+    path = os.path.join(files, "haproxy")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S -E {shlex.quote(haproxy_guard.__file__)} "
+                f"{shlex.quote(real)} \"$@\"\n")
+    os.chmod(path, 0o700)
+    return path
+
+
 @contextmanager
 def scoped_env(env: dict[str, str]) -> Iterator[None]:
     """Set `env` while the block runs (a cluster's processes inherit it as they start), except
-    what the user set already; then restore, so that commands this process starts later (a test
-    suite's) choose their own."""
-    added = {k: v for k, v in env.items() if k not in os.environ}
+    what the user set already (but GUARDED keys, which wrap the user's value); then restore, so
+    that commands this process starts later (a test suite's) choose their own."""
+    added = {k: v for k, v in env.items() if k not in os.environ or k in GUARDED}
+    before = {k: os.environ.get(k) for k in added}
     os.environ.update(added)
     try:
         yield
     finally:
-        for k in added:
-            os.environ.pop(k, None)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

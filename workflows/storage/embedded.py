@@ -57,17 +57,33 @@ class EmbeddedS3:
         self._manifest: dict[str, dict] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> str:
+    def start(self, wait_s: float = 120) -> str:
+        """Own the data dir's endpoint (spawn, restore), or use the one its owner runs. An owner
+        still restoring is waited for up to `wait_s`; one that dies meanwhile frees the lock,
+        which this process then takes over."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "objects").mkdir(exist_ok=True)
         fd = os.open(self.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return self._attach()
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # the owner writes its record once its store is restored
+                info = _record(self.data_dir)
+                if info is not None:
+                    os.close(fd)
+                    return self._attach(info)
+                if time.time() > deadline:
+                    os.close(fd)
+                    raise UserError(f"embedded S3 data dir {self.data_dir} is locked by {_owner(self.data_dir)}, "
+                                    f"still restoring its store after {wait_s:.0f} s: retry once it is up") from None
+                time.sleep(0.2)
         self._lock_fd = fd
         self.owner = True
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # whom a waiter names
         # a killed owner's record names a dead endpoint: gone before the restore (which takes a
         # while), so that a command attaching meanwhile waits for ours instead of using it
         (self.data_dir / "endpoint.json").unlink(missing_ok=True)
@@ -107,17 +123,7 @@ class EmbeddedS3:
                 break
         raise UserError(f"the embedded S3 endpoint could not start on {self.host}:{self.port or 'a free port'}")
 
-    def _attach(self, wait_s: float = 120) -> str:
-        deadline = time.time() + wait_s
-        while True:  # the owner writes its record once its store is restored
-            try:
-                info = json.loads((self.data_dir / "endpoint.json").read_text())
-                break
-            except (OSError, ValueError):
-                if time.time() > deadline:
-                    raise UserError(f"embedded S3 data dir {self.data_dir} is locked by another process that is "
-                                    f"still starting after {wait_s:.0f} s; retry") from None
-                time.sleep(0.5)
+    def _attach(self, info: dict) -> str:
         self.endpoint_url = info["url"]
         log.info("reusing the embedded S3 endpoint of pid %s at %s", info.get("pid"), self.endpoint_url)
         return self.endpoint_url
@@ -215,18 +221,41 @@ class EmbeddedS3:
             client.create_bucket(Bucket=bucket)
 
 
+def _record(data_dir: Path) -> dict | None:
+    """The owner's endpoint.json, once written (it is written whole: an atomic rename)."""
+    try:
+        info = json.loads((data_dir / "endpoint.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("url"), str) else None
+
+
+def _owner(data_dir: Path) -> str:
+    try:
+        pid = int((data_dir / "lock").read_text().strip())
+    except (OSError, ValueError):
+        return "another process"
+    return f"pid {pid}"
+
+
 def running_endpoint(data_dir: str) -> str | None:
     """The URL of the endpoint another process runs for `data_dir` (`workflows store`, a command
-    in progress), if one answers there."""
-    from urllib.parse import urlsplit
-
+    in progress): its owner holds the data dir's lock, and its record is written once the store is
+    restored. The lock, not a connection to the recorded port, says whether the owner lives: a
+    killed owner's port may be anyone's by now."""
+    path = Path(data_dir).expanduser().resolve()
     try:
-        url = json.loads((Path(data_dir).expanduser().resolve() / "endpoint.json").read_text())["url"]
-        parts = urlsplit(url)
-        with socket.create_connection((parts.hostname, parts.port), timeout=2):
-            return url
-    except (OSError, ValueError, KeyError, TypeError):  # none recorded, or a killed owner's stale record
+        fd = os.open(path / "lock", os.O_RDONLY)
+    except OSError:  # never started here
         return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # owned: running, or still restoring (no record yet)
+        info = _record(path)
+        return info["url"] if info else None
+    finally:
+        os.close(fd)  # releases the lock if this took it
+    return None  # free: no owner, whatever a killed one's record says
 
 
 def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
@@ -246,7 +275,8 @@ def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the parent process dies (Linux)."""
+    """In the child, before exec: get SIGKILL when the parent process dies (Linux). Strictly, when
+    the thread that started it ends: an endpoint is started from a thread that outlives it."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:
@@ -256,28 +286,29 @@ def _die_with_parent() -> None:
 __all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic", "running_endpoint"]
 
 
-def keep_up(cfg, buckets: set[str], say) -> None:
-    """`workflows store`: the config's embedded endpoint, with `buckets` (as a command's runtime
-    creates them), until Ctrl-C or SIGTERM (workflows.stop turns both into KeyboardInterrupt),
-    persisting every minute; other commands meanwhile use it."""
-    from workflows.errors import UserError
-
-    e = cfg.storage.embedded
-    if not e.enabled:
-        raise UserError(f"storage.embedded.enabled is false: the store is {cfg.storage.root}, nothing to start")
-    with EmbeddedS3(e.data_dir, e.host, e.port) as s3:
-        if not s3.owner:
-            raise UserError(f"the embedded store in {s3.data_dir} already runs at {s3.endpoint_url}")
-        for bucket in sorted(buckets):
-            s3.ensure_bucket(bucket)
-        say(f"store: embedded S3 endpoint {s3.endpoint_url} (data in {s3.data_dir}); Ctrl-C to stop")
-        last = time.time()
-        try:
-            while True:
-                time.sleep(0.5)
-                if time.time() - last > 60:  # what others wrote survives a crash of this process
-                    s3.persist()
-                    last = time.time()
-        except KeyboardInterrupt:
-            pass
+def keep_up(rt, say) -> None:
+    """`workflows store`, inside the runtime (which started the config's endpoint and its
+    buckets, and persists and stops it at the end): keep it up until Ctrl-C or SIGTERM
+    (workflows.stop turns both into KeyboardInterrupt), persisting every minute; other commands
+    meanwhile use it."""
+    s3 = rt.embedded
+    if not s3.owner:
+        raise UserError(f"the embedded store in {s3.data_dir} already runs at {s3.endpoint_url}")
+    say(f"store: embedded S3 endpoint {s3.endpoint_url} (data in {s3.data_dir}); Ctrl-C to stop")
+    last = time.time()
+    try:
+        while True:
+            time.sleep(0.5)
+            if time.time() - last > 60:  # what others wrote survives a crash of this process
+                s3.persist()
+                last = time.time()
+    except KeyboardInterrupt:
+        pass
+    s3.persist()
     say(f"store: stopped; data persisted in {s3.data_dir}")
+
+
+def check_store_enabled(cfg) -> None:
+    """`workflows store` starts the embedded endpoint: a config without one has nothing to start."""
+    if not cfg.storage.embedded.enabled:
+        raise UserError(f"storage.embedded.enabled is false: the store is {cfg.storage.root}, nothing to start")
