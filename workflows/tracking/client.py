@@ -227,7 +227,8 @@ class Tracker:
                 if now - failing_since >= window or (self._deadline is not None and now >= self._deadline):
                     self.fail(e, run_id)
                     return None
-                if not warned and self._connected and not isinstance(e, RunPending):  # waiting on a creator is no failure
+                # waiting for a run's creator is no failure
+                if not warned and self._connected and not isinstance(e, RunPending):
                     warned = True
                     self._warn(f"experiment tracking is failing ({redact_uri(self.uri)}: {one_line(e)}); "
                                f"retrying for up to {self.retry_seconds:.0f}s, metrics are buffered meanwhile")
