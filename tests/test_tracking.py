@@ -5,6 +5,7 @@ link; and tracking that fails (a dead server, a server answering errors) never s
 from __future__ import annotations
 
 import http.server
+import re
 import subprocess
 import threading
 import time
@@ -244,7 +245,8 @@ def test_params_hold_no_secrets():
 
 def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp_path):
     """`workflows ui` on the default store (SQLite under output_dir): MLflow's server lists the runs
-    and serves their artifacts, which it reads from the embedded S3 endpoint."""
+    and serves their artifacts, which it reads from the embedded S3 endpoint, and its web app (the
+    page and its JS bundle) where `make install` installed the web pages."""
     import signal
     import sys
 
@@ -253,6 +255,7 @@ def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp
     from tests.conftest import sets, wait_healthy
     from workflows.config import load_config
     from workflows.runtime import runtime
+    from workflows.tracking.commands import ui_available
     from workflows.tracking.session import Tracking
 
     overrides = [f"output_dir={tmp_path}/runs", f"storage.embedded.data_dir={tmp_path}/s3", "tracking.enabled=true"]
@@ -277,11 +280,22 @@ def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp
         assert [r["info"]["run_name"] for r in found["runs"]] == ["train"]
         art = requests.get(f"{url}/get-artifact", params={"path": "train_loss.png", "run_uuid": run.id}, timeout=30)
         assert art.status_code == 200 and art.content == plot.read_bytes()
+        page = requests.get(f"{url}/", timeout=30) if ui_available() else None
+        if page is not None:  # the web app: its page, and the JS bundle that page loads
+            assert page.status_code == 200 and "<title>MLflow</title>" in page.text and 'id="root"' in page.text
+            bundle = re.search(r'src="(static-files/static/js/main\.[0-9a-f]+\.js)"', page.text)
+            assert bundle, page.text[:2000]
+            js = requests.get(f"{url}/{bundle[1]}", timeout=30)
+            assert js.status_code == 200 and "javascript" in js.headers["Content-Type"] and len(js.content) > 100_000
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out[-2000:]
     assert f"ui: MLflow on {url}" in out
+    if page is None:
+        assert "MLflow's web pages are not installed" in out
+        pytest.skip("the full mlflow package's files (MLflow's web pages) are not installed: `make install` adds them")
+    assert "not installed" not in out
 
 
 def test_runs_on_an_empty_or_unreachable_store(tmp_path):
@@ -448,3 +462,37 @@ def test_a_retried_trial_logs_on_into_its_run(mlflow_server, tmp_path):
     (trial,) = trials
     assert trial.data.tags["mlflow.parentRunId"] == second.id and trial.info.status == "FAILED"
     assert sorted(m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")) == [0, 1]
+
+
+def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_server, tmp_path):
+    """A tune.num_workers=2 trial (a Ray Train run of 2 epochs): the driver-side trial creates the
+    trial's run, rank 0 finds it by its key and logs each epoch at its step, once."""
+    from mlflow import MlflowClient
+
+    from tests.test_tune import tune_cfg
+    from workflows.pipeline import stage_preprocess, stage_tune
+    from workflows.runtime import runtime
+
+    cfg = tune_cfg(tmp_path, {"train.lr": {"grid": [3e-4]}}, "tune.num_workers=2", "tune.max_epochs=2",
+                   "tune.num_samples=1", "tune.checkpoint=false", "tracking.enabled=true",
+                   f"tracking.uri={mlflow_server.url}", "tracking.experiment=two-worker-trial",
+                   "tracking.step_loss_every=1")
+    with runtime(cfg) as rt:
+        outcome = stage_tune(rt, stage_preprocess(rt))
+    (trial,) = outcome.trials
+    assert trial.error is None and trial.epochs == 2
+    assert _tracking_report(tmp_path)["complete"]
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name("two-worker-trial")
+    runs = client.search_runs([exp.experiment_id])
+    (tune,) = [r for r in runs if r.info.run_name == "tune"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == tune.info.run_id]
+    assert [r.data.tags["ray.trial_id"] for r in children] == [trial.trial_id]
+    run = children[0]
+    assert run.info.status == "FINISHED" and run.data.tags["workflows.stage"] == "trial"
+    vals = sorted(client.get_metric_history(run.info.run_id, "val_f1"), key=lambda m: m.step)
+    assert [(m.step + 1, m.value) for m in vals] == [(h["training_iteration"], pytest.approx(h["val_f1"]))
+                                                    for h in trial.history]
+    assert vals[0].timestamp < vals[1].timestamp  # logged as each epoch ended
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_step_loss"))
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2  # every step once, epochs in a row
