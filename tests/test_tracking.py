@@ -5,6 +5,7 @@ link; and tracking that fails (a dead server, a server answering errors) never s
 from __future__ import annotations
 
 import http.server
+import re
 import subprocess
 import threading
 import time
@@ -147,14 +148,20 @@ def test_runs_command_lists_the_pipeline_and_its_stages(quickstart_run):
         assert [stage, "FINISHED"] in tree, res.stdout
 
 
-def _tracking(uri: str, warnings: list[str], tmp_path):
+def _tracking(uri: str, warnings: list[str], tmp_path, *extra: str):
     from workflows.config import load_config
     from workflows.storage.uri import StorageContext
     from workflows.tracking.session import Tracking
 
     cfg = load_config(QUICKSTART, [f"output_dir={tmp_path}/runs", f"storage.root={tmp_path}/store",
-                                   "storage.embedded.enabled=false", f"tracking.uri={uri}"])
+                                   "storage.embedded.enabled=false", f"tracking.uri={uri}", *extra])
     return Tracking(cfg, StorageContext.from_config(cfg.storage), warnings.append)
+
+
+def _tracking_report(tmp_path) -> dict:
+    import json
+
+    return json.loads((tmp_path / "runs" / "quickstart" / "tracking.json").read_text())
 
 
 def test_unreachable_server_gives_one_warning_and_the_work_goes_on(tmp_path):
@@ -163,17 +170,18 @@ def test_unreachable_server_gives_one_warning_and_the_work_goes_on(tmp_path):
     warnings: list[str] = []
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.time()
-    t = _tracking(dead, warnings, tmp_path)
+    # a store never reached is a configuration error, not a blip: off after CONNECT_SECONDS at most
+    t = _tracking(dead, warnings, tmp_path, "tracking.retry_seconds=3")
     t.parent = t.start("pipeline")
     with t.stage("train") as run:
-        assert run.spec() is None  # nothing for the workers to log into
         run.log_metrics({"x": 1.0})
         run.log_files([__file__])
     t.close()
     assert len(warnings) == 1 and dead in warnings[0] and "the run goes on" in warnings[0]
+    assert not _tracking_report(tmp_path)["complete"]
     # a worker handed a run on a server that has gone away: one warning, no exception, no wait
     worker_warnings: list[str] = []
-    logger = RunLogger(TrackingSpec(dead, "0" * 32, "1"), worker_warnings.append)
+    logger = RunLogger(TrackingSpec(dead, "0" * 32, "1", retry_seconds=3), worker_warnings.append)
     for epoch in range(3):
         logger.log_epoch({"epoch": epoch, "train_loss": 1.0, "global_step": 2}, [1.0, 0.9])
     logger.close()
@@ -203,14 +211,19 @@ def test_failing_server_gives_one_warning_and_the_work_goes_on(tmp_path, monkeyp
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         warnings: list[str] = []
-        t = _tracking(f"http://127.0.0.1:{server.server_address[1]}", warnings, tmp_path)
+        t0 = time.time()
+        t = _tracking(f"http://127.0.0.1:{server.server_address[1]}", warnings, tmp_path, "tracking.retry_seconds=2")
         with t.stage("train") as run:
-            assert run.spec() is None
             run.log_metrics({"x": 1.0})
         t.close()
     finally:
         server.shutdown()
-    assert len(warnings) == 1 and "the run goes on" in warnings[0]
+    # retried for tracking.retry_seconds, then off; the command's tracking summary says so
+    assert "retrying for up to 2s" in warnings[0] and "the run goes on" in warnings[1], warnings
+    assert "experiment tracking incomplete" in warnings[-1], warnings
+    report = _tracking_report(tmp_path)
+    assert not report["complete"] and report["lost_calls"] >= 3 and "get-by-name" in report["error"]
+    assert time.time() - t0 < 60
 
 
 def test_params_hold_no_secrets():
@@ -232,7 +245,8 @@ def test_params_hold_no_secrets():
 
 def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp_path):
     """`workflows ui` on the default store (SQLite under output_dir): MLflow's server lists the runs
-    and serves their artifacts, which it reads from the embedded S3 endpoint."""
+    and serves their artifacts, which it reads from the embedded S3 endpoint, and its web app (the
+    page and its JS bundle) where `make install` installed the web pages."""
     import signal
     import sys
 
@@ -241,6 +255,7 @@ def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp
     from tests.conftest import sets, wait_healthy
     from workflows.config import load_config
     from workflows.runtime import runtime
+    from workflows.tracking.commands import ui_available
     from workflows.tracking.session import Tracking
 
     overrides = [f"output_dir={tmp_path}/runs", f"storage.embedded.data_dir={tmp_path}/s3", "tracking.enabled=true"]
@@ -265,11 +280,22 @@ def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp
         assert [r["info"]["run_name"] for r in found["runs"]] == ["train"]
         art = requests.get(f"{url}/get-artifact", params={"path": "train_loss.png", "run_uuid": run.id}, timeout=30)
         assert art.status_code == 200 and art.content == plot.read_bytes()
+        page = requests.get(f"{url}/", timeout=30) if ui_available() else None
+        if page is not None:  # the web app: its page, and the JS bundle that page loads
+            assert page.status_code == 200 and "<title>MLflow</title>" in page.text and 'id="root"' in page.text
+            bundle = re.search(r'src="(static-files/static/js/main\.[0-9a-f]+\.js)"', page.text)
+            assert bundle, page.text[:2000]
+            js = requests.get(f"{url}/{bundle[1]}", timeout=30)
+            assert js.status_code == 200 and "javascript" in js.headers["Content-Type"] and len(js.content) > 100_000
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out[-2000:]
     assert f"ui: MLflow on {url}" in out
+    if page is None:
+        assert "MLflow's web pages are not installed" in out
+        pytest.skip("the full mlflow package's files (MLflow's web pages) are not installed: `make install` adds them")
+    assert "not installed" not in out
 
 
 def test_runs_on_an_empty_or_unreachable_store(tmp_path):
@@ -282,3 +308,191 @@ def test_runs_on_an_empty_or_unreachable_store(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(UserError, match=f"tracking store {dead}: ConnectionError"):
         recent_runs(load_config(QUICKSTART, [f"tracking.uri={dead}"]))
+
+
+class _Blip:
+    """A real reverse proxy in front of the real MLflow server that answers 503 to every request
+    (/health included) while `fail_for(seconds)` lasts: the tracking server restarting, say."""
+
+    def __init__(self, upstream: str):
+        import requests
+
+        blip = self
+        self.until = 0.0
+        self.refused = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if time.time() < blip.until:
+                    blip.refused += 1
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                up = requests.request(self.command, upstream + self.path, data=body, timeout=30,
+                                      headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+                self.send_response(up.status_code)
+                self.send_header("Content-Type", up.headers.get("Content-Type", "application/json"))
+                self.send_header("Content-Length", str(len(up.content)))
+                self.end_headers()
+                self.wfile.write(up.content)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = _forward
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail_for(self, seconds: float) -> None:
+        self.until = time.time() + seconds
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def _epochs(logger, epochs) -> None:
+    for epoch in epochs:
+        logger.log_epoch({"epoch": epoch, "train_loss": 1.0 / (epoch + 1), "global_step": 2 * (epoch + 1)},
+                         [0.5, 0.4])
+
+
+def test_a_server_failing_for_seconds_mid_run_loses_no_metric(mlflow_server, tmp_path, monkeypatch):
+    """The server answers 503 for 6 s in the middle of a run: the calls are retried with backoff, the
+    epochs logged meanwhile are buffered and arrive, at their steps; the run ends FINISHED."""
+    from mlflow import MlflowClient
+
+    from workflows.tracking.client import RunLogger
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the blip reaches Tracker's own retries
+    blip = _Blip(mlflow_server.url)
+    warnings: list[str] = []
+    try:
+        t = _tracking(blip.url, warnings, tmp_path, "tracking.experiment=blip", "tracking.retry_seconds=60")
+        with t.stage("train") as run:
+            spec = run.spec()  # at once: the worker finds the run by its key
+            assert spec is not None and spec.run_key
+            with RunLogger(spec, warnings.append) as logger:
+                _epochs(logger, [0])
+                logger.tracker.flush()
+                blip.fail_for(6)
+                t0 = time.time()
+                _epochs(logger, [1, 2, 3])  # returns at once: training never waits on the server
+                assert time.time() - t0 < 1
+                run.log_metrics({"fit_seconds": 1.5})
+        t.close()
+    finally:
+        blip.close()
+    assert blip.refused > 0
+    assert any("retrying for up to 60s" in w for w in warnings) and any("is back" in w for w in warnings), warnings
+    assert not any("is off" in w for w in warnings), warnings
+    assert _tracking_report(tmp_path)["complete"]
+    client = MlflowClient(mlflow_server.url)
+    r = client.get_run(run.id)
+    assert r.info.status == "FINISHED" and r.data.metrics["fit_seconds"] == 1.5
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.id, "train_loss"))
+    assert history == [(e, pytest.approx(1.0 / (e + 1))) for e in range(4)]
+    assert len(client.get_metric_history(run.id, "train_step_loss")) == 0  # step_loss_every=10: none of 8 steps
+
+
+def test_a_lasting_failure_marks_the_runs_failed_with_the_gap(mlflow_server, tmp_path, monkeypatch):
+    """A failure that outlasts tracking.retry_seconds turns a worker's tracking off; once the server is
+    back, the worker tags its run with the gap, the driver marks it FAILED and its summary says so.
+    A stage that raises ends FAILED as well."""
+    from mlflow import MlflowClient
+
+    from workflows.tracking.client import GAP_TAG, RunLogger
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    blip = _Blip(mlflow_server.url)
+    warnings: list[str] = []
+    try:
+        t = _tracking(blip.url, warnings, tmp_path, "tracking.experiment=lasting", "tracking.retry_seconds=2")
+        with pytest.raises(RuntimeError, match="boom"), t.stage("evaluate") as failed:
+            raise RuntimeError("boom")
+        with t.stage("train") as run:
+            assert run.info(30) is not None  # created: this test is about the blip, not the worker's wait
+            with RunLogger(run.spec(), warnings.append) as logger:
+                _epochs(logger, [0])
+                logger.tracker.flush()
+                blip.fail_for(6)
+                _epochs(logger, [1, 2])
+                time.sleep(6.5)  # off by now; the server is back before the logger closes
+        t.close()
+    finally:
+        blip.close()
+    assert any("is off for this process" in w for w in warnings), warnings
+    assert any("experiment tracking incomplete: 1 run(s)" in w for w in warnings), warnings
+    client = MlflowClient(mlflow_server.url)
+    assert client.get_run(failed.id).info.status == "FAILED"
+    r = client.get_run(run.id)
+    assert r.info.status == "FAILED" and "tracking call(s) not logged" in r.data.tags[GAP_TAG]
+    assert [m.step for m in client.get_metric_history(run.id, "train_loss")] == [0]
+    report = _tracking_report(tmp_path)
+    assert not report["complete"] and list(report["runs_with_gaps"]) == [run.id]
+
+
+def test_a_retried_trial_logs_on_into_its_run(mlflow_server, tmp_path):
+    """A trial's logger twice with the same trial key (Tune retrying it, or `tune --resume`): one
+    run, with the epochs of both attempts, under the newest tune run."""
+    from mlflow import MlflowClient
+
+    from workflows.tracking.client import RunLogger
+
+    warnings: list[str] = []
+    t = _tracking(mlflow_server.url, warnings, tmp_path, "tracking.experiment=retried")
+    key = {"ray.trial_id": "abc_00000", "tune.experiment": "retried-tune"}
+    child = {"name": "trial-abc_00000", "tags": {"workflows.stage": "trial"}, "params": {"train.lr": "0.1"},
+             "key": key}
+    first, second = t.start("tune"), t.start("tune")
+    with RunLogger(first.spec(), warnings.append, child=child) as logger:
+        _epochs(logger, [0])
+    with pytest.raises(RuntimeError), RunLogger(second.spec(), warnings.append, child=child) as logger:
+        _epochs(logger, [1])
+        raise RuntimeError("the trial's worker died")
+    t.close()
+    assert not warnings
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name("retried")
+    trials = client.search_runs([exp.experiment_id], "tags.`ray.trial_id` = 'abc_00000'")
+    assert len(trials) == 1
+    (trial,) = trials
+    assert trial.data.tags["mlflow.parentRunId"] == second.id and trial.info.status == "FAILED"
+    assert sorted(m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")) == [0, 1]
+
+
+def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_server, tmp_path):
+    """A tune.num_workers=2 trial (a Ray Train run of 2 epochs): the driver-side trial creates the
+    trial's run, rank 0 finds it by its key and logs each epoch at its step, once."""
+    from mlflow import MlflowClient
+
+    from tests.test_tune import tune_cfg
+    from workflows.pipeline import stage_preprocess, stage_tune
+    from workflows.runtime import runtime
+
+    cfg = tune_cfg(tmp_path, {"train.lr": {"grid": [3e-4]}}, "tune.num_workers=2", "tune.max_epochs=2",
+                   "tune.num_samples=1", "tune.checkpoint=false", "tracking.enabled=true",
+                   f"tracking.uri={mlflow_server.url}", "tracking.experiment=two-worker-trial",
+                   "tracking.step_loss_every=1")
+    with runtime(cfg) as rt:
+        outcome = stage_tune(rt, stage_preprocess(rt))
+    (trial,) = outcome.trials
+    assert trial.error is None and trial.epochs == 2
+    assert _tracking_report(tmp_path)["complete"]
+    client = MlflowClient(mlflow_server.url)
+    exp = client.get_experiment_by_name("two-worker-trial")
+    runs = client.search_runs([exp.experiment_id])
+    (tune,) = [r for r in runs if r.info.run_name == "tune"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == tune.info.run_id]
+    assert [r.data.tags["ray.trial_id"] for r in children] == [trial.trial_id]
+    run = children[0]
+    assert run.info.status == "FINISHED" and run.data.tags["workflows.stage"] == "trial"
+    vals = sorted(client.get_metric_history(run.info.run_id, "val_f1"), key=lambda m: m.step)
+    assert [(m.step + 1, m.value) for m in vals] == [(h["training_iteration"], pytest.approx(h["val_f1"]))
+                                                    for h in trial.history]
+    assert vals[0].timestamp < vals[1].timestamp  # logged as each epoch ended
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_step_loss"))
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2  # every step once, epochs in a row

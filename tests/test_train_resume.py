@@ -86,7 +86,19 @@ def test_resume_reproduces_the_uninterrupted_run(run):
     # the data position (epoch), the step and the LR schedule are in train_state.json
     assert state["epoch"] == 0 and state["global_step"] == 3 and state["scheduler"]["last_epoch"] == 3
 
-    resumed = fit(run.cfg, run.rt.storage, run.data, run_prefix="interrupted", resume=True)
+    # tracked (a SQLite store): rank 0 logs the epoch it trained, not the finished one again
+    from mlflow import MlflowClient
+
+    from workflows.tracking.session import Tracking
+
+    tracked_cfg = run.cfg.model_copy(update={"tracking": run.cfg.tracking.model_copy(update={"enabled": True})})
+    tracking = Tracking(tracked_cfg, run.rt.storage)
+    tracked = tracking.start("train")
+    resumed = fit(run.cfg, run.rt.storage, run.data, run_prefix="interrupted", resume=True, tracking=tracked.spec())
+    tracked.end()
+    tracking.close()
+    logged = MlflowClient(tracking.uri).get_metric_history(tracked.id, "train_loss")
+    assert [(m.step, m.value) for m in logged] == [(1, pytest.approx(resumed.history[1]["train_loss"]))]
     assert [h["epoch"] for h in resumed.history] == [0, 1]
     assert resumed.history[1]["resumed_from_epoch"] == 0
     np.testing.assert_allclose(step_losses(resumed, 0), step_losses(run.reference, 0), rtol=0, atol=0)

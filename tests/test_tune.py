@@ -125,7 +125,7 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     sets = [*tiny_overrides(tmp_path), "storage.embedded.enabled=false", f"storage.root={store}",
             f"data.source={store}/raw/quickstart/", "data.write_builtin=true", "ray.num_cpus=2", "tune.num_workers=2",
             "tune.max_epochs=1",
-            "tune.num_samples=1"]
+            "tune.num_samples=1", "tracking.enabled=true"]
     args = [
         sys.executable,
         "-m",
@@ -155,6 +155,14 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     assert len(after) == 3
     for trial_id, result in finished.items():  # the finished trials' results are the ones from before
         assert after[trial_id] == result, f"trial {trial_id} ran again"
+    # tracked (the default SQLite store): one MLflow run per trial, the interrupted one continued
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("quickstart")
+    trial_runs = client.search_runs([exp.experiment_id], "tags.`workflows.stage` = 'trial'")
+    assert sorted(r.data.tags["ray.trial_id"] for r in trial_runs) == sorted(after)
+    assert all(r.info.status == "FINISHED" for r in trial_runs)
 
 
 def test_asha_ratio_model_uses_rays_rule():

@@ -402,6 +402,10 @@ class TrackingConfig(Strict):
     )
     experiment: str | None = Field(None, description="experiment name; None: the config's name")
     step_loss_every: int = Field(10, ge=1, description="log the training loss of every N-th optimizer step")
+    retry_seconds: float = Field(
+        300.0, gt=0, description="how long a failing tracking store is retried (with backoff, metrics buffered) "
+        "before tracking turns off for the process and its runs are marked FAILED with the gap",
+    )
 
 
 class WorkflowConfig(Strict):

@@ -85,7 +85,8 @@ def format_runs(rows: list[dict]) -> str:
 
 
 def ui_available() -> bool:
-    """mlflow-skinny serves the REST API only; the web UI's built assets come with the full package."""
+    """mlflow-skinny serves the REST API only; the web UI's built assets come with the full package's
+    files, which `make install` adds."""
     import mlflow.server
 
     return os.path.isfile(os.path.join(os.path.dirname(mlflow.server.__file__), "js", "build", "index.html"))
@@ -117,8 +118,8 @@ def run_ui(rt, host: str, port: int, say) -> int:
     if not ui_available():
         from importlib.metadata import version
 
-        say("ui: mlflow-skinny serves the REST API only; for the web pages: `make mlflow-ui`, or "
-            f"pip install --no-deps mlflow=={version('mlflow-skinny')} (README, Experiment tracking)")
+        say("ui: MLflow's web pages are not installed (mlflow-skinny serves the REST API only); `make install` "
+            f"adds them, or pip install --no-deps mlflow=={version('mlflow-skinny')} (README, Experiment tracking)")
     proc = subprocess.Popen(server_command(uri, host, port), env=server_env(rt.storage))
     say(f"ui: MLflow on http://{host}:{port} (store {uri}); Ctrl-C to stop")
 

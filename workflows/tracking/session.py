@@ -1,6 +1,6 @@
 """The driver's side of tracking: one experiment, the run tree (a `pipeline` parent run, a child run
 per stage and per Tune trial), params, tags and artifacts. Runs are created in the background
-(client.Tracker); `Run.spec()` waits for a run's id only where a worker needs it.
+(client.Tracker); `Run.spec()` waits for nothing: a worker finds the run by its key.
 
 Artifacts go to the run's artifact location, which this experiment puts on the configured object
 store under <storage.root>/mlflow/<experiment>/ (the embedded endpoint included); they are written
@@ -10,8 +10,10 @@ through the workflows storage layer, so no second set of S3 settings is needed.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -19,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from workflows.tracking.client import (
+    GAP_TAG,
+    RUN_KEY_TAG,
     Tracker,
     TrackingSpec,
     Warn,
     log_metrics,
     log_params,
     now_ms,
+    one_line,
     redact_uri,
     resolve_uri,
     set_tags,
@@ -87,9 +92,10 @@ def ray_job_id() -> str | None:
 class Run:
     """One MLflow run created by the driver; every method queues its call and returns at once."""
 
-    def __init__(self, session: Tracking | None, run: Future | None):
+    def __init__(self, session: Tracking | None, run: Future | None, key: str | None = None):
         self._s = session
         self._run = run  # Future of the mlflow RunInfo (None when tracking is off)
+        self.key = key  # its RUN_KEY_TAG: how a worker finds it before its id is known here
 
     def _call(self, fn) -> Future | None:
         if self._s is None or self._run is None:
@@ -103,16 +109,29 @@ class Run:
     @property
     def id(self) -> str | None:
         """The run id (waits for the run's creation)."""
-        info = self._run.result() if self._run is not None else None
+        info = self.info()
         return info.run_id if info is not None else None
 
-    def spec(self) -> TrackingSpec | None:
-        """For a worker to log into this run; None when tracking is off."""
-        info = self._run.result() if self._run is not None else None
-        if info is None or self._s is None or self._s.tracker.off:
+    def info(self, timeout: float | None = None):
+        """The mlflow RunInfo once created (waits up to `timeout`); None when tracking is off or it
+        is not created by then."""
+        if self._run is None:
             return None
-        return TrackingSpec(self._s.uri, info.run_id, info.experiment_id, self._s.cfg.tracking.step_loss_every,
-                            tuple(self._s.shared_tags().items()))
+        try:
+            return self._run.result(timeout)
+        except TimeoutError:
+            return None
+
+    def spec(self) -> TrackingSpec | None:
+        """For a worker to log into this run, at once (no wait on the store): with the run's id
+        if it is created already, else its key, by which the worker finds it. None when tracking is off."""
+        if self._run is None or self._s is None or self._s.tracker.off:
+            return None
+        info = self._run.result() if self._run.done() else None
+        s = self._s
+        return TrackingSpec(s.uri, info.run_id if info else None, info.experiment_id if info else None,
+                            s.cfg.tracking.step_loss_every, tuple(s.shared_tags().items()), run_key=self.key,
+                            experiment=s.experiment_name, retry_seconds=s.cfg.tracking.retry_seconds)
 
     def log_params(self, params: dict[str, Any]) -> None:
         params = dict(params)  # as it is now: the call runs later, on the tracking thread
@@ -146,7 +165,10 @@ class Tracking:
         self.storage = storage
         self.uri = resolve_uri(cfg)
         self.experiment_name = cfg.tracking.experiment or cfg.name
-        self.tracker = Tracker(self.uri, warn, create=True)
+        self.tracker = Tracker(self.uri, warn, create=True, retry_seconds=cfg.tracking.retry_seconds)
+        self.command_id = uuid.uuid4().hex  # tags every run of this command, the trials' included
+        self.runs: list[Run] = []
+        self._warn = self.tracker._warn
         self.parent: Run | None = None
         self.dataset_version: str | None = None
         if not cfg.tracking.enabled:
@@ -168,14 +190,16 @@ class Tracking:
 
     def shared_tags(self) -> dict[str, str]:
         """Tags of every run of the command, the runs other processes create (trials) included."""
-        tags = {"workflows.config": self.cfg.name, "mlflow.source.git.commit": git_commit(),
+        tags = {"workflows.config": self.cfg.name, "workflows.command_id": self.command_id,
+                "mlflow.source.git.commit": git_commit(),
                 "ray.job_id": ray_job_id(), "dataset.version": self.dataset_version}
         return {k: str(v) for k, v in tags.items() if v is not None}
 
     def start(self, name: str, parent: Run | None = None, tags: dict[str, Any] | None = None) -> Run:
         """A new run named `name`: a child of `parent`, else of the command's pipeline run, if any."""
         parent = parent if parent is not None else self.parent
-        base = {"workflows.stage": name, **self.shared_tags(), **(tags or {})}
+        key = uuid.uuid4().hex
+        base = {"workflows.stage": name, **self.shared_tags(), **(tags or {}), RUN_KEY_TAG: key}
 
         def create(client):
             exp = self._experiment.result()
@@ -186,7 +210,9 @@ class Tracking:
             if parent_info is not None:
                 run_tags["mlflow.parentRunId"] = parent_info.run_id
             return client.create_run(exp, start_time=now_ms(), tags=run_tags, run_name=name).info
-        return Run(self, self.tracker.call(create))
+        run = Run(self, self.tracker.call(create), key)
+        self.runs.append(run)
+        return run
 
     @contextmanager
     def stage(self, name: str, cfg=None, parent: Run | None = None) -> Iterator[Run]:
@@ -224,6 +250,46 @@ class Tracking:
         if self.parent is not None:
             self.parent.set_tags({"dataset.version": version})
 
-    def close(self, timeout: float = 60) -> None:
-        self.tracker.flush(timeout)
-        self.tracker.close(1)
+    def close(self, timeout: float = 60) -> dict | None:
+        """Send what is queued (retrying for at most `timeout` s). Then every run of the command that
+        has a gap (this process's, or one a worker tagged) is marked FAILED, and the outcome goes to
+        <output_dir>/<name>/tracking.json and, where something is missing, to a warning."""
+        if not self.cfg.tracking.enabled:
+            return None
+        self.tracker.close(timeout)
+        gap = self.tracker.gap
+        created = [info.run_id for r in self.runs if (info := r.info(0)) is not None]
+        gaps: dict[str, str] = {}
+        if gap.lost:
+            if self.tracker.record_gap(created, status="FAILED"):
+                gaps = {run_id: gap.describe() for run_id in created}
+        elif created:
+            gaps = self._worker_gaps()
+        report = {"uri": redact_uri(self.uri), "complete": not gap.lost and not gaps, "lost_calls": gap.lost,
+                  "error": gap.error or None, "runs_with_gaps": gaps}
+        if not report["complete"] and self.tracker._connected:  # never reached: its one warning said so
+            what = gap.describe() if gap.lost else f"{len(gaps)} run(s) of this command have gaps"
+            self._warn(f"experiment tracking incomplete: {what}; the run(s) are marked FAILED "
+                       f"(tag {GAP_TAG}) where the store could be reached")
+        from workflows.storage.atomic import atomic_write
+
+        out = Path(self.cfg.output_dir) / self.cfg.name
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / "tracking.json", json.dumps(report, indent=2))
+        return report
+
+    def _worker_gaps(self) -> dict[str, str]:
+        """The runs of this command that a worker tagged with a gap, now marked FAILED."""
+        client = self.tracker._client
+        exp = self._experiment.result() if self._experiment.done() else None
+        if client is None or exp is None:
+            return {}
+        try:
+            found = client.search_runs([exp], f"tags.`workflows.command_id` = '{self.command_id}' "
+                                              f"and tags.`{GAP_TAG}` LIKE '%'", max_results=1000)
+            for r in found:
+                client.set_terminated(r.info.run_id, "FAILED", r.info.end_time or now_ms())
+            return {r.info.run_id: r.data.tags[GAP_TAG] for r in found}
+        except Exception as e:
+            self._warn(f"experiment tracking: could not check the runs for gaps ({one_line(e)})")
+            return {}

@@ -76,10 +76,10 @@ def registry_link(run: Run, uri: str) -> dict[str, Any] | None:
     """What a registered version records of the run that trained it (None when tracking is off)."""
     from workflows.tracking.client import redact_uri
 
-    spec = run.spec()
-    if spec is None:
+    info = run.info(timeout=60)  # registering waits for the run's creation, at most this long
+    if info is None:
         return None
-    return {"run_id": spec.run_id, "experiment_id": spec.experiment_id, "tracking_uri": redact_uri(uri)}
+    return {"run_id": info.run_id, "experiment_id": info.experiment_id, "tracking_uri": redact_uri(uri)}
 
 
 def log_registered(run: Run, ref) -> None:

@@ -351,10 +351,13 @@ def run_epochs(
     end_of_epoch: Callable[[int, dict, list[dict]], None],
     resumed_from_epoch: int | None = None,
     on_step: StepHook | None = None,
+    log_epoch: Callable[[dict, list[float]], None] | None = None,
 ) -> list[dict]:
-    """Epochs `start_epoch`..train.epochs-1: train, evaluate, then `end_of_epoch(epoch, metrics, history)`
-    (checkpoint + report). `metrics` are scalars; each history row adds the per-step losses and the
-    epoch of the checkpoint this process started from (None: from scratch)."""
+    """Epochs `start_epoch`..train.epochs-1: train, evaluate, `log_epoch(metrics, step_losses)` (the
+    tracking run's sink, where this process logs: once per epoch trained, so a resumed run does not
+    log its last finished epoch again), then `end_of_epoch(epoch, metrics, history)` (checkpoint +
+    report: Tune may stop the trial inside it). `metrics` are scalars; each history row adds the
+    per-step losses and the epoch of the checkpoint this process started from (None: from scratch)."""
     tc = cfg.train
     rank = world()[0]
     for epoch in range(start_epoch, tc.epochs):
@@ -375,5 +378,7 @@ def run_epochs(
         }
         metrics.update(task.epoch_extras(model, stats, device))
         history.append({**metrics, "step_losses": step_losses, "resumed_from_epoch": resumed_from_epoch})
+        if log_epoch is not None:
+            log_epoch(metrics, step_losses)
         end_of_epoch(epoch, metrics, history)
     return history

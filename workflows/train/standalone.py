@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +206,6 @@ def train(
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         if rank == 0:
             print(f"standalone: {epoch_line(metrics)}", file=sys.stderr, flush=True)
-            if logger is not None:
-                logger.log_epoch(metrics, history[-1].get("step_losses"))
         if checkpoint_dir:
             d = os.path.join(checkpoint_dir, f"epoch_{epoch:04d}")
             os.makedirs(d, exist_ok=True)
@@ -238,6 +236,7 @@ def train(
                                                       data_seed(tc.seed, epoch, rank)),
             val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
             end_of_epoch=end_of_epoch,
+            log_epoch=logger.log_epoch if logger is not None else None,  # rank 0's only
         )
     except Stop:
         pass
@@ -269,12 +268,8 @@ def tracked_run(cfg: WorkflowConfig, storage: StorageContext, rank: int) -> Iter
     try:
         with tracking.stage("train (torchrun)") as run:
             spec = run.spec()
-            logger = RunLogger(spec) if spec is not None else None
-            try:
+            with RunLogger(spec) if spec is not None else nullcontext() as logger:
                 yield logger
-            finally:
-                if logger is not None:
-                    logger.close(timeout=30)
     finally:
         tracking.close(timeout=30)
 

@@ -137,8 +137,6 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
             write_json(f"{spec.run_uri}/history.json", history, spec.storage)
             record_throughput(spec.run_uri.rsplit("/", 1)[-1], metrics)
-            if logger is not None:
-                logger.log_epoch(metrics, history[-1].get("step_losses"))
 
     try:
         if checkpoint is not None and start_epoch >= tc.epochs:
@@ -149,7 +147,8 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
             return
         run_epochs(cfg, task, spec.data, model, optimizer, scheduler, device, start_epoch=start_epoch,
                    history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
-                   resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None)
+                   resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None,
+                   log_epoch=logger.log_epoch if logger is not None else None)
     finally:
         if logger is not None:
             logger.close(timeout=30)

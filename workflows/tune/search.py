@@ -97,16 +97,11 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
         run_local_trial(trial_config(cfg, params), storage, data, tracking)
         return
     # a Ray Train trial: this driver creates the trial's run, its rank 0 logs the epochs into it
+    # (how a trial stopped early is marked by the tune stage: tracking.stages.log_tune)
     trial_cfg = trial_config(cfg, params)
-    logger = trial_logger(trial_cfg, tracking, data.version)
-    try:
+    with trial_logger(trial_cfg, tracking, data.version) as logger:
         fit(trial_cfg, storage, data, run_prefix=f"{cfg.name}-trial",
             callbacks=[TuneReportCallback()], check=False, tracking=logger.child_spec() if logger else None)
-        if logger is not None:  # a trial stopped or failed is marked by the tune stage (tracking.stages.log_tune)
-            logger.end()
-    finally:
-        if logger is not None:
-            logger.close()
 
 
 def trial_resources(cfg: WorkflowConfig):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 from workflows.config import WorkflowConfig
@@ -37,34 +39,32 @@ def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg:
     return rows
 
 
-def trial_logger(cfg: WorkflowConfig, tracking: TrackingSpec | None, dataset_version: str) -> RunLogger | None:
+def trial_logger(cfg: WorkflowConfig, tracking: TrackingSpec | None, dataset_version: str) -> RunLogger | nullcontext:
     """The trial's own MLflow run, a child of the tune run, created from this process (its params: the
-    trial's config, with the sampled train.* values)."""
+    trial's config, with the sampled train.* values); a retried trial, or one `tune --resume`
+    continues, logs on into the run it had (found by its trial id and Tune experiment). A context
+    manager (an inert one when not tracked): the run ends FINISHED, or FAILED on an exception."""
     import ray.tune
 
     from workflows.tracking.session import config_params
 
     if tracking is None:
-        return None
+        return nullcontext()
     ctx = ray.tune.get_context()
     trial_id = ctx.get_trial_id()
-    tags = {"ray.trial_id": trial_id, "ray.trial_name": ctx.get_trial_name(), "workflows.stage": "trial",
-            "dataset.version": dataset_version}
-    return RunLogger(tracking, child={"name": f"trial-{trial_id}", "tags": tags, "params": config_params(cfg)})
+    # the experiment's directory name: the same when `tune --resume` restores the experiment
+    key = {"ray.trial_id": trial_id, "tune.experiment": Path(ctx.get_trial_dir()).parent.name}
+    tags = {"ray.trial_name": ctx.get_trial_name(), "workflows.stage": "trial", "dataset.version": dataset_version}
+    return RunLogger(tracking, child={"name": f"trial-{trial_id}", "tags": tags, "params": config_params(cfg),
+                                      "key": key})
 
 
 def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset,
                     tracking: TrackingSpec | None = None) -> None:
     """Train one trial's config in this process, reporting every epoch to Tune (and to the trial's
     MLflow run, as it goes: an ASHA-stopped trial has its epochs logged)."""
-    logger = trial_logger(cfg, tracking, data.version)
-    try:
+    with trial_logger(cfg, tracking, data.version) as logger:
         _run_local_trial(cfg, storage, data, logger)
-        if logger is not None:
-            logger.end()
-    finally:
-        if logger is not None:
-            logger.close(timeout=30)
 
 
 def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset,
@@ -99,8 +99,6 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
     startup = {"read_seconds": round(read_seconds, 3), "startup_seconds": round(time.perf_counter() - t_start, 3)}
 
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
-        if logger is not None:  # before the report: Tune may stop the trial inside it
-            logger.log_epoch(metrics, history[-1].get("step_losses"))
         t0 = time.perf_counter()
         report: dict[str, Any] = {**metrics, **startup}
         if cfg.tune.checkpoint:
@@ -121,4 +119,5 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
                train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
                                                          data_seed(tc.seed, epoch)),
                val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
-               end_of_epoch=end_of_epoch, resumed_from_epoch=resumed_from)
+               end_of_epoch=end_of_epoch, resumed_from_epoch=resumed_from,
+               log_epoch=logger.log_epoch if logger is not None else None)  # before the report: Tune may stop it
