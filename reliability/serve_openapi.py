@@ -29,6 +29,13 @@ CHECKS = "all"
 # seconds of each run (--max-time): with the token, where every check can fail, and without it
 SECONDS = {"with token": 150, "without token": 30}
 COLUMNS = ("title", "description")
+# The statuses that mean "rejected" for a schema-violating request: schemathesis' defaults plus 413,
+# the answer to a body over the server's byte limit (1 MiB), which no JSON schema can state: a
+# schema-violating body (a string over maxLength) is often over it too. A body the schema rejects
+# for its shape or its list length gets 422 (workflows.serve.contract), never 413.
+CONFIG = """[checks.negative_data_rejection]
+expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
+"""
 
 
 def serve_openapi_fuzz(workdir: Path, seed: int = 0) -> dict:
@@ -91,8 +98,9 @@ def _schemathesis(url: str, headers: list[str], out: Path, seed: int, seconds: i
     """One `schemathesis run` (in a new process, its CLI as a user runs it); its NDJSON events read back."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.ndjson"
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", CHECKS,
-           "--max-time", str(seconds), "--seed", str(seed),
+    (out / "schemathesis.toml").write_text(CONFIG)
+    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(out / "schemathesis.toml"), "run",
+           f"{url}/openapi.json", "--checks", CHECKS, "--max-time", str(seconds), "--seed", str(seed),
            "--phases", "examples,coverage,fuzzing", "--report", "ndjson", "--report-ndjson-path", str(events),
            "--no-color", *[a for h in headers for a in ("-H", h)]]
     t0 = time.time()
@@ -101,7 +109,9 @@ def _schemathesis(url: str, headers: list[str], out: Path, seed: int, seconds: i
     statuses: dict[str, int] = {}
     guarded_2xx = 0  # 2xx answers from an operation that needs the token (all but /healthz)
     failures: set[str] = set()
-    for line in events.read_text().splitlines() if events.exists() else []:
+    examples: list[str] = []  # the first failing requests' bodies, cut short
+    # read line by line, then removed: the events hold every request and answer (~1 GB a run)
+    for line in _lines(events):
         finished = json.loads(line).get("ScenarioFinished")
         if not finished:
             continue
@@ -116,14 +126,37 @@ def _schemathesis(url: str, headers: list[str], out: Path, seed: int, seconds: i
         for case_id, checks in rec.get("checks", {}).items():
             for c in checks:
                 if c.get("status") == "failure":
-                    code = (rec.get("interactions", {}).get(case_id, {}).get("response") or {}).get("status_code")
-                    failures.add(f"{rec['label']}: {c['name']} (status {code})")
+                    inter = rec.get("interactions", {}).get(case_id, {})
+                    code = (inter.get("response") or {}).get("status_code")
+                    what = ((c.get("failure_info") or {}).get("failure") or {})
+                    failures.add(f"{rec['label']}: {c['name']} {what.get('code', '')} {what.get('title', '')} "
+                                 f"(status {code})")
+                    if len(examples) < 5:
+                        examples.append(f"{rec['label']} {c['name']} -> {code}: {_body(inter)}")
     requests = sum(statuses.values())
     if res.returncode not in (0, 1) or not requests:  # 1: failures found (reported above)
         failures.add(f"schemathesis exited {res.returncode}: {(res.stdout + res.stderr)[-500:]}")
     return {"requests": requests, "seconds": round(took, 1), "by_status": _by_class(statuses),
-            "statuses": statuses, "guarded_2xx": guarded_2xx,
-            "failures": sorted(failures), "exit_code": res.returncode, "summary": res.stdout[-1500:]}
+            "statuses": statuses, "guarded_2xx": guarded_2xx, "failures": sorted(failures), "examples": examples,
+            "exit_code": res.returncode, "summary": res.stdout[-1500:]}
+
+
+def _body(interaction: dict) -> str:
+    import base64
+
+    body = (interaction.get("request") or {}).get("body")
+    if isinstance(body, dict) and "$base64" in body:
+        body = base64.b64decode(body["$base64"]).decode("utf-8", "replace")
+    text = str(body)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} chars)"
+
+
+def _lines(path: Path):
+    if not path.exists():
+        return
+    with open(path) as f:
+        yield from f
+    path.unlink()
 
 
 def _by_class(statuses: dict[str, int]) -> dict[str, int]:

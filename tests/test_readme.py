@@ -45,6 +45,14 @@ KINDS = {"embedded", "s3", "cluster", "digits"}
 # what the README's pipelines skip here: tuning, 2-worker FSDP and the pipeline's own serving are
 # tested elsewhere (test_tune, test_train, test_e2e); the commands are still the README's
 CHEAP = ["tune.enabled=false", "serve.enabled=false", "train.num_workers=1"]
+
+
+def tickets_settings(work: Path, port: int, *, embedded: bool) -> list[str]:
+    """What the shim appends to the README's tickets pipelines, the own-data block's (embedded store)
+    and the S3 block's alike: the tiny settings under `work`, the serve port, CHEAP; the S3 block's
+    without the embedded store's."""
+    drop = ("serve.port=",) if embedded else ("serve.port=", "storage.embedded")
+    return [*(s for s in tiny_overrides(work) if not s.startswith(drop)), f"serve.port={port}", *CHEAP]
 QUICKSTART_LABELS = ["dataframes", "deep-learning", "plotting", "scientific-computing"]
 
 # Before each block's script: background commands in their own process groups (job control, so
@@ -213,8 +221,7 @@ def workdir(quickstart_run, ray_join, tmp_path_factory):
                     ignore=shutil.ignore_patterns("lock", "endpoint.json"))
     (work / "tickets.csv").write_text(tickets())
     port = free_port()
-    overrides = [s for s in tiny_overrides(work) if not s.startswith("serve.port=")]
-    shim(work / "bin", [*overrides, f"serve.port={port}", *CHEAP, *ray_join.overrides])
+    shim(work / "bin", [*tickets_settings(work, port, embedded=True), *ray_join.overrides])
     env = {**ray_join.env, "WF_TEST_PORT": str(port), "RAY_ADDRESS": ray_join.address}
     yield work, env, {"localhost:8000": f"localhost:{port}"}
     shutdown_serve()
@@ -263,8 +270,7 @@ def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
         s3.create_bucket(Bucket="my-bucket")
         s3.put_object(Bucket="my-bucket", Key="tickets/tickets.csv", Body=tickets().encode())
         port = free_port()
-        overrides = [s for s in tiny_overrides(tmp_path) if not s.startswith(("serve.port=", "storage.embedded"))]
-        shim(tmp_path / "bin", [*overrides, f"serve.port={port}", *CHEAP])
+        shim(tmp_path / "bin", tickets_settings(tmp_path, port, embedded=False))
         # a new local Ray even where another cluster on this machine would be joined by default
         env = {"WF_TEST_PORT": str(port), "RAY_ADDRESS": "local"}
         for b in (b for b in readme_blocks() if b.kind == "s3"):
