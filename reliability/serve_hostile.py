@@ -167,7 +167,7 @@ def _patch_frozen_globals(missing: dict[str, set[str]]) -> None:
 
 
 # -- the model --------------------------------------------------------------------------------
-def _register_untrained(rt, workdir: Path) -> str:
+def _register_untrained(rt, workdir: Path, text_columns: tuple[str, ...] = ("text",)) -> str:
     """The packaged MiniLM with a fresh 3-class head, exported and registered as export.py does."""
     from transformers import AutoTokenizer
 
@@ -184,7 +184,7 @@ def _register_untrained(rt, workdir: Path) -> str:
     meta = {
         "task": "sequence-classification",
         "labels": labels,
-        "text_columns": ["text"],
+        "text_columns": list(text_columns),
         "label_column": "label",
         "max_length": 32,
         "lineage": {"note": "untrained head, for reliability"},

@@ -23,6 +23,24 @@ SHARED = ROOT.parent / "shared"
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # as workflows.runtime sets it
 
+# The shared pipeline runs: a test that uses one takes minutes (its first user pays for the run), so
+# it is `slow` whether or not its module says so, and `make test-fast` (-m "not slow") runs none.
+PIPELINE_FIXTURES = {"quickstart_run", "digits_run"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def reads_tracking(item) -> bool:
+    """Whether a selected test reads what the shared quickstart run tracked: the tracking tests (the
+    run tree through the server, `workflows runs` through the same URI) and any that asks for the
+    server."""
+    return "mlflow_server" in getattr(item, "fixturenames", ()) or item.path.name == "test_tracking.py"
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
@@ -156,7 +174,8 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180) -> None
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """One real MLflow tracking server for the session; the shared pipeline run logs to it."""
+    """One real MLflow tracking server for the session, started by the first test that asks for it
+    (the shared pipeline run logs to it when a selected test reads the tracking)."""
     proc, server = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
     try:
         wait_healthy(proc, server.url)
@@ -167,7 +186,7 @@ def mlflow_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory, mlflow_server) -> QuickstartRun:
+def quickstart_run(tmp_path_factory, request) -> QuickstartRun:
     """ONE tiny quickstart pipeline (data, preprocess, tune, train, evaluate, register, serve) through
     the real CLI in a new process, into a session temp dir. The tests that need a registered model,
     processed data or the stage summaries run their own commands against its persisted store
@@ -176,9 +195,13 @@ def quickstart_run(tmp_path_factory, mlflow_server) -> QuickstartRun:
     # No checkpoint per tune trial epoch (720 of the store's 950 MB): every later command restores
     # the whole embedded store at its start, 10-15 s more each with them. Trial checkpoints are
     # tested by test_tune and by test_jobs' pipeline, which keeps the default.
-    # Tracked (test_tracking reads the run tree, histories, artifacts and registry link it leaves).
-    overrides = [*tiny_overrides(tmp), "tune.checkpoint=false", "tracking.enabled=true",
-                 f"tracking.uri={mlflow_server.url}", "tracking.step_loss_every=1"]
+    overrides = [*tiny_overrides(tmp), "tune.checkpoint=false"]
+    if any(reads_tracking(item) for item in request.session.items):
+        # Tracked to a real server (test_tracking reads the run tree, histories, artifacts and
+        # registry link it leaves); without such a test selected, neither the server nor tracking
+        # (tiny_overrides: tracking.enabled=false) costs the run anything.
+        server = request.getfixturevalue("mlflow_server")
+        overrides += ["tracking.enabled=true", f"tracking.uri={server.url}", "tracking.step_loss_every=1"]
     res = run_cli("pipeline", "--config", str(QUICKSTART), *sets(overrides), timeout=900)
     assert res.returncode == 0, "the shared quickstart pipeline failed:\n" + res.stderr[-4000:]
     return QuickstartRun(tmp=tmp, overrides=overrides, stdout=res.stdout, stderr=res.stderr)

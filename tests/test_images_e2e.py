@@ -177,7 +177,7 @@ def _truncated_png() -> bytes:
     ("missing content type", b"x", {}, 415, "content"),
     ("invalid base64", json.dumps({"instances": [{"image": {"b64": "!!!not base64!!!"}}]}).encode(),
      {"content-type": "application/json"}, 422, "base64"),
-    ("thousands of parts", None, None, 413, "parts"),
+    ("thousands of parts", None, None, 422, "parts"),
     ("over the body limit", b"\x89PNG" + b"\0" * (17 << 20), {"content-type": "image/png"}, 413, "limit"),
 ])
 def test_hostile_images_get_a_4xx_with_one_line_and_the_server_stays_up(image_server, kind, body, headers, status,

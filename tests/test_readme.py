@@ -16,7 +16,9 @@ What the test changes around the commands, and only this:
 - `localhost:8000` becomes the free serve port, `http://minio.local:9000` the moto server;
 - a command whose comment says "Ctrl-C to stop" runs in the background until it is ready (a
   `workflows` command prints "Ctrl-C to stop"; `serve run`: the serve port answers /healthz), and
-  its process group gets SIGINT, as from Ctrl-C, when its block ends.
+  its process group gets SIGINT, as from Ctrl-C, when its block ends: it must exit 0 within 90 s
+  (the README says Ctrl-C stops it cleanly), or the block fails, as with any other command's
+  non-zero exit (`set -e`).
 """
 
 from __future__ import annotations
@@ -33,10 +35,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, shutdown_serve
+from tests.conftest import ROOT, sets, shutdown_serve
 from tests.helpers import free_port, tiny_overrides
-
-pytestmark = pytest.mark.slow
 
 README = ROOT / "README.md"
 MARKED = re.compile(r"<!-- readme-test: (?P<kind>[^>]+?) -->\n```(?:bash|sh|shell)\n(?P<body>.*?)```", re.S)
@@ -45,13 +45,21 @@ KINDS = {"embedded", "s3", "cluster", "digits"}
 # what the README's pipelines skip here: tuning, 2-worker FSDP and the pipeline's own serving are
 # tested elsewhere (test_tune, test_train, test_e2e); the commands are still the README's
 CHEAP = ["tune.enabled=false", "serve.enabled=false", "train.num_workers=1"]
+
+
+def tickets_settings(work: Path, port: int, *, embedded: bool) -> list[str]:
+    """What the shim appends to the README's tickets pipelines, the own-data block's (embedded store)
+    and the S3 block's alike: the tiny settings under `work`, the serve port, CHEAP; the S3 block's
+    without the embedded store's."""
+    drop = ("serve.port=",) if embedded else ("serve.port=", "storage.embedded")
+    return [*(s for s in tiny_overrides(work) if not s.startswith(drop)), f"serve.port={port}", *CHEAP]
 QUICKSTART_LABELS = ["dataframes", "deep-learning", "plotting", "scientific-computing"]
 
 # Before each block's script: background commands in their own process groups (job control, so
 # that SIGINT reaches them as Ctrl-C would), a readiness wait, and Ctrl-C to each at the end.
 PRELUDE = r"""
 set -m
-__pids=()
+__pids=() __cmds=()
 __ready() {  # $1: log, $2: pid, $3: what says it is ready (log: `workflows` prints it; http: /healthz)
   for _ in $(seq 600); do
     [ "$3" = log ] && grep -q "Ctrl-C to stop" "$1" && return 0
@@ -61,12 +69,20 @@ __ready() {  # $1: log, $2: pid, $3: what says it is ready (log: `workflows` pri
   done
   echo "background command not ready in 600 s:" >&2; cat "$1" >&2; return 1
 }
-__stop() {
+__stop() {  # Ctrl-C to each background command, newest first; each must exit 0 within 90 s of it
+  local rc=$? bad=0 i p s
   for ((i=${#__pids[@]}-1; i>=0; i--)); do
     p=${__pids[i]}; kill -INT -- "-$p" 2>/dev/null || true  # as Ctrl-C: the job's process group
     for _ in $(seq 90); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
-    kill -KILL -- "-$p" 2>/dev/null || true
+    if kill -0 "$p" 2>/dev/null; then
+      echo "README: still running 90 s after Ctrl-C: ${__cmds[i]}" >&2; bad=1
+      kill -KILL -- "-$p" 2>/dev/null || true
+    fi
+    s=0; wait "$p" || s=$?
+    [ "$s" = 0 ] || { echo "README: exited $s after Ctrl-C: ${__cmds[i]}" >&2; bad=1; }
+    kill -KILL -- "-$p" 2>/dev/null || true  # what the command left in its group
   done
+  [ "$bad" = 0 ] || exit $(( rc ? rc : 1 ))
 }
 trap __stop EXIT
 set -euo pipefail
@@ -89,7 +105,8 @@ class Block:
             if "Ctrl-C to stop" in comment:
                 log = f"background-{self.line}-{n}.log"
                 ready = "log" if re.match(r"(\.venv/bin/)?workflows ", command.strip()) else "http"
-                line = (f"{{ {command.strip()} ; }} >{log} 2>&1 &\n__pids+=($!)\n__ready {log} $! {ready}\n"
+                line = (f"{{ {command.strip()} ; }} >{log} 2>&1 &\n"
+                        f"__pids+=($!) __cmds+=({shlex.quote(command.strip())})\n__ready {log} $! {ready}\n"
                         f"echo '[started in the background: {command.strip()}]'")
             lines.append(line)
         return PRELUDE + "\n".join(lines) + "\n"
@@ -108,10 +125,45 @@ def test_every_shell_block_in_the_readme_says_what_it_runs_against():
     assert {b.kind for b in blocks} >= KINDS
 
 
-def shim(bin_dir: Path, sets: list[str]) -> None:
+FAKE_SERVER = """#!/usr/bin/env bash
+# stands in for a `workflows` command that runs until Ctrl-C; exits $FAKE_RC on SIGINT ("hang": ignores it)
+[ "$FAKE_RC" = hang ] && trap '' INT || trap 'echo stopping; exit $FAKE_RC' INT
+echo "workflows: up; Ctrl-C to stop"
+while true; do sleep 0.2; done
+"""
+
+
+@pytest.mark.parametrize("fake_rc, fails", [("0", False), ("3", True), ("130", True), ("hang", True)])
+def test_the_runner_fails_a_block_whose_command_ctrl_c_does_not_stop_with_exit_0(tmp_path, fake_rc, fails):
+    """The runner itself: a background command's exit code after Ctrl-C is checked like any other."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "workflows").write_text(FAKE_SERVER)
+    (bin_dir / "workflows").chmod(0o755)
+    block = Block("embedded", "workflows serve --model m   # Ctrl-C to stop\necho after\n", 1)
+    if fake_rc == "hang":  # the 90 s wait for it, shortened
+        script = block.script({}).replace("seq 90", "seq 2")
+        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_RC": "hang"}
+        res = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+        assert res.returncode != 0 and "still running 90 s after Ctrl-C: workflows serve" in res.stderr, res.stderr
+        return
+    if fails:
+        with pytest.raises(AssertionError, match=f"exited {fake_rc} after Ctrl-C: workflows serve --model m"):
+            run_block(block, tmp_path, bin_dir, {"FAKE_RC": fake_rc}, {}, timeout=60)
+    else:
+        out = run_block(block, tmp_path, bin_dir, {"FAKE_RC": fake_rc}, {}, timeout=60).stdout
+        assert "after" in out and "stopping" in (tmp_path / "background-1-0.log").read_text()
+
+
+def set_flags(overrides: list[str]) -> str:
+    """The `--set` flags of `overrides` (conftest.sets), quoted for a shell script."""
+    return " ".join(shlex.quote(a) for a in sets(overrides))
+
+
+def shim(bin_dir: Path, overrides: list[str]) -> None:
     """`workflows` that runs this checkout's CLI with the test's settings appended."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    extra = " ".join(shlex.quote(a) for s in sets for a in ("--set", s))
+    extra = set_flags(overrides)
     path = bin_dir / "workflows"
     path.write_text(f'#!/usr/bin/env bash\nexec {shlex.quote(sys.executable)} -m workflows "$@" {extra}\n')
     path.chmod(0o755)
@@ -169,14 +221,13 @@ def workdir(quickstart_run, ray_join, tmp_path_factory):
                     ignore=shutil.ignore_patterns("lock", "endpoint.json"))
     (work / "tickets.csv").write_text(tickets())
     port = free_port()
-    sets = [s for s in tiny_overrides(work) if not s.startswith("serve.port=")]
-    sets += [f"serve.port={port}", *CHEAP, *ray_join.overrides]
-    shim(work / "bin", sets)
+    shim(work / "bin", [*tickets_settings(work, port, embedded=True), *ray_join.overrides])
     env = {**ray_join.env, "WF_TEST_PORT": str(port), "RAY_ADDRESS": ray_join.address}
     yield work, env, {"localhost:8000": f"localhost:{port}"}
     shutdown_serve()
 
 
+@pytest.mark.slow
 def test_readme_blocks_on_the_embedded_store(quickstart_run, workdir):
     work, env, subs = workdir
     outputs = [run_block(b, work, work / "bin", env, subs) for b in readme_blocks() if b.kind == "embedded"]
@@ -201,6 +252,7 @@ def test_readme_blocks_on_the_embedded_store(quickstart_run, workdir):
     assert "store: stopped; data persisted" in store_log, store_log
 
 
+@pytest.mark.slow
 def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
     """The 'Real S3 or MinIO' block against moto's server, the embedded store off: it trains on the
     bucket's tickets and registers them there, and builds nothing into the bucket. It starts a Ray
@@ -218,8 +270,7 @@ def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
         s3.create_bucket(Bucket="my-bucket")
         s3.put_object(Bucket="my-bucket", Key="tickets/tickets.csv", Body=tickets().encode())
         port = free_port()
-        sets = [s for s in tiny_overrides(tmp_path) if not s.startswith(("serve.port=", "storage.embedded"))]
-        shim(tmp_path / "bin", [*sets, f"serve.port={port}", *CHEAP])
+        shim(tmp_path / "bin", tickets_settings(tmp_path, port, embedded=False))
         # a new local Ray even where another cluster on this machine would be joined by default
         env = {"WF_TEST_PORT": str(port), "RAY_ADDRESS": "local"}
         for b in (b for b in readme_blocks() if b.kind == "s3"):
@@ -232,6 +283,7 @@ def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_readme_block_on_a_local_cluster(tmp_path):
     """The cluster block: `cluster/local/start.sh` (on free ports, a token of its own), a pipeline
     as a Ray job, `stop.sh`. The nodes' `python` (start.sh puts the directory of `$RAY` first on
@@ -246,9 +298,9 @@ def test_readme_block_on_a_local_cluster(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ray").symlink_to(Path(sys.executable).parent / "ray")
-    sets = [s for s in tiny_overrides(tmp_path) if not s.startswith("cache.dir=")]
-    sets += ["cache.dir=auto", *CHEAP]
-    extra = " ".join(shlex.quote(a) for s in sets for a in ("--set", s))
+    overrides = [s for s in tiny_overrides(tmp_path) if not s.startswith("cache.dir=")]
+    overrides += ["cache.dir=auto", *CHEAP]
+    extra = set_flags(overrides)
     python = shlex.quote(sys.executable)
     (bin_dir / "python").write_text(
         f'#!/usr/bin/env bash\nif [ "${{1:-}} ${{2:-}}" = "-m workflows" ]; then exec {python} "$@" {extra}; fi\n'
@@ -276,6 +328,7 @@ def test_readme_block_on_a_local_cluster(tmp_path):
                        capture_output=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_readme_image_blocks_on_the_digits_store(digits_run, ray_join, tmp_path_factory):
     """The Images section's commands on the store the shared digits pipeline left: evaluate, serve
     with the three request shapes, batch predictions over the raw tar shards."""
@@ -287,8 +340,8 @@ def test_readme_image_blocks_on_the_digits_store(digits_run, ray_join, tmp_path_
                     ignore=shutil.ignore_patterns("lock", "endpoint.json"))
     (work / "digit.png").write_bytes(_digit_png(3))
     port = free_port()
-    sets = [s for s in digits_overrides(work) if not s.startswith("serve.port=")]
-    shim(work / "bin", [*sets, f"serve.port={port}", *ray_join.overrides])
+    overrides = [s for s in digits_overrides(work) if not s.startswith("serve.port=")]
+    shim(work / "bin", [*overrides, f"serve.port={port}", *ray_join.overrides])
     env = {**ray_join.env, "WF_TEST_PORT": str(port), "RAY_ADDRESS": ray_join.address}
     try:
         outputs = [run_block(b, work, work / "bin", env, {"localhost:8000": f"localhost:{port}"})

@@ -1,6 +1,6 @@
 """What the docs claim about serving, held against the model and data the shared tiny pipeline
-(`quickstart_run`) registered and materialized: the serving predictor encodes a raw row into the
-training shard's input_ids, and int8 serving quantizes the Linear layers and stays close to fp32."""
+(`quickstart_run`) registered and materialized: the serving predictor feeds the model a raw row as
+the training shard's input_ids, and int8 serving quantizes the Linear layers and stays close to fp32."""
 
 from __future__ import annotations
 
@@ -48,15 +48,33 @@ def registered(quickstart_run):
         return model_dir, card, raw, frame(data.files["train"]), frame(data.files["test"])
 
 
-def test_serving_encodes_a_raw_row_into_the_training_shards_input_ids(registered):
+def fed_to_the_model(predictor, columns: dict, batch_size: int) -> list[list[int]]:
+    """The token ids `probabilities` hands the model's forward, caught there (a forward pre-hook), each
+    row cut to its attention mask: what the model sees, not what a parallel encoder would say."""
+    seen = []
+
+    def hook(_module, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        seen.extend(row[m.bool()].tolist() for row, m in zip(ids, mask))
+
+    handle = predictor.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        predictor.probabilities(columns, batch_size=batch_size)
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_serving_feeds_the_model_a_raw_row_as_the_training_shards_input_ids(registered):
     from workflows.serve.predictor import Predictor
 
     model_dir, card, raw, train, _ = registered
     by_text = {row["text"]: row for row in raw}
     rows = [by_text[t] for t in train["text"][:64]]  # the raw rows behind these training rows
-    served = Predictor(model_dir).input_ids({"text": [r["text"] for r in rows]})
+    predictor = Predictor(model_dir)
     trained = list(train["input_ids"][:64])
-    assert served == trained
+    # batches of 16: padding to each batch's longest row must not change a row's ids
+    assert fed_to_the_model(predictor, {"text": [r["text"] for r in rows]}, batch_size=16) == trained
     # truncation is part of what must agree: some of these rows reach the model's max_length
     assert any(len(ids) == card.max_length for ids in trained) and card.max_length == 32
 

@@ -20,11 +20,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
 from workflows.config import WorkflowConfig
-from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses  # noqa: F401 (re-exported)
+from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path  # noqa: F401 (re-exported)
 from workflows.storage.uri import StorageContext
 
 # Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on
@@ -125,6 +127,14 @@ def build_api(server: "ModelServer") -> FastAPI:
                   description=f"Predictions of registered model {card.name}:{card.version} ({what}).")
     api.add_middleware(RequestGuard)
 
+    @api.exception_handler(RequestValidationError)
+    async def one_line(_, exc: RequestValidationError) -> JSONResponse:
+        # what FastAPI validates itself (parameters): the one-line {"error": ...} of every other 4xx,
+        # not its {"detail": [...]}; bodies are validated by the contract (workflows.serve.contract)
+        err = exc.errors()[0]
+        loc = tuple(err.get("loc") or ())
+        return _error(422, f"{loc_path(str(loc[0]), loc[1:]) if loc else 'request'}: {err['msg']}")
+
     @api.post("/predict", response_class=JSONResponse, summary="Predict for instances (one prediction each)",
               responses={200: {"model": contract.response_model, "description": "one prediction per instance"},
                          **error_responses(*contract.errors)})
@@ -141,7 +151,8 @@ def build_api(server: "ModelServer") -> FastAPI:
     @api.get("/v1/models/{name}", summary="The served model's card: labels, columns, metrics, lineage",
              responses={404: {"model": ErrorResponse, "description": "another model's name"},
                         **error_responses(401, 431)})
-    async def model_info(name: str, request: Request):
+    async def model_info(request: Request, name: str = PathParam(
+            description="the served model's name (any other is a 404)", json_schema_extra={"enum": [card.name]})):
         if (denied := server._denied(request)) is not None:
             return denied
         if name != card.name:

@@ -1,15 +1,22 @@
 """The HTTP contract of a served model: pydantic request and response models built from its card,
 declared in the OpenAPI document (/openapi.json, /docs) with every error the app answers.
 
-A task's `http_contract` (workflows.tasks.base.HttpContract) parses and validates bodies itself:
-its status codes and messages (400 for bad JSON, 413 for too many instances, 422 naming the bad
-field) are part of the contract too, and FastAPI's own body validation would answer 422 with
-another shape. `JsonInstances` is the contract of every task whose instances are JSON objects.
+A task's `http_contract` (workflows.tasks.base.HttpContract) validates a JSON body with the very
+request model the document declares (`request_model.model_validate_json`: one validation path, so a
+request the schema accepts is never rejected and one it rejects is never answered outside the
+declared statuses), and `rejection` turns pydantic's first error into the one-line {"error": ...}
+answer: 400 for bad JSON, 422 naming the bad field, a list over maxItems included (the schema's own
+rule: 422 as any other violation of it, where a hand-written check once answered 413). 413 is left
+for a body over the byte limit, which no JSON schema states. FastAPI's body parameter would do the
+same validation, but the image route takes three content types in one operation (JSON, a raw image,
+multipart), which it cannot; its RequestValidationError answers go through `rejection` too
+(workflows.serve.app). `JsonInstances` is the contract of every task whose instances are JSON objects.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from types import GenericAlias
 from typing import Any, Literal
 
@@ -29,12 +36,21 @@ class ErrorResponse(BaseModel):
 ERRORS = {
     400: "the body is not valid JSON",
     401: "missing or wrong bearer token (when serve.auth_token_env is set)",
-    413: "the body is over 1 MiB, or more instances than serve.max_instances",
+    413: "the body is over 1 MiB",
     415: "the Content-Type is not one the route accepts (the answer lists those it does)",
-    422: "the body is JSON, but not an object {\"instances\": [...]} of valid instances",
+    422: "the body is JSON, but not an object {\"instances\": [...]} of valid instances (no more than "
+         "serve.max_instances, the request's maxItems)",
     431: "request headers too large or too many",
     503: "the server is shutting down (it answers the requests it holds, then stops)",
 }
+
+
+# Not all of an instance's text fields blank, in the schema as in the validator: "some field has a
+# non-whitespace character" is an anyOf of one `pattern` per field (JSON Schema has no "at least one
+# of these non-empty"). The same regex on both sides: Python's \S, which a schema-driven generator
+# (hypothesis-jsonschema) uses too; ECMA's \s differs only on U+FEFF, which it counts as whitespace.
+NOT_BLANK = r"\S"
+_NOT_BLANK = re.compile(NOT_BLANK)
 
 
 def instance_model(text_columns: list[str]) -> type[BaseModel]:
@@ -42,13 +58,14 @@ def instance_model(text_columns: list[str]) -> type[BaseModel]:
     fields: dict[str, Any] = {c: (str, Field(..., max_length=MAX_TEXT_CHARS)) for c in text_columns}
 
     def not_all_empty(self):
-        if not any(str(getattr(self, c)).strip() for c in text_columns):
+        if not any(_NOT_BLANK.search(getattr(self, c)) for c in text_columns):
             raise ValueError(f"all text fields are empty ({', '.join(text_columns)})")
         return self
 
     validators: dict[str, Any] = {"not_all_empty": model_validator(mode="after")(not_all_empty)}
-    return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True), __validators__=validators,
-                        **fields)
+    some_text: dict[str, Any] = {"anyOf": [{"properties": {c: {"pattern": NOT_BLANK}}} for c in text_columns]}
+    return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True, json_schema_extra=some_text),
+                        __validators__=validators, **fields)
 
 
 def example_instance(text_columns: list[str]) -> dict[str, str]:
@@ -113,28 +130,11 @@ class JsonInstances(HttpContract):
         if len(body) > self.max_body_bytes:
             return 413, f"request body is {len(body)} bytes; the limit is {self.max_body_bytes}"
         try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            return 400, f"body is not valid JSON: {e}"
-        except RecursionError:
-            return 400, "body is not valid JSON: nested too deeply"
-        if not isinstance(payload, dict) or set(payload) != {"instances"}:
-            return 422, 'body must be an object with exactly one key, "instances"'
-        instances = payload["instances"]
-        if not isinstance(instances, list) or not instances:
-            return 422, '"instances" must be a non-empty list'
-        if len(instances) > self.max_instances:
-            return 413, f"{len(instances)} instances; at most {self.max_instances} per request"
-        rows = []
-        for i, inst in enumerate(instances):
-            try:
-                # by alias: a column whose name is no Python identifier ("sepal length") is a field with an alias
-                rows.append(self.instance.model_validate(inst).model_dump(by_alias=True))
-            except ValidationError as e:
-                err = e.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                return 422, f"instances[{i}]{'.' + where if where else ''}: {err['msg']}"
-        return rows
+            request = self.request_model.model_validate_json(body)
+        except ValidationError as e:
+            return rejection(e)
+        # by alias: a column whose name is no Python identifier ("sepal length") is a field with an alias
+        return [inst.model_dump(by_alias=True) for inst in request.instances]
 
     def openapi(self, document: dict, path: str) -> dict:
         return with_request_body(document, path, self.request_model)
@@ -143,6 +143,76 @@ class JsonInstances(HttpContract):
 def text_contract(card, max_instances: int) -> JsonInstances:
     return JsonInstances(instance_model(card.text_columns), classification_prediction(card.labels), card,
                          max_instances, example_instance(card.text_columns))
+
+
+# --- one-line answers for what the request model rejects -------------------------------------------
+
+MAX_ECHO_CHARS = 60  # of a key, field name or filename quoted in a message
+ENVELOPE = '(the body is {"instances": [...]})'
+
+
+def json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    kinds: dict[type, str] = {dict: "an object", list: "an array", str: "a string"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def quote(text: str) -> str:
+    """`text` as a short one-line JSON string (escapes control characters and line separators)."""
+    cut = text if len(text) <= MAX_ECHO_CHARS else text[:MAX_ECHO_CHARS] + "..."
+    return json.dumps(cut)
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def loc_path(prefix: str, loc: tuple) -> str:
+    """A pydantic error location as the path a client reads: instances[2].image["a b"]."""
+    out = prefix
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif _IDENT.fullmatch(p) and len(p) <= MAX_ECHO_CHARS:
+            out += f".{p}"
+        else:
+            out += f"[{quote(p)}]"
+    return out
+
+
+def rejection(e: ValidationError) -> tuple[int, str]:
+    """(status, one-line message) for a body a request model {"instances": [...]} rejected: its first
+    error, a list over maxItems or an unknown key of the body before the others (a misspelt
+    "instances" is reported as itself, not as "instances" missing)."""
+
+    def rank(err) -> int:
+        return 0 if err["type"] == "too_long" else 1 if err["type"] == "extra_forbidden" and len(err["loc"]) == 1 else 2
+
+    err = min(e.errors(), key=rank)  # min keeps pydantic's order among equals
+    kind, loc = err["type"], tuple(err["loc"])
+    if kind == "json_invalid":
+        return 400, f"body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
+    if loc == ():
+        if kind in ("model_type", "model_attributes_type", "dict_type"):
+            return 422, f'body must be an object {{"instances": [...]}}, not {json_kind(err["input"])}'
+        return 422, f"body: {err['msg']}"
+    if loc == ("instances",):
+        if kind == "too_long":
+            return 422, f"{err['ctx']['actual_length']} instances; at most {err['ctx']['max_length']} per request"
+        if kind in ("too_short", "list_type"):
+            return 422, '"instances" must be a non-empty list'
+    if len(loc) == 1:  # a key of the body: missing "instances", or another one
+        return 422, f"{loc_path('body', loc)}: {err['msg']} {ENVELOPE}"
+    msg = err["msg"]
+    if kind in ("model_type", "model_attributes_type", "dict_type"):  # pydantic's message names our classes
+        msg = f"must be an object, not {json_kind(err['input'])}"
+    elif kind == "value_error":  # a model validator's ValueError: its own words
+        msg = str(err.get("ctx", {}).get("error", msg))
+    return 422, f"{loc_path(f'instances[{loc[1]}]', loc[2:])}: {msg}"
 
 
 def error_responses(*codes: int) -> dict[int | str, dict]:

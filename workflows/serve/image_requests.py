@@ -18,20 +18,20 @@ string; the `=` padding may be left out (as base64url usually is). No whitespace
 wraps its output at 76 columns unless run with -w0) and no `data:` URL prefix: both answer 422 saying so.
 
 Limits, checked in this order and cheaply: a body over max_body_bytes is a 413 before anything is parsed;
-more than max_instances images is a 413 (the JSON list is counted before any instance is validated; a
-multipart body is parsed part by part and parsing stops at the first part over the limit, so a body of
-thousands of tiny parts costs no more than max_instances + 1 of them). The request model declares the
-same limit as maxItems: a request over it violates the schema and is answered 413, as the text route does
-(workflows.serve.app.validate_body) and as multipart bodies over it are; a 413 always means "send less".
+more than max_instances images is a 422, as any other violation of the schema's maxItems (a JSON body is
+validated by the request model the document declares, which counts the list before validating any
+instance; a multipart body is parsed part by part and parsing stops at the first part over the limit, so
+a body of thousands of tiny parts costs no more than max_instances + 1 of them).
 
 Statuses (every message one line, naming the instance or part and never echoing more than a short
 excerpt of the input):
   400  the body is not valid JSON, or not valid multipart/form-data
-  413  the body is over max_body_bytes, or holds more than max_instances images
+  413  the body is over max_body_bytes
   415  missing or unsupported Content-Type
   422  well-formed, but not a valid request: the wrong JSON structure (the message names the path, e.g.
        `instances[2].image.url: Extra inputs are not permitted`), invalid base64, an empty image
-       (`instances[0]: empty image (0 bytes)`), no instances, a multipart part that is not a file
+       (`instances[0]: empty image (0 bytes)`), no instances or more than max_instances, a multipart part
+       that is not a file
 
 Wiring, in workflows.serve.app (or a task's HTTP contract) for an image model:
     request_model, response_model = image_predict_models(card, max_instances)
@@ -50,6 +50,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Annotated, Any
 
 from pydantic import (
@@ -64,7 +65,15 @@ from pydantic_core import PydanticCustomError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from workflows.serve.contract import classification_prediction, register_schema, request_model, response_model
+from workflows.serve.contract import (
+    classification_prediction,
+    json_kind,
+    quote,
+    register_schema,
+    rejection,
+    request_model,
+    response_model,
+)
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 JSON_TYPE = "application/json"
@@ -75,8 +84,6 @@ ACCEPTED_TYPES = (JSON_TYPE, *IMAGE_TYPES, MULTIPART_TYPE)
 EXAMPLE_PNG_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR42mP438AAAAQBAYD718vxAAAAAElFTkSuQmCC"
 EXAMPLE_INSTANCE: dict[str, Any] = {"image": {"b64": EXAMPLE_PNG_B64}}
 EXAMPLE_REQUEST: dict[str, Any] = {"instances": [EXAMPLE_INSTANCE]}
-
-MAX_ECHO_CHARS = 60  # of a key, field name or filename quoted in a message
 
 
 @dataclass(frozen=True)
@@ -115,20 +122,9 @@ def decode_b64(text: str) -> bytes:
         raise ValueError(str(e).splitlines()[0] if str(e) else "malformed") from None
 
 
-def _json_kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    kinds: dict[type, str] = {dict: "an object", list: "an array", str: "a string"}
-    return kinds.get(type(value), type(value).__name__)
-
-
 def _b64_image(value: object) -> bytes:
     if not isinstance(value, str):
-        raise PydanticCustomError("b64_type", "must be a base64 string, not {kind}", {"kind": _json_kind(value)})
+        raise PydanticCustomError("b64_type", "must be a base64 string, not {kind}", {"kind": json_kind(value)})
     try:
         return decode_b64(value)
     except ValueError as e:
@@ -169,37 +165,16 @@ class ImageInstance(BaseModel):
 def image_predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[BaseModel]]:
     """(PredictRequest, PredictResponse) for the image classifier `card` describes. The request model
     holds the rules parse_image_request applies to a JSON body; the response is the text classifiers'."""
-    return (request_model(ImageInstance, max_instances, EXAMPLE_INSTANCE),
+    return (_json_request_model(max_instances),
             response_model(card, classification_prediction(card.labels)))
 
 
 # --- parsing --------------------------------------------------------------------------------------------
 
-def _quote(text: str) -> str:
-    """`text` as a short one-line JSON string (escapes control characters and line separators)."""
-    cut = text if len(text) <= MAX_ECHO_CHARS else text[:MAX_ECHO_CHARS] + "..."
-    return json.dumps(cut)
-
-
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _path(prefix: str, loc: tuple) -> str:
-    out = prefix
-    for p in loc:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif _IDENT.fullmatch(p) and len(p) <= MAX_ECHO_CHARS:
-            out += f".{p}"
-        else:
-            out += f"[{_quote(p)}]"
-    return out
-
-
 def _unsupported(content_type: str | None) -> RequestError:
     accepted = (f"{JSON_TYPE} ({json.dumps({'instances': [{'image': {'b64': '...'}}]})}), "
                 f"{', '.join(IMAGE_TYPES)} (the body is one image) or {MULTIPART_TYPE} (one file part per image)")
-    given = f"Content-Type {_quote(content_type)} is not supported" if content_type else "no Content-Type"
+    given = f"Content-Type {quote(content_type)} is not supported" if content_type else "no Content-Type"
     return RequestError(415, f"{given}; send {accepted}")
 
 
@@ -222,36 +197,18 @@ def parse_image_request(content_type: str | None, body: bytes, max_instances: in
     return _unsupported(content_type)
 
 
+@lru_cache(maxsize=8)
+def _json_request_model(max_instances: int) -> type[BaseModel]:
+    return request_model(ImageInstance, max_instances, EXAMPLE_INSTANCE)
+
+
 def _parse_json(body: bytes, max_instances: int) -> list[bytes] | RequestError:
+    """Validated by the request model the document declares (workflows.serve.contract.rejection)."""
     try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        return RequestError(400, f"body is not valid JSON: {str(e).splitlines()[0]}")
-    except RecursionError:
-        return RequestError(400, "body is not valid JSON: nested too deeply")
-    if not isinstance(payload, dict):
-        return RequestError(422, f'body must be an object {{"instances": [...]}}, not {_json_kind(payload)}')
-    if extra := [k for k in payload if k != "instances"]:
-        return RequestError(422, f"{_path('body', (extra[0],))}: Extra inputs are not permitted "
-                                 '(the body is {"instances": [...]})')
-    if "instances" not in payload:
-        return RequestError(422, 'body.instances: Field required (the body is {"instances": [...]})')
-    instances = payload["instances"]
-    if not isinstance(instances, list) or not instances:
-        return RequestError(422, '"instances" must be a non-empty list')
-    if len(instances) > max_instances:
-        return RequestError(413, f"{len(instances)} instances; at most {max_instances} per request")
-    images = []
-    for i, inst in enumerate(instances):
-        try:
-            images.append(ImageInstance.model_validate(inst).image.b64)
-        except ValidationError as e:
-            err = e.errors()[0]
-            msg = err["msg"]
-            if err["type"] in ("model_type", "dict_type"):  # pydantic's message names our classes
-                msg = f"must be an object, not {_json_kind(err['input'])}"
-            return RequestError(422, f"{_path(f'instances[{i}]', err['loc'])}: {msg}")
-    return images
+        request: Any = _json_request_model(max_instances).model_validate_json(body)
+    except ValidationError as e:
+        return RequestError(*rejection(e))
+    return [inst.image.b64 for inst in request.instances]
 
 
 class _Reject(Exception):
@@ -275,7 +232,8 @@ def _parse_multipart(boundary: bytes | None, body: bytes, max_instances: int) ->
 
     def on_part_begin():
         if len(images) >= max_instances:  # stop here: the parts after this one are never parsed
-            raise _Reject(RequestError(413, f"more than {max_instances} parts; "
+            # 422 as the JSON body's instances over maxItems (the files' maxItems in the document)
+            raise _Reject(RequestError(422, f"more than {max_instances} parts; "
                                             f"at most {max_instances} images per request"))
         headers.clear()
         chunks.clear()
@@ -294,9 +252,9 @@ def _parse_multipart(boundary: bytes | None, body: bytes, max_instances: int) ->
         disposition = next((bytes(v) for k, v in headers if k.strip().lower() == b"content-disposition"), b"")
         kind, params = parse_options_header(disposition.decode("latin-1"))
         name = params.get(b"name", b"").decode("utf-8", "replace")
-        label = f"parts[{len(images)}] (name {_quote(name)}"
+        label = f"parts[{len(images)}] (name {quote(name)}"
         if b"filename" in params:
-            label += f", filename {_quote(params[b'filename'].decode('utf-8', 'replace'))})"
+            label += f", filename {quote(params[b'filename'].decode('utf-8', 'replace'))})"
         else:
             label += ")"
         if kind != b"form-data" or b"filename" not in params:
@@ -342,12 +300,12 @@ def image_error_descriptions(max_instances: int, max_body_bytes: int) -> dict[in
     """What the image route's 400, 413, 415 and 422 answers mean (contract.ERRORS says it for text)."""
     return {
         400: "the body is not valid JSON (application/json) or not valid multipart/form-data",
-        413: f"the body is over {max_body_bytes} bytes, or holds more than {max_instances} images "
-             "(serve.max_instances, the request's maxItems)",
+        413: f"the body is over {max_body_bytes} bytes",
         415: f"the Content-Type is none of {', '.join(ACCEPTED_TYPES)}",
         422: "the body is well-formed but not a valid request, the message names the instance, path or part: "
-             'not {"instances": [{"image": {"b64": ...}}]} exactly, invalid base64, no instances, an empty '
-             "image, a multipart part that is not a file; or an image that does not decode",
+             'not {"instances": [{"image": {"b64": ...}}]} exactly, invalid base64, no instances or more than '
+             f"{max_instances} (serve.max_instances, the request's maxItems), an empty image, a multipart part "
+             "that is not a file; or an image that does not decode",
     }
 
 

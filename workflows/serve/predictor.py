@@ -42,11 +42,6 @@ class TextPredictor(base.Predictor):
             raise ValueError(f"unknown precision {precision!r}")
         self.model = model.to(self.device)
 
-    def input_ids(self, columns: Mapping[str, Sequence[object]]) -> list[list[int]]:
-        """Token ids of raw rows, unpadded: what `probabilities` feeds the model (each text is
-        encoded on its own, so batching does not change them)."""
-        return self.encoder.encode_texts(compose_texts(columns, self.text_columns))
-
     @torch.inference_mode()
     def probabilities(self, columns: Mapping[str, Sequence[object]], batch_size: int = 64) -> np.ndarray:
         texts = compose_texts(columns, self.text_columns)

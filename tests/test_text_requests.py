@@ -1,0 +1,67 @@
+"""workflows.serve.contract: a text model's /predict body is validated by the request model that the
+OpenAPI document declares, so the schema and the server agree on every body (the two mismatches
+schemathesis once found included), with one-line messages. Pure: no Ray, no HTTP."""
+
+import json
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+
+from workflows.serve.contract import text_contract, with_request_body
+
+MAX_INSTANCES = 4
+CARD = SimpleNamespace(name="tickets", labels=["a", "b"], text_columns=["title", "description"])
+CONTRACT = text_contract(CARD, MAX_INSTANCES)
+
+
+def schema() -> dict:
+    doc = with_request_body({"paths": {"/predict": {"post": {}}}}, "/predict", CONTRACT.request_model)
+    return {"$ref": "#/components/schemas/PredictRequest", "components": doc["components"]}
+
+
+def one(title="Invoice", description="charged twice") -> dict:
+    return {"title": title, "description": description}
+
+
+CASES = [
+    ({"instances": [one()]}, None),
+    ({"instances": [one()] * MAX_INSTANCES}, None),
+    ({"instances": [one("", "x")]}, None),
+    ({"instances": [one("", "")]}, "instances[0]: all text fields are empty (title, description)"),
+    ({"instances": [one(" \t", "\n\u00a0")]}, "instances[0]: all text fields are empty (title, description)"),
+    ({"instances": [one()] * 5}, f"5 instances; at most {MAX_INSTANCES} per request"),
+    ({"instances": [{"junk": 1}] * 9}, f"9 instances; at most {MAX_INSTANCES} per request"),
+    ({"instances": []}, '"instances" must be a non-empty list'),
+    ({"instances": one()}, '"instances" must be a non-empty list'),
+    ({}, 'body.instances: Field required (the body is {"instances": [...]})'),
+    ({"inputs": [one()]}, 'body.inputs: Extra inputs are not permitted (the body is {"instances": [...]})'),
+    ([one()], 'body must be an object {"instances": [...]}, not an array'),
+    ({"instances": [one(), {**one(), "id": 1}]}, "instances[1].id: Extra inputs are not permitted"),
+    ({"instances": [{"title": "x"}]}, "instances[0].description: Field required"),
+    ({"instances": [one(3)]}, "instances[0].title: Input should be a valid string"),
+    ({"instances": ["x"]}, "instances[0]: must be an object, not a string"),
+    ({"instances": [one("x" * 100_001)]}, "instances[0].title: String should have at most 100000 characters"),
+]
+
+
+@pytest.mark.parametrize("payload, message", CASES, ids=range(len(CASES)))
+def test_the_schema_and_the_server_agree(payload, message):
+    """Accepted by the server exactly when the published schema accepts it; a rejection is one 422
+    line naming the path (more instances than maxItems too, no longer a 413)."""
+    result = CONTRACT.parse("application/json", json.dumps(payload).encode())
+    errors = list(jsonschema.Draft202012Validator(schema()).iter_errors(payload))
+    if message is None:
+        assert result == [{k: str(v) for k, v in inst.items()} for inst in payload["instances"]]
+        assert not errors, errors
+    else:
+        assert result == (422, message)
+        assert errors, "the schema accepts a body the server rejects"
+
+
+def test_bad_json_and_a_huge_body():
+    status, message = CONTRACT.parse("application/json", b'{"instances": [')
+    assert status == 400 and message.startswith("body is not valid JSON: ") and "\n" not in message
+    assert CONTRACT.parse("application/json", b"[" * 100_000)[0] == 400  # nesting: no RecursionError
+    big = b" " * ((1 << 20) + 1)
+    assert CONTRACT.parse("application/json", big) == (413, f"request body is {len(big)} bytes; the limit is {1 << 20}")
