@@ -98,6 +98,38 @@ def _stale_haproxy(tmp: Path, port: int) -> psutil.Process:
     return proc
 
 
+def test_the_guard_runs_the_users_haproxy_in_place_and_dies_with_its_parent(monkeypatch):
+    """Serve's binary override becomes the guard (around the user's own choice, restored after);
+    the guard execs it in the same process (Serve waits for that pid) and the kernel kills it
+    when the process that started it dies."""
+    from workflows.serve import ingress
+
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/bin/sleep")  # the user's "HAProxy"
+    monkeypatch.delenv(OWNER_ENV, raising=False)
+    env = ingress.cluster_env(True)
+    with ingress.scoped_env(env):
+        wrapper = os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"]
+        assert wrapper != "/bin/sleep" and "/bin/sleep" in Path(wrapper).read_text()
+        assert os.environ[OWNER_ENV] == env[OWNER_ENV]
+    assert os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/bin/sleep" and OWNER_ENV not in os.environ
+    starter = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                "print(subprocess.Popen([sys.argv[1], '600']).pid, flush=True); time.sleep(600)",
+                                wrapper], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(starter.stdout.readline()))
+        deadline = time.time() + 10
+        while child.cmdline() != ["/bin/sleep", "600"]:
+            assert time.time() < deadline, child.cmdline()
+            time.sleep(0.05)
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.time() + 10
+    while _alive([child]):
+        assert time.time() < deadline, "the guarded process outlived its parent"
+        time.sleep(0.05)
+
+
 @needs_haproxy
 def test_a_stale_haproxy_of_ours_is_stopped_and_any_other_holder_named(tmp_path):
     port = free_port()
@@ -171,7 +203,8 @@ class Serve:
 
 
 @needs_haproxy
-@pytest.mark.parametrize("moment", ["haproxy started", "serving"])
+# the "serving" case is slow (it deploys the model); its stale-HAProxy step is also tested alone, above
+@pytest.mark.parametrize("moment", ["haproxy started", pytest.param("serving", marks=pytest.mark.slow)])
 def test_a_serve_stopped_during_startup_leaves_no_ingress(quickstart_run, tmp_path, moment):
     """SIGTERM at a moment of startup, SIGKILL to the process group 5 s later (as a supervisor
     does): nothing listens on the port afterwards, no HAProxy nor other process of its cluster is
@@ -198,7 +231,8 @@ def test_a_serve_stopped_during_startup_leaves_no_ingress(quickstart_run, tmp_pa
 
 
 @needs_haproxy
-@pytest.mark.parametrize("fault", ["manager and raylet killed", "command killed, manager hung"])
+@pytest.mark.parametrize("fault", ["manager and raylet killed",
+                                   pytest.param("command killed, manager hung", marks=pytest.mark.slow)])
 def test_haproxy_dies_with_its_manager_or_its_command(quickstart_run, fault):
     """Where Ray cannot clean up, HAProxy still goes. Its manager SIGKILLed together with the
     raylet (which would kill the manager's process group): the parent-death signal ends HAProxy
