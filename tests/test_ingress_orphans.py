@@ -25,7 +25,8 @@ needs_haproxy = pytest.mark.skipif(haproxy_binary() is None, reason="no HAProxy 
 
 
 def _owned_by(pid: int) -> list[psutil.Process]:
-    """Processes started for the command `pid`'s cluster: they carry its owner mark in their environment."""
+    """Processes started for the command `pid`'s cluster that carry its owner mark in their
+    environment (workflows.serve.haproxy_guard's watchdog among them)."""
     found = []
     for p in psutil.process_iter():
         try:
@@ -36,8 +37,45 @@ def _owned_by(pid: int) -> list[psutil.Process]:
     return found
 
 
-def _haproxies_of(pid: int) -> list[psutil.Process]:
-    return [p for p in _owned_by(pid) if p.name() == "haproxy"]
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
+
+
+def _alive(procs) -> list[psutil.Process]:
+    left = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.Error:
+            pass
+    return left
+
+
+class Tree:
+    """Every process seen below the command while it ran (its cluster: raylet, workers, HAProxy),
+    found by ancestry: what outlives the command is reparented, but was seen here before."""
+
+    def __init__(self, pid: int):
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, psutil.Process] = {}
+
+    def look(self) -> None:
+        try:
+            for p in self.root.children(recursive=True):
+                self.seen.setdefault(p.pid, p)  # psutil.Process keeps the start time: no pid reuse
+        except psutil.Error:
+            pass
+
+    def haproxies(self) -> list[psutil.Process]:
+        self.look()
+        return [p for p in _alive(self.seen.values()) if _name(p) == "haproxy"]
+
+    def left(self) -> list[psutil.Process]:
+        return _alive([*self.seen.values(), *_owned_by(self.root.pid)])
 
 
 def _stale_haproxy(tmp: Path, port: int) -> psutil.Process:
@@ -58,6 +96,38 @@ def _stale_haproxy(tmp: Path, port: int) -> psutil.Process:
         assert time.time() < deadline and proc.is_running(), "the stale HAProxy did not listen"
         time.sleep(0.05)
     return proc
+
+
+def test_the_guard_runs_the_users_haproxy_in_place_and_dies_with_its_parent(monkeypatch):
+    """Serve's binary override becomes the guard (around the user's own choice, restored after);
+    the guard execs it in the same process (Serve waits for that pid) and the kernel kills it
+    when the process that started it dies."""
+    from workflows.serve import ingress
+
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/bin/sleep")  # the user's "HAProxy"
+    monkeypatch.delenv(OWNER_ENV, raising=False)
+    env = ingress.cluster_env(True)
+    with ingress.scoped_env(env):
+        wrapper = os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"]
+        assert wrapper != "/bin/sleep" and "/bin/sleep" in Path(wrapper).read_text()
+        assert os.environ[OWNER_ENV] == env[OWNER_ENV]
+    assert os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] == "/bin/sleep" and OWNER_ENV not in os.environ
+    starter = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                "print(subprocess.Popen([sys.argv[1], '600']).pid, flush=True); time.sleep(600)",
+                                wrapper], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(starter.stdout.readline()))
+        deadline = time.time() + 10
+        while child.cmdline() != ["/bin/sleep", "600"]:
+            assert time.time() < deadline, child.cmdline()
+            time.sleep(0.05)
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.time() + 10
+    while _alive([child]):
+        assert time.time() < deadline, "the guarded process outlived its parent"
+        time.sleep(0.05)
 
 
 @needs_haproxy
@@ -85,50 +155,112 @@ def test_a_stale_haproxy_of_ours_is_stopped_and_any_other_holder_named(tmp_path)
             free_serve_port("127.0.0.1", port, said.append)
 
 
-@needs_haproxy
-@pytest.mark.parametrize("moment", ["ray started", "haproxy started", "serving"])
-def test_a_killed_serve_leaves_no_ingress(quickstart_run, tmp_path, moment):
-    """SIGTERM at a moment of startup, SIGKILL to the process group 5 s later (as a supervisor
-    does): nothing listens on the port afterwards, no HAProxy nor other process of its cluster is
-    left. `workflows serve` starts a cluster of its own here: one it joined would keep the Serve
-    application (and that cluster's ingress) by design. The last case first finds the port held by
-    a stale HAProxy of ours, which it stops."""
-    port = free_port()
-    stale = _stale_haproxy(tmp_path, port) if moment == "serving" else None
-    cmd = [sys.executable, "-m", "workflows", "serve", "-m", "quickstart", "--config", str(QUICKSTART),
-           *sets([*quickstart_run.overrides, f"serve.port={port}", "ray.num_cpus=1", "ray.address=local"])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, env={**os.environ, "RAY_ADDRESS": ""})
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+class Serve:
+    """`workflows serve` of the shared run's model in a new process group, on a cluster of its own
+    (one it joined would keep the Serve application, and that cluster's ingress, by design)."""
 
-    def reached() -> bool:
-        if moment == "haproxy started":
-            return bool(_haproxies_of(proc.pid))
-        return any(("ray: started" if moment == "ray started" else "is up behind HAProxy") in ln for ln in lines)
+    def __init__(self, quickstart_run, port: int):
+        cmd = [sys.executable, "-m", "workflows", "serve", "-m", "quickstart", "--config", str(QUICKSTART),
+               *sets([*quickstart_run.overrides, f"serve.port={port}", "ray.num_cpus=1", "ray.address=local"])]
+        self.port = port
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                     start_new_session=True, env={**os.environ, "RAY_ADDRESS": ""})
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
+        self.tree = Tree(self.proc.pid)
 
-    deadline = time.time() + 240
-    try:
-        while not reached():
-            assert proc.poll() is None and time.time() < deadline, f"never reached {moment!r}:\n" + "".join(lines)
+    def wait_for(self, moment: str) -> list[psutil.Process]:
+        """Until HAProxy has started ("haproxy started") or the model is served ("serving");
+        returns the HAProxy processes."""
+        deadline = time.time() + 240
+        while not ((haproxies := self.tree.haproxies()) and
+                   (moment == "haproxy started" or any("is up behind HAProxy" in ln for ln in self.lines))):
+            assert self.proc.poll() is None and time.time() < deadline, \
+                f"never reached {moment!r}:\n" + "".join(self.lines)
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(5)
+        return haproxies
+
+    def kill_group(self) -> None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait(30)
-        deadline = time.time() + 30
-        while (left := _owned_by(proc.pid)) or not port_free("127.0.0.1", port):
-            assert time.time() < deadline, f"left after {moment!r}: {[(p.pid, p.name()) for p in left]}, " \
-                                           f"port free: {port_free('127.0.0.1', port)}"
+        self.proc.wait(30)
+
+    def assert_nothing_left(self, what: str, within_s: float = 30) -> None:
+        deadline = time.time() + within_s
+        while (left := self.tree.left()) or not port_free("127.0.0.1", self.port):
+            assert time.time() < deadline, f"left {what}: {[(p.pid, _name(p)) for p in left]}, " \
+                                           f"port {self.port} free: {port_free('127.0.0.1', self.port)}"
             time.sleep(0.2)
-        if stale is not None:
-            assert any(f"serve: stopped pid {stale.pid} (haproxy" in ln for ln in lines), "".join(lines)
-    finally:
-        for p in _owned_by(proc.pid) + ([stale] if stale else []):
+
+    def cleanup(self) -> None:
+        for p in self.tree.left():
             try:
                 p.kill()
             except psutil.Error:
                 pass
+
+
+@needs_haproxy
+# the "serving" case is slow (it deploys the model); its stale-HAProxy step is also tested alone, above
+@pytest.mark.parametrize("moment", ["haproxy started", pytest.param("serving", marks=pytest.mark.slow)])
+def test_a_serve_stopped_during_startup_leaves_no_ingress(quickstart_run, tmp_path, moment):
+    """SIGTERM at a moment of startup, SIGKILL to the process group 5 s later (as a supervisor
+    does): nothing listens on the port afterwards, no HAProxy nor other process of its cluster is
+    left. In the "serving" case the port is first held by a stale HAProxy of ours, which the
+    command stops and says so."""
+    port = free_port()
+    stale = _stale_haproxy(tmp_path, port) if moment == "serving" else None
+    serve = Serve(quickstart_run, port)
+    try:
+        serve.wait_for(moment)
+        serve.proc.send_signal(signal.SIGTERM)
+        end = time.time() + 5
+        while time.time() < end:
+            serve.tree.look()
+            time.sleep(0.05)
+        serve.kill_group()
+        serve.assert_nothing_left(f"after SIGTERM at {moment!r}, then SIGKILL")
+        if stale is not None:
+            assert any(f"serve: stopped pid {stale.pid} (haproxy" in ln for ln in serve.lines), "".join(serve.lines)
+    finally:
+        serve.cleanup()
+        if stale is not None and stale.is_running():
+            stale.kill()
+
+
+@needs_haproxy
+@pytest.mark.parametrize("fault", ["manager and raylet killed",
+                                   pytest.param("command killed, manager hung", marks=pytest.mark.slow)])
+def test_haproxy_dies_with_its_manager_or_its_command(quickstart_run, fault):
+    """Where Ray cannot clean up, HAProxy still goes. Its manager SIGKILLed together with the
+    raylet (which would kill the manager's process group): the parent-death signal ends HAProxy
+    while the command lives. The command's process group SIGKILLed while the manager hangs
+    (SIGSTOP), so that nothing of Ray cleans up: the guard's watchdog ends HAProxy."""
+    serve = Serve(quickstart_run, free_port())
+    try:
+        haproxies = serve.wait_for("haproxy started")
+        manager = haproxies[0].parent()
+        assert "HAProxyManager" in " ".join(manager.cmdline())
+        raylet = next(p for p in serve.tree.seen.values() if _name(p) == "raylet")
+        if fault == "manager and raylet killed":
+            for p in (manager, raylet):
+                p.kill()
+            deadline = time.time() + 10
+            while _alive(haproxies):
+                assert time.time() < deadline, f"HAProxy outlived its manager: {haproxies}"
+                time.sleep(0.1)
+            assert serve.proc.poll() is None  # the command lives: the watchdog had no part in it
+        else:
+            manager.suspend()
+            serve.kill_group()
+            deadline = time.time() + 10
+            while _alive(haproxies):
+                assert time.time() < deadline, f"HAProxy outlived its command: {haproxies}"
+                time.sleep(0.1)
+            manager.kill()
+        serve.kill_group()
+        serve.assert_nothing_left(f"after {fault!r}")
+    finally:
+        serve.cleanup()

@@ -48,9 +48,9 @@ def owner_alive(owner: str) -> bool:
 
 def _die_with_parent() -> None:
     ppid = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is not None:  # Linux; elsewhere (or where it fails) the watchdog alone
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if ppid == 1 or os.getppid() != ppid:  # the manager died before the signal was armed
         sys.exit(1)
 
@@ -58,11 +58,17 @@ def _die_with_parent() -> None:
 def _leave_watchdog(owner: str) -> None:
     """A grandchild (reparented, so not a child HAProxy would have to reap) that execs this file
     with `--watch`: a new command line, so that nothing counts it as a HAProxy of this config."""
-    me = os.pidfd_open(os.getpid())
+    try:
+        me = os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):  # no pidfds (not Linux 5.3+): the parent-death signal alone
+        return
     try:
         boss = os.pidfd_open(int(owner.split(":")[0]))
-    except OSError:  # the command is gone already
+    except ProcessLookupError:  # the command is gone already
         sys.exit(1)
+    except OSError:
+        os.close(me)
+        return
     if not owner_alive(owner):
         sys.exit(1)
     child = os.fork()

@@ -35,11 +35,13 @@ from contextlib import contextmanager
 
 from workflows.errors import UserError
 from workflows.net import free_ports
+from workflows.serve.haproxy_guard import OWNER_ENV
 
 DEREGISTRATION_WINDOW_S = "2"
 TEMP_PREFIX = "wfh-"  # the private directory of each cluster's HAProxy files (stale_ingress finds them by it)
-# set in the cluster's environment even where the user set their own: the guard runs theirs
-GUARDED = ("RAY_SERVE_HAPROXY_BINARY_PATH",)
+# set in the cluster's environment even where inherited: the guard runs the user's binary, and
+# watches this command, not one that started the process running it
+GUARDED = ("RAY_SERVE_HAPROXY_BINARY_PATH", OWNER_ENV)
 
 
 def haproxy_binary() -> str | None:
@@ -102,7 +104,7 @@ def cluster_env(on: bool) -> dict[str, str]:
 def owner_env() -> dict[str, str]:
     """Who the guard's watchdog outlives no more: this process (pid and start time, as a pid
     alone may be reused)."""
-    from workflows.serve.haproxy_guard import OWNER_ENV, start_time
+    from workflows.serve.haproxy_guard import start_time
 
     started = start_time(os.getpid())
     return {OWNER_ENV: f"{os.getpid()}:{started}"} if started else {}
