@@ -378,6 +378,7 @@ def test_a_server_failing_for_seconds_mid_run_loses_no_metric(mlflow_server, tmp
             with RunLogger(spec, warnings.append) as logger:
                 _epochs(logger, [0])
                 logger.tracker.flush()
+                t.tracker.flush()  # the driver's calls all sent: the blip hits the worker's alone
                 blip.fail_for(6)
                 t0 = time.time()
                 _epochs(logger, [1, 2, 3])  # returns at once: training never waits on the server
@@ -418,6 +419,7 @@ def test_a_lasting_failure_marks_the_runs_failed_with_the_gap(mlflow_server, tmp
             with RunLogger(run.spec(), warnings.append) as logger:
                 _epochs(logger, [0])
                 logger.tracker.flush()
+                t.tracker.flush()  # the driver's calls all sent: the blip hits the worker's alone
                 blip.fail_for(6)
                 _epochs(logger, [1, 2])
                 time.sleep(6.5)  # off by now; the server is back before the logger closes

@@ -162,7 +162,11 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     exp = client.get_experiment_by_name("quickstart")
     trial_runs = client.search_runs([exp.experiment_id], "tags.`workflows.stage` = 'trial'")
     assert sorted(r.data.tags["ray.trial_id"] for r in trial_runs) == sorted(after)
-    assert all(r.info.status == "FINISHED" for r in trial_runs)
+    (tune_run,) = client.search_runs([exp.experiment_id], "tags.`workflows.stage` = 'tune' and attributes.status = "
+                                     "'FINISHED'")  # the resumed command's (the killed one's stays RUNNING)
+    for r in trial_runs:  # all under the resumed search's run, ended as their trials did
+        assert r.info.status == "FINISHED", (r.data.tags["ray.trial_id"], r.info.status)
+        assert r.data.tags["mlflow.parentRunId"] == tune_run.info.run_id
 
 
 def test_asha_ratio_model_uses_rays_rule():

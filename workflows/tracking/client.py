@@ -208,6 +208,7 @@ class Tracker:
                 if self._client is None:
                     self._client = self._connect()
                     self._connected = True
+                    started = time.monotonic()  # importing MLflow is no part of the window
                 result = fn(self._client)
                 if warned and failing_since is not None:
                     self._warn(f"experiment tracking is back ({redact_uri(self.uri)}) after "

@@ -50,6 +50,15 @@ def log_tune(run: Run, outcome, cfg, files: list[Path]) -> None:
     def mark(client, info):
         found = client.search_runs([info.experiment_id], f"tags.mlflow.parentRunId = '{info.run_id}'",
                                    max_results=1000)
+        # a search that `tune --resume` continued: the trials that finished before the interruption
+        # did not run again, their runs are still under the first tune run (and may not have been
+        # ended, where the interruption came first); they join this one
+        missing = set(trials) - {r.data.tags.get("ray.trial_id") for r in found}
+        for trial_id in sorted(missing):
+            earlier = client.search_runs([info.experiment_id], f"tags.`ray.trial_id` = '{trial_id}'", max_results=1)
+            for r in earlier:
+                client.set_tag(r.info.run_id, "mlflow.parentRunId", info.run_id)
+            found += earlier
         for r in found:
             t = trials.get(r.data.tags.get("ray.trial_id"))
             if t is None:
