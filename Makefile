@@ -32,6 +32,7 @@ test: install
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
+# the inner loop: no pipeline runs (tests/conftest.py marks every test that uses one slow); CI runs `make test`
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 

@@ -53,7 +53,11 @@ def ray_cluster():
         port = _port_or_free(8265)
         # as workflows.runtime.init_ray does: the state API must not auto-detect among clusters
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        ray.init(num_cpus=2, logging_level=logging.WARNING, log_to_driver=False, dashboard_port=port)
+        # address="local": a cluster of the session's own. Without it ray.init() joins the cluster in
+        # /tmp/ray/ray_current_cluster (any `ray start` on the machine: another checkout's suite,
+        # cluster/local/start.sh) and refuses num_cpus for it.
+        ray.init(address="local", num_cpus=2, logging_level=logging.WARNING, log_to_driver=False,
+                 dashboard_port=port)
         # the cluster's processes have it; commands the tests start must find their own cluster
         os.environ.pop("RAY_API_SERVER_ADDRESS")
     ctx = ray.data.DataContext.get_current()
