@@ -200,3 +200,28 @@ def test_a_capped_cache_evicts_while_reading(local_data, tmp_path):
         assert sorted(ids) == list(range(sum(COUNTS)))
         assert cache.cached_bytes() <= 3 * biggest
     assert cache.stats().evictions >= len(COUNTS)
+
+
+def test_parquet_shards_rows_exactly_once_with_their_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from workflows.loader import parquet_index
+
+    files, start = [], 0
+    for k, n in enumerate([30, 17, 25]):
+        path = tmp_path / f"part-{k}.parquet"
+        rows = np.arange(start, start + n)
+        pq.write_table(pa.table({"x": rows * 10, "label": rows % 3}), path, row_group_size=8)
+        files.append(str(path))
+        start += n
+    index = parquet_index(files, LOCAL)
+    assert index.counts == [30, 17, 25]
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    seen = []
+    for rank in range(2):
+        for b in StreamLoader(index, LOCAL, cache, None, batch_size=5, num_workers=0, rank=rank, world_size=2,
+                              columns=["x", "label"]):
+            assert (b["x"] == b["sample"].numpy() * 10).all() and (b["label"] == b["sample"].numpy() % 3).all()
+            seen += b["sample"].tolist()
+    assert sorted(seen) == list(range(72))

@@ -108,7 +108,7 @@ class _Samples:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from workflows.train.standalone import column_values
+        from workflows.loader.columns import column_values
 
         parts = []
         for _epoch, _sample, path, row in items:
