@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,16 +60,18 @@ class TextEncoder:
     """Tokenizer loaded once (per actor / replica / worker), then reused for every batch.
 
     A model directory with a `tokenizer.json` is read by Hugging Face's `tokenizers` directly: it is
-    the Rust tokenizer that transformers' fast tokenizer wraps (same ids, tests/test_preprocess.py
-    checks), and it loads in ~0.1 s, where importing transformers pulls in torch: 3-6 s of CPU in
-    each preprocessing actor, which on a small machine cost more than the actors saved. A directory
-    with only a slow (Python) tokenizer still goes through transformers.
+    the Rust tokenizer that transformers' fast tokenizer wraps (same ids: tests/test_data.py checks),
+    and it loads in ~0.1 s, where importing transformers pulls in torch: 3-6 s of CPU in each
+    preprocessing worker, which on a small machine cost more than the second worker saved. A
+    directory without tokenizer.json (a slow, Python tokenizer) still goes through transformers.
     """
 
     def __init__(self, tokenizer_dir: str, max_length: int, text_columns: Sequence[str]):
         self.max_length = max_length
         self.text_columns = list(text_columns)
         path = os.path.join(tokenizer_dir, "tokenizer.json")
+        self._rust: Any = None  # tokenizers.Tokenizer, or None: transformers' tokenizer instead
+        self.tokenizer: Any = None
         if os.path.isfile(path):
             from tokenizers import Tokenizer
 
@@ -76,11 +79,9 @@ class TextEncoder:
             self._rust.no_padding()  # batches are padded later, to their own longest row
             self._rust.enable_truncation(max_length)
             self.pad_id = _pad_id(tokenizer_dir, self._rust)
-            self.tokenizer = None
         else:
             from transformers import AutoTokenizer
 
-            self._rust = None
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
             self.pad_id = self.tokenizer.pad_token_id or 0
 
