@@ -364,9 +364,15 @@ def _prep_section(r: dict) -> str:
 
     def row(name: str, x: dict) -> str:
         s = {k: v["median_s"] for k, v in x["sides"].items()}
+        c = x.get("cpu_s")
+        bound = (f" | {c['one_process']:.1f} / {c['ray_data']:.1f} / {c['plain_processes']:.1f} | "
+                 f"**{x['cpu_bound_speedup']:.2f}x** ({x['plain_processes_cpu_bound_speedup']:.2f}x)") if c else ""
         return (f"| {name} | {s['one_process']:.2f}s ({x['one_process_cores']:.2f} cores) | {s['ray_data']:.2f}s | "
                 f"**{x['speedup']:.2f}x** | {s['one_process_niced']:.2f}s | {x['speedup_same_niceness']:.2f}x | "
-                f"{s['plain_processes']:.2f}s ({x['plain_processes_speedup']:.2f}x) | {x['load_mean']:.1f} |")
+                f"{s['plain_processes']:.2f}s ({x['plain_processes_speedup']:.2f}x) | {x['load_mean']:.1f}{bound} |")
+
+    cpu_cols = (" | CPU s: one process / Ray Data / plain | idle-node bound from CPU: Ray Data (plain)",
+                " | --- | ---") if "cpu_s" in t else ("", "")
 
     return f"""
 ### Preprocessing on one node
@@ -378,8 +384,8 @@ at the niceness Ray gives its workers ({t["ray_worker_niceness"]}): the decode l
 rounds; the last column is the 1-minute load average sampled during them (this machine has
 {r["machine"]["cpus"]} CPUs). Goal: speedup >= 1.6x.
 
-| work | one process (driver) | Ray Data, {t["cpus"]} CPUs | speedup | one process at Ray's niceness | Ray Data ÷ that | {t["cpus"]} plain processes at Ray's niceness (decode limit) | load |
-| --- | --- | --- | --- | --- | --- | --- | --- |
+| work | one process (driver) | Ray Data, {t["cpus"]} CPUs | speedup | one process at Ray's niceness | Ray Data ÷ that | {t["cpus"]} plain processes at Ray's niceness (decode limit) | load{cpu_cols[0]} |
+| --- | --- | --- | --- | --- | --- | --- | ---{cpu_cols[1]} |
 {row(f"tokenize {t['rows']} rows, batches of {t['batch_size']}", t)}
 {row(f"decode + resize {i['images']} JPEGs ({i['jpeg_kb_median']:.0f} KB median), batches of {i['batch_size']}", i)}
 
@@ -387,5 +393,9 @@ Ray starts its worker processes at niceness {t["ray_worker_niceness"]} (the rayl
 driver runs at 0: on a machine other work keeps busy (load above its CPU count) the scheduler gives
 Ray's workers a small share next to any process at niceness 0, so "Ray Data ÷ one process" there
 compares unequal priorities; "Ray Data ÷ that" and the decode limit compare like with like. On an
-idle node niceness changes nothing.
+idle node niceness changes nothing. When the load stays above the CPU count, a second process gets
+little more CPU than the first, and the decode limit itself stays near 1x: wall-clock ratios then
+say nothing about scaling. The CPU seconds each side used (this process and its descendants: the
+local Ray cluster, the plain processes) hardly depend on the load; {t["cpus"]} x one process's ÷ Ray
+Data's is the speedup an idle node would give if Ray Data kept its {t["cpus"]} CPUs busy.
 """  # noqa: E501 (markdown table rows: one line each)

@@ -5,7 +5,10 @@ started) doing the same work: the "decode limit", what N cores give with no Ray 
 The sides run interleaved (one process, Ray Data, plain processes; again; again) and each side's
 median is kept, so a machine loaded by others weighs on all of them alike; the 1-minute load average
 is sampled while each part runs and stored beside its figures. One process's CPU seconds over its
-wall seconds say whether it already used more than one core (a tokenizer's own threads).
+wall seconds say whether it already used more than one core (a tokenizer's own threads). The CPU
+seconds of each side (this process and all its descendants: the local Ray cluster, the plain
+processes) give the load-free figure: N x one process's CPU seconds / Ray Data's, the speedup on an
+idle node if Ray Data kept its N CPUs busy.
 """
 
 from __future__ import annotations
@@ -51,16 +54,33 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _tree_cpu() -> float:
+    """CPU seconds of this process and every live descendant: this driver's local Ray cluster (GCS,
+    raylet, its workers) and the plain processes. (Ray is a dependency, so psutil is here.)"""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def interleaved(sides: dict[str, Callable[[], None]], rounds: int = ROUNDS) -> dict:
     """Each side timed `rounds` times, alternating; medians, every round, and the load during each."""
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(rounds):
         for name, fn in sides.items():
             with LoadSampler() as load:
-                c0, t0 = _cpu(), time.perf_counter()
+                c0, tc0, t0 = _cpu(), _tree_cpu(), time.perf_counter()
                 fn()
-                wall, cpu = time.perf_counter() - t0, _cpu() - c0
-            runs[name].append({"seconds": round(wall, 3), "driver_cpu_s": round(cpu, 3), "load": load.summary()})
+                wall, cpu, tree = time.perf_counter() - t0, _cpu() - c0, _tree_cpu() - tc0
+            runs[name].append({"seconds": round(wall, 3), "driver_cpu_s": round(cpu, 3), "cpu_s": round(tree, 3),
+                               "load": load.summary()})
     return {name: {"median_s": round(statistics.median(r["seconds"] for r in rs), 3), "rounds": rs}
             for name, rs in runs.items()}
 
@@ -131,6 +151,7 @@ def compare(df, fn: Callable, args: tuple, batch_size: int, local: Callable, war
         one.close()
         many.close()
     med = {k: v["median_s"] for k, v in res.items()}
+    cpu = {k: statistics.median(r["cpu_s"] for r in v["rounds"]) for k, v in res.items()}
     cores = statistics.median(r["driver_cpu_s"] / r["seconds"] for r in res["one_process"]["rounds"])
     return {
         "cpus": N_CPUS, "batch_size": batch_size, "ray_worker_niceness": nice,
@@ -138,6 +159,11 @@ def compare(df, fn: Callable, args: tuple, batch_size: int, local: Callable, war
         "speedup_same_niceness": round(med["one_process_niced"] / med["ray_data"], 2),
         "plain_processes_speedup": round(med["one_process_niced"] / med["plain_processes"], 2),
         "one_process_cores": round(cores, 2),
+        # what the same CPU seconds would give on an idle node: N CPUs all busy, one process on one
+        # (the load-free figure: CPU seconds barely change with the load, wall seconds do)
+        "cpu_bound_speedup": round(N_CPUS * cpu["one_process"] / cpu["ray_data"], 2),
+        "plain_processes_cpu_bound_speedup": round(N_CPUS * cpu["one_process_niced"] / cpu["plain_processes"], 2),
+        "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
         "load_mean": round(statistics.fmean(r["load"]["mean"] for v in res.values() for r in v["rounds"]), 2),
         "sides": res,
     }
