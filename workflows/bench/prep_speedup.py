@@ -56,7 +56,7 @@ def _cpu() -> float:
 
 def _tree_cpu() -> float:
     """CPU seconds of this process and every live descendant: this driver's local Ray cluster (GCS,
-    raylet, its workers) and the plain processes. (Ray is a dependency, so psutil is here.)"""
+    raylet, its workers) and the plain processes."""
     import psutil
 
     me = psutil.Process()
