@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast bench docs constraints clean clean-cache reliability
+.PHONY: install demo test test-fast bench bench-peers docs constraints clean clean-cache reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,21 @@ test-fast: install
 
 bench: install
 	$(BIN)/workflows bench quickstart
+
+# `workflows bench images` runs its peers (MosaicML Streaming, LitData, WebDataset) in their own venv:
+# streaming 0.13 pins numpy<2.2 and transformers<5, against the product's. Both list torchvision,
+# which cannot be imported with this CPU torch: it is installed as a dependency, then removed
+# (workflows/bench/image_peers.py stubs the one streaming module that imports it).
+PEERS_VENV ?= .venv-peers
+$(PEERS_VENV)/.installed: benchmarks/peers-constraints.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q $(PIP_INDEX) -c benchmarks/peers-constraints.txt \
+	  torch mosaicml-streaming litdata webdataset psutil pillow
+	$(PEERS_VENV)/bin/python -m pip uninstall -y -q torchvision
+	touch $@
+
+bench-peers: $(PEERS_VENV)/.installed
 
 # fault injection (reliability/, beside the package and not installed: run from the repo root):
 # writes benchmarks/results/reliability.json and docs/RELIABILITY.md

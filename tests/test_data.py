@@ -186,3 +186,26 @@ def test_shards_of_two_formats_are_an_error_as_they_are(tmp_path):
     assert str(err.value) == (f"cannot tell one format for the shards at {source}/ (found ['csv', 'jsonl']); "
                               "set data.format")
     assert sorted(p.name for p in source.iterdir()) == ["a.jsonl", "b.csv"]  # nothing built beside them
+
+
+def test_text_encoder_gives_transformers_ids_without_importing_it():
+    """The encoder reads tokenizer.json with `tokenizers` (no transformers, no torch import in a
+    preprocessing worker) and must give exactly the ids and pad id of transformers' tokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from workflows.preprocess.encoding import TextEncoder, packaged_minilm
+
+    texts = [r["text"] for r in quickstart_data.build(10)][:40] + [
+        "", "Café naïve RÉSUMÉ", "中文 測試", "word " * 300, "tabs\tand\nnewlines", "ＦＵＬＬ ｗｉｄｔｈ", "don't!!"]
+    enc = TextEncoder(packaged_minilm(), 16, ["text"])
+    ref = AutoTokenizer.from_pretrained(packaged_minilm())
+    assert enc.encode_texts(texts) == ref(texts, truncation=True, max_length=16)["input_ids"]
+    assert enc.pad_id == ref.pad_token_id
+    code = ("import sys; from workflows.preprocess.encoding import TextEncoder, packaged_minilm; "
+            "TextEncoder(packaged_minilm(), 16, ['text']).encode_texts(['hi']); "
+            "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

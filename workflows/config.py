@@ -137,7 +137,7 @@ class PreprocessConfig(Strict):
         40_000_000, ge=1, description="image tasks: an image declaring more pixels is refused undecoded "
         "(decompression bombs), in preprocessing and serving alike")
     batch_size: int = Field(256, ge=1)
-    concurrency: int = Field(2, ge=1, description="tokenizer or image-decoding actors")
+    concurrency: int = Field(2, ge=1, description="tokenizing or image-decoding Ray tasks at a time")
     rows_per_shard: int = Field(2000, ge=1)
 
 

@@ -2,7 +2,7 @@
 image-bytes column, or class-per-folder files) -> decoded, resized, center-cropped uint8 tensors of
 preprocess.image_size, split, written once per dataset version.
 
-Decoding runs on a pool of Ray Data actors (preprocess.concurrency) with the same function serving
+Decoding runs as Ray Data tasks (preprocess.concurrency at a time) with the same function serving
 uses (workflows.preprocess.images.decode_image), so a served image reaches the model as the stored
 training tensor does. Each processed row is `key`, `label` and `pixels` (the size x size x 3 uint8
 tensor's bytes, row-major HWC); the label ids follow the manifest's label list, so an added class
@@ -88,6 +88,13 @@ class DecodeImages:
         return pd.DataFrame({"key": keys, "label": labels, "pixels": pixels, "error": errors, "split": splits})
 
 
+def decode_batch(batch: pd.DataFrame, *args) -> pd.DataFrame:
+    """Ray Data task: DecodeImages(*args) on one batch. Tasks, not an actor pool: the decoder has no
+    state worth keeping, and Ray's pooled worker processes take tasks at once, where each actor
+    is a new process to start (Python, Ray, imports) before its first image."""
+    return DecodeImages(*args)(batch)
+
+
 def decoder_args(cfg, keep_fraction: float | None = None) -> tuple:
     """DecodeImages' constructor arguments from the config (`keep_fraction`: data.max_rows' share)."""
     d, p = cfg.data, cfg.preprocess
@@ -122,7 +129,7 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
 
     t0 = time.time()
     say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri} "
-        f"({p.image_size}x{p.image_size} uint8, {p.concurrency} decoding actor(s))")
+        f"({p.image_size}x{p.image_size} uint8, {p.concurrency} decoding task(s) at a time)")
     if fmt == "parquet":
         raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=[d.image_column, d.label_column])
         raw = raw.map_batches(_as_records, batch_format="pandas", fn_args=(d.image_column, d.label_column))
@@ -135,9 +142,8 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
     if d.max_rows is not None:
         fraction = min(1.0, d.max_rows / max(raw.count(), 1))
     decoded = raw.map_batches(
-        DecodeImages, batch_format="pandas", batch_size=p.batch_size,
-        compute=ray.data.ActorPoolStrategy(size=p.concurrency),
-        fn_constructor_args=decoder_args(cfg, fraction),
+        decode_batch, batch_format="pandas", batch_size=p.batch_size,
+        compute=ray.data.TaskPoolStrategy(size=p.concurrency), fn_args=decoder_args(cfg, fraction),
     )
     # Each attempt writes under a folder of its own: a failed or interrupted earlier attempt's files
     # are never counted or listed (the manifest names this attempt's files only).

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from workflows.config import WorkflowConfig, load_config
 from workflows.errors import UserError
+from workflows.loader.columns import column_values
 from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
@@ -95,22 +96,6 @@ def read_rows(files: list[str], storage: StorageContext, columns: tuple[str, ...
     if limit is not None:
         table = table.slice(0, limit)
     return {c: column_values(table.column(c)) for c in columns}
-
-
-def column_values(column):
-    """A parquet column as training reads it: token id rows as a list of arrays (Ray Data writes
-    them as a tensor extension type over a {data, shape} struct, or a list column), else numpy."""
-    import pyarrow as pa
-
-    arr = column.combine_chunks()
-    if isinstance(arr.type, pa.ExtensionType):
-        arr = arr.storage
-    if pa.types.is_struct(arr.type):
-        arr = arr.flatten()[arr.type.get_field_index("data")]  # flatten() honours the slice offset
-        return list(arr.to_numpy(zero_copy_only=False))
-    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
-        return list(arr.to_numpy(zero_copy_only=False))
-    return arr.to_numpy(zero_copy_only=False)
 
 
 def row_count(rows: dict[str, Any]) -> int:
