@@ -10,28 +10,21 @@ embedded S3 endpoint, the small CNN under FSDP2, faults raised inside the worker
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import DIGITS
 
 from reliability.faults import TrainFault
+from tests.stream_lineage import DIGITS, ROWS, lineage, overrides
 from workflows.config import load_config
 from workflows.loader import epoch_order, parquet_index
 from workflows.pipeline import stage_preprocess
 from workflows.runtime import runtime
 from workflows.train.stream_input import SampleRecorder, head
 from workflows.train.trainer import fit
-
-ROWS, BATCH = 160, 16  # 2 workers: 5 steps of 32; 1 worker: 10 steps of 16
-
-
-def overrides(tmp: Path, *extra: str) -> list[str]:
-    return [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
-            "preprocess.concurrency=1", "tracking.enabled=false", "tune.enabled=false", "serve.enabled=false",
-            "train.epochs=1", f"train.max_train_rows={ROWS}", "train.max_val_rows=32", f"train.batch_size={BATCH}",
-            "train.loader=stream", "train.checkpoint_every_steps=2", "train.num_to_keep=1", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -53,28 +46,9 @@ def run(digits, name: str, workers: int, *extra: str, resume: bool = False, on_s
                on_samples=SampleRecorder(str(record)))
 
 
-def lineage(digits, *names: str) -> list[int]:
-    """The epoch's samples by global position as the final lineage trained on them: each worker
-    process's batches, where a later attempt (a restart, or a resumed run) that starts at position
-    p replaces everything an earlier one trained from p on."""
-    files = [[json.loads(line) for line in f.read_text().splitlines()]
-             for name in names for f in (digits.tmp / name).glob("samples-*.jsonl")]
-    attempts: list[list[dict]] = []  # the ranks of one attempt run together; the next starts after
-    for rows in sorted(files, key=lambda rows: rows[0]["t"]):
-        if attempts and rows[0]["t"] < max(r["t"] for r in attempts[-1]):
-            attempts[-1] += rows
-        else:
-            attempts.append(list(rows))
-    kept: list[dict] = []
-    for i, rows in enumerate(attempts):
-        end = min(r["position"] for r in attempts[i + 1]) if i + 1 < len(attempts) else float("inf")
-        kept += [r for r in rows if r["position"] < end]
-    return [i for r in sorted(kept, key=lambda r: (r["position"], r["rank"])) for i in r["ids"]]
-
-
 def test_two_workers_see_each_sample_once_in_the_global_order(digits):
     out = run(digits, "once", 2)
-    ids = lineage(digits, "once")
+    ids = lineage(digits.tmp / "once")
     assert sorted(ids) == sorted(digits.expected) and len(set(ids)) == ROWS
     assert ids == digits.expected  # the epoch's one order, as the loader defines it for any worker count
     h = out.history[0]
@@ -87,7 +61,7 @@ def test_a_restarted_worker_group_continues_mid_epoch(digits):
     out = run(digits, "restart", 2, on_step=TrainFault(epoch=0, step=2, rank=1, action="raise", once=str(marker)))
     assert marker.exists()
     assert out.history[0]["resumed_at_sample"] == 64 and out.history[0]["resumed_from_epoch"] == 0
-    assert lineage(digits, "restart") == digits.expected
+    assert lineage(digits.tmp / "restart") == digits.expected
 
 
 # 1 -> 2 runs the same code as 2 -> 1 (and test_loader checks both directions without Ray): slow only
@@ -101,4 +75,22 @@ def test_resume_mid_epoch_on_another_worker_count(digits, before, after):
             on_step=TrainFault(epoch=0, step=stop_step, rank=0, action="raise", once=str(marker)))
     out = run(digits, name, after, resume=True)
     assert out.history[0]["resumed_at_sample"] == 64
-    assert lineage(digits, name) == digits.expected
+    assert lineage(digits.tmp / name) == digits.expected
+
+
+@pytest.mark.slow
+def test_an_elastic_run_that_loses_a_worker_continues_on_fewer(tmp_path):
+    """train.num_workers=[1, 2] on two 2-CPU nodes (a worker each); the second node is removed mid-epoch (past the
+    40% step checkpoint): the run finishes on one worker, and the epoch's final lineage sees each
+    sample once, in the epoch's order."""
+    script = Path(__file__).with_name("elastic_run.py")
+    res = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert res.returncode == 0 and line, res.stderr[-4000:]
+    out = json.loads(line[len("RESULT "):])
+    assert out["removed"]
+    assert out["lineage"] == out["expected"], out["files"]
+    # two workers before the loss, one after: the restarted attempt is a single rank from position 64
+    first_t = sorted(f["first_t"] for f in out["files"])
+    assert len(out["files"]) == 3 and first_t[2] > first_t[1], out["files"]
+    assert out["history"][0]["resumed_at_sample"] == 64
