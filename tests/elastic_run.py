@@ -42,14 +42,18 @@ removed: dict = {}
 
 
 def remove_second_node_past_40_percent() -> None:
-    """The second node goes once a worker has started the step after the 40% checkpoint."""
+    """The second node goes once every worker has started the step after the 40% checkpoint: each
+    has then reported its part of it (Ray Train v2 registers a checkpoint once all ranks report it,
+    and a rank's report returns before the others'), plus a moment for the controller to record it."""
     deadline = time.time() + 900
     while time.time() < deadline:
-        for f in record.glob("samples-*.jsonl"):
-            if any(json.loads(line)["position"] >= 64 for line in f.read_text().splitlines()):
-                cluster.remove_node(second)
-                removed["at"] = time.time()
-                return
+        files = list(record.glob("samples-*.jsonl"))
+        past = [f for f in files if any(json.loads(line)["position"] >= 64 for line in f.read_text().splitlines())]
+        if len(files) == 2 and len(past) == 2:
+            time.sleep(2)
+            cluster.remove_node(second)
+            removed["at"] = time.time()
+            return
         time.sleep(0.05)
 
 
