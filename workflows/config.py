@@ -210,7 +210,11 @@ class AugmentConfig(Strict):
 
 
 class TrainConfig(Strict):
-    num_workers: int = Field(2, ge=1)
+    num_workers: int | tuple[int, int] = Field(
+        2,
+        description="training workers: a number, or [min, max] for an elastic group (Ray Train resizes it within "
+        "the range as workers are lost or resources come and go; needs train.loader=stream)",
+    )
     cpus_per_worker: float = Field(1, gt=0)
     use_gpu: bool = False
     strategy: Literal["fsdp", "ddp"] = "fsdp"
@@ -256,6 +260,52 @@ class TrainConfig(Strict):
     max_failures: int = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
     augment: AugmentConfig = AugmentConfig()
+    loader: Literal["ray_data", "stream"] = Field(
+        "ray_data",
+        description="training input: 'ray_data' (Ray Data shards, resumable at epoch ends), or 'stream' "
+        "(workflows.loader: one global order per epoch whatever the worker count, every sample exactly once, "
+        "resumable mid-epoch and on another number of workers)",
+    )
+    checkpoint_every_steps: int | None = Field(
+        None, ge=1,
+        description="a checkpoint every N optimizer steps besides the epoch ends (off: None); a restart or "
+        "--resume continues mid-epoch from it. Needs loader=stream. Each costs one save + upload of the "
+        "model and optimizer state (docs/guides/train.md measures it)",
+    )
+    loader_workers: int = Field(0, ge=0, description="loader=stream: decode processes per training worker (0: inline)")
+    shuffle_window: int = Field(
+        4, ge=1, description="loader=stream: shards whose samples are shuffled together (the shuffle buffer)"
+    )
+
+    @field_validator("num_workers")
+    @classmethod
+    def worker_range(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        lo, hi = (v, v) if isinstance(v, int) else v
+        if lo < 1 or lo > hi:
+            raise ValueError(f"train.num_workers must be >= 1, or [min, max] with 1 <= min <= max; got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def stream_features(self) -> TrainConfig:
+        wants = [name for name, on in (("checkpoint_every_steps", self.checkpoint_every_steps is not None),
+                                       ("an elastic train.num_workers [min, max]", self.elastic)) if on]
+        if wants and self.loader != "stream":
+            raise ValueError(f"{' and '.join(wants)} need(s) train.loader=stream (Ray Data cannot resume mid-epoch "
+                             "or keep the order across worker counts)")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the run uses (all of them when num_workers is a number)."""
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
 
 
 class SearchDim(Strict):

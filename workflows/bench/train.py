@@ -64,7 +64,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
     config = config or "quickstart"
     cfg = load_config(config, overrides)
-    workers, batch = cfg.train.num_workers, cfg.train.batch_size
+    workers, batch = cfg.train.max_workers, cfg.train.batch_size
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         base = [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
@@ -181,7 +181,7 @@ def _ray_child(argv: list[str]) -> None:
     result = {
         "history": out.history,
         "fit_seconds": round(out.seconds, 2),
-        "world_size": cfg.train.num_workers,
+        "world_size": cfg.train.max_workers,
         "strategy": cfg.train.strategy,
         "batch_size": cfg.train.batch_size,
         "torch_threads": cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker)),

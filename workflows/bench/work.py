@@ -232,7 +232,7 @@ def measure(cfg: WorkflowConfig, run_dir: Path, scratch: Path) -> dict:
             data["train"][key.removeprefix("train.")] = value
         final = WorkflowConfig.model_validate(data)
     tc = final.train
-    threads = min(cpus, max(1, int(tc.num_workers * tc.cpus_per_worker)))
+    threads = min(cpus, max(1, int(tc.max_workers * tc.cpus_per_worker)))
     seconds, used = fastest(lambda n, limit: train_run(final, processed, tc.epochs, n, limit), threads)
     work["train"] = {"seconds": seconds, "threads": threads, "threads_used": used, "epochs": tc.epochs}
     instances = [r["instance"] for r in pipeline.get("serve", {}).get("requests", [])]

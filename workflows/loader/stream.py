@@ -186,6 +186,11 @@ class StreamLoader:
         """Global samples of the epoch consumed once every rank has taken as many batches as this one."""
         return int(self._bounds[self._delivered])
 
+    @property
+    def last_step_start(self) -> int:
+        """The global position where the step of the batch last yielded starts."""
+        return int(self._bounds[max(self._delivered - 1, 0)])
+
     def state(self) -> dict[str, int]:
         """What a checkpoint stores to resume here: {"epoch", "consumed"} (global samples)."""
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}

@@ -138,6 +138,7 @@ def train_epoch(
     grad_clip: float | None = None,
     on_step: Callable[[int], None] | None = None,
     accum_steps: int = 1,
+    after_step: Callable[[int], None] | None = None,
 ) -> dict:
     """One pass over `batches`; the metrics, including every optimizer step's loss averaged over all ranks.
 
@@ -172,6 +173,8 @@ def train_epoch(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         steps.append((step_loss, sum(counts)))
+        if after_step is not None:  # a step checkpoint (train.checkpoint_every_steps)
+            after_step(step)
     seconds = time.perf_counter() - t0
     totals = all_reduce_sum(totals)
     samples, tokens = totals.tolist()
@@ -352,6 +355,7 @@ def run_epochs(
     resumed_from_epoch: int | None = None,
     on_step: StepHook | None = None,
     log_epoch: Callable[[dict, list[float]], None] | None = None,
+    after_step: StepHook | None = None,
 ) -> list[dict]:
     """Epochs `start_epoch`..train.epochs-1: train, evaluate, `log_epoch(metrics, step_losses)` (the
     tracking run's sink, where this process logs: once per epoch trained, so a resumed run does not
@@ -363,8 +367,9 @@ def run_epochs(
     for epoch in range(start_epoch, tc.epochs):
         torch.manual_seed(dropout_seed(tc.seed, epoch, rank))
         hook = (lambda step, e=epoch: on_step(e, step)) if on_step is not None else None
+        done = (lambda step, e=epoch: after_step(e, step)) if after_step is not None else None
         stats = train_epoch(
-            model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook, tc.grad_accum_steps
+            model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook, tc.grad_accum_steps, done
         )
         step_losses = stats.pop("step_losses")
         t_val = time.perf_counter()

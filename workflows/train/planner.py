@@ -271,7 +271,7 @@ def plan_from_config(
     seq = seq_len or cfg.preprocess.max_length
     return make_plan(
         spec,
-        devices=devices or train_cfg.num_workers,
+        devices=devices or train_cfg.max_workers,
         seq_len=seq,
         micro_batch=micro_batch or train_cfg.batch_size,
         device_memory=mem,

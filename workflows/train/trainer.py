@@ -32,7 +32,8 @@ from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, data_seed, run_epochs
-from workflows.train.worker_setup import row_limits, set_torch_threads, start_point
+from workflows.train.stream_input import SampleHook, StreamInput
+from workflows.train.worker_setup import mid_epoch_position, row_limits, set_torch_threads, start_point
 
 SHUFFLE_BUFFER = 2048
 
@@ -49,7 +50,9 @@ def ray_collate(fn):
 
 
 def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: str, mode: str) -> tuple[Any, dict]:
-    """(checkpoint, metrics) of the best epoch by `metric`, or of the last epoch; the earliest of equals."""
+    """(checkpoint, metrics) of the best epoch by `metric`, or of the last epoch; the earliest of equals.
+    Step checkpoints (mid-epoch, unvalidated) are for resuming only, never the result."""
+    checkpoints = [cm for cm in checkpoints if not cm[1].get("step_checkpoint")] or checkpoints
     if select == "last":
         return max(checkpoints, key=lambda cm: cm[1]["epoch"])
     sign = 1 if mode == "max" else -1
@@ -70,6 +73,7 @@ class WorkerSpec:
     storage: StorageContext
     resume_from: str | None = None  # `--resume`: an earlier run's checkpoint
     on_step: RankStepHook | None = None  # fit's on_step, pickled to every worker
+    on_samples: SampleHook | None = None  # loader=stream: called with each batch's global sample ids
     tracking: TrackingSpec | None = None  # the MLflow run rank 0 logs its epochs into
 
 
@@ -92,7 +96,10 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     set_torch_threads(tc)
     device = ray.train.torch.get_device()
 
-    train_shard = ray.train.get_dataset_shard("train")
+    # loader=stream: the worker reads its share of one global order itself (workflows.loader)
+    stream = (StreamInput(cfg, spec.data, spec.storage, rank, ctx.get_world_size(), spec.train_rows, spec.on_samples)
+              if tc.loader == "stream" else None)
+    train_shard = ray.train.get_dataset_shard("train") if stream is None else None
     val_shard = ray.train.get_dataset_shard("val")
     eval_batch = ray_collate(task.collate(spec.data, train=False))
 
@@ -104,16 +111,26 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
     probe_batches = None
     if checkpoint is None and tc.head_init == "linear_probe":
-        probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
+        if stream is not None:
+            probe_batches = stream.batches(0, 0, task.collate(spec.data, train=False), record=False)
+        else:
+            assert train_shard is not None
+            probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
     model, optimizer, scheduler = build_training(cfg, task, spec.data, device, spec.train_rows, probe_batches)
     with checkpoint.as_directory() if checkpoint is not None else nullcontext() as d:
         start_epoch, history, resumed_from, saved = start_point(d, model, optimizer, scheduler)
+    resume_at = mid_epoch_position(saved)  # a step checkpoint's position in its epoch
+    metric, _ = task.score
 
     def train_batches(epoch: int):
         # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle (and the
         # task's augmentation) is seeded by (seed, epoch, rank), so an epoch sees the same batches
         # however the run got there.
         seed = data_seed(tc.seed, epoch, rank)
+        if stream is not None:  # the global order of the epoch, from the checkpoint's position on
+            return stream.batches(epoch, resume_at if epoch == start_epoch else 0,
+                                  task.collate(spec.data, train=True, seed=seed))
+        assert train_shard is not None
         return train_shard.iter_torch_batches(
             batch_size=tc.batch_size, collate_fn=ray_collate(task.collate(spec.data, train=True, seed=seed)),
             local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=seed,
@@ -125,6 +142,26 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     def val_batches():
         return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
 
+    step_checkpoints = {"count": 0, "seconds": 0.0}
+
+    def after_step(epoch: int, step: int) -> None:
+        """A step checkpoint every train.checkpoint_every_steps optimizer steps (not at an epoch's
+        end: the epoch's own follows). Reported like the epoch ones, with the score metric NaN, so
+        Ray keeps it only while it is the latest (what a restart resumes from)."""
+        every = tc.checkpoint_every_steps
+        if stream is None or not every or scheduler.last_epoch % every or stream.consumed >= stream.samples:
+            return
+        t0 = time.perf_counter()
+        state = {"epoch": epoch, "consumed": stream.consumed, "global_step": int(scheduler.last_epoch),
+                 "history": history}
+        with tempfile.TemporaryDirectory() as d:
+            ckpt.save(d, model, optimizer, scheduler, {**state, "metrics": {}})
+            ray.train.report({"epoch": epoch, "global_step": state["global_step"], "consumed": state["consumed"],
+                              "step_checkpoint": True, metric: float("nan")},
+                             checkpoint=ray.train.Checkpoint.from_directory(d))
+        step_checkpoints["count"] += 1
+        step_checkpoints["seconds"] += time.perf_counter() - t0
+
     def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
@@ -133,7 +170,11 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
         # where the run's time went (the summary's breakdown): this process's start, the
         # checkpoint's save and upload
-        history[-1].update(worker_started_at=started_at, checkpoint_seconds=time.perf_counter() - t0)
+        history[-1].update(worker_started_at=started_at, checkpoint_seconds=time.perf_counter() - t0,
+                           step_checkpoints=step_checkpoints["count"],
+                           step_checkpoint_seconds=round(step_checkpoints["seconds"], 3),
+                           resumed_at_sample=resume_at if epoch == start_epoch else 0)
+        step_checkpoints.update(count=0, seconds=0.0)
         if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
             write_json(f"{spec.run_uri}/history.json", history, spec.storage)
             record_throughput(spec.run_uri.rsplit("/", 1)[-1], metrics)
@@ -148,7 +189,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         run_epochs(cfg, task, spec.data, model, optimizer, scheduler, device, start_epoch=start_epoch,
                    history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
                    resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None,
-                   log_epoch=logger.log_epoch if logger is not None else None)
+                   log_epoch=logger.log_epoch if logger is not None else None, after_step=after_step)
     finally:
         if logger is not None:
             logger.close(timeout=30)
@@ -270,6 +311,7 @@ def fit(
     resume: bool = False,
     check: bool = True,
     on_step: RankStepHook | None = None,  # run in every worker before each step (faults: reliability/); pickled
+    on_samples: SampleHook | None = None,  # loader=stream: every worker's batch sample ids (tests); pickled
     tracking: TrackingSpec | None = None,  # an MLflow run for rank 0's epochs
 ) -> TrainOutcome:
     import ray.train
@@ -277,7 +319,7 @@ def fit(
 
     tc = cfg.train
     if check:
-        check_resources(tc.num_workers, tc.cpus_per_worker, tc.use_gpu)
+        check_resources(tc.min_workers, tc.cpus_per_worker, tc.use_gpu)
     task = get_task(cfg)
     task.check(data)
 
@@ -291,13 +333,16 @@ def fit(
     if val_limit is not None:
         val_ds = val_ds.limit(val_limit)
     prepared = task.prepare_dataset(train_ds)
+    if prepared is not train_ds and tc.loader == "stream":
+        raise UserError(f"train.loader=stream reads the stored rows, but model.task={cfg.model.task} trains on "
+                        "other examples made from them; use train.loader=ray_data")
     if prepared is not train_ds:  # rows become other examples (a causal LM's blocks): count them
         train_ds, val_ds = prepared, task.prepare_dataset(val_ds)
         train_rows = train_ds.count()
-    if train_rows < tc.num_workers:
-        raise UserError(f"{train_rows} training example(s) ({task.name}) for {tc.num_workers} workers; lower "
+    if train_rows < tc.max_workers:
+        raise UserError(f"{train_rows} training example(s) ({task.name}) for {tc.max_workers} workers; lower "
                         "train.num_workers, bring more data, or (a causal LM) lower model.lm.seq_len")
-    datasets = {"train": train_ds, "val": val_ds}
+    datasets = {"train": train_ds, "val": val_ds} if tc.loader == "ray_data" else {"val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
     resume_from = None
@@ -317,6 +362,7 @@ def fit(
         storage=storage,
         resume_from=resume_from,
         on_step=on_step,
+        on_samples=on_samples,
         tracking=tracking,
     )
     trainer = TorchTrainer(
@@ -324,7 +370,8 @@ def fit(
         train_loop_config={"spec": spec},
         torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=tc.num_workers,
+            # [min, max]: an elastic group, restarted on as many workers as the cluster has room for
+            num_workers=tc.num_workers if isinstance(tc.num_workers, int) else tuple(tc.num_workers),
             use_gpu=tc.use_gpu,
             resources_per_worker={"CPU": tc.cpus_per_worker},
         ),

@@ -38,7 +38,7 @@ def row_limits(tc, train_rows: int) -> tuple[int | None, int | None]:
 
 
 class StartPoint(NamedTuple):
-    epoch: int  # the first epoch to train
+    epoch: int  # the first epoch to train (the checkpoint's own, when it was taken mid-epoch)
     history: list[dict]  # the epochs before it
     resumed_from: int | None  # the checkpoint's epoch; None: from scratch
     saved: dict | None  # the checkpoint's train state
@@ -46,11 +46,18 @@ class StartPoint(NamedTuple):
 
 def start_point(directory: str | None, model, optimizer, scheduler) -> StartPoint:
     """From scratch (`directory` None), or the epoch after the checkpoint in `directory`, whose
-    model, optimizer and scheduler state are loaded in place."""
+    model, optimizer and scheduler state are loaded in place; a step checkpoint (`consumed`, see
+    mid_epoch_position) continues its own epoch."""
     if directory is None:
         return StartPoint(0, [], None, None)
     saved = ckpt.load(directory, model, optimizer, scheduler)
-    return StartPoint(saved["epoch"] + 1, saved.get("history", []), saved["epoch"], saved)
+    epoch = saved["epoch"] if mid_epoch_position(saved) else saved["epoch"] + 1
+    return StartPoint(epoch, saved.get("history", []), saved["epoch"], saved)
+
+
+def mid_epoch_position(saved: dict | None) -> int:
+    """Global samples of the checkpoint's epoch already trained on (a step checkpoint), else 0."""
+    return int((saved or {}).get("consumed") or 0)
 
 
 def join_torchrun_group(gpu: bool) -> None:

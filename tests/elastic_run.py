@@ -1,0 +1,78 @@
+"""Run by test_train_stream.py in its own process: an elastic training run (train.num_workers=[1, 2],
+loader=stream) on a 2-node `ray.cluster_utils.Cluster` on this machine, 2 CPUs per node (a training
+worker each; preprocessing needs 2 on a node). Once the epoch is past its step checkpoint at 40%,
+the second node is removed, and with it the worker on it: Ray Train restarts the group on the one
+node left, from that checkpoint. Prints RESULT {json}."""
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.stream_lineage import DIGITS, ROWS, lineage, overrides  # noqa: E402
+from workflows.config import load_config  # noqa: E402
+from workflows.loader import epoch_order, parquet_index  # noqa: E402
+from workflows.pipeline import stage_preprocess  # noqa: E402
+from workflows.runtime import runtime  # noqa: E402
+from workflows.train.stream_input import SampleRecorder, head  # noqa: E402
+from workflows.train.trainer import fit  # noqa: E402
+
+tmp = Path(sys.argv[1])
+# Ray Train's elastic policy sizes a restart from the cluster view of the autoscaling coordinator,
+# refreshed on its own tick: right after the node goes, it still counts 2 workers, and that start
+# waits for resources until this timeout (measured: "The worker group startup timed out after 60.0
+# seconds waiting for 2 workers", then "Detected ready resources for 1 workers"). Shorter here;
+# the cluster's processes inherit it.
+os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "20"
+cluster = Cluster()
+cluster.add_node(num_cpus=2)
+second = cluster.add_node(num_cpus=2)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address)
+
+record = tmp / "elastic"
+record.mkdir()
+removed: dict = {}
+
+
+def remove_second_node_past_40_percent() -> None:
+    """The second node goes once every worker has started the step after the 40% checkpoint: each
+    has then reported its part of it (Ray Train v2 registers a checkpoint once all ranks report it,
+    and a rank's report returns before the others'), plus a moment for the controller to record it."""
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        files = list(record.glob("samples-*.jsonl"))
+        past = [f for f in files if any(json.loads(line)["position"] >= 64 for line in f.read_text().splitlines())]
+        if len(files) == 2 and len(past) == 2:
+            time.sleep(2)
+            cluster.remove_node(second)
+            removed["at"] = time.time()
+            return
+        time.sleep(0.05)
+
+
+try:
+    elastic = ["train.num_workers=[1,2]", "train.cpus_per_worker=2", "train.max_failures=3"]
+    cfg = load_config(DIGITS, overrides(tmp, *elastic))
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        index = head(parquet_index(data.files["train"], rt.storage), ROWS)
+        expected = epoch_order(index.counts, cfg.train.seed, 0, cfg.train.shuffle_window).tolist()
+        watcher = threading.Thread(target=remove_second_node_past_40_percent, daemon=True)
+        watcher.start()
+        out = fit(cfg, rt.storage, data, run_prefix="elastic", on_samples=SampleRecorder(str(record)))
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+ranks_per_attempt = []
+for f in sorted(record.glob("samples-*.jsonl")):
+    rows = [json.loads(line) for line in f.read_text().splitlines()]
+    ranks_per_attempt.append({"file": f.name, "first_t": rows[0]["t"], "positions": [r["position"] for r in rows]})
+print("RESULT " + json.dumps({"removed": "at" in removed, "expected": expected, "lineage": lineage(record),
+                              "files": ranks_per_attempt, "history": out.history}, default=str))

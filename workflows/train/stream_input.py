@@ -1,0 +1,70 @@
+"""train.loader=stream: a Ray Train worker's training batches from workflows.loader instead of Ray
+Data, so that an epoch is one global order whatever the number of workers, each sample is seen
+exactly once, and a step checkpoint can resume mid-epoch (also on another number of workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from workflows.loader import StreamLoader, parquet_index
+from workflows.loader.index import DatasetIndex
+
+# (world rank, epoch, position of the batch's step in the epoch order, the batch's global sample ids)
+SampleHook = Callable[[int, int, int, list[int]], None]
+
+
+@dataclass(frozen=True)
+class SampleRecorder:
+    """A SampleHook that appends each batch's ids as a JSON line to `<directory>/samples-<rank>-<pid>.jsonl`
+    (a restarted worker is a new process: a new file), to check what a run trained on."""
+
+    directory: str
+
+    def __call__(self, rank: int, epoch: int, position: int, ids: list[int]) -> None:
+        line = json.dumps({"t": time.time(), "rank": rank, "epoch": epoch, "position": position, "ids": ids})
+        with open(os.path.join(self.directory, f"samples-{rank}-{os.getpid()}.jsonl"), "a") as f:
+            f.write(line + "\n")
+
+
+def head(index: DatasetIndex, rows: int) -> DatasetIndex:
+    """The index of the first `rows` samples in file order (train.max_train_rows, as Ray Data's
+    `limit` keeps them)."""
+    shards, left = [], rows
+    for s in index.shards:
+        if left <= 0:
+            break
+        shards.append(replace(s, samples=min(s.samples, left)))
+        left -= s.samples
+    return replace(index, shards=shards)
+
+
+class StreamInput:
+    """One worker's loader over the processed split's parquet files; rows go to the task's collate
+    as numpy columns, as with Ray Data."""
+
+    def __init__(self, cfg, data, storage, rank: int, world_size: int, rows: int,
+                 on_samples: SampleHook | None = None):
+        tc = cfg.train
+        index = head(parquet_index(data.files["train"], storage), rows)
+        self.rank, self.on_samples = rank, on_samples
+        self.loader = StreamLoader(index, storage, cfg.cache, None, batch_size=tc.batch_size,
+                                   num_workers=tc.loader_workers, seed=tc.seed, rank=rank, world_size=world_size,
+                                   shuffle_window=tc.shuffle_window)
+        self.samples = len(index)
+
+    def batches(self, epoch: int, start: int, collate: Callable, record: bool = True) -> Iterator[dict]:
+        self.loader.set_epoch(epoch, start)
+        for batch in self.loader:
+            position = self.loader.last_step_start
+            ids = batch.pop("sample")
+            if record and self.on_samples is not None:
+                self.on_samples(self.rank, epoch, position, ids.tolist())
+            yield collate(batch)
+
+    @property
+    def consumed(self) -> int:
+        return self.loader.consumed
