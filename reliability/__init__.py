@@ -58,7 +58,9 @@ ROWS: list[RowSpec] = [
         "serve_hostile_inputs",
         "reliability.serve_hostile",
         False,
-        "hostile HTTP requests to the Ray Serve app: 4xx with a message, and it keeps serving",
+        "hostile HTTP requests to the Ray Serve app: every malformed body, header, auth, size and smuggling case "
+        "is answered 4xx with a message, and it keeps serving; the ingress may read an unknown HTTP version as "
+        "HTTP/1.1 (named as accepted ingress behaviour)",
     ),
     RowSpec(
         "serve_hostile_images",
