@@ -16,7 +16,8 @@ from workflows.storage.atomic import atomic_write
 BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflows.bench.madewithml",
               "data": "workflows.bench.data", "serve": "workflows.bench.serve",
               "serve-levers": "workflows.bench.serve_levers", "train": "workflows.bench.train",
-              "tune": "workflows.bench.tune", "lm": "workflows.bench.lm", "digits": "workflows.bench.digits"}
+              "tune": "workflows.bench.tune", "lm": "workflows.bench.lm", "digits": "workflows.bench.digits",
+              "images": "workflows.bench.images"}
 RESULTS_DIR = Path("benchmarks/results")
 DOC = Path("docs/BENCHMARKS.md")
 
