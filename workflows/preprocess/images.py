@@ -2,6 +2,7 @@
 sees the same pixels for the same bytes in training and in production.
 
     decode_image(bytes, size)              encoded bytes -> uint8 [size, size, 3] RGB (or BadImage)
+    decode_random_resized_crop(bytes, size, gen)  the same, a random crop + flip drawn at decode time
     random_resized_crop_flip(u8, gen)      training augmentation on a uint8 [N, H, W, 3] batch
     to_model_input(u8)                     uint8 [N, H, W, 3] -> normalized float32 [N, 3, H, W]
 
@@ -15,6 +16,7 @@ recipes; whatever the choice, training and serving use this one function, so the
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -45,52 +47,13 @@ def _pillow_bomb(e: Exception) -> BadImage:
     return BadImage(f"decompression bomb: {e}")
 
 
-def decode_image(data: bytes, size: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """Encoded image bytes (JPEG, PNG, WebP, anything Pillow reads) -> uint8 array [size, size, 3], RGB.
+@contextlib.contextmanager
+def _bad_image_errors():
+    """Whatever Pillow raises on hostile bytes, as a BadImage with a one-line reason."""
+    from PIL import Image, UnidentifiedImageError
 
-    Raises BadImage with a one-line reason for anything that is not a whole, sane image. The same
-    bytes give the same array, byte for byte (for one Pillow version).
-    """
-    from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
-
-    if not data:
-        raise BadImage("empty (0 bytes)")
-    if ImageFile.LOAD_TRUNCATED_IMAGES:
-        # Some library or script turned this on: it pads a truncated file with gray instead of
-        # failing, which would train on (and serve) half images. A bad record must stay bad.
-        log.warning("PIL.ImageFile.LOAD_TRUNCATED_IMAGES was True; setting it to False")
-        ImageFile.LOAD_TRUNCATED_IMAGES = False
     try:
-        # Pillow checks its global limit inside open(): its warning (above MAX_IMAGE_PIXELS) is made
-        # an error here, its error (above twice that) is one already. catch_warnings touches the
-        # process-wide filter list; done per call, the worst a race can leave is this same filter.
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-        w, h = img.size
-        if w * h > max_pixels:  # the explicit limit, from the header: nothing decoded yet
-            raise BadImage(f"decompression bomb: {w}x{h} pixels exceeds the limit of {max_pixels}")
-        if w < 1 or h < 1:
-            raise BadImage(f"empty image ({w}x{h} pixels)")
-        if img.format == "JPEG":
-            img.draft("RGB", (size, size))  # DCT-domain downscale; each side stays >= size
-        img.load()  # decode everything now: a truncated file fails here, not later
-        img = ImageOps.exif_transpose(img)
-        if img.mode.startswith("I"):
-            # 16-bit grayscale (PNG, TIFF): Pillow's convert would clip at 255, so keep the high byte
-            px = np.clip(np.asarray(img, dtype=np.int64), 0, 65535) >> 8
-            img = Image.fromarray(px.astype(np.uint8), "L")
-        if img.mode != "RGB":
-            # palette transparency is only read right through RGBA; alpha is then dropped (as
-            # torchvision's and timm's loaders do with convert("RGB"))
-            if img.mode == "P" and "transparency" in img.info:
-                img = img.convert("RGBA")
-            img = img.convert("RGB")
-        w, h = img.size
-        side = min(w, h)  # the centered square, in source pixels (fractional: exact centering)
-        box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
-        img = img.resize((size, size), Image.Resampling.BILINEAR, box=box, reducing_gap=REDUCING_GAP)
-        out = np.array(img, dtype=np.uint8)
+        yield
     except BadImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -104,7 +67,104 @@ def decode_image(data: bytes, size: int, max_pixels: int = MAX_PIXELS) -> np.nda
         if "truncated" in msg.lower():
             raise BadImage("truncated image") from None
         raise BadImage(f"corrupt image ({msg})") from None
+
+
+def _open_checked(data: bytes, max_pixels: int):
+    """Image.open with the pixel limit checked from the header, before any pixel is decoded."""
+    from PIL import Image, ImageFile
+
+    if not data:
+        raise BadImage("empty (0 bytes)")
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        # Some library or script turned this on: it pads a truncated file with gray instead of
+        # failing, which would train on (and serve) half images. A bad record must stay bad.
+        log.warning("PIL.ImageFile.LOAD_TRUNCATED_IMAGES was True; setting it to False")
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+    # Pillow checks its global limit inside open(): its warning (above MAX_IMAGE_PIXELS) is made
+    # an error here, its error (above twice that) is one already. catch_warnings touches the
+    # process-wide filter list; done per call, the worst a race can leave is this same filter.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        img = Image.open(io.BytesIO(data))
+    w, h = img.size
+    if w * h > max_pixels:  # the explicit limit, from the header: nothing decoded yet
+        raise BadImage(f"decompression bomb: {w}x{h} pixels exceeds the limit of {max_pixels}")
+    if w < 1 or h < 1:
+        raise BadImage(f"empty image ({w}x{h} pixels)")
+    return img
+
+
+def _to_rgb(img):
+    from PIL import Image
+
+    if img.mode.startswith("I"):
+        # 16-bit grayscale (PNG, TIFF): Pillow's convert would clip at 255, so keep the high byte
+        px = np.clip(np.asarray(img, dtype=np.int64), 0, 65535) >> 8
+        img = Image.fromarray(px.astype(np.uint8), "L")
+    if img.mode != "RGB":
+        # palette transparency is only read right through RGBA; alpha is then dropped (as
+        # torchvision's and timm's loaders do with convert("RGB"))
+        if img.mode == "P" and "transparency" in img.info:
+            img = img.convert("RGBA")
+        img = img.convert("RGB")
+    return img
+
+
+def decode_image(data: bytes, size: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Encoded image bytes (JPEG, PNG, WebP, anything Pillow reads) -> uint8 array [size, size, 3], RGB.
+
+    Raises BadImage with a one-line reason for anything that is not a whole, sane image. The same
+    bytes give the same array, byte for byte (for one Pillow version).
+    """
+    from PIL import Image, ImageOps
+
+    with _bad_image_errors():
+        img = _open_checked(data, max_pixels)
+        if img.format == "JPEG":
+            img.draft("RGB", (size, size))  # DCT-domain downscale; each side stays >= size
+        img.load()  # decode everything now: a truncated file fails here, not later
+        img = _to_rgb(ImageOps.exif_transpose(img))
+        w, h = img.size
+        side = min(w, h)  # the centered square, in source pixels (fractional: exact centering)
+        box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
+        img = img.resize((size, size), Image.Resampling.BILINEAR, box=box, reducing_gap=REDUCING_GAP)
+        out = np.array(img, dtype=np.uint8)
     if out.shape != (size, size, 3):  # cannot happen after convert("RGB"); a reason beats a shape error later
+        raise BadImage(f"decoded to shape {out.shape}, not ({size}, {size}, 3)")
+    return out
+
+
+def decode_random_resized_crop(data: bytes, size: int, generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                               flip: bool = True, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Encoded bytes -> uint8 [size, size, 3]: RandomResizedCrop(size, scale, ratio) of the source
+    image, then a horizontal flip with p=0.5, drawn from `generator` (crop, then flip), as
+    random_resized_crop_flip draws them, but on the source pixels and at decode time: a JPEG is
+    decoded at the smallest 1/2, 1/4, 1/8 scale (`draft`) that keeps the crop >= size, so a small
+    crop of a big photo costs a fraction of a full decode. EXIF-rotated images are decoded whole
+    and turned first, so the crop is drawn on the image as seen.
+    """
+    import torch
+    from PIL import Image, ImageOps
+
+    with _bad_image_errors():
+        img = _open_checked(data, max_pixels)
+        if img.getexif().get(0x0112, 1) != 1:  # EXIF orientation: turn first, no draft
+            img.load()
+            img = ImageOps.exif_transpose(img)
+        w, h = img.size
+        top, left, ch, cw = _crop_params(h, w, scale, ratio, generator)
+        if img.format == "JPEG":
+            # each side of the drafted image stays >= the crop's side scaled to `size`
+            img.draft("RGB", (math.ceil(w * size / cw), math.ceil(h * size / ch)))
+        img.load()
+        sx, sy = img.size[0] / w, img.size[1] / h
+        img = _to_rgb(img)
+        box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
+        img = img.resize((size, size), Image.Resampling.BILINEAR, box=box, reducing_gap=REDUCING_GAP)
+        if flip and torch.rand(1, generator=generator).item() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        out = np.array(img, dtype=np.uint8)
+    if out.shape != (size, size, 3):
         raise BadImage(f"decoded to shape {out.shape}, not ({size}, {size}, 3)")
     return out
 

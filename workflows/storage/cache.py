@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -48,6 +49,9 @@ from workflows.storage.transfer import (  # object_version is also imported from
 from workflows.storage.uri import StorageContext, filesystem, reaching
 
 log = logging.getLogger(__name__)
+
+DEBRIS_EVERY_S = 60.0  # a process looks for debris of killed downloads at most this often
+USAGE_FILE = "usage"  # the running total of cached bytes (see _sweep)
 
 
 @dataclass
@@ -73,6 +77,7 @@ class ShardCache:
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._s3_client = None
+        self._debris_swept_at = -math.inf  # the first miss of a process sweeps debris
 
     # -- public API ------------------------------------------------------------------------
     def fetch(self, uri: str, version: str | None = None, size: int | None = None) -> str:
@@ -239,28 +244,70 @@ class ShardCache:
     def _sweep(self, src: Source, keep: str) -> None:
         """After a download: clean debris of killed downloads, drop older versions of the same
         URI, then least-recently-used entries until under max_bytes. Entries whose lock anyone
-        holds (pinned by a reader, or being downloaded) are skipped, never waited for."""
-        with self._global_lock():
-            debris = {p.name.split(".", 1)[0] for p in self.dir.glob("*.tmp-*")}
-            debris |= {n for n in self._names("*.data") if not self._meta_path(n).exists()}
-            for name in debris:
-                self._if_unlocked(name, self._clean)
-            for name in self._names(_uri_prefix(src.uri) + "*.json"):
-                if name != keep:
-                    self._if_unlocked(name, self._remove)
-            if self.max_bytes is not None:
-                self._evict(keep)
+        holds (pinned by a reader, or being downloaded) are skipped, never waited for.
 
-    def _evict(self, keep: str) -> None:
+        # why: listing the directory costs 10-20 ms at thousands of entries, far too much per miss
+        # of a loader fetching small shards. So a miss lists nothing in the common case: older
+        # versions are found through the URI's pointer file, the bytes on disk are a running total
+        # shared by all processes (`usage`, exact after every full listing, raised by each
+        # download), and the full listing runs only when that total may exceed max_bytes, plus a
+        # debris sweep at most every DEBRIS_EVERY_S seconds per process."""
+        with self._global_lock():
+            now = time.monotonic()
+            if now - self._debris_swept_at >= DEBRIS_EVERY_S:
+                self._debris_swept_at = now
+                debris = {p.name.split(".", 1)[0] for p in self.dir.glob("*.tmp-*")}
+                debris |= {n for n in self._names("*.data") if not self._meta_path(n).exists()}
+                for name in debris:
+                    self._if_unlocked(name, self._clean)
+            freed = self._drop_old_version(src, keep)
+            if self.max_bytes is not None:
+                usage = self._read_usage()
+                if usage is not None:
+                    usage = max(0, usage + src.size - freed)
+                if usage is None or usage > self.max_bytes:
+                    usage = self._evict(keep)
+                self._write_usage(usage)
+
+    def _drop_old_version(self, src: Source, keep: str) -> int:
+        """Remove the entry the URI's pointer names if it is not `keep`; point it at `keep`.
+        Returns the bytes freed."""
+        pointer = self.dir / f"{_uri_prefix(src.uri)}current"
+        try:
+            old = pointer.read_text().strip()
+        except FileNotFoundError:
+            old = ""
+        freed = 0
+        if old and old != keep:
+            size = _size(self._data_path(old))
+            if self._if_unlocked(old, self._remove):
+                freed = size
+        if old != keep:
+            self._atomic_write(pointer, keep.encode())
+        return freed
+
+    def _read_usage(self) -> int | None:
+        try:
+            return int((self.dir / USAGE_FILE).read_text())
+        except (FileNotFoundError, ValueError):  # first sweep, or a torn write: list once
+            return None
+
+    def _write_usage(self, usage: int) -> None:
+        self._atomic_write(self.dir / USAGE_FILE, str(usage).encode())
+
+    def _evict(self, keep: str) -> int:
+        """Remove LRU entries until under max_bytes; returns the bytes left (a full listing)."""
+        assert self.max_bytes is not None
         sizes = {n: _size(self._data_path(n)) for n in self._names("*.data")}
         total = sum(sizes.values())
         for name in sorted(sizes, key=self._last_access):  # least recently used first
             if total <= self.max_bytes:
-                return
+                break
             if name != keep and self._if_unlocked(name, self._remove):
                 total -= sizes[name]
                 with self._stats_lock:
                     self._stats.evictions += 1
+        return total
 
     def _if_unlocked(self, name: str, action) -> bool:
         """Run action(name) under the entry's LOCK_EX if no one holds its lock; else skip it."""

@@ -1,0 +1,202 @@
+"""The streaming loader (workflows/loader) on real tar shards: a local directory and the embedded S3
+endpoint over HTTP, real decode processes."""
+
+import io
+import json
+import logging
+import re
+import tarfile
+
+import numpy as np
+import pytest
+
+from workflows.errors import UserError
+from workflows.loader import DatasetIndex, StreamLoader, epoch_order, read_index, step_bounds
+from workflows.loader.images import ImageTransform
+from workflows.storage.cache import ShardCache
+from workflows.storage.embedded import EmbeddedS3
+from workflows.storage.uri import StorageContext
+
+LOCAL = StorageContext()
+COUNTS = [13, 9, 11, 7, 12, 10]  # uneven shards: 62 samples
+SIZE = 16  # decoded side: tiny, the tests are about ids and order
+
+
+def _image(i: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(i)
+    img = Image.fromarray(rng.integers(0, 255, (20 + i % 7, 24, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG" if i % 2 else "PNG")
+    return buf.getvalue()
+
+
+def _tar(samples: list[tuple[str, bytes, int]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, img, label in samples:
+            for name, data in ((f"{key}.jpg", img), (f"{key}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def write_shards(put, with_index: bool = True) -> list[bytes]:
+    """Shards `shard-00000k.tar` via `put(name, bytes)`; sample i has label i % 10."""
+    shards, i = [], 0
+    for n in COUNTS:
+        shards.append(_tar([(f"s{i + j:05d}", _image(i + j), (i + j) % 10) for j in range(n)]))
+        i += n
+    for k, data in enumerate(shards):
+        put(f"shard-{k:06d}.tar", data)
+    if with_index:
+        index = {"format": "wds-tar", "version": 1, "classes": 10,
+                 "shards": [{"name": f"shard-{k:06d}.tar", "samples": n, "bytes": len(d)}
+                            for k, (n, d) in enumerate(zip(COUNTS, shards))]}
+        put("index.json", json.dumps(index).encode())
+    return shards
+
+
+@pytest.fixture
+def local_data(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    write_shards(lambda name, data: (root / name).write_bytes(data))
+    return str(root)
+
+
+def loader(prefix, cache, **kw):
+    kw.setdefault("num_workers", 0)
+    kw.setdefault("batch_size", 4)
+    return StreamLoader(prefix, LOCAL, cache, ImageTransform(size=SIZE, seed=kw.get("seed", 0)), **kw)
+
+
+def global_sequence(prefix, cache, world_size, start=0, epoch=0, **kw) -> tuple[list[int], dict[int, bytes]]:
+    """The ids of the epoch from `start`, by global position (step by step, rank by rank), as
+    `world_size` ranks see them, and each sample's decoded pixels."""
+    ranks = [list(loader(prefix, cache, rank=r, world_size=world_size, start=start, epoch=epoch, **kw))
+             for r in range(world_size)]
+    assert len({len(b) for b in ranks}) == 1, "every rank runs the same number of steps"
+    ids, pixels = [], {}
+    for step in zip(*ranks):
+        for b in step:
+            ids += b["sample"].tolist()
+            for sid, img, label in zip(b["sample"].tolist(), b["image"], b["label"].tolist()):
+                assert label == sid % 10 and img.shape == (3, SIZE, SIZE) and str(img.dtype) == "torch.uint8"
+                pixels[sid] = img.numpy().tobytes()
+    return ids, pixels
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_sample_exactly_once_per_epoch(local_data, tmp_path, world_size):
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    ids, _ = global_sequence(local_data, cache, world_size)
+    assert sorted(ids) == list(range(sum(COUNTS)))
+    # the sequence is the epoch order, whatever the world size
+    assert ids == epoch_order(COUNTS, 0, 0, 4).tolist()
+
+
+def test_decode_processes_give_the_same_batches(local_data, tmp_path):
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    inline = list(loader(local_data, cache, rank=1, world_size=2))
+    procs = loader(local_data, cache, rank=1, world_size=2, num_workers=2)
+    for _ in range(2):  # persistent worker processes serve a second pass
+        batches = list(procs)
+        assert len(batches) == len(inline)
+        for a, b in zip(inline, batches):
+            assert a["sample"].tolist() == b["sample"].tolist() and (a["image"] == b["image"]).all()
+    procs.close()
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_resume_at_40_percent_on_another_worker_count(local_data, tmp_path, before, after):
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    full, full_pixels = global_sequence(local_data, cache, before, epoch=1)
+    # a run killed at ~40%: its checkpoint stores the loader's state after the last step
+    ranks = [loader(local_data, cache, rank=r, world_size=before, epoch=1) for r in range(before)]
+    its = [iter(r) for r in ranks]
+    steps = int(0.4 * len(ranks[0]))
+    for _ in range(steps):
+        for it in its:
+            next(it)
+    consumed = ranks[0].state()["consumed"]
+    assert consumed == ranks[-1].state()["consumed"] == step_bounds(sum(COUNTS), 0, before, 4)[steps]
+    assert 0.3 * sum(COUNTS) < consumed < 0.5 * sum(COUNTS)
+    rest, rest_pixels = global_sequence(local_data, cache, after, start=consumed, epoch=1)
+    assert rest == full[consumed:]  # the same samples in the same order
+    assert all(rest_pixels[i] == full_pixels[i] for i in rest)  # and the same crops
+
+
+def test_orders_differ_by_epoch_and_seed_and_repeat_for_the_same(local_data, tmp_path):
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    e0, _ = global_sequence(local_data, cache, 1, epoch=0)
+    assert global_sequence(local_data, cache, 1, epoch=0)[0] == e0
+    assert global_sequence(local_data, cache, 1, epoch=1)[0] != e0
+    assert global_sequence(local_data, cache, 1, epoch=0, seed=1)[0] != e0
+    # the shuffle window: with window 1 the samples of a shard stay together
+    w1 = epoch_order(COUNTS, 0, 0, 1)
+    offsets = np.cumsum([0, *COUNTS])
+    shard_of = np.searchsorted(offsets, w1, side="right") - 1
+    assert (np.diff(shard_of) != 0).sum() == len(COUNTS) - 1
+
+
+def test_s3_cold_then_warm_reads_nothing_from_the_store(tmp_path):
+    with EmbeddedS3(str(tmp_path / "s3")) as s3:
+        s3.ensure_bucket("imgs")
+        ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+        client = ctx.boto3_client()
+        shards = write_shards(lambda name, data: client.put_object(Bucket="imgs", Key=f"ds/{name}", Body=data))
+        cold = StreamLoader("s3://imgs/ds", ctx, ShardCache(str(tmp_path / "cache"), ctx),
+                            ImageTransform(size=SIZE), batch_size=8, num_workers=0)
+        ids = [i for b in cold for i in b["sample"].tolist()]
+        assert sorted(ids) == list(range(sum(COUNTS)))
+        assert cold.stats()["bytes_from_store"] == sum(len(s) for s in shards)
+        warm = StreamLoader("s3://imgs/ds", ctx, ShardCache(str(tmp_path / "cache"), ctx),
+                            ImageTransform(size=SIZE), batch_size=8, num_workers=0, epoch=1)
+        assert sorted(i for b in warm for i in b["sample"].tolist()) == list(range(sum(COUNTS)))
+        stats = warm.stats()
+        assert stats["bytes_from_store"] == 0 and stats["misses"] == 0 and stats["hits"] == len(COUNTS)
+
+
+def test_an_index_is_built_when_the_prefix_has_none(tmp_path, caplog):
+    root = tmp_path / "data"
+    root.mkdir()
+    write_shards(lambda name, data: (root / name).write_bytes(data), with_index=False)
+    with caplog.at_level(logging.WARNING):
+        index = read_index(str(root), LOCAL, ShardCache(str(tmp_path / "cache"), LOCAL))
+    assert index.counts == COUNTS and "building one from the tar headers" in caplog.text
+
+
+def test_a_truncated_or_bad_shard_is_an_error_naming_it(local_data, tmp_path):
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    bad = f"{local_data}/shard-000002.tar"
+    data = open(bad, "rb").read()
+    open(bad, "wb").write(data[: len(data) // 2])
+    with pytest.raises(UserError, match=re.escape(bad)):
+        list(loader(local_data, cache))
+    open(bad, "wb").write(b"not a tar at all" * 100)
+    with pytest.raises(UserError, match=re.escape(bad)):
+        list(loader(local_data, cache))
+
+
+def test_index_errors_name_the_problem(local_data, tmp_path):
+    with pytest.raises(UserError, match="lists no shards"):
+        DatasetIndex(prefix=local_data, shards=[])
+    index = read_index(local_data, LOCAL)
+    wrong = DatasetIndex(prefix=local_data, shards=[*index.shards[:-1], index.shards[-1].__class__(
+        index.shards[-1].name, 99)])
+    with pytest.raises(UserError, match="index says 99"):
+        list(StreamLoader(wrong, LOCAL, ShardCache(str(tmp_path / "c"), LOCAL), ImageTransform(size=SIZE),
+                          num_workers=0))
+
+
+def test_a_capped_cache_evicts_while_reading(local_data, tmp_path):
+    biggest = max(len(open(f"{local_data}/shard-{k:06d}.tar", "rb").read()) for k in range(len(COUNTS)))
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL, max_bytes=3 * biggest)
+    for epoch in range(2):
+        ids, _ = global_sequence(local_data, cache, 1, epoch=epoch, shuffle_window=1, prefetch_shards=1)
+        assert sorted(ids) == list(range(sum(COUNTS)))
+        assert cache.cached_bytes() <= 3 * biggest
+    assert cache.stats().evictions >= len(COUNTS)

@@ -1,0 +1,34 @@
+"""The image transform the loader's decode processes apply per sample (the bench's preset)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from workflows.train.loop import derived_seed
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """Encoded bytes -> uint8 [3, size, size]: RandomResizedCrop + horizontal flip when `train`
+    (drawn from a generator seeded by (seed, epoch, sample id), so a resumed epoch, on any number
+    of workers, sees the same crops), else the center square (as serving decodes it)."""
+
+    size: int = 224
+    seed: int = 0
+    train: bool = True
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def __call__(self, data: bytes, sample: int, epoch: int) -> np.ndarray:
+        import torch
+
+        from workflows.preprocess.images import decode_image, decode_random_resized_crop
+
+        if self.train:
+            gen = torch.Generator().manual_seed(derived_seed("crop", self.seed, epoch, sample))
+            hwc = decode_random_resized_crop(data, self.size, gen, self.scale, self.ratio)
+        else:
+            hwc = decode_image(data, self.size)
+        return hwc.transpose(2, 0, 1)

@@ -1,0 +1,194 @@
+"""The dataset index: the ordered list of shards with their sample counts, and each tar shard's
+member table (where each sample's bytes lie), built from the tar headers of the cached copy.
+
+`<prefix>/index.json` (`workflows data synth-images` writes it):
+    {"format": "wds-tar", "version": 1, "classes": 100,
+     "shards": [{"name": "shard-000000.tar", "samples": 1187, "bytes": 134217216}, ...]}
+Names are relative to the prefix; other keys are allowed (and ignored). Optional "labels": the
+class names, when the `.cls` members hold names rather than class numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tarfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from workflows.errors import UserError
+from workflows.loader.order import shard_offsets
+from workflows.storage.shards import IMAGE_EXTENSIONS, LABEL_EXTENSIONS
+from workflows.storage.uri import StorageContext, exists, filesystem, join, reaching, read_json, with_protocol
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "index.json"
+FORMATS = ("wds-tar", "parquet")
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    name: str  # relative to the index's prefix (or a whole URI when the prefix is "")
+    samples: int
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class DatasetIndex:
+    prefix: str
+    shards: list[ShardEntry]
+    format: str = "wds-tar"
+    classes: int | None = None
+    labels: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise UserError(f"index of {self.prefix}: format {self.format!r} is not one of {FORMATS}")
+        if not self.shards:
+            raise UserError(f"index of {self.prefix or 'the dataset'} lists no shards")
+
+    @property
+    def counts(self) -> list[int]:
+        return [s.samples for s in self.shards]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return shard_offsets(self.counts)
+
+    def __len__(self) -> int:
+        return int(sum(self.counts))
+
+    def uri(self, shard: int) -> str:
+        name = self.shards[shard].name
+        return join(self.prefix, name) if self.prefix else name
+
+    def to_json(self) -> dict:
+        out = {"format": self.format, "version": 1,
+               "shards": [{"name": s.name, "samples": s.samples, "bytes": s.bytes} for s in self.shards]}
+        if self.classes is not None:
+            out["classes"] = self.classes
+        if self.labels is not None:
+            out["labels"] = self.labels
+        return {**self.extra, **out}
+
+    @classmethod
+    def from_json(cls, prefix: str, obj: dict) -> DatasetIndex:
+        where = join(prefix, INDEX_FILE)
+        try:
+            shards = [ShardEntry(str(s["name"]), int(s["samples"]), int(s.get("bytes", 0))) for s in obj["shards"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{where}: 'shards' must be a list of {{name, samples, bytes}} ({e})") from None
+        known = {"format", "version", "shards", "classes", "labels"}
+        return cls(prefix=prefix, shards=shards, format=obj.get("format", "wds-tar"), classes=obj.get("classes"),
+                   labels=obj.get("labels"), extra={k: v for k, v in obj.items() if k not in known})
+
+
+@dataclass(frozen=True)
+class TarMembers:
+    """One tar shard's samples in member order: where each image's bytes lie, and its label."""
+
+    offsets: np.ndarray  # int64: byte offset of the image member's data
+    sizes: np.ndarray  # int64
+    labels: np.ndarray  # int64 class ids (-1: none)
+
+
+def _label_id(text: str | None, labels: list[str] | None, where: str) -> int:
+    if text is None:
+        return -1
+    if labels is not None and text in labels:
+        return labels.index(text)
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{where}: label {text!r} is not a class number and not in the index's 'labels'") from None
+
+
+def tar_members(path: str, uri: str, labels: list[str] | None = None) -> TarMembers:
+    """The member table of an uncompressed WebDataset tar, from its headers only (tarfile seeks past
+    the data). Samples are keys in first-seen order, as storage.shards reads them. Raises a
+    UserError naming `uri` for a truncated or corrupt shard, or a sample without exactly one image."""
+    from workflows.storage.shards import _label_of
+
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            for m in tar:
+                if not m.isfile():
+                    continue
+                directory, _, base = m.name.rpartition("/")
+                stem, dot, ext = base.partition(".")
+                if stem and dot:
+                    key = f"{directory}/{stem}" if directory else stem
+                    samples.setdefault(key, {})[ext.lower()] = (m.offset_data, m.size)
+            # tarfile stops quietly at a garbled header, as if the archive ended: a real end is a zero block
+            f.seek(tar.offset)
+            if f.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:
+                raise tarfile.ReadError(f"truncated or corrupt header at byte {tar.offset}, no end-of-archive block")
+    except tarfile.TarError as e:
+        raise UserError(f"malformed tar shard {uri}: {' '.join(str(e).split()) or type(e).__name__}") from None
+    offs, sizes, labs = [], [], []
+    with open(path, "rb") as f:
+        for key, members in samples.items():
+            images = [members[e] for e in IMAGE_EXTENSIONS if e in members]
+            if len(images) != 1:
+                raise UserError(f"tar shard {uri}: sample {key!r} has {len(images)} image members, not 1")
+            off, n = images[0]
+            if off + n > size:
+                raise UserError(f"malformed tar shard {uri}: sample {key!r} runs past the end of the file")
+            label = None
+            for ext in LABEL_EXTENSIONS:
+                if ext in members:
+                    loff, ln = members[ext]
+                    label = _label_of(ext, os.pread(f.fileno(), ln, loff))
+                    break
+            offs.append(off)
+            sizes.append(n)
+            labs.append(_label_id(label, labels, f"tar shard {uri}, sample {key!r}"))
+    return TarMembers(np.asarray(offs, np.int64), np.asarray(sizes, np.int64), np.asarray(labs, np.int64))
+
+
+def read_index(prefix: str, storage: StorageContext, cache=None) -> DatasetIndex:
+    """`<prefix>/index.json`; without one, an index built by reading every `*.tar` shard's headers
+    once through `cache` (a ShardCache; logged, as it fetches every shard)."""
+    index_uri = join(prefix, INDEX_FILE)
+    if exists(index_uri, storage):
+        return DatasetIndex.from_json(prefix, read_json(index_uri, storage))
+    if cache is None:
+        raise UserError(f"{index_uri} not found, and no shard cache to build an index with")
+    fs, path = filesystem(prefix, storage)
+    with reaching(prefix, storage):
+        try:
+            listing = fs.ls(path, detail=True)
+        except FileNotFoundError:
+            raise UserError(f"dataset prefix not found: {prefix}") from None
+    tars = sorted((e for e in listing if e["type"] == "file" and e["name"].endswith(".tar")), key=lambda e: e["name"])
+    if not tars:
+        raise UserError(f"no index.json and no *.tar shards under {prefix}")
+    log.warning("%s has no %s: building one from the tar headers of its %d shards (reads each once)",
+                prefix, INDEX_FILE, len(tars))
+    shards = []
+    for e in tars:
+        uri = with_protocol(prefix, e["name"])
+        with cache.open_local(uri) as local:
+            n = len(tar_members(local, uri).offsets)
+        shards.append(ShardEntry(uri.rstrip("/").rsplit("/", 1)[-1], n, int(e["size"])))
+    return DatasetIndex(prefix=prefix, shards=shards)
+
+
+def parquet_index(files: list[str], storage: StorageContext) -> DatasetIndex:
+    """Processed parquet shards (a ProcessedDataset split's files, whole URIs) with their row counts
+    from the parquet footers (one small read per file)."""
+    import pyarrow.parquet as pq
+
+    shards = []
+    for uri in files:
+        fs, path = filesystem(uri, storage)
+        with reaching(uri, storage), fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            shards.append(ShardEntry(uri, meta.num_rows, int(fs.size(path))))
+    return DatasetIndex(prefix="", shards=shards, format="parquet")

@@ -1,0 +1,344 @@
+"""StreamLoader: one rank's batches of the epoch's global order (order.py), read by random access
+from shards cached whole on local disk (storage.cache.ShardCache), decoded in worker processes.
+
+Main process: plans the rank's batches (sample ids), fetches their shards through the cache in a
+background thread pool, `prefetch_shards` ahead of the batch being planned (a cold epoch overlaps
+download with decode), keeps each shard pinned until its last batch is delivered, and builds each
+tar shard's member table once (tar headers). Worker processes: os.pread of each sample's bytes from
+the pinned local file and the per-sample transform; nothing holds a whole shard in memory.
+
+# why torch's DataLoader: it is the field's multi-process, in-order batch pipeline (worker
+# processes with persistent_workers, prefetch_factor batches in flight per worker, pinned-memory
+# hand-off, errors re-raised in the trainer with the worker's traceback). Our part is only the batch
+# sampler (which global positions, from which local file) and the map-style dataset (pread +
+# transform); the DataLoader yields batches in sampler order, so the order is ours, not
+# completion order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from workflows.errors import UserError
+from workflows.loader.index import DatasetIndex, TarMembers, read_index, tar_members
+from workflows.loader.order import epoch_order, rank_batches, step_bounds
+from workflows.storage.uri import StorageContext
+
+log = logging.getLogger(__name__)
+
+OPEN_FILES = 32  # per decode process: fds of recently read local shards
+ROW_GROUPS = 8  # per decode process: parquet row groups kept decoded (a shuffle window's worth)
+
+
+@dataclass(frozen=True)
+class _Local:
+    """A shard fetched and pinned in the cache: its local path and (tar) member table."""
+
+    path: str
+    members: TarMembers | None
+
+
+def _identity(batch):
+    return batch
+
+
+class _Samples:
+    """The map-style dataset the DataLoader's workers run: a batch of items -> a dict of arrays.
+
+    Items carry everything a worker needs (epoch, sample id, local path, where the bytes are), so
+    one persistent worker pool serves every epoch and resume point."""
+
+    def __init__(self, fmt: str, transform: Callable | None, columns: list[str] | None):
+        self.fmt = fmt
+        self.transform = transform
+        self.columns = columns
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._parquet: OrderedDict[str, Any] = OrderedDict()
+
+    def __len__(self) -> int:  # the DataLoader asks; batches come from the batch sampler
+        return 0
+
+    def __getitem__(self, item):
+        return self.__getitems__([item])
+
+    def __getitems__(self, items: list[tuple]) -> dict:
+        import torch
+
+        if self.fmt == "parquet":
+            out = self._rows(items)
+        else:
+            images, labels = [], []
+            for epoch, sample, path, off, size, label in items:
+                data = os.pread(self._fd(path), size, off)
+                if len(data) != size:
+                    raise UserError(f"{path}: short read of sample {sample} (the cached shard changed?)")
+                images.append(self.transform(data, sample, epoch) if self.transform is not None else data)
+                labels.append(label)
+            if self.transform is None:
+                out = {"data": images}
+            else:
+                out = {"image": torch.from_numpy(np.stack(images))}
+            out["label"] = torch.tensor(labels, dtype=torch.int64)
+        out["sample"] = torch.tensor([it[1] for it in items], dtype=torch.int64)
+        return out
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.pop(path, None)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            if len(self._fds) >= OPEN_FILES:
+                os.close(self._fds.popitem(last=False)[1])
+        self._fds[path] = fd
+        return fd
+
+    def _rows(self, items: list[tuple]) -> dict:
+        """Parquet rows, read by row group (kept decoded, LRU) and taken in the items' order."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from workflows.train.standalone import column_values
+
+        parts = []
+        for _epoch, _sample, path, row in items:
+            pf = self._parquet.pop(path, None) or pq.ParquetFile(path)
+            self._parquet[path] = pf
+            if len(self._parquet) > OPEN_FILES:
+                self._parquet.popitem(last=False)
+            starts = np.cumsum([0] + [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
+            g = int(np.searchsorted(starts, row, side="right") - 1)
+            table = self._groups.pop((path, g), None)
+            if table is None:
+                table = pf.read_row_group(g, columns=self.columns)
+            self._groups[(path, g)] = table
+            if len(self._groups) > ROW_GROUPS:
+                self._groups.popitem(last=False)
+            parts.append(table.slice(int(row - starts[g]), 1))
+        table = pa.concat_tables(parts)
+        return {c: column_values(table.column(c)) for c in table.column_names}
+
+
+class StreamLoader:
+    """An iterable over one rank's batches of one epoch (see the module docstring and order.py).
+
+    Images (a `wds-tar` index): {"image": uint8 [B, 3, S, S] (what `transform` returns, stacked),
+    "label": int64 [B], "sample": int64 [B]} with `transform(bytes, sample_id, epoch)`, e.g.
+    loader.images.ImageTransform. Parquet (parquet_index): the stored `columns` as numpy (what a
+    task's collate takes) plus "sample". `start`: global samples of the epoch already consumed
+    (from a checkpoint: `state()["consumed"]`); `set_epoch` moves on without new worker processes.
+    """
+
+    def __init__(self, source: DatasetIndex | str, storage: StorageContext, cache, transform: Callable | None = None,
+                 batch_size: int = 256, num_workers: int = 2, seed: int = 0, epoch: int = 0, rank: int = 0,
+                 world_size: int = 1, start: int = 0, shuffle_window: int = 4, prefetch_shards: int = 2,
+                 columns: list[str] | None = None, prefetch_factor: int = 2):
+        from workflows.storage.cache import ShardCache
+
+        if not isinstance(cache, ShardCache):
+            cache = cache.shard_cache(storage)  # a CacheConfig: the cache of this node
+        self.cache = cache
+        self.storage = storage
+        self.index = source if isinstance(source, DatasetIndex) else read_index(source, storage, cache)
+        if batch_size < 1 or num_workers < 0 or prefetch_shards < 0:
+            raise UserError(f"StreamLoader: batch_size >= 1, num_workers >= 0 and prefetch_shards >= 0 needed, got "
+                            f"{batch_size}, {num_workers}, {prefetch_shards}")
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.shuffle_window, self.prefetch_shards = shuffle_window, prefetch_shards
+        self.transform = transform
+        self._dataset = _Samples(self.index.format, transform, columns)
+        self._num_workers, self._prefetch_factor = num_workers, prefetch_factor
+        self._loader = None
+        self._offsets = self.index.offsets
+        self._pool = ThreadPoolExecutor(max(1, prefetch_shards), thread_name_prefix="shard-prefetch")
+        self._open: dict[int, Future] = {}
+        self._pins: dict[int, contextlib.ExitStack] = {}
+        self._lock = threading.Lock()
+        self.fetch_wait_s = 0.0
+        self.set_epoch(epoch, start)
+
+    # -- the plan of one epoch ----------------------------------------------------------------
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The next iteration yields this epoch's batches from global position `start` on."""
+        n = len(self.index)
+        self.epoch, self.start = epoch, start
+        self._order = epoch_order(self.index.counts, self.seed, epoch, self.shuffle_window)
+        self._bounds = step_bounds(n, start, self.world_size, self.batch_size)
+        self._ranges = rank_batches(n, start, self.world_size, self.rank, self.batch_size)
+        self._delivered = 0
+
+    def __len__(self) -> int:
+        """Batches this rank yields (one per global step; the same on every rank)."""
+        return sum(1 for lo, hi in self._ranges if hi > lo)
+
+    @property
+    def consumed(self) -> int:
+        """Global samples of the epoch consumed once every rank has taken as many batches as this one."""
+        return int(self._bounds[self._delivered])
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint stores to resume here: {"epoch", "consumed"} (global samples)."""
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+
+    def stats(self) -> dict[str, Any]:
+        """This loader's cache counters (all its fetches run in this process) and time spent
+        waiting for a shard to arrive."""
+        s = self.cache.stats()
+        return {"hits": s.hits, "misses": s.misses, "bytes_from_store": s.bytes_from_store,
+                "bytes_from_cache": s.bytes_from_cache, "evictions": s.evictions,
+                "fetch_wait_s": round(self.fetch_wait_s, 3)}
+
+    # -- shards ---------------------------------------------------------------------------------
+    def _fetch(self, shard: int) -> _Local:
+        uri = self.index.uri(shard)
+        stack = contextlib.ExitStack()
+        try:
+            path = stack.enter_context(self.cache.open_local(uri))
+            members = None
+            if self.index.format == "wds-tar":
+                members = tar_members(path, uri, self.index.labels)
+                if len(members.offsets) != self.index.shards[shard].samples:
+                    raise UserError(f"tar shard {uri} holds {len(members.offsets)} samples but the index says "
+                                    f"{self.index.shards[shard].samples}: rebuild {self.index.prefix}/index.json")
+        except BaseException:
+            stack.close()
+            raise
+        with self._lock:
+            self._pins[shard] = stack
+        return _Local(path, members)
+
+    def _want(self, shard: int) -> None:
+        if shard not in self._open:
+            self._open[shard] = self._pool.submit(self._fetch, shard)
+
+    def _get(self, shard: int) -> _Local:
+        self._want(shard)
+        fut = self._open[shard]
+        if not fut.done():
+            t0 = time.perf_counter()
+            fut.result()
+            self.fetch_wait_s += time.perf_counter() - t0
+        return fut.result()
+
+    def _release(self, shard: int) -> None:
+        fut = self._open.pop(shard, None)
+        if fut is not None:
+            fut.cancel()
+            with contextlib.suppress(BaseException):
+                fut.result()  # a running fetch: wait so that its pin is dropped below
+        with self._lock:
+            stack = self._pins.pop(shard, None)
+        if stack is not None:
+            stack.close()
+
+    def _release_all(self) -> None:
+        for shard in list(self._open):
+            self._release(shard)
+
+    # -- iteration ------------------------------------------------------------------------------
+    def _plan(self) -> tuple[list[np.ndarray], list[int], dict[int, int]]:
+        """(sample ids per batch, shards in first-use order, last batch using each shard)."""
+        batches = [self._order[lo:hi] for lo, hi in self._ranges if hi > lo]
+        first: list[int] = []
+        last: dict[int, int] = {}
+        for k, ids in enumerate(batches):
+            for s in np.unique(np.searchsorted(self._offsets, ids, side="right") - 1):
+                s = int(s)
+                if s not in last:
+                    first.append(s)
+                last[s] = k
+        return batches, first, last
+
+    def _items(self, batches: list[np.ndarray], first: list[int]) -> Iterator[list[tuple]]:
+        """The batch sampler: each batch's items, fetching its shards (and the next ones) first."""
+        rank_of = {s: i for i, s in enumerate(first)}
+        epoch = self.epoch
+        wanted = 0  # first[:wanted] are fetched or fetching (or done with and released)
+        for ids in batches:
+            shards = np.searchsorted(self._offsets, ids, side="right") - 1
+            ahead = min(len(first), max(rank_of[int(s)] for s in shards) + self.prefetch_shards + 1)
+            for s in first[wanted:ahead]:
+                self._want(s)
+            wanted = max(wanted, ahead)
+            items: list[tuple] = []
+            for sid, s in zip(ids.tolist(), shards.tolist()):
+                local = self._get(s)
+                j = sid - int(self._offsets[s])
+                if local.members is None:
+                    items.append((epoch, sid, local.path, j))
+                else:
+                    m = local.members
+                    items.append((epoch, sid, local.path, int(m.offsets[j]), int(m.sizes[j]), int(m.labels[j])))
+            yield items
+
+    def _dataloader(self, sampler):
+        from torch.utils.data import DataLoader
+
+        if self._num_workers == 0:
+            return DataLoader(self._dataset, batch_sampler=sampler, collate_fn=_identity, num_workers=0)
+        if self._loader is None:
+            # fork (Linux's default): the workers inherit the dataset and transform; started once,
+            # at the first iteration, and kept for every later epoch (persistent_workers)
+            self._sampler = _Sampler()
+            self._loader = DataLoader(self._dataset, batch_sampler=self._sampler, collate_fn=_identity,
+                                      num_workers=self._num_workers, persistent_workers=True,
+                                      prefetch_factor=self._prefetch_factor)
+        self._sampler.source = sampler
+        return self._loader
+
+    def __iter__(self) -> Iterator[dict]:
+        batches, first, last = self._plan()
+        release_after: dict[int, list[int]] = {}
+        for s, k in last.items():
+            release_after.setdefault(k, []).append(s)
+        loader = self._dataloader(_Once(self._items(batches, first)))
+        self._delivered = 0
+        try:
+            for k, batch in enumerate(loader):
+                for s in release_after.get(k, ()):  # its last batch is decoded: unpin the shard
+                    self._release(s)
+                self._delivered = k + 1
+                yield batch
+        finally:
+            self._release_all()
+
+    def close(self) -> None:
+        self._release_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None:
+            it._shutdown_workers()
+        self._loader = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _Once:
+    """An iterable over one plan's batches (a DataLoader batch_sampler)."""
+
+    def __init__(self, items: Iterator[list[tuple]]):
+        self.items = items
+
+    def __iter__(self):
+        return self.items
+
+
+class _Sampler:
+    """The persistent DataLoader's batch_sampler: iterates whichever plan is current."""
+
+    source: Any = None
+
+    def __iter__(self):
+        return iter(self.source)
