@@ -84,9 +84,10 @@ def _seed(key: str | int, epoch: int) -> int:
 # -- the source shards ------------------------------------------------------------------------------
 def _client(a: dict):
     import boto3
+    from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=a["endpoint"], region_name="us-east-1",
-                        aws_access_key_id="embedded", aws_secret_access_key="embedded")
+    return boto3.client("s3", endpoint_url=a["endpoint"], region_name="us-east-1", aws_access_key_id="embedded",
+                        aws_secret_access_key="embedded", config=Config(signature_version="s3v4"))
 
 
 def _bucket_key(uri: str) -> tuple[str, str]:
@@ -164,6 +165,13 @@ def _litdata_samples(shard: str):
         yield {"jpg": jpg, "cls": label}
 
 
+_count = iter(range(1 << 62))
+
+
+def _lit_transform(item: dict):
+    return crop_flip(item["jpg"], _seed(next(_count), os.getpid())), item["cls"]
+
+
 def row_litdata(a: dict) -> None:
     import litdata
 
@@ -184,12 +192,11 @@ def row_litdata(a: dict) -> None:
             client.upload_file(str(f), bucket, f"{key}/{f.name}")
         shutil.rmtree(stage, ignore_errors=True)
 
-    class Images(litdata.StreamingDataset):
-        def __getitem__(self, index):
-            s = super().__getitem__(index)
-            return crop_flip(s["jpg"], _seed(str(index), self.current_epoch)), s["cls"]
+    # litdata's workers are spawned: the transform must pickle by a module path, not as __main__'s
+    from workflows.bench.image_peers import _lit_transform
 
-    ds = Images(remote, cache_dir=str(scratch / "litdata-cache"), shuffle=True, seed=0, storage_options=storage)
+    ds = litdata.StreamingDataset(remote, cache_dir=str(scratch / "litdata-cache"), shuffle=True, seed=0,
+                                  storage_options=storage, transform=_lit_transform)
     loader = litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=a["workers"])
     for name in ("litdata_cold", "litdata_warm"):
         with phase(name) as out:
@@ -202,8 +209,10 @@ def row_webdataset(a: dict) -> None:
     from torch.utils.data import DataLoader
 
     bucket, key = _bucket_key(a["prefix"].rstrip("/"))
-    # moto serves GETs without checking signatures: plain HTTP URLs, fetched by webdataset's curl pipe
-    urls = [f"{a['endpoint']}/{bucket}/{key}/{s['name']}" for s in _index(a)["shards"]]
+    client = _client(a)
+    # presigned GETs (SigV4: the endpoint refuses anonymous ones), fetched by webdataset's curl pipe
+    urls = [client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": f"{key}/{s['name']}"},
+                                          ExpiresIn=86400) for s in _index(a)["shards"]]
 
     def decode(sample):
         return crop_flip(sample["jpg"], _seed(sample["__key__"], 0)), int(sample["cls"])

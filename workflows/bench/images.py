@@ -21,7 +21,8 @@ Options (`--set bench.KEY=VALUE`): size (1GB), workers (2), classes (100), rows 
 list of ours,ours2,streaming,litdata,webdataset,local,decode), peers_python (default
 .venv-peers/bin/python, else $WORKFLOWS_BENCH_PEERS_PYTHON), scale (sizes: runs ours only, one
 cold epoch per size with the cache capped below the set, `cache.max_bytes` or scale_cache_bytes),
-scratch (a directory on the disk that holds the set twice over).
+scratch (a directory on the disk that holds the set twice over), shard_bytes (128MB), scale_distinct
+(1GB: in the scale sets, shards past this many bytes are copies of the first ones under new names).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ GOALS = {"warm_vs_best_peer": 1.0, "cold_vs_best_peer": 0.9, "warm_vs_local_data
          "two_workers_vs_one": 0.9}
 SCALE_GOALS = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes": 6 * 2**30}
 OPTIONS = {"size": "1GB", "workers": "2", "classes": "100", "rows": "all", "peers_python": "", "scale": "",
-           "scale_cache_bytes": "", "scratch": ""}
+           "scale_cache_bytes": "", "scratch": "", "shard_bytes": "128MB", "scale_distinct": "1GB"}
 ROWS = ("ours", "ours2", "streaming", "litdata", "webdataset", "local", "decode")
 PEER_PHASES = {"streaming": "streaming_warm", "litdata": "litdata_warm", "webdataset": "webdataset"}
 COLD_PEER_PHASES = {"streaming": "streaming_cold", "litdata": "litdata_cold", "webdataset": "webdataset"}
@@ -101,25 +102,62 @@ def _say(msg: str) -> None:
 
 
 # -- the set ------------------------------------------------------------------------------------
-def _make_set(rt, prefix: str, size: int, opts: dict) -> dict:
+def _make_set(rt, prefix: str, size: int, opts: dict, distinct: int | None = None) -> dict:
+    """Write the set; past `distinct` bytes, the shards are server-side copies of the first ones
+    under new names (the scale curve: what it measures, bytes fetched, cached and decoded, does not
+    depend on whether images repeat, and painting 27 GB takes CPU the shared machine lacks)."""
     import psutil
 
-    from workflows.preprocess.synth_images import SynthSpec, synth_images
+    from workflows.preprocess.synth_images import SynthSpec, parse_size, synth_images
 
     spool = tempfile.gettempdir()  # where the endpoint's process spools objects over ~5 MB (moto)
     free_before = shutil.disk_usage(spool).free
     t0 = time.perf_counter()
-    index = synth_images(prefix, size, rt.storage, SynthSpec(classes=int(opts["classes"])),
-                         workers=int(opts["workers"]), say=_say)
+    spec = SynthSpec(classes=int(opts["classes"]), shard_bytes=parse_size(opts["shard_bytes"], "bench.shard_bytes"))
+    painted = min(size, distinct) if distinct else size
+    index = synth_images(prefix, painted, rt.storage, spec, workers=int(opts["workers"]), say=_say)
     seconds = time.perf_counter() - t0
+    distinct_images = sum(s["samples"] for s in index["shards"])
+    t1 = time.perf_counter()
+    if painted < size:
+        index = _copy_shards(rt, prefix, index, size)
+    copy_s = time.perf_counter() - t1
     total = sum(s["bytes"] for s in index["shards"])
     images = sum(s["samples"] for s in index["shards"])
     store = psutil.Process(rt.embedded._proc.pid)  # the endpoint's process (moto)
     return {"bytes": total, "images": images, "shards": len(index["shards"]), "classes": index["classes"],
-            "mean_image_bytes": round(total / images), "generate_s": round(seconds, 1),
-            "generate_images_per_s": round(images / seconds, 1),
-            "store_rss_bytes": store.memory_info().rss, "spool_dir": spool,
+            "distinct_images": distinct_images, "mean_image_bytes": round(total / images),
+            "generate_s": round(seconds, 1), "generate_images_per_s": round(distinct_images / seconds, 1),
+            "copy_s": round(copy_s, 1), "store_rss_bytes": store.memory_info().rss, "spool_dir": spool,
             "spool_disk_bytes_approx": free_before - shutil.disk_usage(spool).free}
+
+
+def _copy_shards(rt, prefix: str, index: dict, size: int) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workflows.storage.uri import join, write_json
+
+    bucket, key = prefix.split("://", 1)[1].split("/", 1)
+    client = rt.storage.boto3_client()
+    shards, total, todo = list(index["shards"]), sum(s["bytes"] for s in index["shards"]), []
+    while total < size:
+        src = index["shards"][len(todo) % len(index["shards"])]
+        entry = {**src, "name": f"shard-{len(shards):06d}.tar"}
+        shards.append(entry)
+        todo.append((src["name"], entry["name"]))
+        total += src["bytes"]
+
+    def copy(names):
+        client.copy_object(Bucket=bucket, Key=f"{key}/{names[1]}",
+                           CopySource={"Bucket": bucket, "Key": f"{key}/{names[0]}"})
+
+    with ThreadPoolExecutor(4) as pool:
+        for i, _ in enumerate(pool.map(copy, todo)):
+            if i % 20 == 19:
+                _say(f"bench images: {i + 1}/{len(todo)} shard copies")
+    index = {**index, "shards": shards}
+    write_json(join(prefix, "index.json"), index, rt.storage)
+    return index
 
 
 def _drop(uri: str, ctx) -> None:
@@ -258,12 +296,16 @@ def _merge(parts: list[dict]) -> dict:
     return merged
 
 
-def _peers_python(opts: dict) -> str | None:
-    for candidate in (opts["peers_python"], os.environ.get("WORKFLOWS_BENCH_PEERS_PYTHON", ""),
-                      str(ROOT / ".venv-peers" / "bin" / "python")):
+def _peers_python(opts: dict) -> tuple[str | None, str]:
+    """The peers' venv python, or None and why."""
+    if opts["peers_python"]:
+        if Path(opts["peers_python"]).exists():
+            return opts["peers_python"], ""
+        return None, f"bench.peers_python={opts['peers_python']}: not found (make bench-peers creates .venv-peers)"
+    for candidate in (os.environ.get("WORKFLOWS_BENCH_PEERS_PYTHON", ""), str(ROOT / ".venv-peers" / "bin" / "python")):
         if candidate and Path(candidate).exists():
-            return candidate
-    return None
+            return candidate, ""
+    return None, "no peers venv: run `make bench-peers` (or --set bench.peers_python=PATH)"
 
 
 def _ours_cmd(args: dict) -> list[str]:
@@ -294,12 +336,12 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
             cmds = [_ours_cmd({**ours, "phases": ["ours_2_workers"], "rank": r, "world_size": 2, "workers": per})
                     for r in range(2)]
             rows["ours2"] = _phases("ours2", cmds, env, rt, logs)
-    peers = _peers_python(opts)
+    peers, why = _peers_python(opts)
     for row in ("streaming", "litdata", "webdataset", "local", "decode"):
         if row not in opts["rows"]:
             continue
         if peers is None:
-            rows[row] = {"error": "no peers venv: run `make bench-peers` (or --set bench.peers_python=PATH)"}
+            rows[row] = {"error": why}
             continue
         args = {**common, "scratch": str(scratch / "peers")}
         cmd = [peers, "-m", "workflows.bench.image_peers", row, json.dumps(args)]
@@ -375,6 +417,8 @@ def _persist_cost(rt, scratch: Path) -> dict:
 
 # -- the scale curve ----------------------------------------------------------------------------
 def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
+    from workflows.preprocess.synth_images import parse_size
+
     workers = int(opts["workers"])
     logs = scratch / "logs"
     logs.mkdir()
@@ -382,10 +426,10 @@ def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
     for size in sizes:
         prefix = rt.cfg.uri("bench", "images", f"scale-{size}")
         _say(f"bench images: scale: writing a {size / 1e9:.1f} GB set")
-        data = _make_set(rt, prefix, size, opts)
+        data = _make_set(rt, prefix, size, opts, distinct=parse_size(opts["scale_distinct"], "bench.scale_distinct"))
         # below the set (eviction runs), room for the loader's window: 6 shards at least
         budget = int(opts["scale_cache_bytes"] or rt.cfg.cache.max_bytes or min(size // 2, 4 * 10**9))
-        budget = max(budget, 6 * 128 * 10**6)
+        budget = max(budget, 6 * parse_size(opts["shard_bytes"]))
         args = {"endpoint": rt.storage.endpoint_url, "prefix": prefix, "workers": workers,
                 "cache_dir": str(scratch / "cache-scale"), "max_bytes": budget, "phases": ["ours_cold"]}
         row = _phases(f"scale-{size}", [_ours_cmd(args)], _env(), rt, logs)
@@ -439,6 +483,15 @@ def _plot(points: list[dict]) -> None:
 
 
 # -- report -------------------------------------------------------------------------------------
+def _load(r: dict) -> str:
+    la = r["machine"]["load_average"]
+    return f"{la['before']} before, {la['after_15min']} over the last 15 min"
+
+
+def _distinct(r: dict) -> str:
+    return ", ".join(f"{p['set'].get('distinct_images', p['set']['images'])} images" for p in r["points"])
+
+
 def _gib(n) -> str:
     return f"{n / 2**30:.2f} GiB" if n is not None else "-"
 
@@ -463,17 +516,18 @@ def markdown(r: dict) -> str:
 def _rows_markdown(r: dict) -> str:
     s, rows = r["set"], r["rows"]
     lines = []
-    for row, phases in rows.items():
+    for row in [r for r in ROWS if r in rows]:  # stored with sorted keys: the report's own order
+        phases = rows[row]
         conv = phases.get(CONVERSIONS.get(row, ""), {}).get("seconds")
-        for phase, f in phases.items():
-            if phase == "error" or phase.endswith("_convert"):
-                continue
+        for phase in [p for p in LABELS if p in phases]:
+            f = phases[phase]
             lines.append(f"| {LABELS.get(phase, phase)} | {f.get('images_per_s', '-')} | "
                          f"{f'{conv:.0f} s' if conv is not None else '-'} | {_mb(f.get('store_get_bytes'))} | "
                          f"{_gib(f.get('peak_pss_bytes'))} ({_gib(f.get('peak_rss_bytes'))}) | "
                          f"{f.get('first_batch_s', '-')} s | {f.get('load_1min', '-')} |")
         if "error" in phases:
-            lines.append(f"| {row}: **failed** | {phases['error'][:300].replace('|', '/')} | | | | | |")
+            why = phases["error"].rsplit(" | ", 1)[-1].strip()[:300].replace("|", "/")  # the exception's line
+            lines.append(f"| {row}: **failed**: {why} | | | | | | |")
     met = r["goals_met"]
 
     def goal(k: str) -> str:
@@ -484,8 +538,8 @@ def _rows_markdown(r: dict) -> str:
     table = "\n".join(lines)
     return f"""## Images: a training loop's input pipeline
 
-`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {r["machine"]["load_average"]}
-before / over 15 min: the machine is shared, so absolute figures move; the ratios are within this run).
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {_load(r)}: the machine is
+shared, so absolute figures move; the ratios are within this run, and each row's 1-minute load is in the table).
 The set: {s["images"]} synthetic ImageNet-like JPEGs (`workflows data synth-images`, mean {s["mean_image_bytes"] / 1e3:.0f} KB,
 {s["classes"]} classes) in {s["shards"]} tar shards, {s["bytes"] / 1e9:.2f} GB, on the embedded S3 endpoint;
 written in {s["generate_s"]} s ({s["generate_images_per_s"]} images/s). Every row: decode,
@@ -533,9 +587,11 @@ def _scale_markdown(r: dict) -> str:
     table = "\n".join(lines)
     return f"""## Images: cost as the data grows
 
-`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {r["machine"]["load_average"]}).
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {_load(r)}, shared machine).
 Ours only: one cold epoch per set size, {r["workers"]} decode processes, the shard cache capped below the set
-(`cache.max_bytes`) so that eviction runs; each set written, read, deleted in turn. Ray: {r["ray"]}.
+(`cache.max_bytes`) so that eviction runs; each set written, read, deleted in turn. Ray: {r["ray"]}. Each set's
+first {_distinct(r)} are painted by synth-images; the shards past them are server-side copies under new names (bytes
+fetched, cached and decoded cost the same whether images repeat; painting 27 GB needs CPU the shared machine lacks).
 
 | set | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | bytes from the store | evictions | written in | store process peak RSS |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
