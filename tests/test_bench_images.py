@@ -15,7 +15,8 @@ from tests.conftest import run_cli
 def test_bench_images_tiny_set(tmp_path):
     results, doc = tmp_path / "results", tmp_path / "B.md"
     out = run_cli("bench", "images", "--set", "bench.size=1200KB", "--set", "bench.shard_bytes=400KB",
-                  "--set", "bench.rows=ours,streaming", "--set", f"bench.peers_python={tmp_path}/none",
+                  "--set", "bench.rows=ours,streaming", "--set", "bench.workers=1",
+                  "--set", f"bench.peers_python={tmp_path}/none",
                   "--set", f"bench.scratch={tmp_path}", "--results-dir", str(results), "--doc", str(doc),
                   timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -47,3 +48,27 @@ def test_bench_images_bad_option():
         _options(["bench.rows=ours,mine"])
     opts, rest = _options(["bench.rows=ours", "cache.max_bytes=5"])
     assert opts["rows"] == ("ours",) and rest == ["cache.max_bytes=5"]
+
+
+def test_bench_images_scale_tiny(tmp_path):
+    """The scale curve on two tiny sizes: copies of the painted shards, the cache capped below
+    every set (eviction runs), each epoch capped at --set bench.scale_max_images."""
+    results, doc = tmp_path / "results", tmp_path / "B.md"
+    out = run_cli("bench", "images", "--tag", "scale", "--set", "bench.scale=1200KB,2400KB",
+                  "--set", "bench.shard_bytes=400KB", "--set", "bench.scale_distinct=800KB",
+                  "--set", "bench.scale_cache_bytes=900KB", "--set", "bench.scale_max_images=1000",
+                  "--set", "bench.workers=1", "--set", f"bench.scratch={tmp_path}",
+                  "--set", f"bench.plot={tmp_path}/scale.png",
+                  "--results-dir", str(results), "--doc", str(doc), timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "scale.png").read_bytes()[:4] == b"\x89PNG"
+    r = json.loads((results / "images-scale.json").read_text())
+    small, large = r["points"]
+    assert r["painted"]["shards"] == 2 and small["set"]["shards"] == 3 and large["set"]["shards"] == 6
+    for p in (small, large):
+        cold = p["ours_cold"]
+        assert cold["images"] == p["set"]["images"]  # under the image cap: the whole epoch
+        assert cold["store_get_bytes"] >= p["set"]["bytes"] and cold["cache"]["misses"] == p["set"]["shards"]
+        assert cold["cache"]["evictions"] > 0
+    assert r["largest_set_bytes"] == large["set"]["bytes"]
+    assert "## Images: cost as the data grows (scale)" in doc.read_text()

@@ -46,8 +46,9 @@ def phase(name: str) -> Iterator[dict]:
     print("@result " + json.dumps(out), flush=True)
 
 
-def timed_pass(batches, out: dict, images_of=lambda b: len(b[1])) -> dict:
-    """Iterate a loader once: images, time to the first batch, steady images/s (after the first)."""
+def timed_pass(batches, out: dict, images_of=lambda b: len(b[1]), limit: int | None = None) -> dict:
+    """Iterate a loader once (or up to `limit` images): images, time to the first batch, steady
+    images/s (after the first)."""
     t0 = time.perf_counter()
     n = first_n = 0
     first = None
@@ -55,6 +56,8 @@ def timed_pass(batches, out: dict, images_of=lambda b: len(b[1])) -> dict:
         n += images_of(batch)
         if first is None:
             first, first_n = time.perf_counter() - t0, n
+        if limit is not None and n >= limit:
+            break
     total = time.perf_counter() - t0
     if first is None:
         raise RuntimeError("the loader yielded no batch")

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
         for epoch, name in enumerate(a["phases"]):
             with phase(name) as out:
                 loader.set_epoch(epoch)  # the same loader and decode processes, as a training loop keeps them
-                timed_pass(loader, out, images_of=lambda b: len(b["image"]))
+                timed_pass(loader, out, images_of=lambda b: len(b["image"]), limit=a.get("max_images"))
                 stats = cache.stats()
                 out["cache"] = {"hits": stats.hits, "misses": stats.misses, "evictions": stats.evictions}
                 out["fetch_wait_s"] = round(loader.fetch_wait_s, 2)

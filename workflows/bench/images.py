@@ -22,7 +22,9 @@ list of ours,ours2,streaming,litdata,webdataset,local,decode), peers_python (def
 .venv-peers/bin/python, else $WORKFLOWS_BENCH_PEERS_PYTHON), scale (sizes: runs ours only, one
 cold epoch per size with the cache capped below the set, `cache.max_bytes` or scale_cache_bytes),
 scratch (a directory on the disk that holds the set twice over), shard_bytes (128MB), scale_distinct
-(1GB: in the scale sets, shards past this many bytes are copies of the first ones under new names).
+(1GB painted once; every scale set is server-side copies of those shards under new names),
+scale_cache_bytes (900MB, or cache.max_bytes), scale_max_images (30000 images of each epoch; empty: all),
+plot (docs/images/images_scale.png: the scale curve).
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ from workflows.errors import UserError
 GOALS = {"warm_vs_best_peer": 1.0, "cold_vs_best_peer": 0.9, "warm_vs_local_dataloader": 0.9,
          "two_workers_vs_one": 0.9}
 SCALE_GOALS = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes": 6 * 2**30}
+PLOT = Path("docs/images/images_scale.png")  # the scale section embeds it (relative to docs/)
 OPTIONS = {"size": "1GB", "workers": "2", "classes": "100", "rows": "all", "peers_python": "", "scale": "",
-           "scale_cache_bytes": "", "scratch": "", "shard_bytes": "128MB", "scale_distinct": "1GB"}
-ROWS = ("ours", "ours2", "streaming", "litdata", "webdataset", "local", "decode")
+           "scale_cache_bytes": "", "scratch": "", "shard_bytes": "128MB", "scale_distinct": "1GB",
+           "scale_max_images": "30000", "plot": str(PLOT)}
+ROWS = ("ours", "ours2", "streaming", "litdata", "webdataset", "local", "decode", "ours_end")
 PEER_PHASES = {"streaming": "streaming_warm", "litdata": "litdata_warm", "webdataset": "webdataset"}
 COLD_PEER_PHASES = {"streaming": "streaming_cold", "litdata": "litdata_cold", "webdataset": "webdataset"}
-PLOT = Path("docs/images/images_scale.png")
 ROOT = Path(__file__).resolve().parents[2]  # the tree the rows import workflows from
 
 
@@ -63,10 +66,10 @@ def _options(overrides: list[str]) -> tuple[dict, list[str]]:
             opts[name] = value
         else:
             rest.append(o)
-    rows = ROWS if opts["rows"] == "all" else tuple(r.strip() for r in opts["rows"].split(","))
-    bad = [r for r in rows if r not in ROWS]
+    rows = ROWS[:-1] if opts["rows"] == "all" else tuple(r.strip() for r in opts["rows"].split(","))
+    bad = [r for r in rows if r not in ROWS or r == "ours_end"]
     if bad:
-        raise UserError(f"--set bench.rows: unknown row(s) {', '.join(bad)}; one of all, {', '.join(ROWS)}")
+        raise UserError(f"--set bench.rows: unknown row(s) {', '.join(bad)}; one of all, {', '.join(ROWS[:-1])}")
     opts["rows"] = rows
     if not opts["workers"].isdigit() or int(opts["workers"]) < 1:
         raise UserError(f"--set bench.workers={opts['workers']!r}: a positive number of decode processes")
@@ -102,62 +105,62 @@ def _say(msg: str) -> None:
 
 
 # -- the set ------------------------------------------------------------------------------------
-def _make_set(rt, prefix: str, size: int, opts: dict, distinct: int | None = None) -> dict:
-    """Write the set; past `distinct` bytes, the shards are server-side copies of the first ones
-    under new names (the scale curve: what it measures, bytes fetched, cached and decoded, does not
-    depend on whether images repeat, and painting 27 GB takes CPU the shared machine lacks)."""
-    import psutil
-
+def _make_set(rt, prefix: str, size: int, opts: dict) -> dict:
+    """Paint the set (synth-images) into the store; -> what it is and what writing it cost."""
     from workflows.preprocess.synth_images import SynthSpec, parse_size, synth_images
 
-    spool = tempfile.gettempdir()  # where the endpoint's process spools objects over ~5 MB (moto)
+    spool, store = tempfile.gettempdir(), rt.embedded._proc.pid  # moto spools objects over ~5 MB there
     free_before = shutil.disk_usage(spool).free
     t0 = time.perf_counter()
     spec = SynthSpec(classes=int(opts["classes"]), shard_bytes=parse_size(opts["shard_bytes"], "bench.shard_bytes"))
-    painted = min(size, distinct) if distinct else size
-    index = synth_images(prefix, painted, rt.storage, spec, workers=int(opts["workers"]), say=_say)
+    index = synth_images(prefix, size, rt.storage, spec, workers=int(opts["workers"]), say=_say)
     seconds = time.perf_counter() - t0
-    distinct_images = sum(s["samples"] for s in index["shards"])
-    t1 = time.perf_counter()
-    if painted < size:
-        index = _copy_shards(rt, prefix, index, size)
-    copy_s = time.perf_counter() - t1
+    return {**_describe(index, store, spool, free_before), "generate_s": round(seconds, 1),
+            "generate_images_per_s": round(sum(s["samples"] for s in index["shards"]) / seconds, 1),
+            "index": index}
+
+
+def _describe(index: dict, store_pid: int, spool: str, free_before: int) -> dict:
+    import psutil
+
     total = sum(s["bytes"] for s in index["shards"])
     images = sum(s["samples"] for s in index["shards"])
-    store = psutil.Process(rt.embedded._proc.pid)  # the endpoint's process (moto)
     return {"bytes": total, "images": images, "shards": len(index["shards"]), "classes": index["classes"],
-            "distinct_images": distinct_images, "mean_image_bytes": round(total / images),
-            "generate_s": round(seconds, 1), "generate_images_per_s": round(distinct_images / seconds, 1),
-            "copy_s": round(copy_s, 1), "store_rss_bytes": store.memory_info().rss, "spool_dir": spool,
-            "spool_disk_bytes_approx": free_before - shutil.disk_usage(spool).free}
+            "mean_image_bytes": round(total / images), "store_rss_bytes": psutil.Process(store_pid).memory_info().rss,
+            "spool_dir": spool, "spool_disk_bytes_approx": free_before - shutil.disk_usage(spool).free}
 
 
-def _copy_shards(rt, prefix: str, index: dict, size: int) -> dict:
+def _copy_set(rt, src: str, src_index: dict, dst: str, size: int) -> dict:
+    """A set of about `size` bytes at `dst` whose shards are server-side copies of `src`'s, in turn,
+    under new names: the scale curve's sets. What it measures (bytes fetched, cached, decoded) costs
+    the same whether images repeat, and painting 27 GB needs CPU the shared machine lacks."""
     from concurrent.futures import ThreadPoolExecutor
 
     from workflows.storage.uri import join, write_json
 
-    bucket, key = prefix.split("://", 1)[1].split("/", 1)
+    spool = tempfile.gettempdir()
+    free_before = shutil.disk_usage(spool).free
+    t0 = time.perf_counter()
+    (sb, sk), (db, dk) = (u.split("://", 1)[1].split("/", 1) for u in (src, dst))
     client = rt.storage.boto3_client()
-    shards, total, todo = list(index["shards"]), sum(s["bytes"] for s in index["shards"]), []
+    shards, todo, total = [], [], 0
     while total < size:
-        src = index["shards"][len(todo) % len(index["shards"])]
-        entry = {**src, "name": f"shard-{len(shards):06d}.tar"}
-        shards.append(entry)
-        todo.append((src["name"], entry["name"]))
-        total += src["bytes"]
+        entry = src_index["shards"][len(shards) % len(src_index["shards"])]
+        shards.append({**entry, "name": f"shard-{len(shards):06d}.tar"})
+        todo.append((entry["name"], shards[-1]["name"]))
+        total += entry["bytes"]
 
     def copy(names):
-        client.copy_object(Bucket=bucket, Key=f"{key}/{names[1]}",
-                           CopySource={"Bucket": bucket, "Key": f"{key}/{names[0]}"})
+        client.copy_object(Bucket=db, Key=f"{dk}/{names[1]}", CopySource={"Bucket": sb, "Key": f"{sk}/{names[0]}"})
 
     with ThreadPoolExecutor(4) as pool:
         for i, _ in enumerate(pool.map(copy, todo)):
-            if i % 20 == 19:
+            if i % 40 == 39:
                 _say(f"bench images: {i + 1}/{len(todo)} shard copies")
-    index = {**index, "shards": shards}
-    write_json(join(prefix, "index.json"), index, rt.storage)
-    return index
+    index = {**src_index, "shards": shards}
+    write_json(join(dst, "index.json"), index, rt.storage)
+    return {**_describe(index, rt.embedded._proc.pid, spool, free_before),
+            "copy_s": round(time.perf_counter() - t0, 1)}
 
 
 def _drop(uri: str, ctx) -> None:
@@ -324,6 +327,7 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
     prefix = rt.cfg.uri("bench", "images", "set")
     _say(f"bench images: writing a {size / 1e9:.1f} GB set to {prefix}")
     data = _make_set(rt, prefix, size, opts)
+    data.pop("index")
     logs = scratch / "logs"
     logs.mkdir()
     env, rows = _env(), {}
@@ -351,6 +355,10 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
             shutil.rmtree(scratch / "peers" / ("mds-cache" if row == "streaming" else "litdata-cache"),
                           ignore_errors=True)
     shutil.rmtree(scratch / "peers", ignore_errors=True)
+    ran = [k for k, v in rows.items() if k not in ("ours", "ours2") and set(v) - {"error"}]
+    if "ours" in rows and ran:  # ours again after the peers: the load drifts
+        ours = {**common, "cache_dir": str(scratch / "cache-ours"), "max_bytes": None}
+        rows["ours_end"] = _phases("ours_end", [_ours_cmd({**ours, "phases": ["ours_warm_end"]})], env, rt, logs)
     persist = _persist_cost(rt, scratch)
     _drop(prefix, rt.storage)
     return {"set": data, "workers": workers, "batch_size": 256, "rows": rows, "persist": persist,
@@ -362,7 +370,12 @@ def _ips(rows: dict, row: str, phase: str) -> float | None:
 
 
 def _ratios(rows: dict) -> dict:
+    """Ours warm is the mean of its pass before the peers and the one after them, which brackets
+    the peers in time on a machine whose load drifts."""
     warm, cold = _ips(rows, "ours", "ours_warm"), _ips(rows, "ours", "ours_cold")
+    end = _ips(rows, "ours_end", "ours_warm_end")
+    if warm and end:
+        warm = (warm + end) / 2
     peer_warm = {p: v for p, ph in PEER_PHASES.items() if (v := _ips(rows, p, ph))}
     peer_cold = {p: v for p, ph in COLD_PEER_PHASES.items() if (v := _ips(rows, p, ph))}
     local, two = _ips(rows, "local", "local_dataloader"), _ips(rows, "ours2", "ours_2_workers")
@@ -422,20 +435,27 @@ def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
     workers = int(opts["workers"])
     logs = scratch / "logs"
     logs.mkdir()
+    distinct = parse_size(opts["scale_distinct"], "bench.scale_distinct")
+    base_prefix = rt.cfg.uri("bench", "images", "scale-base")
+    _say(f"bench images: scale: painting {distinct / 1e9:.1f} GB of distinct shards")
+    base = _make_set(rt, base_prefix, distinct, opts)
+    index = base.pop("index")
+    # the same cap at every size, below the smallest set: eviction runs everywhere
+    budget = int(opts["scale_cache_bytes"] and parse_size(opts["scale_cache_bytes"], "bench.scale_cache_bytes")
+                 or rt.cfg.cache.max_bytes or 900 * 10**6)
+    limit = int(opts["scale_max_images"]) if opts["scale_max_images"] else None
     points = []
     for size in sizes:
         prefix = rt.cfg.uri("bench", "images", f"scale-{size}")
-        _say(f"bench images: scale: writing a {size / 1e9:.1f} GB set")
-        data = _make_set(rt, prefix, size, opts, distinct=parse_size(opts["scale_distinct"], "bench.scale_distinct"))
-        # below the set (eviction runs), room for the loader's window: 6 shards at least
-        budget = int(opts["scale_cache_bytes"] or rt.cfg.cache.max_bytes or min(size // 2, 4 * 10**9))
-        budget = max(budget, 6 * parse_size(opts["shard_bytes"]))
-        args = {"endpoint": rt.storage.endpoint_url, "prefix": prefix, "workers": workers,
+        _say(f"bench images: scale: a {size / 1e9:.1f} GB set")
+        data = _copy_set(rt, base_prefix, index, prefix, size)
+        args = {"endpoint": rt.storage.endpoint_url, "prefix": prefix, "workers": workers, "max_images": limit,
                 "cache_dir": str(scratch / "cache-scale"), "max_bytes": budget, "phases": ["ours_cold"]}
         row = _phases(f"scale-{size}", [_ours_cmd(args)], _env(), rt, logs)
         points.append({"set": data, "cache_max_bytes": budget, **row})
         _drop(prefix, rt.storage)
         shutil.rmtree(scratch / "cache-scale", ignore_errors=True)
+    _drop(base_prefix, rt.storage)
     base = points[0].get("ours_cold", {}).get("images_per_s")
     for p in points:
         ips = p.get("ours_cold", {}).get("images_per_s")
@@ -445,14 +465,15 @@ def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
                p["images_per_s_vs_smallest"] >= SCALE_GOALS["images_per_s_vs_smallest"] for p in ok),
            "peak_pss_bytes": bool(ok) and len(ok) == len(points) and all(
                p["ours_cold"]["peak_pss_bytes"] <= SCALE_GOALS["peak_pss_bytes"] for p in ok)}
-    result = {"workers": workers, "batch_size": 256, "points": points, "ray": "not involved (the loader uses "
+    result = {"workers": workers, "batch_size": 256, "points": points, "painted": base, "max_images": limit,
+              "ray": "not involved (the loader uses "
               "DataLoader worker processes, no Ray object store)", "largest_set_bytes": max(p["set"]["bytes"]
               for p in points), "goals": SCALE_GOALS, "goals_met": met}
-    _plot(points)
+    _plot(points, Path(opts["plot"]))
     return result
 
 
-def _plot(points: list[dict]) -> None:
+def _plot(points: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -477,8 +498,8 @@ def _plot(points: list[dict]) -> None:
     ax2.set_ylim(bottom=0)
     ax.set_title("StreamLoader, one epoch, cache capped below the set")
     fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(PLOT, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
 
 
@@ -488,8 +509,19 @@ def _load(r: dict) -> str:
     return f"{la['before']} before, {la['after_15min']} over the last 15 min"
 
 
-def _distinct(r: dict) -> str:
-    return ", ".join(f"{p['set'].get('distinct_images', p['set']['images'])} images" for p in r["points"])
+def _limit(r: dict) -> str:
+    n = r.get("max_images")
+    return f"each epoch measured over its first {n} images (all of them where the set has fewer)" if n else \
+        "each epoch measured whole"
+
+
+def _painted(r: dict) -> str:
+    b = r["painted"]
+    return (f"{b['images']} images ({b['bytes'] / 1e9:.2f} GB) were painted once by synth-images in "
+            f"{b['generate_s']} s; "
+            "each set is server-side copies of those shards under new names, written, read and deleted in turn (the "
+            "bytes fetched, cached and decoded cost the same whether images repeat; painting 27 GB needs CPU the "
+            "shared machine lacks).")
 
 
 def _gib(n) -> str:
@@ -505,7 +537,8 @@ LABELS = {"ours_cold": "ours (StreamLoader), cold", "ours_warm": "ours, warm",
           "streaming_cold": "MosaicML Streaming (MDS), cold", "streaming_warm": "MosaicML Streaming, warm",
           "litdata_cold": "LitData, cold", "litdata_warm": "LitData, warm",
           "webdataset": "WebDataset, tars streamed from S3", "local_dataloader": "torch DataLoader, local files",
-          "decode_limit": "decode limit: N processes decoding local files"}
+          "decode_limit": "decode limit: N processes decoding local files",
+          "ours_warm_end": "ours, warm, again after the peers"}
 CONVERSIONS = {"streaming": "streaming_convert", "litdata": "litdata_convert", "local": "local_convert"}
 
 
@@ -559,6 +592,8 @@ peak of PSS summed over the row's processes (RSS summed in brackets, which count
 {goal("two_workers_vs_one")}
 | `warm_vs_decode_limit` | {r.get("warm_vs_decode_limit")} | |
 
+Ours warm in the ratios: the mean of its pass before the peers and the one after them.
+
 Best peer: {r.get("best_peer_warm")} (warm), {r.get("best_peer_cold")} (cold); WebDataset has no local cache and counts
 as both. `largest_set_bytes`: {r["largest_set_bytes"] / 1e9:.1f} GB (the scale run below).
 
@@ -581,7 +616,7 @@ def _scale_markdown(r: dict) -> str:
                      f"{f.get('images_per_s', '-')} | {p.get('images_per_s_vs_smallest', '-')} | "
                      f"{_gib(f.get('peak_pss_bytes'))} ({_gib(f.get('peak_rss_bytes'))}) | "
                      f"{_mb(f.get('store_get_bytes'))} | {c.get('evictions', '-')} | "
-                     f"{s['generate_s']} s | {_gib(f.get('store_peak_rss_bytes'))} |"
+                     f"{s['copy_s']} s | {_gib(f.get('store_peak_rss_bytes'))} |"
                      + (f" failed: {p['error'][:200]}" if "error" in p else ""))
     met = r["goals_met"]
     table = "\n".join(lines)
@@ -589,11 +624,9 @@ def _scale_markdown(r: dict) -> str:
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {_load(r)}, shared machine).
 Ours only: one cold epoch per set size, {r["workers"]} decode processes, the shard cache capped below the set
-(`cache.max_bytes`) so that eviction runs; each set written, read, deleted in turn. Ray: {r["ray"]}. Each set's
-first {_distinct(r)} are painted by synth-images; the shards past them are server-side copies under new names (bytes
-fetched, cached and decoded cost the same whether images repeat; painting 27 GB needs CPU the shared machine lacks).
+(`cache.max_bytes`) so that eviction runs; {_limit(r)}. Ray: {r["ray"]}. {_painted(r)}
 
-| set | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | bytes from the store | evictions | written in | store process peak RSS |
+| set | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | bytes from the store | evictions | copied in | store process peak RSS |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {table}
 
