@@ -171,6 +171,19 @@ def _litdata_samples(shard: str):
 _count = iter(range(1 << 62))
 
 
+def _litdata_allow_http() -> None:
+    """LitData downloads through obstore with fixed client options that lack allow_http, so obstore
+    refuses a plain-http endpoint such as the embedded one ("builder error"); add it. LitData's
+    DataLoader workers are spawned: they run this when they import this module for the transform."""
+    from litdata.streaming import downloader
+
+    downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+
+
+if os.environ.get("IMAGE_PEERS_LITDATA_HTTP"):
+    _litdata_allow_http()
+
+
 def _lit_transform(item: dict):
     return crop_flip(item["jpg"], _seed(next(_count), os.getpid())), item["cls"]
 
@@ -183,6 +196,8 @@ def row_litdata(a: dict) -> None:
     storage = {"endpoint_url": a["endpoint"], "aws_access_key_id": "embedded",
                "aws_secret_access_key": "embedded", "region_name": "us-east-1"}
     os.environ["IMAGE_PEERS_ARGS"] = json.dumps(a)
+    os.environ["IMAGE_PEERS_LITDATA_HTTP"] = "1"  # its spawned workers patch litdata too (at import, below)
+    _litdata_allow_http()
     with phase("litdata_convert") as out:
         # optimize writes to local disk here, then the chunks are uploaded: its own s3:// output
         # goes through a helper that only knows AWS's endpoint

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -277,8 +278,11 @@ def _phases(name: str, cmds: list[list[str]], env: dict, rt, log_dir: Path) -> d
             log.close()
     codes = [p.returncode for p in procs]
     if any(codes) and "error" not in out:
-        tail = (log_dir / f"{name}-{codes.index(next(c for c in codes if c))}.log").read_text()[-1500:]
-        out["error"] = f"exit {codes}: " + " | ".join(ln for ln in tail.splitlines()[-8:] if ln.strip())
+        lines = [ln.strip() for ln in (log_dir / f"{name}-{codes.index(next(c for c in codes if c))}.log")
+                 .read_text(errors="replace").splitlines() if ln.strip()]
+        # the exception's own line (the last "XxxError: ..." one), then the log's last lines
+        raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", ln)][-1:]
+        out["error"] = f"exit {codes}: " + " | ".join([*lines[-6:], *raised])
     if "error" in out:
         _say(f"bench images: row {name} failed: {out['error']}")
     return out
@@ -456,10 +460,10 @@ def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
         _drop(prefix, rt.storage)
         shutil.rmtree(scratch / "cache-scale", ignore_errors=True)
     _drop(base_prefix, rt.storage)
-    base = points[0].get("ours_cold", {}).get("images_per_s")
+    first = points[0].get("ours_cold", {}).get("images_per_s")
     for p in points:
         ips = p.get("ours_cold", {}).get("images_per_s")
-        p["images_per_s_vs_smallest"] = round(ips / base, 3) if ips and base else None
+        p["images_per_s_vs_smallest"] = round(ips / first, 3) if ips and first else None
     ok = [p for p in points if "ours_cold" in p]
     met = {"images_per_s_vs_smallest": bool(ok) and len(ok) == len(points) and all(
                p["images_per_s_vs_smallest"] >= SCALE_GOALS["images_per_s_vs_smallest"] for p in ok),
