@@ -620,7 +620,7 @@ def _scale_markdown(r: dict) -> str:
                      f"{f.get('images_per_s', '-')} | {p.get('images_per_s_vs_smallest', '-')} | "
                      f"{_gib(f.get('peak_pss_bytes'))} ({_gib(f.get('peak_rss_bytes'))}) | "
                      f"{_mb(f.get('store_get_bytes'))} | {c.get('evictions', '-')} | "
-                     f"{s['copy_s']} s | {_gib(f.get('store_peak_rss_bytes'))} |"
+                     f"{s['copy_s']} s | {_gib(f.get('store_peak_rss_bytes'))} | {f.get('load_1min', '-')} |"
                      + (f" failed: {p['error'][:200]}" if "error" in p else ""))
     met = r["goals_met"]
     table = "\n".join(lines)
@@ -630,10 +630,12 @@ def _scale_markdown(r: dict) -> str:
 Ours only: one cold epoch per set size, {r["workers"]} decode processes, the shard cache capped below the set
 (`cache.max_bytes`) so that eviction runs; {_limit(r)}. Ray: {r["ray"]}. {_painted(r)}
 
-| set | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | bytes from the store | evictions | copied in | store process peak RSS |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| set | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | bytes from the store | evictions | copied in | store process peak RSS | load (1 min) |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {table}
 
+The images/s swing with the shared machine's load (last column: the 1-minute load average at the end of each
+epoch, on 2 cores), not with the set's size; memory, bytes fetched and evictions are what the size could move.
 Goals: images/s within 10% of the smallest set's at every size ({"met" if met["images_per_s_vs_smallest"] else "**not met**"});
 peak memory <= 6 GiB PSS summed ({"met" if met["peak_pss_bytes"] else "**not met**"}).
 
