@@ -508,6 +508,13 @@ def _plot(points: list[dict], path: Path) -> None:
 
 
 # -- report -------------------------------------------------------------------------------------
+def _spool(s: dict) -> str:
+    n = s["spool_disk_bytes_approx"]
+    if n < s["bytes"] / 2:  # free space also moves with what the machine's other sessions write
+        return "its disk use, read from free space, was swamped by other sessions' writes on this shared disk"
+    return f"about {n / 1e9:.1f} GB of disk, read from free space, approximate on a shared disk"
+
+
 def _load(r: dict) -> str:
     la = r["machine"]["load_average"]
     return f"{la['before']} before, {la['after_15min']} over the last 15 min"
@@ -603,8 +610,7 @@ as both. `largest_set_bytes`: {r["largest_set_bytes"] / 1e9:.1f} GB (the scale r
 
 The embedded store: moto keeps each object over ~5 MB in a spooled temp file ({s["spool_dir"]}, deleted-on-close files:
 they show in `df`, not `du`), so a set larger than memory fits if that disk has room; its process held
-{s["store_rss_bytes"] / 2**20:.0f} MiB RSS after the {s["bytes"] / 1e9:.1f} GB upload (about
-{s["spool_disk_bytes_approx"] / 1e9:.1f} GB of disk, from free space, approximate on a shared disk). Persisting it
+{s["store_rss_bytes"] / 2**20:.0f} MiB RSS after the {s["bytes"] / 1e9:.1f} GB upload ({_spool(s)}). Persisting it
 (each command's runtime does at its end): {p["persist_s"]} s to write {p["objects_written"]} objects,
 {p["bytes_on_disk"] / 1e9:.2f} GB, into its data dir; a new endpoint restores them at start in {p["restore_s"]} s, so the
 data dir holds a second copy and every start re-uploads it to moto.
