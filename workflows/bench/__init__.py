@@ -17,7 +17,7 @@ BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflo
               "data": "workflows.bench.data", "serve": "workflows.bench.serve",
               "serve-levers": "workflows.bench.serve_levers", "train": "workflows.bench.train",
               "tune": "workflows.bench.tune", "lm": "workflows.bench.lm", "digits": "workflows.bench.digits",
-              "shuffle": "workflows.bench.shuffle"}
+              "shuffle": "workflows.bench.shuffle", "images": "workflows.bench.images"}
 RESULTS_DIR = Path("benchmarks/results")
 DOC = Path("docs/BENCHMARKS.md")
 
