@@ -219,10 +219,13 @@ def test_running_endpoint_asks_the_lock_not_the_port(tmp_path):
 
     data_dir = tmp_path / "s3"
     data_dir.mkdir()
+    from workflows.net import free_port
+
     with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
+        port = free_port()
+        listener.bind(("127.0.0.1", port))
         listener.listen()
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        url = f"http://127.0.0.1:{port}"
         (data_dir / "endpoint.json").write_text(json.dumps({"url": url, "pid": 1}))
         (data_dir / "lock").touch()
         assert running_endpoint(str(data_dir)) is None
