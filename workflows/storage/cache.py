@@ -150,6 +150,11 @@ class ShardCache:
                 self._count(downloaded, src.size)
                 if downloaded:
                     self._sweep(src, keep=name)  # after pinning, so our own entry is safe
+                elif time.monotonic() - self._debris_swept_at >= DEBRIS_EVERY_S:
+                    # a hit sweeps debris too (at most as often): a process killed after its data
+                    # and sidecar were in place, while writing the URI's pointer, left a temp file
+                    with self._global_lock():
+                        self._sweep_debris()
                 return fd, str(self._data_path(name))
             os.close(fd)
             # Slow path: one process downloads under LOCK_EX; the others block above, then hit.
@@ -253,13 +258,8 @@ class ShardCache:
         # download), and the full listing runs only when that total may exceed max_bytes, plus a
         # debris sweep at most every DEBRIS_EVERY_S seconds per process."""
         with self._global_lock():
-            now = time.monotonic()
-            if now - self._debris_swept_at >= DEBRIS_EVERY_S:
-                self._debris_swept_at = now
-                debris = {p.name.split(".", 1)[0] for p in self.dir.glob("*.tmp-*")}
-                debris |= {n for n in self._names("*.data") if not self._meta_path(n).exists()}
-                for name in debris:
-                    self._if_unlocked(name, self._clean)
+            if time.monotonic() - self._debris_swept_at >= DEBRIS_EVERY_S:
+                self._sweep_debris()
             freed = self._drop_old_version(src, keep)
             if self.max_bytes is not None:
                 usage = self._read_usage()
@@ -268,6 +268,14 @@ class ShardCache:
                 if usage is None or usage > self.max_bytes:
                     usage = self._evict(keep)
                 self._write_usage(usage)
+
+    def _sweep_debris(self) -> None:
+        """Temp files and sidecar-less data of killed processes (the caller holds the global lock)."""
+        self._debris_swept_at = time.monotonic()
+        debris = {p.name.split(".", 1)[0] for p in self.dir.glob("*.tmp-*")}
+        debris |= {n for n in self._names("*.data") if not self._meta_path(n).exists()}
+        for name in debris:
+            self._if_unlocked(name, self._clean)
 
     def _drop_old_version(self, src: Source, keep: str) -> int:
         """Remove the entry the URI's pointer names if it is not `keep`; point it at `keep`.
