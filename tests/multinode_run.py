@@ -77,8 +77,9 @@ if len(sys.argv) > 2:  # an MLflow server: a process on each node logs an epoch 
             log_epoch.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[name], soft=False)).remote(spec, i)
             for i, name in enumerate(("head", "worker"))
         ])
+        run_id = run.id  # spec() hands workers a run key at once; the id is known once the run exists
         run.end()
-    out["tracking"] = {"run_id": spec.run_id, "nodes": [node_names[p] for p in placed]}
+    out["tracking"] = {"run_id": run_id, "nodes": [node_names[p] for p in placed]}
 print("RESULT " + json.dumps(out))
 ray.shutdown()
 cluster.shutdown()
