@@ -15,9 +15,7 @@ overrides apply to the digits pipeline only).
 
 from __future__ import annotations
 
-import os
-import threading
-
+from workflows.bench.load import LoadSampler
 from workflows.bench.quickstart import STAGES, threads, where_rows
 
 # fixed cost (wall − work) of the digits pipeline at most the quickstart's, measured in the same run
@@ -28,33 +26,6 @@ def _port_override() -> str:
     from workflows.bench.serve_levers import _free_port
 
     return f"serve.port={_free_port()}"
-
-
-class LoadSampler:
-    """The machine's 1-minute load average, sampled every `every` seconds while a `with` block runs:
-    other work on a shared machine inflates wall and work alike, and not the same for two runs."""
-
-    def __init__(self, every: float = 5.0):
-        self.every, self.samples = every, [os.getloadavg()[0]]
-        self._stop = threading.Event()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.every):
-            self.samples.append(os.getloadavg()[0])
-
-    def __enter__(self) -> LoadSampler:
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append(os.getloadavg()[0])
-
-    def summary(self) -> dict:
-        return {"before": round(self.samples[0], 2), "mean": round(sum(self.samples) / len(self.samples), 2),
-                "max": round(max(self.samples), 2), "samples": len(self.samples)}
 
 
 def run(config: str | None, overrides: list[str]) -> dict:

@@ -17,36 +17,15 @@ import multiprocessing
 import os
 import resource
 import statistics
-import threading
 import time
 from collections.abc import Callable
+
+from workflows.bench.load import LoadSampler
 
 ROUNDS = 3
 N_CPUS = 2
 IMAGES = 480
 IMAGE_BATCH = 32  # a few hundred images: the product's 256 would leave one batch per CPU
-
-
-class LoadSampler:
-    """The 1-minute load average, sampled every half second while the block runs."""
-
-    def __enter__(self):
-        self.samples = [os.getloadavg()[0]]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.5):
-            self.samples.append(os.getloadavg()[0])
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        return {"mean": round(statistics.fmean(self.samples), 2), "max": round(max(self.samples), 2)}
 
 
 def _cpu() -> float:
@@ -75,7 +54,7 @@ def interleaved(sides: dict[str, Callable[[], None]], rounds: int = ROUNDS) -> d
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(rounds):
         for name, fn in sides.items():
-            with LoadSampler() as load:
+            with LoadSampler(every=0.5) as load:
                 c0, tc0, t0 = _cpu(), _tree_cpu(), time.perf_counter()
                 fn()
                 wall, cpu, tree = time.perf_counter() - t0, _cpu() - c0, _tree_cpu() - tc0
