@@ -29,7 +29,7 @@ def build() -> list[dict]:
     return rows
 
 
-def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), 0o644, 0  # fixed metadata: same rows, same bytes
     tar.addfile(info, io.BytesIO(data))
@@ -45,8 +45,8 @@ def write_shards(rows: list[dict], source_uri: str, ctx, num_shards: int = 4) ->
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for row in rows[i::num_shards]:
-                _member(tar, f"{row['key']}.png", row["image"])
-                _member(tar, f"{row['key']}.cls", row["label"].encode())
+                add_member(tar, f"{row['key']}.png", row["image"])
+                add_member(tar, f"{row['key']}.cls", row["label"].encode())
         shard = join(source_uri, f"shard-{i:06d}.tar")
         write_bytes_atomic(shard, buf.getvalue(), ctx)
         uris.append(shard)

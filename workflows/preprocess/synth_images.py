@@ -29,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from workflows.errors import UserError
+from workflows.preprocess.digits_data import add_member
 
 CANVASES = 4
 CANVAS_SIDE = 1024
@@ -154,9 +155,7 @@ def build_shard(painter: Painter, index: int, target_bytes: int) -> tuple[bytes,
                 break
             key = f"{index:06d}_{n:06d}"
             for name, data in ((f"{key}.jpg", jpg), (f"{key}.cls", cls)):
-                info = tarfile.TarInfo(name)
-                info.size, info.mtime, info.mode = len(data), 0, 0o644
-                tar.addfile(info, io.BytesIO(data))
+                add_member(tar, name, data)
             size += add
             n += 1
     return buf.getvalue(), n
