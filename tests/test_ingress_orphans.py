@@ -17,9 +17,10 @@ import pytest
 
 from tests.conftest import QUICKSTART, ROOT, sets
 from tests.helpers import free_port
+from workflows.net import port_free
 from workflows.serve.haproxy_guard import OWNER_ENV
 from workflows.serve.ingress import TEMP_PREFIX, haproxy_binary
-from workflows.serve.stale_ingress import free_serve_port, port_free
+from workflows.serve.stale_ingress import free_serve_port
 
 needs_haproxy = pytest.mark.skipif(haproxy_binary() is None, reason="no HAProxy binary installed here")
 

@@ -10,6 +10,16 @@ import socket
 LOCALHOST = "127.0.0.1"
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound on `host` now."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = LOCALHOST, preferred: int | None = None) -> int:
     """`preferred` if it can be bound on `host` now, else a port the OS picks."""
     return free_ports(1, host, preferred)[0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,18 +19,10 @@ from pathlib import Path
 import psutil
 
 from workflows.errors import UserError
+from workflows.net import port_free
 from workflows.serve.ingress import TEMP_PREFIX
 
 MANAGER = "HAProxyManager"  # in the process title Ray gives the actor's worker: ray::HAProxyManager...
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def listeners(port: int) -> list[psutil.Process]:
