@@ -131,3 +131,18 @@ def test_sigterm_stops_a_long_command_in_one_line_and_leaves_no_ray(tmp_path):
     time.sleep(2)
     left = [p for p in ray_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [p.cmdline()[:2] for p in left]
+
+
+def test_epoch_progress_prints_epoch_ends_not_step_checkpoints(monkeypatch):
+    """train.checkpoint_every_steps reports mid-epoch checkpoints (score NaN, step_checkpoint set):
+    they are not an epoch's end, so the progress line must not say "epoch 0 done: loss nan"."""
+    from workflows import progress
+
+    said: list[str] = []
+    monkeypatch.setattr(progress, "say", said.append)
+    callback = progress.EpochProgress(epochs=1, metric="val_f1")
+    callback.after_report(None, [{"epoch": 0, "global_step": 3, "consumed": 96, "step_checkpoint": True,
+                                  "val_f1": float("nan")}], None)
+    assert said == []
+    callback.after_report(None, [{"epoch": 0, "train_loss": 1.303, "val_f1": 0.8515}], None)
+    assert len(said) == 1 and said[0].startswith("train: epoch 0 (1 of 1) done: loss 1.3030, val_f1 0.8515"), said

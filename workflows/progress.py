@@ -78,7 +78,7 @@ class EpochProgress(ray.train.UserCallback):
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         m = metrics[0] if metrics else {}
-        if "epoch" not in m:
+        if "epoch" not in m or m.get("step_checkpoint"):  # a mid-epoch checkpoint, not an epoch's end
             return
         of = f" ({m['epoch'] + 1} of {self.epochs})" if self.epochs else ""
         val = next((f", {k} {m[k]:.4f}" for k in (self.metric, "val_f1", "val_perplexity", "val_loss")
