@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import run_cli
 
 
+@pytest.mark.slow
 def test_bench_images_tiny_set(tmp_path):
     results, doc = tmp_path / "results", tmp_path / "B.md"
     out = run_cli("bench", "images", "--set", "bench.size=1200KB", "--set", "bench.shard_bytes=400KB",
@@ -50,6 +51,7 @@ def test_bench_images_bad_option():
     assert opts["rows"] == ("ours",) and rest == ["cache.max_bytes=5"]
 
 
+@pytest.mark.slow
 def test_bench_images_scale_tiny(tmp_path):
     """The scale curve on two tiny sizes: copies of the painted shards, the cache capped below
     every set, the plot written."""

@@ -53,6 +53,7 @@ def step_losses(outcome, epoch: int) -> list[float]:
     return row["step_losses"]
 
 
+@pytest.mark.slow
 def test_reference_history_has_per_step_losses(run):
     h = run.reference.history
     assert [r["epoch"] for r in h] == [0, 1]
@@ -63,6 +64,7 @@ def test_reference_history_has_per_step_losses(run):
     assert np.isclose(np.mean(h[0]["step_losses"]), h[0]["train_loss"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(run):
     """`workflows train --resume` after a 2-epoch run stopped after epoch 0.
 
@@ -166,6 +168,7 @@ def test_killed_worker_is_restarted_from_the_last_checkpoint(run):
     assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
 
 
+@pytest.mark.slow
 def test_standalone_loop_under_torchrun(run, tmp_path):
     """The Ray-free loop: torchrun, 2 processes, FSDP2 over gloo, parquet read from the embedded
     S3 endpoint this test's runtime holds; then one plain process resuming from its checkpoint."""

@@ -46,6 +46,7 @@ def run(digits, name: str, workers: int, *extra: str, resume: bool = False, on_s
                on_samples=SampleRecorder(str(record)))
 
 
+@pytest.mark.slow
 def test_two_workers_see_each_sample_once_in_the_global_order(digits):
     out = run(digits, "once", 2)
     ids = lineage(digits.tmp / "once")
@@ -55,6 +56,7 @@ def test_two_workers_see_each_sample_once_in_the_global_order(digits):
     assert h["steps"] == 5 and h["step_checkpoints"] == 2 and h["step_checkpoint_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_a_restarted_worker_group_continues_mid_epoch(digits):
     marker = digits.tmp / "raised-once"
     # raise in rank 1 before step 2 of 5 (40%): Ray Train restarts the group from the checkpoint after step 2
@@ -64,8 +66,8 @@ def test_a_restarted_worker_group_continues_mid_epoch(digits):
     assert lineage(digits.tmp / "restart") == digits.expected
 
 
-# 1 -> 2 runs the same code as 2 -> 1 (and test_loader checks both directions without Ray): slow only
-@pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.slow
 def test_resume_mid_epoch_on_another_worker_count(digits, before, after):
     name = f"w{before}to{after}"
     marker = digits.tmp / f"{name}-raised"
