@@ -118,7 +118,7 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     from tests.conftest import ROOT
 
     doc = yaml.safe_load(QUICKSTART.read_text())
-    doc["tune"]["space"] = {"train.lr": {"grid": [1.0e-4, 2.0e-4, 3.0e-4]}}
+    doc["tune"]["space"] = {"train.lr": {"grid": [1.0e-4, 2.0e-4]}}  # one finished, one cut short
     config = tmp_path / "tune.yaml"
     config.write_text(yaml.safe_dump(doc))
     store = tmp_path / "store"
@@ -144,15 +144,15 @@ def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(60)
     assert finished, f"no trial finished before the kill:\n{(tmp_path / 'first.log').read_text()[-3000:]}"
-    assert len(finished) < 3, "the search ended before it could be interrupted"
+    assert len(finished) < 2, "the search ended before it could be interrupted"
 
     resumed = subprocess.run(args + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "quickstart" / "tune.json").read_text())
-    assert sorted(t["params"]["train.lr"] for t in summary["trials"]) == [1e-4, 2e-4, 3e-4]
+    assert sorted(t["params"]["train.lr"] for t in summary["trials"]) == [1e-4, 2e-4]
     assert all(t["error"] is None and t["epochs"] == 1 for t in summary["trials"])
     after = _finished_trials(experiment)
-    assert len(after) == 3
+    assert len(after) == 2
     for trial_id, result in finished.items():  # the finished trials' results are the ones from before
         assert after[trial_id] == result, f"trial {trial_id} ran again"
     # tracked (the default SQLite store): one MLflow run per trial, the interrupted one continued
