@@ -27,14 +27,22 @@ install: $(STAMP)
 demo: install
 	$(BIN)/workflows pipeline --config configs/quickstart.yaml
 
+# TEST_WORKERS=2: pytest-xdist processes, each with a local Ray cluster of its own; one runs all the
+# tests of a shared pipeline run, the others a module at a time (tests/conftest.py's groups). Off by
+# default: on 2 cores it took 30 min against 38 in one process, and two tests failed from contention
+# (README's Development section); CI runs one process.
+TEST_WORKERS ?= 0
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
 test: install
 	$(BIN)/ruff check workflows tests reliability
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
-# the inner loop: no pipeline runs (tests/conftest.py marks every test that uses one slow); CI runs `make test`
+# the inner loop: no pipeline runs, no Ray Train runs, no commands that start Ray of their own (the
+# tests marked slow; tests/conftest.py marks every pipeline user); CI runs `make test`
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: install
 	$(BIN)/workflows bench quickstart

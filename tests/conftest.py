@@ -22,17 +22,62 @@ SHARED = ROOT.parent / "shared"
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # as workflows.runtime sets it
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # parallel workers (`make test`: pytest -n 2): every local cluster, the session's and each
+    # command's, takes a dashboard port the OS picks, not 8265 first (two starting at once would
+    # both pick it, and one would run without the dashboard Ray Train's state API needs)
+    os.environ["WORKFLOWS_DASHBOARD_PORT"] = "0"
 
 # The shared pipeline runs: a test that uses one takes minutes (its first user pays for the run), so
 # it is `slow` whether or not its module says so, and `make test-fast` (-m "not slow") runs none.
 PIPELINE_FIXTURES = {"quickstart_run", "digits_run"}
+# The groups that took a minute or more in a measured run (2 cores, `make test`), longest first: xdist
+# hands them out first, so that no worker is left with a long one at the end.
+LONG_GROUPS = [
+    "quickstart_run", "digits_run", "tests/test_train_stream.py", "tests/test_train_resume.py", "tests/test_tune.py",
+    "tests/test_readme.py", "tests/test_madewithml.py", "tests/test_notebook.py", "tests/test_jobs.py",
+    "tests/test_train.py", "tests/test_ingress_orphans.py", "tests/test_tracking.py", "tests/test_reliability.py",
+]
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def _group(item) -> str:
+    used = sorted(PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())))
+    return used[0] if used else item.nodeid.split("::")[0]  # else its module (file)
+
+
+def pytest_itemcollected(item):
+    """Pipeline users are slow. For pytest-xdist (`make test`: `-n 2 --dist loadgroup`), each test
+    gets a group that one worker runs whole: the users of one shared pipeline run (so that the run
+    happens once), else its module (its module-scoped fixtures set up once). Marked as each item is
+    collected: xdist reads the groups in its own pytest_collection_modifyitems, which may run first."""
+    group = _group(item)
+    if group in PIPELINE_FIXTURES:
+        item.add_marker(pytest.mark.slow)
+    item.add_marker(pytest.mark.xdist_group(group))
+    if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(item, "_id"):
+        # What xdist 3.8's loadgroup means to do: the group as the node id's suffix, which its
+        # scheduler splits on. It writes item._nodeid, which pytest 9 no longer reads (the id is
+        # item._id, a NodeId), so without this every test is a group of its own and each worker
+        # runs the shared pipelines again.
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
 def pytest_collection_modifyitems(items):
+    """Under xdist: the longest groups first (LONG_GROUPS), then the other modules with slow tests,
+    then the rest, so that the long work starts early and the cheap tests fill the gaps at the end.
+    A run in one process keeps the collection order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank: dict[str, int] = {}
     for item in items:
-        if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)
+        group = _group(item)
+        slow = item.get_closest_marker("slow") is not None
+        first = LONG_GROUPS.index(group) if group in LONG_GROUPS else len(LONG_GROUPS) + (0 if slow else 1)
+        rank[group] = min(rank.get(group, first), first)
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda i: (rank[_group(i)], order[id(i)]))
 
 
 def reads_tracking(item) -> bool:
@@ -47,10 +92,10 @@ def ray_cluster():
     """One real local Ray cluster (2 CPUs, as on CI) shared by every test that needs Ray."""
     import ray
 
-    from workflows.runtime import _port_or_free
+    from workflows.runtime import _port_or_free, dashboard_port
 
     if not ray.is_initialized():
-        port = _port_or_free(8265)
+        port = _port_or_free(dashboard_port())
         # as workflows.runtime.init_ray does: the state API must not auto-detect among clusters
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         # address="local": a cluster of the session's own. Without it ray.init() joins the cluster in
