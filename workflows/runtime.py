@@ -181,7 +181,7 @@ def _warn_missing_gpus(cfg: WorkflowConfig, gpus: float) -> None:
 def dashboard_port() -> int:
     """The port a local cluster's dashboard prefers: Ray's 8265, or $WORKFLOWS_DASHBOARD_PORT (0: any
     free port; the test suite's parallel workers set it, so that two commands starting Ray at once
-    never both pick 8265, and one of them start without the dashboard that Ray Train needs)."""
+    never both pick 8265, one of them then starting without the dashboard that Ray Train needs)."""
     return int(os.environ.get("WORKFLOWS_DASHBOARD_PORT") or 8265)
 
 
