@@ -70,14 +70,14 @@ def pytest_collection_modifyitems(items):
     A run in one process keeps the collection order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    group = {id(i): i.get_closest_marker("xdist_group").args[0] for i in items}  # pytest_itemcollected's
     rank: dict[str, int] = {}
     for item in items:
-        group = _group(item)
-        slow = item.get_closest_marker("slow") is not None
-        first = LONG_GROUPS.index(group) if group in LONG_GROUPS else len(LONG_GROUPS) + (0 if slow else 1)
-        rank[group] = min(rank.get(group, first), first)
+        g, slow = group[id(item)], item.get_closest_marker("slow") is not None
+        rank[g] = min(rank.get(g, len(LONG_GROUPS) + 1),
+                      LONG_GROUPS.index(g) if g in LONG_GROUPS else len(LONG_GROUPS) + (0 if slow else 1))
     order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda i: (rank[_group(i)], order[id(i)]))
+    items.sort(key=lambda i: (rank[group[id(i)]], order[id(i)]))
 
 
 def reads_tracking(item) -> bool:

@@ -150,7 +150,7 @@ class ShardCache:
                 self._count(downloaded, src.size)
                 if downloaded:
                     self._sweep(src, keep=name)  # after pinning, so our own entry is safe
-                elif time.monotonic() - self._debris_swept_at >= DEBRIS_EVERY_S:
+                elif self._debris_due():
                     # a hit sweeps debris too (at most as often): a process killed after its data
                     # and sidecar were in place, while writing the URI's pointer, left a temp file
                     with self._global_lock():
@@ -258,7 +258,7 @@ class ShardCache:
         # download), and the full listing runs only when that total may exceed max_bytes, plus a
         # debris sweep at most every DEBRIS_EVERY_S seconds per process."""
         with self._global_lock():
-            if time.monotonic() - self._debris_swept_at >= DEBRIS_EVERY_S:
+            if self._debris_due():
                 self._sweep_debris()
             freed = self._drop_old_version(src, keep)
             if self.max_bytes is not None:
@@ -268,6 +268,9 @@ class ShardCache:
                 if usage is None or usage > self.max_bytes:
                     usage = self._evict(keep)
                 self._write_usage(usage)
+
+    def _debris_due(self) -> bool:
+        return time.monotonic() - self._debris_swept_at >= DEBRIS_EVERY_S
 
     def _sweep_debris(self) -> None:
         """Temp files and sidecar-less data of killed processes (the caller holds the global lock)."""
