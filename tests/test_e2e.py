@@ -260,30 +260,49 @@ def test_serve_listens_through_haproxy_on_linux(serving):
     workflows.serve.ingress's own detection: a fallback to Serve's Python proxy on Linux fails here."""
     import psutil
 
+    def holders(port: int, status: str) -> set[int] | None:
+        """Pids of the processes with a `status` TCP socket on `port`, or None while a socket's owner is
+        not found: a reload hands the socket from one HAProxy process to the next, and the scan can fall
+        between. (psutil.Process(None) would be this test's own Python.)"""
+        conns = [c for c in psutil.net_connections("tcp") if c.status == status and c.laddr and c.laddr.port == port]
+        return None if any(c.pid is None for c in conns) else {c.pid for c in conns}
+
+    def programs(pids: set[int]) -> tuple[set[str], set[str]] | None:
+        """The processes' names and executables' file names; None if one is gone (replaced by a reload)."""
+        try:
+            procs = [psutil.Process(pid) for pid in pids]
+            return {p.name() for p in procs}, {Path(p.exe()).name for p in procs}
+        except psutil.NoSuchProcess:
+            return None
+
     port = int(serving.base.rsplit(":", 1)[1])
     linux = sys.platform.startswith("linux")
-    for _ in range(60):  # a reload replaces HAProxy's process: the one listed may be gone when asked
-        listeners = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
-        try:
-            procs = [psutil.Process(pid) for pid in listeners]
-            names, exes = {p.name() for p in procs}, {p.exe() for p in procs}
-        except psutil.NoSuchProcess:
-            time.sleep(0.5)
-            continue
-        if len(listeners) == 1:
+    # a reload replaces HAProxy's process: scan again until one process, still running, holds the port,
+    # and the client's keep-alive connection is accepted by it (the listener is the process that answered)
+    for _ in range(60):
+        with requests.Session() as session:
+            assert session.get(f"{serving.base}/healthz", timeout=10).status_code == 200
+            listeners, peers = holders(port, "LISTEN"), holders(port, "ESTABLISHED")
+            found = programs(listeners) if listeners else None
+        if found is not None and len(listeners) == 1 and peers == listeners:
             break
         time.sleep(0.5)
-    assert len(listeners) == 1, listeners
+    assert found is not None and len(listeners) == 1 and peers == listeners, (listeners, peers, found)
+    names, exes = found
     if linux:
-        assert names == {"haproxy"} and Path(exes.pop()).name == "haproxy", (names, exes)
+        assert names == {"haproxy"} and exes == {"haproxy"}, (names, exes)
+        # its backup server (Serve's proxy, while no replica is up) is this command's own: no other
+        # cluster on the machine listens on that port (Serve's default, 8500, every cluster shares)
+        args = psutil.Process(next(iter(listeners))).cmdline()
+        config = Path(args[args.index("-f") + 1]).read_text()
+        backups = {line.split()[2] for line in config.splitlines() if line.split()[:1] == ["server"]
+                   and line.split()[-1] == "backup"}
+        assert len(backups) == 1, config
+        backup = int(backups.pop().rsplit(":", 1)[1])
+        proxies = holders(backup, "LISTEN")
+        assert proxies and {os.getsid(pid) for pid in proxies} == {serving.proc.pid}, (backup, proxies)
     else:
         assert names.pop().startswith("ray::ProxyActor"[:15])  # names are cut at 15 characters
-    # the listener is the process that answered: the client's connection is accepted by it
-    with requests.Session() as session:
-        assert session.get(f"{serving.base}/healthz", timeout=10).status_code == 200
-        peers = {c.pid for c in psutil.net_connections("tcp")
-                 if c.laddr and c.laddr.port == port and c.status == "ESTABLISHED"}
-        assert peers == listeners, (peers, listeners)  # the keep-alive connection, held by the listener
     said = "behind HAProxy" if linux else "behind Serve's Python proxy"
     deadline = time.time() + 120  # /healthz may answer before the command prints that it is up
     while said not in serving.out.read_text() and time.time() < deadline:

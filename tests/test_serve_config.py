@@ -95,7 +95,9 @@ def test_each_cluster_gets_its_own_haproxy_ports_and_the_env_is_scoped(monkeypat
 
     assert ingress.cluster_env(False) == {}
     a, b = ingress.cluster_env(True), ingress.cluster_env(True)
-    assert a["RAY_SERVE_HAPROXY_STATS_PORT"] != a["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    ports = [a[f"RAY_SERVE_{k}_PORT"] for k in ("HAPROXY_STATS", "HAPROXY_METRICS", "FALLBACK_PROXY_HTTP",
+                                                  "FALLBACK_PROXY_GRPC")]
+    assert len(set(ports)) == 4 and "8500" not in ports  # Serve's proxy: not the port every cluster shares
     assert a["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
     files = os.path.dirname(a["RAY_SERVE_HAPROXY_SOCKET_PATH"])  # the admin socket: this user's only
     assert os.stat(files).st_mode & 0o777 == 0o700 and files != os.path.dirname(b["RAY_SERVE_HAPROXY_SOCKET_PATH"])

