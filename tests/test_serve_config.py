@@ -109,3 +109,31 @@ def test_each_cluster_gets_its_own_haproxy_ports_and_the_env_is_scoped(monkeypat
         assert os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] == b["RAY_SERVE_HAPROXY_METRICS_PORT"]
     assert "RAY_SERVE_HAPROXY_METRICS_PORT" not in os.environ  # later commands choose their own
     assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+
+
+def test_the_private_directories_of_killed_commands_are_swept(tmp_path):
+    """A SIGKILLed command leaves its `wfh-` directory (atexit never ran): the next cluster's start
+    removes it once its owner is gone, and keeps a live owner's and an unmarked one."""
+    import os
+    import subprocess
+    import sys
+
+    from workflows.serve import ingress
+    from workflows.serve.haproxy_guard import start_time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    mark = f"{child.pid}:{start_time(child.pid)}"
+    dead, alive, unmarked = (tmp_path / f"{ingress.TEMP_PREFIX}{n}" for n in ("dead", "alive", "unmarked"))
+    for d in (dead, alive, unmarked):
+        (d / "node").mkdir(parents=True)
+    (dead / ingress.OWNER_FILE).write_text(mark)
+    (alive / ingress.OWNER_FILE).write_text(ingress.owner_env()[ingress.OWNER_ENV])
+    ingress.sweep_stale_dirs(str(tmp_path))
+    assert dead.exists()  # its owner still runs
+    child.kill()
+    child.wait()
+    ingress.sweep_stale_dirs(str(tmp_path))
+    assert not dead.exists() and alive.exists() and unmarked.exists()
+    env = ingress.cluster_env(True)  # marks its own directory
+    files = os.path.dirname(env["RAY_SERVE_HAPROXY_SOCKET_PATH"])
+    assert open(os.path.join(files, ingress.OWNER_FILE)).read() == ingress.owner_env()[ingress.OWNER_ENV]

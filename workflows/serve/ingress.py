@@ -12,9 +12,10 @@ so a second cluster on the machine (a test suite, a second `workflows serve`) wo
 its HAProxy: each cluster gets free ports. Worse, Serve's own proxy, HAProxy's backup server while no
 replica is up (starting, restarting), listens on a fixed 8500 with SO_REUSEPORT: every cluster on
 the machine binds it, and the kernel spreads connections among them, so one model's request was
-answered by another cluster's model, with that cluster's auth token. It gets a free port too. Ray also keeps HAProxy's files in one shared
-/tmp/haproxy-serve, with its admin socket open to every local user (mode 666, `level admin`) and
-never removed: each cluster gets a private directory (mode 700, removed at exit) instead. A replica
+answered by another cluster's model, with that cluster's auth token. It gets a free port too.
+Ray also keeps HAProxy's files in one shared /tmp/haproxy-serve, with its admin socket open to every
+local user (mode 666, `level admin`) and never removed: each cluster gets a private directory (mode
+700, removed at exit, or by the next cluster's start once its command is gone) instead. A replica
 leaving (stop, rolling update, downscale) holds itself open for a deregistration window, 30 s by
 default, before it closes: HAProxy is reloaded within 0.1 s of the change and retries a refused
 connection on another replica, so 2 s is plenty, and a stopped `workflows serve` exits in seconds
@@ -35,13 +36,15 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from workflows.errors import UserError
 from workflows.net import free_ports
-from workflows.serve.haproxy_guard import OWNER_ENV
+from workflows.serve.haproxy_guard import OWNER_ENV, owner_alive, start_time
 
 DEREGISTRATION_WINDOW_S = "2"
 TEMP_PREFIX = "wfh-"  # the private directory of each cluster's HAProxy files (stale_ingress finds them by it)
+OWNER_FILE = "owner"  # in that directory: the command it belongs to (pid:start time), for sweep_stale_dirs
 # set in the cluster's environment even where inherited: the guard runs the user's binary, and
 # watches this command, not one that started the process running it
 GUARDED = ("RAY_SERVE_HAPROXY_BINARY_PATH", OWNER_ENV)
@@ -88,11 +91,16 @@ def cluster_env(on: bool) -> dict[str, str]:
         return {}
     stats, metrics, fallback_http, fallback_grpc = free_ports(4)
     # Short: Ray adds the node id (56 characters) below it, and HAProxy takes socket paths of at most 97.
-    files = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp" if os.path.isdir("/tmp") else None)
+    root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+    sweep_stale_dirs(root)
+    files = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=root)
     atexit.register(shutil.rmtree, files, True)  # the runtime has shut Ray (and HAProxy) down by then
+    owner = owner_env()
+    if owner:
+        Path(files, OWNER_FILE).write_text(owner[OWNER_ENV])
     guarded = _guarded_binary(files)
     return {
-        **({"RAY_SERVE_HAPROXY_BINARY_PATH": guarded, **owner_env()} if guarded else {}),
+        **({"RAY_SERVE_HAPROXY_BINARY_PATH": guarded, **owner} if guarded else {}),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(files, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(files, "admin.sock"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(files, "metrics.sock"),
@@ -106,11 +114,21 @@ def cluster_env(on: bool) -> dict[str, str]:
     }
 
 
+def sweep_stale_dirs(root: str) -> None:
+    """Remove the private directories of commands that were killed before their exit handler ran
+    (SIGKILL skips atexit): this user's, whose owner file names a process that is gone. A directory
+    without the file (another version's, a test's) is left alone."""
+    for path in Path(root).glob(f"{TEMP_PREFIX}*"):
+        try:
+            if path.stat().st_uid == os.getuid() and not owner_alive((path / OWNER_FILE).read_text().strip()):
+                shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError):  # no owner file, not ours to read, or a malformed one
+            continue
+
+
 def owner_env() -> dict[str, str]:
     """Who the guard's watchdog outlives no more: this process (pid and start time, as a pid
     alone may be reused)."""
-    from workflows.serve.haproxy_guard import start_time
-
     started = start_time(os.getpid())
     return {OWNER_ENV: f"{os.getpid()}:{started}"} if started else {}
 
