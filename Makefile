@@ -29,8 +29,8 @@ demo: install
 
 # TEST_WORKERS=2: pytest-xdist processes, each with a local Ray cluster of its own; one runs all the
 # tests of a shared pipeline run, the others a module at a time (tests/conftest.py's groups). Off by
-# default: on 2 cores it took 30 min against 38 in one process, and start.sh's worker node timed out
-# under the contention (README's Development section); CI runs one process.
+# default: on 2 cores it took 29 min against 37 in one process, and a timing limit can fail under the
+# contention (README's Development section); CI runs one process.
 TEST_WORKERS ?= 0
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
