@@ -5,6 +5,7 @@ link; and tracking that fails (a dead server, a server answering errors) never s
 from __future__ import annotations
 
 import http.server
+import math
 import re
 import subprocess
 import threading
@@ -473,7 +474,9 @@ def test_a_retried_trial_logs_on_into_its_run(mlflow_server, tmp_path):
 @pytest.mark.slow
 def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_server, tmp_path):
     """A tune.num_workers=2 trial (a Ray Train run of 2 epochs): the driver-side trial creates the
-    trial's run, rank 0 finds it by its key and logs each epoch at its step, once."""
+    trial's run, rank 0 finds it by its key and logs each epoch at its step, once. With step
+    checkpoints on (train.checkpoint_every_steps), Tune still sees one result per epoch: a step
+    checkpoint's report is no training_iteration of ASHA's, and has no score to compare."""
     from mlflow import MlflowClient
 
     from tests.test_tune import tune_cfg
@@ -483,11 +486,14 @@ def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_serv
     cfg = tune_cfg(tmp_path, {"train.lr": {"grid": [3e-4]}}, "tune.num_workers=2", "tune.max_epochs=2",
                    "tune.num_samples=1", "tune.checkpoint=false", "tracking.enabled=true",
                    f"tracking.uri={mlflow_server.url}", "tracking.experiment=two-worker-trial",
-                   "tracking.step_loss_every=1")
+                   "tracking.step_loss_every=1", "train.loader=stream", "train.checkpoint_every_steps=1",
+                   "train.batch_size=4")
     with runtime(cfg) as rt:
         outcome = stage_tune(rt, stage_preprocess(rt))
     (trial,) = outcome.trials
     assert trial.error is None and trial.epochs == 2
+    assert [h["training_iteration"] for h in trial.history] == [1, 2], trial.history
+    assert all(math.isfinite(h["val_f1"]) for h in trial.history), trial.history
     assert _tracking_report(tmp_path)["complete"]
     client = MlflowClient(mlflow_server.url)
     exp = client.get_experiment_by_name("two-worker-trial")

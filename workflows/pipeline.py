@@ -100,6 +100,9 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     rt.cfg = with_task_metric(rt.cfg)
     t = rt.cfg.tune
     say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
+    if t.num_workers == 1 and rt.cfg.train.checkpoint_every_steps:
+        warn("tune: train.checkpoint_every_steps applies to Ray Train trials (tune.num_workers > 1); a one-worker "
+             "trial restarts from its last epoch")
     with tracking.tracked(rt, "tune") as run:
         with rt.cache_counts() as cache:
             outcome = run_tune(rt.cfg, rt.storage, data, resume=resume, tracking=run.spec())

@@ -83,9 +83,8 @@ def max_concurrent_trials(cfg: WorkflowConfig) -> int:
 
 def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset,
            tracking: TrackingSpec | None = None) -> None:
-    from ray.tune.integration.ray_train import TuneReportCallback
-
     from workflows.train.trainer import fit
+    from workflows.tune.epoch_reports import EpochReports
     from workflows.tune.trial import run_local_trial, trial_logger
 
     if cfg.tune.num_workers == 1:
@@ -101,7 +100,7 @@ def _trial(params: dict, cfg: WorkflowConfig, storage: StorageContext, data: Pro
     trial_cfg = trial_config(cfg, params)
     with trial_logger(trial_cfg, tracking, data.version) as logger:
         fit(trial_cfg, storage, data, run_prefix=f"{cfg.name}-trial",
-            callbacks=[TuneReportCallback()], check=False, tracking=logger.child_spec() if logger else None)
+            callbacks=[EpochReports()], check=False, tracking=logger.child_spec() if logger else None)
 
 
 def trial_resources(cfg: WorkflowConfig):
