@@ -295,10 +295,9 @@ def test_serve_listens_through_haproxy_on_linux(serving):
         # cluster on the machine listens on that port (Serve's default, 8500, every cluster shares)
         args = psutil.Process(next(iter(listeners))).cmdline()
         config = Path(args[args.index("-f") + 1]).read_text()
-        backups = {line.split()[2] for line in config.splitlines() if line.split()[:1] == ["server"]
-                   and line.split()[-1] == "backup"}
+        backups = re.findall(r"^\s*server \S+ \S+:(\d+) .*\bbackup$", config, re.MULTILINE)
         assert len(backups) == 1, config
-        backup = int(backups.pop().rsplit(":", 1)[1])
+        backup = int(backups[0])
         proxies = holders(backup, "LISTEN")
         assert proxies and {os.getsid(pid) for pid in proxies} == {serving.proc.pid}, (backup, proxies)
     else:

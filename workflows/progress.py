@@ -13,6 +13,7 @@ import ray.train
 import ray.tune
 
 from workflows.console import say
+from workflows.train.report import is_step_checkpoint
 
 
 def _num(v: Any) -> str:
@@ -78,7 +79,7 @@ class EpochProgress(ray.train.UserCallback):
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         m = metrics[0] if metrics else {}
-        if "epoch" not in m or m.get("step_checkpoint"):  # a mid-epoch checkpoint, not an epoch's end
+        if "epoch" not in m or is_step_checkpoint(m):
             return
         of = f" ({m['epoch'] + 1} of {self.epochs})" if self.epochs else ""
         val = next((f", {k} {m[k]:.4f}" for k in (self.metric, "val_f1", "val_perplexity", "val_loss")

@@ -1,8 +1,17 @@
-"""A training run for people: the loss curve (every step, all ranks averaged) and validation loss per epoch."""
+"""A training run's reports: which of them end an epoch; and, for people, the loss curve (every step,
+all ranks averaged) and validation loss per epoch."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+# set in the report of a mid-epoch checkpoint (train.checkpoint_every_steps; workflows.train.trainer)
+STEP_CHECKPOINT = "step_checkpoint"
+
+
+def is_step_checkpoint(report: dict) -> bool:
+    """A mid-epoch checkpoint's report (its score NaN, for resuming only), not an epoch's end."""
+    return bool(report.get(STEP_CHECKPOINT))
 
 
 def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None:

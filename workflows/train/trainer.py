@@ -32,6 +32,7 @@ from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, data_seed, run_epochs
+from workflows.train.report import STEP_CHECKPOINT, is_step_checkpoint
 from workflows.train.stream_input import SampleHook, StreamInput
 from workflows.train.worker_setup import mid_epoch_position, row_limits, set_torch_threads, start_point
 
@@ -52,7 +53,7 @@ def ray_collate(fn):
 def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: str, mode: str) -> tuple[Any, dict]:
     """(checkpoint, metrics) of the best epoch by `metric`, or of the last epoch; the earliest of equals.
     Step checkpoints (mid-epoch, unvalidated) are for resuming only, never the result."""
-    checkpoints = [cm for cm in checkpoints if not cm[1].get("step_checkpoint")] or checkpoints
+    checkpoints = [cm for cm in checkpoints if not is_step_checkpoint(cm[1])] or checkpoints
     if select == "last":
         return max(checkpoints, key=lambda cm: cm[1]["epoch"])
     sign = 1 if mode == "max" else -1
@@ -157,7 +158,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
         with tempfile.TemporaryDirectory() as d:
             ckpt.save(d, model, optimizer, scheduler, {**state, "metrics": {}})
             ray.train.report({"epoch": epoch, "global_step": state["global_step"], "consumed": state["consumed"],
-                              "step_checkpoint": True, metric: float("nan")},
+                              STEP_CHECKPOINT: True, metric: float("nan")},
                              checkpoint=ray.train.Checkpoint.from_directory(d))
         step_checkpoints["count"] += 1
         step_checkpoints["seconds"] += time.perf_counter() - t0

@@ -14,9 +14,11 @@ from typing import Any
 
 from ray.tune.integration.ray_train import TuneReportCallback
 
+from workflows.train.report import is_step_checkpoint
+
 
 class EpochReports(TuneReportCallback):
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if metrics and metrics[0].get("step_checkpoint"):
+        if metrics and is_step_checkpoint(metrics[0]):
             return
         super().after_report(run_context, metrics, checkpoint)
