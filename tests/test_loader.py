@@ -43,10 +43,10 @@ def _tar(samples: list[tuple[str, bytes, int]]) -> bytes:
     return buf.getvalue()
 
 
-def write_shards(put, with_index: bool = True) -> list[bytes]:
+def write_shards(put, with_index: bool = True, counts: list[int] = COUNTS) -> list[bytes]:
     """Shards `shard-00000k.tar` via `put(name, bytes)`; sample i has label i % 10."""
     shards, i = [], 0
-    for n in COUNTS:
+    for n in counts:
         shards.append(_tar([(f"s{i + j:05d}", _image(i + j), (i + j) % 10) for j in range(n)]))
         i += n
     for k, data in enumerate(shards):
@@ -54,7 +54,7 @@ def write_shards(put, with_index: bool = True) -> list[bytes]:
     if with_index:
         index = {"format": "wds-tar", "version": 1, "classes": 10,
                  "shards": [{"name": f"shard-{k:06d}.tar", "samples": n, "bytes": len(d)}
-                            for k, (n, d) in enumerate(zip(COUNTS, shards))]}
+                            for k, (n, d) in enumerate(zip(counts, shards))]}
         put("index.json", json.dumps(index).encode())
     return shards
 
@@ -225,3 +225,101 @@ def test_parquet_shards_rows_exactly_once_with_their_columns(tmp_path):
             assert (b["x"] == b["sample"].numpy() * 10).all() and (b["label"] == b["sample"].numpy() % 3).all()
             seen += b["sample"].tolist()
     assert sorted(seen) == list(range(72))
+
+
+def _disk_in_use(cache_dir, pids: list[int]) -> int:
+    """Shard bytes the cache holds on disk now: its data files (and downloads in progress), plus
+    files removed from it (evicted) that one of `pids` still holds open, which stay on disk until
+    closed (read from /proc/<pid>/fd; one count per inode). Sidecars, locks and pointers (bytes
+    each, and not what the cap counts) are left out."""
+    import os
+
+    held: dict[tuple[int, int], int] = {}
+    for p in cache_dir.glob("*.data*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        held[(st.st_dev, st.st_ino)] = st.st_size
+    prefix = f"{cache_dir}/"
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")  # "<path> (deleted)" once unlinked
+                if target.startswith(prefix) and ".data" in target:
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")  # the open inode itself
+                    held[(st.st_dev, st.st_ino)] = st.st_size
+            except FileNotFoundError:  # closed meanwhile
+                continue
+    return sum(held.values())
+
+
+def _parquet_shards(root, counts: list[int]) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files, start = [], 0
+    for k, n in enumerate(counts):
+        rows = np.arange(start, start + n)
+        path = root / f"part-{k}.parquet"
+        noise = np.random.default_rng(k).integers(0, 255, (n, 2000), dtype=np.uint8)  # ~2 KB a row
+        pq.write_table(pa.table({"x": rows, "blob": [r.tobytes() for r in noise]}), path, row_group_size=4)
+        files.append(str(path))
+        start += n
+    return files
+
+
+@pytest.mark.parametrize("fmt", ["wds-tar", "parquet"])
+def test_a_cap_bounds_the_disk_with_evicted_files_counted(tmp_path, fmt):
+    """Disk in use by the cache, evicted-but-open files included, stays within the cap plus the one
+    download in flight of the loader's one fetch thread (prefetch_shards=1), over two epochs decoded
+    by two processes; measured after every batch and after each epoch. The cap holds the pinned
+    working set: with shuffle_window 1 and the 2 x 2 batches of 2 in flight (10 samples, under a
+    shard of 12), at most two shards being read and the prefetched one."""
+    import os
+
+    import psutil
+
+    from workflows.loader import parquet_index
+
+    counts = [12] * 8
+    if fmt == "parquet":
+        source = parquet_index(_parquet_shards(tmp_path, counts), LOCAL)
+        files = [s.name for s in source.shards]
+        kw = {"columns": ["x"], "transform": None}
+    else:
+        root = tmp_path / "data"
+        root.mkdir()
+        write_shards(lambda name, data: (root / name).write_bytes(data), counts=counts)
+        source = read_index(str(root), LOCAL)
+        files = [f"{root}/{s.name}" for s in source.shards]
+        kw = {"transform": ImageTransform(size=SIZE)}
+    biggest = max(os.path.getsize(f) for f in files)
+    cap = 3 * biggest
+    cache_dir = tmp_path / "cache"
+    cache = ShardCache(str(cache_dir), LOCAL, max_bytes=cap)
+    reader = StreamLoader(source, LOCAL, cache, batch_size=2, num_workers=2, prefetch_factor=2, shuffle_window=1,
+                          prefetch_shards=1, **kw)
+    me = psutil.Process()
+
+    def disk() -> int:
+        return _disk_in_use(cache_dir, [me.pid] + [c.pid for c in me.children(recursive=True)])
+
+    peak, seen = 0, []
+    try:
+        for epoch in range(2):
+            reader.set_epoch(epoch)
+            for b in reader:
+                seen += b["sample"].tolist()
+                peak = max(peak, disk())
+            assert len(me.children(recursive=True)) >= 2, "the decode processes are up (and measured)"
+            peak = max(peak, disk())  # between epochs, the persistent decode processes idle
+    finally:
+        reader.close()
+    assert sorted(seen) == sorted(list(range(sum(counts))) * 2)
+    assert cache.stats().evictions >= len(counts)  # the cap did evict, in both epochs
+    assert peak <= cap + biggest, f"{peak} bytes on disk ({peak / biggest:.1f} shards) for a cap of 3 shards"
