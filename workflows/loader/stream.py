@@ -173,6 +173,13 @@ class StreamLoader:
         self._open: dict[int, Future] = {}
         self._pins: dict[int, contextlib.ExitStack] = {}
         self._lock = threading.Lock()
+        self._versions: dict[int, tuple[str, int]] = {}  # asked of the store: shards the index has no version of
+        unversioned = sum(1 for s in self.index.shards if not (s.version and s.bytes))
+        if unversioned:
+            log.warning("the index of %s has no version for %d of its %d shards (written before indexes recorded "
+                        "them): this loader asks the store for each of those once (a HEAD), so its first epoch "
+                        "needs the store even when the cache holds every shard; rewrite the index to avoid it",
+                        self.index.prefix or self.index.uri(0), unversioned, len(self.index.shards))
         self.fetch_wait_s = 0.0
         self.set_epoch(epoch, start)
 
@@ -213,11 +220,26 @@ class StreamLoader:
                 "fetch_wait_s": round(self.fetch_wait_s, 3)}
 
     # -- shards ---------------------------------------------------------------------------------
+    def _version(self, shard: int) -> tuple[str, int]:
+        """The shard's (version, size), which the cache keys its entry on: from the index, so a
+        cached shard is read with no request to the store (a warm epoch runs with the store down).
+        For a shard the index has no version of, asked of the store once and kept for later epochs."""
+        entry = self.index.shards[shard]
+        if entry.version and entry.bytes:
+            return entry.version, entry.bytes
+        with self._lock:
+            known = self._versions.get(shard)
+        if known is None:
+            known = self.cache.current_version(self.index.uri(shard))
+            with self._lock:
+                self._versions[shard] = known
+        return known
+
     def _fetch(self, shard: int) -> _Local:
         uri = self.index.uri(shard)
         stack = contextlib.ExitStack()
         try:
-            path = stack.enter_context(self.cache.open_local(uri))
+            path = stack.enter_context(self.cache.open_local(uri, *self._version(shard)))
             members = None
             if self.index.format == "wds-tar":
                 members = tar_members(path, uri, self.index.labels)
