@@ -169,3 +169,50 @@ def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join):
         x = r["instance"]
         truth = 3 * x["x1"] - 0.4 * x["x2"] + 5 * x["x3"] + 1
         assert r["prediction"]["value"] == pytest.approx(truth, abs=1.0), r  # the target's std is 3.6
+
+
+
+def test_a_card_edited_in_the_store_cannot_choose_the_code_that_runs(tmp_path, monkeypatch):
+    """The model card is read from the store: a card whose `task` was changed there to some module must
+    not make serve, evaluate or predict import it (they refuse before Ray starts), unless the command's
+    config trusts that task."""
+    from typer.testing import CliRunner
+
+    import workflows.runtime
+    from workflows import registry
+    from workflows.cli import app
+    from workflows.storage.uri import StorageContext
+    from workflows.tasks import task_for_card
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started before the card's task was checked")
+
+    monkeypatch.setattr(workflows.runtime, "init_ray", no_ray)
+    cfg_dict = regression_config(tmp_path)
+    cfg_dict["model"] = {"task": "classification"}
+    config = write_config(tmp_path / "user.yaml", cfg_dict)
+    cfg = load_config(config)
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    (artifact / "model.safetensors").write_bytes(b"")
+    ref = registry.register(cfg, StorageContext.from_config(cfg.storage), str(artifact), "victim",
+                            {"task": "classification", "labels": ["a", "b"]})
+    card_file = Path(ref.uri) / registry.META_FILE
+    card = json.loads(card_file.read_text())
+    card["task"] = "evil_mod:Evil"  # what someone who can write to the bucket could do
+    card_file.write_text(json.dumps(card))
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for command in (["serve", "--model", "victim"], ["evaluate", "--model", "victim", "--split", "val"],
+                    ["predict", "--model", "victim", "--data", str(tmp_path), "--output", str(tmp_path / "out")]):
+        out = CliRunner().invoke(app, [*command, "--config", str(config)])
+        assert out.exit_code != 0, command
+        assert "'evil_mod:Evil'" in out.output and "model.trusted_tasks" in out.output, out.output
+        assert not marker.exists(), f"{command[0]} imported the module the card named"
+    # the same card, trusted by the config: the module is imported (so the checks above can fail)
+    trusting = load_config(config, ["model.trusted_tasks=[evil_mod:Evil]"])
+    with pytest.raises(UserError, match="not a workflows.tasks.base.Task subclass"):
+        task_for_card(trusting, registry.model_card(trusting, StorageContext.from_config(trusting.storage), "victim"))
+    assert marker.exists()
