@@ -131,7 +131,10 @@ def _b64_image(value: object) -> bytes:
         raise PydanticCustomError("b64", "invalid base64 ({reason})", {"reason": str(e)}) from None
 
 
-B64_PATTERN = r"^[A-Za-z0-9+/_-]*={0,2}$"
+# What decode_b64 takes: one alphabet, whole 4-character groups, then 2 or 3 characters, their padding
+# optional (a lone character, or "AB=", cannot be base64: a schema-driven fuzzer sent them as valid).
+_B64 = "(?:{c}{{4}})*(?:{c}{{2}}(?:==)?|{c}{{3}}=?)?"
+B64_PATTERN = f"^(?:{_B64.format(c='[A-Za-z0-9+/]')}|{_B64.format(c='[A-Za-z0-9_-]')})$"
 
 B64Image = Annotated[bytes, BeforeValidator(_b64_image), WithJsonSchema({
     "type": "string", "contentEncoding": "base64", "minLength": 1, "pattern": B64_PATTERN,
