@@ -48,7 +48,9 @@ def map_case(context, case):
     media = (case.media_type or "").split(";")[0].strip().lower()
     if media == "application/json" and isinstance(case.body, dict):
         for inst in case.body.get("instances") or []:
-            inst["image"]["b64"] = base64.b64encode(image_from(inst["image"]["b64"])).decode()
+            image = inst.get("image") if isinstance(inst, dict) else None  # another model's instance: as it is
+            if isinstance(image, dict) and isinstance(image.get("b64"), str):
+                image["b64"] = base64.b64encode(image_from(image["b64"])).decode()
     return case
 
 

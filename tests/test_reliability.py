@@ -166,7 +166,7 @@ def test_fuzz_row_accepts_only_the_decided_answers():
     assert _accepted("negative_data_rejection", 413, _interaction(big, 413, "too big"), 2048, False) is None
 
 
-def test_fuzz_hooks_make_valid_image_json_cases_decodable():
+def test_fuzz_hooks_make_valid_image_json_cases_decodable(request):
     """The fuzzer's positive JSON cases for an image model, with the row's hooks applied, are accepted
     by the server's parser and decoder (without the hooks their base64 is random bytes: a 422)."""
     schemathesis = pytest.importorskip("schemathesis")
@@ -179,6 +179,7 @@ def test_fuzz_hooks_make_valid_image_json_cases_decodable():
 
     operation = schemathesis.openapi.from_dict(openapi_document())["/predict"]["POST"]
     seen = []
+    request.addfinalizer(lambda: schemathesis.hooks.unregister(map_case))  # imported: registered globally
 
     @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
