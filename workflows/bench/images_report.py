@@ -1,0 +1,146 @@
+"""The markdown of `workflows bench images` (docs/BENCHMARKS.md's images sections)."""
+
+from __future__ import annotations
+
+from workflows.bench.images import GOALS, ROWS
+
+
+def _spool(s: dict) -> str:
+    n = s["spool_disk_bytes_approx"]
+    if n < s["bytes"] / 2:  # free space also moves with what the machine's other sessions write
+        return "its disk use, read from free space, was swamped by other sessions' writes on this shared disk"
+    return f"about {n / 1e9:.1f} GB of disk, read from free space, approximate on a shared disk"
+
+
+def _load(r: dict) -> str:
+    la = r["machine"]["load_average"]
+    return f"{la['before']} before, {la['after_15min']} over the last 15 min"
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.2f} GiB" if n is not None else "-"
+
+
+def _mb(n) -> str:
+    return f"{n / 1e6:.0f} MB" if n is not None else "-"
+
+
+LABELS = {"ours_cold": "ours (StreamLoader), cold", "ours_warm": "ours, warm",
+          "ours_2_workers": "ours, 2 training ranks (1 decode process each), summed",
+          "streaming_cold": "MosaicML Streaming (MDS), cold", "streaming_warm": "MosaicML Streaming, warm",
+          "litdata_cold": "LitData, cold", "litdata_warm": "LitData, warm",
+          "webdataset": "WebDataset, tars streamed from S3", "local_dataloader": "torch DataLoader, local files",
+          "decode_limit": "decode limit: N processes decoding local files",
+          "ours_warm_end": "ours, warm, again after the peers"}
+CONVERSIONS = {"streaming": "streaming_convert", "litdata": "litdata_convert", "local": "local_convert"}
+
+
+def markdown(r: dict) -> str:
+    return _scale_markdown(r) if "points" in r else _rows_markdown(r)
+
+
+def _rows_markdown(r: dict) -> str:
+    s, rows = r["set"], r["rows"]
+    lines = []
+    for row in [r for r in ROWS if r in rows]:  # stored with sorted keys: the report's own order
+        phases = rows[row]
+        conv = phases.get(CONVERSIONS.get(row, ""), {}).get("seconds")
+        for phase in [p for p in LABELS if p in phases]:
+            f = phases[phase]
+            lines.append(f"| {LABELS.get(phase, phase)} | {f.get('images_per_s', '-')} | "
+                         f"{f'{conv:.0f} s' if conv is not None else '-'} | {_mb(f.get('store_get_bytes'))} | "
+                         f"{_gib(f.get('peak_pss_bytes'))} ({_gib(f.get('peak_rss_bytes'))}) | "
+                         f"{f.get('first_batch_s', '-')} s | {f.get('load_1min', '-')} |")
+        if "error" in phases:
+            why = phases["error"].rsplit(" | ", 1)[-1].strip()[:300].replace("|", "/")  # the exception's line
+            lines.append(f"| {row}: **failed**: {why} | | | | | | |")
+    met = r["goals_met"]
+
+    def goal(k: str) -> str:
+        v = r.get(k)
+        return f"| `{k}` | {v if v is not None else '-'} | >= {GOALS[k]} ({'met' if met[k] else '**not met**'}) |"
+
+    p = r["persist"]
+    table = "\n".join(lines)
+    return f"""## Images: a training loop's input pipeline
+
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {_load(r)}: the machine is
+shared, so absolute figures move; the ratios are within this run, and each row's 1-minute load is in the table).
+The set: {s["images"]} synthetic ImageNet-like JPEGs (`workflows data synth-images`, mean {s["mean_image_bytes"] / 1e3:.0f} KB,
+{s["classes"]} classes) in {s["shards"]} tar shards, {s["bytes"] / 1e9:.2f} GB, on the embedded S3 endpoint;
+written in {s["generate_s"]} s ({s["generate_images_per_s"]} images/s). Every row: decode,
+RandomResizedCrop(224), flip, uint8 CHW, batches of {r["batch_size"]}, {r["workers"]} decode processes, its own
+process tree. Images/s is the steady rate after the first batch. Store bytes: counted by the endpoint. Memory: the
+peak of PSS summed over the row's processes (RSS summed in brackets, which counts shared pages once per process).
+
+| row | images/s | conversion | bytes from the store | peak memory PSS (RSS) | first batch | load (1 min) |
+| --- | --- | --- | --- | --- | --- | --- |
+{table}
+
+| ratio | value | goal |
+| --- | --- | --- |
+{goal("warm_vs_best_peer")}
+{goal("cold_vs_best_peer")}
+{goal("warm_vs_local_dataloader")}
+{goal("two_workers_vs_one")}
+| `warm_vs_decode_limit` | {r.get("warm_vs_decode_limit")} | |
+
+Ours warm in the ratios: the mean of its pass before the peers and the one after them.
+
+Best peer: {r.get("best_peer_warm")} (warm), {r.get("best_peer_cold")} (cold); WebDataset has no local cache and counts
+as both. `largest_set_bytes`: {r["largest_set_bytes"] / 1e9:.1f} GB (the scale run below).
+
+The embedded store: moto keeps each object over ~5 MB in a spooled temp file ({s["spool_dir"]}, deleted-on-close files:
+they show in `df`, not `du`), so a set larger than memory fits if that disk has room; its process held
+{s["store_rss_bytes"] / 2**20:.0f} MiB RSS after the {s["bytes"] / 1e9:.1f} GB upload ({_spool(s)}). Persisting it
+(each command's runtime does at its end): {p["persist_s"]} s to write {p["objects_written"]} objects,
+{p["bytes_on_disk"] / 1e9:.2f} GB, into its data dir; a new endpoint restores them at start in {p["restore_s"]} s, so the
+data dir holds a second copy and every start re-uploads it to moto.
+"""  # noqa: E501 (markdown table rows: one line each)
+
+
+def _limit(r: dict) -> str:
+    n = r.get("max_images")
+    return f"each epoch measured over its first {n} images (all of them where the set has fewer)" if n else \
+        "each epoch measured whole"
+
+
+def _painted(r: dict) -> str:
+    b = r["painted"]
+    return (f"{b['images']} images ({b['bytes'] / 1e9:.2f} GB) were painted once by synth-images in "
+            f"{b['generate_s']} s; "
+            "each set is server-side copies of those shards under new names, written, read and deleted in turn (the "
+            "bytes fetched, cached and decoded cost the same whether images repeat; painting 27 GB needs CPU the "
+            "shared machine lacks).")
+
+
+def _scale_markdown(r: dict) -> str:
+    lines = []
+    for p in r["points"]:
+        s, f = p["set"], p.get("ours_cold", {})
+        c = f.get("cache", {})
+        lines.append(f"| {s['bytes'] / 1e9:.1f} GB ({s['images']} images) | {p['cache_max_bytes'] / 1e9:.1f} GB | "
+                     f"{f.get('images_per_s', '-')} | {p.get('images_per_s_vs_smallest', '-')} | "
+                     f"{_gib(f.get('peak_pss_bytes'))} ({_gib(f.get('peak_rss_bytes'))}) | "
+                     f"{_mb(f.get('store_get_bytes'))} | {c.get('evictions', '-')} | "
+                     f"{s['copy_s']} s | {_gib(f.get('store_peak_rss_bytes'))} | {f.get('load_1min', '-')} |"
+                     + (f" failed: {p['error'][:200]}" if "error" in p else ""))
+    met = r["goals_met"]
+    table = "\n".join(lines)
+    return f"""## Images: cost as the data grows
+
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {_load(r)}, shared machine).
+Ours only: one cold epoch per set size, {r["workers"]} decode processes, the shard cache capped below the set
+(`cache.max_bytes`) so that eviction runs; {_limit(r)}. Ray: {r["ray"]}. {_painted(r)}
+
+| set | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | bytes from the store | evictions | copied in | store process peak RSS | load (1 min) |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+{table}
+
+The images/s swing with the shared machine's load (last column: the 1-minute load average at the end of each
+epoch, on 2 cores), not with the set's size; memory, bytes fetched and evictions are what the size could move.
+Goals: images/s within 10% of the smallest set's at every size ({"met" if met["images_per_s_vs_smallest"] else "**not met**"});
+peak memory <= 6 GiB PSS summed ({"met" if met["peak_pss_bytes"] else "**not met**"}).
+
+![images/s and peak memory by set size](images/images_scale.png)
+"""  # noqa: E501 (markdown table rows: one line each)
