@@ -15,12 +15,46 @@ from workflows.bench.images import ROOT, _say
 
 
 # -- running rows -------------------------------------------------------------------------------
-class _Memory:
-    """Peak memory of process trees, sampled in a thread: PSS and RSS summed over the trees."""
+def cache_disk_bytes(cache_dir: str, pids: list[int]) -> int:
+    """Disk blocks the cache holds: its files, plus files evicted (unlinked) while a process of
+    `pids` still has them open, which stay on disk until closed (read from /proc/PID/fd: psutil's
+    open_files leaves deleted files out). Each inode counted once."""
+    seen: dict[tuple[int, int], int] = {}
+    root = os.path.realpath(cache_dir)
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        entries = []
+    for e in entries:
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if e.is_file(follow_symlinks=False):
+            seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(root + "/") and target.endswith(" (deleted)"):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            except OSError:
+                continue
+    return sum(seen.values())
 
-    def __init__(self, roots: list[int], store_pid: int | None):
-        self.roots, self.store_pid = roots, store_pid
-        self.peak_pss = self.peak_rss = self.store_peak_rss = 0
+
+class _Memory:
+    """Peak memory of process trees, sampled in a thread: PSS and RSS summed over the trees; with
+    `cache_dir`, the peak disk the cache held too (cache_disk_bytes over the trees' processes)."""
+
+    def __init__(self, roots: list[int], store_pid: int | None, cache_dir: str | None = None):
+        self.roots, self.store_pid, self.cache_dir = roots, store_pid, cache_dir
+        self.peak_pss = self.peak_rss = self.store_peak_rss = self.peak_cache_disk = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -28,6 +62,7 @@ class _Memory:
         import psutil
 
         pss = rss = 0
+        pids: list[int] = []
         for root in self.roots:
             try:
                 top = psutil.Process(root)
@@ -35,12 +70,15 @@ class _Memory:
             except psutil.Error:
                 continue
             for p in procs:
+                pids.append(p.pid)
                 try:
                     m = p.memory_full_info()
                     pss, rss = pss + m.pss, rss + m.rss
                 except psutil.Error:
                     pass
         self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+        if self.cache_dir:
+            self.peak_cache_disk = max(self.peak_cache_disk, cache_disk_bytes(self.cache_dir, pids))
         if self.store_pid:
             try:
                 self.store_peak_rss = max(self.store_peak_rss, psutil.Process(self.store_pid).memory_info().rss)
@@ -70,7 +108,7 @@ def _read_until(proc, prefix: str) -> str | None:
     return None
 
 
-def _phases(name: str, cmds: list[list[str]], env: dict, rt, log_dir: Path) -> dict:
+def _phases(name: str, cmds: list[list[str]], env: dict, rt, log_dir: Path, cache_dir: str | None = None) -> dict:
     """Run one row (one or several processes in lock step) through its phases; -> {phase: figures}.
     A failed row keeps the phases it finished and says why in `error`."""
     from workflows.storage.embedded import endpoint_traffic
@@ -90,7 +128,7 @@ def _phases(name: str, cmds: list[list[str]], env: dict, rt, log_dir: Path) -> d
             phase = names[0]
             _say(f"bench images: {phase} ...")
             before = endpoint_traffic(url)
-            with _Memory([p.pid for p in procs], store_pid) as mem:
+            with _Memory([p.pid for p in procs], store_pid, cache_dir) as mem:
                 for p in procs:
                     p.stdin.write("go\n")
                     p.stdin.flush()
@@ -104,6 +142,8 @@ def _phases(name: str, cmds: list[list[str]], env: dict, rt, log_dir: Path) -> d
             merged.update(store_get_bytes=get, peak_pss_bytes=mem.peak_pss, peak_rss_bytes=mem.peak_rss,
                           store_peak_rss_bytes=mem.store_peak_rss, processes=len(procs),
                           load_1min=round(os.getloadavg()[0], 2))
+            if cache_dir:
+                merged["peak_cache_disk_bytes"] = mem.peak_cache_disk
             out[phase] = merged
             _say(f"bench images: {phase}: {merged.get('images_per_s', '-')} images/s, "
                  f"{get / 1e6:.0f} MB from the store, peak PSS {mem.peak_pss / 2**30:.2f} GiB")
