@@ -17,13 +17,16 @@ bytes the endpoint served (its own counters), and the peak memory of the row's p
 it). The row reports images, images/s (steady: after its first batch) and the time to the first
 batch. Cold: an empty local cache; warm: the next epoch in the same process.
 
-Options (`--set bench.KEY=VALUE`): size (1GB), workers (2), classes (100), rows (all, or a comma
-list of ours,ours2,streaming,litdata,webdataset,local,decode), peers_python (default
+Options (`--set bench.KEY=VALUE`): size (1GB), workers (2), reps (3: the rows
+interleaved, medians kept), batch (256, every row's), classes (100),
+rows (all, or a comma list of ours,ours_index,ours2,streaming,litdata,webdataset,local,decode), peers_python (default
 .venv-peers/bin/python, else $WORKFLOWS_BENCH_PEERS_PYTHON), scale (sizes: runs ours only, one
 cold epoch per size with the cache capped below the set, `cache.max_bytes` or scale_cache_bytes),
 scratch (a directory on the disk that holds the set twice over), shard_bytes (128MB), scale_distinct
-(1GB painted once; every scale set is server-side copies of those shards under new names),
-scale_cache_bytes (900MB, or cache.max_bytes), scale_max_images (30000 images of each epoch; empty: all),
+(all: every scale set painted whole, every image distinct; a size, e.g. 1GB: that much painted once and
+every scale set made of server-side copies of those shards, which each row then says),
+scale_cache_bytes (900MB, or cache.max_bytes), scale_max_images (empty: each epoch whole, every image
+once; a number caps each epoch, and each point then says it was capped and counts only what it read),
 plot (docs/images/images_scale.png: the scale curve).
 """
 
@@ -41,13 +44,18 @@ from workflows.errors import UserError
 
 GOALS = {"warm_vs_best_peer": 1.0, "cold_vs_best_peer": 0.9, "warm_vs_local_dataloader": 0.9,
          "two_workers_vs_one": 0.9}
-SCALE_GOALS = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes": 6 * 2**30}
+# cache_disk_bytes: the peak disk the capped cache held, open evicted files included, at most the cap
+# plus one shard per decode process; exactly_once: every image of the set once in the epoch, by sample id
+SCALE_GOALS = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes": 6 * 2**30, "cache_disk_bytes": "cap + 1 shard/reader",
+               "exactly_once": True}
 PLOT = Path("docs/images/images_scale.png")  # the scale section embeds it (relative to docs/)
-OPTIONS = {"size": "1GB", "workers": "2", "classes": "100", "rows": "all", "peers_python": "", "scale": "",
-           "scale_cache_bytes": "", "scratch": "", "shard_bytes": "128MB", "scale_distinct": "1GB",
-           "scale_max_images": "30000", "plot": str(PLOT)}
-ROWS = ("ours", "ours2", "streaming", "litdata", "webdataset", "local", "decode", "ours_end")
-PEER_PHASES = {"streaming": "streaming_warm", "litdata": "litdata_warm", "webdataset": "webdataset"}
+OPTIONS = {"size": "1GB", "workers": "2", "reps": "3", "batch": "256", "classes": "100", "rows": "all",
+           "peers_python": "", "scale": "",
+           "scale_cache_bytes": "", "scratch": "", "shard_bytes": "128MB", "scale_distinct": "all",
+           "scale_max_images": "", "plot": str(PLOT)}
+ROWS = ("ours", "ours_index", "ours2", "streaming", "litdata", "webdataset", "local", "decode", "ours_end")
+# warm: a peer's own cache; WebDataset has none, so its pass is a cold row ("no cache") only
+PEER_PHASES = {"streaming": "streaming_warm", "litdata": "litdata_warm"}
 COLD_PEER_PHASES = {"streaming": "streaming_cold", "litdata": "litdata_cold", "webdataset": "webdataset"}
 ROOT = Path(__file__).resolve().parents[2]  # the tree the rows import workflows from
 
@@ -69,6 +77,10 @@ def _options(overrides: list[str]) -> tuple[dict, list[str]]:
     if bad:
         raise UserError(f"--set bench.rows: unknown row(s) {', '.join(bad)}; one of all, {', '.join(ROWS[:-1])}")
     opts["rows"] = rows
+    if not opts["reps"].isdigit() or int(opts["reps"]) < 1:
+        raise UserError(f"--set bench.reps={opts['reps']!r}: a positive number of repetitions")
+    if not opts["batch"].isdigit() or int(opts["batch"]) < 1:
+        raise UserError(f"--set bench.batch={opts['batch']!r}: a positive batch size")
     if not opts["workers"].isdigit() or int(opts["workers"]) < 1:
         raise UserError(f"--set bench.workers={opts['workers']!r}: a positive number of decode processes")
     return opts, rest
@@ -126,11 +138,12 @@ def _describe(index: dict, store_pid: int, spool: str, free_before: int) -> dict
     total = sum(s["bytes"] for s in index["shards"])
     images = sum(s["samples"] for s in index["shards"])
     return {"bytes": total, "images": images, "shards": len(index["shards"]), "classes": index["classes"],
+            "shard_bytes_max": max(s["bytes"] for s in index["shards"]),
             "mean_image_bytes": round(total / images), "store_rss_bytes": psutil.Process(store_pid).memory_info().rss,
             "spool_dir": spool, "spool_disk_bytes_approx": free_before - shutil.disk_usage(spool).free}
 
 
-def _copy_set(rt, src: str, src_index: dict, dst: str, size: int) -> dict:
+def _copy_set(rt, src: str, src_index: dict, dst: str, size: int, index_json: bool = True) -> dict:
     """A set of about `size` bytes at `dst` whose shards are server-side copies of `src`'s, in turn,
     under new names: the scale curve's sets. What it measures (bytes fetched, cached, decoded) costs
     the same whether images repeat, and painting 27 GB needs CPU the shared machine lacks."""
@@ -162,7 +175,8 @@ def _copy_set(rt, src: str, src_index: dict, dst: str, size: int) -> dict:
             if i % 40 == 39:
                 _say(f"bench images: {i + 1}/{len(todo)} shard copies")
     index = {**src_index, "shards": shards}
-    write_json(join(dst, "index.json"), index, rt.storage)
+    if index_json:  # without: a set as users bring it, whose index the loader builds
+        write_json(join(dst, "index.json"), index, rt.storage)
     return {**_describe(index, rt.embedded._proc.pid, spool, free_before),
             "copy_s": round(time.perf_counter() - t0, 1)}
 
@@ -179,46 +193,79 @@ def _drop(uri: str, ctx) -> None:
 def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
     from workflows.bench.images_proc import _env, _ours_cmd, _peers_python, _phases
 
-    workers = int(opts["workers"])
+    workers, reps = int(opts["workers"]), int(opts["reps"])
     prefix = rt.cfg.uri("bench", "images", "set")
     _say(f"bench images: writing a {size / 1e9:.1f} GB set to {prefix}")
     data = _make_set(rt, prefix, size, opts)
-    data.pop("index")
+    index = data.pop("index")
+    if "ours_index" in opts["rows"]:  # the same shards without index.json: ours builds the index
+        _copy_set(rt, prefix, index, prefix + "-noindex", data["bytes"], index_json=False)
     logs = scratch / "logs"
     logs.mkdir()
-    env, rows = _env(), {}
-    common = {"endpoint": rt.storage.endpoint_url, "prefix": prefix, "workers": workers}
-    if "ours" in opts["rows"] or "ours2" in opts["rows"]:
-        ours = {**common, "cache_dir": str(scratch / "cache-ours"), "max_bytes": None}
-        rows["ours"] = _phases("ours", [_ours_cmd({**ours, "phases": ["ours_cold", "ours_warm"]})], env, rt, logs)
-        if "ours2" in opts["rows"]:  # two training ranks on this node, the same decode processes in all
-            per = max(1, workers // 2)
-            cmds = [_ours_cmd({**ours, "phases": ["ours_2_workers"], "rank": r, "world_size": 2, "workers": per})
-                    for r in range(2)]
-            rows["ours2"] = _phases("ours2", cmds, env, rt, logs)
+    env = _env()
+    common = {"endpoint": rt.storage.endpoint_url, "prefix": prefix, "workers": workers, "batch": int(opts["batch"])}
+    ours = {**common, "cache_dir": str(scratch / "cache-ours"), "max_bytes": None}
     peers, why = _peers_python(opts)
-    for row in ("streaming", "litdata", "webdataset", "local", "decode"):
-        if row not in opts["rows"]:
-            continue
+
+    def one(row: str, rep: int) -> dict:
+        """One row, once: its own fresh cache (cold is cold in every repetition)."""
+        name = f"{row}-rep{rep}"
+        shutil.rmtree(scratch / "cache-ours", ignore_errors=True)
+        if row == "ours":
+            return _phases(name, [_ours_cmd({**ours, "phases": ["ours_cold", "ours_warm"]})], env, rt, logs)
+        if row == "ours_index":
+            args = {**ours, "prefix": prefix + "-noindex", "build_index": True, "phases": ["ours_cold_after_index"]}
+            return _phases(name, [_ours_cmd(args)], env, rt, logs)
+        if row == "ours2":  # two training ranks on this node, the same decode processes in all
+            per = max(1, workers // 2)
+            return _phases(name, [_ours_cmd({**ours, "phases": ["ours_2_workers"], "rank": r, "world_size": 2,
+                                             "workers": per}) for r in range(2)], env, rt, logs)
         if peers is None:
-            rows[row] = {"error": why}
-            continue
+            return {"error": why}
         args = {**common, "scratch": str(scratch / "peers")}
-        cmd = [peers, "-m", "workflows.bench.image_peers", row, json.dumps(args)]
-        rows[row] = _phases(row, [cmd], env, rt, logs)
-        if row in ("streaming", "litdata"):  # a peer's converted copy and cache: not needed again
+        out = _phases(name, [[peers, "-m", "workflows.bench.image_peers", row, json.dumps(args)]], env, rt, logs)
+        if row in ("streaming", "litdata"):  # a peer's converted copy and cache: made again next repetition
             _drop(prefix + ("-mds" if row == "streaming" else "-litdata"), rt.storage)
             shutil.rmtree(scratch / "peers" / ("mds-cache" if row == "streaming" else "litdata-cache"),
                           ignore_errors=True)
-    shutil.rmtree(scratch / "peers", ignore_errors=True)
-    ran = [k for k, v in rows.items() if k not in ("ours", "ours2") and set(v) - {"error"}]
-    if "ours" in rows and ran:  # ours again after the peers: the load drifts
-        ours = {**common, "cache_dir": str(scratch / "cache-ours"), "max_bytes": None}
+        return out
+
+    # the rows interleaved, repetition by repetition: a load that drifts moves every row alike
+    runs: dict[str, list[dict]] = {row: [] for row in ROWS if row in opts["rows"]}
+    for rep in range(reps):
+        _say(f"bench images: repetition {rep + 1} of {reps}")
+        for row in runs:
+            runs[row].append(one(row, rep))
+        shutil.rmtree(scratch / "peers", ignore_errors=True)  # decode reads local's files: both done
+    rows = {row: median_row(each) for row, each in runs.items()}
+    ran = [k for k, v in rows.items() if not k.startswith("ours") and set(v) - {"error", "reps"}]
+    if reps == 1 and "ours" in rows and ran:  # one repetition: ours again after the peers brackets them
         rows["ours_end"] = _phases("ours_end", [_ours_cmd({**ours, "phases": ["ours_warm_end"]})], env, rt, logs)
     persist = _persist_cost(rt, scratch)
     _drop(prefix, rt.storage)
-    return {"set": data, "workers": workers, "batch_size": 256, "rows": rows, "persist": persist,
-            **_ratios(rows), "largest_set_bytes": _largest(data["bytes"]), "goals": GOALS}
+    _drop(prefix + "-noindex", rt.storage)
+    return {"set": data, "workers": workers, "batch_size": int(opts["batch"]), "repetitions": reps, "rows": rows,
+            "persist": persist, **_ratios(rows), "largest_set_bytes": _largest(data["bytes"]), "goals": GOALS}
+
+
+def median_row(each: list[dict]) -> dict:
+    """One row's repetitions -> per phase, the figures of its median repetition (by images/s, or
+    seconds where a phase has no rate: a conversion), and every repetition's rate, time and 1-min
+    load beside them (`reps`). A repetition that failed is named in `error`."""
+    import statistics
+
+    out: dict = {}
+    for phase in [ph for ph in dict.fromkeys(k for r in each for k in r) if ph != "error"]:
+        done = [r[phase] for r in each if phase in r]
+        key = "images_per_s" if all("images_per_s" in f for f in done) else "seconds"
+        mid = statistics.median_low([f[key] for f in done])
+        out[phase] = {**next(f for f in done if f[key] == mid),
+                      "reps": [{k: f.get(k) for k in ("images_per_s", "seconds", "load_1min")} for f in done]}
+    errors = [f"repetition {i + 1}: {r['error']}" for i, r in enumerate(each) if "error" in r]
+    if errors:  # the same failure in every repetition (no peers' venv, say): said once
+        same = len(errors) == len(each) and len({r["error"] for r in each}) == 1
+        out["error"] = each[0]["error"] if same else "; ".join(errors)
+    return out
 
 
 def _ips(rows: dict, row: str, phase: str) -> float | None:
@@ -226,14 +273,21 @@ def _ips(rows: dict, row: str, phase: str) -> float | None:
 
 
 def _ratios(rows: dict) -> dict:
-    """Ours warm is the mean of its pass before the peers and the one after them, which brackets
-    the peers in time on a machine whose load drifts."""
+    """Each figure the median of its repetitions. With one repetition (older results), ours warm is
+    the mean of its pass before the peers and the one after them (`ours_end`), bracketing them in time.
+    Cold, where the index-build row ran: ours pays the index build too, so its cold rate is images over
+    (index build + first epoch) seconds, against each peer's whole cold pass (first batch included)."""
     warm, cold = _ips(rows, "ours", "ours_warm"), _ips(rows, "ours", "ours_cold")
     end = _ips(rows, "ours_end", "ours_warm_end")
     if warm and end:
         warm = (warm + end) / 2
     peer_warm = {p: v for p, ph in PEER_PHASES.items() if (v := _ips(rows, p, ph))}
-    peer_cold = {p: v for p, ph in COLD_PEER_PHASES.items() if (v := _ips(rows, p, ph))}
+    build, first = (rows.get("ours_index", {}).get(ph, {}) for ph in ("ours_index_build", "ours_cold_after_index"))
+    with_index = bool(build.get("seconds") and first.get("images"))
+    if with_index:
+        cold = first["images"] / (build["seconds"] + first["seconds"])
+    rate = "images_per_s_whole_pass" if with_index else "images_per_s"
+    peer_cold = {p: v for p, ph in COLD_PEER_PHASES.items() if (v := rows.get(p, {}).get(ph, {}).get(rate))}
     local, two = _ips(rows, "local", "local_dataloader"), _ips(rows, "ours2", "ours_2_workers")
     decode = _ips(rows, "decode", "decode_limit")
 
@@ -246,7 +300,8 @@ def _ratios(rows: dict) -> dict:
          "warm_vs_best_peer": ratio(warm, peer_warm.get(best_warm)) if best_warm else None,
          "cold_vs_best_peer": ratio(cold, peer_cold.get(best_cold)) if best_cold else None,
          "warm_vs_local_dataloader": ratio(warm, local), "two_workers_vs_one": ratio(two, warm),
-         "warm_vs_decode_limit": ratio(warm, decode)}
+         "warm_vs_decode_limit": ratio(warm, decode), "cold_includes_index_build": with_index,
+         "ours_cold_images_per_s": round(cold, 1) if cold else None}
     r["goals_met"] = {k: (r[k] is not None and r[k] >= g) for k, g in GOALS.items()}
     return r
 
