@@ -245,7 +245,8 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
     _drop(prefix, rt.storage)
     _drop(prefix + "-noindex", rt.storage)
     return {"set": data, "workers": workers, "batch_size": int(opts["batch"]), "repetitions": reps, "rows": rows,
-            "persist": persist, **_ratios(rows), "largest_set_bytes": _largest(data["bytes"]), "goals": GOALS}
+            "persist": persist, "peer_persistent_workers": True, **_ratios(rows),
+            "largest_set_bytes": _largest(data["bytes"]), "goals": GOALS}
 
 
 def median_row(each: list[dict]) -> dict:
@@ -309,11 +310,12 @@ def _ratios(rows: dict) -> dict:
 def _largest(this_run: int) -> int:
     """The largest set measured: this run's, or the scale run's stored beside it (images-scale.json)."""
     from workflows.bench import RESULTS_DIR
+    from workflows.bench.images_scale import streamed_bytes
 
-    try:
+    try:  # what its epochs streamed (results stored before it counted that said the painted size)
         scale = json.loads((RESULTS_DIR / "images-scale.json").read_text())
-        return max(this_run, int(scale["largest_set_bytes"]))
-    except (OSError, ValueError, KeyError):
+        return max(this_run, *(streamed_bytes(p) for p in scale["points"]))
+    except (OSError, ValueError, KeyError, TypeError):
         return this_run
 
 

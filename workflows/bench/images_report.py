@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workflows.bench.images import GOALS, ROWS
+from workflows.bench.images import GOALS, ROWS, _largest
 
 
 def _spool(s: dict) -> str:
@@ -45,6 +45,12 @@ CONVERSIONS = {"streaming": "streaming_convert", "litdata": "litdata_convert", "
 
 def markdown(r: dict) -> str:
     return _scale_markdown(r) if "points" in r else _rows_markdown(r)
+
+
+def _persistent(r: dict) -> str:
+    if r.get("peer_persistent_workers"):
+        return ", with persistent DataLoader workers, as ours"
+    return " (measured before the peers' DataLoaders kept their workers between epochs, as ours does)"
 
 
 def _reps(f: dict) -> str:
@@ -117,7 +123,8 @@ peak of PSS summed over the row's processes (RSS summed in brackets, which count
 {_method(r)}
 
 Best peer: {r.get("best_peer_warm")} (warm), {r.get("best_peer_cold")} (cold); WebDataset has no local cache: its one pass
-counts as cold only. Peers' warm rows read their own caches, with persistent DataLoader workers, as ours. `largest_set_bytes`: {r["largest_set_bytes"] / 1e9:.1f} GB (the scale run below).
+counts as cold only. Peers' warm rows read their own caches{_persistent(r)}. `largest_set_bytes`: {_largest(r["set"]["bytes"]) / 1e9:.1f} GB
+(the scale run below: what one of its epochs streamed).
 
 The embedded store: moto keeps each object over ~5 MB in a spooled temp file ({s["spool_dir"]}, deleted-on-close files:
 they show in `df`, not `du`), so a set larger than memory fits if that disk has room; its process held
@@ -161,6 +168,14 @@ def _epoch(p: dict) -> str:
         f"**partial**: {n} of {total} images{capped}"
 
 
+def _streamed(r: dict) -> int:
+    """largest_set_bytes from the points themselves: results stored before it counted only what an
+    epoch streamed said the painted size."""
+    from workflows.bench.images_scale import streamed_bytes
+
+    return max((streamed_bytes(p) for p in r["points"]), default=0)
+
+
 def _scale_markdown(r: dict) -> str:
     lines = []
     for p in r["points"]:
@@ -181,7 +196,7 @@ def _scale_markdown(r: dict) -> str:
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, load average {_load(r)}, shared machine).
 Ours only: one cold epoch per set size, {r["workers"]} decode processes, the shard cache capped below the set
 (`cache.max_bytes`) so that eviction runs; {_limit(r)}. Ray: {r["ray"]}. `largest_set_bytes`:
-{r["largest_set_bytes"] / 1e9:.2f} GB (what one epoch streamed, not what was painted). Cache disk: the peak of the
+{_streamed(r) / 1e9:.2f} GB (what one epoch streamed, not what was painted). Cache disk: the peak of the
 cache's files plus evicted files still open, sampled every 0.25 s; its goal is the cap plus one shard per decode process.
 
 | set | epoch | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | cache disk (goal) | bytes from the store | evictions | painted (how, time) | store process peak RSS | load (1 min) |
