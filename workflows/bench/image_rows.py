@@ -50,7 +50,7 @@ def main(argv: list[str]) -> None:
                     return len(batch["image"])
 
                 timed_pass(loader, out, images_of=images_of, limit=a.get("max_images"))
-                out["samples"] = once(seen, a.get("rank", 0), a.get("world_size", 1))
+                out["samples"] = once(seen, a.get("world_size", 1))
                 stats = cache.stats()
                 out["cache"] = {"hits": stats.hits, "misses": stats.misses, "evictions": stats.evictions}
                 out["fetch_wait_s"] = round(loader.fetch_wait_s, 2)
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
         loader.close()
 
 
-def once(seen, rank: int = 0, world_size: int = 1) -> dict:
+def once(seen, world_size: int = 1) -> dict:
     """How often each sample of the set came: `exactly_once` when every one came once (one rank of
     several sees its share only: then no repeats is what it can check)."""
     out = {"set": int(len(seen)), "distinct": int((seen > 0).sum()), "repeated": int((seen > 1).sum()),
