@@ -88,8 +88,8 @@ def test_bench_images_scale_tiny(tmp_path):
     r = json.loads((results / "images-scale.json").read_text())
     small, large = r["points"]
     assert r["max_images"] is None and r["painted"] is None  # no cap; no shared painted base to copy
-    for p, size in ((small, 1_200_000), (large, 2_400_000)):  # painted up to the size
-        assert size - 200_000 < p["set"]["bytes"] <= size
+    for p, size in ((small, 1_200_000), (large, 2_400_000)):  # painted up to the size, in 200 KB shards
+        assert p["set"]["shards"] == size // 200_000 and p["set"]["bytes"] <= size
         assert p["painted"]["distinct"] and p["painted"]["seconds"] > 0
     for p in (small, large):
         cold = p["ours_cold"]
