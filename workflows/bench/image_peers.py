@@ -33,6 +33,11 @@ SIZE = 224
 BATCH = 256
 
 
+def _batch(a: dict) -> int:
+    """The rows' batch size (bench.batch; 256)."""
+    return int(a.get("batch") or BATCH)
+
+
 # -- protocol ----------------------------------------------------------------------------------
 @contextmanager
 def phase(name: str) -> Iterator[dict]:
@@ -154,8 +159,9 @@ def row_streaming(a: dict) -> None:
             return crop_flip(s["jpg"], _seed(idx, self.next_epoch)), s["cls"]
 
     clean_stale_shared_memory()
-    ds = Images(remote=remote, local=str(scratch / "mds-cache"), shuffle=True, shuffle_seed=0, batch_size=BATCH)
-    loader = DataLoader(ds, batch_size=BATCH, num_workers=a["workers"])
+    ds = Images(remote=remote, local=str(scratch / "mds-cache"), shuffle=True, shuffle_seed=0, batch_size=_batch(a))
+    # persistent workers: the warm epoch keeps the cold one's worker processes, as ours does
+    loader = DataLoader(ds, batch_size=_batch(a), num_workers=a["workers"], persistent_workers=a["workers"] > 0)
     for name in ("streaming_cold", "streaming_warm"):
         with phase(name) as out:
             timed_pass(loader, out)
@@ -215,7 +221,8 @@ def row_litdata(a: dict) -> None:
 
     ds = litdata.StreamingDataset(remote, cache_dir=str(scratch / "litdata-cache"), shuffle=True, seed=0,
                                   storage_options=storage, transform=_lit_transform)
-    loader = litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=a["workers"])
+    loader = litdata.StreamingDataLoader(ds, batch_size=_batch(a), num_workers=a["workers"],
+                                        persistent_workers=a["workers"] > 0)
     for name in ("litdata_cold", "litdata_warm"):
         with phase(name) as out:
             timed_pass(loader, out)
@@ -236,7 +243,7 @@ def row_webdataset(a: dict) -> None:
         return crop_flip(sample["jpg"], _seed(sample["__key__"], 0)), int(sample["cls"])
 
     ds = (wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.single_node_only, seed=0)
-          .shuffle(1000).map(decode).batched(BATCH, partial=True))
+          .shuffle(1000).map(decode).batched(_batch(a), partial=True))
     loader = DataLoader(ds, batch_size=None, num_workers=a["workers"])
     with phase("webdataset") as out:
         timed_pass(loader, out)
@@ -279,7 +286,7 @@ def row_local(a: dict) -> None:
     Path(a["scratch"], "local-files.json").write_text(json.dumps(files))
     import torch
 
-    loader = DataLoader(_Files(files), batch_size=BATCH, shuffle=True, num_workers=a["workers"],
+    loader = DataLoader(_Files(files), batch_size=_batch(a), shuffle=True, num_workers=a["workers"],
                         generator=torch.Generator().manual_seed(0))
     with phase("local_dataloader") as out:
         timed_pass(loader, out)
