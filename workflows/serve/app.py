@@ -293,8 +293,10 @@ def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
 
 def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
     """Deploy the model on the running Ray cluster; returns the base URL."""
+    from workflows.serve import ingress
+
     sc = cfg.serve
-    serve.start(http_options={"host": sc.host, "port": sc.port}, logging_config=logging_config(sc))
+    ingress.start_serve(cfg, {"host": sc.host, "port": sc.port}, logging_config(sc))
     serve.run(
         application(cfg, model_spec),
         name=name or f"model-{model_spec.split(':')[0]}",
