@@ -58,6 +58,10 @@ GUARDED = ("RAY_SERVE_HAPROXY_BINARY_PATH", OWNER_ENV)
 PORT_KEYS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
              "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 START_ATTEMPTS = 3
+# Serve's controller gives a starting proxy 5 s per readiness check and kills it after 3 misses: on a
+# busy 2-core machine the proxy's process takes longer than that to import Serve (seen: 3 starts in a
+# row killed at a load of 50). 20 s each, for the clusters this command starts.
+START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20"}
 # HAProxy's "cannot bind socket (Address already in use) for [0.0.0.0:45409]"; Python's for the fallback proxy
 _BIND_FAILED = re.compile(r"cannot bind socket \([^)]*\) for \[[^\]]*\]|\[Errno 98\][^\n]*|Address already in use")
 
@@ -143,7 +147,7 @@ def start_serve(cfg, http_options: dict, logging_config: dict, pick=port_env, at
         return 1
     failure = ""
     for attempt in range(1, attempts + 1):
-        ports = {k: v for k, v in pick().items() if k not in os.environ}
+        ports = {k: v for k, v in {**START_ENV, **pick()}.items() if k not in os.environ}
         try:
             serve.start(http_options=http_options, logging_config=logging_config,
                         controller_options={"runtime_env": {"env_vars": ports}})
