@@ -377,3 +377,48 @@ def test_bodies_as_an_http_client_encodes_them():
     message = rejected(parse(*prepared(files=files, data={"threshold": "0.5"})), 422)
     assert message.startswith('parts[0] (name "threshold"): not a file')
     assert rejected(parse(*prepared(data={"image": b64(PNG)})), 415)  # a form post (curl -d)
+
+
+def _solid_png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (width, height), 7).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_the_pixel_budget_counts_what_the_headers_declare():
+    from workflows.serve.image_requests import declared_pixels, over_pixel_budget
+
+    small, big = _solid_png(30, 20), _solid_png(2000, 1000)
+    assert declared_pixels(small) == 600 and declared_pixels(big) == 2_000_000
+    assert declared_pixels(PNG) == 0  # no header Pillow reads: decode_image answers for it
+    assert over_pixel_budget([big, small, big], 4_000_600) is None  # the budget itself is allowed
+    over = over_pixel_budget([big, small, big, PNG], 4_000_599)
+    assert over.status == 422 and "\n" not in over.message
+    assert over.message.startswith("instances[0] to instances[2] declare 4000600 pixels in all, over the 4000599 ")
+    assert "serve.max_request_pixels" in over.message
+
+
+def test_an_image_request_over_the_pixel_budget_is_refused_before_any_decode():
+    """127 solid 6300x6300 PNGs (6.6 MB; about 40 s of decoding): refused from their headers at once;
+    the same images within the budget are decoded."""
+    from workflows.tasks.image import ImageContract
+
+    card = SimpleNamespace(**vars(CARD), image_size=8)
+    contract = ImageContract(card, 256, 40_000_000, max_request_pixels=100_000_000)
+    assert contract.off_loop and contract.max_body_bytes == 16 << 20  # the replica's decode threads; its 413
+    big = _solid_png(6300, 6300)
+    body = b"".join(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="images"; filename="{i}.png"\r\n'
+                    "Content-Type: image/png\r\n\r\n".encode() + big + b"\r\n" for i in range(127))
+    body += f"--{BOUNDARY}--\r\n".encode()
+    t0 = time.perf_counter()
+    status, message = contract.parse(MULTIPART, body)
+    assert time.perf_counter() - t0 < 1.0
+    assert status == 422 and message.startswith("instances[0] to instances[2] declare 119070000 pixels"), message
+    small = _solid_png(300, 200)
+    rows = contract.parse("image/png", small)
+    assert len(rows) == 1 and rows[0]["pixels"].shape == (8, 8, 3)
+    assert ImageContract(card, 256, 40_000_000, max_request_pixels=59_999).parse("image/png", small)[0] == 422

@@ -5,6 +5,7 @@ ResNet, evaluation, registry, serving), then the processed tensors against servi
 requests, and hostile images with a 4xx while it stays up."""
 
 import base64
+import functools
 import io
 import json
 import os
@@ -204,6 +205,67 @@ def test_openapi_declares_the_three_request_shapes(image_server):
     assert "415" in doc["paths"]["/predict"]["post"]["responses"]
     info = requests.get(f"{image_server}/v1/models/digits", timeout=30).json()
     assert info["task"] == "image_classification" and info["image_size"] == 32
+
+
+@functools.lru_cache(maxsize=4)
+def _solid_png(side: int) -> bytes:
+    """A solid RGB PNG: 131 KB for 6300x6300 (39.7 Mpx, under preprocess.max_image_pixels), 0.3 s or more
+    to decode."""
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (7, 8, 9)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _files(*images: bytes) -> list:
+    return [("images", (f"{i}.png", data, "image/png")) for i, data in enumerate(images)]
+
+
+def test_a_request_of_127_large_pngs_is_refused_undecoded_in_under_a_second(image_server):
+    """127 of them fit in the 16 MiB body (about 40 s of decoding): the pixels they declare are
+    over serve.max_request_pixels, read from their headers, so none is decoded."""
+    request = requests.Request("POST", f"{image_server}/predict", files=_files(*[_solid_png(6300)] * 127)).prepare()
+    assert len(request.body) < 16 << 20
+    with requests.Session() as session:
+        t0 = time.perf_counter()
+        resp = session.send(request, timeout=30)
+        seconds = time.perf_counter() - t0
+    assert resp.status_code == 422 and "serve.max_request_pixels" in resp.json()["error"], resp.text[:300]
+    assert seconds < 1.0, f"answered in {seconds:.2f}s"
+
+
+def test_healthz_answers_within_a_second_while_requests_near_the_pixel_budget_decode(image_server):
+    """Three requests at once of 98.8 Mpx each (just under the 100 Mpx default), decoded one after
+    another off the replica's event loop: /healthz keeps answering meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    near = _files(_solid_png(6300), _solid_png(6300), _solid_png(4400))
+    with ThreadPoolExecutor(3) as pool:
+        posts = [pool.submit(requests.post, f"{image_server}/predict", files=near, timeout=300) for _ in range(3)]
+        waits = []
+        time.sleep(0.2)  # the bodies are in, the first decode under way
+        while not all(p.done() for p in posts):
+            t0 = time.perf_counter()
+            assert requests.get(f"{image_server}/healthz", timeout=30).status_code == 200
+            waits.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+        answers = [p.result() for p in posts]
+    assert [a.status_code for a in answers] == [200] * 3, [a.text[:200] for a in answers]
+    assert len(waits) >= 3, waits  # /healthz was asked while they decoded
+    assert max(waits) < 1.0, f"/healthz took up to {max(waits):.2f}s while images decoded"
+
+
+def test_an_oversized_body_is_refused_from_its_content_length_before_it_is_sent(image_server):
+    """413 as soon as the headers are in: the replica does not wait for 17 MiB it will refuse."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(image_server)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as conn:
+        conn.sendall(f"POST /predict HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: image/png\r\n"
+                     f"Content-Length: {17 << 20}\r\n\r\n".encode() + b"\x89PNG")  # the rest never comes
+        head = conn.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413"), head[:300]
+    assert b"the limit is" in head
 
 
 def test_a_bad_record_in_a_training_shard_is_named_and_counted(ray_cluster, tmp_path):

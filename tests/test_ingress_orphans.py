@@ -265,3 +265,32 @@ def test_haproxy_dies_with_its_manager_or_its_command(quickstart_run, fault):
         serve.assert_nothing_left(f"after {fault!r}")
     finally:
         serve.cleanup()
+
+
+@needs_haproxy
+def test_a_stale_haproxy_we_may_not_stop_is_named_in_one_line(tmp_path, monkeypatch):
+    """Another user's HAProxy (or a kernel that refuses the signal): psutil's AccessDenied becomes
+    a one-line error naming the process. The refusal is mocked (the tests run as a user who may
+    signal anything); the HAProxy, its port and its directory are real."""
+    from workflows.errors import UserError
+
+    port = free_port()
+    stale = _stale_haproxy(tmp_path, port)
+
+    def refused(self):
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "terminate", refused)
+    said: list[str] = []
+    try:
+        with pytest.raises(UserError, match=rf"serve.port {port} is held by pid {stale.pid} \(haproxy.*may not stop"):
+            free_serve_port("127.0.0.1", port, said.append)
+        assert stale.is_running() and not said
+    finally:
+        monkeypatch.undo()
+        files = Path(stale.cmdline()[stale.cmdline().index("-f") + 1]).parent.parent
+        stale.kill()
+        stale.wait(10)
+        import shutil
+
+        shutil.rmtree(files, ignore_errors=True)

@@ -6,6 +6,8 @@ import ast
 import socket
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 from workflows.net import free_port, free_ports
 
@@ -57,3 +59,20 @@ def test_no_other_module_finds_free_ports_itself():
 def test_the_helper_itself_is_seen_by_the_scan():
     tree = ast.parse(Path(ROOT / "workflows" / "net.py").read_text())
     assert any(isinstance(n, ast.Call) and _binds_port_zero(n) for n in ast.walk(tree))
+
+
+def test_listen_ports_come_from_outside_the_ephemeral_range_and_are_free_on_every_address(tmp_path):
+    from workflows.net import ephemeral_range, listen_ports
+
+    low, high = ephemeral_range() or (32768, 60999)
+    assert all(not low <= p <= high and p >= 20000 for p in listen_ports(8))
+    narrow = tmp_path / "range"
+    narrow.write_text("20000\t65529\n")  # leaves 65530-65535 above it, nothing below (the floor)
+    assert ephemeral_range(str(narrow)) == (20000, 65529)
+    with socket.socket() as elsewhere, socket.socket() as on_loopback:
+        # taken on another local address: free on 127.0.0.1, yet HAProxy's bind to 0.0.0.0 would fail
+        elsewhere.bind(("127.0.0.2", 65530))
+        on_loopback.bind(("127.0.0.1", 65531))
+        assert sorted(listen_ports(4, path=str(narrow))) == [65532, 65533, 65534, 65535]
+        with pytest.raises(OSError, match="no 5 free ports outside the ephemeral range 20000-65529"):
+            listen_ports(5, path=str(narrow))  # 65530 is no fifth one

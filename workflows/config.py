@@ -444,6 +444,12 @@ class ServeConfig(Strict):
         "/tmp/ray/session_latest/logs/serve/); turning it off saved no measurable time (docs/BENCHMARKS.md)",
     )
     max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
+    max_request_pixels: int = Field(
+        100_000_000, ge=1,
+        description="image models: the most pixels one request's images may declare in all (read from their "
+        "headers, before any is decoded; each image also stays under preprocess.max_image_pixels): bounds the "
+        "decoding one request costs, about 0.75 s for 100 Mpx of PNG on one core; a request over it is a 422",
+    )
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
 
 

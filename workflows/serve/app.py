@@ -191,6 +191,12 @@ class ModelServer:
         self.stopping, self.in_flight = False, 0  # workflows.serve.drain
         # one thread: batches run one at a time, as @serve.batch hands them out
         self._model_thread = ThreadPoolExecutor(1, "model") if self.cfg.serve.model_in_thread else None
+        # A contract that decodes (images) parses here, never on the event loop, which must keep answering
+        # (/healthz included); a thread per CPU of the replica bounds the decoding at once. Pillow decodes
+        # without the GIL.
+        self.max_body_bytes = getattr(self.contract, "max_body_bytes", MAX_BODY_BYTES)
+        self._parse_threads = (ThreadPoolExecutor(max(1, int(self.cfg.serve.cpus_per_replica)), "parse")
+                               if getattr(self.contract, "off_loop", False) else None)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -222,13 +228,36 @@ class ModelServer:
         try:
             if (denied := self._denied(request)) is not None:
                 return denied
-            rows = self.contract.parse(request.headers.get("content-type"), await request.body())
+            body = await read_body(request, self.max_body_bytes)
+            if isinstance(body, JSONResponse):
+                return body
+            content_type = request.headers.get("content-type")
+            if self._parse_threads is None:
+                rows = self.contract.parse(content_type, body)
+            else:
+                rows = await asyncio.get_running_loop().run_in_executor(
+                    self._parse_threads, self.contract.parse, content_type, body)
             if isinstance(rows, tuple):  # (status, message): not a valid request
                 return _error(*rows)
             predictions = await asyncio.gather(*(self._predict_batch(r) for r in rows))
             return JSONResponse({"predictions": predictions, "model": self.card.name, "version": self.card.version})
         finally:
             self.in_flight -= 1
+
+
+async def read_body(request: Request, limit: int) -> bytes | JSONResponse:
+    """The body, or a 413 once it is over `limit` bytes: from Content-Length before anything is read
+    (a 16 MiB upload is refused without receiving it), else while it streams in (chunked)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return _error(413, f"request body is {int(declared)} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return _error(413, f"request body is over {limit} bytes (at least {size}); the limit is {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def deployment_options(sc) -> dict:
@@ -291,8 +320,10 @@ def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
 
 def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
     """Deploy the model on the running Ray cluster; returns the base URL."""
+    from workflows.serve import ingress
+
     sc = cfg.serve
-    serve.start(http_options={"host": sc.host, "port": sc.port}, logging_config=logging_config(sc))
+    ingress.start_serve(cfg, {"host": sc.host, "port": sc.port}, logging_config(sc))
     serve.run(
         application(cfg, model_spec),
         name=name or f"model-{model_spec.split(':')[0]}",

@@ -17,11 +17,14 @@ Base64: the standard (RFC 4648 section 4, `+/`) or the URL-safe (section 5, `-_`
 string; the `=` padding may be left out (as base64url usually is). No whitespace or line breaks (`base64`
 wraps its output at 76 columns unless run with -w0) and no `data:` URL prefix: both answer 422 saying so.
 
-Limits, checked in this order and cheaply: a body over max_body_bytes is a 413 before anything is parsed;
+Limits, checked in this order and cheaply: a body over max_body_bytes is a 413 before anything is parsed
+(the replica checks Content-Length before it reads the body at all: workflows.serve.app);
 more than max_instances images is a 422, as any other violation of the schema's maxItems (a JSON body is
 validated by the request model the document declares, which counts the list before validating any
 instance; a multipart body is parsed part by part and parsing stops at the first part over the limit, so
-a body of thousands of tiny parts costs no more than max_instances + 1 of them).
+a body of thousands of tiny parts costs no more than max_instances + 1 of them). Then ImageContract
+(workflows.tasks.image) checks the pixels the images declare in all against serve.max_request_pixels
+(over_pixel_budget, from their headers) before it decodes any, off the replica's event loop.
 
 Statuses (every message one line, naming the instance or part and never echoing more than a short
 excerpt of the input):
@@ -31,7 +34,7 @@ excerpt of the input):
   422  well-formed, but not a valid request: the wrong JSON structure (the message names the path, e.g.
        `instances[2].image.url: Extra inputs are not permitted`), invalid base64, an empty image
        (`instances[0]: empty image (0 bytes)`), no instances or more than max_instances, a multipart part
-       that is not a file
+       that is not a file, images declaring more pixels in all than serve.max_request_pixels
 
 Wiring, in workflows.serve.app (or a task's HTTP contract) for an image model:
     request_model, response_model = image_predict_models(card, max_instances)
@@ -46,9 +49,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import json
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated, Any
@@ -297,10 +302,43 @@ def _parse_multipart(boundary: bytes | None, body: bytes, max_instances: int) ->
     return images
 
 
+# --- the pixel budget -----------------------------------------------------------------------------------
+
+def declared_pixels(data: bytes) -> int:
+    """Width x height as the image's header declares them (Pillow's Image.open reads no pixel data);
+    0 where Pillow finds no header: decode_image then answers for those bytes."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Pillow's bomb warning: decode_image makes it an error
+            with Image.open(io.BytesIO(data)) as img:
+                w, h = img.size
+    except Exception:  # hostile bytes raise all sorts (and Pillow's bomb error): decode_image names them
+        return 0
+    return w * h
+
+
+def over_pixel_budget(images: list[bytes], budget: int) -> RequestError | None:
+    """A 422 when the images declare more than `budget` pixels in all, before any is decoded: what one
+    request may cost the replica in decoding (a 131 KB solid PNG declares 40 Mpx, 0.3 s to decode)."""
+    total = 0
+    for i, data in enumerate(images):
+        total += declared_pixels(data)
+        if total > budget:
+            return RequestError(422, f"instances[0] to instances[{i}] declare {total} pixels in all, over the "
+                                     f"{budget} one request may carry (serve.max_request_pixels); send fewer or "
+                                     "smaller images per request")
+    return None
+
+
 # --- OpenAPI --------------------------------------------------------------------------------------------
 
-def image_error_descriptions(max_instances: int, max_body_bytes: int) -> dict[int, str]:
+def image_error_descriptions(max_instances: int, max_body_bytes: int,
+                             max_request_pixels: int | None = None) -> dict[int, str]:
     """What the image route's 400, 413, 415 and 422 answers mean (contract.ERRORS says it for text)."""
+    budget = (f", images declaring more than {max_request_pixels} pixels in all (serve.max_request_pixels)"
+              if max_request_pixels else "")
     return {
         400: "the body is not valid JSON (application/json) or not valid multipart/form-data",
         413: f"the body is over {max_body_bytes} bytes",
@@ -308,13 +346,13 @@ def image_error_descriptions(max_instances: int, max_body_bytes: int) -> dict[in
         422: "the body is well-formed but not a valid request, the message names the instance, path or part: "
              'not {"instances": [{"image": {"b64": ...}}]} exactly, invalid base64, no instances or more than '
              f"{max_instances} (serve.max_instances, the request's maxItems), an empty image, a multipart part "
-             "that is not a file; or an image that does not decode",
+             f"that is not a file{budget}; or an image that does not decode",
     }
 
 
 
 def with_image_request_body(openapi: dict, path: str, request_model: type[BaseModel], *,
-                            max_body_bytes: int | None = None) -> dict:
+                            max_body_bytes: int | None = None, max_request_pixels: int | None = None) -> dict:
     """Declare the three body shapes of POST `path` in a FastAPI-generated OpenAPI document: JSON per
     `request_model` (with its example), one raw image, multipart files (at most the model's maxItems).
     With `max_body_bytes`, the route's declared 400/413/415/422 answers are described by
@@ -323,7 +361,7 @@ def with_image_request_body(openapi: dict, path: str, request_model: type[BaseMo
     max_items = schema["properties"]["instances"].get("maxItems")
     op = openapi["paths"][path]["post"]
     if max_body_bytes is not None:
-        for code, text in image_error_descriptions(max_items, max_body_bytes).items():
+        for code, text in image_error_descriptions(max_items, max_body_bytes, max_request_pixels).items():
             if str(code) in op.get("responses", {}):
                 op["responses"][str(code)]["description"] = text
     binary: dict[str, Any] = {"type": "string", "format": "binary", "minLength": 1}  # 0 bytes: a 422

@@ -24,12 +24,19 @@ instead of half a minute.
 HAProxy runs through workflows.serve.haproxy_guard (Serve runs the executable its
 RAY_SERVE_HAPROXY_BINARY_PATH names): it dies with Serve's HAProxyManager actor and with this
 command, however either is killed, instead of holding the port for the next `workflows serve`.
+
+HAProxy binds its ports (stats, metrics on 0.0.0.0; the fallback proxy's) seconds after they were
+picked: they come from outside the ephemeral range (workflows.net.listen_ports), where no outgoing
+connection takes one meanwhile. Should one be taken all the same, start_serve starts Serve again
+with new ones: Serve reads them in its controller's processes, which take them from its
+controller_options (runtime_env.env_vars), so a retry needs no new cluster.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -39,7 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from workflows.errors import UserError
-from workflows.net import free_ports
+from workflows.net import listen_ports
 from workflows.serve.haproxy_guard import OWNER_ENV, owner_alive, start_time
 
 DEREGISTRATION_WINDOW_S = "2"
@@ -48,6 +55,15 @@ OWNER_FILE = "owner"  # in that directory: the command it belongs to (pid:start 
 # set in the cluster's environment even where inherited: the guard runs the user's binary, and
 # watches this command, not one that started the process running it
 GUARDED = ("RAY_SERVE_HAPROXY_BINARY_PATH", OWNER_ENV)
+PORT_KEYS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+START_ATTEMPTS = 3
+# Serve's controller gives a starting proxy 5 s per readiness check and kills it after 3 misses: on a
+# busy 2-core machine the proxy's process takes longer than that to import Serve (seen: 3 starts in a
+# row killed at a load of 50). 20 s each, for the clusters this command starts.
+START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20"}
+# HAProxy's "cannot bind socket (Address already in use) for [0.0.0.0:45409]"; Python's for the fallback proxy
+_BIND_FAILED = re.compile(r"cannot bind socket \([^)]*\) for \[[^\]]*\]|\[Errno 98\][^\n]*|Address already in use")
 
 
 def haproxy_binary() -> str | None:
@@ -89,7 +105,6 @@ def cluster_env(on: bool) -> dict[str, str]:
     """Environment for the processes of a local cluster about to start (not kept by this process)."""
     if not on:
         return {}
-    stats, metrics, fallback_http, fallback_grpc = free_ports(4)
     # Short: Ray adds the node id (56 characters) below it, and HAProxy takes socket paths of at most 97.
     root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
     sweep_stale_dirs(root)
@@ -106,12 +121,57 @@ def cluster_env(on: bool) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(files, "metrics.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(files, "server-state"),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
-        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_http),
-        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(fallback_grpc),
+        **port_env(),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DEREGISTRATION_WINDOW_S,
     }
+
+
+def port_env() -> dict[str, str]:
+    """Fresh ports for HAProxy's stats and metrics pages and Serve's fallback proxy (HTTP, gRPC)."""
+    return dict(zip(PORT_KEYS, map(str, listen_ports(len(PORT_KEYS))), strict=True))
+
+
+def start_serve(cfg, http_options: dict, logging_config: dict, pick=port_env, attempts: int = START_ATTEMPTS) -> int:
+    """serve.start; returns the attempts it took. Behind HAProxy on a cluster this command started,
+    each attempt gives Serve fresh ports (`pick`; those the user set in the environment stay), and a
+    start that failed to bind one, or whose proxy died starting (Serve kills one that misses its
+    health checks, as on an overloaded machine), is started again; after `attempts`, a one-line
+    UserError. Elsewhere (the Python proxy, a cluster joined, whose ingress is its own) one plain start."""
+    from ray import serve
+
+    from workflows.console import say
+    from workflows.runtime import cluster_address
+
+    if cluster_address(cfg) or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        serve.start(http_options=http_options, logging_config=logging_config)
+        return 1
+    failure = ""
+    for attempt in range(1, attempts + 1):
+        ports = {k: v for k, v in {**START_ENV, **pick()}.items() if k not in os.environ}
+        try:
+            serve.start(http_options=http_options, logging_config=logging_config,
+                        controller_options={"runtime_env": {"env_vars": ports}})
+            return attempt
+        except Exception as e:  # Ray wraps the manager's error (RayTaskError of a RuntimeError)
+            failure = _start_failure(e)
+            if not failure:
+                raise
+        serve.shutdown()  # the controller started, its proxy did not: start over, new ports and all
+        if attempt < attempts:
+            say(f"serve: the ingress did not start ({failure}); starting it again with new ports")
+    raise UserError(f"serve: the ingress did not start in {attempts} attempts (last: {failure}); another process "
+                    "keeps taking its ports, or a RAY_SERVE_*_PORT set in the environment is taken")
+
+
+def _start_failure(e: Exception) -> str:
+    """What went wrong with a start worth another try, in a few words; "" for any other error."""
+    from ray.exceptions import ActorDiedError
+
+    if found := _BIND_FAILED.search(str(e)):
+        return found.group()
+    if isinstance(e, ActorDiedError) and ("HAProxyManager" in str(e) or "ProxyActor" in str(e)):
+        return "its proxy died while it started"
+    return ""
 
 
 def sweep_stale_dirs(root: str) -> None:

@@ -70,15 +70,21 @@ def describe(proc: psutil.Process) -> str:
         return f"pid {proc.pid}"
 
 
-def stop(proc: psutil.Process, wait_s: float = 5) -> None:
+def stop(proc: psutil.Process, wait_s: float = 5) -> bool:
+    """Stop `proc` (SIGTERM, then SIGKILL): False where we may not signal it (another user's, or
+    a kernel that says no), for the caller to name instead of a traceback."""
     try:
-        proc.terminate()
-        proc.wait(wait_s)
-    except psutil.TimeoutExpired:
-        proc.kill()
-        proc.wait(wait_s)
+        try:
+            proc.terminate()
+            proc.wait(wait_s)
+        except psutil.TimeoutExpired:
+            proc.kill()
+            proc.wait(wait_s)
     except psutil.NoSuchProcess:
         pass
+    except psutil.AccessDenied:
+        return False
+    return True
 
 
 def free_serve_port(host: str, port: int, say: Callable[[str], object], wait_s: float = 5) -> None:
@@ -93,7 +99,10 @@ def free_serve_port(host: str, port: int, say: Callable[[str], object], wait_s: 
                         "serve.port to another port")
     for proc in holders:
         files, who = our_haproxy_dir(proc), describe(proc)
-        stop(proc)
+        if not stop(proc):
+            raise UserError(f"serve.port {port} is held by {who}, a stale HAProxy of an earlier `workflows serve` "
+                            "that this user may not stop (access denied): stop it as its owner, or set serve.port "
+                            "to another port")
         if files is not None:
             shutil.rmtree(files, ignore_errors=True)
         say(f"serve: stopped {who}, a stale HAProxy of an earlier `workflows serve` "

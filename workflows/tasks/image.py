@@ -115,7 +115,8 @@ class ImageClassification(Classification):
         return ImagePredictor(model_dir, card, threads, precision, self.cfg.preprocess.max_image_pixels)
 
     def http_contract(self, card, max_instances):
-        return ImageContract(card, max_instances, self.cfg.preprocess.max_image_pixels)
+        return ImageContract(card, max_instances, self.cfg.preprocess.max_image_pixels,
+                             self.cfg.serve.max_request_pixels)
 
     def input_columns(self, card, available):
         return ["pixels"] if "pixels" in available else ["image"]
@@ -230,23 +231,30 @@ class ImagePredictor(BasePredictor):
 class ImageContract(HttpContract):
     """POST /predict for images: JSON {"instances": [{"image": {"b64": ...}}]}, a raw image body, or
     multipart files (workflows.serve.image_requests); every image decoded here, so a bad one is a
-    422 for its request alone, before any batch."""
+    422 for its request alone, before any batch. Decoding is heavy (0.3 s for a 40 Mpx PNG): the
+    replica runs parse off its event loop (`off_loop`), and a request's images may declare at most
+    `max_request_pixels` in all, checked from their headers before any is decoded."""
 
     errors = (400, 401, 413, 415, 422, 431, 503)
+    off_loop = True  # workflows.serve.app runs parse in its decode threads
+    max_body_bytes = IMAGE_MAX_BODY_BYTES
 
-    def __init__(self, card, max_instances: int, max_pixels: int):
+    def __init__(self, card, max_instances: int, max_pixels: int, max_request_pixels: int | None = None):
         from workflows.serve.image_requests import image_predict_models
 
         self.card, self.max_instances, self.max_pixels = card, max_instances, max_pixels
+        self.max_request_pixels = max_request_pixels
         self.request_model, self.response_model = image_predict_models(card, max_instances)
 
     def parse(self, content_type, body):
         from workflows.preprocess.images import BadImage, decode_image
-        from workflows.serve.image_requests import RequestError, parse_image_request
+        from workflows.serve.image_requests import RequestError, over_pixel_budget, parse_image_request
 
-        images = parse_image_request(content_type, body, self.max_instances, IMAGE_MAX_BODY_BYTES)
+        images = parse_image_request(content_type, body, self.max_instances, self.max_body_bytes)
         if isinstance(images, RequestError):
             return images.status, images.message
+        if self.max_request_pixels and (over := over_pixel_budget(images, self.max_request_pixels)):
+            return over.status, over.message
         instances = []
         for i, data in enumerate(images):
             try:
@@ -258,7 +266,8 @@ class ImageContract(HttpContract):
     def openapi(self, document, path):
         from workflows.serve.image_requests import with_image_request_body
 
-        return with_image_request_body(document, path, self.request_model, max_body_bytes=IMAGE_MAX_BODY_BYTES)
+        return with_image_request_body(document, path, self.request_model, max_body_bytes=self.max_body_bytes,
+                                       max_request_pixels=self.max_request_pixels)
 
     def example(self) -> dict:
         from workflows.serve.image_requests import EXAMPLE_REQUEST
