@@ -4,10 +4,11 @@ waits on the tracking server.
 A call that fails for a reason that may pass (a 5xx or 429, a timeout, a refused connection, a locked
 SQLite store, a run its creator has not created yet) is retried with exponential backoff; the calls
 queued behind it wait in the queue (nothing is lost) until it goes through. Only a failure that
-outlasts `tracking.retry_seconds` turns tracking off in this process: one warning, the calls not
-sent are counted, and when the process ends its runs are tagged with the gap
-(`workflows.tracking_gap`); the driver then marks every run of the command that has a gap FAILED
-and says so in its summary (session.Tracking.close).
+outlasts `tracking.retry_seconds` turns tracking off in this process, the first contact's included
+(a rank 0 or a trial is a new process whose first call may meet an outage): one warning, the calls
+not sent are counted, and when the process ends its runs are tagged with the gap
+(`workflows.tracking_gap`), whether or not it ever reached the store; the driver then marks every
+run of the command that has a gap FAILED and says so in its summary (session.Tracking.close).
 
 MLflow's own asynchronous logging (`log_batch(..., synchronous=False)`) is not used: its queue logs
 a batch that fails and drops it, which is the loss this module exists to prevent.
@@ -39,7 +40,6 @@ RUN_KEY_TAG = "workflows.run_key"  # the key a process elsewhere finds a run by 
 GAP_TAG = "workflows.tracking_gap"  # set on a run whose process could not log everything
 PERMANENT = ("INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
              "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED", "ENDPOINT_NOT_FOUND")
-CONNECT_SECONDS = 15  # a store never reached within this is a configuration error, not a blip
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ class Tracker:
                     return None
                 now = time.monotonic()
                 failing_since = failing_since if failing_since is not None else started
-                window = self.retry_seconds if self._connected else min(self.retry_seconds, CONNECT_SECONDS)
+                window = self.retry_seconds  # the first contact's too: an outage then is a blip as well
                 if now - failing_since >= window or (self._deadline is not None and now >= self._deadline):
                     self.fail(e, run_id)
                     return None
@@ -282,22 +282,22 @@ class Tracker:
         if self.gap.lost:
             self.off = True
 
-    def record_gap(self, run_ids: list[str], status: str | None = None) -> bool:
-        """After close: tag `run_ids` with the gap (and set `status`, e.g. FAILED) on a fresh client,
-        one try: the store may be back by now. Returns whether it worked."""
-        if not run_ids or not self.gap.lost:
+    def record_gap(self, runs: list[str] | Callable[[Any], list[str]], status: str | None = None) -> bool:
+        """After close: tag `runs` (or the runs `runs(client)` names) with the gap, and set `status`
+        (e.g. FAILED), on a fresh client, one try: the store may be back by now, also where this
+        process never reached it. Returns whether it worked."""
+        if not self.gap.lost or (isinstance(runs, list) and not runs):
             return True
-        if not self._connected:  # never reached: no run of this process exists there
-            return False
         try:
             client = self._connect()
-            for run_id in run_ids:
+            for run_id in runs if isinstance(runs, list) else runs(client):
                 client.set_tag(run_id, GAP_TAG, self.gap.describe())
                 if status is not None:
                     client.set_terminated(run_id, status, now_ms())
             return True
         except Exception as e:
-            self._warn(f"experiment tracking: could not record the gap on the run(s) ({one_line(e)})")
+            if self._connected or not transient(e):  # a store never reached yet: its one warning said so
+                self._warn(f"experiment tracking: could not record the gap on the run(s) ({one_line(e)})")
             return False
 
 
@@ -441,8 +441,17 @@ class RunLogger:
     def close(self, timeout: float = 60) -> None:
         """Send what is queued (for at most `timeout` s); a gap is tagged on the run."""
         self.tracker.close(timeout)
-        if self.tracker.gap.lost and self.run_id is not None:
-            self.tracker.record_gap([self.run_id])
+        if self.tracker.gap.lost:
+            self.tracker.record_gap(self._gap_runs)
+
+    def _gap_runs(self, client) -> list[str]:
+        """The run to tag with this process's gap: its own, found by key where it never got the id;
+        a child run never created leaves the gap on its parent (the driver's run of the stage)."""
+        if self.run_id is not None:
+            return [self.run_id]
+        if self._owns:
+            return [self._parent_id or self._spec_run(client)]
+        return [self._spec_run(client)]
 
 
 def log_metrics(client, run_id: str, rows: list[tuple[str, float, int]], ts: int) -> None:
