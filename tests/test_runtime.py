@@ -70,6 +70,18 @@ def test_ray_address_in_the_environment_is_joined_without_local_cluster_settings
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
 
 
+def test_the_dashboard_port_is_a_config_key_and_the_variable_still_works(monkeypatch):
+    from workflows.net import free_ports
+
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    configured, from_env = free_ports(2)
+    monkeypatch.delenv("WORKFLOWS_DASHBOARD_PORT", raising=False)
+    assert _init_kwargs(monkeypatch, f"ray.dashboard_port={configured}")["dashboard_port"] == configured
+    monkeypatch.setenv("WORKFLOWS_DASHBOARD_PORT", str(from_env))
+    assert _init_kwargs(monkeypatch)["dashboard_port"] == from_env
+    assert _init_kwargs(monkeypatch, f"ray.dashboard_port={configured}")["dashboard_port"] == configured  # the config wins
+
+
 def test_local_cluster_where_ray_address_is_local_or_overridden(monkeypatch):
     for env, overrides in (("local", ()), ("", ()), (GCS, ("ray.address=local",))):
         monkeypatch.setenv("RAY_ADDRESS", env)

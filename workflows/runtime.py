@@ -137,7 +137,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         else:
             # A second local cluster on this machine (a test suite, another command) must not lose
             # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
-            kwargs["dashboard_port"] = _port_or_free(dashboard_port())
+            kwargs["dashboard_port"] = _port_or_free(dashboard_port(cfg))
             # Ray's state API (Train V2's placement-group cleaner asks it whether a controller is
             # alive) finds the dashboard by auto-detection, which fails once a machine runs two
             # clusters: the cleaner then never frees a dead trial's resources. Workers inherit this.
@@ -178,10 +178,13 @@ def _warn_missing_gpus(cfg: WorkflowConfig, gpus: float) -> None:
         warn(f"{' and '.join(asked)} {'asks' if len(asked) == 1 else 'ask'} for GPUs, but the Ray cluster has none")
 
 
-def dashboard_port() -> int:
-    """The port a local cluster's dashboard prefers: Ray's 8265, or $WORKFLOWS_DASHBOARD_PORT (0: any
-    free port; the test suite's parallel workers set it, so that two commands starting Ray at once
-    never both pick 8265, one of them then starting without the dashboard that Ray Train needs)."""
+def dashboard_port(cfg: WorkflowConfig | None = None) -> int:
+    """The port a local cluster's dashboard prefers: ray.dashboard_port, else $WORKFLOWS_DASHBOARD_PORT,
+    else Ray's 8265 (0: any free port; the test suite's parallel workers set the variable, so that two
+    commands starting Ray at once never both pick 8265, one of them then starting without the
+    dashboard that Ray Train needs)."""
+    if cfg is not None and cfg.ray.dashboard_port is not None:
+        return cfg.ray.dashboard_port
     return int(os.environ.get("WORKFLOWS_DASHBOARD_PORT") or 8265)
 
 
