@@ -170,3 +170,30 @@ def test_epoch_progress_prints_epoch_ends_not_step_checkpoints(monkeypatch):
     assert said == []
     callback.after_report(None, [{"epoch": 0, "train_loss": 1.303, "val_f1": 0.8515}], None)
     assert len(said) == 1 and said[0].startswith("train: epoch 0 (1 of 1) done: loss 1.3030, val_f1 0.8515"), said
+
+
+def test_the_token_note_is_shown_once_per_machine_for_a_cluster_the_command_starts(tmp_path, monkeypatch, capsys):
+    """Ray's token-authentication line, as a command's log file gets it from ray.init: for a cluster
+    the command starts itself, on the terminal the first time on this machine only; for a cluster
+    it joins, every time (the user's state directory keeps the marker)."""
+    from workflows import console
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    ray_line = ("2026-11-26 13:00:00,000\tWARNING authentication_token_setup.py:86 -- Token authentication is "
+                "enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.\n")
+
+    def command(own_cluster: bool) -> str:
+        """What one command's relay puts on the terminal."""
+        monkeypatch.setattr(console, "_own_cluster", own_cluster)
+        log = tmp_path / f"command-{len(list(tmp_path.glob('command-*')))}.log"
+        log.touch()
+        relay = console.Relay(log)
+        log.write_text(ray_line)
+        relay.poll()
+        return capsys.readouterr().err
+
+    note = "Ray token authentication is on"
+    assert note in command(own_cluster=True)
+    assert note not in command(own_cluster=True)
+    assert note in command(own_cluster=False) and note in command(own_cluster=False)
+    assert (tmp_path / "state" / "workflows" / "shown" / "ray-token-auth-on").exists()

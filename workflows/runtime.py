@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workflows import console
 from workflows.config import WorkflowConfig, dump_config
-from workflows.console import console, say, warn  # noqa: F401  (say is imported from here by the stages)
+from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.net import free_port
 from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
@@ -128,6 +129,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         # cluster (unset, empty or "local" here, or overridden by ray.address=local) or the one that
         # the last `ray start` on this machine recorded (anyone's), while saying nothing.
         kwargs["address"] = "local"
+        console.own_local_cluster()  # Ray's token-authentication line: once per machine, not per command
         # Read by Serve's processes as they start (the cluster's environment) and by serve.run here.
         haproxy = ingress.use_haproxy(cfg.serve)
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if haproxy else "0"
