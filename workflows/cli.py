@@ -93,8 +93,8 @@ def _registered(*specs: str) -> Callable:
     return check
 
 
-def _task_ready(cfg, storage) -> None:
-    """A before_ray check: the config's task imports and takes its model.options."""
+def _task_ready(cfg) -> None:
+    """An on_load check: the config's task imports and takes its model.options (before the store starts)."""
     from workflows.tasks import get_task
 
     get_task(cfg).check_config()
@@ -112,7 +112,7 @@ def preprocess(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose:
     from workflows.pipeline import stage_preprocess
 
     _in_runtime("preprocess", config, set, stage_preprocess, verbose=verbose,
-                before_ray=_task_ready)
+                on_load=_task_ready)
 
 
 @app.command()
@@ -123,7 +123,7 @@ def train(config: str = ConfigOpt, set: list[str] | None = SetOpt,
     from workflows.pipeline import stage_preprocess, stage_train
 
     _in_runtime("train", config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
-                before_ray=_task_ready)
+                on_load=_task_ready)
 
 
 @app.command()
@@ -134,7 +134,7 @@ def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
     from workflows.pipeline import stage_preprocess, stage_tune
 
     _in_runtime("tune", config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
-                before_ray=_task_ready)
+                on_load=_task_ready)
 
 
 @app.command()
@@ -344,11 +344,10 @@ def pipeline(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: b
     from workflows.pipeline import run_pipeline
 
     def check(cfg, storage):
-        _task_ready(cfg, storage)
         if cfg.serve.enabled:
             _serve_port_free(cfg)
 
-    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose, before_ray=check)
+    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose, before_ray=check, on_load=_task_ready)
 
 
 @app.command()
