@@ -12,6 +12,7 @@ import typer
 
 from workflows import console, stop
 from workflows.errors import UserError, find_user_error
+from workflows.overrides import named_after_model
 from workflows.storage.atomic import atomic_write
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -139,10 +140,9 @@ def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
 
 @app.command()
 def evaluate(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
-    data: str | None = typer.Option(
-        None, "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"
-    ),
+    data: str | None = typer.Option(None, "--data", "-d", help="URI of CSV/JSONL/parquet rows, the model's columns"),
     split: str | None = typer.Option(
         None, "--split", help="instead of --data: train, val or test of the processed dataset the model was trained on"
     ),
@@ -184,11 +184,12 @@ def evaluate(
             console.say(f"evaluate: metrics written to {output}")
         rt.write_summary("evaluate", result)
 
-    _in_runtime("evaluate", config, set, body, before_ray=check, verbose=verbose)
+    _in_runtime("evaluate", config, named_after_model(set, ctx, model), body, before_ray=check, verbose=verbose)
 
 
 @app.command()
 def predict(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
     data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
     output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
@@ -209,7 +210,7 @@ def predict(
     _in_runtime(
         "predict",
         config,
-        set,
+        named_after_model(set, ctx, model),
         body,
         before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output),
         verbose=verbose,
