@@ -138,26 +138,6 @@ def test_tuned_params_make_a_new_validated_config():
 def test_without_config_a_model_commands_outputs_go_under_the_models_name():
     """`evaluate --model wine` and `predict --model wine:2` without --config: the summary, plots and
     logs go under runs/wine/, not runs/quickstart/ (the shipped config's name); an explicit --config
-    or --set name=... keeps its own."""
-    import typer
-
-    from workflows import cli
-
-    def loaded(command: str, *args: str):
-        cmd = typer.main.get_command(cli.app).commands[command]  # type: ignore[attr-defined]
-        with cmd.make_context(command, [*args]) as ctx:  # the real command line, parsed by click
-            return cli._load(ctx.params["config"], ctx.params["set"])
-
-    assert loaded("evaluate", "--model", "wine", "--split", "test").name == "wine"
-    assert loaded("predict", "--model", "wine:2", "--data", "d/", "--output", "o/").name == "wine"
-    assert loaded("evaluate", "--model", "wine", "--split", "test", "--config", "quickstart").name == "quickstart"
-    assert loaded("evaluate", "--model", "wine", "--split", "test", "--set", "name=mine").name == "mine"
-    assert loaded("preprocess").name == "quickstart"  # no model named
-
-
-def test_without_config_a_model_commands_outputs_go_under_the_models_name():
-    """`evaluate --model wine` and `predict --model wine:2` without --config: the summary, plots and
-    logs go under runs/wine/, not runs/quickstart/ (the shipped config's name); an explicit --config
     or --set name=... keeps its own. The command lines are parsed by the real commands."""
     import typer
 
