@@ -74,9 +74,12 @@ ROWS: list[RowSpec] = [
         "serve_openapi_fuzz",
         "reliability.serve_openapi",
         False,
-        "schemathesis (--checks all, 3 minutes) generates requests from the Serve app's /openapi.json, with and "
-        "without the token: no 5xx, every answer matches the declared status codes, content type and schema, no "
-        "schema-valid request rejected, no schema-violating one accepted or answered outside the rejection statuses",
+        "schemathesis (--checks all, 5 minutes) generates requests from the /openapi.json of a served text model "
+        "and of an image model (JSON base64, raw and multipart bodies), with and without the token: no 5xx, every "
+        "answer matches the declared status codes, content type and schema, no schema-valid request rejected, no "
+        "schema-violating one accepted or answered outside the rejection statuses, except the decided answers no "
+        "schema states (413 over the byte limit, 422 for random bytes as an image); POST /predict gets at least a "
+        "third of each run's requests",
     ),
     RowSpec(
         "train_worker_kill",

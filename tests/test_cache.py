@@ -220,3 +220,31 @@ def test_a_missing_object_names_the_uri(tmp_path, bucket):
     for uri in [str(tmp_path / "nope.bin"), absent]:
         with pytest.raises(UserError, match=re.escape(uri)):
             cache.fetch(uri)
+
+
+def test_a_warm_ray_data_pass_over_plain_uris_asks_the_store_nothing(ray_cluster, tmp_path, bucket):
+    """A processed split's files are plain URIs (from its manifest). A Ray Dataset re-runs its reads
+    on every pass (each training epoch): the second pass is served by the cache with no request to
+    the store, its versions coming from one listing when the dataset was made."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from workflows.config import CacheConfig
+    from workflows.storage.embedded import endpoint_traffic
+    from workflows.storage.shards import read_shards
+
+    uris = []
+    for k in range(3):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"x": list(range(k * 10, k * 10 + 10))}), buf)
+        uris.append(bucket(f"processed/v1/split=train/part-{k}.parquet", buf.getvalue()))
+    url = bucket.ctx.endpoint_url
+    endpoint_traffic(url, reset=True)
+    ds = read_shards(uris, "parquet", bucket.ctx, CacheConfig(dir=str(tmp_path / "cache")), check_schemas=False)
+    assert endpoint_traffic(url)["requests"] == {"LIST": 1}  # the split's one directory
+    assert sorted(r["x"] for r in ds.take_all()) == list(range(30))  # cold: fetched into the cache
+    endpoint_traffic(url, reset=True)
+    assert sorted(r["x"] for r in ds.take_all()) == list(range(30))
+    assert endpoint_traffic(url)["requests"] == {}, "no HEAD per shard in a warm pass"

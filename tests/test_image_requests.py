@@ -265,9 +265,14 @@ def test_openapi_declares_the_three_body_shapes_and_every_error():
     assert content[JSON]["schema"] == {"$ref": "#/components/schemas/PredictRequest"}
     assert content[JSON]["example"] == EXAMPLE_REQUEST
     for t in IMAGE_TYPES:
-        assert content[t]["schema"] == {"type": "string", "format": "binary"}
-    files = content["multipart/form-data"]["schema"]["properties"]["images"]
-    assert files["type"] == "array" and files["items"]["format"] == "binary"
+        assert content[t]["schema"] == {"type": "string", "format": "binary", "minLength": 1}  # 0 bytes: a 422
+    multipart = content["multipart/form-data"]
+    files = multipart["schema"]["properties"]["images"]
+    assert files["type"] == "array" and files["items"]["format"] == "binary" and files["items"]["minLength"] == 1
+    # the part rules a schema-driven client follows: files (a filename) under `images`, no plain fields
+    assert multipart["schema"]["additionalProperties"] is False
+    disposition = multipart["encoding"]["images"]["headers"]["Content-Disposition"]
+    assert disposition["required"] is True and "filename=" in disposition["schema"]["example"]
     assert (files["minItems"], files["maxItems"]) == (1, MAX_INSTANCES)  # the parser's limits
     schemas = spec["components"]["schemas"]
     assert schemas["PredictRequest"]["properties"]["instances"]["maxItems"] == MAX_INSTANCES

@@ -43,10 +43,10 @@ def _tar(samples: list[tuple[str, bytes, int]]) -> bytes:
     return buf.getvalue()
 
 
-def write_shards(put, with_index: bool = True) -> list[bytes]:
+def write_shards(put, with_index: bool = True, counts: list[int] = COUNTS) -> list[bytes]:
     """Shards `shard-00000k.tar` via `put(name, bytes)`; sample i has label i % 10."""
     shards, i = [], 0
-    for n in COUNTS:
+    for n in counts:
         shards.append(_tar([(f"s{i + j:05d}", _image(i + j), (i + j) % 10) for j in range(n)]))
         i += n
     for k, data in enumerate(shards):
@@ -54,7 +54,7 @@ def write_shards(put, with_index: bool = True) -> list[bytes]:
     if with_index:
         index = {"format": "wds-tar", "version": 1, "classes": 10,
                  "shards": [{"name": f"shard-{k:06d}.tar", "samples": n, "bytes": len(d)}
-                            for k, (n, d) in enumerate(zip(COUNTS, shards))]}
+                            for k, (n, d) in enumerate(zip(counts, shards))]}
         put("index.json", json.dumps(index).encode())
     return shards
 
@@ -167,6 +167,7 @@ def test_an_index_is_built_when_the_prefix_has_none(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         index = read_index(str(root), LOCAL, ShardCache(str(tmp_path / "cache"), LOCAL))
     assert index.counts == COUNTS and "building one from the tar headers" in caplog.text
+    assert all(s.version for s in index.shards)  # from the listing, as the cache keys them
 
 
 def test_a_truncated_or_bad_shard_is_an_error_naming_it(local_data, tmp_path):
@@ -218,6 +219,9 @@ def test_parquet_shards_rows_exactly_once_with_their_columns(tmp_path):
     index = parquet_index(files, LOCAL)
     assert index.counts == [30, 17, 25]
     cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    # each shard's version and size, as the cache keys its entry (which it then reads with no stat)
+    assert [(s.version, s.bytes) for s in index.shards] == [cache.current_version(f) for f in files]
+    assert DatasetIndex.from_json("", index.to_json()) == index  # and they round-trip through index.json
     seen = []
     for rank in range(2):
         for b in StreamLoader(index, LOCAL, cache, None, batch_size=5, num_workers=0, rank=rank, world_size=2,
@@ -225,3 +229,177 @@ def test_parquet_shards_rows_exactly_once_with_their_columns(tmp_path):
             assert (b["x"] == b["sample"].numpy() * 10).all() and (b["label"] == b["sample"].numpy() % 3).all()
             seen += b["sample"].tolist()
     assert sorted(seen) == list(range(72))
+
+
+def _disk_in_use(cache_dir, pids: list[int]) -> int:
+    """Shard bytes the cache holds on disk now: its data files (and downloads in progress), plus
+    files removed from it (evicted) that one of `pids` still holds open, which stay on disk until
+    closed (read from /proc/<pid>/fd; one count per inode). Sidecars, locks and pointers (bytes
+    each, and not what the cap counts) are left out."""
+    import os
+
+    held: dict[tuple[int, int], int] = {}
+    for p in cache_dir.glob("*.data*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        held[(st.st_dev, st.st_ino)] = st.st_size
+    prefix = f"{cache_dir}/"
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")  # "<path> (deleted)" once unlinked
+                if target.startswith(prefix) and ".data" in target:
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")  # the open inode itself
+                    held[(st.st_dev, st.st_ino)] = st.st_size
+            except FileNotFoundError:  # closed meanwhile
+                continue
+    return sum(held.values())
+
+
+def _parquet_shards(root, counts: list[int]) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files, start = [], 0
+    for k, n in enumerate(counts):
+        rows = np.arange(start, start + n)
+        path = root / f"part-{k}.parquet"
+        noise = np.random.default_rng(k).integers(0, 255, (n, 2000), dtype=np.uint8)  # ~2 KB a row
+        pq.write_table(pa.table({"x": rows, "blob": [r.tobytes() for r in noise]}), path, row_group_size=4)
+        files.append(str(path))
+        start += n
+    return files
+
+
+@pytest.mark.parametrize("fmt", ["wds-tar", "parquet"])
+def test_a_cap_bounds_the_disk_with_evicted_files_counted(tmp_path, fmt):
+    """Disk in use by the cache, evicted-but-open files included, stays within the cap plus the one
+    download in flight of the loader's one fetch thread (prefetch_shards=1), over two epochs decoded
+    by two processes; measured after every batch and after each epoch. The cap holds the pinned
+    working set: with shuffle_window 1 and the 2 x 2 batches of 2 in flight (10 samples, under a
+    shard of 12), at most two shards being read and the prefetched one."""
+    import os
+
+    import psutil
+
+    from workflows.loader import parquet_index
+
+    counts = [12] * 8
+    if fmt == "parquet":
+        source = parquet_index(_parquet_shards(tmp_path, counts), LOCAL)
+        files = [s.name for s in source.shards]
+        kw = {"columns": ["x"], "transform": None}
+    else:
+        root = tmp_path / "data"
+        root.mkdir()
+        write_shards(lambda name, data: (root / name).write_bytes(data), counts=counts)
+        source = read_index(str(root), LOCAL)
+        files = [f"{root}/{s.name}" for s in source.shards]
+        kw = {"transform": ImageTransform(size=SIZE)}
+    biggest = max(os.path.getsize(f) for f in files)
+    cap = 3 * biggest
+    cache_dir = tmp_path / "cache"
+    cache = ShardCache(str(cache_dir), LOCAL, max_bytes=cap)
+    reader = StreamLoader(source, LOCAL, cache, batch_size=2, num_workers=2, prefetch_factor=2, shuffle_window=1,
+                          prefetch_shards=1, **kw)
+    me = psutil.Process()
+
+    def disk() -> int:
+        return _disk_in_use(cache_dir, [me.pid] + [c.pid for c in me.children(recursive=True)])
+
+    peak, seen = 0, []
+    try:
+        for epoch in range(2):
+            reader.set_epoch(epoch)
+            for b in reader:
+                seen += b["sample"].tolist()
+                peak = max(peak, disk())
+            assert len(me.children(recursive=True)) >= 2, "the decode processes are up (and measured)"
+            peak = max(peak, disk())  # between epochs, the persistent decode processes idle
+    finally:
+        reader.close()
+    assert sorted(seen) == sorted(list(range(sum(counts))) * 2)
+    assert cache.stats().evictions >= len(counts)  # the cap did evict, in both epochs
+    assert peak <= cap + biggest, f"{peak} bytes on disk ({peak / biggest:.1f} shards) for a cap of 3 shards"
+
+
+def _s3_dataset(s3, with_versions: bool):
+    """The test shards under s3://imgs/ds with an index.json, its shards' versions recorded (as
+    writers record them: object_version of the stored object) or not (an older index)."""
+    from workflows.storage.transfer import object_version
+    from workflows.storage.uri import filesystem
+
+    s3.ensure_bucket("imgs")
+    ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+    client = ctx.boto3_client()
+    write_shards(lambda name, data: client.put_object(Bucket="imgs", Key=f"ds/{name}", Body=data), with_index=False)
+    fs, _ = filesystem("s3://imgs/ds", ctx)
+    shards = []
+    for k, n in enumerate(COUNTS):
+        info = fs.info(f"imgs/ds/shard-{k:06d}.tar")
+        shards.append({"name": f"shard-{k:06d}.tar", "samples": n, "bytes": info["size"],
+                       **({"version": object_version(info)} if with_versions else {})})
+    client.put_object(Bucket="imgs", Key="ds/index.json",
+                      Body=json.dumps({"format": "wds-tar", "version": 1, "shards": shards}).encode())
+    return ctx
+
+
+def _epoch(reader, epoch: int) -> list[int]:
+    reader.set_epoch(epoch)
+    return sorted(i for b in reader for i in b["sample"].tolist())
+
+
+def test_a_warm_epoch_asks_the_store_nothing_and_runs_with_it_stopped(tmp_path):
+    from workflows.storage.embedded import endpoint_traffic
+
+    everything = list(range(sum(COUNTS)))
+    s3 = EmbeddedS3(str(tmp_path / "s3"))
+    s3.start()
+    try:
+        ctx = _s3_dataset(s3, with_versions=True)
+        reader = StreamLoader("s3://imgs/ds", ctx, ShardCache(str(tmp_path / "cache"), ctx), ImageTransform(size=SIZE),
+                              batch_size=8, num_workers=0)
+        assert all(s.version for s in reader.index.shards)
+        assert _epoch(reader, 0) == everything  # cold: fetches every shard
+        endpoint_traffic(s3.endpoint_url, reset=True)
+        assert _epoch(reader, 1) == everything
+        # another loader over the same index (a new run, another rank): a cache it did not fill
+        other = StreamLoader(reader.index, ctx, ShardCache(str(tmp_path / "cache"), ctx), ImageTransform(size=SIZE),
+                             batch_size=8, num_workers=0, epoch=2)
+        assert _epoch(other, 2) == everything
+        assert endpoint_traffic(s3.endpoint_url)["requests"] == {}, "no HEAD, GET or LIST in a warm epoch"
+    finally:
+        s3.stop()
+    for r in (reader, other):  # the store is down: the cached shards are all an epoch needs
+        assert _epoch(r, 3) == everything
+        assert r.stats()["hits"] >= 2 * len(COUNTS) and other.stats()["misses"] == 0
+
+
+def test_an_index_without_versions_asks_the_store_once_per_shard(tmp_path, caplog):
+    from workflows.storage.embedded import endpoint_traffic
+
+    everything = list(range(sum(COUNTS)))
+    with EmbeddedS3(str(tmp_path / "s3")) as s3:
+        ctx = _s3_dataset(s3, with_versions=False)
+
+        def reader():  # each with its own cache object (its own counters), on one cache directory
+            cache = ShardCache(str(tmp_path / "cache"), ctx)
+            return StreamLoader("s3://imgs/ds", ctx, cache, ImageTransform(size=SIZE), num_workers=0)
+
+        assert _epoch(reader(), 0) == everything
+        with caplog.at_level(logging.WARNING):
+            warm = reader()
+        assert "has no version for 6 of its 6 shards" in caplog.text
+        endpoint_traffic(s3.endpoint_url, reset=True)
+        assert _epoch(warm, 1) == everything
+        assert endpoint_traffic(s3.endpoint_url)["requests"] == {"HEAD": len(COUNTS)}
+        endpoint_traffic(s3.endpoint_url, reset=True)
+        assert _epoch(warm, 2) == everything  # later epochs: the versions asked once are kept
+        assert endpoint_traffic(s3.endpoint_url)["requests"] == {}
+        assert warm.stats()["misses"] == 0

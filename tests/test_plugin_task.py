@@ -138,9 +138,13 @@ def test_the_cli_refuses_a_bad_option_before_starting_ray(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join):
+def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join, mlflow_server):
     write_regression_shards(tmp_path / "raw")
-    config = write_config(tmp_path / "tabular.yaml", regression_config(tmp_path))
+    # tracked, with one tuning trial: the task's own val_* metrics must reach MLflow per epoch
+    config = write_config(tmp_path / "tabular.yaml", regression_config(
+        tmp_path, tracking={"enabled": True, "uri": mlflow_server.url},
+        tune={"enabled": True, "num_samples": 1, "max_epochs": 2, "num_workers": 1,
+              "space": {"train.lr": {"choice": [1e-2]}}}))
     try:
         res = run_cli("pipeline", "--config", str(config), "--set", f"ray.address={ray_join.address}",
                       env=plugin_env(**ray_join.env), timeout=600)
@@ -170,6 +174,20 @@ def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join):
     evaluation = json.loads(Path(summary["model"]["uri"], EVAL_FILE).read_text())  # written back beside it
     assert evaluation["r2"] > 0.9 and evaluation["target"] == "y", evaluation
 
+    # tracking: the task's own metrics at their epoch step, in the train run and in the tuning trial
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server.url)
+    runs = client.search_runs([client.get_experiment_by_name("tabular").experiment_id], max_results=100)
+    by_name = {r.info.run_name: r for r in runs}
+    history = json.loads((tmp_path / "runs" / "tabular" / "train.json").read_text())["train"]["history"]
+    for key in ("val_r2", "val_mse"):
+        series = sorted(client.get_metric_history(by_name["train"].info.run_id, key), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in series] == [(h["epoch"], pytest.approx(h[key])) for h in history], key
+    tune_id = by_name["tune"].info.run_id
+    (trial,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == tune_id]
+    assert len(client.get_metric_history(trial.info.run_id, "val_r2")) == 2
+
     # evaluation on the held-out split: R2 far above the train-mean baseline
     head = summary["evaluate"]["headline"]
     assert head["name"] == "R2" and head["value"] > 0.9, head
@@ -183,3 +201,58 @@ def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join):
         x = r["instance"]
         truth = 3 * x["x1"] - 0.4 * x["x2"] + 5 * x["x3"] + 1
         assert r["prediction"]["value"] == pytest.approx(truth, abs=1.0), r  # the target's std is 3.6
+
+
+
+def test_every_validation_number_a_task_reports_is_an_epoch_metric():
+    from workflows.tracking.client import epoch_metrics
+
+    rows = epoch_metrics({"epoch": 3, "val_r2": 0.9, "val_mse": 0.1, "val_f1": 0.5, "val_report": {"a": 1},
+                          "train_loss": 0.2, "resumed": True}, None, 1)
+    assert sorted(rows) == [("train_loss", 0.2, 3), ("val_f1", 0.5, 3), ("val_mse", 0.1, 3), ("val_r2", 0.9, 3)]
+
+
+def test_a_card_edited_in_the_store_cannot_choose_the_code_that_runs(tmp_path, monkeypatch):
+    """The model card is read from the store: a card whose `task` was changed there to some module must
+    not make serve, evaluate or predict import it (they refuse before Ray starts), unless the command's
+    config trusts that task."""
+    from typer.testing import CliRunner
+
+    import workflows.runtime
+    from workflows import registry
+    from workflows.cli import app
+    from workflows.storage.uri import StorageContext
+    from workflows.tasks import task_for_card
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started before the card's task was checked")
+
+    monkeypatch.setattr(workflows.runtime, "init_ray", no_ray)
+    cfg_dict = regression_config(tmp_path)
+    cfg_dict["model"] = {"task": "classification"}
+    config = write_config(tmp_path / "user.yaml", cfg_dict)
+    cfg = load_config(config)
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    (artifact / "model.safetensors").write_bytes(b"")
+    ref = registry.register(cfg, StorageContext.from_config(cfg.storage), str(artifact), "victim",
+                            {"task": "classification", "labels": ["a", "b"]})
+    card_file = Path(ref.uri) / registry.META_FILE
+    card = json.loads(card_file.read_text())
+    card["task"] = "evil_mod:Evil"  # what someone who can write to the bucket could do
+    card_file.write_text(json.dumps(card))
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for command in (["serve", "--model", "victim"], ["evaluate", "--model", "victim", "--split", "val"],
+                    ["predict", "--model", "victim", "--data", str(tmp_path), "--output", str(tmp_path / "out")]):
+        out = CliRunner().invoke(app, [*command, "--config", str(config)])
+        assert out.exit_code != 0, command
+        assert "'evil_mod:Evil'" in out.output and "model.trusted_tasks" in out.output, out.output
+        assert not marker.exists(), f"{command[0]} imported the module the card named"
+    # the same card, trusted by the config: the module is imported (so the checks above can fail)
+    trusting = load_config(config, ["model.trusted_tasks=[evil_mod:Evil]"])
+    with pytest.raises(UserError, match="not a workflows.tasks.base.Task subclass"):
+        task_for_card(trusting, registry.model_card(trusting, StorageContext.from_config(trusting.storage), "victim"))
+    assert marker.exists()

@@ -141,3 +141,56 @@ def test_results_merge_and_document(tmp_path):
     # --render: the same document again from the file alone
     doc.unlink()
     assert render(results, doc) == doc and doc.read_text() == text
+
+
+# -- serve_openapi_fuzz's parts: what it accepts, and the hooks that give valid image cases real images --
+def _interaction(request_body: bytes, status: int, error: str) -> dict:
+    import base64
+
+    answer = json.dumps({"error": error}).encode()
+    return {"request": {"body": {"$base64": base64.b64encode(request_body).decode()}},
+            "response": {"status_code": status, "content": {"$base64": base64.b64encode(answer).decode()}}}
+
+
+def test_fuzz_row_accepts_only_the_decided_answers():
+    from reliability.serve_openapi import _accepted
+
+    big, small = b"x" * 2049, b"x" * 10
+    not_image = "instances[0]: not an image (cannot identify image file)"
+    assert _accepted("positive_data_acceptance", 413, _interaction(big, 413, "too big"), 2048, False)
+    assert _accepted("positive_data_acceptance", 413, _interaction(small, 413, "too big"), 2048, False) is None
+    assert _accepted("positive_data_acceptance", 422, _interaction(small, 422, not_image), 2048, True)
+    assert _accepted("positive_data_acceptance", 422, _interaction(small, 422, not_image), 2048, False) is None
+    assert _accepted("positive_data_acceptance", 422, _interaction(small, 422, "instances[0]: truncated image"),
+                     2048, True) is None
+    assert _accepted("negative_data_rejection", 413, _interaction(big, 413, "too big"), 2048, False) is None
+
+
+def test_fuzz_hooks_make_valid_image_json_cases_decodable(request):
+    """The fuzzer's positive JSON cases for an image model, with the row's hooks applied, are accepted
+    by the server's parser and decoder (without the hooks their base64 is random bytes: a 422)."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, assume, given, settings
+
+    from reliability.schemathesis_images import map_case
+    from tests.test_image_requests import openapi_document
+    from workflows.preprocess.images import decode_image
+    from workflows.serve.image_requests import parse_image_request
+
+    operation = schemathesis.openapi.from_dict(openapi_document())["/predict"]["POST"]
+    seen = []
+    request.addfinalizer(lambda: schemathesis.hooks.unregister(map_case))  # imported: registered globally
+
+    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
+    def check(case):
+        assume(case.media_type == "application/json")  # the other bodies are sent as generated
+        case = map_case(None, case)  # (importing the module registered it for schemathesis too)
+        images = parse_image_request("application/json", json.dumps(case.body).encode(), 1000, 1 << 24)
+        assert isinstance(images, list), images
+        for image in images:
+            assert decode_image(image, 8, 10_000_000).shape == (8, 8, 3)
+        seen.append(len(images))
+
+    check()
+    assert len(seen) >= 5

@@ -65,3 +65,34 @@ def test_bad_json_and_a_huge_body():
     assert CONTRACT.parse("application/json", b"[" * 100_000)[0] == 400  # nesting: no RecursionError
     big = b" " * ((1 << 20) + 1)
     assert CONTRACT.parse("application/json", big) == (413, f"request body is {len(big)} bytes; the limit is {1 << 20}")
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_a_schema_driven_fuzzer_generates_the_request(mode):
+    """schemathesis (hypothesis) generates /predict bodies from the published schema, valid ones and
+    ones that break it, without giving up (an anyOf of `\\S` patterns over 100,000-character strings
+    made it fail: "min_size is larger than Hypothesis supports"), and the server agrees with each:
+    a valid one is accepted, a violating one rejected with a 4xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    doc = with_request_body({"openapi": "3.1.0", "info": {"title": "t", "version": "1"},
+                             "paths": {"/predict": {"post": {"responses": {"200": {"description": "ok"}}}}}},
+                            "/predict", CONTRACT.request_model)
+    operation = schemathesis.openapi.from_dict(doc)["/predict"]["POST"]
+    seen = []
+
+    # too_slow only: a loaded machine's timing, not the schema's; every other health check applies
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+    def check(case):
+        body = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
+        result = CONTRACT.parse("application/json", body)
+        if mode == "positive":
+            assert isinstance(result, list), (result, case.body)
+        else:
+            assert isinstance(result, tuple) and 400 <= result[0] < 500, case.body
+        seen.append(case)
+
+    check()
+    assert len(seen) >= 20

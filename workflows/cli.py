@@ -85,12 +85,13 @@ def _in_runtime(command: str, config: str, overrides: list[str] | None, body: Ca
 
 
 def _registered(*specs: str) -> Callable:
-    """A before_ray check: every model spec names a registered version."""
+    """A before_ray check: every model spec names a registered version whose task may be imported."""
     def check(cfg, storage):
         from workflows import registry
+        from workflows.tasks import check_card_task
 
         for spec in specs:
-            registry.resolve(cfg, storage, spec)
+            check_card_task(cfg, registry.model_card(cfg, storage, spec))
     return check
 
 

@@ -170,6 +170,10 @@ class ModelConfig(Strict):
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="a plug-in task's own settings (its Options model validates them)")
+    trusted_tasks: list[str] = Field(
+        default_factory=list, description="plug-in tasks (module.path:ClassName) that serve, evaluate and predict "
+        "may import for a registered model whose card names them; model.task is always trusted. A card naming "
+        "any other plug-in is refused: the card comes from the store, and must not choose the code that runs")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
     pooling: Literal["cls", "mean"] = Field(
         "cls",

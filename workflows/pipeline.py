@@ -17,7 +17,7 @@ from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset, preprocess
 from workflows.runtime import Runtime, say, warn
 from workflows.storage.uri import protocol_of
-from workflows.tasks import get_task
+from workflows.tasks import check_card_task, get_task
 from workflows.tracking import stages as tracking
 
 
@@ -242,6 +242,7 @@ def model_split(cfg: WorkflowConfig, storage, model_spec: str, split: str):
     and reads the card here only (ProcessedDataset.read then gives the Ray Dataset)."""
     check_split(split)
     card = registry.model_card(cfg, storage, model_spec)
+    check_card_task(cfg, card)
     spec = f"{card.name}:v{card.version}"
     uri = (card.lineage or {}).get("dataset_uri")
     if not uri:

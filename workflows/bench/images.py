@@ -151,11 +151,15 @@ def _copy_set(rt, src: str, src_index: dict, dst: str, size: int) -> dict:
         todo.append((entry["name"], shards[-1]["name"]))
         total += entry["bytes"]
 
-    def copy(names):
-        client.copy_object(Bucket=db, Key=f"{dk}/{names[1]}", CopySource={"Bucket": sb, "Key": f"{sk}/{names[0]}"})
+    def copy(names) -> str:
+        done = client.copy_object(Bucket=db, Key=f"{dk}/{names[1]}",
+                                  CopySource={"Bucket": sb, "Key": f"{sk}/{names[0]}"})
+        return done["CopyObjectResult"]["ETag"].strip('"')
 
     with ThreadPoolExecutor(4) as pool:
-        for i, _ in enumerate(pool.map(copy, todo)):
+        for i, etag in enumerate(pool.map(copy, todo)):
+            # the copy's own version: a copy of a multipart upload gets another ETag than its source
+            shards[i]["version"] = etag
             if i % 40 == 39:
                 _say(f"bench images: {i + 1}/{len(todo)} shard copies")
     index = {**src_index, "shards": shards}

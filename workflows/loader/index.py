@@ -3,9 +3,13 @@ member table (where each sample's bytes lie), built from the tar headers of the 
 
 `<prefix>/index.json` (`workflows data synth-images` writes it):
     {"format": "wds-tar", "version": 1, "classes": 100,
-     "shards": [{"name": "shard-000000.tar", "samples": 1187, "bytes": 134217216}, ...]}
+     "shards": [{"name": "shard-000000.tar", "samples": 1187, "bytes": 134217216,
+                 "version": "9b2cf535f27731c974343645a3985328"}, ...]}
 Names are relative to the prefix; other keys are allowed (and ignored). Optional "labels": the
-class names, when the `.cls` members hold names rather than class numbers.
+class names, when the `.cls` members hold names rather than class numbers. Optional per shard
+"version": the object's version when indexed (`object_version`: its ETag, else size:mtime), which
+with "bytes" is what the shard cache keys an entry on, so a cached shard is read with no request
+to the store; an index without versions (older ones) costs one request per shard and loader.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 from workflows.errors import UserError
 from workflows.loader.order import shard_offsets
 from workflows.storage.shards import IMAGE_EXTENSIONS, LABEL_EXTENSIONS
+from workflows.storage.transfer import object_version
 from workflows.storage.uri import StorageContext, exists, filesystem, join, reaching, read_json, with_protocol
 
 log = logging.getLogger(__name__)
@@ -34,6 +39,7 @@ class ShardEntry:
     name: str  # relative to the index's prefix (or a whole URI when the prefix is "")
     samples: int
     bytes: int = 0
+    version: str | None = None  # object_version when indexed (with bytes: the shard cache's key)
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ class DatasetIndex:
 
     def to_json(self) -> dict:
         out = {"format": self.format, "version": 1,
-               "shards": [{"name": s.name, "samples": s.samples, "bytes": s.bytes} for s in self.shards]}
+               "shards": [{"name": s.name, "samples": s.samples, "bytes": s.bytes,
+                           **({"version": s.version} if s.version is not None else {})} for s in self.shards]}
         if self.classes is not None:
             out["classes"] = self.classes
         if self.labels is not None:
@@ -79,9 +86,10 @@ class DatasetIndex:
     def from_json(cls, prefix: str, obj: dict) -> DatasetIndex:
         where = join(prefix, INDEX_FILE)
         try:
-            shards = [ShardEntry(str(s["name"]), int(s["samples"]), int(s.get("bytes", 0))) for s in obj["shards"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"{where}: 'shards' must be a list of {{name, samples, bytes}} ({e})") from None
+            shards = [ShardEntry(str(s["name"]), int(s["samples"]), int(s.get("bytes", 0)),
+                                 None if s.get("version") is None else str(s["version"])) for s in obj["shards"]]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise UserError(f"{where}: 'shards' must be a list of {{name, samples, bytes, version}} ({e})") from None
         known = {"format", "version", "shards", "classes", "labels"}
         return cls(prefix=prefix, shards=shards, format=obj.get("format", "wds-tar"), classes=obj.get("classes"),
                    labels=obj.get("labels"), extra={k: v for k, v in obj.items() if k not in known})
@@ -173,16 +181,16 @@ def read_index(prefix: str, storage: StorageContext, cache=None) -> DatasetIndex
                 prefix, INDEX_FILE, len(tars))
     shards = []
     for e in tars:
-        uri = with_protocol(prefix, e["name"])
-        with cache.open_local(uri) as local:
+        uri, version = with_protocol(prefix, e["name"]), object_version(e)
+        with cache.open_local(uri, version, int(e["size"])) as local:  # the listing's version: no HEAD
             n = len(tar_members(local, uri).offsets)
-        shards.append(ShardEntry(uri.rstrip("/").rsplit("/", 1)[-1], n, int(e["size"])))
+        shards.append(ShardEntry(uri.rstrip("/").rsplit("/", 1)[-1], n, int(e["size"]), version))
     return DatasetIndex(prefix=prefix, shards=shards)
 
 
 def parquet_index(files: list[str], storage: StorageContext) -> DatasetIndex:
     """Processed parquet shards (a ProcessedDataset split's files, whole URIs) with their row counts
-    from the parquet footers (one small read per file)."""
+    from the parquet footers (one small read per file) and their versions (the stat that sized them)."""
     import pyarrow.parquet as pq
 
     shards = []
@@ -190,5 +198,6 @@ def parquet_index(files: list[str], storage: StorageContext) -> DatasetIndex:
         fs, path = filesystem(uri, storage)
         with reaching(uri, storage), fs.open(path, "rb") as f:
             meta = pq.ParquetFile(f).metadata
-            shards.append(ShardEntry(uri, meta.num_rows, int(fs.size(path))))
+            info = fs.info(path)
+            shards.append(ShardEntry(uri, meta.num_rows, int(info["size"]), object_version(info)))
     return DatasetIndex(prefix="", shards=shards, format="parquet")

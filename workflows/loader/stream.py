@@ -37,8 +37,8 @@ from workflows.storage.uri import StorageContext
 
 log = logging.getLogger(__name__)
 
-OPEN_FILES = 32  # per decode process: fds of recently read local shards
 ROW_GROUPS = 8  # per decode process: parquet row groups kept decoded (a shuffle window's worth)
+FOOTERS = 32  # per decode process: parquet footers kept parsed (metadata only, no open file)
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,8 @@ class _Samples:
         self.fmt = fmt
         self.transform = transform
         self.columns = columns
-        self._fds: OrderedDict[str, int] = OrderedDict()
         self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()
-        self._parquet: OrderedDict[str, Any] = OrderedDict()
+        self._footers: OrderedDict[str, tuple[Any, np.ndarray]] = OrderedDict()  # metadata, row-group starts
 
     def __len__(self) -> int:  # the DataLoader asks; batches come from the batch sampler
         return 0
@@ -80,12 +79,25 @@ class _Samples:
             out = self._rows(items)
         else:
             images, labels = [], []
-            for epoch, sample, path, off, size, label in items:
-                data = os.pread(self._fd(path), size, off)
-                if len(data) != size:
-                    raise UserError(f"{path}: short read of sample {sample} (the cached shard changed?)")
-                images.append(self.transform(data, sample, epoch) if self.transform is not None else data)
-                labels.append(label)
+            # why open per batch, not an LRU of fds kept across batches: a cap bounds the disk. A
+            # file evicted while a process holds it open stays on disk until closed, uncounted by
+            # the cache (issue #37: 4 evicted shards held at a cap of 2). A batch is decoded while
+            # the main process pins its shards (eviction skips pinned entries), so closing every
+            # file at the end of the batch means no evicted file is ever held open; an open+close
+            # per shard of a batch costs microseconds beside its decodes.
+            fds: dict[str, int] = {}
+            try:
+                for epoch, sample, path, off, size, label in items:
+                    if path not in fds:
+                        fds[path] = os.open(path, os.O_RDONLY)
+                    data = os.pread(fds[path], size, off)
+                    if len(data) != size:
+                        raise UserError(f"{path}: short read of sample {sample} (the cached shard changed?)")
+                    images.append(self.transform(data, sample, epoch) if self.transform is not None else data)
+                    labels.append(label)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
             if self.transform is None:
                 out = {"data": images}
             else:
@@ -94,17 +106,10 @@ class _Samples:
         out["sample"] = torch.tensor([it[1] for it in items], dtype=torch.int64)
         return out
 
-    def _fd(self, path: str) -> int:
-        fd = self._fds.pop(path, None)
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY)
-            if len(self._fds) >= OPEN_FILES:
-                os.close(self._fds.popitem(last=False)[1])
-        self._fds[path] = fd
-        return fd
-
     def _rows(self, items: list[tuple]) -> dict:
-        """Parquet rows, read by row group (kept decoded, LRU) and taken in the items' order."""
+        """Parquet rows, read by row group (kept decoded, LRU) and taken in the items' order. Files
+        are opened only to read a row group and closed at once (see __getitems__: a cap bounds the
+        disk); the parsed footers are kept, so a reopen reads no footer."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -112,15 +117,19 @@ class _Samples:
 
         parts = []
         for _epoch, _sample, path, row in items:
-            pf = self._parquet.pop(path, None) or pq.ParquetFile(path)
-            self._parquet[path] = pf
-            if len(self._parquet) > OPEN_FILES:
-                self._parquet.popitem(last=False)
-            starts = np.cumsum([0] + [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
+            footer = self._footers.pop(path, None)
+            if footer is None:
+                meta = pq.read_metadata(path)
+                footer = (meta, np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]))
+            self._footers[path] = footer
+            if len(self._footers) > FOOTERS:
+                self._footers.popitem(last=False)
+            meta, starts = footer
             g = int(np.searchsorted(starts, row, side="right") - 1)
             table = self._groups.pop((path, g), None)
             if table is None:
-                table = pf.read_row_group(g, columns=self.columns)
+                with pq.ParquetFile(path, metadata=meta) as pf:
+                    table = pf.read_row_group(g, columns=self.columns)
             self._groups[(path, g)] = table
             if len(self._groups) > ROW_GROUPS:
                 self._groups.popitem(last=False)
@@ -164,6 +173,13 @@ class StreamLoader:
         self._open: dict[int, Future] = {}
         self._pins: dict[int, contextlib.ExitStack] = {}
         self._lock = threading.Lock()
+        self._versions: dict[int, tuple[str, int]] = {}  # asked of the store: shards the index has no version of
+        unversioned = sum(1 for s in self.index.shards if not (s.version and s.bytes))
+        if unversioned:
+            log.warning("the index of %s has no version for %d of its %d shards (written before indexes recorded "
+                        "them): this loader asks the store for each of those once (a HEAD), so its first epoch "
+                        "needs the store even when the cache holds every shard; rewrite the index to avoid it",
+                        self.index.prefix or self.index.uri(0), unversioned, len(self.index.shards))
         self.fetch_wait_s = 0.0
         self.set_epoch(epoch, start)
 
@@ -204,11 +220,26 @@ class StreamLoader:
                 "fetch_wait_s": round(self.fetch_wait_s, 3)}
 
     # -- shards ---------------------------------------------------------------------------------
+    def _version(self, shard: int) -> tuple[str, int]:
+        """The shard's (version, size), which the cache keys its entry on: from the index, so a
+        cached shard is read with no request to the store (a warm epoch runs with the store down).
+        For a shard the index has no version of, asked of the store once and kept for later epochs."""
+        entry = self.index.shards[shard]
+        if entry.version and entry.bytes:
+            return entry.version, entry.bytes
+        with self._lock:
+            known = self._versions.get(shard)
+        if known is None:
+            known = self.cache.current_version(self.index.uri(shard))
+            with self._lock:
+                self._versions[shard] = known
+        return known
+
     def _fetch(self, shard: int) -> _Local:
         uri = self.index.uri(shard)
         stack = contextlib.ExitStack()
         try:
-            path = stack.enter_context(self.cache.open_local(uri))
+            path = stack.enter_context(self.cache.open_local(uri, *self._version(shard)))
             members = None
             if self.index.format == "wds-tar":
                 members = tar_members(path, uri, self.index.labels)

@@ -2,7 +2,8 @@
 
 `workflows data synth-images` (and `workflows bench images`) write `<out>/shard-NNNNNN.tar`
 (`<key>.jpg` + `<key>.cls`, as webdataset reads them) and `<out>/index.json`:
-`{"format": "wds-tar", "version": 1, "shards": [{"name", "samples", "bytes"}, ...], "classes": N}`.
+`{"format": "wds-tar", "version": 1, "shards": [{"name", "samples", "bytes", "version"}, ...], "classes": N}`
+(each shard's object version, so that a reader asks the store nothing for a shard it has cached).
 
 The images must cost what real photos cost to move and decode: about 400 x 350 pixels and 80-150 KB
 each, with detail at every scale (flat colours would compress to a few KB and decode in no time).
@@ -167,15 +168,20 @@ _painter: Painter | None = None
 def _write_one(args) -> dict:
     """In a worker process: build shard `index` and write it to `out`."""
     global _painter
-    from workflows.storage.uri import join, write_bytes_atomic
+    from workflows.storage.transfer import object_version
+    from workflows.storage.uri import filesystem, join, reaching, write_bytes_atomic
 
     spec, ctx, out, index, target = args
     if _painter is None or _painter.spec != spec:
         _painter = Painter(spec)
     data, samples = build_shard(_painter, index, target)
     name = f"shard-{index:06d}.tar"
-    write_bytes_atomic(join(out, name), data, ctx)
-    return {"name": name, "samples": samples, "bytes": len(data)}
+    uri = join(out, name)
+    write_bytes_atomic(uri, data, ctx)
+    fs, path = filesystem(uri, ctx)
+    with reaching(uri, ctx):  # the version the shard cache keys on: readers then need no request per cached shard
+        version = object_version(fs.info(path))
+    return {"name": name, "samples": samples, "bytes": len(data), "version": version}
 
 
 def synth_images(out: str, size_bytes: int, ctx, spec: SynthSpec = SynthSpec(), workers: int | None = None,

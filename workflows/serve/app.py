@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
 from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path  # noqa: F401 (re-exported)
 from workflows.storage.uri import StorageContext
@@ -33,26 +34,23 @@ from workflows.storage.uri import StorageContext
 # first use inside a replica, so Serve adds its deployment/replica/application tags.
 LATENCY_MS_BOUNDARIES = [1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
 BATCH_SIZE_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-_serve_metrics: dict | None = None
 
 
+@per_cluster  # a replica lives in one cluster; an in-process app (tests) may see two
 def serve_metrics() -> dict:
-    global _serve_metrics
-    if _serve_metrics is None:
-        from ray.serve import metrics
+    from ray.serve import metrics
 
-        tags = ("endpoint", "status")
-        _serve_metrics = {
-            "requests": metrics.Counter(
-                "workflows_serve_requests", description="HTTP requests by endpoint and status code", tag_keys=tags),
-            "latency_ms": metrics.Histogram(
-                "workflows_serve_request_latency_ms", description="HTTP request latency in the replica (ms)",
-                boundaries=LATENCY_MS_BOUNDARIES, tag_keys=tags),
-            "batch_size": metrics.Histogram(
-                "workflows_serve_batch_size", description="instances per batched model call",
-                boundaries=BATCH_SIZE_BOUNDARIES),
-        }
-    return _serve_metrics
+    tags = ("endpoint", "status")
+    return {
+        "requests": metrics.Counter(
+            "workflows_serve_requests", description="HTTP requests by endpoint and status code", tag_keys=tags),
+        "latency_ms": metrics.Histogram(
+            "workflows_serve_request_latency_ms", description="HTTP request latency in the replica (ms)",
+            boundaries=LATENCY_MS_BOUNDARIES, tag_keys=tags),
+        "batch_size": metrics.Histogram(
+            "workflows_serve_batch_size", description="instances per batched model call",
+            boundaries=BATCH_SIZE_BOUNDARIES),
+    }
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:

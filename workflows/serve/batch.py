@@ -18,7 +18,10 @@ from workflows.storage.uri import filesystem, join, pyarrow_filesystem, with_pro
 def check_predict(cfg, ctx, model_spec: str, output_uri: str) -> str:
     """The model is registered and the output is new (never mixed with an earlier run's files):
     NAME:VERSION of the model."""
+    from workflows.tasks import check_card_task
+
     ref = registry.resolve(cfg, ctx, model_spec)
+    check_card_task(cfg, registry.model_card(cfg, ctx, model_spec))
     fs, out_path = filesystem(output_uri, ctx)
     if fs.exists(out_path) and fs.ls(out_path):
         raise UserError(f"{output_uri} is not empty; give predict a new output URI")

@@ -131,7 +131,10 @@ def _b64_image(value: object) -> bytes:
         raise PydanticCustomError("b64", "invalid base64 ({reason})", {"reason": str(e)}) from None
 
 
-B64_PATTERN = r"^[A-Za-z0-9+/_-]*={0,2}$"
+# What decode_b64 takes: one alphabet, whole 4-character groups, then 2 or 3 characters, their padding
+# optional (a lone character, or "AB=", cannot be base64: a schema-driven fuzzer sent them as valid).
+_B64 = "(?:{c}{{4}})*(?:{c}{{2}}(?:==)?|{c}{{3}}=?)?"
+B64_PATTERN = f"^(?:{_B64.format(c='[A-Za-z0-9+/]')}|{_B64.format(c='[A-Za-z0-9_-]')})$"
 
 B64Image = Annotated[bytes, BeforeValidator(_b64_image), WithJsonSchema({
     "type": "string", "contentEncoding": "base64", "minLength": 1, "pattern": B64_PATTERN,
@@ -323,7 +326,7 @@ def with_image_request_body(openapi: dict, path: str, request_model: type[BaseMo
         for code, text in image_error_descriptions(max_items, max_body_bytes).items():
             if str(code) in op.get("responses", {}):
                 op["responses"][str(code)]["description"] = text
-    binary: dict[str, Any] = {"type": "string", "format": "binary"}
+    binary: dict[str, Any] = {"type": "string", "format": "binary", "minLength": 1}  # 0 bytes: a 422
     files = {"type": "array", "minItems": 1, **({"maxItems": max_items} if max_items else {}),
              "items": {**binary, "contentMediaType": "application/octet-stream"},
              "description": "one file part per image, in order (any field name; each part needs a filename)"}
@@ -334,8 +337,19 @@ def with_image_request_body(openapi: dict, path: str, request_model: type[BaseMo
             JSON_TYPE: {"schema": {"$ref": ref}, "example": schema["examples"][0]},
             **{t: {"schema": dict(binary)} for t in IMAGE_TYPES},
             MULTIPART_TYPE: {
-                "schema": {"type": "object", "properties": {"images": files}, "required": ["images"]},
-                "encoding": {"images": {"contentType": ", ".join(IMAGE_TYPES)}},
+                # `images` only: the parser takes file parts under any name, but a plain form field is a
+                # 422, and a schema left open would declare such fields valid (the fuzzer sends them)
+                "schema": {"type": "object", "properties": {"images": files}, "required": ["images"],
+                           "additionalProperties": False},
+                "encoding": {"images": {"contentType": ", ".join(IMAGE_TYPES), "headers": {
+                    # the rule no part schema states: a part without a filename is a form field, a 422
+                    # (a client that follows the document, schemathesis included, names its files)
+                    "Content-Disposition": {
+                        "description": "each part is a file: form-data with a filename",
+                        "required": True,
+                        "schema": {"type": "string", "pattern": "filename=",
+                                   "example": 'form-data; name="images"; filename="image.png"'},
+                    }}}},
             },
         },
     }

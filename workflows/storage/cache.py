@@ -102,6 +102,12 @@ class ShardCache:
         finally:
             os.close(fd)  # drops the shared flock: the pin
 
+    def current_version(self, uri: str) -> tuple[str, int]:
+        """(version, size) of the object behind `uri` now: one request to the store (a HEAD on s3),
+        for a caller without them from a listing or an index to hand to `open_local` later."""
+        src = self._stat(uri)
+        return src.version, src.size
+
     def verify(self, uri: str) -> bool:
         """Re-hash the cached copy of `uri`'s current version against its sidecar.
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from workflows.cluster_scoped import per_cluster
+
 ACTOR_NAME = "workflows-cache-stats"
 FIELDS = ("hits", "misses", "bytes_from_store", "bytes_from_cache", "evictions")
-_metrics: dict | None = None
 
 
 def _actor_class():
@@ -31,16 +32,12 @@ def _actor_class():
     return CacheStatsActor
 
 
-_tracker = None
-
-
+@per_cluster
 def tracker():
     """The cluster's stats actor, created on first use by the driver, which keeps the handle
-    (a named actor without a handle held anywhere is collected at once)."""
-    global _tracker
-    if _tracker is None:
-        _tracker = _actor_class().options(name=ACTOR_NAME, get_if_exists=True).remote()
-    return _tracker
+    (a named actor without a handle held anywhere is collected at once); another handle once the
+    process is on another cluster (workflows.cluster_scoped)."""
+    return _actor_class().options(name=ACTOR_NAME, get_if_exists=True).remote()
 
 
 def snapshot() -> dict:
@@ -53,15 +50,11 @@ def delta(before: dict, after: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in FIELDS}
 
 
+@per_cluster
 def _counters() -> dict:
-    global _metrics
-    if _metrics is None:
-        from ray.util.metrics import Counter
+    from ray.util.metrics import Counter
 
-        _metrics = {
-            k: Counter(f"workflows_cache_{k}", description=f"shard cache {k.replace('_', ' ')}") for k in FIELDS
-        }
-    return _metrics
+    return {k: Counter(f"workflows_cache_{k}", description=f"shard cache {k.replace('_', ' ')}") for k in FIELDS}
 
 
 def report(before, after) -> None:

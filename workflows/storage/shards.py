@@ -10,7 +10,8 @@ import tarfile
 from dataclasses import dataclass
 
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, filesystem
+from workflows.storage.transfer import object_version
+from workflows.storage.uri import StorageContext, filesystem, reaching
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,8 @@ def read_shards(
     task per file would cost more than its read), the shards of one task read by a few threads.
 
     Shards from `list_shards` carry their version and size from the listing, so a warm read
-    sends no request per shard to the object store; plain URIs are stat'ed by the cache.
+    sends no request per shard to the object store; plain URIs get theirs here, from one listing
+    per directory (`with_versions`), as every pass over the dataset re-runs the reads.
 
     Unlike `ray.data.read_parquet`, no file-listing task is scheduled (it asks for a whole CPU even
     when the reads ask for none), and the reads can be given `num_cpus=0` (see
@@ -277,6 +279,8 @@ def read_shards(
     if shards_per_task < 1:
         raise ValueError(f"shards_per_task must be >= 1, got {shards_per_task}")
     shards = [s if isinstance(s, Shard) else Shard(s, 0, "") for s in shards]
+    if cache is not None and cache.enabled:
+        shards = with_versions(shards, ctx)
 
     def read(group: list[Shard], node_id: str | None):
         items = [{"uri": s.uri, "version": s.version, "size": s.size} for s in group]
@@ -308,6 +312,31 @@ def read_shards(
     # two nodes; always for one shard), unplaced reads would land anywhere and fill other caches.
     parts = [read(group, node_id) for node_id, group in groups.items()]
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+
+
+def with_versions(shards: list[Shard], ctx: StorageContext) -> list[Shard]:
+    """`shards`, those without a version (plain URIs, e.g. a processed split's files from its
+    manifest) given their size and version from one listing of each directory that holds them.
+
+    # why: a Ray Dataset re-runs its read tasks on every pass (each training epoch), and a read
+    # task's cache stats a shard it has no version of: a HEAD per shard per epoch, and a warm epoch
+    # that fails with the store down. One listing here, on the driver, once per dataset, spares
+    # them. A shard the listing lacks stays plain (its read names it if it is missing)."""
+    plain = {s.uri.rsplit("/", 1)[0] for s in shards if not s.version and "/" in s.uri}
+    listed: dict[str, dict] = {}
+    for directory in sorted(plain):
+        fs, path = filesystem(directory, ctx)
+        try:
+            with reaching(directory, ctx):
+                entries = fs.ls(path, detail=True)
+        except FileNotFoundError:
+            continue
+        listed.update({e["name"]: e for e in entries if e.get("type") == "file"})
+    out = []
+    for s in shards:
+        entry = None if s.version else listed.get(filesystem(s.uri, ctx)[1])
+        out.append(Shard(s.uri, int(entry["size"]), object_version(entry)) if entry else s)
+    return out
 
 
 def shard_placement(shards: list[Shard]) -> dict[str, list[Shard]]:

@@ -49,7 +49,9 @@ def task_class(name: str) -> type[Task]:
     module_name, _, attr = target.partition(":")
     try:
         if "" not in sys.path and module_name.split(".")[0] != "workflows":
-            sys.path.insert(0, "")  # a plug-in in the working directory (python -m adds it; console scripts don't)
+            # a plug-in in the working directory (python -m adds it; console scripts don't): last, so
+            # that a file there never shadows an installed module
+            sys.path.append("")
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise UserError(f"model.task {name!r}: cannot import module {module_name!r} ({e}); make it importable: "
@@ -73,7 +75,7 @@ def plugin_source(name: str) -> str | None:
     if top == "workflows":
         return None
     if "" not in sys.path:
-        sys.path.insert(0, "")  # as task_class finds it
+        sys.path.append("")  # as task_class finds it
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
@@ -93,6 +95,19 @@ def get_task(cfg: WorkflowConfig) -> Task:
     return task_class(cfg.model.task)(cfg)
 
 
+def check_card_task(cfg: WorkflowConfig, card: ModelCard) -> str:
+    """The task a registered model's card names, if this command may import it: a built-in, the
+    config's own `model.task`, or one listed in `model.trusted_tasks`. The card is read from the
+    store, so whoever can write to the bucket would otherwise choose the code that every replica and
+    evaluator imports."""
+    name = CARD_ALIASES.get(card.task or "classification", card.task or "classification")
+    if name in BUILTIN or name == cfg.model.task or name in cfg.model.trusted_tasks:
+        return name
+    raise UserError(
+        f"model {card.name}:v{card.version} names the plug-in task {name!r}, which this command does not import: "
+        f"run it with the config that trained it (--set model.task={name}) or list it in model.trusted_tasks")
+
+
 def task_for_card(cfg: WorkflowConfig, card: ModelCard) -> Task:
     """The task that trained a registered model (its card's `task`), for serving and evaluation."""
-    return task_class(card.task or "classification")(cfg)
+    return task_class(check_card_task(cfg, card))(cfg)

@@ -11,18 +11,21 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-# Per-epoch metrics a run logs (step = epoch), when the epoch's metrics have them.
+# Per-epoch metrics a run logs (step = epoch), when the epoch's metrics have them; and every other
+# number a task's validate reports (val_*: a plug-in's own, such as val_r2).
 EPOCH_METRICS = ("train_loss", "val_f1", "val_accuracy", "val_loss", "val_perplexity", "samples_per_s",
                  "tokens_per_s", "epoch_seconds", "val_seconds", "data_wait_seconds", "checkpoint_seconds", "lr",
                  "mfu")
 
 
 def epoch_metrics(metrics: dict, step_losses: list[float] | None, step_loss_every: int) -> list[tuple[str, float, int]]:
-    """(key, value, step) of one epoch: the EPOCH_METRICS at step=epoch, and every `step_loss_every`-th
-    optimizer step's loss (all ranks averaged) as train_step_loss at its global step."""
+    """(key, value, step) of one epoch: the EPOCH_METRICS and the task's val_* numbers at step=epoch, and
+    every `step_loss_every`-th optimizer step's loss (all ranks averaged) as train_step_loss at its global
+    step."""
     epoch = int(metrics["epoch"])
-    out = [(k, float(metrics[k]), epoch) for k in EPOCH_METRICS
-           if isinstance(metrics.get(k), int | float) and metrics.get(k) is not None]
+    keys = [*EPOCH_METRICS, *sorted(k for k in metrics if k.startswith("val_") and k not in EPOCH_METRICS)]
+    out = [(k, float(metrics[k]), epoch) for k in keys
+           if isinstance(metrics.get(k), int | float) and not isinstance(metrics.get(k), bool)]
     losses = step_losses or []
     first = int(metrics.get("global_step", len(losses))) - len(losses)  # global step before this epoch
     out += [("train_step_loss", float(loss), first + i + 1) for i, loss in enumerate(losses)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset
@@ -196,21 +197,22 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
             logger.close(timeout=30)
 
 
-_GAUGES: dict = {}
+@per_cluster  # one Gauge per process and cluster: Ray metrics register by name with the core worker
+def _gauges() -> dict:
+    from ray.util import metrics as ray_metrics
+
+    return {
+        name: ray_metrics.Gauge(f"workflows_train_{name}", tag_keys=("run",),
+                                description=f"training throughput, {name.replace('_per_', '/')}")
+        for name in ("samples_per_second", "tokens_per_second")
+    }
 
 
 def record_throughput(run: str, metrics: dict) -> None:
     """The epoch's samples/s and tokens/s (all ranks) as Ray metrics, for Prometheus/Grafana."""
-    from ray.util import metrics as ray_metrics
-
+    gauges = _gauges()
     for name, key in (("samples_per_second", "samples_per_s"), ("tokens_per_second", "tokens_per_s")):
-        if name not in _GAUGES:  # one Gauge per process: Ray metrics register by name
-            _GAUGES[name] = ray_metrics.Gauge(
-                f"workflows_train_{name}",
-                description=f"training throughput, {name.replace('_per_', '/')}",
-                tag_keys=("run",),
-            )
-        _GAUGES[name].set(float(metrics[key]), tags={"run": run})
+        gauges[name].set(float(metrics[key]), tags={"run": run})
 
 
 def ingest_config():
