@@ -189,16 +189,17 @@ class MlflowServer:
     db: Path
 
 
-def start_mlflow_server(tmp: Path) -> tuple[subprocess.Popen, MlflowServer]:
+def start_mlflow_server(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, MlflowServer]:
     """A real `mlflow server` process on 127.0.0.1: SQLite backend, no artifact store of its own
-    (the experiments the platform creates keep their artifacts on the configured object store)."""
+    (the experiments the platform creates keep their artifacts on the configured object store).
+    `port`: the port of a server of `tmp` that was stopped (started again on its store)."""
     from tests.helpers import free_port
     from workflows.tracking.commands import server_command
 
     db = tmp / "mlflow.db"
-    cmd = [*server_command(f"sqlite:///{db}", "127.0.0.1", free_port()),
+    cmd = [*server_command(f"sqlite:///{db}", "127.0.0.1", port or free_port()),
            "--no-serve-artifacts", "--default-artifact-root", "s3://workflows/mlflow"]
-    log = open(tmp / "mlflow-server.log", "w")  # the process writes it until the session ends
+    log = open(tmp / "mlflow-server.log", "a")  # the process writes it until the session ends
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     return proc, MlflowServer(url=f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", db=db)

@@ -31,3 +31,18 @@ def tiny_overrides(tmp: Path) -> list[str]:
         # command would otherwise create and migrate a SQLite store of its own
         "tracking.enabled=false",
     ]
+
+
+def wait_until(condition, timeout: float, what: str, every: float = 0.1):
+    """Poll `condition()` until it returns something truthy (returned), or fail naming `what` after
+    `timeout` s: the tests wait on the condition itself, never on a guessed sleep."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)

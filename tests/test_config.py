@@ -133,3 +133,22 @@ def test_tuned_params_make_a_new_validated_config():
     assert tuned.model_dump(exclude={"train"}) == cfg.model_dump(exclude={"train"})
     with pytest.raises(ValidationError):
         apply_params(cfg, {"train.lr": -1})
+
+
+def test_without_config_a_model_commands_outputs_go_under_the_models_name():
+    """`evaluate --model wine` and `predict --model wine:2` without --config: the summary, plots and
+    logs go under runs/wine/, not runs/quickstart/ (the shipped config's name); an explicit --config
+    or --set name=... keeps its own. The command lines are parsed by the real commands."""
+    import typer
+
+    from workflows import cli
+
+    def loaded(command: str, *args: str):
+        cmd = typer.main.get_command(cli.app).commands[command]  # type: ignore[attr-defined]
+        ctx = cmd.make_context(command, [*args])
+        return load_config(ctx.params["config"], cli.named_after_model(ctx.params["set"], ctx, ctx.params["model"]))
+
+    assert loaded("evaluate", "--model", "wine", "--split", "test").name == "wine"
+    assert loaded("predict", "--model", "wine:2", "--data", "d/", "--output", "o/").name == "wine"
+    assert loaded("evaluate", "--model", "wine", "--split", "test", "--config", "quickstart").name == "quickstart"
+    assert loaded("evaluate", "--model", "wine", "--split", "test", "--set", "name=mine").name == "mine"

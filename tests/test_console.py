@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import QUICKSTART, run_cli
-from tests.helpers import tiny_overrides
+from tests.helpers import tiny_overrides, wait_until
 
 RAY_NOISE = re.compile(r"\(\S*\s?pid=\d+|\x1b\[[0-9;?]*[A-HJKSTf]|\r|INFO |WARNING |streaming_executor")
 
@@ -116,12 +116,18 @@ def test_sigterm_stops_a_long_command_in_one_line_and_leaves_no_ray(tmp_path):
                                  *sets(overrides)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=sink,
                                 start_new_session=True)
     try:
-        deadline = time.time() + 240
-        while "workflows ray: started" not in err.read_text() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        time.sleep(2)
-        ray_procs = psutil.Process(proc.pid).children(recursive=True)
-        assert proc.poll() is None and ray_procs, err.read_text()
+        def ray_workers() -> list[psutil.Process] | None:
+            """The command's processes once it is preprocessing on Ray's workers (None before)."""
+            assert proc.poll() is None, err.read_text()
+            if "shard(s) from" not in err.read_text():  # Ray up, the stage's work under way
+                return None
+            procs = psutil.Process(proc.pid).children(recursive=True)
+            try:
+                return procs if any(p.name().startswith("ray::") for p in procs) else None
+            except psutil.NoSuchProcess:
+                return None
+
+        ray_procs = wait_until(ray_workers, 240, "the command to preprocess on Ray's workers", every=0.2)
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
@@ -135,9 +141,20 @@ def test_sigterm_stops_a_long_command_in_one_line_and_leaves_no_ray(tmp_path):
     assert lines[-1].startswith("stopped by SIGTERM; Ray's output is in "), text
     assert not lines[-2].startswith("stopped"), text  # one line
     assert "Traceback" not in text
-    time.sleep(2)
-    left = [p for p in ray_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left, [p.cmdline()[:2] for p in left]
+    def left() -> list[str]:
+        out = []
+        for p in ray_procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(" ".join(p.cmdline()[:2]))
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    deadline = time.time() + 2  # gone within 2 s of the exit, as before; no wait once they are gone
+    while (still := left()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not still, still
 
 
 def test_epoch_progress_prints_epoch_ends_not_step_checkpoints(monkeypatch):
@@ -153,3 +170,30 @@ def test_epoch_progress_prints_epoch_ends_not_step_checkpoints(monkeypatch):
     assert said == []
     callback.after_report(None, [{"epoch": 0, "train_loss": 1.303, "val_f1": 0.8515}], None)
     assert len(said) == 1 and said[0].startswith("train: epoch 0 (1 of 1) done: loss 1.3030, val_f1 0.8515"), said
+
+
+def test_the_token_note_is_shown_once_per_machine_for_a_cluster_the_command_starts(tmp_path, monkeypatch, capsys):
+    """Ray's token-authentication line, as a command's log file gets it from ray.init: for a cluster
+    the command starts itself, on the terminal the first time on this machine only; for a cluster
+    it joins, every time (the user's state directory keeps the marker)."""
+    from workflows import console
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    ray_line = ("2026-11-26 13:00:00,000\tWARNING authentication_token_setup.py:86 -- Token authentication is "
+                "enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.\n")
+
+    def command(own_cluster: bool) -> str:
+        """What one command's relay puts on the terminal."""
+        monkeypatch.setattr(console, "_own_cluster", own_cluster)
+        log = tmp_path / f"command-{len(list(tmp_path.glob('command-*')))}.log"
+        log.touch()
+        relay = console.Relay(log)
+        log.write_text(ray_line)
+        relay.poll()
+        return capsys.readouterr().err
+
+    note = "Ray token authentication is on"
+    assert note in command(own_cluster=True)
+    assert note not in command(own_cluster=True)
+    assert note in command(own_cluster=False) and note in command(own_cluster=False)
+    assert (tmp_path / "state" / "workflows" / "shown" / "ray-token-auth-on").exists()

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from tests.conftest import QUICKSTART, ROOT, sets
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -423,7 +423,10 @@ def test_sigterm_drains_and_stops_cleanly(serving):
     threads = [threading.Thread(target=client) for _ in range(8)]
     for th in threads:
         th.start()
-    time.sleep(2)
+    # the clients under way (two answers a client, on average) rather than a guessed sleep; a client
+    # that got anything but a 200 stops, which ends the wait too and fails the check below
+    wait_until(lambda: len(outcomes) >= 2 * len(threads) or not all(th.is_alive() for th in threads), 60,
+               "the keep-alive clients' first answers")
     before = len(outcomes)
     t0 = time.time()
     serving.proc.send_signal(signal.SIGTERM)

@@ -101,6 +101,20 @@ def test_a_task_that_does_not_import_is_a_clear_user_error(plugin_path):
         task_class("tabular_task:Options")  # a class, not a task
 
 
+def test_a_plugin_that_does_not_import_stops_the_cli_before_anything_is_created(tmp_path):
+    """A plug-in task that is not on the path, from a new user's empty directory: one line naming it
+    and saying how to make it importable, and no embedded store (`.workflows/`) left there."""
+    from tests.conftest import ROOT
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    res = run_cli("preprocess", "--set", "model.task=no_such_module:Task", env=env, cwd=tmp_path, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert "cannot import module 'no_such_module'" in line and "PYTHONPATH" in line and "pip install -e" in line
+    assert "--working-dir" in line, line
+    assert not list(tmp_path.iterdir()), list(tmp_path.rglob("*"))
+
+
 def test_tuning_ranks_trials_by_the_tasks_own_metric_unless_told(tmp_path, plugin_path):
     from workflows.tune.search import with_task_metric
 

@@ -70,6 +70,19 @@ def test_ray_address_in_the_environment_is_joined_without_local_cluster_settings
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
 
 
+def test_the_dashboard_port_is_a_config_key_and_the_variable_still_works(monkeypatch):
+    from workflows.net import free_ports
+
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    configured, from_env = free_ports(2)
+    monkeypatch.delenv("WORKFLOWS_DASHBOARD_PORT", raising=False)
+    assert _init_kwargs(monkeypatch, f"ray.dashboard_port={configured}")["dashboard_port"] == configured
+    monkeypatch.setenv("WORKFLOWS_DASHBOARD_PORT", str(from_env))
+    assert _init_kwargs(monkeypatch)["dashboard_port"] == from_env
+    # the config wins
+    assert _init_kwargs(monkeypatch, f"ray.dashboard_port={configured}")["dashboard_port"] == configured
+
+
 def test_local_cluster_where_ray_address_is_local_or_overridden(monkeypatch):
     for env, overrides in (("local", ()), ("", ()), (GCS, ("ray.address=local",))):
         monkeypatch.setenv("RAY_ADDRESS", env)
@@ -77,3 +90,17 @@ def test_local_cluster_where_ray_address_is_local_or_overridden(monkeypatch):
         assert kwargs["address"] == "local" and kwargs["num_cpus"] == 2 and "dashboard_port" in kwargs, (env, kwargs)
     monkeypatch.setenv("RAY_ADDRESS", GCS)
     assert _init_kwargs(monkeypatch, "ray.address=10.0.0.5:6379")["address"] == "10.0.0.5:6379"  # the config wins
+
+
+def test_only_a_cluster_the_command_starts_quiets_the_token_note(monkeypatch):
+    """console shows Ray's token-authentication line once per machine for a cluster of the command's
+    own (started here) only; a joined cluster's line is shown every time."""
+    from workflows import console
+
+    monkeypatch.setattr(console, "_own_cluster", False)
+    monkeypatch.setenv("RAY_ADDRESS", GCS)
+    _init_kwargs(monkeypatch)
+    assert not console._own_cluster
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    _init_kwargs(monkeypatch)
+    assert console._own_cluster

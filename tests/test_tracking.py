@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.conftest import QUICKSTART
-from tests.helpers import free_port
+from tests.conftest import QUICKSTART, start_mlflow_server, wait_healthy
+from tests.helpers import free_port, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,7 @@ def test_unreachable_server_gives_one_warning_and_the_work_goes_on(tmp_path):
     warnings: list[str] = []
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.time()
-    # a store never reached is a configuration error, not a blip: off after CONNECT_SECONDS at most
+    # a store never reached: retried like any call, off after tracking.retry_seconds
     t = _tracking(dead, warnings, tmp_path, "tracking.retry_seconds=3")
     t.parent = t.start("pipeline")
     with t.stage("train") as run:
@@ -427,7 +427,8 @@ def test_a_lasting_failure_marks_the_runs_failed_with_the_gap(mlflow_server, tmp
                 t.tracker.flush()  # the driver's calls all sent: the blip hits the worker's alone
                 blip.fail_for(6)
                 _epochs(logger, [1, 2])
-                time.sleep(6.5)  # off by now; the server is back before the logger closes
+                wait_until(lambda: logger.tracker.off, 30, "the worker's tracking to go off")
+                wait_until(lambda: time.time() > blip.until, 10, "the blip to end")  # back before the close
         t.close()
     finally:
         blip.close()
@@ -509,3 +510,133 @@ def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_serv
     assert vals[0].timestamp < vals[1].timestamp  # logged as each epoch ended
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_step_loss"))
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2  # every step once, epochs in a row
+
+
+class _Restartable:
+    """A real `mlflow server` process of this module's own, which a test stops and starts again on
+    the same port and store (the session's server serves the other tests meanwhile)."""
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.url = f"http://127.0.0.1:{_outside_ephemeral_port()}"
+        self.start()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+    def start(self) -> None:
+        self.proc, _ = start_mlflow_server(self.tmp, int(self.url.rsplit(":", 1)[1]))
+        wait_healthy(self.proc, self.url)
+
+
+def _outside_ephemeral_port() -> int:
+    """A port that binds now, below the ephemeral range: while the server is down, no outgoing
+    connection of another process on the machine can take it (ARCHITECTURE.md, Invariants)."""
+    import random
+    import socket
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for port in random.sample(range(10000, low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{low}")
+
+
+@pytest.fixture(scope="module")
+def restartable(tmp_path_factory):
+    server = _Restartable(tmp_path_factory.mktemp("mlflow-restartable"))
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_a_server_down_at_a_workers_first_call_loses_no_metric(restartable, tmp_path):
+    """A worker process (rank 0, a trial) whose first call comes while the server is down, from
+    before its first epoch's report until 30 s later (past the 15 s a first contact once had): it
+    retries for tracking.retry_seconds like any call, training never waits, every epoch arrives."""
+    import dataclasses
+
+    from mlflow import MlflowClient
+
+    from workflows.tracking.client import RunLogger
+
+    warnings: list[str] = []
+    t = _tracking(restartable.url, warnings, tmp_path, "tracking.experiment=first-contact",
+                  "tracking.retry_seconds=120")
+    with t.stage("train") as run:
+        assert run.info(60) is not None  # the driver reached the server; its worker has not yet
+        t.tracker.flush()
+        # a new process knows the run by its key only (Run.spec before the run is created)
+        spec = dataclasses.replace(run.spec(), run_id=None, experiment_id=None)
+        restartable.stop()
+        try:
+            with RunLogger(spec, warnings.append) as logger:
+                t0 = time.time()
+                _epochs(logger, [0])  # the first call of the process
+                assert time.time() - t0 < 1  # training never waits on the server
+                time.sleep(30)  # the outage: the server stays down this long after the first report
+                assert not logger.tracker.off, warnings
+                _epochs(logger, [1])
+                restartable.start()
+                _epochs(logger, [2])
+        finally:
+            if restartable.proc.poll() is not None:
+                restartable.start()
+        run.log_metrics({"fit_seconds": 1.5})
+    t.close()
+    assert not any("is off" in w for w in warnings), warnings
+    assert _tracking_report(tmp_path)["complete"]
+    client = MlflowClient(restartable.url)
+    r = client.get_run(run.id)
+    assert r.info.status == "FINISHED" and r.data.metrics["fit_seconds"] == 1.5
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.id, "train_loss"))
+    assert history == [(e, pytest.approx(1.0 / (e + 1))) for e in range(3)]
+
+
+@pytest.mark.slow
+def test_a_workers_first_contact_failing_past_the_window_marks_the_runs_failed(restartable, tmp_path):
+    """The server down for longer than tracking.retry_seconds from a worker's first call on: its
+    tracking goes off, and though it never reached the server, its gap is recorded once the server
+    is back: on its run (found by its key), or, for a trial whose child run was never created, on
+    the tune run. The driver marks both FAILED and tracking.json says incomplete."""
+    import dataclasses
+
+    from mlflow import MlflowClient
+
+    from workflows.tracking.client import GAP_TAG, RunLogger
+
+    warnings: list[str] = []
+    t = _tracking(restartable.url, warnings, tmp_path, "tracking.experiment=first-contact-gap",
+                  "tracking.retry_seconds=3")
+    trial = {"name": "trial-x_00000", "tags": {"workflows.stage": "trial"}, "params": {"train.lr": "0.1"},
+             "key": {"ray.trial_id": "x_00000", "tune.experiment": "first-contact-gap-tune"}}
+    with t.stage("tune") as tune, t.stage("train") as run:
+        assert tune.info(60) is not None and run.info(60) is not None
+        t.tracker.flush()
+        rank0_spec = dataclasses.replace(run.spec(), run_id=None, experiment_id=None)
+        restartable.stop()
+        try:
+            rank0 = RunLogger(rank0_spec, warnings.append)
+            trial_logger = RunLogger(tune.spec(), warnings.append, child=trial)
+            _epochs(rank0, [0, 1])
+            _epochs(trial_logger, [0])
+            wait_until(lambda: rank0.tracker.off and trial_logger.tracker.off, 60, "both workers' tracking to go off")
+        finally:
+            restartable.start()
+        rank0.close()
+        trial_logger.end()
+        trial_logger.close()
+    t.close()
+    assert sum("is off for this process" in w for w in warnings) == 2, warnings
+    assert any("experiment tracking incomplete: 2 run(s)" in w for w in warnings), warnings
+    client = MlflowClient(restartable.url)
+    for r in (client.get_run(run.id), client.get_run(tune.id)):
+        assert r.info.status == "FAILED" and "tracking call(s) not logged" in r.data.tags[GAP_TAG], r
+    assert client.get_metric_history(run.id, "train_loss") == []
+    report = _tracking_report(tmp_path)
+    assert not report["complete"] and sorted(report["runs_with_gaps"]) == sorted([run.id, tune.id])

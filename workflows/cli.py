@@ -12,6 +12,7 @@ import typer
 
 from workflows import console, stop
 from workflows.errors import UserError, find_user_error
+from workflows.overrides import named_after_model
 from workflows.storage.atomic import atomic_write
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -94,8 +95,8 @@ def _registered(*specs: str) -> Callable:
     return check
 
 
-def _task_ready(cfg, storage) -> None:
-    """A before_ray check: the config's task imports and takes its model.options."""
+def _task_ready(cfg) -> None:
+    """An on_load check: the config's task imports and takes its model.options (before the store starts)."""
     from workflows.tasks import get_task
 
     get_task(cfg).check_config()
@@ -113,7 +114,7 @@ def preprocess(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose:
     from workflows.pipeline import stage_preprocess
 
     _in_runtime("preprocess", config, set, stage_preprocess, verbose=verbose,
-                before_ray=_task_ready)
+                on_load=_task_ready)
 
 
 @app.command()
@@ -124,7 +125,7 @@ def train(config: str = ConfigOpt, set: list[str] | None = SetOpt,
     from workflows.pipeline import stage_preprocess, stage_train
 
     _in_runtime("train", config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
-                before_ray=_task_ready)
+                on_load=_task_ready)
 
 
 @app.command()
@@ -135,15 +136,14 @@ def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
     from workflows.pipeline import stage_preprocess, stage_tune
 
     _in_runtime("tune", config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
-                before_ray=_task_ready)
+                on_load=_task_ready)
 
 
 @app.command()
 def evaluate(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
-    data: str | None = typer.Option(
-        None, "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's columns"
-    ),
+    data: str | None = typer.Option(None, "--data", "-d", help="URI of CSV/JSONL/parquet rows, the model's columns"),
     split: str | None = typer.Option(
         None, "--split", help="instead of --data: train, val or test of the processed dataset the model was trained on"
     ),
@@ -185,11 +185,12 @@ def evaluate(
             console.say(f"evaluate: metrics written to {output}")
         rt.write_summary("evaluate", result)
 
-    _in_runtime("evaluate", config, set, body, before_ray=check, verbose=verbose)
+    _in_runtime("evaluate", config, named_after_model(set, ctx, model), body, before_ray=check, verbose=verbose)
 
 
 @app.command()
 def predict(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="NAME[:VERSION] in the registry"),
     data: str = typer.Option(..., "--data", "-d", help="URI of CSV/JSONL/parquet rows with the model's text columns"),
     output: str = typer.Option(..., "--output", "-o", help="URI of a new directory/prefix for parquet output"),
@@ -210,7 +211,7 @@ def predict(
     _in_runtime(
         "predict",
         config,
-        set,
+        named_after_model(set, ctx, model),
         body,
         before_ray=lambda cfg, storage: check_predict(cfg, storage, model, output),
         verbose=verbose,
@@ -345,11 +346,10 @@ def pipeline(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: b
     from workflows.pipeline import run_pipeline
 
     def check(cfg, storage):
-        _task_ready(cfg, storage)
         if cfg.serve.enabled:
             _serve_port_free(cfg)
 
-    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose, before_ray=check)
+    _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose, before_ray=check, on_load=_task_ready)
 
 
 @app.command()

@@ -97,6 +97,11 @@ class RayConfig(Strict):
         description="start Ray's dashboard with a local cluster; false: fewer processes for a one-node "
         "`workflows serve` (train, tune and `bench serve` need it: Ray Train V2 and the state API use it)",
     )
+    dashboard_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="port of a local cluster's dashboard (a free one instead when it is taken; 0: any free port); "
+        "None: $WORKFLOWS_DASHBOARD_PORT where set, else Ray's 8265",
+    )
 
 
 class DataConfig(Strict):

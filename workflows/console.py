@@ -94,6 +94,32 @@ RAY_WARNINGS: list[tuple[re.Pattern, str | None]] = [
     (re.compile(r"running low on memory|OutOfMemoryError|CUDA out of memory"), None),
     (re.compile(r"is over \d+% full|local disk is full|No space left on device"), None),
 ]
+# RAY_WARNINGS' entries about the machine's Ray setup (token authentication on/off), not about the
+# run: for a cluster the command starts here itself, each is shown once per machine (a marker file
+# under the user's state directory), not by every command; for a cluster it joins, every time.
+MACHINE_NOTES = {0: "ray-token-auth-on", 1: "ray-token-auth-off"}
+_own_cluster = False
+
+
+def own_local_cluster() -> None:
+    """The command starts a cluster of its own on this machine (runtime.init_ray, before ray.init)."""
+    global _own_cluster
+    _own_cluster = True
+
+
+def shown_on_this_machine(note: str) -> bool:
+    """Whether `note` was shown on this machine before; from now on it was."""
+    from platformdirs import user_state_path
+
+    marker = user_state_path("workflows") / "shown" / note
+    if marker.exists():
+        return True
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:  # a read-only home: shown each time, as before
+        pass
+    return False
 
 
 def _ours(line: str) -> bool:
@@ -165,6 +191,8 @@ class Relay(threading.Thread):
         for i, (pattern, message) in enumerate(RAY_WARNINGS):
             if i not in self._warned and pattern.search(text):
                 self._warned.add(i)
+                if i in MACHINE_NOTES and _own_cluster and shown_on_this_machine(MACHINE_NOTES[i]):
+                    continue
                 _emit(_line("workflows warning:", "bold yellow", message or text.strip()[:300]), to_log=False)
 
 

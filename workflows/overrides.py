@@ -43,3 +43,14 @@ def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
             node = child
         node[parts[-1]] = _parse_value(raw)
     return data
+
+
+def named_after_model(overrides: list[str] | None, ctx, model: str) -> list[str]:
+    """`overrides` plus name=<model> for a command that names a registered model (`evaluate --model
+    wine:2`) without --config (`ctx`: its typer.Context): its summary, plots and logs then go under
+    the model's name, not the shipped quickstart config's. `--set name=...` still wins."""
+    overrides = list(overrides or [])
+    if ctx.get_parameter_source("config").name != "DEFAULT" or any(o.split("=", 1)[0].strip() == "name"
+                                                                    for o in overrides):
+        return overrides
+    return [*overrides, f"name={model.split(':', 1)[0]}"]

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workflows import console
 from workflows.config import WorkflowConfig, dump_config
-from workflows.console import console, say, warn  # noqa: F401  (say is imported from here by the stages)
+from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.net import free_port
 from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
@@ -128,6 +129,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         # cluster (unset, empty or "local" here, or overridden by ray.address=local) or the one that
         # the last `ray start` on this machine recorded (anyone's), while saying nothing.
         kwargs["address"] = "local"
+        console.own_local_cluster()  # Ray's token-authentication line: once per machine, not per command
         # Read by Serve's processes as they start (the cluster's environment) and by serve.run here.
         haproxy = ingress.use_haproxy(cfg.serve)
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if haproxy else "0"
@@ -137,7 +139,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         else:
             # A second local cluster on this machine (a test suite, another command) must not lose
             # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
-            kwargs["dashboard_port"] = _port_or_free(dashboard_port())
+            kwargs["dashboard_port"] = _port_or_free(dashboard_port(cfg))
             # Ray's state API (Train V2's placement-group cleaner asks it whether a controller is
             # alive) finds the dashboard by auto-detection, which fails once a machine runs two
             # clusters: the cleaner then never frees a dead trial's resources. Workers inherit this.
@@ -178,10 +180,13 @@ def _warn_missing_gpus(cfg: WorkflowConfig, gpus: float) -> None:
         warn(f"{' and '.join(asked)} {'asks' if len(asked) == 1 else 'ask'} for GPUs, but the Ray cluster has none")
 
 
-def dashboard_port() -> int:
-    """The port a local cluster's dashboard prefers: Ray's 8265, or $WORKFLOWS_DASHBOARD_PORT (0: any
-    free port; the test suite's parallel workers set it, so that two commands starting Ray at once
-    never both pick 8265, one of them then starting without the dashboard that Ray Train needs)."""
+def dashboard_port(cfg: WorkflowConfig | None = None) -> int:
+    """The port a local cluster's dashboard prefers: ray.dashboard_port, else $WORKFLOWS_DASHBOARD_PORT,
+    else Ray's 8265 (0: any free port; the test suite's parallel workers set the variable, so that two
+    commands starting Ray at once never both pick 8265, one of them then starting without the
+    dashboard that Ray Train needs)."""
+    if cfg is not None and cfg.ray.dashboard_port is not None:
+        return cfg.ray.dashboard_port
     return int(os.environ.get("WORKFLOWS_DASHBOARD_PORT") or 8265)
 
 

@@ -54,7 +54,9 @@ def task_class(name: str) -> type[Task]:
             sys.path.append("")
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"model.task {name!r}: cannot import module {module_name!r} ({e})") from None
+        raise UserError(f"model.task {name!r}: cannot import module {module_name!r} ({e}); make it importable: "
+                        "run from the directory that holds it, put that directory on PYTHONPATH or `pip install -e` "
+                        "its project (on a cluster: ray job submit --working-dir)") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserError(f"model.task {name!r}: {module_name}.{attr} is not a workflows.tasks.base.Task subclass")

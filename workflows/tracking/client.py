@@ -4,10 +4,11 @@ waits on the tracking server.
 A call that fails for a reason that may pass (a 5xx or 429, a timeout, a refused connection, a locked
 SQLite store, a run its creator has not created yet) is retried with exponential backoff; the calls
 queued behind it wait in the queue (nothing is lost) until it goes through. Only a failure that
-outlasts `tracking.retry_seconds` turns tracking off in this process: one warning, the calls not
-sent are counted, and when the process ends its runs are tagged with the gap
-(`workflows.tracking_gap`); the driver then marks every run of the command that has a gap FAILED
-and says so in its summary (session.Tracking.close).
+outlasts `tracking.retry_seconds` turns tracking off in this process, the first contact's included
+(a rank 0 or a trial is a new process whose first call may meet an outage): one warning, the calls
+not sent are counted, and when the process ends its runs are tagged with the gap
+(`workflows.tracking_gap`), whether or not it ever reached the store; the driver then marks every
+run of the command that has a gap FAILED and says so in its summary (session.Tracking.close).
 
 MLflow's own asynchronous logging (`log_batch(..., synchronous=False)`) is not used: its queue logs
 a batch that fails and drops it, which is the loss this module exists to prevent.
@@ -33,13 +34,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from workflows.tracking.calls import epoch_metrics, find_run, log_metrics, log_params, now_ms, set_tags
+
 Warn = Callable[[str], None]
 
 RUN_KEY_TAG = "workflows.run_key"  # the key a process elsewhere finds a run by before its id is known
 GAP_TAG = "workflows.tracking_gap"  # set on a run whose process could not log everything
 PERMANENT = ("INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
              "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED", "ENDPOINT_NOT_FOUND")
-CONNECT_SECONDS = 15  # a store never reached within this is a configuration error, not a blip
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,7 @@ class Tracker:
                     return None
                 now = time.monotonic()
                 failing_since = failing_since if failing_since is not None else started
-                window = self.retry_seconds if self._connected else min(self.retry_seconds, CONNECT_SECONDS)
+                window = self.retry_seconds  # the first contact's too: an outage then is a blip as well
                 if now - failing_since >= window or (self._deadline is not None and now >= self._deadline):
                     self.fail(e, run_id)
                     return None
@@ -282,22 +284,22 @@ class Tracker:
         if self.gap.lost:
             self.off = True
 
-    def record_gap(self, run_ids: list[str], status: str | None = None) -> bool:
-        """After close: tag `run_ids` with the gap (and set `status`, e.g. FAILED) on a fresh client,
-        one try: the store may be back by now. Returns whether it worked."""
-        if not run_ids or not self.gap.lost:
+    def record_gap(self, runs: list[str] | Callable[[Any], list[str]], status: str | None = None) -> bool:
+        """After close: tag `runs` (or the runs `runs(client)` names) with the gap, and set `status`
+        (e.g. FAILED), on a fresh client, one try: the store may be back by now, also where this
+        process never reached it. Returns whether it worked."""
+        if not self.gap.lost or (isinstance(runs, list) and not runs):
             return True
-        if not self._connected:  # never reached: no run of this process exists there
-            return False
         try:
             client = self._connect()
-            for run_id in run_ids:
+            for run_id in runs if isinstance(runs, list) else runs(client):
                 client.set_tag(run_id, GAP_TAG, self.gap.describe())
                 if status is not None:
                     client.set_terminated(run_id, status, now_ms())
             return True
         except Exception as e:
-            self._warn(f"experiment tracking: could not record the gap on the run(s) ({one_line(e)})")
+            if self._connected or not transient(e):  # a store never reached yet: its one warning said so
+                self._warn(f"experiment tracking: could not record the gap on the run(s) ({one_line(e)})")
             return False
 
 
@@ -324,39 +326,6 @@ class _RetryLocked:
                     time.sleep(0.5 * (attempt + 1))
 
         return call
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-# Per-epoch metrics a run logs (step = epoch), when the epoch's metrics have them; and every other
-# number a task's validate reports (val_*: a plug-in's own, such as val_r2).
-EPOCH_METRICS = ("train_loss", "val_f1", "val_accuracy", "val_loss", "val_perplexity", "samples_per_s",
-                 "tokens_per_s", "epoch_seconds", "val_seconds", "data_wait_seconds", "checkpoint_seconds", "lr",
-                 "mfu")
-
-
-def epoch_metrics(metrics: dict, step_losses: list[float] | None, step_loss_every: int) -> list[tuple[str, float, int]]:
-    """(key, value, step) of one epoch: the EPOCH_METRICS and the task's val_* numbers at step=epoch, and
-    every `step_loss_every`-th optimizer step's loss (all ranks averaged) as train_step_loss at its global
-    step."""
-    epoch = int(metrics["epoch"])
-    keys = [*EPOCH_METRICS, *sorted(k for k in metrics if k.startswith("val_") and k not in EPOCH_METRICS)]
-    out = [(k, float(metrics[k]), epoch) for k in keys
-           if isinstance(metrics.get(k), int | float) and not isinstance(metrics.get(k), bool)]
-    losses = step_losses or []
-    first = int(metrics.get("global_step", len(losses))) - len(losses)  # global step before this epoch
-    out += [("train_step_loss", float(loss), first + i + 1) for i, loss in enumerate(losses)
-            if (first + i + 1) % step_loss_every == 0]
-    return out
-
-
-def find_run(client, experiment_id: str, tags: dict[str, str]) -> Any:
-    """The newest run of the experiment with all of `tags`, or None."""
-    where = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-    found = client.search_runs([experiment_id], where, max_results=1, order_by=["attributes.start_time DESC"])
-    return found[0] if found else None
 
 
 class RunLogger:
@@ -444,27 +413,14 @@ class RunLogger:
     def close(self, timeout: float = 60) -> None:
         """Send what is queued (for at most `timeout` s); a gap is tagged on the run."""
         self.tracker.close(timeout)
-        if self.tracker.gap.lost and self.run_id is not None:
-            self.tracker.record_gap([self.run_id])
+        if self.tracker.gap.lost:
+            self.tracker.record_gap(self._gap_runs)
 
-
-def log_metrics(client, run_id: str, rows: list[tuple[str, float, int]], ts: int) -> None:
-    from mlflow.entities import Metric
-
-    metrics = [Metric(k, v, ts, step) for k, v, step in rows]
-    for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
-        client.log_batch(run_id, metrics=metrics[i:i + 1000])
-
-
-def log_params(client, run_id: str, params: dict[str, Any]) -> None:
-    from mlflow.entities import Param
-
-    items = [Param(k, str(v)) for k, v in params.items()]
-    for i in range(0, len(items), 100):  # MLflow's limit per batch
-        client.log_batch(run_id, params=items[i:i + 100])
-
-
-def set_tags(client, run_id: str, tags: dict[str, Any]) -> None:
-    from mlflow.entities import RunTag
-
-    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
+    def _gap_runs(self, client) -> list[str]:
+        """The run to tag with this process's gap: its own, found by key where it never got the id;
+        a child run never created leaves the gap on its parent (the driver's run of the stage)."""
+        if self.run_id is not None:
+            return [self.run_id]
+        if self._owns:
+            return [self._parent_id or self._spec_run(client)]
+        return [self._spec_run(client)]

@@ -20,19 +20,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from workflows.tracking.calls import log_metrics, log_params, now_ms, set_tags
 from workflows.tracking.client import (
     GAP_TAG,
     RUN_KEY_TAG,
     Tracker,
     TrackingSpec,
     Warn,
-    log_metrics,
-    log_params,
-    now_ms,
     one_line,
     redact_uri,
     resolve_uri,
-    set_tags,
 )
 
 SECRET = ("secret", "password", "passwd", "token", "credential", "api_key", "access_key", "private_key")
