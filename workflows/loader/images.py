@@ -1,4 +1,5 @@
-"""The image transform the loader's decode processes apply per sample (the bench's preset)."""
+"""The image transform the loader's decode processes apply per sample (the bench's preset; training
+with train.image_input=raw sets its size and augmentation from the config)."""
 
 from __future__ import annotations
 
