@@ -328,3 +328,28 @@ def test_digits_build_write_and_read_back(ray_cluster, store, tmp_path):
         r["key"]: (r["image"], r["label"]) for r in rows
     }
     assert collections.Counter(r["label"] for r in back) == collections.Counter(r["label"] for r in rows)
+
+
+def test_torchrun_and_trial_crops_follow_the_sample_not_the_rank():
+    """train.standalone.epoch_batches (torchrun workers, one-worker Tune trials): rank 0 and rank 1
+    of the same epoch give a sample the same crop (each rank's order differs), another epoch another."""
+    from types import SimpleNamespace
+
+    from workflows.config import load_config
+    from workflows.tasks import get_task
+    from workflows.train.standalone import epoch_batches
+
+    cfg = load_config("configs/digits.yaml", ["tracking.enabled=false"])
+    task, size = get_task(cfg), 8
+    data = SimpleNamespace(info={"image_size": size}, labels=["0", "1"])
+    rng = np.random.default_rng(0)
+    rows = {"pixels": [rng.integers(0, 255, size * size * 3, dtype=np.uint8).tobytes() for _ in range(12)],
+            "label": np.array(["0", "1"] * 6, dtype=object), "key": np.array([f"k{i}" for i in range(12)])}
+
+    def crops(epoch: int, rank: int) -> set[bytes]:
+        """The epoch's 12 training inputs (in this rank's order, which differs by rank)."""
+        return {x.numpy().tobytes() for b in epoch_batches(task, data, rows, 4, cfg.train.seed, epoch, rank)
+                for x in b["pixel_values"]}
+
+    assert crops(1, 0) == crops(1, 1)  # the same crop of each sample, whatever the rank
+    assert crops(1, 0) != crops(2, 0)

@@ -164,10 +164,51 @@ def test_an_index_is_built_when_the_prefix_has_none(tmp_path, caplog):
     root = tmp_path / "data"
     root.mkdir()
     write_shards(lambda name, data: (root / name).write_bytes(data), with_index=False)
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
     with caplog.at_level(logging.WARNING):
-        index = read_index(str(root), LOCAL, ShardCache(str(tmp_path / "cache"), LOCAL))
+        index = read_index(str(root), LOCAL, cache)
     assert index.counts == COUNTS and "building one from the tar headers" in caplog.text
     assert all(s.version for s in index.shards)  # from the listing, as the cache keys them
+    saved = json.loads((root / "index.json").read_text())  # saved beside the shards, for the next run
+    assert [s["samples"] for s in saved["shards"]] == COUNTS
+    assert [s["bytes"] for s in saved["shards"]] == [(root / s["name"]).stat().st_size for s in saved["shards"]]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert read_index(str(root), LOCAL, cache).counts == COUNTS
+    assert "building" not in caplog.text  # reused
+    # the set changes (the last shard loses samples): the saved index no longer matches, and is rebuilt
+    (root / "shard-000005.tar").write_bytes(_tar([(f"t{j}", _image(j), j % 10) for j in range(3)]))
+    with caplog.at_level(logging.WARNING):
+        assert read_index(str(root), LOCAL, cache).counts == [*COUNTS[:-1], 3]
+    assert "a stale index.json" in caplog.text
+    assert json.loads((root / "index.json").read_text())["shards"][-1]["samples"] == 3
+
+
+def test_a_raw_sample_index_reads_the_wanted_samples_bytes(local_data, tmp_path):
+    """An image task's training split straight from the tars: the wanted keys' byte ranges (a bad
+    sample in a shard skipped), read back as the exact image bytes, with the wanted labels."""
+    from workflows.loader.index import sample_index
+    from workflows.storage.shards import Shard
+
+    root = tmp_path / "data"
+    with tarfile.open(root / "shard-000006.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        tar.addfile(tarfile.TarInfo("bad.cls"), io.BytesIO(b""))  # a sample without an image member
+    names = sorted(p.name for p in root.glob("*.tar"))
+    shards = [Shard(str(root / n), (root / n).stat().st_size, "v") for n in names]
+    starts = np.cumsum([0, *COUNTS])
+    keys = {i: f"shard-{k:06d}.tar/s{i:05d}" for k in range(len(COUNTS)) for i in range(starts[k], starts[k + 1])}
+    picked = [i for i in keys if i % 3 != 1]  # a subset, as a split is
+    wanted = {keys[i]: 9 - i % 10 for i in picked}
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    index = sample_index(shards, "tar", wanted, LOCAL, cache)
+    assert len(index) == len(picked) and index.format == "raw"
+    again = DatasetIndex.from_json("", json.loads(json.dumps(index.to_json())))  # as saved and read back
+    batches = list(StreamLoader(again, LOCAL, cache, None, batch_size=5, num_workers=0))
+    got = {int(s): (d, int(lab)) for b in batches for s, d, lab in zip(b["sample"], b["data"], b["label"])}
+    assert sorted(got) == list(range(len(picked)))
+    assert {got[k] for k in got} == {(_image(i), 9 - i % 10) for i in picked}
+    with pytest.raises(UserError, match="not parquet|parquet shards"):
+        sample_index(shards, "parquet", wanted, LOCAL, cache)
 
 
 def test_a_truncated_or_bad_shard_is_an_error_naming_it(local_data, tmp_path):

@@ -80,6 +80,50 @@ def test_resume_mid_epoch_on_another_worker_count(digits, before, after):
     assert lineage(digits.tmp / name) == digits.expected
 
 
+def crops(digits, workers: int, start: int, *extra: str) -> dict[int, bytes]:
+    """Each sample's training input (the task's training collate, as the trainer calls it) from
+    global position `start` of epoch 1, as `workers` ranks see it, by sample id."""
+    from workflows.tasks import get_task
+    from workflows.train.stream_input import StreamInput
+
+    cfg = load_config(DIGITS, overrides(digits.tmp, "train.loader_workers=0", *extra))
+    out: dict[int, bytes] = {}
+    for rank in range(workers):
+        ids: list[list[int]] = []
+        stream = StreamInput(cfg, digits.data, digits.rt.storage, rank, workers, ROWS,
+                             lambda _r, _e, _p, batch: ids.append(batch), get_task(cfg))
+        for k, batch in enumerate(stream.train_batches(1, start)):
+            out.update(zip(ids[k], (x.numpy().tobytes() for x in batch["pixel_values"])))
+    return out
+
+
+@pytest.mark.parametrize("image_input", ["pixels", "raw"])
+@pytest.mark.slow
+def test_training_crops_follow_the_sample_not_the_rank(digits, image_input):
+    """An elastic 2 -> 1 resume mid-epoch: the samples the one worker trains on get the crops the
+    two would have given them (augmentation seeded by seed, epoch and sample, never the rank)."""
+    two, one = crops(digits, 2, 64, f"train.image_input={image_input}"), \
+        crops(digits, 1, 64, f"train.image_input={image_input}")
+    assert sorted(two) == sorted(one) and len(one) == ROWS - 64
+    assert all(two[i] == one[i] for i in one)
+    other_seed = crops(digits, 1, 0, f"train.image_input={image_input}", "train.seed=1")  # the whole epoch
+    assert sum(other_seed[i] != one[i] for i in one) > len(one) // 2  # the crops are drawn, not fixed
+
+
+@pytest.mark.slow
+def test_raw_images_train_from_the_tars_each_sample_once(digits):
+    """train.image_input=raw under Ray Train (2 workers, a decode process each): the train split's
+    samples read from the source's tars by the saved index, each exactly once in the epoch."""
+    from workflows.preprocess.image_dataset import TRAIN_SAMPLES
+    from workflows.storage.uri import exists, join
+
+    out = run(digits, "raw", 2, "train.image_input=raw", "train.loader_workers=1")
+    ids = lineage(digits.tmp / "raw")
+    assert sorted(ids) == list(range(ROWS))
+    assert exists(join(digits.data.uri, TRAIN_SAMPLES), digits.rt.storage)  # saved: the next run reuses it
+    assert out.history[0]["steps"] == 5 and out.history[0]["val_f1"] >= 0
+
+
 @pytest.mark.slow
 def test_an_elastic_run_that_loses_a_worker_continues_on_fewer(tmp_path):
     """train.num_workers=[1, 2] on two 2-CPU nodes (a worker each); the second node is removed mid-epoch (past the

@@ -281,7 +281,18 @@ class TrainConfig(Strict):
         "--resume continues mid-epoch from it. Needs loader=stream. Each costs one save + upload of the "
         "model and optimizer state (docs/guides/train.md measures it)",
     )
-    loader_workers: int = Field(0, ge=0, description="loader=stream: decode processes per training worker (0: inline)")
+    loader_workers: int | None = Field(
+        None, ge=0,
+        description="loader=stream: decode processes per training worker (0: inline); None: the worker's CPUs "
+        "minus the one it trains on, at least 1 (docs/guides/train.md measures it)",
+    )
+    image_input: Literal["raw", "pixels"] = Field(
+        "pixels",
+        description="loader=stream, image tasks: 'raw' trains from the source's tar shards or image files (decode, "
+        "RandomResizedCrop of the original image and flip in the loader's processes; val/test stay the "
+        "preprocessed pixels), 'pixels' from the preprocessed fixed-size pixels (cropped in the collate; "
+        "small images such as digits). docs/guides/train.md compares them",
+    )
     shuffle_window: int = Field(
         4, ge=1, description="loader=stream: shards whose samples are shuffled together (the shuffle buffer)"
     )
@@ -302,6 +313,11 @@ class TrainConfig(Strict):
             raise ValueError(f"{' and '.join(wants)} need(s) train.loader=stream (Ray Data cannot resume mid-epoch "
                              "or keep the order across worker counts)")
         return self
+
+    @property
+    def decode_workers(self) -> int:
+        """loader_workers, or its default from the worker's CPUs."""
+        return self.loader_workers if self.loader_workers is not None else max(1, int(self.cpus_per_worker) - 1)
 
     @property
     def elastic(self) -> bool:

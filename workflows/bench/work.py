@@ -141,7 +141,7 @@ def train_run(cfg: WorkflowConfig, processed: Path, epochs: int, threads: int, l
     """Seconds to build the model and train+validate `epochs` epochs of `cfg` in this process
     (math.inf when abandoned past `limit` seconds)."""
     from workflows.tasks import get_task
-    from workflows.train.loop import build_training, data_seed, run_epochs
+    from workflows.train.loop import build_training, run_epochs
     from workflows.train.standalone import batches, epoch_batches, row_count
 
     tc = cfg.train
@@ -162,7 +162,7 @@ def train_run(cfg: WorkflowConfig, processed: Path, epochs: int, threads: int, l
     try:
         run_epochs(cfg, task, data, model, optimizer, scheduler, device, start_epoch=0, history=[],
                    train_batches=lambda e: _within(
-                       epoch_batches(task, data, train_rows, tc.batch_size, data_seed(tc.seed, e)), t0, limit),
+                       epoch_batches(task, data, train_rows, tc.batch_size, tc.seed, e), t0, limit),
                    val_batches=lambda: _within(batches(val_rows, cfg.evaluate.batch_size, eval_batch), t0, limit),
                    end_of_epoch=end_of_epoch)
     except _Stop:

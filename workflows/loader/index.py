@@ -10,6 +10,12 @@ class names, when the `.cls` members hold names rather than class numbers. Optio
 "version": the object's version when indexed (`object_version`: its ETag, else size:mtime), which
 with "bytes" is what the shard cache keys an entry on, so a cached shard is read with no request
 to the store; an index without versions (older ones) costs one request per shard and loader.
+Without an index.json, read_index builds it from the tar headers once and saves it there
+(atomically); a later run reuses it while the prefix's *.tar names and sizes still match it.
+
+A "raw" index (sample_index) lists each shard's samples by byte range with its class id (the
+`members` of each shard entry): an image task's training split read straight from its WebDataset
+tars or class-per-folder files, a subset of each shard, in shard and member order.
 """
 
 from __future__ import annotations
@@ -26,12 +32,21 @@ from workflows.errors import UserError
 from workflows.loader.order import shard_offsets
 from workflows.storage.shards import IMAGE_EXTENSIONS, LABEL_EXTENSIONS
 from workflows.storage.transfer import object_version
-from workflows.storage.uri import StorageContext, exists, filesystem, join, reaching, read_json, with_protocol
+from workflows.storage.uri import (
+    StorageContext,
+    exists,
+    filesystem,
+    join,
+    reaching,
+    read_json,
+    with_protocol,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.json"
-FORMATS = ("wds-tar", "parquet")
+FORMATS = ("wds-tar", "parquet", "raw")
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class DatasetIndex:
     classes: int | None = None
     labels: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    members: list[TarMembers] | None = None  # "raw": each shard's samples, known before any fetch
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -73,9 +89,11 @@ class DatasetIndex:
         return join(self.prefix, name) if self.prefix else name
 
     def to_json(self) -> dict:
-        out = {"format": self.format, "version": 1,
-               "shards": [{"name": s.name, "samples": s.samples, "bytes": s.bytes,
-                           **({"version": s.version} if s.version is not None else {})} for s in self.shards]}
+        shards = [{"name": s.name, "samples": s.samples, "bytes": s.bytes,
+                   **({"version": s.version} if s.version is not None else {})} for s in self.shards]
+        for entry, m in zip(shards, self.members or ()):
+            entry.update(offsets=m.offsets.tolist(), sizes=m.sizes.tolist(), labels=m.labels.tolist())
+        out = {"format": self.format, "version": 1, "shards": shards}
         if self.classes is not None:
             out["classes"] = self.classes
         if self.labels is not None:
@@ -88,11 +106,15 @@ class DatasetIndex:
         try:
             shards = [ShardEntry(str(s["name"]), int(s["samples"]), int(s.get("bytes", 0)),
                                  None if s.get("version") is None else str(s["version"])) for s in obj["shards"]]
+            members = None
+            if obj.get("format") == "raw":
+                members = [TarMembers(np.asarray(s["offsets"], np.int64), np.asarray(s["sizes"], np.int64),
+                                      np.asarray(s["labels"], np.int64)) for s in obj["shards"]]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{where}: 'shards' must be a list of {{name, samples, bytes, version}} ({e})") from None
         known = {"format", "version", "shards", "classes", "labels"}
         return cls(prefix=prefix, shards=shards, format=obj.get("format", "wds-tar"), classes=obj.get("classes"),
-                   labels=obj.get("labels"), extra={k: v for k, v in obj.items() if k not in known})
+                   labels=obj.get("labels"), extra={k: v for k, v in obj.items() if k not in known}, members=members)
 
 
 @dataclass(frozen=True)
@@ -102,6 +124,7 @@ class TarMembers:
     offsets: np.ndarray  # int64: byte offset of the image member's data
     sizes: np.ndarray  # int64
     labels: np.ndarray  # int64 class ids (-1: none)
+    keys: tuple[str, ...] = ()  # the member keys (tar_members), as storage.shards names the samples
 
 
 def _label_id(text: str | None, labels: list[str] | None, where: str) -> int:
@@ -115,10 +138,11 @@ def _label_id(text: str | None, labels: list[str] | None, where: str) -> int:
         raise UserError(f"{where}: label {text!r} is not a class number and not in the index's 'labels'") from None
 
 
-def tar_members(path: str, uri: str, labels: list[str] | None = None) -> TarMembers:
+def tar_members(path: str, uri: str, labels: list[str] | None = None, strict: bool = True) -> TarMembers:
     """The member table of an uncompressed WebDataset tar, from its headers only (tarfile seeks past
     the data). Samples are keys in first-seen order, as storage.shards reads them. Raises a
-    UserError naming `uri` for a truncated or corrupt shard, or a sample without exactly one image."""
+    UserError naming `uri` for a truncated or corrupt shard, or (`strict`) a sample without exactly one
+    image or label (else such a sample is listed with offset -1, label -1: preprocessing's bad record)."""
     from workflows.storage.shards import _label_of
 
     samples: dict[str, dict[str, tuple[int, int]]] = {}
@@ -143,6 +167,11 @@ def tar_members(path: str, uri: str, labels: list[str] | None = None) -> TarMemb
     with open(path, "rb") as f:
         for key, members in samples.items():
             images = [members[e] for e in IMAGE_EXTENSIONS if e in members]
+            if len(images) != 1 and not strict:
+                offs.append(-1)
+                sizes.append(0)
+                labs.append(-1)
+                continue
             if len(images) != 1:
                 raise UserError(f"tar shard {uri}: sample {key!r} has {len(images)} image members, not 1")
             off, n = images[0]
@@ -156,16 +185,19 @@ def tar_members(path: str, uri: str, labels: list[str] | None = None) -> TarMemb
                     break
             offs.append(off)
             sizes.append(n)
-            labs.append(_label_id(label, labels, f"tar shard {uri}, sample {key!r}"))
-    return TarMembers(np.asarray(offs, np.int64), np.asarray(sizes, np.int64), np.asarray(labs, np.int64))
+            labs.append(_label_id(label, labels, f"tar shard {uri}, sample {key!r}") if strict else -1)
+    return TarMembers(np.asarray(offs, np.int64), np.asarray(sizes, np.int64), np.asarray(labs, np.int64),
+                      tuple(samples))
 
 
 def read_index(prefix: str, storage: StorageContext, cache=None) -> DatasetIndex:
-    """`<prefix>/index.json`; without one, an index built by reading every `*.tar` shard's headers
-    once through `cache` (a ShardCache; logged, as it fetches every shard)."""
+    """`<prefix>/index.json`; without one (or with one whose shards no longer match the prefix's
+    *.tar names and sizes), an index built by reading every `*.tar` shard's headers once through
+    `cache` (a ShardCache; logged, as it fetches every shard), then saved as `<prefix>/index.json`."""
     index_uri = join(prefix, INDEX_FILE)
-    if exists(index_uri, storage):
-        return DatasetIndex.from_json(prefix, read_json(index_uri, storage))
+    saved = DatasetIndex.from_json(prefix, read_json(index_uri, storage)) if exists(index_uri, storage) else None
+    if saved is not None and cache is None:
+        return saved  # nothing to rebuild with: trust it (a stale one fails at fetch, naming the shard)
     if cache is None:
         raise UserError(f"{index_uri} not found, and no shard cache to build an index with")
     fs, path = filesystem(prefix, storage)
@@ -175,17 +207,54 @@ def read_index(prefix: str, storage: StorageContext, cache=None) -> DatasetIndex
         except FileNotFoundError:
             raise UserError(f"dataset prefix not found: {prefix}") from None
     tars = sorted((e for e in listing if e["type"] == "file" and e["name"].endswith(".tar")), key=lambda e: e["name"])
+    found = [(e["name"].rstrip("/").rsplit("/", 1)[-1], int(e["size"])) for e in tars]
+    if saved is not None and (saved.format != "wds-tar" or (
+            [(s.name, s.bytes) for s in saved.shards] == found
+            and all(s.version in (None, object_version(e)) for s, e in zip(saved.shards, tars)))):
+        return saved
     if not tars:
         raise UserError(f"no index.json and no *.tar shards under {prefix}")
-    log.warning("%s has no %s: building one from the tar headers of its %d shards (reads each once)",
-                prefix, INDEX_FILE, len(tars))
+    log.warning("%s has %s: building one from the tar headers of its %d shards (reads each once)", prefix,
+                "a stale " + INDEX_FILE if saved is not None else "no " + INDEX_FILE, len(tars))
     shards = []
-    for e in tars:
+    for (name, size), e in zip(found, tars):
         uri, version = with_protocol(prefix, e["name"]), object_version(e)
-        with cache.open_local(uri, version, int(e["size"])) as local:  # the listing's version: no HEAD
+        with cache.open_local(uri, version, size) as local:  # the listing's version: no HEAD
             n = len(tar_members(local, uri).offsets)
-        shards.append(ShardEntry(uri.rstrip("/").rsplit("/", 1)[-1], n, int(e["size"]), version))
-    return DatasetIndex(prefix=prefix, shards=shards)
+        shards.append(ShardEntry(name, n, size, version))
+    keep = {k: v for k, v in (saved.to_json() if saved is not None else {}).items() if k in ("classes", "labels")}
+    index = DatasetIndex.from_json(prefix, {**DatasetIndex(prefix=prefix, shards=shards).to_json(), **keep})
+    write_json(index_uri, index.to_json(), storage)  # atomic: a reader sees the old index or this one
+    return index
+
+
+def sample_index(shards: list, fmt: str, wanted: dict[str, int], storage: StorageContext, cache) -> DatasetIndex:
+    """A "raw" index of the samples named in `wanted` (storage.shards' sample key -> class id): from
+    each tar shard (`fmt` "tar"; its headers read once through `cache`), or each loose image file
+    (`fmt` "image", keyed by its URI), the samples it holds that `wanted` names, in file order."""
+    if fmt not in ("tar", "image"):
+        raise UserError(f"raw training samples are read from tar shards or image files, not {fmt} shards")
+    entries, members = [], []
+    for shard in shards:
+        if fmt == "image":
+            if shard.uri not in wanted:
+                continue
+            m = TarMembers(np.zeros(1, np.int64), np.asarray([shard.size], np.int64),
+                           np.asarray([wanted[shard.uri]], np.int64))
+        else:
+            with cache.open_local(shard.uri, shard.version, shard.size) as local:
+                table = tar_members(local, shard.uri, strict=False)  # labels: `wanted`'s
+            base = shard.uri.rstrip("/").rsplit("/", 1)[-1]
+            keep = [i for i, k in enumerate(table.keys) if f"{base}/{k}" in wanted]
+            if not keep:
+                continue
+            labels = [wanted[f"{base}/{table.keys[i]}"] for i in keep]
+            m = TarMembers(table.offsets[keep], table.sizes[keep], np.asarray(labels, np.int64))
+        entries.append(ShardEntry(shard.uri, len(m.offsets), shard.size, shard.version))
+        members.append(m)
+    if len(entries) == 0:
+        raise UserError("none of the wanted samples were found in the raw shards (the source changed?)")
+    return DatasetIndex(prefix="", shards=entries, format="raw", members=members)
 
 
 def parquet_index(files: list[str], storage: StorageContext) -> DatasetIndex:

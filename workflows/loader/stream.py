@@ -240,7 +240,7 @@ class StreamLoader:
         stack = contextlib.ExitStack()
         try:
             path = stack.enter_context(self.cache.open_local(uri, *self._version(shard)))
-            members = None
+            members = self.index.members[shard] if self.index.members is not None else None  # "raw"
             if self.index.format == "wds-tar":
                 members = tar_members(path, uri, self.index.labels)
                 if len(members.offsets) != self.index.shards[shard].samples:

@@ -37,6 +37,7 @@ from workflows.storage.uri import exists, filesystem, join, pyarrow_filesystem, 
 
 FORMAT_VERSION = 1  # bump when the stored layout or decoding changes
 BAD = "bad"
+TRAIN_SAMPLES = "train-samples.json"  # the train split's raw samples (train_sample_index)
 
 
 def dataset_version(shards, fmt: str, cfg) -> str:
@@ -195,3 +196,43 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
     say(f"preprocess: {sum(counts.values())} images ({counts}) in {time.time() - t0:.1f}s, "
         f"{len(labels)} labels{skipped}")
     return result
+
+
+def train_sample_index(cfg, data: ProcessedDataset, ctx):
+    """The processed train split's samples where the source holds them (train.image_input=raw): a
+    loader.index "raw" index (shard, byte range, class id per sample), so training crops the
+    original image while val/test (and serving) read the stored center crops.
+
+    The split stays preprocessing's (the train split's `key`s, labels as stored); the index is built
+    once, from the tar headers (one read of each shard through the node's cache) or the file
+    listing, and saved as `<processed version>/train-samples.json`. The version's URI hashes the
+    source shards' names, versions and sizes, so a changed source has a new version and a new index.
+    """
+    import pyarrow.parquet as pq
+
+    from workflows.loader.index import DatasetIndex, sample_index
+    from workflows.storage.uri import read_json, write_json
+
+    uri = join(data.uri, TRAIN_SAMPLES)
+    if exists(uri, ctx):
+        return DatasetIndex.from_json("", read_json(uri, ctx))
+    label_id = {lab: i for i, lab in enumerate(data.labels)}
+    wanted: dict[str, int] = {}
+    for f in data.files["train"]:
+        fs, path = filesystem(f, ctx)
+        with fs.open(path, "rb") as fh:
+            t = pq.read_table(fh, columns=["key", "label"])
+        wanted.update(zip(t.column("key").to_pylist(), (label_id[v] for v in t.column("label").to_pylist())))
+    shards, fmt = list_shards(cfg.data.source, ctx, cfg.data.format)
+    if fmt not in ("tar", "image"):
+        raise UserError(f"train.image_input=raw reads tar shards or image files; {cfg.data.source} holds {fmt} "
+                        "shards: set train.image_input=pixels")
+    if dataset_version(shards, fmt, cfg) != data.version:
+        raise UserError(f"{cfg.data.source} changed since dataset version {data.version} was preprocessed: "
+                        "run preprocess again")
+    index = sample_index(shards, fmt, wanted, ctx, cfg.cache.shard_cache(ctx))
+    if len(index) != len(wanted):
+        raise UserError(f"{cfg.data.source}: {len(wanted) - len(index)} of the train split's samples are not in "
+                        "its shards (the source changed?): run preprocess again")
+    write_json(uri, index.to_json(), ctx)  # atomic; each worker of a first run builds the same one
+    return index

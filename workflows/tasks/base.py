@@ -130,6 +130,12 @@ class Task:
         `labels`. `train`: the training split (augmentation, if any, seeded by `seed`)."""
         raise NotImplementedError
 
+    def stream_source(self, data: ProcessedDataset, storage) -> tuple[Any, Callable] | None:
+        """train.loader=stream: (a loader index of the training samples, the per-sample transform
+        the loader's decode processes run) when the task trains from something other than the
+        processed rows; None (default): the processed training split's parquet rows."""
+        return None
+
     # --- model ------------------------------------------------------------------------------
     def check(self, data: ProcessedDataset) -> None:
         """Fail fast, on the driver, before any worker starts (default: nothing to check)."""

@@ -58,6 +58,8 @@ class ImageClassification(Classification):
         return DecodeImages(*decoder_args(self.cfg))
 
     def collate(self, data, *, train: bool, seed: int | None = None):
+        """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
+        (train.loop.augment_seed: never the rank's); or a loader's decoded batch as it is."""
         import torch
 
         from workflows.preprocess.images import random_resized_crop_flip, to_model_input
@@ -68,6 +70,8 @@ class ImageClassification(Classification):
         augment = train and aug.enabled
 
         def collate(batch: dict[str, Any]) -> dict:
+            if "image" in batch:  # decoded, cropped and labelled by the loader's processes (stream_source)
+                return {"pixel_values": to_model_input(batch["image"].permute(0, 2, 3, 1)), "labels": batch["label"]}
             pixels = stack_pixels(batch["pixels"], size)
             if augment:
                 pixels = torch.cat([
@@ -79,6 +83,21 @@ class ImageClassification(Classification):
             return {"pixel_values": to_model_input(pixels), "labels": labels}
 
         return collate
+
+    def stream_source(self, data, storage):
+        """train.image_input=raw: the training split's samples in the source's tar shards or image
+        files (preprocess.image_dataset.train_sample_index), decoded and cropped from the original
+        image in the loader's processes, seeded by (seed, epoch, sample)."""
+        if self.cfg.train.image_input != "raw":
+            return None
+        from workflows.loader.images import ImageTransform
+        from workflows.preprocess.image_dataset import train_sample_index
+
+        aug, size = self.cfg.train.augment, int(data.info["image_size"])
+        transform = ImageTransform(size=size, seed=self.cfg.train.seed, train=aug.enabled, scale=aug.crop_scale,
+                                   ratio=aug.crop_ratio, flip=aug.flip,
+                                   max_pixels=self.cfg.preprocess.max_image_pixels)
+        return train_sample_index(self.cfg, data, storage), transform
 
     # --- model
     def build_model(self, data):

@@ -49,6 +49,12 @@ def data_seed(seed: int, epoch: int, rank: int = 0) -> int:
     return derived_seed("data", seed, epoch, rank)
 
 
+def augment_seed(seed: int, epoch: int) -> int:
+    """The seed a task's training collate draws augmentation from in one epoch (per sample inside
+    it): never the rank's, so a resume on another worker count, or a Tune trial, sees the same crops."""
+    return derived_seed("augment", seed, epoch)
+
+
 def dropout_seed(seed: int, epoch: int, rank: int = 0) -> int:
     return derived_seed("dropout", seed, epoch, rank)
 

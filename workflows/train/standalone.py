@@ -40,7 +40,7 @@ from workflows.storage.uri import StorageContext, exists, filesystem, join, read
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import build_training, data_seed, epoch_line, run_epochs
+from workflows.train.loop import augment_seed, build_training, data_seed, epoch_line, run_epochs
 from workflows.train.parallel import exit_rank, world
 from workflows.train.worker_setup import (
     join_torchrun_group,
@@ -122,9 +122,13 @@ def take(values, idx: np.ndarray):
     return values[idx] if isinstance(values, np.ndarray) else [values[j] for j in idx]
 
 
-def epoch_batches(task, data, rows: dict[str, Any], batch_size: int, seed: int) -> Iterator[dict]:
-    """One epoch's training batches: rows in a seeded order, the task's augmentation seeded alike."""
-    return batches(rows, batch_size, task.collate(data, train=True, seed=seed), seed)
+def epoch_batches(task, data, rows: dict[str, Any], batch_size: int, seed: int, epoch: int,
+                  rank: int = 0) -> Iterator[dict]:
+    """One epoch's training batches: rows in an order seeded by (seed, epoch, rank), the task's
+    augmentation by (seed, epoch) and the sample, never the rank."""
+    collate = task.collate(data, train=True, seed=augment_seed(seed, epoch))
+    order = data_seed(seed, epoch, rank)
+    return batches(rows, batch_size, collate, order)
 
 
 @contextmanager
@@ -218,7 +222,7 @@ def train(
             history=history,
             resumed_from_epoch=resumed_from,
             train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
-                                                      data_seed(tc.seed, epoch, rank)),
+                                                      tc.seed, epoch, rank),
             val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
             end_of_epoch=end_of_epoch,
             log_epoch=logger.log_epoch if logger is not None else None,  # rank 0's only

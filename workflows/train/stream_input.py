@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from workflows.loader import StreamLoader, parquet_index
 from workflows.loader.index import DatasetIndex
+from workflows.train.loop import augment_seed
 
 # (world rank, epoch, position of the batch's step in the epoch order, the batch's global sample ids)
 SampleHook = Callable[[int, int, int, list[int]], None]
@@ -43,18 +44,26 @@ def head(index: DatasetIndex, rows: int) -> DatasetIndex:
 
 
 class StreamInput:
-    """One worker's loader over the processed split's parquet files; rows go to the task's collate
-    as numpy columns, as with Ray Data."""
+    """One worker's loader over the processed split's parquet files (rows go to the task's collate
+    as numpy columns, as with Ray Data), or over what the task's `stream_source` names (an image
+    task's raw tars or files, decoded and cropped in the loader's processes)."""
 
     def __init__(self, cfg, data, storage, rank: int, world_size: int, rows: int,
-                 on_samples: SampleHook | None = None):
+                 on_samples: SampleHook | None = None, task=None):
         tc = cfg.train
-        index = head(parquet_index(data.files["train"], storage), rows)
-        self.rank, self.on_samples = rank, on_samples
-        self.loader = StreamLoader(index, storage, cfg.cache, None, batch_size=tc.batch_size,
-                                   num_workers=tc.loader_workers, seed=tc.seed, rank=rank, world_size=world_size,
+        source = task.stream_source(data, storage) if task is not None else None
+        index, transform = source if source is not None else (parquet_index(data.files["train"], storage), None)
+        index = head(index, rows)
+        self.rank, self.on_samples, self.task, self.data, self.seed = rank, on_samples, task, data, tc.seed
+        self.loader = StreamLoader(index, storage, cfg.cache, transform, batch_size=tc.batch_size,
+                                   num_workers=tc.decode_workers, seed=tc.seed, rank=rank, world_size=world_size,
                                    shuffle_window=tc.shuffle_window)
         self.samples = len(index)
+
+    def train_batches(self, epoch: int, start: int) -> Iterator[dict]:
+        """The epoch's training batches from global position `start`, through the task's training
+        collate: its augmentation seeded by (seed, epoch) and the sample, never by the rank."""
+        return self.batches(epoch, start, self.task.collate(self.data, train=True, seed=augment_seed(self.seed, epoch)))
 
     def batches(self, epoch: int, start: int, collate: Callable, record: bool = True) -> Iterator[dict]:
         self.loader.set_epoch(epoch, start)

@@ -32,7 +32,7 @@ from workflows.storage.uri import (
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import build_training, data_seed, run_epochs
+from workflows.train.loop import augment_seed, build_training, data_seed, run_epochs
 from workflows.train.report import STEP_CHECKPOINT, is_step_checkpoint
 from workflows.train.stream_input import SampleHook, StreamInput
 from workflows.train.worker_setup import mid_epoch_position, row_limits, set_torch_threads, start_point
@@ -99,7 +99,8 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     device = ray.train.torch.get_device()
 
     # loader=stream: the worker reads its share of one global order itself (workflows.loader)
-    stream = (StreamInput(cfg, spec.data, spec.storage, rank, ctx.get_world_size(), spec.train_rows, spec.on_samples)
+    stream = (StreamInput(cfg, spec.data, spec.storage, rank, ctx.get_world_size(), spec.train_rows, spec.on_samples,
+                          task)
               if tc.loader == "stream" else None)
     train_shard = ray.train.get_dataset_shard("train") if stream is None else None
     val_shard = ray.train.get_dataset_shard("val")
@@ -125,16 +126,16 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     metric, _ = task.score
 
     def train_batches(epoch: int):
-        # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle (and the
-        # task's augmentation) is seeded by (seed, epoch, rank), so an epoch sees the same batches
-        # however the run got there.
-        seed = data_seed(tc.seed, epoch, rank)
+        # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
+        # by (seed, epoch, rank), the task's augmentation by (seed, epoch) and the sample (never the
+        # rank), so an epoch sees the same batches and crops however the run got there.
         if stream is not None:  # the global order of the epoch, from the checkpoint's position on
-            return stream.batches(epoch, resume_at if epoch == start_epoch else 0,
-                                  task.collate(spec.data, train=True, seed=seed))
+            return stream.train_batches(epoch, resume_at if epoch == start_epoch else 0)
         assert train_shard is not None
+        seed = data_seed(tc.seed, epoch, rank)
+        collate = task.collate(spec.data, train=True, seed=augment_seed(tc.seed, epoch))
         return train_shard.iter_torch_batches(
-            batch_size=tc.batch_size, collate_fn=ray_collate(task.collate(spec.data, train=True, seed=seed)),
+            batch_size=tc.batch_size, collate_fn=ray_collate(collate),
             local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=seed,
         )
 

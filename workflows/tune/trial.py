@@ -73,7 +73,7 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
     import torch
 
     from workflows.train import checkpoint as ckpt
-    from workflows.train.loop import build_training, data_seed, run_epochs
+    from workflows.train.loop import build_training, run_epochs
     from workflows.train.standalone import batches, epoch_batches, row_count
     from workflows.train.worker_setup import row_limits, set_torch_threads, start_point
 
@@ -117,7 +117,7 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
 
     run_epochs(cfg, task, data, model, optimizer, scheduler, device, start_epoch=start_epoch, history=history,
                train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
-                                                         data_seed(tc.seed, epoch)),
+                                                         tc.seed, epoch),
                val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
                end_of_epoch=end_of_epoch, resumed_from_epoch=resumed_from,
                log_epoch=logger.log_epoch if logger is not None else None)  # before the report: Tune may stop it
