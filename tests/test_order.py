@@ -104,3 +104,116 @@ def test_ranks_validate_and_export_the_same_pooled_batchnorm_statistics(strategy
     assert np.array(ranks[0]["mean"]) == pytest.approx(pooled_mean, abs=1e-4)
     assert np.array(ranks[0]["var"]) == pytest.approx(pooled_var, rel=1e-4)
     assert ranks[0]["batches"] == 1
+
+
+# ------------------------------------------------- the registered model scores what its card says
+def registered_card(config, overrides: list[str], model: str) -> dict:
+    """The registered `model`'s card, read from the run's persisted embedded store."""
+    from workflows import registry
+    from workflows.config import load_config
+    from workflows.storage.embedded import EmbeddedS3
+    from workflows.storage.uri import StorageContext
+
+    cfg = load_config(config, overrides)
+    with EmbeddedS3(cfg.storage.embedded.data_dir) as s3:
+        ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+        return registry.model_card(cfg, ctx, model).model_dump()
+
+
+def card_and_val(config, overrides: list[str], cli, model: str, out: Path) -> tuple[dict, dict]:
+    """The registered `model`'s card and `evaluate --split val` of it (`cli`: a command on its store)."""
+    res = cli("evaluate", "--model", model, "--split", "val", "--output", str(out))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return registered_card(config, overrides, model), json.loads(out.read_text())
+
+
+def assert_card_is_evaluate(card: dict, evaluation: dict) -> None:
+    val = card["val_metrics"]
+    assert val["val_f1"] == pytest.approx(evaluation["weighted"]["f1"], abs=0.005), (val, evaluation["weighted"])
+    assert val["val_accuracy"] == pytest.approx(evaluation["accuracy"], abs=0.005)
+
+
+@pytest.mark.slow
+def test_the_quickstart_models_card_is_its_val_evaluation(quickstart_run, ray_join):
+    from tests.conftest import QUICKSTART
+
+    card, evaluation = card_and_val(
+        QUICKSTART, quickstart_run.overrides,
+        lambda *a: quickstart_run.cli(*a, extra=ray_join.overrides, env=ray_join.env),
+        "quickstart", quickstart_run.tmp / "order-val.json")
+    assert_card_is_evaluate(card, evaluation)
+
+
+@pytest.mark.slow
+def test_the_digits_models_card_is_its_val_evaluation(digits_run, ray_join):
+    from tests.conftest import DIGITS
+
+    card, evaluation = card_and_val(
+        DIGITS, digits_run.overrides, lambda *a: digits_run.cli(*a, extra=ray_join.overrides, env=ray_join.env),
+        "digits", digits_run.tmp / "order-val.json")
+    assert_card_is_evaluate(card, evaluation)
+
+
+# ----------------------------------------------- the README's own-images command, class-sorted input
+README = Path(__file__).resolve().parents[1] / "README.md"
+OWN_IMAGES = "tests/test_order.py runs this command"
+
+
+def readme_own_images_command() -> list[str]:
+    """The arguments of the README's own-images pipeline block, exactly as printed."""
+    import re
+    import shlex
+
+    m = re.search(r"<!-- readme-test: skip: " + re.escape(OWN_IMAGES) + r"[^>]*-->\n```bash\n(.*?)```",
+                  README.read_text(), re.S)
+    assert m, "the README's own-images block is gone"
+    args = shlex.split(m.group(1).replace("\\\n", " "))
+    assert args[:2] == ["workflows", "pipeline"], args
+    return args[1:]
+
+
+def class_sorted_photos(root: Path, per_class: int = 150, classes: int = 2) -> Path:
+    """A class-per-folder set of photo-like crops (synth_images' painter), downscaled to 64 px wide:
+    `root/<label>/<n>.jpg`, so a listing returns them class by class."""
+    import io
+
+    from PIL import Image
+
+    from workflows.preprocess.synth_images import Painter, SynthSpec
+
+    painter = Painter(SynthSpec(classes=classes, seed=7))
+    rng = np.random.default_rng(7)
+    for label in range(classes):
+        folder = root / f"class_{label}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            img = Image.open(io.BytesIO(painter.image(rng, label)))
+            img.resize((64, max(1, round(64 * img.height / img.width)))).save(folder / f"{i:04d}.jpg", quality=90)
+    return root
+
+
+@pytest.mark.slow
+def test_the_readme_own_images_command_on_a_class_sorted_folder(tmp_path, ray_join):
+    from tests.conftest import run_cli, sets
+
+    source = class_sorted_photos(tmp_path / "pets" / "train")
+    args = readme_own_images_command()
+    args = [f"data.source={source}/" if a.startswith("data.source=") else a for a in args]
+    assert f"data.source={source}/" in args
+    # where it writes, and the stages this check does not need (tuning, serving): training,
+    # evaluation and registration run as the README's command sets them (2 workers, ray_data, FSDP2)
+    test_only = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
+                 f"cache.dir={tmp_path}/cache", "tune.enabled=false", "serve.enabled=false", "tracking.enabled=false",
+                 *ray_join.overrides]
+    res = run_cli(*args, *sets(test_only), env=ray_join.env, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    run_dir = tmp_path / "runs" / "pets"
+    summary = json.loads((run_dir / "pipeline.json").read_text())
+    held_out = summary["evaluate"]["headline"]
+    assert held_out["name"] == "weighted F1" and held_out["value"] >= 0.9, held_out
+
+    overrides = [*(x for flag, x in zip(args, args[1:]) if flag == "--set"), *test_only]
+    card, evaluation = card_and_val(
+        "digits", overrides, lambda *a: run_cli(*a, "--config", "digits", *sets(overrides), env=ray_join.env),
+        "pets", tmp_path / "val.json")
+    assert_card_is_evaluate(card, evaluation)

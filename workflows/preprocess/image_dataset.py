@@ -152,7 +152,8 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
     pa_fs, version_path = pyarrow_filesystem(out_uri, ctx)
     out_path = f"{version_path.rstrip('/')}/{attempt}"
     # in a seeded random order, not the source's (often a folder per class): see materialize.shuffled
-    shuffled(decoded, d.split_seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
+    shuffled(decoded, d.split_seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
+                                                  min_rows_per_file=p.rows_per_shard)
 
     # Counts from what was written (labels and errors only: the pixel column is not read back).
     fs, _ = filesystem(out_uri, ctx)

@@ -212,7 +212,8 @@ def write_splits(ds, out_uri: str, ctx: StorageContext, rows_per_file: int, seed
     """Write a Ray Dataset with a `split` column as `<out_uri>/split=<name>/*.parquet`, its rows in a
     seeded random order (`shuffled`); the files of each split."""
     pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
-    shuffled(ds, seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=rows_per_file)
+    shuffled(ds, seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
+                                     min_rows_per_file=rows_per_file)
     fs, _ = filesystem(out_uri, ctx)  # listing through fsspec: pyarrow's wrapper has no glob
     return {split: [with_protocol(out_uri, f) for f in sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))]
             for split in SPLITS}

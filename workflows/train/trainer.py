@@ -230,10 +230,10 @@ def mixed_block_order(ds, seed: int):
     """The training blocks (a causal LM's: its packed blocks) in a seeded random order, after `limit`
     (which keeps the first rows, as torchrun and Tune trials read them). With preserve_order each
     worker gets a contiguous run of blocks: the stored rows are shuffled when written
-    (materialize.shuffled), and this spreads the files too. The order is fixed by train.seed, not reseeded per epoch: Ray Data's per-execution
-    reseed counts executions from 0 again after a restart or a --resume, so epoch N would not see
-    the blocks of an uninterrupted run's epoch N. The per-epoch order comes from the local shuffle,
-    seeded by (seed, epoch, rank)."""
+    (materialize.shuffled), and this spreads the files too. The order is fixed by train.seed, not
+    reseeded per epoch: Ray Data's per-execution reseed counts executions from 0 again after a
+    restart or a --resume, so epoch N would not see the blocks of an uninterrupted run's epoch N.
+    The per-epoch order comes from the local shuffle, seeded by (seed, epoch, rank)."""
     return ds.randomize_block_order(seed=data_seed(seed, -1))
 
 
