@@ -188,6 +188,15 @@ def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join, mlf
     (trial,) = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == tune_id]
     assert len(client.get_metric_history(trial.info.run_id, "val_r2")) == 2
 
+    # the registered model is the validated one: `evaluate --split val` scores the card's val R2
+    val_out = tmp_path / "val.json"
+    res = run_cli("evaluate", "--config", str(config), "--model", "tabular", "--split", "val", "--output",
+                  str(val_out), "--set", f"ray.address={ray_join.address}", env=plugin_env(**ray_join.env), timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    val = json.loads(val_out.read_text())
+    assert val["rows"] == manifest["counts"]["val"]
+    assert val["r2"] == pytest.approx(card["val_metrics"]["val_r2"], abs=0.005), (val, card["val_metrics"])
+
     # evaluation on the held-out split: R2 far above the train-mean baseline
     head = summary["evaluate"]["headline"]
     assert head["name"] == "R2" and head["value"] > 0.9, head

@@ -38,7 +38,7 @@ from workflows.preprocess.materialize import (
 )
 from workflows.tasks.base import Predictor, Task
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rows stored in a seeded random order (write_splits)
 WEIGHTS = "model.safetensors"
 
 
@@ -156,7 +156,7 @@ class TabularRegression(Task):
         mean = np.array([train[f"s{i}"] for i in range(len(columns))]) / counts["train"]
         var = np.array([train[f"q{i}"] for i in range(len(columns))]) / counts["train"] - mean**2
         std = np.where(var > 1e-12, np.sqrt(np.maximum(var, 0)), 1.0)  # a constant column stays as it is
-        files = write_splits(rows, out_uri, ctx, self.cfg.preprocess.rows_per_shard)
+        files = write_splits(rows, out_uri, ctx, self.cfg.preprocess.rows_per_shard, d.split_seed)
         info = {"features": o.features, "target": o.target, "mean": mean[:-1].tolist(), "std": std[:-1].tolist(),
                 "target_mean": float(mean[-1]), "target_std": float(std[-1])}
         data = ProcessedDataset(uri=out_uri, version=version, labels=[], label_column=o.target, files=files,

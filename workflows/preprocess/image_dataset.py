@@ -30,12 +30,13 @@ from workflows.preprocess.materialize import (
     SPLITS,
     ProcessedDataset,
     _keep_fraction,
+    shuffled,
     split_of,
 )
 from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.storage.uri import exists, filesystem, join, pyarrow_filesystem, with_protocol, write_json
 
-FORMAT_VERSION = 1  # bump when the stored layout or decoding changes
+FORMAT_VERSION = 2  # bump when the stored layout, decoding or row order changes (2: rows shuffled)
 BAD = "bad"
 TRAIN_SAMPLES = "train-samples.json"  # the train split's raw samples (train_sample_index)
 
@@ -151,7 +152,9 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
     attempt = f"attempt-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     pa_fs, version_path = pyarrow_filesystem(out_uri, ctx)
     out_path = f"{version_path.rstrip('/')}/{attempt}"
-    decoded.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=p.rows_per_shard)
+    # in a seeded random order, not the source's (often a folder per class): see materialize.shuffled
+    shuffled(decoded, d.split_seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
+                                                  min_rows_per_file=p.rows_per_shard)
 
     # Counts from what was written (labels and errors only: the pixel column is not read back).
     fs, _ = filesystem(out_uri, ctx)

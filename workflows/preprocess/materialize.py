@@ -38,7 +38,7 @@ from workflows.storage.uri import (
 )
 
 SPLITS = ("train", "val", "test")
-FORMAT_VERSION = 1  # bump when the processed layout or encoding changes
+FORMAT_VERSION = 2  # bump when the processed layout, encoding or row order changes (2: rows shuffled)
 
 
 @dataclass
@@ -197,10 +197,23 @@ def materialized(out_uri: str, ctx: StorageContext, say=print) -> ProcessedDatas
     return ds
 
 
-def write_splits(ds, out_uri: str, ctx: StorageContext, rows_per_file: int) -> dict[str, list[str]]:
-    """Write a Ray Dataset with a `split` column as `<out_uri>/split=<name>/*.parquet`; the files of each split."""
+def shuffled(ds, seed: int):
+    """The rows of a Ray Dataset in a seeded random order: what every task writes.
+
+    Sources often come sorted (a folder per class, a CSV per label), and readers that keep the
+    stored order (Ray Train's ingest with preserve_order, torchrun's contiguous rank shares) hand
+    each worker a contiguous slice of it: stored in source order, a worker could see one class
+    only. Ray Data's seeded all-to-all shuffle mixes rows across blocks, which a per-block
+    permutation could not."""
+    return ds.random_shuffle(seed=seed)
+
+
+def write_splits(ds, out_uri: str, ctx: StorageContext, rows_per_file: int, seed: int = 0) -> dict[str, list[str]]:
+    """Write a Ray Dataset with a `split` column as `<out_uri>/split=<name>/*.parquet`, its rows in a
+    seeded random order (`shuffled`); the files of each split."""
     pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
-    ds.write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"], min_rows_per_file=rows_per_file)
+    shuffled(ds, seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
+                                     min_rows_per_file=rows_per_file)
     fs, _ = filesystem(out_uri, ctx)  # listing through fsspec: pyarrow's wrapper has no glob
     return {split: [with_protocol(out_uri, f) for f in sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))]
             for split in SPLITS}
@@ -265,7 +278,7 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
         compute=ray.data.TaskPoolStrategy(size=p.concurrency),
         fn_args=tokenize_args(cfg, tokenizer_dir, labels),
     )
-    files = write_splits(encoded, out_uri, ctx, p.rows_per_shard)
+    files = write_splits(encoded, out_uri, ctx, p.rows_per_shard, d.split_seed)
     label_counts: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
     for row in table.itertuples(index=False):
         label_counts[row[0]][str(row[1])] = int(row[2])

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from workflows.preprocess.encoding import pad_batch
-from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
+from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, sync_buffers, world
 
 StepHook = Callable[[int, int], None]  # (epoch, step in epoch), called before each step
 
@@ -378,6 +378,9 @@ def run_epochs(
             model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook, tc.grad_accum_steps, done
         )
         step_losses = stats.pop("step_losses")
+        # the ranks' buffers (BatchNorm statistics) made one before validating: the checkpoint saved
+        # after it, and so the exported model, holds what was validated
+        sync_buffers(model)
         t_val = time.perf_counter()
         val = task.validate(model, val_batches(), device, data)
         metrics = {

@@ -98,3 +98,40 @@ def all_have(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+@torch.no_grad()
+def sync_buffers(model: nn.Module) -> None:
+    """Make every rank's floating-point buffers identical: BatchNorm's running statistics are per
+    rank under FSDP2 and DDP (neither shards nor reduces buffers), so each rank would validate with
+    statistics fitted to its own rows, and rank 0's would be exported.
+
+    An all-reduce here rather than SyncBatchNorm: torch's SyncBatchNorm refuses CPU tensors (gloo),
+    and syncing once before validation and export costs one collective per epoch, not one per
+    forward. BatchNorm statistics are pooled (running_var is the pooled variance: the mean of the
+    ranks' variances plus the variance of their means); any other float buffer is averaged.
+    Called by loop.run_epochs, so every driver (Ray Train, torchrun, Tune) validates and saves
+    the same buffers."""
+    if world()[1] == 1:
+        return
+    tensors: list[torch.Tensor] = []
+    pooled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (running_mean, running_var) of each BatchNorm
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_var is not None:
+            mean, var = module.running_mean, module.running_var
+            var.add_(mean * mean)  # E[x^2] per rank: its mean over ranks, less the pooled mean squared
+            pooled.append((mean, var))
+        transient = getattr(module, "_non_persistent_buffers_set", set())  # not saved: derived, equal on all
+        tensors += [b for name, b in module.named_buffers(recurse=False)
+                    if b is not None and b.is_floating_point() and name not in transient]
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world()[1]
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+    for mean, var in pooled:
+        var.sub_(mean * mean)

@@ -227,6 +227,17 @@ def ingest_config():
     return ray.train.DataConfig(execution_options=options)
 
 
+def mixed_block_order(ds, seed: int):
+    """The training blocks (a causal LM's: its packed blocks) in a seeded random order, after `limit`
+    (which keeps the first rows, as torchrun and Tune trials read them). With preserve_order each
+    worker gets a contiguous run of blocks: the stored rows are shuffled when written
+    (materialize.shuffled), and this spreads the files too. The order is fixed by train.seed, not
+    reseeded per epoch: Ray Data's per-execution reseed counts executions from 0 again after a
+    restart or a --resume, so epoch N would not see the blocks of an uninterrupted run's epoch N.
+    The per-epoch order comes from the local shuffle, seeded by (seed, epoch, rank)."""
+    return ds.randomize_block_order(seed=data_seed(seed, -1))
+
+
 @dataclass
 class TrainOutcome:
     run_name: str
@@ -346,7 +357,8 @@ def fit(
     if train_rows < tc.max_workers:
         raise UserError(f"{train_rows} training example(s) ({task.name}) for {tc.max_workers} workers; lower "
                         "train.num_workers, bring more data, or (a causal LM) lower model.lm.seq_len")
-    datasets = {"train": train_ds, "val": val_ds} if tc.loader == "ray_data" else {"val": val_ds}
+    datasets = {"train": mixed_block_order(train_ds, tc.seed), "val": val_ds} if tc.loader == "ray_data" \
+        else {"val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
     resume_from = None
