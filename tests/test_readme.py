@@ -331,7 +331,9 @@ def test_readme_block_on_a_local_cluster(tmp_path):
 @pytest.mark.slow
 def test_readme_image_blocks_on_the_digits_store(digits_run, ray_join, tmp_path_factory):
     """The Images section's commands on the store the shared digits pipeline left: evaluate, serve
-    with the three request shapes, batch predictions over the raw tar shards."""
+    with the three request shapes, batch predictions over the raw tar shards. The block's `predict`
+    is the suite's one run of it over the tar shards (test_images_e2e had the same command on the
+    same store): every image scored, the key and scores written, no image bytes."""
     from tests.conftest import digits_overrides
     from tests.test_images_e2e import _digit_png
 
@@ -356,3 +358,4 @@ def test_readme_image_blocks_on_the_digits_store(digits_run, ray_join, tmp_path_
     assert "weighted" in out and "confusion matrix" in out
     summary = json.loads((work / "runs" / "digits" / "predict.json").read_text())
     assert summary["rows"] == 1797
+    assert {"key", "label", "prediction", "score"} <= set(summary["columns"]) and "image" not in summary["columns"]
