@@ -76,3 +76,15 @@ def test_listen_ports_come_from_outside_the_ephemeral_range_and_are_free_on_ever
         assert sorted(listen_ports(4, path=str(narrow))) == [65532, 65533, 65534, 65535]
         with pytest.raises(OSError, match="no 5 free ports outside the ephemeral range 20000-65529"):
             listen_ports(5, path=str(narrow))  # 65530 is no fifth one
+
+
+def test_free_ports_come_from_outside_the_ephemeral_range():
+    """free_port serves servers that bind a while later (the embedded endpoint, Ray's dashboard, the
+    tests' Serve ports): from the ephemeral range an outgoing connection could take one meanwhile."""
+    from workflows.net import ephemeral_range
+
+    span = ephemeral_range()
+    if span is None:
+        pytest.skip("no ip_local_port_range here")
+    for port in [free_port(), *free_ports(8)]:
+        assert not span[0] <= port <= span[1], (port, span)

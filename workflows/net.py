@@ -5,7 +5,8 @@ A port found free here is free only until someone else binds it; callers start t
 
 Port 0 draws from the ephemeral range (ip_local_port_range), which every outgoing connection on the
 machine draws from too, Ray's many among them: a port picked that way may be some connection's by
-the time a server that starts seconds later binds it. listen_ports picks outside that range.
+the time a server that starts seconds later binds it. So every pick here (free_port, free_ports,
+listen_ports) is from outside that range, where it is known; port 0 (os_ports) only as a fallback.
 """
 
 from __future__ import annotations
@@ -33,22 +34,31 @@ def port_free(host: str, port: int) -> bool:
 
 
 def free_port(host: str = LOCALHOST, preferred: int | None = None) -> int:
-    """`preferred` if it can be bound on `host` now, else a port the OS picks."""
+    """`preferred` if it can be bound on `host` now, else a free port outside the ephemeral range
+    where it is known (listen_ports)."""
     return free_ports(1, host, preferred)[0]
 
 
 def free_ports(n: int, host: str = LOCALHOST, preferred: int | None = None) -> list[int]:
-    """`n` distinct ports that can be bound on `host` now: all held at once while they are picked, so
-    none comes back twice. `preferred`, when it is free, is the first."""
+    """`n` distinct ports that can be bound on `host` now, `preferred` first when it is free; the
+    others from outside the ephemeral range (listen_ports): a server, the embedded endpoint, Ray's
+    dashboard or a test's Serve port, binds its port a while after the pick."""
+    first = [preferred] if preferred is not None and port_free(host, preferred) else []
+    if len(first) == n:
+        return first
+    for _ in range(8):  # listen_ports draws at random: redraw the rare pick of `preferred` itself
+        rest = listen_ports(n - len(first), hosts=(host,))
+        if not set(rest) & set(first):
+            return first + rest
+    raise OSError(f"no {n} distinct free ports on {host}")
+
+
+def os_ports(n: int, host: str = LOCALHOST) -> list[int]:
+    """`n` distinct ports the OS picks (port 0: the ephemeral range), all held at once while they are
+    picked, so none comes back twice: only where the ephemeral range is unknown or full."""
     socks = [socket.socket() for _ in range(n)]
     try:
-        for i, s in enumerate(socks):
-            if i == 0 and preferred is not None:
-                try:
-                    s.bind((host, preferred))
-                    continue
-                except OSError:
-                    pass
+        for s in socks:
             s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -71,14 +81,14 @@ def listen_ports(n: int, hosts: tuple[str, ...] = (ANY, LOCALHOST), path: str = 
     range, so that no outgoing connection takes one meanwhile, and free now on each of `hosts`
     (0.0.0.0 and 127.0.0.1: a server may bind either). Drawn at random, so that two commands
     picking at once rarely draw alike. Where the range is unknown or leaves fewer than `n` above
-    LISTEN_FLOOR, ports the OS picks (free_ports), on the first host."""
+    LISTEN_FLOOR, ports the OS picks (os_ports), on the first host."""
     span = ephemeral_range(path)
     if span is None:
-        return free_ports(n, hosts[0])
+        return os_ports(n, hosts[0])
     low, high = span
     outside = [*range(LISTEN_FLOOR, low), *range(max(high + 1, LISTEN_FLOOR), 65536)]
     if len(outside) < n:  # a range that leaves (almost) nothing: the OS's pick, and the callers' retry
-        return free_ports(n, hosts[0])
+        return os_ports(n, hosts[0])
     picked: list[int] = []
     for _ in range(max(1000, 8 * len(outside))):  # a bound on the draws
         port = _pick.choice(outside)
