@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast bench bench-peers docs constraints clean clean-cache reliability
+.PHONY: install demo test test-fast bench bench-peers bench-gpu docs constraints clean clean-cache reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,15 @@ $(PEERS_VENV)/.installed: benchmarks/peers-constraints.txt
 	touch $@
 
 bench-peers: $(PEERS_VENV)/.installed
+
+# The GPU measurement without Ray (benchmarks/gpu/README.md): GPT-2 124M MFU, FSDP2 against plain,
+# ResNet-50 images/s (compute only and loader-fed); each step's JSON lands in OUT as it completes.
+# No install step: the GPU machine runs it with its own python3. SMOKE=1: toy sizes on the CPU.
+SMOKE ?= 0
+OUT ?= .workflows/bench-gpu
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+bench-gpu:
+	SMOKE=$(SMOKE) OUT=$(OUT) PYTHON=$(GPU_PYTHON) bash benchmarks/gpu/run.sh
 
 # fault injection (reliability/, beside the package and not installed: run from the repo root):
 # writes benchmarks/results/reliability.json and docs/RELIABILITY.md
