@@ -14,7 +14,8 @@ HOW = ("Prepared as one call (`benchmarks/gpu/README.md`): `OUT=DIR bash benchma
        "`make bench-gpu`) on a CUDA machine, every step in its own process under its own time limit (under 8 minutes "
        "in all), each result written as `$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and "
        "run `workflows bench gpu --render`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU "
-       "(tests/test_gpu_bench.py does, in the fast tier).")
+       "(tests/test_gpu_bench.py does, in the fast tier). Not prepared yet: the classification step (the torchrun "
+       "path in bf16, the Predictor in fp32 and bf16); benchmarks/gpu/README.md says what it needs.")
 
 
 def load(results_dir: str | Path) -> list[dict]:
