@@ -49,14 +49,19 @@ def step_lm(smoke: bool, emit: Emit, data: str | None) -> None:
                                warmup=p["warmup"], vocab=50257, activation_checkpointing=False, strategy=strategy,
                                compile=p["compile"], fused_adamw=True)
         torch._dynamo.reset()  # the second run compiles its own blocks, as a fresh process would
+        counters = torch._dynamo.utils.counters
+        counters.clear()
         runs[strategy] = worker(args)
+        # graphs compiled: a few when the 12 blocks share one; many means recompiles (or eager fallback)
+        runs[strategy]["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
         fsdp, plain = runs.get("fsdp"), runs["plain"]
         emit({
             "device": plain["device"], "goal_mfu": GOAL_MFU, "goal_fsdp_vs_plain": 0.95,
             "size": p["size"], "params": plain["params"], "seq_len": p["seq_len"], "micro_batch": p["micro_batch"],
             "compile": p["compile"], "fused_adamw": True,
             "runs": {k: {f: r[f] for f in ("strategy", "precision", "tokens_per_s", "mfu", "steps", "seconds",
-                                          "achieved_tflops_per_device", "peak_memory_gib", "last_loss")}
+                                          "achieved_tflops_per_device", "peak_memory_gib", "last_loss",
+                                          "compiled_graphs")}
                      for k, r in runs.items()},
             "tokens_per_s": fsdp["tokens_per_s"] if fsdp else None,
             "mfu": fsdp["mfu"] if fsdp else None,

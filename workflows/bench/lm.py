@@ -72,7 +72,9 @@ def worker(args: argparse.Namespace) -> dict:
     model = build_causal_lm(lm_cfg, args.vocab)
     if args.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if args.compile != "none":  # per block, before sharding, as torchtitan does: FSDP2 hooks stay outside
+    # per block, before sharding (regional compilation: the blocks share one compiled graph; dynamo
+    # leaves FSDP2's hooks out of it, torch._dynamo.config.skip_fsdp_hooks)
+    if args.compile != "none":
         for block in transformer_blocks(model):
             block.compile(backend=args.compile)
     # "ddp" on one process is the plain model (parallelize)
