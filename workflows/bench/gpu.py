@@ -13,6 +13,7 @@ time for a rerun of one step (`--steps`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -59,7 +60,8 @@ def run_step(step: str, out_dir: Path, smoke: bool, limit: float, env_info: dict
         try:
             rc: int | None = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its compile workers and loader processes too
+            with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                os.killpg(proc.pid, signal.SIGKILL)  # its compile workers and loader processes too
             proc.wait()
             rc = None
     measured = json.loads(path.read_text()) if path.exists() else {}
