@@ -30,19 +30,22 @@ LIMITS = {"lm": 200, "resnet": 240}
 SMOKE_LIMITS = {"lm": 300, "resnet": 300}  # toy sizes, but a loaded 2-core machine imports torch slowly
 
 
-def environment() -> dict:
+def environment(smoke: bool) -> dict:
+    """Versions from the installed packages' metadata; the device from torch only in a real run (a smoke
+    run skips the import here: each step imports torch itself, and on a loaded CPU an import takes long)."""
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
-    import torch
+    info: dict = {"python": platform.python_version(), "cpus": os.cpu_count(), "device": "cpu", "cuda": None}
+    for name in ("torch", "transformers"):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            info[name] = None
+    if not smoke:
+        import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+        info.update(cuda=torch.version.cuda, device=torch.cuda.get_device_name(0))
     return info
 
 
@@ -81,6 +84,12 @@ def run_step(step: str, out_dir: Path, smoke: bool, limit: float, env_info: dict
     return record
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def last_line(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else "(no output)"
@@ -113,15 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench gpu: --limit {item!r}: use STEP=SECONDS with a step of {', '.join(STEPS)}", file=sys.stderr)
             return 2
         limits[key] = float(value)
-    import torch
-
-    if not a.smoke and not torch.cuda.is_available():
+    if not a.smoke and not cuda_available():
         print("bench gpu: no CUDA device here (torch.cuda.is_available() is False); "
               "SMOKE=1 / --smoke runs the steps at toy size on the CPU", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    env_info = environment()
+    env_info = environment(a.smoke)
     print(f"bench gpu: {', '.join(steps)} on {env_info['device']}{' (smoke)' if a.smoke else ''} -> {out}", flush=True)
     failed = 0
     for step in steps:
