@@ -45,11 +45,25 @@ def test_smoke_run_writes_every_step(smoke_out):
     assert resnet["loader_images"] > 0 and resnet["channels_last"]
 
 
+def test_smoke_run_classifies(smoke_out):
+    """The classification step: the torchrun path trained, its F1 set against the prepared CPU figure,
+    the exported model's Predictor in fp32 and bf16, batched against unbatched."""
+    r = json.loads((smoke_out / "gpu-classify.json").read_text())
+    assert r["status"] == "ok" and r["smoke"] and r["error"] is None, r.get("output_tail")
+    assert r["train_rows"] == 64 and r["train_samples_per_s"] > 0 and 0 <= r["train_f1"] <= 1
+    assert r["f1_delta_vs_cpu"] == pytest.approx(r["train_f1"] - r["cpu_f1"], abs=1e-4)
+    fp32, bf16 = r["predictor"]["fp32"], r["predictor"]["bf16"]
+    assert fp32["rows"] == bf16["rows"] == 32 and fp32["rows_per_s"] > 0 and bf16["rows_per_s"] > 0
+    assert r["predictor_bf16_f1_delta"] == pytest.approx(bf16["f1"] - fp32["f1"], abs=1e-4)
+    p = r["in_process"]
+    assert p["batched_vs_unbatched"] == pytest.approx(p["batched32_rows_per_s"] / p["unbatched_rows_per_s"], rel=0.02)
+
+
 def test_doc_section_renders_every_step(smoke_out, tmp_path):
     """Every figure the GPU section shows is in the step JSON (a smoke file, relabelled as measured)."""
     results = tmp_path / "results"
     results.mkdir()
-    for name in ("gpu-lm.json", "gpu-resnet.json"):
+    for name in ("gpu-lm.json", "gpu-resnet.json", "gpu-classify.json"):
         r = json.loads((smoke_out / name).read_text())
         (results / name).write_text(json.dumps({**r, "smoke": False}))
     doc = tmp_path / "BENCHMARKS.md"
@@ -58,6 +72,8 @@ def test_doc_section_renders_every_step(smoke_out, tmp_path):
     assert "No GPU has been lent" not in text and "n/a (" not in text
     assert "| FSDP2, one device | fp32 |" in text and "| plain (no FSDP) | fp32 |" in text
     assert "fsdp_vs_plain" in text and "compute only" in text and "decode-bound ceiling" in text
+    assert "| torchrun path, training |" in text and "| Predictor, bf16 |" in text
+    assert "batched (32 rows a call)" in text
     (results / "gpu-lm.json").write_text((smoke_out / "gpu-lm.json").read_text())
     with pytest.raises(UserError, match="gpu-lm.json: a smoke run"):
         gpu_doc.render(results, doc)

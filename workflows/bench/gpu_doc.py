@@ -9,13 +9,14 @@ from pathlib import Path
 
 from workflows.errors import UserError
 
-HEADING = "## GPU: GPT-2 124M MFU and ResNet-50 images/s (one device, no Ray)"
-HOW = ("Prepared as one call (`benchmarks/gpu/README.md`): `OUT=DIR bash benchmarks/gpu/run.sh` (or "
-       "`make bench-gpu`) on a CUDA machine, every step in its own process under its own time limit (under 8 minutes "
-       "in all), each result written as `$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and "
-       "run `workflows bench gpu --render`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU "
-       "(tests/test_gpu_bench.py does, in the fast tier). Not prepared yet: the classification step (the torchrun "
-       "path in bf16, the Predictor in fp32 and bf16); benchmarks/gpu/README.md says what it needs.")
+HEADING = "## GPU: GPT-2 124M MFU, ResNet-50 images/s and bf16 classification (one device, no Ray)"
+HOW = ("Prepared as one call (`benchmarks/gpu/README.md`): `make bench-gpu-prepare` here (the quickstart's "
+       "processed split, MiniLM in bf16 and the CPU F1 into `.gpu-prep/`, pydantic's wheels into `.whl/`), then "
+       "`OUT=DIR bash benchmarks/gpu/run.sh` (or `make bench-gpu`) on a CUDA machine with both folders carried, every "
+       "step in its own process under its own time limit (under 8 minutes in all), each result written as "
+       "`$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and run `workflows bench gpu "
+       "--render`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU (tests/test_gpu_bench.py does, "
+       "in the fast tier).")
 
 
 def load(results_dir: str | Path) -> list[dict]:
@@ -78,6 +79,28 @@ def resnet_rows(r: dict) -> str:
     return "\n".join(lines)
 
 
+def classify_rows(r: dict) -> str:
+    pred, inproc = r.get("predictor", {}), r.get("in_process", {})
+    delta = r.get("f1_delta_vs_cpu")
+    goal = r.get("goal_f1_delta", 0.01)
+    met = "not measured" if delta is None else "met" if abs(delta) <= goal else "**not met**"
+    lines = [f"Classification ({r.get('model')}), the quickstart's processed split carried from here, "
+             f"{r['seconds']} s of its {r['limit_s']:g} s limit.{_status(r)}", "",
+             "| run | precision | rows/s | held-out F1 | goal |", "| --- | --- | --- | --- | --- |",
+             f"| torchrun path, training | {r.get('precision')} | {_f(r.get('train_samples_per_s'))} | "
+             f"{_f(r.get('train_f1'), '.4f')} (CPU {_f(r.get('cpu_f1'), '.4f')}) | |f1 - CPU| <= {goal} ({met}) |"]
+    for name in ("fp32", "bf16"):
+        if name in pred:
+            lines.append(f"| Predictor, {name} | {name} | {_f(pred[name]['rows_per_s'])} | "
+                         f"{_f(pred[name]['f1'], '.4f')} | |")
+    lines += ["", f"Predictor bf16 F1 - fp32 F1: {_f(r.get('predictor_bf16_f1_delta'), '+.4f')}. In-process "
+                  f"`predict()`, batched (32 rows a call) {_f(inproc.get('batched32_rows_per_s'))} rows/s against "
+                  f"unbatched {_f(inproc.get('unbatched_rows_per_s'))}: "
+                  f"{_goal(inproc.get('batched_vs_unbatched'), r.get('goal_batched_vs_unbatched', 4.0), '.1f')} x. "
+                  f"CPU figure: {r.get('cpu_f1_source')}."]
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict]) -> str:
     if not results:
         return (f"{HEADING}\n\n**No GPU has been lent to this project yet**: nothing in it has run on a GPU, so this "
@@ -86,7 +109,7 @@ def markdown(results: list[dict]) -> str:
     parts = [HEADING, "", f"Measured on {env['device']} ({env['cpus']} CPUs, torch {env['torch']}, CUDA {env['cuda']}, "
              f"{results[0]['measured_at']}). {HOW}", ""]
     for r in results:
-        parts += [{"lm": lm_rows, "resnet": resnet_rows}[r["step"]](r), ""]
+        parts += [{"lm": lm_rows, "resnet": resnet_rows, "classify": classify_rows}[r["step"]](r), ""]
     return "\n".join(parts)
 
 

@@ -166,7 +166,15 @@ def step_resnet(smoke: bool, emit: Emit, data: str | None) -> None:
     emit(out)
 
 
-STEPS: dict[str, Callable[[bool, Emit, str | None], None]] = {"lm": step_lm, "resnet": step_resnet}
+def step_classify(smoke: bool, emit: Emit, data: str | None) -> None:
+    """The quickstart model on the torchrun path in bf16, then the Predictor (workflows.bench.gpu_classify)."""
+    from workflows.bench.gpu_classify import step_classify as run
+
+    run(smoke, emit, data)
+
+
+STEPS: dict[str, Callable[[bool, Emit, str | None], None]] = {"lm": step_lm, "resnet": step_resnet,
+                                                               "classify": step_classify}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("step", choices=sorted(STEPS))
     ap.add_argument("--out", required=True, help="the step's JSON, rewritten as its parts complete")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--data", help="the step's prepared input (resnet: a shard directory with index.json)")
+    ap.add_argument("--data", help="the step's prepared input (resnet: a shard directory with index.json; "
+                    "classify: the folder `make bench-gpu-prepare` wrote)")
     a = ap.parse_args(argv)
     record: dict = {}
 
