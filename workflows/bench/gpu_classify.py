@@ -150,8 +150,8 @@ def step_classify(smoke: bool, emit, data: str | None) -> None:
         work = Path(tmp)
         prep = Path(data) if data else (smoke_prepare(work / "prep") if smoke else None)
         if prep is None or not (prep / "cpu.json").exists():
-            raise UserError(f"classify: --prepared {prep}: no cpu.json there (run `make bench-gpu-prepare` and carry "
-                            "the folder it writes)")
+            where = f"--prepared {prep}: no cpu.json there" if prep else "no prepared folder (.gpu-prep/ is absent)"
+            raise UserError(f"classify: {where}; run `make bench-gpu-prepare` here and carry the folder it writes")
         cpu = json.loads((prep / "cpu.json").read_text())
         model = work / "minilm"
         convert_model(prep / "minilm-bf16", model, "float32")
@@ -235,7 +235,10 @@ def prepare(out: Path) -> dict:
         work = Path(tmp)
         sets = fresh_overrides(tmp)
         cmd = [sys.executable, "-m", "workflows", "preprocess", "--config", "quickstart"]
-        subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=True)
+        for attempt in range(3):  # Ray's node start gives up after 30 s, which a loaded machine can exceed
+            done = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=attempt == 2)
+            if done.returncode == 0:
+                break
         cfg = load_config("quickstart", sets)
         stage = json.loads((work / "runs" / cfg.name / "preprocess.json").read_text())
         staged = work / "prep"
