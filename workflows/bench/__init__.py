@@ -28,6 +28,9 @@ def run_benchmark(name: str, config: str | None, overrides: list[str], argv: lis
 
     A tag keeps a variant (another size, another cluster) beside the default run instead of over it.
     """
+    if name == "gpu":
+        raise UserError("bench gpu runs without Ray on a CUDA machine: `make bench-gpu` (benchmarks/gpu/README.md); "
+                        "`workflows bench gpu --render` writes its section from the stored gpu-*.json")
     if name not in BENCHMARKS:
         raise UserError(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
     if tag is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", tag):
@@ -63,9 +66,15 @@ def render(name: str, results_dir: str | Path = RESULTS_DIR, doc: str | Path = D
     """Rewrite `doc`'s sections from the stored results of benchmark `name` ("all": every one, tags
     included) without running anything: after a change to a benchmark's report, or to check that
     the doc is what its results say."""
-    if name != "all" and name not in BENCHMARKS:
-        raise UserError(f"unknown benchmark {name!r}; available: all, {', '.join(sorted(BENCHMARKS))}")
+    if name not in ("all", "gpu") and name not in BENCHMARKS:
+        raise UserError(f"unknown benchmark {name!r}; available: all, gpu, {', '.join(sorted(BENCHMARKS))}")
     paths = []
+    if name in ("all", "gpu"):  # run on a GPU machine by benchmarks/gpu/run.sh; "not lent yet" without results
+        from workflows.bench import gpu_doc
+
+        paths += gpu_doc.render(results_dir, Path(doc))
+        if name == "gpu":
+            return paths
     for path in sorted(Path(results_dir).glob("*.json")):
         result = json.loads(path.read_text())
         bench = result.get("benchmark")

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,12 +49,18 @@ def worker(args: argparse.Namespace) -> dict:
 
     from workflows.train.lm import SIZES, build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
     from workflows.train.loop import make_optimizer, make_scheduler, train_epoch
+    from workflows.train.models import transformer_blocks
     from workflows.train.parallel import parallelize, world
     from workflows.train.worker_setup import join_torchrun_group, torchrun_device
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
     join_torchrun_group(gpu)
+    if args.strategy == "fsdp" and not dist.is_initialized():
+        # FSDP2 on one device: a one-rank group (parallelize leaves a lone process's model plain)
+        dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if args.strategy == "plain" and world_size > 1:
+        raise SystemExit("bench lm: --strategy plain is one device's baseline; run it without torchrun")
     rank, _ = world()
     device = torchrun_device(gpu)
     if gpu:
@@ -65,17 +72,26 @@ def worker(args: argparse.Namespace) -> dict:
     model = build_causal_lm(lm_cfg, args.vocab)
     if args.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model = parallelize(model, "fsdp", device)
-    optimizer = make_optimizer(model, 3e-4, 0.1)
+    # per block, before sharding (regional compilation: the blocks share one compiled graph; dynamo
+    # leaves FSDP2's hooks out of it, torch._dynamo.config.skip_fsdp_hooks)
+    if args.compile != "none":
+        for block in transformer_blocks(model):
+            block.compile(backend=args.compile)
+    # "ddp" on one process is the plain model (parallelize)
+    model = parallelize(model, "fsdp" if args.strategy == "fsdp" else "ddp", device)
+    optimizer = make_optimizer(model, 3e-4, 0.1, fused=args.fused_adamw or None)
     scheduler = make_scheduler(optimizer, args.warmup + args.steps, 0.05)
     params, layers, hidden = model_shape(model)
 
     data = lambda n, seed: synthetic_blocks(n, args.micro_batch, args.seq_len, args.vocab, seed + rank)  # noqa: E731
-    warm = train_epoch(model, data(args.warmup, 1000), optimizer, scheduler, device, 1.0)
-    if gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-    stats = train_epoch(model, data(args.steps, 0), optimizer, scheduler, device, 1.0)  # ends on .item(): synced
+    # plain on GPU: bf16 autocast over fp32 weights, the precision FSDP2's policy gives the sharded run
+    amp = torch.autocast("cuda", torch.bfloat16) if gpu and args.strategy == "plain" else nullcontext()
+    with amp:
+        warm = train_epoch(model, data(args.warmup, 1000), optimizer, scheduler, device, 1.0)
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        stats = train_epoch(model, data(args.steps, 0), optimizer, scheduler, device, 1.0)  # ends on .item()
     peak, device_name = peak_flops(device)
     fpt = flops_per_token(params, layers, hidden, args.seq_len)
     tokens_per_s = stats["tokens_per_s"]
@@ -89,7 +105,11 @@ def worker(args: argparse.Namespace) -> dict:
         "seq_len": args.seq_len,
         "micro_batch": args.micro_batch,
         "global_batch_tokens": args.micro_batch * args.seq_len * world_size,
-        "precision": "bf16 (FSDP2 MixedPrecisionPolicy)" if gpu else "fp32",
+        "precision": ("fp32" if not gpu else "bf16 (FSDP2 MixedPrecisionPolicy)" if args.strategy == "fsdp"
+                      else "bf16 autocast"),
+        "strategy": args.strategy,
+        "compile": args.compile,
+        "fused_adamw": args.fused_adamw,
         "activation_checkpointing": args.activation_checkpointing,
         "warmup_steps": args.warmup,
         "steps": stats["steps"],
@@ -105,7 +125,7 @@ def worker(args: argparse.Namespace) -> dict:
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if gpu else None,
         "torch": torch.__version__,
     }
-    if world_size > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return result
 
@@ -122,6 +142,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=d["warmup"], help="steps before measuring")
     p.add_argument("--vocab", type=int, default=50257, help="GPT-2's vocabulary")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--strategy", choices=["fsdp", "plain"], default="fsdp",
+                   help="plain: one device without FSDP (bf16 autocast on GPU), the baseline of FSDP's overhead")
+    p.add_argument("--compile", choices=["none", "inductor", "eager"], default="none",
+                   help="torch.compile each transformer block (eager: tracing only, for CPU smoke runs)")
+    p.add_argument("--fused-adamw", action="store_true", help="AdamW's fused kernel")
     p.add_argument("--output", help="write the result JSON here (rank 0)")
     return p.parse_args(argv)
 

@@ -60,10 +60,11 @@ def dropout_seed(seed: int, epoch: int, rank: int = 0) -> int:
 
 
 def make_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, head_lr: float | None = None
+    model: nn.Module, lr: float, weight_decay: float, head_lr: float | None = None, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and norms; `head_lr` (if given) for the new classification
-    head (the `classifier` module), which starts from random weights while the encoder is pretrained."""
+    head (the `classifier` module), which starts from random weights while the encoder is pretrained.
+    `fused`: one kernel per step for all parameters (torch's default, None, picks foreach)."""
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -77,6 +78,7 @@ def make_optimizer(
             for (decays, head), params in sorted(groups.items(), key=lambda kv: (kv[0][1], not kv[0][0]))
         ],
         lr=lr,
+        fused=fused,
     )
 
 

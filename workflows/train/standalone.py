@@ -209,24 +209,28 @@ def train(
             raise Stop
 
     started = time.time()
+    # one process on a GPU: parallelize() leaves the model plain (no FSDP2 bf16 policy without a
+    # process group), so bf16 autocast gives it the mixed precision the FSDP2 path has on GPU
+    amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" and world_size == 1 else nullcontext()
     try:
-        run_epochs(
-            cfg,
-            task,
-            data,
-            model,
-            optimizer,
-            scheduler,
-            device,
-            start_epoch=start_epoch,
-            history=history,
-            resumed_from_epoch=resumed_from,
-            train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
-                                                      tc.seed, epoch, rank),
-            val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
-            end_of_epoch=end_of_epoch,
-            log_epoch=logger.log_epoch if logger is not None else None,  # rank 0's only
-        )
+        with amp:
+            run_epochs(
+                cfg,
+                task,
+                data,
+                model,
+                optimizer,
+                scheduler,
+                device,
+                start_epoch=start_epoch,
+                history=history,
+                resumed_from_epoch=resumed_from,
+                train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
+                                                          tc.seed, epoch, rank),
+                val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
+                end_of_epoch=end_of_epoch,
+                log_epoch=logger.log_epoch if logger is not None else None,  # rank 0's only
+            )
     except Stop:
         pass
     return {

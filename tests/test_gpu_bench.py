@@ -1,0 +1,100 @@
+"""The prepared GPU measurement (benchmarks/gpu/run.sh) runs end to end at toy size on the CPU,
+writes every step's JSON with what docs/BENCHMARKS.md's GPU section reads, and records a step's
+failure or time-out without stopping the others. Not marked slow: no Ray, toy sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workflows.bench import gpu_doc
+from workflows.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def smoke_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpu-smoke")
+    proc = subprocess.run(["make", "-s", "bench-gpu", "SMOKE=1", f"OUT={out}", f"GPU_PYTHON={sys.executable}"],
+                          cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def test_smoke_run_writes_every_step(smoke_out):
+    lm = json.loads((smoke_out / "gpu-lm.json").read_text())
+    resnet = json.loads((smoke_out / "gpu-resnet.json").read_text())
+    for r in (lm, resnet):
+        assert r["status"] == "ok" and r["smoke"] and r["error"] is None and r["environment"]["device"] == "cpu"
+    assert set(lm["runs"]) == {"plain", "fsdp"} and lm["runs"]["fsdp"]["strategy"] == "fsdp"
+    runs = lm["runs"]
+    assert lm["fsdp_vs_plain"] == pytest.approx(runs["fsdp"]["tokens_per_s"] / runs["plain"]["tokens_per_s"], abs=1e-3)
+    assert lm["compile"] == "eager" and lm["fused_adamw"] and lm["mfu"] is None  # no GPU peak on the CPU
+    for key in ("compute_images_per_s", "loader_images_per_s", "decode_images_per_s", "loader_vs_compute"):
+        assert resnet[key] > 0, key
+    assert resnet["loader_images"] > 0 and resnet["channels_last"]
+
+
+def test_smoke_run_classifies(smoke_out):
+    """The classification step: the torchrun path trained, its F1 set against the prepared CPU figure,
+    the exported model's Predictor in fp32 and bf16, batched against unbatched."""
+    r = json.loads((smoke_out / "gpu-classify.json").read_text())
+    assert r["status"] == "ok" and r["smoke"] and r["error"] is None, r.get("output_tail")
+    assert r["train_rows"] == 64 and r["train_samples_per_s"] > 0 and 0 <= r["train_f1"] <= 1
+    assert r["f1_delta_vs_cpu"] == pytest.approx(r["train_f1"] - r["cpu_f1"], abs=1e-4)
+    fp32, bf16 = r["predictor"]["fp32"], r["predictor"]["bf16"]
+    assert fp32["rows"] == bf16["rows"] == 32 and fp32["rows_per_s"] > 0 and bf16["rows_per_s"] > 0
+    assert r["predictor_bf16_f1_delta"] == pytest.approx(bf16["f1"] - fp32["f1"], abs=1e-4)
+    p = r["in_process"]
+    assert p["batched_vs_unbatched"] == pytest.approx(p["batched32_rows_per_s"] / p["unbatched_rows_per_s"], rel=0.02)
+
+
+def test_doc_section_renders_every_step(smoke_out, tmp_path):
+    """Every figure the GPU section shows is in the step JSON (a smoke file, relabelled as measured)."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("gpu-lm.json", "gpu-resnet.json", "gpu-classify.json"):
+        r = json.loads((smoke_out / name).read_text())
+        (results / name).write_text(json.dumps({**r, "smoke": False}))
+    doc = tmp_path / "BENCHMARKS.md"
+    gpu_doc.render(results, doc)
+    text = doc.read_text()
+    assert "No GPU has been lent" not in text and "n/a (" not in text
+    assert "| FSDP2, one device | fp32 |" in text and "| plain (no FSDP) | fp32 |" in text
+    assert "fsdp_vs_plain" in text and "compute only" in text and "decode-bound ceiling" in text
+    assert "| torchrun path, training |" in text and "| Predictor, bf16 |" in text
+    assert "batched (32 rows a call)" in text
+    (results / "gpu-lm.json").write_text((smoke_out / "gpu-lm.json").read_text())
+    with pytest.raises(UserError, match="gpu-lm.json: a smoke run"):
+        gpu_doc.render(results, doc)
+
+
+def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "workflows.bench.gpu", "--out", str(out), "--smoke",
+                           "--steps", "resnet,lm", "--shards", str(tmp_path / "no-shards"), "--limit", "lm=0.5"],
+                          cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    resnet = json.loads((out / "gpu-resnet.json").read_text())
+    lm = json.loads((out / "gpu-lm.json").read_text())
+    assert resnet["status"] == "failed" and "no-shards" in resnet["error"] and "index.json" in resnet["error"]
+    assert lm["status"] == "timeout" and lm["error"] == "ran past its 0.5 s limit" and lm["limit_s"] == 0.5
+    assert "resnet: failed" in proc.stdout and "lm: timeout" in proc.stdout
+
+
+def test_real_mode_refuses_without_cuda(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "workflows.bench.gpu", "--out", str(tmp_path)],
+                          cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,123 @@
+"""docs/BENCHMARKS.md's GPU section, rendered from benchmarks/results/gpu-*.json (what
+`python -m workflows.bench.gpu` wrote under $OUT on a GPU machine, copied here), or, while there are
+none, the statement that no GPU has been lent yet and how to run the measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workflows.errors import UserError
+
+HEADING = "## GPU: GPT-2 124M MFU, ResNet-50 images/s and bf16 classification (one device, no Ray)"
+HOW = ("Prepared as one call (`benchmarks/gpu/README.md`): `make bench-gpu-prepare` here (the quickstart's "
+       "processed split, MiniLM in bf16 and the CPU F1 into `.gpu-prep/`, pydantic's wheels into `.whl/`), then "
+       "`OUT=$OUT bash benchmarks/gpu/run.sh` (or `make bench-gpu`) on a CUDA machine with both folders carried (the "
+       "device tool: one `run`, `carry` `[\".gpu-prep\", \".whl\"]`, `timeout_s` 600), every "
+       "step in its own process under its own time limit (under 8 minutes in all), each result written as "
+       "`$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and run `workflows bench gpu "
+       "--render`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU (tests/test_gpu_bench.py does, "
+       "in the fast tier).")
+
+
+def load(results_dir: str | Path) -> list[dict]:
+    """The stored GPU step results, in step order; a smoke run's file is refused: it measured nothing."""
+    results = []
+    for path in sorted(Path(results_dir).glob("gpu-*.json")):
+        r = json.loads(path.read_text())
+        if r.get("benchmark") != "gpu":
+            continue
+        if r.get("smoke"):
+            raise UserError(f"{path}: a smoke run (toy sizes on the CPU), not a measurement; remove it")
+        results.append(r)
+    return results
+
+
+def _f(value, fmt: str = ",.0f", none: str = "n/a") -> str:
+    return none if value is None else format(value, fmt)
+
+
+def _goal(value, goal, fmt: str) -> str:
+    if value is None:
+        return f">= {format(goal, fmt)} (not measured)"
+    return f">= {format(goal, fmt)} ({'met' if value >= goal else '**not met**'})"
+
+
+def _status(r: dict) -> str:
+    return "" if r["status"] == "ok" else f" **{r['status']}**: {r['error']}."
+
+
+def lm_rows(r: dict) -> str:
+    runs = r.get("runs", {})
+    params = _f(r.get("params", 0) / 1e6, ".1f")
+    lines = [f"`bench lm` ({r['step']}): {r.get('size')} ({params}M), seq {r.get('seq_len')}"
+             f" x micro-batch {r.get('micro_batch')}, torch.compile ({r.get('compile')}) per block, fused AdamW, "
+             f"{r['seconds']} s of its {r['limit_s']:g} s limit.{_status(r)}", "",
+             "| run | precision | tokens/s | TFLOP/s | MFU | peak memory |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("plain", "fsdp"):
+        if name in runs:
+            x = runs[name]
+            lines.append(f"| {'FSDP2, one device' if name == 'fsdp' else 'plain (no FSDP)'} | {x['precision']} | "
+                         f"{_f(x['tokens_per_s'])} | {_f(x['achieved_tflops_per_device'], '.1f')} | "
+                         f"{_f(x['mfu'], '.1%')} | {_f(x['peak_memory_gib'], '.1f')} GiB |")
+    lines += ["", f"MFU {_goal(r.get('mfu'), r.get('goal_mfu', 0.5), '.0%')} against a dense bf16 peak of "
+                  f"{_f(r.get('peak_bf16_tflops'))} TFLOP/s; fsdp_vs_plain {_f(r.get('fsdp_vs_plain'), '.3f')}, "
+                  f"goal {_goal(r.get('fsdp_vs_plain'), r.get('goal_fsdp_vs_plain', 0.95), '.2f')}."]
+    return "\n".join(lines)
+
+
+def resnet_rows(r: dict) -> str:
+    lines = [f"ResNet-50 training ({r.get('arch')}, {r.get('image_size')} px, batch {r.get('batch')}, "
+             f"{r.get('precision')}, channels_last, torch.compile ({r.get('compile')}), loop.train_epoch), "
+             f"{r['seconds']} s of its {r['limit_s']:g} s limit.{_status(r)}", "",
+             "| input | images/s | goal |", "| --- | --- | --- |",
+             f"| synthetic tensors in device memory (compute only) | {_f(r.get('compute_images_per_s'))} | "
+             f"{_goal(r.get('compute_images_per_s'), r.get('goal_compute_images_per_s', 3000), ',.0f')} |",
+             f"| StreamLoader over {_f(r.get('loader_images'))} images in local tar shards, "
+             f"{r.get('loader_workers', 'n/a')} decode processes | {_f(r.get('loader_images_per_s'))} | "
+             f"{_goal(r.get('loader_vs_compute'), r.get('goal_loader_vs_compute', 0.9), '.2f')} x compute-only |",
+             f"| the loader alone (decode-bound ceiling) | {_f(r.get('decode_images_per_s'))} | |"]
+    return "\n".join(lines)
+
+
+def classify_rows(r: dict) -> str:
+    pred, inproc = r.get("predictor", {}), r.get("in_process", {})
+    delta = r.get("f1_delta_vs_cpu")
+    goal = r.get("goal_f1_delta", 0.01)
+    met = "not measured" if delta is None else "met" if abs(delta) <= goal else "**not met**"
+    lines = [f"Classification ({r.get('model')}), the quickstart's processed split carried from here, "
+             f"{r['seconds']} s of its {r['limit_s']:g} s limit.{_status(r)}", "",
+             "| run | precision | rows/s | held-out F1 | goal |", "| --- | --- | --- | --- | --- |",
+             f"| torchrun path, training | {r.get('precision')} | {_f(r.get('train_samples_per_s'))} | "
+             f"{_f(r.get('train_f1'), '.4f')} (CPU {_f(r.get('cpu_f1'), '.4f')}) | |f1 - CPU| <= {goal} ({met}) |"]
+    for name in ("fp32", "bf16"):
+        if name in pred:
+            lines.append(f"| Predictor, {name} | {name} | {_f(pred[name]['rows_per_s'])} | "
+                         f"{_f(pred[name]['f1'], '.4f')} | |")
+    lines += ["", f"Predictor bf16 F1 - fp32 F1: {_f(r.get('predictor_bf16_f1_delta'), '+.4f')}. In-process "
+                  f"`predict()`, batched (32 rows a call) {_f(inproc.get('batched32_rows_per_s'))} rows/s against "
+                  f"unbatched {_f(inproc.get('unbatched_rows_per_s'))}: "
+                  f"{_goal(inproc.get('batched_vs_unbatched'), r.get('goal_batched_vs_unbatched', 4.0), '.1f')} x. "
+                  f"CPU figure: {r.get('cpu_f1_source')}."]
+    return "\n".join(lines)
+
+
+def markdown(results: list[dict]) -> str:
+    if not results:
+        return (f"{HEADING}\n\n**No GPU has been lent to this project yet**: nothing in it has run on a GPU, so this "
+                f"section has no figures. {HOW}\n")
+    env = results[0]["environment"]
+    parts = [HEADING, "", f"Measured on {env['device']} ({env['cpus']} CPUs, torch {env['torch']}, CUDA {env['cuda']}, "
+             f"{results[0]['measured_at']}). {HOW}", ""]
+    for r in results:
+        parts += [{"lm": lm_rows, "resnet": resnet_rows, "classify": classify_rows}[r["step"]](r), ""]
+    return "\n".join(parts)
+
+
+def render(results_dir: str | Path, doc: Path) -> list[Path]:
+    """Write the `gpu` section of `doc`; the result files it read."""
+    from workflows.bench import write_doc_section
+
+    results = load(results_dir)
+    write_doc_section("gpu", markdown(results), doc)
+    return [Path(results_dir) / f"gpu-{r['step']}.json" for r in results]
