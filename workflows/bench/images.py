@@ -214,6 +214,8 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
         if row == "ours":
             return _phases(name, [_ours_cmd({**ours, "phases": ["ours_cold", "ours_warm"]})], env, rt, logs)
         if row == "ours_index":
+            # read_index saves the index it builds beside the set: each repetition starts without it
+            _drop(prefix + "-noindex/index.json", rt.storage)
             args = {**ours, "prefix": prefix + "-noindex", "build_index": True, "phases": ["ours_cold_after_index"]}
             return _phases(name, [_ours_cmd(args)], env, rt, logs)
         if row == "ours2":  # two training ranks on this node, the same decode processes in all
