@@ -48,6 +48,7 @@ from workflows.train.worker_setup import (
     set_torch_threads,
     start_point,
     torchrun_device,
+    val_positions,
 )
 
 PROCESS_START = time.time()
@@ -176,7 +177,8 @@ def train(
     val_rows = task.prepare_rows(read_rows(data.files["val"], storage, task.columns, val_limit))
     read_seconds = time.perf_counter() - t_read
     total_rows = row_count(train_rows)
-    train_rows, val_rows = rank_share(train_rows, rank, world_size), rank_share(val_rows, rank, world_size)
+    share = val_positions(row_count(val_rows), rank, world_size)
+    train_rows, val_rows = rank_share(train_rows, rank, world_size), {c: v[share] for c, v in val_rows.items()}
 
     eval_batch = task.collate(data, train=False)
     probe = None if resume else batches(train_rows, cfg.evaluate.batch_size, eval_batch)

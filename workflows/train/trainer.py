@@ -35,7 +35,13 @@ from workflows.train import checkpoint as ckpt
 from workflows.train.loop import augment_seed, build_training, data_seed, run_epochs
 from workflows.train.report import STEP_CHECKPOINT, is_step_checkpoint
 from workflows.train.stream_input import SampleHook, StreamInput
-from workflows.train.worker_setup import mid_epoch_position, row_limits, set_torch_threads, start_point
+from workflows.train.worker_setup import (
+    mid_epoch_position,
+    row_limits,
+    set_torch_threads,
+    start_point,
+    val_positions,
+)
 
 SHUFFLE_BUFFER = 2048
 
@@ -142,8 +148,16 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     # MLflow from rank 0, where the numbers are (Train V2 has no tracking callback)
     logger = RunLogger(spec.tracking) if rank == 0 and spec.tracking is not None else None
 
+    # the val split reaches every rank whole (ingest_config); this rank scores val_positions of it
+    val_rows = min(spec.data.counts["val"], tc.max_val_rows or spec.data.counts["val"])
+    share = val_positions(val_rows, rank, ctx.get_world_size())
+
     def val_batches():
-        return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
+        if share == slice(None):
+            return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
+        return (eval_batch({k: v[share] for k, v in batch.items()})
+                for batch in val_shard.iter_batches(batch_size=cfg.evaluate.batch_size * share.step,
+                                                    batch_format="numpy"))
 
     step_checkpoints = {"count": 0, "seconds": 0.0}
 
@@ -224,7 +238,9 @@ def ingest_config():
 
     options = ray.train.DataConfig.default_ingest_options()
     options.preserve_order = True
-    return ray.train.DataConfig(execution_options=options)
+    # "train" split equally among the workers; "val" reaches each whole (worker_setup.val_positions:
+    # Ray's equal split would leave out up to world_size - 1 rows of it)
+    return ray.train.DataConfig(datasets_to_split=["train"], execution_options=options)
 
 
 def mixed_block_order(ds, seed: int):

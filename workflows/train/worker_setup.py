@@ -37,6 +37,27 @@ def row_limits(tc, train_rows: int) -> tuple[int | None, int | None]:
     return train, tc.max_val_rows
 
 
+# Validation rows per rank below which every rank scores the whole split (val_positions)
+VAL_SHARE_MIN_ROWS_PER_RANK = 1024
+
+
+def val_positions(rows: int, rank: int, world_size: int) -> slice:
+    """The positions of the validation split that this rank scores: all of them, or every
+    world_size-th from `rank`.
+
+    The ranks must run the same number of forward passes (FSDP2 gathers parameters in each), so
+    equal shares leave out up to world_size - 1 rows; in the tiny quickstart that was 1 of 13 val
+    rows, and the card's val F1 (0.447) was not what `evaluate --split val` of the registered model
+    said (0.496). A task's val metrics are ratios of sums over rows, all-reduced over the ranks
+    (loop.evaluate, a causal LM's token loss, a plug-in's R2), which every rank scoring the same
+    rows leaves exactly as over the split once. So a small split (`rows`, an upper bound where a
+    task reshapes its rows) is scored whole by every rank; a large one is shared, and the rows left
+    out are fewer than world_size of at least VAL_SHARE_MIN_ROWS_PER_RANK * world_size."""
+    if world_size == 1 or rows < VAL_SHARE_MIN_ROWS_PER_RANK * world_size:
+        return slice(None)
+    return slice(rank, None, world_size)
+
+
 class StartPoint(NamedTuple):
     epoch: int  # the first epoch to train (the checkpoint's own, when it was taken mid-epoch)
     history: list[dict]  # the epochs before it
