@@ -217,3 +217,18 @@ def test_the_readme_own_images_command_on_a_class_sorted_folder(tmp_path, ray_jo
         "digits", overrides, lambda *a: run_cli(*a, "--config", "digits", *sets(overrides), env=ray_join.env),
         "pets", tmp_path / "val.json")
     assert_card_is_evaluate(card, evaluation)
+
+
+def test_every_validation_row_is_scored():
+    """A small val split is scored whole by every rank (its metrics, ratios of all-reduced sums, are
+    then the split's exactly); a large one in disjoint strided shares of equal length."""
+    from workflows.train.worker_setup import VAL_SHARE_MIN_ROWS_PER_RANK, val_positions
+
+    rows = np.arange(13)
+    assert all((rows[val_positions(13, r, 2)] == rows).all() for r in range(2))  # not 12 of them
+    n = VAL_SHARE_MIN_ROWS_PER_RANK * 3 + 2
+    big = np.arange(n)
+    shares = [big[val_positions(n, r, 3)] for r in range(3)]
+    assert len({len(s) for s in shares}) <= 2 and sum(map(len, shares)) == n
+    assert sorted(np.concatenate(shares).tolist()) == big.tolist()
+    assert (big[val_positions(n, 0, 1)] == big).all()
