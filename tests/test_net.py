@@ -88,3 +88,12 @@ def test_free_ports_come_from_outside_the_ephemeral_range():
         pytest.skip("no ip_local_port_range here")
     for port in [free_port(), *free_ports(8)]:
         assert not span[0] <= port <= span[1], (port, span)
+
+
+def test_a_preferred_port_of_zero_means_any_free_port():
+    """WORKFLOWS_DASHBOARD_PORT=0 (the tests', and two commands starting at once) asks for any port:
+    returned as 0 it became the state API's address http://127.0.0.1:0."""
+    port = free_port(preferred=0)
+    assert port > 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -43,7 +43,7 @@ def free_ports(n: int, host: str = LOCALHOST, preferred: int | None = None) -> l
     """`n` distinct ports that can be bound on `host` now, `preferred` first when it is free; the
     others from outside the ephemeral range (listen_ports): a server, the embedded endpoint, Ray's
     dashboard or a test's Serve port, binds its port a while after the pick."""
-    first = [preferred] if preferred is not None and port_free(host, preferred) else []
+    first = [preferred] if preferred and port_free(host, preferred) else []  # 0: no preference (any port)
     if len(first) == n:
         return first
     for _ in range(8):  # listen_ports draws at random: redraw the rare pick of `preferred` itself
