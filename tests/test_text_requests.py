@@ -96,3 +96,17 @@ def test_a_schema_driven_fuzzer_generates_the_request(mode):
 
     check()
     assert len(seen) >= 20
+
+
+def test_blank_means_the_same_to_the_server_and_to_a_schema_validator():
+    """Characters whose whitespace-ness differs between regex engines (Python's \\s counts U+001C-U+001F
+    and U+0085, ECMA's does not): the server and schemathesis' validator (jsonschema-rs) agree on each."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = CONTRACT.request_model.model_json_schema()
+    validator = jsonschema_rs.validator_for(schema)
+    columns = list(schema["$defs"]["Instance"]["properties"]) if "$defs" in schema else None
+    assert columns, schema
+    for ch in ["\x1c", "\x1d", "\x1e", "\x1f", "\x85", "\xa0", "\u2028", "\ufeff", "\t", " ", "\n", "x"]:
+        body = {"instances": [{c: ch * 2 for c in columns}]}
+        accepted = isinstance(CONTRACT.parse("application/json", json.dumps(body).encode()), list)
+        assert accepted == validator.is_valid(body), (repr(ch), accepted)
