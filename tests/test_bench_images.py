@@ -101,6 +101,8 @@ def test_bench_images_scale_tiny(tmp_path):
         assert p["cache_disk_limit"] == 900_000 + p["set"]["shard_bytes_max"]  # one decode process
         # the cache held at least one shard, and never more than the whole set (plus block rounding)
         assert p["set"]["shard_bytes_max"] <= cold["peak_cache_disk_bytes"] <= p["set"]["bytes"] + 100_000
+        # what the loader pinned at most at once: at least a shard, at most the set
+        assert p["set"]["shard_bytes_max"] <= cold["cache"]["peak_pinned_bytes"] <= p["set"]["bytes"]
     assert large["ours_cold"]["cache"]["evictions"] > 0  # the cap below the set made it evict
     assert r["goals_met"]["exactly_once"]
     assert r["goals_met"]["cache_disk_bytes"] == all(

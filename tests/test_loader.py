@@ -370,6 +370,38 @@ def test_a_cap_bounds_the_disk_with_evicted_files_counted(tmp_path, fmt):
     assert peak <= cap + biggest, f"{peak} bytes on disk ({peak / biggest:.1f} shards) for a cap of 3 shards"
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_pinned_peak_it_plans_is_what_it_pins_and_a_cap_below_it_is_named(local_data, tmp_path, caplog,
+                                                                              num_workers):
+    """A cap below the shards a loader must hold at once cannot bound the disk (pinned shards are
+    never evicted): the loader computes that peak from its plan, never pins more, and says so."""
+    sizes = [len(open(f"{local_data}/shard-{k:06d}.tar", "rb").read()) for k in range(len(COUNTS))]
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL, max_bytes=min(sizes))
+    reader = loader(local_data, cache, num_workers=num_workers, prefetch_factor=2, shuffle_window=2,
+                    prefetch_shards=1)
+    most = 0
+    try:
+        with caplog.at_level(logging.WARNING, logger="workflows.loader.stream"):
+            for _ in reader:
+                with reader._lock:
+                    most = max(most, sum(sizes[s] for s in reader._pins))
+    finally:
+        reader.close()
+    assert 0 < most <= reader.peak_pinned_bytes, (most, reader.peak_pinned_bytes)
+    assert reader.peak_pinned_bytes >= 2 * min(sizes)  # a shuffle window of 2 shards is pinned whole
+    assert reader.stats()["peak_pinned_bytes"] == reader.peak_pinned_bytes
+    warned = [r.getMessage() for r in caplog.records if "cache.max_bytes" in r.getMessage()]
+    assert len(warned) == 1 and f"in {reader.peak_pinned_shards} shards" in warned[0]
+
+    caplog.clear()
+    roomy = ShardCache(str(tmp_path / "roomy"), LOCAL, max_bytes=reader.peak_pinned_bytes)
+    again = loader(local_data, roomy, num_workers=num_workers, prefetch_factor=2, shuffle_window=2, prefetch_shards=1)
+    with caplog.at_level(logging.WARNING, logger="workflows.loader.stream"):
+        assert sorted(i for b in again for i in b["sample"].tolist()) == list(range(sum(COUNTS)))
+    again.close()
+    assert not [r for r in caplog.records if "cache.max_bytes" in r.getMessage()]
+
+
 def _s3_dataset(s3, with_versions: bool):
     """The test shards under s3://imgs/ds with an index.json, its shards' versions recorded (as
     writers record them: object_version of the stored object) or not (an older index)."""

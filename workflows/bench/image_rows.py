@@ -52,7 +52,8 @@ def main(argv: list[str]) -> None:
                 timed_pass(loader, out, images_of=images_of, limit=a.get("max_images"))
                 out["samples"] = once(seen, a.get("world_size", 1))
                 stats = cache.stats()
-                out["cache"] = {"hits": stats.hits, "misses": stats.misses, "evictions": stats.evictions}
+                out["cache"] = {"hits": stats.hits, "misses": stats.misses, "evictions": stats.evictions,
+                                "peak_pinned_bytes": loader.peak_pinned_bytes}
                 out["fetch_wait_s"] = round(loader.fetch_wait_s, 2)
     finally:
         loader.close()

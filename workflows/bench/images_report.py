@@ -185,7 +185,8 @@ def _scale_markdown(r: dict) -> str:
                      f"{p['cache_max_bytes'] / 1e9:.1f} GB | "
                      f"{f.get('images_per_s', '-')} | {p.get('images_per_s_vs_smallest', '-')} | "
                      f"{_gib(f.get('peak_pss_bytes'))} ({_gib(f.get('peak_rss_bytes'))}) | "
-                     f"{_gib(f.get('peak_cache_disk_bytes'))} (<= {_gib(p.get('cache_disk_limit'))}) | "
+                     f"{_gib(f.get('peak_cache_disk_bytes'))} (<= {_gib(p.get('cache_disk_limit'))}; "
+                     f"pins {_gib(c.get('peak_pinned_bytes'))}) | "
                      f"{_mb(f.get('store_get_bytes'))} | {c.get('evictions', '-')} | "
                      f"{_how(p, r)} | {_gib(f.get('store_peak_rss_bytes'))} | {f.get('load_1min', '-')} |"
                      + (f" failed: {p['error'][:200]}" if "error" in p else ""))
@@ -198,6 +199,8 @@ Ours only: one cold epoch per set size, {r["workers"]} decode processes, the sha
 (`cache.max_bytes`) so that eviction runs; {_limit(r)}. Ray: {r["ray"]}. `largest_set_bytes`:
 {_streamed(r) / 1e9:.2f} GB (what one epoch streamed, not what was painted). Cache disk: the peak of the
 cache's files plus evicted files still open, sampled every 0.25 s; its goal is the cap plus one shard per decode process.
+"pins": the most the loader holds pinned at once (its shuffle window, the batches in flight, the prefetched
+shards), which no eviction can free: a cap below it cannot be met, and the loader warns that it is.
 
 | set | epoch | cache cap | images/s | vs the smallest | peak memory PSS (RSS) | cache disk (goal) | bytes from the store | evictions | painted (how, time) | store process peak RSS | load (1 min) |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |

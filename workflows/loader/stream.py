@@ -181,6 +181,8 @@ class StreamLoader:
                         "needs the store even when the cache holds every shard; rewrite the index to avoid it",
                         self.index.prefix or self.index.uri(0), unversioned, len(self.index.shards))
         self.fetch_wait_s = 0.0
+        self.peak_pinned_bytes = self.peak_pinned_shards = 0
+        self._cap_warned = False
         self.set_epoch(epoch, start)
 
     # -- the plan of one epoch ----------------------------------------------------------------
@@ -217,7 +219,7 @@ class StreamLoader:
         s = self.cache.stats()
         return {"hits": s.hits, "misses": s.misses, "bytes_from_store": s.bytes_from_store,
                 "bytes_from_cache": s.bytes_from_cache, "evictions": s.evictions,
-                "fetch_wait_s": round(self.fetch_wait_s, 3)}
+                "fetch_wait_s": round(self.fetch_wait_s, 3), "peak_pinned_bytes": self.peak_pinned_bytes}
 
     # -- shards ---------------------------------------------------------------------------------
     def _version(self, shard: int) -> tuple[str, int]:
@@ -332,8 +334,26 @@ class StreamLoader:
         self._sampler.source = sampler
         return self._loader
 
+    def _check_cap(self, batches: list[np.ndarray], first: list[int], last: dict[int, int]) -> None:
+        """The cache cannot evict a pinned shard, so a cap below what this epoch pins at once bounds
+        nothing: the disk then holds the pinned shards. Say so once, with the figures to fix it."""
+        inflight = self._num_workers * self._prefetch_factor
+        sizes = [s.bytes or 0 for s in self.index.shards]  # 0: an index without sizes (then no warning)
+        self.peak_pinned_bytes, self.peak_pinned_shards = peak_pinned(batches, self._offsets, first, last, inflight,
+                                                     self.prefetch_shards, sizes)
+        cap = getattr(self.cache, "max_bytes", None)
+        if cap and self.peak_pinned_bytes > cap and not self._cap_warned:
+            self._cap_warned = True
+            log.warning("cache.max_bytes (%.0f MB) is below what this loader pins at once (%.0f MB in %d shards: a "
+                        "shuffle window of %d shards, %d batches in flight, %d shards prefetched); pinned shards "
+                        "cannot be evicted, so the cache will hold up to %.0f MB plus the shards downloading: raise "
+                        "cache.max_bytes, or lower train.loader_workers", cap / 1e6, self.peak_pinned_bytes / 1e6,
+                        self.peak_pinned_shards, self.shuffle_window, inflight, self.prefetch_shards,
+                        self.peak_pinned_bytes / 1e6)
+
     def __iter__(self) -> Iterator[dict]:
         batches, first, last = self._plan()
+        self._check_cap(batches, first, last)
         release_after: dict[int, list[int]] = {}
         for s, k in last.items():
             release_after.setdefault(k, []).append(s)
@@ -359,6 +379,31 @@ class StreamLoader:
     def __del__(self):
         with contextlib.suppress(Exception):
             self.close()
+
+
+def peak_pinned(batches: list[np.ndarray], offsets: np.ndarray, first: list[int], last: dict[int, int],
+                inflight: int, prefetch_shards: int, sizes: list[int]) -> tuple[int, int]:
+    """(bytes, shards) pinned at most at once over one epoch, as StreamLoader pins and releases
+    shards: when the DataLoader asks for batch j, batches up to j - inflight - 1 are back in the main
+    process (their shards released), and shards are fetched `prefetch_shards` ahead in first-use order."""
+    rank_of = {s: i for i, s in enumerate(first)}
+    by_last: dict[int, list[int]] = {}
+    for s, k in last.items():
+        by_last.setdefault(k, []).append(s)
+    pinned: set[int] = set()
+    held = wanted = peak_bytes = peak_shards = 0
+    for j, ids in enumerate(batches):
+        for s in by_last.get(j - inflight - 1, ()):
+            pinned.discard(s)
+            held -= sizes[s]
+        shards = np.searchsorted(offsets, ids, side="right") - 1
+        ahead = min(len(first), max(rank_of[int(s)] for s in shards) + prefetch_shards + 1)
+        for s in first[wanted:ahead]:
+            pinned.add(s)
+            held += sizes[s]
+        wanted = max(wanted, ahead)
+        peak_bytes, peak_shards = max(peak_bytes, held), max(peak_shards, len(pinned))
+    return peak_bytes, peak_shards
 
 
 class _Once:
