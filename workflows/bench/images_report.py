@@ -33,7 +33,8 @@ LABELS = {"ours_cold": "ours (StreamLoader), cold", "ours_warm": "ours, warm",
           "ours_index_build": "ours: index build, a set without index.json (loader/index.py read_index: every shard "
                               "read once, through the cache)",
           "ours_cold_after_index": "ours, first epoch after that index build",
-          "ours_2_workers": "ours, 2 training ranks (1 decode process each), summed",
+          "ours_2_workers_cold": "ours, 2 training ranks (1 decode process each), cold, summed",
+          "ours_2_workers": "ours, 2 training ranks (1 decode process each), warm, summed",
           "streaming_cold": "MosaicML Streaming (MDS), cold", "streaming_warm": "MosaicML Streaming, warm",
           "litdata_cold": "LitData, cold", "litdata_warm": "LitData, warm",
           "webdataset": "WebDataset, tars streamed from S3, no cache",
@@ -119,6 +120,7 @@ peak of PSS summed over the row's processes (RSS summed in brackets, which count
 {goal("warm_vs_local_dataloader")}
 {goal("two_workers_vs_one")}
 | `warm_vs_decode_limit` | {r.get("warm_vs_decode_limit")} | |
+| `cold_indexed_vs_best_peer` (a set with its saved index, whole passes) | {r.get("cold_indexed_vs_best_peer", "-")} | |
 
 {_method(r)}
 
