@@ -15,12 +15,11 @@ from transformers.modeling_outputs import ImageClassifierOutput
 MODEL_TYPE = "workflows_pooled_linear"
 
 
-class PooledLinearConfig(PretrainedConfig):
+class PooledLinearConfig(PretrainedConfig):  # transformers 5: the annotated fields are the config's
     model_type = MODEL_TYPE
 
-    def __init__(self, pool_size: int = 8, num_channels: int = 3, **kwargs):
-        super().__init__(**kwargs)
-        self.pool_size, self.num_channels = pool_size, num_channels
+    pool_size: int = 8
+    num_channels: int = 3
 
 
 class PooledLinearForImageClassification(PreTrainedModel):
@@ -31,17 +30,9 @@ class PooledLinearForImageClassification(PreTrainedModel):
     def __init__(self, config: PooledLinearConfig):
         super().__init__(config)
         features = config.num_channels * config.pool_size**2
-        self.norm = nn.LayerNorm(features)  # pooled pixels differ in scale per position: one step size fits all
+        self.norm = nn.LayerNorm(features)  # each image's pooled pixels at unit scale, whatever its brightness
         self.classifier = nn.Linear(features, config.num_labels)
-        self.post_init()
-
-    def _init_weights(self, module) -> None:
-        if isinstance(module, nn.Linear):
-            module.weight.data.normal_(0.0, 0.02)
-            module.bias.data.zero_()
-        elif isinstance(module, nn.LayerNorm):
-            module.weight.data.fill_(1.0)
-            module.bias.data.zero_()
+        self.post_init()  # PreTrainedModel's own init: Linear N(0, 0.02), zero bias; LayerNorm ones, zeros
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, **kwargs):
         pooled = nn.functional.adaptive_avg_pool2d(pixel_values, self.config.pool_size).flatten(1)
