@@ -93,6 +93,25 @@ def test_bench_images_training_rows_tiny(tmp_path):
     assert "The training rows (`workflows.bench.images_train`) are real training runs" in text
 
 
+def test_a_training_row_without_steady_steps_is_an_error_not_a_zero():
+    """A training run whose measured epoch had a single step (a set smaller than two batches) has no
+    steady rate: the row fails and says why, rather than reporting 0 or the start-up-bound rate."""
+    from workflows.bench.images_train import summarize
+
+    epoch = {"samples": 2, "steps": 1, "samples_per_s": 5.0, "samples_after_first_step": 0,
+             "samples_per_s_after_first_step": 0.0, "first_step_seconds": 0.4, "epoch_seconds": 0.4,
+             "data_wait_seconds": 0.3}
+    opts = {"workers": "1"}
+    with pytest.raises(RuntimeError, match="no step after its first .*smaller bench.batch"):
+        summarize("train_stream", {"history": [epoch, epoch]}, 9.0, {}, opts)
+    with pytest.raises(RuntimeError, match="1 epoch"):
+        summarize("train_stream", {"history": [epoch]}, 9.0, {}, opts)
+    steady = {**epoch, "samples": 6, "steps": 3, "samples_after_first_step": 4, "samples_per_s_after_first_step": 8.0}
+    got = summarize("train_ray_data", {"history": [steady, steady]}, 9.0, {}, opts)
+    assert got["images_per_s"] == 8.0 and got["images_per_s_whole_pass"] == 5.0 and got["images"] == 6
+    assert got["loader"] == "ray_data" and "loader ray_data" in got["label"]
+
+
 def test_rows_rotate_per_repetition():
     """Each repetition starts one row later; decode stays right after local (it reads local's files)."""
     from workflows.bench.images import rotated
