@@ -81,12 +81,12 @@ def test_pooled_linear_trains_saves_and_serves_from_a_fresh_process(tmp_path):
     assert out.logits.shape == (4, 3) and model.classifier.weight.grad is not None
     model.save_pretrained(tmp_path / "model", safe_serialization=True)
     code = f"""
-import types, numpy as np
+import types, torch
 from workflows.tasks.image import ImagePredictor
 card = types.SimpleNamespace(labels=["cat", "dog", "fox"], image_size=224, image_mean=[0.485, 0.456, 0.406],
                              image_std=[0.229, 0.224, 0.225])
 p = ImagePredictor({str(tmp_path / "model")!r}, card)
-print(type(p.model).__name__, p.probabilities(np.zeros((2, 224, 224, 3), np.uint8)).shape)
+print(type(p.model).__name__, p.probabilities(torch.zeros((2, 224, 224, 3), dtype=torch.uint8)).shape)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
