@@ -57,6 +57,73 @@ def test_bench_images_tiny_set(tmp_path):
     assert not list(tmp_path.glob("workflows-bench-images-*"))  # the scratch dir is gone
 
 
+@pytest.mark.slow
+def test_bench_images_training_rows_tiny(tmp_path):
+    """The training rows on a tiny set, one repetition: a real Ray Train run per row (pooled_linear,
+    two epochs, batches of 2), images/s into the step of its warm epoch after the first step; the
+    ray_data row's preprocessing timed as its conversion; the ratio over ours, warm, which brackets
+    them (one repetition: ours again at the end). A row that yields no step after its first fails."""
+    results, doc = tmp_path / "results", tmp_path / "B.md"
+    out = run_cli("bench", "images", "--set", "bench.size=2400KB", "--set", "bench.shard_bytes=800KB",
+                  "--set", "bench.rows=ours,train_ray_data,train_stream", "--set", "bench.workers=1",
+                  "--set", "bench.batch=2", "--set", "bench.reps=1", "--set", "bench.classes=4",
+                  "--set", f"bench.scratch={tmp_path}", "--results-dir", str(results), "--doc", str(doc),
+                  timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads((results / "images.json").read_text())
+    rows = r["rows"]
+    assert "error" not in rows["train_stream"] and "error" not in rows["train_ray_data"], rows
+    stream, ray_data = rows["train_stream"]["train_stream"], rows["train_ray_data"]["train_ray_data"]
+    for f in (stream, ray_data):
+        # the train split of the set, every image once in the measured epoch, several steps after the first
+        assert 0 < f["images"] < r["set"]["images"] and f["steps"] >= 3 and f["images_per_s"] > 0
+        assert f["cold_epoch"]["images"] == f["images"] and f["first_batch_s"] > 0
+        assert f["model"] == "pooled_linear" and f["peak_pss_bytes"] > 0
+        assert f["images_per_s"] in [x["images_per_s"] for x in f["reps"]]
+    assert stream["loader"] == "stream" and stream["image_input"] == "raw" and stream["loader_workers"] == 1
+    assert ray_data["loader"] == "ray_data" and ray_data["image_input"] == "pixels"
+    assert "1 decode process(es)" in stream["label"] and "loader ray_data" in ray_data["label"]
+    assert rows["train_ray_data"]["train_ray_data_preprocess"]["seconds"] > 0
+    warm = (rows["ours"]["ours_warm"]["images_per_s"] + rows["ours_end"]["ours_warm_end"]["images_per_s"]) / 2
+    assert r["train_step_vs_loader"] == round(stream["images_per_s"] / warm, 3)
+    assert r["ray_data_train_step_vs_loader"] == round(ray_data["images_per_s"] / warm, 3)
+    assert r["goals_met"]["train_step_vs_loader"] == (r["train_step_vs_loader"] >= 0.9)
+    text = doc.read_text()
+    assert stream["label"] in text and ray_data["label"] in text and "`train_step_vs_loader`" in text
+    assert "The training rows (`workflows.bench.images_train`) are real training runs" in text
+
+
+def test_a_training_row_without_steady_steps_is_an_error_not_a_zero():
+    """A training run whose measured epoch had a single step (a set smaller than two batches) has no
+    steady rate: the row fails and says why, rather than reporting 0 or the start-up-bound rate."""
+    from workflows.bench.images_train import summarize
+
+    epoch = {"samples": 2, "steps": 1, "samples_per_s": 5.0, "samples_after_first_step": 0,
+             "samples_per_s_after_first_step": 0.0, "first_step_seconds": 0.4, "epoch_seconds": 0.4,
+             "data_wait_seconds": 0.3}
+    opts = {"workers": "1"}
+    with pytest.raises(RuntimeError, match="no step after its first .*smaller bench.batch"):
+        summarize("train_stream", {"history": [epoch, epoch]}, 9.0, {}, opts)
+    with pytest.raises(RuntimeError, match="1 epoch"):
+        summarize("train_stream", {"history": [epoch]}, 9.0, {}, opts)
+    steady = {**epoch, "samples": 6, "steps": 3, "samples_after_first_step": 4, "samples_per_s_after_first_step": 8.0}
+    got = summarize("train_ray_data", {"history": [steady, steady]}, 9.0, {}, opts)
+    assert got["images_per_s"] == 8.0 and got["images_per_s_whole_pass"] == 5.0 and got["images"] == 6
+    assert got["loader"] == "ray_data" and "loader ray_data" in got["label"]
+
+
+def test_rows_rotate_per_repetition():
+    """Each repetition starts one row later; decode stays right after local (it reads local's files)."""
+    from workflows.bench.images import rotated
+
+    rows = ["ours", "train_stream", "local", "decode", "train_ray_data"]
+    assert rotated(rows, 0) == rows
+    assert rotated(rows, 1) == ["train_stream", "local", "decode", "train_ray_data", "ours"]
+    assert rotated(rows, 2) == ["local", "decode", "train_ray_data", "ours", "train_stream"]
+    assert rotated(rows, 4) == rows  # four groups: local and decode are one
+    assert [rotated(rows, k)[0] for k in range(4)] == ["ours", "train_stream", "local", "train_ray_data"]
+
+
 def test_bench_images_bad_option():
     from workflows.bench.images import _options
     from workflows.errors import UserError
@@ -67,6 +134,8 @@ def test_bench_images_bad_option():
         _options(["bench.rows=ours,mine"])
     with pytest.raises(UserError, match="bench.reps='0': a positive number of repetitions"):
         _options(["bench.reps=0"])
+    opts, _ = _options(["bench.rows=train_stream,train_ray_data"])
+    assert opts["rows"] == ("train_stream", "train_ray_data")
     opts, rest = _options(["bench.rows=ours", "cache.max_bytes=5"])
     assert opts["rows"] == ("ours",) and rest == ["cache.max_bytes=5"]
 

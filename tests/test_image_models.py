@@ -60,3 +60,34 @@ def test_an_unknown_architecture_is_a_clear_error(tmp_path):
 
     with pytest.raises(UserError, match="not an architecture .*small_cnn.* nor a model directory"):
         build_image_classifier(_cfg(f"model.name_or_path={tmp_path / 'nothing'}"), ["a", "b"])
+
+
+def test_pooled_linear_trains_saves_and_serves_from_a_fresh_process(tmp_path):
+    """`pooled_linear`: a linear classifier over 8x8 pooled pixels (a few hundred weights per class), trained a
+    step, saved in from_pretrained layout, and loaded by the serving predictor in a process that never named it
+    (its transformers registration comes with the predictor)."""
+    import subprocess
+    import sys
+
+    from workflows.tasks.image_models import build_image_classifier
+
+    torch.manual_seed(0)
+    model = build_image_classifier(_cfg("model.name_or_path=pooled_linear", "preprocess.image_size=224"),
+                                   ["cat", "dog", "fox"])
+    assert sum(p.numel() for p in model.parameters()) == 3 * 64 * 2 + (3 * 64 + 1) * 3
+    x, y = torch.rand(4, 3, 224, 224), torch.tensor([0, 1, 2, 0])
+    out = model(pixel_values=x, labels=y)
+    out.loss.backward()
+    assert out.logits.shape == (4, 3) and model.classifier.weight.grad is not None
+    model.save_pretrained(tmp_path / "model", safe_serialization=True)
+    code = f"""
+import types, torch
+from workflows.tasks.image import ImagePredictor
+card = types.SimpleNamespace(labels=["cat", "dog", "fox"], image_size=224, image_mean=[0.485, 0.456, 0.406],
+                             image_std=[0.229, 0.224, 0.225])
+p = ImagePredictor({str(tmp_path / "model")!r}, card)
+print(type(p.model).__name__, p.probabilities(torch.zeros((2, 224, 224, 3), dtype=torch.uint8)).shape)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["PooledLinearForImageClassification", "(2,", "3)"]

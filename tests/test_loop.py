@@ -80,6 +80,29 @@ def test_a_short_last_group_is_weighted_by_its_rows():
     assert acc == pytest.approx(ref, abs=1e-5)
 
 
+def test_the_steady_rate_leaves_out_the_first_step():
+    """samples_per_s_after_first_step: the rows of the steps after the first over the time after it,
+    as the loader benchmarks count after their first batch; a slow first batch (a cold loader) is
+    in samples_per_s, not in it."""
+    import time
+
+    def slow_first(batch_size):
+        for i, b in enumerate(batches(batch_size)):
+            time.sleep(1.0 if i == 0 else 0.0)
+            yield b
+
+    device = torch.device("cpu")
+    model = tiny_bert()
+    opt = make_optimizer(model, 1e-3, 0.01)
+    out = train_epoch(model, slow_first(8), opt, make_scheduler(opt, 4, 0.1), device, 1.0)
+    assert out["steps"] == 4 and out["samples"] == ROWS and out["samples_after_first_step"] == ROWS - 8
+    assert out["first_step_seconds"] >= 1.0
+    steady = out["epoch_seconds"] - out["first_step_seconds"]
+    assert out["samples_per_s_after_first_step"] == pytest.approx((ROWS - 8) / steady)
+    assert out["epoch_seconds"] - steady >= 1.0  # the 1 s wait is outside the steady window
+    assert out["samples_per_s"] == pytest.approx(ROWS / out["epoch_seconds"])  # ... and inside the whole one
+
+
 def test_activation_checkpointing_gives_the_same_losses():
     plain, _ = run(batch_size=8, accum=1)
     recomputed, _ = run(batch_size=8, accum=1, checkpointing=True)

@@ -165,7 +165,8 @@ class ModelConfig(Strict):
     name_or_path: str = Field(
         "minilm",
         description="text: 'minilm' or a local Hugging Face model directory; images: an architecture by name "
-        "(small_cnn, resnet18, resnet50, vit_small, convnext_tiny: new weights), or a directory or object-store "
+        "(small_cnn, resnet18, resnet50, vit_small, convnext_tiny, pooled_linear: a linear classifier over 8x8 "
+        "average-pooled pixels; new weights), or a directory or object-store "
         "URI in from_pretrained layout (safetensors) whose weights are fine-tuned on the dataset's labels",
     )
     options: dict[str, Any] = Field(

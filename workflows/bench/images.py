@@ -19,7 +19,8 @@ batch. Cold: an empty local cache; warm: the next epoch in the same process.
 
 Options (`--set bench.KEY=VALUE`): size (1GB), workers (2), reps (3: the rows
 interleaved, medians kept), batch (256, every row's), classes (100),
-rows (all, or a comma list of ours,ours_index,ours2,streaming,litdata,webdataset,local,decode), peers_python (default
+rows (all, or a comma list of ours,ours_index,ours2,train_ray_data,train_stream,streaming,litdata,webdataset,local,
+decode; train_*: images/s into the step of a real training run, workflows.bench.images_train), peers_python (default
 .venv-peers/bin/python, else $WORKFLOWS_BENCH_PEERS_PYTHON), scale (sizes: runs ours only, one
 cold epoch per size with the cache capped below the set, `cache.max_bytes` or scale_cache_bytes),
 scratch (a directory on the disk that holds the set twice over), shard_bytes (128MB), scale_distinct
@@ -43,7 +44,7 @@ from pathlib import Path
 from workflows.errors import UserError
 
 GOALS = {"warm_vs_best_peer": 1.0, "cold_vs_best_peer": 0.9, "warm_vs_local_dataloader": 0.9,
-         "two_workers_vs_one": 0.9}
+         "two_workers_vs_one": 0.9, "train_step_vs_loader": 0.9}
 # cache_disk_bytes: the peak disk the capped cache held, open evicted files included, at most the cap
 # plus one shard per decode process; exactly_once: every image of the set once in the epoch, by sample id
 SCALE_GOALS = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes": 6 * 2**30, "cache_disk_bytes": "cap + 1 shard/reader",
@@ -53,7 +54,8 @@ OPTIONS = {"size": "1GB", "workers": "2", "reps": "3", "batch": "256", "classes"
            "peers_python": "", "scale": "",
            "scale_cache_bytes": "", "scratch": "", "shard_bytes": "128MB", "scale_distinct": "all",
            "scale_max_images": "", "plot": str(PLOT)}
-ROWS = ("ours", "ours_index", "ours2", "streaming", "litdata", "webdataset", "local", "decode", "ours_end")
+ROWS = ("ours", "ours_index", "ours2", "train_ray_data", "train_stream", "streaming", "litdata", "webdataset", "local",
+        "decode", "ours_end")
 # warm: a peer's own cache; WebDataset has none, so its pass is a cold row ("no cache") only
 PEER_PHASES = {"streaming": "streaming_warm", "litdata": "litdata_warm"}
 COLD_PEER_PHASES = {"streaming": "streaming_cold", "litdata": "litdata_cold", "webdataset": "webdataset"}
@@ -192,6 +194,7 @@ def _drop(uri: str, ctx) -> None:
 # -- the rows -----------------------------------------------------------------------------------
 def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
     from workflows.bench.images_proc import _env, _ours_cmd, _peers_python, _phases
+    from workflows.bench.images_train import config_file, train_row
 
     workers, reps = int(opts["workers"]), int(opts["reps"])
     prefix = rt.cfg.uri("bench", "images", "set")
@@ -206,6 +209,7 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
     common = {"endpoint": rt.storage.endpoint_url, "prefix": prefix, "workers": workers, "batch": int(opts["batch"])}
     ours = {**common, "cache_dir": str(scratch / "cache-ours"), "max_bytes": None}
     peers, why = _peers_python(opts)
+    train_cfg = config_file(rt, scratch, opts, prefix)
 
     def one(row: str, rep: int) -> dict:
         """One row, once: its own fresh cache (cold is cold in every repetition)."""
@@ -218,6 +222,8 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
             _drop(prefix + "-noindex/index.json", rt.storage)
             args = {**ours, "prefix": prefix + "-noindex", "build_index": True, "phases": ["ours_cold_after_index"]}
             return _phases(name, [_ours_cmd(args)], env, rt, logs)
+        if row.startswith("train_"):
+            return train_row(row, rep, train_cfg, opts, env, rt, scratch, logs)
         if row == "ours2":  # two training ranks on this node, the same decode processes in all; cold,
             # then the warm epoch that two_workers_vs_one compares with ours warm (warm with warm)
             per = max(1, workers // 2)
@@ -234,23 +240,42 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
                           ignore_errors=True)
         return out
 
-    # the rows interleaved, repetition by repetition: a load that drifts moves every row alike
+    # the rows interleaved, repetition by repetition, their order rotated each time: a load that
+    # drifts moves every row alike, and no row always runs first or after the same one
     runs: dict[str, list[dict]] = {row: [] for row in ROWS if row in opts["rows"]}
     for rep in range(reps):
         _say(f"bench images: repetition {rep + 1} of {reps}")
-        for row in runs:
+        for row in rotated(list(runs), rep):
             runs[row].append(one(row, rep))
         shutil.rmtree(scratch / "peers", ignore_errors=True)  # decode reads local's files: both done
     rows = {row: median_row(each) for row, each in runs.items()}
     ran = [k for k, v in rows.items() if not k.startswith("ours") and set(v) - {"error", "reps"}]
     if reps == 1 and "ours" in rows and ran:  # one repetition: ours again after the peers brackets them
         rows["ours_end"] = _phases("ours_end", [_ours_cmd({**ours, "phases": ["ours_warm_end"]})], env, rt, logs)
+    if any(r.startswith("train_") for r in runs):  # the runs' pixels and checkpoints: not the set's to persist
+        from workflows.config import load_config
+
+        _drop(load_config(train_cfg).uri("processed"), rt.storage)
+        _drop(load_config(train_cfg).uri("runs"), rt.storage)
     persist = _persist_cost(rt, scratch)
     _drop(prefix, rt.storage)
     _drop(prefix + "-noindex", rt.storage)
     return {"set": data, "workers": workers, "batch_size": int(opts["batch"]), "repetitions": reps, "rows": rows,
             "persist": persist, "peer_persistent_workers": True, **_ratios(rows),
             "largest_set_bytes": _largest(data["bytes"]), "goals": GOALS}
+
+
+def rotated(rows: list[str], rep: int) -> list[str]:
+    """The rows' order in repetition `rep`: shifted by `rep`, with decode kept right after local
+    (it reads the files local wrote)."""
+    groups = [[r] for r in rows if r != "decode"]
+    for g in groups:
+        if g == ["local"] and "decode" in rows:
+            g.append("decode")
+    if "decode" in rows and "local" not in rows:
+        groups.append(["decode"])
+    k = rep % len(groups) if groups else 0
+    return [r for g in groups[k:] + groups[:k] for r in g]
 
 
 def median_row(each: list[dict]) -> dict:
@@ -297,6 +322,7 @@ def _ratios(rows: dict) -> dict:
     peer_whole = {p: v for p, ph in COLD_PEER_PHASES.items()
                   if (v := rows.get(p, {}).get(ph, {}).get("images_per_s_whole_pass"))}
     local, two = _ips(rows, "local", "local_dataloader"), _ips(rows, "ours2", "ours_2_workers")
+    step, ray_data = _ips(rows, "train_stream", "train_stream"), _ips(rows, "train_ray_data", "train_ray_data")
     decode = _ips(rows, "decode", "decode_limit")
 
     def ratio(a, b):
@@ -309,6 +335,7 @@ def _ratios(rows: dict) -> dict:
          "cold_vs_best_peer": ratio(cold, peer_cold.get(best_cold)) if best_cold else None,
          "warm_vs_local_dataloader": ratio(warm, local), "two_workers_vs_one": ratio(two, warm),
          "warm_vs_decode_limit": ratio(warm, decode), "cold_includes_index_build": with_index,
+         "train_step_vs_loader": ratio(step, warm), "ray_data_train_step_vs_loader": ratio(ray_data, warm),
          "ours_cold_images_per_s": round(cold, 1) if cold else None,
          # the index is built once per set and saved beside it (as the peers convert once): every later
          # cold reader, on any machine, reads a set that has it

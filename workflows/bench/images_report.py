@@ -35,13 +35,17 @@ LABELS = {"ours_cold": "ours (StreamLoader), cold", "ours_warm": "ours, warm",
           "ours_cold_after_index": "ours, first epoch after that index build",
           "ours_2_workers_cold": "ours, 2 training ranks (1 decode process each), cold, summed",
           "ours_2_workers": "ours, 2 training ranks (1 decode process each), warm, summed",
+          # the training rows' own labels (the run's settings) stand before these
+          "train_ray_data": "workflows train defaults, loader ray_data over stored pixels: images/s into the step",
+          "train_stream": "workflows train, loader stream, image_input raw: images/s into the step",
           "streaming_cold": "MosaicML Streaming (MDS), cold", "streaming_warm": "MosaicML Streaming, warm",
           "litdata_cold": "LitData, cold", "litdata_warm": "LitData, warm",
           "webdataset": "WebDataset, tars streamed from S3, no cache",
           "local_dataloader": "torch DataLoader, local files",
           "decode_limit": "decode limit: N processes decoding local files",
           "ours_warm_end": "ours, warm, again after the peers"}
-CONVERSIONS = {"streaming": "streaming_convert", "litdata": "litdata_convert", "local": "local_convert"}
+CONVERSIONS = {"streaming": "streaming_convert", "litdata": "litdata_convert", "local": "local_convert",
+               "train_ray_data": "train_ray_data_preprocess"}
 
 
 def markdown(r: dict) -> str:
@@ -75,6 +79,22 @@ def _method(r: dict) -> str:
     return how
 
 
+def _training(rows: dict) -> str:
+    """What the training rows measure, where they ran."""
+    if not any(k.startswith("train_") for k in rows):
+        return ""
+    return ("\n\n"
+            "The training rows (`workflows.bench.images_train`) are real training runs: Ray Train with the "
+            "product's trainer (`fit`), one worker, `model.name_or_path: pooled_linear` (a linear classifier over"
+            " pooled pixels, so the input sets the pace), two epochs each, a fresh cache per run; the figure is "
+            "the second (warm) epoch's images per second into the training step after its first step, as the "
+            "trainer counts it (`samples_per_s_after_first_step`), its first step's time in the first-batch "
+            "column. Their memory is the run's whole process tree (Ray's processes included) over the whole run; "
+            "the store bytes of a warm epoch are not separated from the run's. `train_step_vs_loader` = the "
+            "stream row ÷ ours, warm (the same decode processes). The ray_data row's conversion is `workflows "
+            "preprocess` of the set to 224 px pixels, from nothing, each repetition.")
+
+
 def _rows_markdown(r: dict) -> str:
     s, rows = r["set"], r["rows"]
     lines = []
@@ -83,7 +103,7 @@ def _rows_markdown(r: dict) -> str:
         conv = phases.get(CONVERSIONS.get(row, ""), {}).get("seconds")
         for phase in [p for p in LABELS if p in phases]:
             f = phases[phase]
-            lines.append(f"| {LABELS.get(phase, phase)} | {f.get('images_per_s', '-')} | "
+            lines.append(f"| {f.get('label') or LABELS[phase]} | {f.get('images_per_s', '-')} | "
                          f"{f'{conv:.0f} s' if conv is not None else '-'} | {_mb(f.get('store_get_bytes'))} | "
                          f"{_gib(f.get('peak_pss_bytes'))} ({_gib(f.get('peak_rss_bytes'))}) | "
                          f"{f.get('first_batch_s', '-')} s | {f.get('load_1min', '-')} | {_reps(f)} |")
@@ -94,7 +114,7 @@ def _rows_markdown(r: dict) -> str:
 
     def goal(k: str) -> str:
         v = r.get(k)
-        return f"| `{k}` | {v if v is not None else '-'} | >= {GOALS[k]} ({'met' if met[k] else '**not met**'}) |"
+        return f"| `{k}` | {v if v is not None else '-'} | >= {GOALS[k]} ({'met' if met.get(k) else '**not met**'}) |"
 
     p = r["persist"]
     table = "\n".join(lines)
@@ -119,10 +139,12 @@ peak of PSS summed over the row's processes (RSS summed in brackets, which count
 {goal("cold_vs_best_peer")}
 {goal("warm_vs_local_dataloader")}
 {goal("two_workers_vs_one")}
+{goal("train_step_vs_loader")}
+| `ray_data_train_step_vs_loader` (the defaults' training row ÷ ours, warm) | {r.get("ray_data_train_step_vs_loader")} | |
 | `warm_vs_decode_limit` | {r.get("warm_vs_decode_limit")} | |
 | `cold_indexed_vs_best_peer` (a set with its saved index, whole passes) | {r.get("cold_indexed_vs_best_peer", "-")} | |
 
-{_method(r)}
+{_method(r)}{_training(rows)}
 
 Best peer: {r.get("best_peer_warm")} (warm), {r.get("best_peer_cold")} (cold); WebDataset has no local cache: its one pass
 counts as cold only. Peers' warm rows read their own caches{_persistent(r)}. `largest_set_bytes`: {_largest(r["set"]["bytes"]) / 1e9:.1f} GB

@@ -176,6 +176,7 @@ class ImagePredictor(BasePredictor):
         import torch
         from transformers import AutoModelForImageClassification
 
+        import workflows.tasks.pooled_linear  # noqa: F401 (a registered pooled_linear model loads by its type)
         from workflows.preprocess.images import MAX_PIXELS
 
         self.card, self.labels = card, list(card.labels)

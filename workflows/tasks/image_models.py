@@ -29,6 +29,12 @@ def _vit_small(image_size: int):
                      num_attention_heads=6, intermediate_size=1536)
 
 
+def _pooled_linear(image_size: int):
+    from workflows.tasks.pooled_linear import PooledLinearConfig
+
+    return PooledLinearConfig(pool_size=min(8, image_size))
+
+
 def _convnext_tiny(image_size: int):
     from transformers import ConvNextConfig
 
@@ -42,6 +48,9 @@ ARCHITECTURES: dict[str, Callable[[int], object]] = {
     "resnet50": lambda size: _resnet([3, 4, 6, 3], [256, 512, 1024, 2048], "bottleneck"),
     "vit_small": _vit_small,
     "convnext_tiny": _convnext_tiny,
+    # a linear classifier over 8x8 average-pooled pixels: a baseline, and a model that leaves training's
+    # images/s to the input pipeline (bench images' training rows)
+    "pooled_linear": _pooled_linear,
 }
 
 
@@ -90,6 +99,8 @@ def local_model_dir(name_or_path: str, cfg) -> str:
 def image_config(cfg, labels: list[str]):
     """The model's transformers config with a head for `labels` (no weights read)."""
     from transformers import AutoConfig
+
+    import workflows.tasks.pooled_linear  # noqa: F401 (registers its config: a saved one reads back by name)
 
     name, size = cfg.model.name_or_path, cfg.preprocess.image_size
     if name in ARCHITECTURES:

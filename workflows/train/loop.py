@@ -154,12 +154,15 @@ def train_epoch(
     micro-batches, each loss weighted by its share of the group's labels, so the step equals one
     over the concatenated batch (DDP synchronizes on the last micro-batch only, see gradient_sync).
     `epoch_seconds` is the time of the steps alone (no startup, no evaluation), of which
-    `data_wait_seconds` waiting for batches.
+    `data_wait_seconds` waiting for batches; `samples_per_s_after_first_step` the steady rate, as
+    the loader benchmarks count theirs after the first batch: the samples of the steps after the
+    first over the time after it (the first waits for a cold loader's start).
     """
     model.train()
     batches = TimedIterator(batches)
     t0 = time.perf_counter()
-    totals = torch.zeros(2, dtype=torch.float64)  # samples, tokens
+    totals = torch.zeros(3, dtype=torch.float64)  # samples, tokens, samples after the first step
+    first_step_seconds = None
     steps: list[tuple[float, int]] = []  # this rank's (loss*n, n) per step; reduced once at the end
     for step, group in enumerate(micro_batch_groups(in_step(batches, device), accum_steps)):
         if on_step is not None:
@@ -174,18 +177,22 @@ def train_epoch(
             loss = out.loss.item()
             step_loss += loss * n
             tokens = batch["attention_mask"].sum().item() if "attention_mask" in batch else 0  # images: none
-            totals += torch.tensor([batch["labels"].shape[0], tokens], dtype=torch.float64)
+            n_after = batch["labels"].shape[0] if first_step_seconds is not None else 0
+            totals += torch.tensor([batch["labels"].shape[0], tokens, n_after], dtype=torch.float64)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         steps.append((step_loss, sum(counts)))
+        if first_step_seconds is None:
+            first_step_seconds = time.perf_counter() - t0
         if after_step is not None:  # a step checkpoint (train.checkpoint_every_steps)
             after_step(step)
     seconds = time.perf_counter() - t0
     totals = all_reduce_sum(totals)
-    samples, tokens = totals.tolist()
+    samples, tokens, after_first = totals.tolist()
+    steady_seconds = seconds - (first_step_seconds or 0.0)
     # every rank ran the same number of steps (in_step), so the per-step sums line up
     per_step = all_reduce_sum(torch.tensor(steps, dtype=torch.float64).reshape(-1, 2))
     labelled = per_step[:, 1].sum().item()
@@ -195,6 +202,9 @@ def train_epoch(
         "samples_per_s": samples / seconds if seconds else 0.0,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "epoch_seconds": seconds,
+        "first_step_seconds": first_step_seconds or 0.0,
+        "samples_after_first_step": int(after_first),
+        "samples_per_s_after_first_step": after_first / steady_seconds if after_first and steady_seconds > 0 else 0.0,
         "data_wait_seconds": batches.seconds,
         "lr": scheduler.get_last_lr()[0],
         "steps": len(steps),
