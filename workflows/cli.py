@@ -41,16 +41,16 @@ def _run(fn: Callable[[], object]) -> None:
         raise
     except Exception as e:
         ue, log = find_user_error(e), console.active_log()
-        if ue is None and log is None:
-            raise
         if ue is None:
+            if log is None:
+                raise
             log.log_exception()
         console.echo(f"error: {ue if ue is not None else _one_line(e)}")
         console.show_log_tail()
         raise typer.Exit(2 if ue is not None else 1) from e
     finally:
-        if console.active_log() is not None:
-            console.active_log().finish()
+        if (log := console.active_log()) is not None:
+            log.finish()
 
 
 def _one_line(e: BaseException) -> str:

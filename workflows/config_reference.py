@@ -127,7 +127,7 @@ def source_comments(model: type[BaseModel]) -> dict[str, str]:
         m = re.match(r"^    ([A-Za-z_]\w*)\s*:", line)
         if not m or m.group(1) not in model.model_fields:
             continue
-        parts = []
+        parts: list[str] = []
         above = lineno - 1
         while above >= 1 and above in comments and lines[above - 1].lstrip().startswith("#"):
             parts.insert(0, comments[above])

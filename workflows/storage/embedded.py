@@ -142,8 +142,9 @@ class EmbeddedS3:
             self._proc.wait(timeout=10)
             self._proc = None
         (self.data_dir / "endpoint.json").unlink(missing_ok=True)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        os.close(self._lock_fd)
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
         self.owner = False
 
     def __enter__(self) -> EmbeddedS3:
