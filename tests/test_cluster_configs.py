@@ -513,7 +513,7 @@ def test_runtime_env_uploads_code_and_excludes_data_venvs_caches():
     for path in (
         "workflows",
         "workflows/cli.py",
-        "workflows/config.py",
+        "workflows/config/workflow.py",
         "configs/quickstart.yaml",
         "pyproject.toml",
         "docs/data",
