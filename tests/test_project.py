@@ -69,13 +69,13 @@ def test_the_package_parses_as_the_floor_python():
 
 
 def test_mypy_checks_the_whole_package():
-    """`make test` runs mypy over [tool.mypy] files: every module of workflows/ is among them, less
-    the one exclusion, workflows/tasks/, until the public task API of #38 merges."""
+    """`make test` runs mypy over [tool.mypy] files: every module of workflows/ and reliability/ is
+    among them, less the one exclusion, workflows/tasks/, until the public task API of #38 merges."""
     mypy = PYPROJECT["tool"]["mypy"]
     files = [ROOT / f for f in mypy["files"]]
     excluded = [re.compile(p) for p in mypy.get("exclude", [])]
     assert [p.pattern for p in excluded] in ([], ["^workflows/tasks/"]), mypy.get("exclude")
-    modules = sorted((ROOT / "workflows").rglob("*.py"))
+    modules = sorted([*(ROOT / "workflows").rglob("*.py"), *(ROOT / "reliability").rglob("*.py")])
     assert modules
     unchecked = [str(m.relative_to(ROOT)) for m in modules
                  if not any(m == f or f in m.parents for f in files)
