@@ -311,7 +311,7 @@ def read_shards(
         check_columns(reference[0], list(reference[1]), list(required_columns or []))
     if not groups:  # one node, or no cache: nothing to place
         return read(as_shards, None)
-    # One group is as_shards too: when every shard hashes to one node (1 in 2**(n-1) for n shards on
+    # One group is placed too: when every shard hashes to one node (1 in 2**(n-1) for n shards on
     # two nodes; always for one shard), unplaced reads would land anywhere and fill other caches.
     parts = [read(group, node_id) for node_id, group in groups.items()]
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
