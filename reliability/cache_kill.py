@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import os
 import random
-import signal
 import time
 from pathlib import Path
 
@@ -105,7 +103,7 @@ def cache_download_kill(workdir: Path, seed: int = 0, local_kills: int = 14, s3_
         s3.ensure_bucket("reliability")
         direct = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
         client = direct.boto3_client()
-        with FaultProxy(s3.endpoint_url, seed=seed, throttle_bytes_per_s=1024 * 1024, chunk=16 * 1024) as proxy:
+        with FaultProxy(s3.url, seed=seed, throttle_bytes_per_s=1024 * 1024, chunk=16 * 1024) as proxy:
             slow_ctx = StorageContext(endpoint_url=proxy.url, region="us-east-1", embedded=True)
             shards: list[dict] = []  # uri, sha, canonical, ctx for the killed child, version/size or None
             for i in range(local_kills + 1):  # +1: calibration
@@ -229,7 +227,7 @@ def _kill_round(
         )
         waiter.start()
     time.sleep(delay)
-    os.kill(child.pid, signal.SIGKILL)
+    child.kill()  # SIGKILL
     child.join()
     stats["kills"] += 1
     before = (stats["reads_ok"], stats["waiter_ok"], stats["corrupt_entries"])

@@ -33,8 +33,10 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,7 +122,7 @@ def object_store_faults(workdir: Path, seed: int = 0, retries: int = 10, rounds:
             return client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
 
         with FaultProxy(
-            s3.endpoint_url, seed=seed, slowdown=0.2, slow=0.05, reset_before=0.05, reset_mid=0.05, slow_s=(0.2, 1.0)
+            s3.url, seed=seed, slowdown=0.2, slow=0.05, reset_before=0.05, reset_mid=0.05, slow_s=(0.2, 1.0)
         ) as proxy:
             ctx = StorageContext(endpoint_url=proxy.url, region="us-east-1", embedded=True, retries=retries)
             for r in range(rounds):
@@ -206,12 +208,12 @@ def _cat(fs_path) -> bytes:
         return f.read()
 
 
-def _cli_through(proxy, workdir: Path, command: str, extra: list[str] = ()) -> tuple[object, float, Path]:
+def _cli_through(proxy, workdir: Path, command: str,
+                 extra: Sequence[str] = ()) -> tuple[subprocess.CompletedProcess[str], float, Path]:
     """`workflows COMMAND` (tiny quickstart) in a new process, its object store behind the proxy:
     the embedded endpoint is turned off in the config and the proxy given as storage.endpoint_url
     (with the embedded endpoint on, runtime() would point the stage at the endpoint itself).
     Returns (completed process, seconds, the run's summary folder)."""
-    import subprocess
     import sys
 
     from tests.helpers import tiny_overrides
@@ -353,7 +355,7 @@ def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BO
         objects = _put_fixture(direct.boto3_client(), rng)
         big = rng.randbytes(2 << 20)
         direct.boto3_client().put_object(Bucket=BUCKET, Key="big/shard.bin", Body=big)
-        cfg = _registry_cfg(s3.endpoint_url, workdir)
+        cfg = _registry_cfg(s3.url, workdir)
         _register_fake_model(cfg, direct, workdir, rng)
 
         # a warm shard, its version known from a listing made while the store was up
@@ -369,9 +371,9 @@ def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BO
         midway: dict[str, bool] = {}
 
         def mid_transfer(what: str, delay: float, down: threading.Event) -> dict:
-            proxy = FaultProxy(s3.endpoint_url, seed=seed, throttle_bytes_per_s=256 * 1024)
-            proxy.start()
-            ctx = StorageContext(endpoint_url=proxy.url, region="us-east-1", embedded=True, retries=retries)
+            proxy = FaultProxy(s3.url, seed=seed, throttle_bytes_per_s=256 * 1024)
+            proxy_url = proxy.start()
+            ctx = StorageContext(endpoint_url=proxy_url, region="us-east-1", embedded=True, retries=retries)
             if what == "ShardCache.fetch":
                 uri = f"s3://{BUCKET}/big/shard.bin"
                 fn = lambda: ShardCache(str(cache_dir), ctx).fetch(uri)  # noqa: E731
@@ -392,7 +394,7 @@ def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BO
             timer = threading.Timer(delay, outage)
             timer.start()
             try:
-                return _timed(what, "mid-transfer", fn, bound_s, [uri, proxy.url])
+                return _timed(what, "mid-transfer", fn, bound_s, [uri, proxy_url])
             finally:
                 timer.join()
                 proxy.stop()
@@ -406,8 +408,10 @@ def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BO
         #    SIGKILL the endpoint's process; every call then runs against its closed port
         for d in downs:
             d.wait(60)
-        s3._proc.send_signal(signal.SIGKILL)
-        s3._proc.wait(30)
+        endpoint = s3._proc
+        assert endpoint is not None  # this process spawned it (a fresh data dir)
+        endpoint.send_signal(signal.SIGKILL)
+        endpoint.wait(30)
         dead = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True, retries=retries)
         dead_results = _dead_endpoint_ops(dead, cfg, workdir, warm, bound_s)
         results.extend(f.result() for f in futs)
@@ -436,8 +440,9 @@ def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BO
         if warm_read["outcome"] == "ok" and warm_read.get("value") != objects[warm_key]:
             lost += 1
             lost_notes.append("the warm cached shard read back other bytes")
-        s3._proc = None  # already dead: stop() must not wait on it
-        s3.persist = lambda: 0  # noqa: E731 - nothing to persist from a killed endpoint
+        s3._proc = None  # already dead: nothing to wait on, nor to persist from it
+        if s3.owner:
+            s3._release()  # what leaving the block would do, less persist()
     atomic = _atomic_local_kills(workdir, rng, atomic_kills)
     lost += atomic["partial"]
     if atomic["partial"]:
@@ -619,7 +624,7 @@ def _atomic_local_kills(workdir: Path, rng: random.Random, kills: int) -> dict:
         while not list(d.glob("*.tmp-*")) and child.is_alive() and time.time() < deadline:
             time.sleep(0.001)
         time.sleep(rng.uniform(0, 0.05))
-        os.kill(child.pid, signal.SIGKILL)
+        child.kill()  # SIGKILL
         child.join()
         if not target.exists() or _sha(target.read_bytes()) not in ok:
             partial += 1

@@ -36,8 +36,8 @@ def _absent(name: str, why: str) -> dict:
 
 
 def serve_load(workdir: Path | None = None, seed: int = 0) -> dict:
-    doc = _load("serve.json")
-    load = (doc or {}).get("load_10k")
+    doc = _load("serve.json") or {}
+    load = doc.get("load_10k")
     if not load:
         return _absent("serve_load", "benchmarks/results/serve.json has no `load_10k`; run `workflows bench serve` "
                                      "(needs a registered model: `make demo`)")
@@ -59,8 +59,8 @@ def serve_load(workdir: Path | None = None, seed: int = 0) -> dict:
 
 
 def serve_replica_kill(workdir: Path | None = None, seed: int = 0) -> dict:
-    doc = _load("serve.json")
-    kill = (doc or {}).get("replica_kill")
+    doc = _load("serve.json") or {}
+    kill = doc.get("replica_kill")
     if not kill:
         return _absent(
             "serve_replica_kill", "benchmarks/results/serve.json has no `replica_kill`; run `workflows bench serve`"
@@ -86,8 +86,8 @@ def serve_replica_kill(workdir: Path | None = None, seed: int = 0) -> dict:
 
 
 def serve_rolling_update(workdir: Path | None = None, seed: int = 0) -> dict:
-    doc = _load("serve.json")
-    u = (doc or {}).get("rolling_update")
+    doc = _load("serve.json") or {}
+    u = doc.get("rolling_update")
     if not u:
         return _absent(
             "serve_rolling_update", "benchmarks/results/serve.json has no `rolling_update`; run `workflows bench serve`"

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from reliability import make_row
 from tests.helpers import tiny_overrides
@@ -153,7 +154,7 @@ def _stage_leaks(workdir: Path) -> dict:
     t0 = time.time()
     # a proxy without faults in front of the endpoint: it records which access key signed each
     # request, proof that the fake credentials were really used (else finding none proves nothing)
-    with EmbeddedS3(str(s3_dir)) as s3, FaultProxy(s3.endpoint_url) as proxy:
+    with EmbeddedS3(str(s3_dir)) as s3, FaultProxy(s3.url) as proxy:
         s3.ensure_bucket("workflows")
         args = [
             sys.executable,
@@ -397,7 +398,8 @@ def token_checks() -> dict:
     from workflows.serve.app import ModelServer, bearer_token
 
     # the class as written (Serve's ingress wrapper around it has an async __del__)
-    cls = next(c for c in ModelServer.func_or_class.__mro__ if "_denied" in c.__dict__)
+    deployment: Any = ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
+    cls = next(c for c in deployment.func_or_class.__mro__ if "_denied" in c.__dict__)
     server = object.__new__(cls)
     token = "s3cret-Token_value"
     server.token = token
@@ -525,10 +527,10 @@ def ray_token_auth_checks(cluster, workdir: Path) -> dict:
     try:
         jobs = requests.get(api, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
         for job in jobs:
-            for marker, case in refused_markers.items():
-                if case and marker in job.get("entrypoint", ""):
-                    wrong.append(f"{case}: a job was created")
-                    wrongly_accepted.append(f"{case}: a job was created")
+            for marker, refused in refused_markers.items():
+                if refused and marker in job.get("entrypoint", ""):
+                    wrong.append(f"{refused}: a job was created")
+                    wrongly_accepted.append(f"{refused}: a job was created")
     except (requests.RequestException, ValueError) as e:
         errors.append(f"listing jobs: {type(e).__name__}")
     return {"checked": checked, "wrong": wrong, "wrongly_accepted": wrongly_accepted, "errors": errors}

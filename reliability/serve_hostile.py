@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from reliability import make_row
 
@@ -153,7 +154,8 @@ def frozen_missing_globals() -> dict[str, set[str]]:
 
     from workflows.serve import app
 
-    cls = next(c for c in app.ModelServer.func_or_class.__mro__ if "_denied" in c.__dict__)
+    deployment: Any = app.ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
+    cls = next(c for c in deployment.func_or_class.__mro__ if "_denied" in c.__dict__)
     missing = {}
     for name, f in _functions(cls):
         gone = {
@@ -169,7 +171,8 @@ def frozen_missing_globals() -> dict[str, set[str]]:
 def _patch_frozen_globals(missing: dict[str, set[str]]) -> None:
     from workflows.serve import app
 
-    cls = next(c for c in app.ModelServer.func_or_class.__mro__ if "_denied" in c.__dict__)
+    deployment: Any = app.ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
+    cls = next(c for c in deployment.func_or_class.__mro__ if "_denied" in c.__dict__)
     for name, f in _functions(cls):
         for n in missing.get(name, ()):
             f.__globals__[n] = getattr(app, n)
@@ -338,6 +341,7 @@ def hostile_cases(valid: bytes) -> list[dict]:
     ]:
         post(name, body)
     # wrong shapes and types
+    doc: Any
     for name, doc in [
         ("null", None),
         ("number", 1),
@@ -441,8 +445,8 @@ def hostile_cases(valid: bytes) -> list[dict]:
                 "body": valid if method in ("PUT", "PATCH", "POST") else None,
             }
         )
-    # malformed HTTP
-    for name, raw, *accepted in [
+    # malformed HTTP, some with what the server may answer instead of refusing it
+    malformed: list[tuple[str, bytes] | tuple[str, bytes, str]] = [
         ("garbage request line", b"HELLO\r\n\r\n"),
         ("no HTTP version", b"POST /predict\r\n\r\n"),
         ("HTTP/9.9", b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", ACCEPTED_HTTP_VERSION),
@@ -469,7 +473,8 @@ def hostile_cases(valid: bytes) -> list[dict]:
         ),
         ("NUL in the path", b"GET /heal\x00thz HTTP/1.1\r\nHost: x\r\n\r\n"),
         ("space in the path", b"GET /v1/models/a b HTTP/1.1\r\nHost: x\r\n\r\n"),
-    ]:
+    ]
+    for name, raw, *accepted in malformed:
         cases.append({"name": f"raw: {name}", "raw": raw, "accepted": accepted[0] if accepted else None})
     return cases
 

@@ -62,8 +62,10 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
             resumed = [h.get("resumed_from_epoch") for h in out.history]
             same = all(np.allclose(a["step_losses"], b["step_losses"], rtol=RTOL, atol=ATOL)
                        for a, b in zip(out.history, reference.history))
+            latest = latest_checkpoint(cfg, rt.storage, "killed")
+            assert latest is not None, "the resumed run left no complete checkpoint"
             with tempfile.TemporaryDirectory() as d:
-                local = download_checkpoint(latest_checkpoint(cfg, rt.storage, "killed"), rt.storage, d)
+                local = download_checkpoint(latest, rt.storage, d)
                 last_epoch = read_state(local)["epoch"]
                 finite = all(torch.isfinite(v).all() for v in consolidated_model_state(local).values()
                              if v.is_floating_point())
@@ -104,6 +106,7 @@ def _cut_upload_is_passed_over(cfg, storage, prefix: str) -> bool:
     from workflows.train.trainer import latest_checkpoint
 
     good = latest_checkpoint(cfg, storage, prefix)
+    assert good is not None, f"no complete checkpoint of a run {prefix}-*"
     fs, path = filesystem(good, storage)
     files = json.loads(fs.cat_file(f"{path}/{STATE_FILE}"))["files"]
     shard = next(n for n in sorted(files) if n.endswith(".distcp") and not n.startswith("__0_"))

@@ -512,8 +512,8 @@ def test_runtime_env_uploads_code_and_excludes_data_venvs_caches():
         assert excluded(ROOT / path), f"{path} would be uploaded"
     for path in (
         "workflows",
-        "workflows/cli.py",
-        "workflows/config.py",
+        "workflows/cli/__init__.py",
+        "workflows/config/workflow.py",
         "configs/quickstart.yaml",
         "pyproject.toml",
         "docs/data",

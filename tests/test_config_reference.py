@@ -1,4 +1,4 @@
-"""docs/CONFIG.md is rendered from workflows/config.py and must not drift from it."""
+"""docs/CONFIG.md is rendered from workflows/config/ and must not drift from it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_config_md_is_up_to_date():
     rendered = ref.render()
     current = CONFIG_MD.read_text() if CONFIG_MD.is_file() else ""
     assert current == rendered, (
-        f"{CONFIG_MD.relative_to(ROOT)} is stale or missing (workflows/config.py changed): "
+        f"{CONFIG_MD.relative_to(ROOT)} is stale or missing (workflows/config/ changed): "
         f"regenerate it with `{ref.REGENERATE}` and commit it"
     )
 

@@ -68,12 +68,28 @@ def test_the_package_parses_as_the_floor_python():
     assert not bad, bad
 
 
-def test_mypy_checks_serving_and_tracking():
-    """`make test` runs mypy over [tool.mypy] files: every module of these packages is among them."""
-    files = [ROOT / f for f in PYPROJECT["tool"]["mypy"]["files"]]
-    for package in ("workflows/serve", "workflows/tracking"):
-        modules = sorted((ROOT / package).rglob("*.py"))
-        assert modules
-        unchecked = [str(m.relative_to(ROOT)) for m in modules
-                     if not any(m == f or f in m.parents for f in files)]
-        assert not unchecked, f"not type-checked: {unchecked}"
+def test_mypy_checks_the_whole_package():
+    """`make test` runs mypy over [tool.mypy] files: every module of workflows/ and reliability/ is
+    among them, less the one exclusion, workflows/tasks/, until the public task API of #38 merges."""
+    mypy = PYPROJECT["tool"]["mypy"]
+    files = [ROOT / f for f in mypy["files"]]
+    excluded = [re.compile(p) for p in mypy.get("exclude", [])]
+    assert [p.pattern for p in excluded] in ([], ["^workflows/tasks/"]), mypy.get("exclude")
+    modules = sorted([*(ROOT / "workflows").rglob("*.py"), *(ROOT / "reliability").rglob("*.py")])
+    assert modules
+    unchecked = [str(m.relative_to(ROOT)) for m in modules
+                 if not any(m == f or f in m.parents for f in files)
+                 or any(p.search(str(m.relative_to(ROOT))) for p in excluded)]
+    assert all(u.startswith("workflows/tasks/") for u in unchecked), f"not type-checked: {unchecked}"
+
+
+# over the limit until the bench harness leaves the product package (#38 item 9)
+LONG_MODULES = {"workflows/bench/serve.py"}
+
+
+def test_modules_stay_small():
+    """Every module of workflows/ is at most 450 lines (#38): a longer one is split by what it does."""
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "workflows").rglob("*.py")}
+    long = {path: n for path, n in lines.items() if n > 450 and path not in LONG_MODULES}
+    assert not long, f"modules over 450 lines: {long}"
+    assert all(lines.get(path, 0) > 450 for path in LONG_MODULES), "an exception no longer needed: drop it"

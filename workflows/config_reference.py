@@ -1,11 +1,11 @@
-"""Render the configuration reference, docs/CONFIG.md, from the pydantic models in workflows/config.py.
+"""Render the configuration reference, docs/CONFIG.md, from the pydantic models in workflows/config/.
 
     python -m workflows.config_reference            # (re)write docs/CONFIG.md
     python -m workflows.config_reference --check    # exit 1 if docs/CONFIG.md is stale
 
 Every section and field appears under its dotted path (the key `--set` takes), with its type,
 default, constraints and description: the field's `Field(description=...)`, else the comment on or
-directly above its line in config.py, else nothing.
+directly above its line in its module of workflows/config/, else nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ REGENERATE = "python -m workflows.config_reference"
 
 HEADER = f"""# Configuration reference
 
-<!-- Generated from workflows/config.py by `{REGENERATE}`: do not edit by hand. -->
+<!-- Generated from workflows/config/ by `{REGENERATE}`: do not edit by hand. -->
 
 Every command reads one YAML file (`--config FILE`: a path, or a shipped config by name, default
 `quickstart`, the package's copy of `configs/quickstart.yaml`) and any
@@ -127,7 +127,7 @@ def source_comments(model: type[BaseModel]) -> dict[str, str]:
         m = re.match(r"^    ([A-Za-z_]\w*)\s*:", line)
         if not m or m.group(1) not in model.model_fields:
             continue
-        parts = []
+        parts: list[str] = []
         above = lineno - 1
         while above >= 1 and above in comments and lines[above - 1].lstrip().startswith("#"):
             parts.insert(0, comments[above])
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.output.read_text() if args.output.is_file() else None
         if current != text:
-            what = "is missing" if current is None else "is stale (workflows/config.py changed)"
+            what = "is missing" if current is None else "is stale (workflows/config/ changed)"
             print(f"{args.output} {what}: run `{REGENERATE}` and commit the result", file=sys.stderr)
             return 1
         print(f"{args.output} is up to date")

@@ -115,6 +115,7 @@ def _report_tune(rt: Runtime, outcome, cache: dict, run) -> None:
     from workflows.tune.report import plot_trials, trials_table
 
     t = rt.cfg.tune
+    assert t.metric is not None  # set by with_task_metric in stage_tune
     for trial in outcome.trials:
         say(
             f"tune:   {trial.params} -> {t.metric}={trial.value} after {trial.epochs} epoch(s)"
@@ -179,7 +180,7 @@ def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, ru
             meta = export_artifact(rt.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
                                    {"run": outcome.run_uri, "train_config": rt.cfg.train.model_dump(mode="json")})
             if counts := data.label_counts.get("train"):  # a classifier's evaluation baseline
-                meta["majority_label"] = max(counts, key=counts.get)
+                meta["majority_label"] = max(counts, key=counts.__getitem__)
             meta["val_metrics"] = val_metrics(outcome.best_metrics)
             link = tracking.registry_link(run, rt.tracking.uri if rt.tracking else "")
             if link is not None:  # the MLflow run that trained this version

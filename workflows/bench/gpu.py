@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"bench gpu: --steps {','.join(unknown)}: not a step; use {', '.join(STEPS)}", file=sys.stderr)
         return 2
-    limits = dict(SMOKE_LIMITS if a.smoke else LIMITS)
+    limits: dict[str, float] = dict(SMOKE_LIMITS if a.smoke else LIMITS)
     for item in a.limit:
         key, _, value = item.partition("=")
         if key not in limits or not value.replace(".", "", 1).isdigit():

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from types import SimpleNamespace
+from typing import Any
 
 from workflows.errors import UserError
 from workflows.storage.atomic import atomic_write
@@ -24,12 +24,13 @@ from workflows.storage.atomic import atomic_write
 Emit = Callable[[dict], None]
 
 # Full size on a GPU; SMOKE: every step at toy size on the CPU, to show the path runs end to end
-LM = {"full": dict(size="gpt2-124m", seq_len=1024, micro_batch=16, steps=20, warmup=5, compile="inductor"),
-      "smoke": dict(size="tiny", seq_len=64, micro_batch=2, steps=2, warmup=1, compile="eager")}
-RESNET = {"full": dict(arch="resnet50", size=224, batch=256, steps=30, warmup=8, compile="inductor",
-                       shard_mb=400, loader_steps=30),
-          "smoke": dict(arch="small_cnn", size=32, batch=4, steps=2, warmup=1, compile="eager",
-                        shard_mb=0.4, loader_steps=2)}
+Sizes = dict[str, dict[str, Any]]  # "full"/"smoke" -> the step's settings
+LM: Sizes = {"full": dict(size="gpt2-124m", seq_len=1024, micro_batch=16, steps=20, warmup=5, compile="inductor"),
+             "smoke": dict(size="tiny", seq_len=64, micro_batch=2, steps=2, warmup=1, compile="eager")}
+RESNET: Sizes = {"full": dict(arch="resnet50", size=224, batch=256, steps=30, warmup=8, compile="inductor",
+                              shard_mb=400, loader_steps=30),
+                 "smoke": dict(arch="small_cnn", size=32, batch=4, steps=2, warmup=1, compile="eager",
+                               shard_mb=0.4, loader_steps=2)}
 
 
 def device_name(torch) -> str:
@@ -45,9 +46,9 @@ def step_lm(smoke: bool, emit: Emit, data: str | None) -> None:
     p = LM["smoke" if smoke else "full"]
     runs: dict[str, dict] = {}
     for strategy in ("plain", "fsdp"):
-        args = SimpleNamespace(size=p["size"], seq_len=p["seq_len"], micro_batch=p["micro_batch"], steps=p["steps"],
-                               warmup=p["warmup"], vocab=50257, activation_checkpointing=False, strategy=strategy,
-                               compile=p["compile"], fused_adamw=True)
+        args = argparse.Namespace(size=p["size"], seq_len=p["seq_len"], micro_batch=p["micro_batch"], steps=p["steps"],
+                                  warmup=p["warmup"], vocab=50257, activation_checkpointing=False,
+                                  strategy=strategy, compile=p["compile"], fused_adamw=True)
         torch._dynamo.reset()  # the second run compiles its own blocks, as a fresh process would
         counters = torch._dynamo.utils.counters
         counters.clear()
@@ -75,7 +76,7 @@ def _image_model(arch: str, size: int, device, torch):
 
     from workflows.tasks.image_models import ARCHITECTURES
 
-    config = ARCHITECTURES[arch](size)
+    config: Any = ARCHITECTURES[arch](size)  # a transformers PretrainedConfig
     config.num_labels = 100
     torch.manual_seed(0)
     return AutoModelForImageClassification.from_config(config).to(device, memory_format=torch.channels_last)

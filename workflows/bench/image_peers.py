@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 SIZE = 224
 BATCH = 256
@@ -116,7 +117,9 @@ def _source_samples(a: dict, shard: str) -> Iterator[tuple[str, bytes, int]]:
     with tarfile.open(fileobj=body, mode="r|") as tar:
         for m in tar:
             stem, _, ext = m.name.partition(".")
-            data = tar.extractfile(m).read()
+            member_file = tar.extractfile(m)
+            assert member_file is not None, m.name  # a stream of regular files, written by synth-images
+            data = member_file.read()
             if ext == "jpg":
                 jpg[stem] = data
             elif ext == "cls":
@@ -124,7 +127,7 @@ def _source_samples(a: dict, shard: str) -> Iterator[tuple[str, bytes, int]]:
 
 
 # -- MosaicML Streaming ------------------------------------------------------------------------------
-def _import_streaming():
+def _import_streaming() -> Any:  # a module of the peers' venv, not installed here
     # streaming's package __init__ imports streaming.vision, its only torchvision user, and
     # torchvision cannot be imported beside this CPU torch (it is removed from the peers' venv).
     # An empty module under that name lets MDSWriter and StreamingDataset import and run.
@@ -139,7 +142,7 @@ def _import_streaming():
 def row_streaming(a: dict) -> None:
     os.environ.update(S3_ENDPOINT_URL=a["endpoint"], AWS_ACCESS_KEY_ID="embedded",
                       AWS_SECRET_ACCESS_KEY="embedded", AWS_DEFAULT_REGION="us-east-1")
-    streaming = _import_streaming()
+    streaming: Any = _import_streaming()
     from streaming.base.util import clean_stale_shared_memory
     from torch.utils.data import DataLoader
 

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from workflows.errors import UserError
 
@@ -47,8 +48,8 @@ GOALS = {"warm_vs_best_peer": 1.0, "cold_vs_best_peer": 0.9, "warm_vs_local_data
          "two_workers_vs_one": 0.9, "train_step_vs_loader": 0.9}
 # cache_disk_bytes: the peak disk the capped cache held, open evicted files included, at most the cap
 # plus one shard per decode process; exactly_once: every image of the set once in the epoch, by sample id
-SCALE_GOALS = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes": 6 * 2**30, "cache_disk_bytes": "cap + 1 shard/reader",
-               "exactly_once": True}
+SCALE_GOALS: dict[str, Any] = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes": 6 * 2**30,
+                               "cache_disk_bytes": "cap + 1 shard/reader", "exactly_once": True}
 PLOT = Path("docs/images/images_scale.png")  # the scale section embeds it (relative to docs/)
 OPTIONS = {"size": "1GB", "workers": "2", "reps": "3", "batch": "256", "classes": "100", "rows": "all",
            "peers_python": "", "scale": "",
@@ -63,7 +64,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the tree the rows import workflows
 
 
 def _options(overrides: list[str]) -> tuple[dict, list[str]]:
-    opts, rest = dict(OPTIONS), []
+    opts: dict[str, Any] = dict(OPTIONS)  # rows becomes a tuple below
+    rest: list[str] = []
     for o in overrides:
         key, _, value = o.partition("=")
         if key.startswith("bench."):
@@ -158,7 +160,9 @@ def _copy_set(rt, src: str, src_index: dict, dst: str, size: int, index_json: bo
     t0 = time.perf_counter()
     (sb, sk), (db, dk) = (u.split("://", 1)[1].split("/", 1) for u in (src, dst))
     client = rt.storage.boto3_client()
-    shards, todo, total = [], [], 0
+    shards: list[dict] = []
+    todo: list[tuple[str, str]] = []
+    total = 0
     while total < size:
         entry = src_index["shards"][len(shards) % len(src_index["shards"])]
         shards.append({**entry, "name": f"shard-{len(shards):06d}.tar"})
@@ -328,8 +332,8 @@ def _ratios(rows: dict) -> dict:
     def ratio(a, b):
         return round(a / b, 3) if a and b else None
 
-    best_warm = max(peer_warm, key=peer_warm.get) if peer_warm else None
-    best_cold = max(peer_cold, key=peer_cold.get) if peer_cold else None
+    best_warm = max(peer_warm, key=peer_warm.__getitem__) if peer_warm else None
+    best_cold = max(peer_cold, key=peer_cold.__getitem__) if peer_cold else None
     r = {"best_peer_warm": best_warm, "best_peer_cold": best_cold,
          "warm_vs_best_peer": ratio(warm, peer_warm.get(best_warm)) if best_warm else None,
          "cold_vs_best_peer": ratio(cold, peer_cold.get(best_cold)) if best_cold else None,

@@ -130,13 +130,14 @@ def _phases(name: str, cmds: list[list[str]], env: dict, rt, log_dir: Path, cach
             before = endpoint_traffic(url)
             with _Memory([p.pid for p in procs], store_pid, cache_dir) as mem:
                 for p in procs:
+                    assert p.stdin is not None  # opened with stdin=PIPE
                     p.stdin.write("go\n")
                     p.stdin.flush()
                 results = [_read_until(p, "@result ") for p in procs]
             after = endpoint_traffic(url)
             if any(r is None for r in results):
                 break
-            parts = [json.loads(r) for r in results]
+            parts = [json.loads(r) for r in results if r is not None]  # none is, after the check above
             merged = _merge(parts)
             get = after["bytes_out"].get("GET", 0) - before["bytes_out"].get("GET", 0)
             merged.update(store_get_bytes=get, peak_pss_bytes=mem.peak_pss, peak_rss_bytes=mem.peak_rss,

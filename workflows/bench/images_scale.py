@@ -18,7 +18,8 @@ def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
     logs.mkdir()
     copies = opts["scale_distinct"] not in ("", "all")
     base_prefix = rt.cfg.uri("bench", "images", "scale-base")
-    base = index = None
+    base: dict | None = None  # the painted set to copy, and its index.json: only with copies
+    index: dict | None = None
     if copies:  # only where painting every set is more than the machine allows: the rows say so
         distinct = parse_size(opts["scale_distinct"], "bench.scale_distinct")
         _say(f"bench images: scale: painting {distinct / 1e9:.1f} GB of distinct shards to copy")
@@ -33,6 +34,7 @@ def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
         prefix = rt.cfg.uri("bench", "images", f"scale-{size}")
         _say(f"bench images: scale: a {size / 1e9:.1f} GB set")
         if copies:
+            assert base is not None and index is not None  # painted above
             data = _copy_set(rt, base_prefix, index, prefix, size)
             painted = {"how": f"server-side copies of {base['shards']} shards ({base['bytes'] / 1e9:.2f} GB, "
                               f"{base['images']} distinct images) painted once by synth-images in "

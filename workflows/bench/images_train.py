@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -98,7 +99,8 @@ def train_row(row: str, rep: int, path: Path, opts: dict, env: dict, rt, scratch
     from workflows.errors import UserError
     from workflows.train.standalone import find_dataset
 
-    name, out = f"{row}-rep{rep}", {}
+    name = f"{row}-rep{rep}"
+    out: dict[str, Any] = {}
     try:
         if row == "train_ray_data":
             out["train_ray_data_preprocess"] = _preprocess(path, env, rt, logs / f"{name}-preprocess.log")

@@ -295,7 +295,7 @@ def _image_rows(rt, spec: str, n: int) -> list[dict]:
     from workflows.storage.uri import filesystem
 
     card = registry.model_card(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load(card.lineage["dataset_uri"], rt.storage)
+    data = ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage)
     keys = [k for f in data.files["test"] for k in read_parquet(f, rt.storage, ["key"]).column("key").to_pylist()]
     shards, fmt = list_shards(data.source, rt.storage)
     if fmt not in ("tar", "image"):
@@ -317,7 +317,7 @@ def _test_rows(rt, spec: str, n: int) -> list[dict]:
     from workflows.preprocess.materialize import ProcessedDataset
 
     card = registry.model_card(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load(card.lineage["dataset_uri"], rt.storage)
+    data = ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage)
     cols = [*data.text_columns, data.label_column]
     got = data.read("test", rt.storage, cache=rt.cfg.cache).select_columns(cols).take(n)
     return [{c: str(r[c]) for c in cols} for r in got]
@@ -379,7 +379,7 @@ def _precisions(rt, spec: str, rows: list[dict]) -> dict:
         pred.probabilities(columns, batch_size=32)
         out[f"{precision}_rows_per_s"] = round(len(rows) / (time.perf_counter() - t0), 1)
     card = registry.model_card(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load(card.lineage["dataset_uri"], rt.storage)
+    data = ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage)
     f1 = {}
     for precision in PRECISIONS:
         cfg = rt.cfg.model_copy(deep=True)

@@ -145,7 +145,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
         spec = f"{ref.name}:{ref.version}"
         model_dir, _ = registry.fetch(cfg, rt.storage, spec)
         card = registry.model_card(cfg, rt.storage, spec)
-        rows = demo_rows(ProcessedDataset.load(card.lineage["dataset_uri"], rt.storage), rt, 256)
+        rows = demo_rows(ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage), rt, 256)
         threads = max(1, int(cfg.serve.cpus_per_replica))
         with Peer(model_dir, _free_port(), threads, cfg.serve.max_batch_size, spec, logs / "peer.log") as peer:
             rows_out = levers(spec, config, overrides, peer.url, rows, logs)

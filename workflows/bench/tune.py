@@ -30,13 +30,15 @@ def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.config import load_config
     from workflows.pipeline import stage_preprocess
     from workflows.runtime import runtime, say
-    from workflows.tune.search import run_tune
+    from workflows.tune.search import run_tune, with_task_metric
 
     config = config or "quickstart"
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
                 "serve.enabled=false", *DEFAULTS, *overrides]
-        cfg = load_config(config, sets)
+        cfg = with_task_metric(load_config(config, sets))  # as run_tune does: the rows name the metric
+        metric = cfg.tune.metric
+        assert metric is not None  # with_task_metric set it
         results = {}
         with runtime(cfg) as rt:
             data = stage_preprocess(rt)
@@ -46,7 +48,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
                 run_cfg.tune.scheduler = scheduler
                 say(f"bench tune: {scheduler}, {cfg.tune.num_samples} trials x up to {cfg.tune.max_epochs} epochs")
                 outcome = run_tune(run_cfg, rt.storage, data)
-                results[scheduler] = _summary(outcome, cfg.tune.metric)
+                results[scheduler] = _summary(outcome, metric)
                 print(f"bench tune: {scheduler}: {results[scheduler]['epochs']} epochs, best "
                       f"{cfg.tune.metric} {results[scheduler]['best']:.4f}", file=sys.stderr, flush=True)
     asha, fifo = results["asha"], results["fifo"]

@@ -72,21 +72,24 @@ class DecodeImages:
             if digest is not None and self.keep_fraction is not None \
                     and _keep_fraction(digest, self.seed) >= self.keep_fraction:
                 continue  # data.max_rows: a deterministic subset
-            error, data = None, None
+            error, data, split = None, None, BAD
             if image is None:
                 error = "no image in the record"
             elif label is None or (isinstance(label, float) and np.isnan(label)) or not str(label).strip():
                 error = "no label"
+            elif digest is None:  # no hash to split by (bytes() below would take a list of ints)
+                error = f"the image is a {type(image).__name__}, not bytes"
             else:
                 try:
                     data = decode_image(bytes(image), self.size, self.max_pixels).tobytes()
+                    split = split_of(digest, *self.split_args)
                 except BadImage as e:
                     error = str(e)
             keys.append(str(key))
             labels.append(None if label is None else str(label).strip())
             pixels.append(data if data is not None else b"")  # one column type in every block
             errors.append(error)
-            splits.append(BAD if error else split_of(digest, *self.split_args))
+            splits.append(split)
         return pd.DataFrame({"key": keys, "label": labels, "pixels": pixels, "error": errors, "split": splits})
 
 

@@ -49,12 +49,13 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
         pattern = PATTERN if fmt == "auto" else "|".join(f"*{e}" for e, f in EXTENSIONS.items() if f == fmt)
         raise NoShards(f"no shard matched {uri} (pattern {pattern or '*.' + fmt})")
     formats = {_format_of(p) for p in paths} if fmt == "auto" else {fmt}
-    if None in formats or len(formats) != 1:
+    known = {f for f in formats if f is not None}
+    if None in formats or len(known) != 1:
         raise UserError(
             f"cannot tell one format for the shards at {uri} (found {sorted(map(str, formats))}); set data.format"
         )
     shards = [Shard(with_protocol(uri, p), int(infos[p].get("size") or 0), object_version(infos[p])) for p in paths]
-    return shards, formats.pop()
+    return shards, known.pop()
 
 
 def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None,

@@ -56,6 +56,13 @@ class EmbeddedS3:
         self._lock_fd: int | None = None
         self._manifest: dict[str, dict] = {}
 
+    @property
+    def url(self) -> str:
+        """endpoint_url of a started (or attached) endpoint."""
+        if self.endpoint_url is None:
+            raise RuntimeError(f"the embedded S3 endpoint of {self.data_dir} is not started")
+        return self.endpoint_url
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, wait_s: float = 120) -> str:
         """Own the data dir's endpoint (spawn, restore), or use the one its owner runs. An owner
@@ -142,8 +149,9 @@ class EmbeddedS3:
             self._proc.wait(timeout=10)
             self._proc = None
         (self.data_dir / "endpoint.json").unlink(missing_ok=True)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        os.close(self._lock_fd)
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
         self.owner = False
 
     def __enter__(self) -> EmbeddedS3:

@@ -7,6 +7,7 @@ import hashlib
 import math
 import re
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workflows.errors import UserError
@@ -55,7 +56,7 @@ def _label_of(ext: str, data: bytes) -> str | None:
 
     try:
         if ext == "cls":
-            value = data.decode("utf-8").strip()
+            value: str | None = data.decode("utf-8").strip()
         else:
             obj = json.loads(data)
             value = obj.get("label") if isinstance(obj, dict) else None
@@ -88,7 +89,9 @@ def _read_tar(f, uri: str):
             if not stem or not dot:
                 continue
             key = f"{directory}/{stem}" if directory else stem
-            data = tar.extractfile(member).read()
+            member_file = tar.extractfile(member)
+            assert member_file is not None  # a regular file (isfile above) always has one
+            data = member_file.read()
             samples.setdefault(key, {}).setdefault(ext.lower(), []).append(data)
         # tarfile stops quietly at a truncated or garbled header after the first member, as if the
         # archive ended there: a shard cut short would lose its tail unnoticed. A real end is a zero block.
@@ -247,7 +250,7 @@ def reference_schema(shard: Shard, fmt: str, ctx: StorageContext, cache=None) ->
 
 
 def read_shards(
-    shards: list[str | Shard],
+    shards: Sequence[str | Shard],
     fmt: str,
     ctx: StorageContext,
     cache=None,
@@ -278,9 +281,9 @@ def read_shards(
 
     if shards_per_task < 1:
         raise ValueError(f"shards_per_task must be >= 1, got {shards_per_task}")
-    shards = [s if isinstance(s, Shard) else Shard(s, 0, "") for s in shards]
+    as_shards: list[Shard] = [s if isinstance(s, Shard) else Shard(s, 0, "") for s in shards]
     if cache is not None and cache.enabled:
-        shards = with_versions(shards, ctx)
+        as_shards = with_versions(as_shards, ctx)
 
     def read(group: list[Shard], node_id: str | None):
         items = [{"uri": s.uri, "version": s.version, "size": s.size} for s in group]
@@ -297,17 +300,17 @@ def read_shards(
                        "required": [] if reference is not None else list(required_columns or [])},
         )
 
-    groups = shard_placement(shards) if cache is not None and cache.enabled else {}
+    groups = shard_placement(as_shards) if cache is not None and cache.enabled else {}
     reference = None
-    if check_schemas and len(shards) > 1:
+    if check_schemas and len(as_shards) > 1:
         # read on the node that will read shard 0 anyway, so its cache fetches it once
-        node = next((n for n, g in groups.items() if shards[0] in g), None)
+        node = next((n for n, g in groups.items() if as_shards[0] in g), None)
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)} if node else {}
         task = ray.remote(num_cpus=0, max_retries=0)(reference_schema).options(**placement)
-        reference = ray.get(task.remote(shards[0], fmt, ctx, cache))
+        reference = ray.get(task.remote(as_shards[0], fmt, ctx, cache))
         check_columns(reference[0], list(reference[1]), list(required_columns or []))
     if not groups:  # one node, or no cache: nothing to place
-        return read(shards, None)
+        return read(as_shards, None)
     # One group is placed too: when every shard hashes to one node (1 in 2**(n-1) for n shards on
     # two nodes; always for one shard), unplaced reads would land anywhere and fill other caches.
     parts = [read(group, node_id) for node_id, group in groups.items()]

@@ -8,6 +8,10 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 CHUNK = 8 * 1024 * 1024  # streamed transfer: never the whole object in memory
 
@@ -15,7 +19,7 @@ CHUNK = 8 * 1024 * 1024  # streamed transfer: never the whole object in memory
 @dataclass(frozen=True)
 class Source:
     uri: str  # canonical (protocol://path), so "/a" and "file:///a" are one entry
-    fs: object
+    fs: AbstractFileSystem
     path: str
     size: int
     version: str

@@ -47,6 +47,8 @@ def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedData
 
     from workflows.train.models import load_classifier
 
+    if data.tokenizer is None:
+        raise ValueError(f"the processed text dataset at {data.uri} names no tokenizer in its manifest")
     model = load_classifier(resolve_model_dir(cfg.model.name_or_path), data.labels, cfg.model.dropout,
                             cfg.model.pooling)
     model.load_state_dict(state, strict=True)

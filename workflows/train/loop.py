@@ -95,6 +95,7 @@ def in_step(batches: Iterable[dict], device: torch.device) -> Iterator[dict]:
         batch = next(it, None)
         if not all_have(batch is not None, device):
             return
+        assert batch is not None  # all_have: every rank has one, this rank included
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 

@@ -5,6 +5,7 @@ save for backward, probed on small real tensors (see workflows/train/memory_esti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 
@@ -65,7 +66,7 @@ def _build_on_meta(config, causal_lm: bool = False) -> nn.Module:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def saved_storages(params, forward) -> tuple[dict[int, int], object]:
+def saved_storages(params, forward) -> tuple[dict[int, int], Any]:
     """Bytes autograd saves for backward while `forward()` runs, one count per storage (saved-tensor
     hooks; the storages of `params` excluded), and what `forward()` returned."""
     import torch

@@ -121,7 +121,7 @@ def sync_buffers(model: nn.Module) -> None:
             mean, var = module.running_mean, module.running_var
             var.add_(mean * mean)  # E[x^2] per rank: its mean over ranks, less the pooled mean squared
             pooled.append((mean, var))
-        transient = getattr(module, "_non_persistent_buffers_set", set())  # not saved: derived, equal on all
+        transient: set[str] = getattr(module, "_non_persistent_buffers_set", set())  # not saved: derived, equal on all
         tensors += [b for name, b in module.named_buffers(recurse=False)
                     if b is not None and b.is_floating_point() and name not in transient]
     if not tensors:

@@ -160,7 +160,8 @@ def make_plan(
         precisions = {k: precision for k in STRATEGIES}
     if attention == "auto":
         attention = "fused" if device_type == "cuda" and spec.attn_implementation != "eager" else "eager"
-    common = dict(device_type=device_type, attention=attention, checkpointing=checkpointing, accumulation=accumulation)
+    common: dict[str, Any] = dict(device_type=device_type, attention=attention, checkpointing=checkpointing,
+                                  accumulation=accumulation)
     estimates = {
         k: estimate(spec, k, devices, seq_len, micro_batch, precision=precisions[k], **common) for k in STRATEGIES
     }

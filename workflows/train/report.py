@@ -18,7 +18,10 @@ def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None
     """Per-step training loss and per-epoch validation loss against the global step; None without steps."""
     from workflows.plots import new_figure, save_png
 
-    steps, losses, ends, val = [], [], [], []
+    steps: list[int] = []
+    losses: list[float] = []
+    ends: list[int] = []
+    val: list[float] = []
     for h in sorted(history, key=lambda r: r["epoch"]):
         per_step = h.get("step_losses") or []
         first = int(h.get("global_step", len(per_step))) - len(per_step)

@@ -1,0 +1,28 @@
+"""The `ray` section: which Ray cluster a command joins or starts."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from workflows.config.base import Strict
+
+
+class RayConfig(Strict):
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join ('auto', host:port, ray://...); 'local' starts a cluster of the command's "
+        "own; None joins RAY_ADDRESS's cluster where it is set and not 'local' (`ray job submit` sets it), "
+        "else starts a local one",
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a newly started local cluster")
+    dashboard: bool = Field(
+        True,
+        description="start Ray's dashboard with a local cluster; false: fewer processes for a one-node "
+        "`workflows serve` (train, tune and `bench serve` need it: Ray Train V2 and the state API use it)",
+    )
+    dashboard_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="port of a local cluster's dashboard (a free one instead when it is taken; 0: any free port); "
+        "None: $WORKFLOWS_DASHBOARD_PORT where set, else Ray's 8265",
+    )
+

@@ -1,0 +1,79 @@
+"""The `serve` section: the Ray Serve deployment, its autoscaling and its request limits."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from workflows.config.base import Strict
+
+
+class AutoscalingConfig(Strict):
+    """Ray Serve autoscaling of the model deployment (replaces serve.num_replicas when set)."""
+
+    min_replicas: int = Field(1, ge=0, description="0 lets an idle deployment scale to zero")
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0, description="per replica; high enough for batches to fill")
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="load must stay above target this long before a replica is added"
+    )
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="load must stay below target this long before a replica is removed"
+    )
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas ({self.min_replicas})")
+        return self
+
+
+class ServeConfig(Strict):
+    enabled: bool = True
+    host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server beyond this machine")
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1, description="fixed replica count (when autoscaling is not set)")
+    autoscaling: AutoscalingConfig | None = None
+    cpus_per_replica: float = Field(1, gt=0)
+    gpus_per_replica: float = Field(0, ge=0)
+    precision: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32", description="fp32; bf16 (meant for GPU replicas); int8 dynamic quantization of Linear layers (CPU)"
+    )
+    auth_token_env: str | None = Field(
+        None, description="name of an environment variable holding a bearer token that /predict and /v1/models require"
+    )
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(
+        0.0,
+        ge=0,
+        description="how long a batch waits to fill once its first instance arrived; 0 batches what queued "
+        "up while the model ran (no idle wait)",
+    )
+    model_in_thread: bool = Field(
+        False,
+        description="run the model in a thread of the replica, so that its event loop keeps reading and "
+        "queueing requests while a batch runs; measured slower on 1-CPU replicas (the threads contend for the "
+        "CPU and the GIL: docs/BENCHMARKS.md), hence off; for replicas with more cores or a GPU",
+    )
+    haproxy: bool | Literal["auto"] = Field(
+        "auto",
+        description="front the replicas with Ray Serve's HAProxy ingress instead of its Python proxy, on a "
+        "cluster the command starts (a running cluster needs RAY_SERVE_ENABLE_HA_PROXY=1 in its environment): "
+        "auto where the binary is installed (ray[serve] brings it on Linux), true to insist, false for the "
+        "Python proxy; HAProxy measured as fast as a plain FastAPI server in docs/BENCHMARKS.md",
+    )
+    access_log: bool = Field(
+        True,
+        description="log a line per request in the proxy and the replica (Ray Serve's access log, in "
+        "/tmp/ray/session_latest/logs/serve/); turning it off saved no measurable time (docs/BENCHMARKS.md)",
+    )
+    max_instances: int = Field(256, ge=1, description="largest `instances` list one request may carry")
+    max_request_pixels: int = Field(
+        100_000_000, ge=1,
+        description="image models: the most pixels one request's images may declare in all (read from their "
+        "headers, before any is decoded; each image also stays under preprocess.max_image_pixels): bounds the "
+        "decoding one request costs, about 0.75 s for 100 Mpx of PNG on one core; a request over it is a 422",
+    )
+    demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
+

@@ -1,0 +1,62 @@
+"""The `storage` and `cache` sections: where data, runs and models live, and the per-node shard cache."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field
+
+from workflows.config.base import Strict
+
+
+class EmbeddedS3Config(Strict):
+    """moto's S3 server on this machine, persisted to `data_dir` between commands."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    data_dir: str = Field(".workflows/s3", description="local directory that persists the buckets")
+
+
+class StorageConfig(Strict):
+    root: str = Field("s3://workflows", description="URI under which processed data, runs and models live")
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, ...); else AWS_ENDPOINT_URL or AWS"
+    )
+    region: str | None = Field(None, description="else AWS_REGION / AWS_DEFAULT_REGION")
+    embedded: EmbeddedS3Config = EmbeddedS3Config()
+    retries: int = Field(5, ge=0, description="S3 client retry attempts")
+
+
+class CacheConfig(Strict):
+    enabled: bool = Field(True, description="read shards through the per-node cache")
+    dir: str = Field(
+        "auto",
+        description="per-node cache directory (shards/, models/); 'auto' = $WORKFLOWS_CACHE_DIR if the node "
+        "sets it, else /mnt/nvme/workflows-cache if /mnt/nvme exists, else ~/.cache/workflows "
+        "($XDG_CACHE_HOME/workflows when set)",
+    )
+    max_bytes: int | None = Field(
+        None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded"
+    )
+    verify_checksums: bool = Field(
+        False, description="re-hash a cached shard on every hit (slower; size is always checked)"
+    )
+
+    def resolved_dir(self) -> str:
+        """Resolved on the node that uses it: WORKFLOWS_CACHE_DIR in the node's environment (e.g. a
+        pod spec) wins over 'auto'."""
+        if self.dir != "auto":
+            return os.path.abspath(os.path.expanduser(self.dir))
+        if os.environ.get("WORKFLOWS_CACHE_DIR"):
+            return os.path.abspath(os.path.expanduser(os.environ["WORKFLOWS_CACHE_DIR"]))
+        if os.path.isdir("/mnt/nvme"):
+            return "/mnt/nvme/workflows-cache"
+        return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "workflows")
+
+    def shard_cache(self, ctx):
+        """The shard cache of the node this runs on ('auto' is resolved here, on that node)."""
+        from workflows.storage.cache import ShardCache
+
+        return ShardCache(os.path.join(self.resolved_dir(), "shards"), ctx, self.max_bytes, self.verify_checksums)
+

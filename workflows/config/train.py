@@ -1,0 +1,144 @@
+"""The `train` section: the training run, its input and its augmentation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from workflows.config.base import Strict
+
+
+class AugmentConfig(Strict):
+    """On-the-fly augmentation of training images, in the training workers (seeded per sample and
+    epoch, so a resumed epoch sees the same crops)."""
+
+    enabled: bool = True
+    crop_scale: tuple[float, float] = Field(
+        (0.08, 1.0), description="RandomResizedCrop: the range of the crop's area as a fraction of the image")
+    crop_ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="RandomResizedCrop: aspect ratio range")
+    flip: bool = Field(True, description="horizontal flip with probability 0.5 (off for digits, text, ...)")
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        for name in ("crop_scale", "crop_ratio"):
+            lo, hi = getattr(self, name)
+            if not 0 < lo <= hi or (name == "crop_scale" and hi > 1):
+                raise ValueError(f"{name} must be 0 < low <= high{' <= 1' if name == 'crop_scale' else ''}")
+        return self
+
+
+class TrainConfig(Strict):
+    num_workers: int | tuple[int, int] = Field(
+        2,
+        description="training workers: a number, or [min, max] for an elastic group (Ray Train resizes it within "
+        "the range as workers are lost or resources come and go; needs train.loader=stream)",
+    )
+    cpus_per_worker: float = Field(1, gt=0)
+    use_gpu: bool = False
+    strategy: Literal["fsdp", "ddp"] = "fsdp"
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(32, ge=1, description="per worker")
+    lr: float = Field(1e-4, gt=0)
+    head_lr: float | None = Field(
+        None, gt=0, description="classification: learning rate of the new head (random weights); None: train.lr"
+    )
+    head_init: Literal["random", "linear_probe"] = Field(
+        "random",
+        description="classification: the new head's start: 'random', or 'linear_probe' "
+        "(LP-FT: the head is first fitted "
+        "on the frozen pretrained features, a logistic regression over all workers' training rows, then "
+        "everything is fine-tuned, so early steps do not pull the pretrained features toward a random head)",
+    )
+    linear_probe_l2: float = Field(1e-3, ge=0, description="head_init=linear_probe: L2 penalty on the head's weights")
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_fraction: float = Field(0.1, ge=0, lt=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+    grad_accum_steps: int = Field(
+        1, ge=1, description="micro-batches of batch_size per optimizer step (gradient accumulation)"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each block's activations in backward: less memory, ~1/3 more compute"
+    )
+    freeze_embeddings: bool = Field(
+        False,
+        description="classification fine-tuning: keep the pretrained input embeddings fixed (half of MiniLM's "
+        "weights): less compute and communication; ignored by causal-LM pretraining (random embeddings, tied to "
+        "the LM head)",
+    )
+    seed: int = 0
+    max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
+    max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per epoch (tuning, tests)")
+    checkpoint_select: Literal["best", "last"] = Field(
+        "best",
+        description="the epoch whose checkpoint is evaluated and registered: 'best' by the validation metric "
+        "(val_f1; val_loss for a causal LM), or 'last', the end of the full learning-rate schedule "
+        "(on a validation split of a few dozen rows, the best epoch is partly picked by noise)",
+    )
+    num_to_keep: int = Field(1, ge=1)
+    max_failures: int = Field(1, ge=0)
+    torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
+    augment: AugmentConfig = AugmentConfig()
+    loader: Literal["ray_data", "stream"] = Field(
+        "ray_data",
+        description="training input: 'ray_data' (Ray Data shards, resumable at epoch ends), or 'stream' "
+        "(workflows.loader: one global order per epoch whatever the worker count, every sample exactly once, "
+        "resumable mid-epoch and on another number of workers)",
+    )
+    checkpoint_every_steps: int | None = Field(
+        None, ge=1,
+        description="a checkpoint every N optimizer steps besides the epoch ends (off: None); a restart or "
+        "--resume continues mid-epoch from it. Needs loader=stream. Each costs one save + upload of the "
+        "model and optimizer state (docs/guides/train.md measures it)",
+    )
+    loader_workers: int | None = Field(
+        None, ge=0,
+        description="loader=stream: decode processes per training worker (0: inline); None: the worker's CPUs "
+        "minus the one it trains on, at least 1 (docs/guides/train.md measures it)",
+    )
+    image_input: Literal["raw", "pixels"] = Field(
+        "pixels",
+        description="loader=stream, image tasks: 'raw' trains from the source's tar shards or image files (decode, "
+        "RandomResizedCrop of the original image and flip in the loader's processes; val/test stay the "
+        "preprocessed pixels), 'pixels' from the preprocessed fixed-size pixels (cropped in the collate; "
+        "small images such as digits). docs/guides/train.md compares them",
+    )
+    shuffle_window: int = Field(
+        4, ge=1, description="loader=stream: shards whose samples are shuffled together (the shuffle buffer)"
+    )
+
+    @field_validator("num_workers")
+    @classmethod
+    def worker_range(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        lo, hi = (v, v) if isinstance(v, int) else v
+        if lo < 1 or lo > hi:
+            raise ValueError(f"train.num_workers must be >= 1, or [min, max] with 1 <= min <= max; got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def stream_features(self) -> TrainConfig:
+        wants = [name for name, on in (("checkpoint_every_steps", self.checkpoint_every_steps is not None),
+                                       ("an elastic train.num_workers [min, max]", self.elastic)) if on]
+        if wants and self.loader != "stream":
+            raise ValueError(f"{' and '.join(wants)} need(s) train.loader=stream (Ray Data cannot resume mid-epoch "
+                             "or keep the order across worker counts)")
+        return self
+
+    @property
+    def decode_workers(self) -> int:
+        """loader_workers, or its default from the worker's CPUs."""
+        return self.loader_workers if self.loader_workers is not None else max(1, int(self.cpus_per_worker) - 1)
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the run uses (all of them when num_workers is a number)."""
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
