@@ -476,3 +476,90 @@ def test_an_index_without_versions_asks_the_store_once_per_shard(tmp_path, caplo
         assert _epoch(warm, 2) == everything  # later epochs: the versions asked once are kept
         assert endpoint_traffic(s3.endpoint_url)["requests"] == {}
         assert warm.stats()["misses"] == 0
+
+
+def _parquet_images(root, with_key: bool, counts=(13, 9, 11)) -> tuple[list, dict[int, tuple[int, int, str]]]:
+    """Parquet files `part-k.parquet` of encoded images (`png`: the originals, 20-26 x 24 pixels) and
+    labels (`digit`), row groups of 4, with a `key` column or not; then a row repeating sample 0's
+    image (and key) without a label: a bad record of a training sample's key. Returns the shards
+    and, per sample, (file, row, key) with the key as preprocessing names it."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from workflows.storage.shards import Shard
+
+    shards, where, i = [], {}, 0
+    for k, n in enumerate(counts):
+        ids = list(range(i, i + n))
+        cols = {"png": [_image(j) for j in ids], "digit": [str(j % 10) for j in ids]}
+        if k == 1:
+            cols["png"].append(_image(0))
+            cols["digit"].append(None)
+        keys = [f"k{j:05d}" if with_key else hashlib.sha256(_image(j)).hexdigest()[:16] for j in ids]
+        if with_key:
+            cols["key"] = keys + ["k00000"] * (k == 1)
+        path = root / f"part-{k}.parquet"
+        pq.write_table(pa.table(cols), path, row_group_size=4)
+        shards.append(Shard(str(path), path.stat().st_size, "v"))
+        where.update({j: (k, r, key) for r, (j, key) in enumerate(zip(ids, keys))})
+        i += n
+    return shards, where
+
+
+@pytest.mark.parametrize("with_key", [False, True])
+def test_a_raw_parquet_index_reads_the_training_rows_original_images(tmp_path, with_key):
+    """train.image_input=raw over parquet (image bytes in a column): the rows whose keys the train
+    split names (the `key` column, else the image's hash, as preprocessing keys them), each exactly
+    once per epoch with the train split's class ids and its original bytes; crops of the original
+    image that follow (seed, epoch, sample): the same on 2 ranks with 2 decode processes, on 1 rank
+    inline, and resumed mid-epoch on 1 rank."""
+    from workflows.preprocess.image_dataset import parquet_sample_index
+
+    shards, where = _parquet_images(tmp_path, with_key)
+    picked = [i for i in where if i % 3 != 1]  # the train split: a subset (0 among it, see _parquet_images)
+    wanted = {where[i][2]: 9 - i % 10 for i in picked}
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    built = parquet_sample_index(shards, "png", "digit", wanted, cache)
+    index = DatasetIndex.from_json("", json.loads(json.dumps(built.to_json())))  # as saved and read back
+    assert index.format == "raw-parquet" and index.column == "png" and len(index) == len(picked)
+    got = {int(s): (d, int(lab)) for b in StreamLoader(index, LOCAL, cache, None, batch_size=5, num_workers=0)
+           for s, d, lab in zip(b["sample"], b["data"], b["label"])}
+    assert sorted(got) == list(range(len(picked)))
+    assert sorted(got.values()) == sorted((_image(i), 9 - i % 10) for i in picked)
+
+    transform = ImageTransform(size=SIZE, seed=3)
+    original = {s: d for s, (d, _) in got.items()}
+
+    def epoch(world_size, num_workers, start=0):
+        ids, pixels = [], {}
+        ranks = [StreamLoader(index, LOCAL, cache, transform, batch_size=4, num_workers=num_workers, seed=3, epoch=1,
+                              rank=r, world_size=world_size, start=start) for r in range(world_size)]
+        for step in zip(*ranks):
+            for b in step:
+                ids += b["sample"].tolist()
+                pixels.update(zip(b["sample"].tolist(), (x.numpy().tobytes() for x in b["image"])))
+        for r in ranks:
+            r.close()
+        return ids, pixels
+
+    two, two_pixels = epoch(2, 2)
+    one, one_pixels = epoch(1, 0)
+    assert two == one and sorted(one) == list(range(len(picked)))
+    assert one_pixels == two_pixels
+    assert all(one_pixels[s] == transform(original[s], s, 1).tobytes() for s in one)  # a crop of the original
+    rest, rest_pixels = epoch(1, 0, start=12)
+    assert rest == one[12:] and all(rest_pixels[s] == one_pixels[s] for s in rest)
+
+
+def test_a_raw_parquet_index_names_a_missing_column_and_its_file(tmp_path):
+    from workflows.preprocess.image_dataset import parquet_sample_index
+
+    shards, where = _parquet_images(tmp_path, with_key=True)
+    wanted = {key: 0 for _, _, key in where.values()}
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    with pytest.raises(UserError, match=r"part-0\.parquet: no column 'image' \(data\.image_column\)"):
+        parquet_sample_index(shards, "image", "digit", wanted, cache)
+    with pytest.raises(UserError, match=r"part-0\.parquet: no column 'label' \(data\.label_column\)"):
+        parquet_sample_index(shards, "png", "label", wanted, cache)

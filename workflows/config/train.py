@@ -98,7 +98,8 @@ class TrainConfig(Strict):
     )
     image_input: Literal["raw", "pixels"] = Field(
         "pixels",
-        description="loader=stream, image tasks: 'raw' trains from the source's tar shards or image files (decode, "
+        description="loader=stream, image tasks: 'raw' trains from the source's tar shards, parquet rows (image "
+        "bytes in data.image_column) or image files (decode, "
         "RandomResizedCrop of the original image and flip in the loader's processes; val/test stay the "
         "preprocessed pixels), 'pixels' from the preprocessed fixed-size pixels (cropped in the collate; "
         "small images such as digits). docs/guides/train.md compares them",

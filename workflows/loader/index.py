@@ -15,7 +15,10 @@ Without an index.json, read_index builds it from the tar headers once and saves 
 
 A "raw" index (sample_index) lists each shard's samples by byte range with its class id (the
 `members` of each shard entry): an image task's training split read straight from its WebDataset
-tars or class-per-folder files, a subset of each shard, in shard and member order.
+tars or class-per-folder files, a subset of each shard, in shard and member order. A "raw-parquet"
+index lists, per parquet shard, the row numbers of its samples with their class ids (`rows`,
+`labels`) and names the column that holds the encoded image (`column`): the training split of a
+parquet source with image bytes in a column (preprocess.image_dataset.parquet_sample_index).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from workflows.storage.uri import (
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.json"
-FORMATS = ("wds-tar", "parquet", "raw")
+FORMATS = ("wds-tar", "parquet", "raw", "raw-parquet")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class DatasetIndex:
     classes: int | None = None
     labels: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    members: list[TarMembers] | None = None  # "raw": each shard's samples, known before any fetch
+    members: list[TarMembers | ParquetRows] | None = None  # "raw"/"raw-parquet": known before any fetch
+    column: str | None = None  # "raw-parquet": the column holding the encoded image
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -92,8 +96,13 @@ class DatasetIndex:
         shards = [{"name": s.name, "samples": s.samples, "bytes": s.bytes,
                    **({"version": s.version} if s.version is not None else {})} for s in self.shards]
         for entry, m in zip(shards, self.members or ()):
-            entry.update(offsets=m.offsets.tolist(), sizes=m.sizes.tolist(), labels=m.labels.tolist())
+            if isinstance(m, ParquetRows):
+                entry.update(rows=m.rows.tolist(), labels=m.labels.tolist())
+            else:
+                entry.update(offsets=m.offsets.tolist(), sizes=m.sizes.tolist(), labels=m.labels.tolist())
         out = {"format": self.format, "version": 1, "shards": shards}
+        if self.column is not None:
+            out["column"] = self.column
         if self.classes is not None:
             out["classes"] = self.classes
         if self.labels is not None:
@@ -106,15 +115,19 @@ class DatasetIndex:
         try:
             shards = [ShardEntry(str(s["name"]), int(s["samples"]), int(s.get("bytes", 0)),
                                  None if s.get("version") is None else str(s["version"])) for s in obj["shards"]]
-            members = None
+            members: list[TarMembers | ParquetRows] | None = None
             if obj.get("format") == "raw":
                 members = [TarMembers(np.asarray(s["offsets"], np.int64), np.asarray(s["sizes"], np.int64),
                                       np.asarray(s["labels"], np.int64)) for s in obj["shards"]]
+            elif obj.get("format") == "raw-parquet":
+                members = [ParquetRows(np.asarray(s["rows"], np.int64), np.asarray(s["labels"], np.int64))
+                           for s in obj["shards"]]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{where}: 'shards' must be a list of {{name, samples, bytes, version}} ({e})") from None
-        known = {"format", "version", "shards", "classes", "labels"}
+        known = {"format", "version", "shards", "classes", "labels", "column"}
         return cls(prefix=prefix, shards=shards, format=obj.get("format", "wds-tar"), classes=obj.get("classes"),
-                   labels=obj.get("labels"), extra={k: v for k, v in obj.items() if k not in known}, members=members)
+                   labels=obj.get("labels"), extra={k: v for k, v in obj.items() if k not in known}, members=members,
+                   column=obj.get("column"))
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,14 @@ class TarMembers:
     sizes: np.ndarray  # int64
     labels: np.ndarray  # int64 class ids (-1: none)
     keys: tuple[str, ...] = ()  # the member keys (tar_members), as storage.shards names the samples
+
+
+@dataclass(frozen=True)
+class ParquetRows:
+    """One parquet shard's samples: their row numbers in the file (in file order) and class ids."""
+
+    rows: np.ndarray  # int64
+    labels: np.ndarray  # int64
 
 
 def _label_id(text: str | None, labels: list[str] | None, where: str) -> int:
@@ -234,7 +255,8 @@ def sample_index(shards: list, fmt: str, wanted: dict[str, int], storage: Storag
     (`fmt` "image", keyed by its URI), the samples it holds that `wanted` names, in file order."""
     if fmt not in ("tar", "image"):
         raise UserError(f"raw training samples are read from tar shards or image files, not {fmt} shards")
-    entries, members = [], []
+    entries: list[ShardEntry] = []
+    members: list[TarMembers | ParquetRows] = []
     for shard in shards:
         if fmt == "image":
             if shard.uri not in wanted:

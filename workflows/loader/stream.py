@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from workflows.errors import UserError
-from workflows.loader.index import DatasetIndex, TarMembers, read_index, tar_members
+from workflows.loader.index import DatasetIndex, ParquetRows, TarMembers, read_index, tar_members
 from workflows.loader.order import epoch_order, rank_batches, step_bounds
 from workflows.storage.uri import StorageContext
 
@@ -46,7 +46,7 @@ class _Local:
     """A shard fetched and pinned in the cache: its local path and (tar) member table."""
 
     path: str
-    members: TarMembers | None
+    members: TarMembers | ParquetRows | None
 
 
 def _identity(batch):
@@ -77,6 +77,14 @@ class _Samples:
 
         if self.fmt == "parquet":
             out = self._rows(items)
+        elif self.fmt == "raw-parquet":  # items: (epoch, sample, path, row, label); the image column's bytes
+            blobs = self._table([it[:4] for it in items]).column(0).to_pylist()
+            if self.transform is None:
+                out = {"data": blobs}
+            else:
+                out = {"image": torch.from_numpy(np.stack([self.transform(d, it[1], it[0])
+                                                           for d, it in zip(blobs, items)]))}
+            out["label"] = torch.tensor([it[4] for it in items], dtype=torch.int64)
         else:
             images, labels = [], []
             # why open per batch, not an LRU of fds kept across batches: a cap bounds the disk. A
@@ -107,13 +115,17 @@ class _Samples:
         return out
 
     def _rows(self, items: list[tuple]) -> dict:
-        """Parquet rows, read by row group (kept decoded, LRU) and taken in the items' order. Files
-        are opened only to read a row group and closed at once (see __getitems__: a cap bounds the
-        disk); the parsed footers are kept, so a reopen reads no footer."""
+        from workflows.loader.columns import column_values
+
+        table = self._table(items)
+        return {c: column_values(table.column(c)) for c in table.column_names}
+
+    def _table(self, items: list[tuple]):
+        """Parquet rows (`self.columns`), read by row group (kept decoded, LRU) and taken in the
+        items' order. Files are opened only to read a row group and closed at once (see
+        __getitems__: a cap bounds the disk); the parsed footers are kept, so a reopen reads no footer."""
         import pyarrow as pa
         import pyarrow.parquet as pq
-
-        from workflows.loader.columns import column_values
 
         parts = []
         for _epoch, _sample, path, row in items:
@@ -134,18 +146,19 @@ class _Samples:
             if len(self._groups) > ROW_GROUPS:
                 self._groups.popitem(last=False)
             parts.append(table.slice(int(row - starts[g]), 1))
-        table = pa.concat_tables(parts)
-        return {c: column_values(table.column(c)) for c in table.column_names}
+        return pa.concat_tables(parts)
 
 
 class StreamLoader:
     """An iterable over one rank's batches of one epoch (see the module docstring and order.py).
 
-    Images (a `wds-tar` index): {"image": uint8 [B, 3, S, S] (what `transform` returns, stacked),
-    "label": int64 [B], "sample": int64 [B]} with `transform(bytes, sample_id, epoch)`, e.g.
-    loader.images.ImageTransform. Parquet (parquet_index): the stored `columns` as numpy (what a
-    task's collate takes) plus "sample". `start`: global samples of the epoch already consumed
-    (from a checkpoint: `state()["consumed"]`); `set_epoch` moves on without new worker processes.
+    Images (a `wds-tar`, `raw` or `raw-parquet` index): {"image": uint8 [B, 3, S, S] (what
+    `transform` returns, stacked), "label": int64 [B], "sample": int64 [B]} with
+    `transform(bytes, sample_id, epoch)`, e.g. loader.images.ImageTransform (a `raw-parquet`
+    sample's bytes: its row's value in the index's `column`). Parquet (parquet_index): the stored
+    `columns` as numpy (what a task's collate takes) plus "sample". `start`: global samples of the
+    epoch already consumed (from a checkpoint: `state()["consumed"]`); `set_epoch` moves on without
+    new worker processes.
     """
 
     def __init__(self, source: DatasetIndex | str, storage: StorageContext, cache, transform: Callable | None = None,
@@ -165,6 +178,8 @@ class StreamLoader:
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.shuffle_window, self.prefetch_shards = shuffle_window, prefetch_shards
         self.transform = transform
+        if self.index.format == "raw-parquet":
+            columns = [self.index.column or ""]
         self._dataset = _Samples(self.index.format, transform, columns)
         self._num_workers, self._prefetch_factor = num_workers, prefetch_factor
         self._loader = None
@@ -314,6 +329,8 @@ class StreamLoader:
                 j = sid - int(self._offsets[s])
                 if local.members is None:
                     items.append((epoch, sid, local.path, j))
+                elif isinstance(local.members, ParquetRows):
+                    items.append((epoch, sid, local.path, int(local.members.rows[j]), int(local.members.labels[j])))
                 else:
                     m = local.members
                     items.append((epoch, sid, local.path, int(m.offsets[j]), int(m.sizes[j]), int(m.labels[j])))

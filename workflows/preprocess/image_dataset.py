@@ -75,7 +75,7 @@ class DecodeImages:
             error, data, split = None, None, BAD
             if image is None:
                 error = "no image in the record"
-            elif label is None or (isinstance(label, float) and np.isnan(label)) or not str(label).strip():
+            elif not has_label(label):
                 error = "no label"
             elif digest is None:  # no hash to split by (bytes() below would take a list of ints)
                 error = f"the image is a {type(image).__name__}, not bytes"
@@ -106,16 +106,24 @@ def decoder_args(cfg, keep_fraction: float | None = None) -> tuple:
     return p.image_size, p.max_image_pixels, d.split_seed, d.val_fraction, d.test_fraction, keep_fraction
 
 
-def _as_records(batch: pd.DataFrame, image_column: str, label_column: str) -> pd.DataFrame:
-    """Parquet rows -> (key, image, label): the key is the row's `key` column if it has one, else a
-    hash of the image bytes (what names a bad record)."""
-    images = batch[image_column]
+def has_label(label) -> bool:
+    """A record's label is usable (else the record is bad: "no label")."""
+    return not (label is None or (isinstance(label, float) and np.isnan(label)) or not str(label).strip())
+
+
+def record_keys(batch: pd.DataFrame, image_column: str) -> list[str]:
+    """Parquet rows' sample keys: the row's `key` column if it has one, else a hash of the image
+    bytes (what names a bad record, and what train_sample_index finds a training row by)."""
     if "key" in batch.columns:
-        keys = batch["key"].astype(str)
-    else:
-        keys = [hashlib.sha256(b).hexdigest()[:16] if isinstance(b, bytes | bytearray) else "(no image)"
-                for b in images]
-    return pd.DataFrame({"key": list(keys), "image": list(images), "label": list(batch[label_column])})
+        return list(batch["key"].astype(str))
+    return [hashlib.sha256(b).hexdigest()[:16] if isinstance(b, bytes | bytearray) else "(no image)"
+            for b in batch[image_column]]
+
+
+def _as_records(batch: pd.DataFrame, image_column: str, label_column: str) -> pd.DataFrame:
+    """Parquet rows -> (key, image, label), keyed by record_keys."""
+    return pd.DataFrame({"key": record_keys(batch, image_column), "image": list(batch[image_column]),
+                         "label": list(batch[label_column])})
 
 
 def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
@@ -204,15 +212,53 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
     return result
 
 
+def parquet_sample_index(shards, image_column: str, label_column: str, wanted: dict[str, int], cache):
+    """A loader.index "raw-parquet" index of the parquet rows whose sample key (record_keys, as
+    preprocessing named them) `wanted` maps to a class id, with a usable label (a row of the same
+    key without one was a bad record), in file order. Each shard is read once through the node's
+    shard `cache`, a row group at a time: the key and label columns only (the image column too when
+    the rows have no `key` column, as their keys are the images' hashes)."""
+    import pyarrow.parquet as pq
+
+    from workflows.loader.index import DatasetIndex, ParquetRows, ShardEntry, TarMembers
+
+    entries: list[ShardEntry] = []
+    members: list[TarMembers | ParquetRows] = []
+    for shard in shards:
+        with cache.open_local(shard.uri, shard.version, shard.size) as local:
+            pf = pq.ParquetFile(local)
+            names = pf.schema_arrow.names
+            for column, field in ((image_column, "data.image_column"), (label_column, "data.label_column")):
+                if column not in names:
+                    raise UserError(f"{shard.uri}: no column {column!r} ({field}); its columns: {sorted(names)}")
+            read = list(dict.fromkeys(["key" if "key" in names else image_column, label_column]))
+            rows, labels, start = [], [], 0
+            for g in range(pf.num_row_groups):
+                batch = pf.read_row_group(g, columns=read).to_pandas()
+                for i, (key, label) in enumerate(zip(record_keys(batch, image_column), batch[label_column])):
+                    if key in wanted and has_label(label):
+                        rows.append(start + i)
+                        labels.append(wanted[key])
+                start += len(batch)
+        if rows:
+            entries.append(ShardEntry(shard.uri, len(rows), shard.size, shard.version))
+            members.append(ParquetRows(np.asarray(rows, np.int64), np.asarray(labels, np.int64)))
+    if not entries:
+        raise UserError("none of the train split's samples were found in the parquet shards (the source changed?)")
+    return DatasetIndex(prefix="", shards=entries, format="raw-parquet", members=members, column=image_column)
+
+
 def train_sample_index(cfg, data: ProcessedDataset, ctx):
     """The processed train split's samples where the source holds them (train.image_input=raw): a
-    loader.index "raw" index (shard, byte range, class id per sample), so training crops the
-    original image while val/test (and serving) read the stored center crops.
+    loader.index "raw" index (shard, byte range, class id per sample) of tars or image files, or a
+    "raw-parquet" one (file, row, class id) of parquet shards, so training crops the original image
+    while val/test (and serving) read the stored center crops.
 
     The split stays preprocessing's (the train split's `key`s, labels as stored); the index is built
-    once, from the tar headers (one read of each shard through the node's cache) or the file
-    listing, and saved as `<processed version>/train-samples.json`. The version's URI hashes the
-    source shards' names, versions and sizes, so a changed source has a new version and a new index.
+    once, from the tar headers or the parquet key and label columns (one read of each shard through
+    the node's cache) or the file listing, and saved as `<processed version>/train-samples.json`.
+    The version's URI hashes the source shards' names, versions and sizes, so a changed source has
+    a new version and a new index.
     """
     import pyarrow.parquet as pq
 
@@ -224,21 +270,27 @@ def train_sample_index(cfg, data: ProcessedDataset, ctx):
         return DatasetIndex.from_json("", read_json(uri, ctx))
     label_id = {lab: i for i, lab in enumerate(data.labels)}
     wanted: dict[str, int] = {}
+    rows = 0  # the train split's rows (parquet rows of identical images share a key)
     for f in data.files["train"]:
         fs, path = filesystem(f, ctx)
         with fs.open(path, "rb") as fh:
             t = pq.read_table(fh, columns=["key", "label"])
         wanted.update(zip(t.column("key").to_pylist(), (label_id[v] for v in t.column("label").to_pylist())))
+        rows += t.num_rows
     shards, fmt = list_shards(cfg.data.source, ctx, cfg.data.format)
-    if fmt not in ("tar", "image"):
-        raise UserError(f"train.image_input=raw reads tar shards or image files; {cfg.data.source} holds {fmt} "
-                        "shards: set train.image_input=pixels")
+    if fmt not in ("tar", "image", "parquet"):
+        raise UserError(f"train.image_input=raw reads tar shards, parquet shards or image files; {cfg.data.source} "
+                        f"holds {fmt} shards: set train.image_input=pixels")
     if dataset_version(shards, fmt, cfg) != data.version:
         raise UserError(f"{cfg.data.source} changed since dataset version {data.version} was preprocessed: "
                         "run preprocess again")
-    index = sample_index(shards, fmt, wanted, ctx, cfg.cache.shard_cache(ctx))
-    if len(index) != len(wanted):
-        raise UserError(f"{cfg.data.source}: {len(wanted) - len(index)} of the train split's samples are not in "
-                        "its shards (the source changed?): run preprocess again")
+    cache = cfg.cache.shard_cache(ctx)
+    if fmt == "parquet":
+        index = parquet_sample_index(shards, cfg.data.image_column, cfg.data.label_column, wanted, cache)
+    else:
+        index = sample_index(shards, fmt, wanted, ctx, cache)
+    if len(index) != rows:
+        raise UserError(f"{cfg.data.source}: the train split has {rows} samples but its shards hold {len(index)} "
+                        "of their keys (the source changed, or parquet rows share a `key`?): run preprocess again")
     write_json(uri, index.to_json(), ctx)  # atomic; each worker of a first run builds the same one
     return index

@@ -85,9 +85,10 @@ class ImageClassification(Classification):
         return collate
 
     def stream_source(self, data, storage):
-        """train.image_input=raw: the training split's samples in the source's tar shards or image
-        files (preprocess.image_dataset.train_sample_index), decoded and cropped from the original
-        image in the loader's processes, seeded by (seed, epoch, sample)."""
+        """train.image_input=raw: the training split's samples in the source's tar shards, parquet
+        rows (image bytes in data.image_column) or image files (preprocess.image_dataset.
+        train_sample_index), decoded and cropped from the original image in the loader's processes,
+        seeded by (seed, epoch, sample)."""
         if self.cfg.train.image_input != "raw":
             return None
         from workflows.loader.images import ImageTransform
