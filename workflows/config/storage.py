@@ -37,7 +37,10 @@ class CacheConfig(Strict):
         "($XDG_CACHE_HOME/workflows when set)",
     )
     max_bytes: int | None = Field(
-        None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded"
+        None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded. Shards a "
+        "stream loader is reading are pinned and never evicted: set it above what a loader pins at once (a "
+        "shuffle window of 4 shards, those of the batches in flight and 2 prefetched; the loader computes it "
+        "from its plan and warns when the cap is below)",
     )
     verify_checksums: bool = Field(
         False, description="re-hash a cached shard on every hit (slower; size is always checked)"
