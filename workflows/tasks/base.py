@@ -102,7 +102,7 @@ WEIGHTS = "model.safetensors"  # the default export's weights (ModelPredictor lo
 class ModelOutput:
     """What a model's forward may return: `logits` (its raw outputs: a classifier's per-label
     scores, a regression's values) and `loss` (a scalar, given `labels`; the `loss` hook's default
-    reads it). A dataclass, so DDP and FSDP2 find the tensors in it."""
+    reads it). Any object with these attributes does (a Hugging Face model's output is one)."""
 
     logits: Any
     loss: Any = None
