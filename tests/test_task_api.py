@@ -106,7 +106,8 @@ BROKEN = {  # edit of the example -> the one line it must fail with ({m}: the mo
 
 
 def _config(path: Path, task: str, **sections) -> Path:
-    return write_config(path, {"model": {"task": task, "options": {"features": ["a"], "label": "y"}}, **sections})
+    return write_config(path, {"data": {"source": str(path.parent / "raw")},
+                               "model": {"task": task, "options": {"features": ["a"], "label": "y"}}, **sections})
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
@@ -149,7 +150,7 @@ def _tasks():
 
     from workflows.api import ProcessedDataset
 
-    cfg = load_config(None)
+    cfg = load_config(None, ["data.source=raw"])
     info = {"features": ["a", "b"], "label": "y", "mean": [0.0, 1.0], "std": [1.0, 2.0], "target_mean": 0.5,
             "target_std": 2.0}
     data = ProcessedDataset(uri="", version="", labels=["p", "q", "r"], label_column="y", files={}, counts={},
@@ -246,7 +247,7 @@ def test_a_task_whose_states_change_shape_is_told_so():
             return {"s": torch.zeros(int(batch["n"]))}
 
     with pytest.raises(UserError, match=r"Shifty.metric_states: every batch must return the same keys and shapes"):
-        validate(Shifty(load_config(None)), torch.nn.Linear(1, 1), [{"n": torch.tensor(1)}, {"n": torch.tensor(2)}],
+        validate(Shifty(load_config(None, ["data.source=raw"])), torch.nn.Linear(1, 1), [{"n": torch.tensor(1)}, {"n": torch.tensor(2)}],
                  torch.device("cpu"), None)
 
 
