@@ -247,8 +247,8 @@ def test_a_task_whose_states_change_shape_is_told_so():
             return {"s": torch.zeros(int(batch["n"]))}
 
     with pytest.raises(UserError, match=r"Shifty.metric_states: every batch must return the same keys and shapes"):
-        validate(Shifty(load_config(None, ["data.source=raw"])), torch.nn.Linear(1, 1), [{"n": torch.tensor(1)}, {"n": torch.tensor(2)}],
-                 torch.device("cpu"), None)
+        validate(Shifty(load_config(None, ["data.source=raw"])), torch.nn.Linear(1, 1),
+                 [{"n": torch.tensor(1)}, {"n": torch.tensor(2)}], torch.device("cpu"), None)
 
 
 # --- the classification example through the pipeline ----------------------------------------------
