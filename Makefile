@@ -35,7 +35,7 @@ TEST_WORKERS ?= 0
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test: install
-	$(BIN)/ruff check workflows tests reliability
+	$(BIN)/ruff check workflows tests reliability examples
 	$(BIN)/mypy
 	$(PYTEST)
 

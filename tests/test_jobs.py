@@ -72,17 +72,17 @@ def test_a_command_in_a_job_joins_the_jobs_cluster(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_a_users_task_in_the_jobs_working_directory(cluster, tmp_path):
-    """A user's plug-in task (tests/plugins/tabular_task.py), uploaded as the job's working directory
-    beside its config: `model.task=tabular_task:TabularRegression` imports in the job's driver and in
-    the Ray Data workers that preprocess, on either node (their functions are the module's, pickled by
-    reference), from the working directory alone: nothing else ships it."""
+    """A user's plug-in task (examples/tasks/tabular_regression.py), uploaded as the job's working
+    directory beside its config: `model.task=tabular_regression:TabularRegression` imports in the job's
+    driver from the working directory alone, and its preprocessing runs on Ray Data: nothing else
+    ships it."""
     import shutil
 
     from tests.test_plugin_task import PLUGINS, TASK, regression_config, write_config, write_regression_shards
 
     work = tmp_path / "project"
     work.mkdir()
-    shutil.copy(PLUGINS / "tabular_task.py", work)
+    shutil.copy(PLUGINS / "tabular_regression.py", work)
     write_regression_shards(tmp_path / "raw")
     write_config(work / "tabular.yaml", regression_config(tmp_path))
     logs = submit_job(cluster, "python", "-m", "workflows", "preprocess", "--config", "tabular.yaml", "--verbose",

@@ -1,7 +1,9 @@
-"""A user's own task, outside the package (tests/plugins/tabular_task.py: tabular regression with an
-MLP), run by the real CLI through every stage: preprocess on Ray Data, train on Ray Train, evaluate,
-register, serve. Nothing in the package knows it: `model.task=tabular_task:TabularRegression`.
-(`ray job submit` of the same task, imported from the job's working directory: tests/test_jobs.py.)"""
+"""A user's own task, outside the package (examples/tasks/tabular_regression.py: tabular regression
+with an MLP, written on workflows.api), run by the real CLI through every stage: preprocess on Ray
+Data, train on Ray Train, evaluate, register, serve. Nothing in the package knows it:
+`model.task=tabular_regression:TabularRegression`. (`ray job submit` of the same task, imported from
+the job's working directory: tests/test_jobs.py; the classification example and the checks of the
+public API: tests/test_task_api.py.)"""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.registry import EVAL_FILE
 
-PLUGINS = Path(__file__).resolve().parent / "plugins"
-TASK = "tabular_task:TabularRegression"
+PLUGINS = Path(__file__).resolve().parent.parent / "examples" / "tasks"  # the examples users copy
+TASK = "tabular_regression:TabularRegression"
 FEATURES = ["x1", "x2", "x3"]
 
 
@@ -95,10 +97,10 @@ def test_a_task_that_does_not_import_is_a_clear_user_error(plugin_path):
 
     with pytest.raises(UserError, match=r"model.task 'no_such_module:Task': cannot import module 'no_such_module'"):
         task_class("no_such_module:Task")
-    with pytest.raises(UserError, match=r"tabular_task.Nope is not a workflows.tasks.base.Task subclass"):
-        task_class("tabular_task:Nope")
+    with pytest.raises(UserError, match=r"tabular_regression.Nope is not a workflows.tasks.base.Task subclass"):
+        task_class("tabular_regression:Nope")
     with pytest.raises(UserError, match=r"is not a workflows.tasks.base.Task subclass"):
-        task_class("tabular_task:Options")  # a class, not a task
+        task_class("tabular_regression:Options")  # a class, not a task
 
 
 def test_a_plugin_that_does_not_import_stops_the_cli_before_anything_is_created(tmp_path):
@@ -163,12 +165,13 @@ def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join, mlf
     assert info["mean"][1] == pytest.approx(10, abs=1) and info["std"][1] == pytest.approx(5, rel=0.2)
 
     # training: every epoch shows the task's own metric; the registered card names the task
-    assert "shipping the plug-in task's module" in out and "tabular_task.py" in out, out[-3000:]
+    assert "shipping the plug-in task's module" in out and "tabular_regression.py" in out, out[-3000:]
     assert "val_r2" in out and "val_mse" in out, out[-3000:]
     train = summary["train"]["best_metrics"]
     assert train["val_r2"] > 0.9, train
     card = json.loads(Path(summary["model"]["uri"], "workflows.json").read_text())
-    assert card["task"] == TASK and card["label_column"] == "y" and card["features"] == FEATURES
+    assert card["task"] == TASK and card["label_column"] == "y" and card["info"]["features"] == FEATURES
+    assert card["options"] == {"features": FEATURES, "target": "y", "hidden": 32, "layers": 2}
     assert card["val_metrics"]["val_r2"] == pytest.approx(train["val_r2"]) and "majority_label" not in card
     assert (Path(summary["model"]["uri"]) / "model.safetensors").is_file()
     evaluation = json.loads(Path(summary["model"]["uri"], EVAL_FILE).read_text())  # written back beside it
@@ -199,7 +202,7 @@ def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join, mlf
 
     # evaluation on the held-out split: R2 far above the train-mean baseline
     head = summary["evaluate"]["headline"]
-    assert head["name"] == "R2" and head["value"] > 0.9, head
+    assert head["name"] == "r2" and head["value"] > 0.9, head
     assert summary["evaluate"]["baseline"]["r2"] < 0.1 and summary["evaluate"]["rows"] == manifest["counts"]["test"]
 
     # serving: the demo requests got {"value": float} answers close to the rows' targets

@@ -43,6 +43,11 @@ FORMAT_VERSION = 2  # bump when the processed layout, encoding or row order chan
 
 @dataclass
 class ProcessedDataset:
+    """A processed dataset: parquet files per split (`files`) under `uri`, described by its
+    manifest.json (written last by `write_manifest`: it marks the dataset complete). `labels` is a
+    classifier's vocabulary, `label_column` what evaluation scores predictions against, `info` what
+    else the task stored (statistics, sizes); the default export copies labels and info into the card."""
+
     uri: str
     version: str
     labels: list[str]  # a classifier's label vocabulary (index = label id); empty for other tasks

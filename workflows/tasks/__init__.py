@@ -6,12 +6,14 @@ own by import path, `my_pkg.tasks:MyTask`, with its settings in `model.options` 
 `ray job submit --working-dir` job does, on every node; a command that starts its own local cluster
 passes its PYTHONPATH and working directory to the workers; one that joins a running cluster ships
 the module's file or top-level package to them (`plugin_source`, workflows.runtime.init_ray).
-tests/plugins/tabular_task.py is a complete example kept outside the package.
+A plug-in imports workflows.api only; examples/tasks/ holds complete ones kept outside the package.
+Loading a config imports its plug-in and checks the class (`check_task_class`), before Ray starts.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -35,10 +37,35 @@ IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def check_task_name(value: str) -> str:
-    """A built-in task's name, or `module.path:ClassName` (imported when the task is used)."""
-    if value in BUILTIN or IMPORT_PATH.match(value):
+    """`model.task` at config load: a built-in task's name, or `module.path:ClassName`, a plug-in
+    that is imported here and whose class must define what the stages call (`task_class`), so a
+    mistake stops the command before Ray starts."""
+    if value in BUILTIN:
+        return value
+    if IMPORT_PATH.match(value):
+        task_class(value)
         return value
     raise ValueError(f"unknown task {value!r}: use one of {', '.join(BUILTIN)}, or a plug-in as module.path:ClassName")
+
+
+def _parameters(fn) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values()]
+
+
+def check_task_class(cls: type[Task], name: str) -> None:
+    """A UserError naming the class and the method when `cls` lacks a method it must define
+    (Task.required_methods) or defines one whose parameters are not the base's (by name, in order)."""
+    from workflows.tasks.base import Task
+
+    where = f"model.task {name!r}: {cls.__module__}.{cls.__qualname__}"
+    for method in cls.required_methods():
+        fn, base = getattr(cls, method), getattr(Task, method)
+        if fn is base or getattr(fn, "__isabstractmethod__", False):
+            raise UserError(f"{where} does not define {method}({', '.join(_parameters(base))}), which a task must "
+                            "(see workflows.api.Task)")
+        if _parameters(fn) != _parameters(base):
+            raise UserError(f"{where}.{method} takes ({', '.join(_parameters(fn))}); a task's {method} takes "
+                            f"({', '.join(_parameters(base))})")
 
 
 def task_class(name: str) -> type[Task]:
@@ -60,6 +87,7 @@ def task_class(name: str) -> type[Task]:
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise UserError(f"model.task {name!r}: {module_name}.{attr} is not a workflows.tasks.base.Task subclass")
+    check_task_class(cls, name)
     return cls
 
 
@@ -85,7 +113,10 @@ def plugin_source(name: str) -> str | None:
     locations = list(spec.submodule_search_locations or [])
     if len(locations) > 1 or (not locations and not (spec.origin or "").endswith(".py")):
         return None  # a namespace package spread over directories, or an extension module
-    path = os.path.abspath(locations[0] if locations else spec.origin)
+    origin = locations[0] if locations else spec.origin
+    if origin is None:
+        return None
+    path = os.path.abspath(origin)
     installed = {os.path.abspath(sysconfig.get_path(k)) for k in ("purelib", "platlib")}
     return None if any(path.startswith(d + os.sep) for d in installed) else path
 

@@ -69,9 +69,15 @@ class CausalLM(Task):
         config = causal_lm_config(lm, vocab, self.cfg.model.dropout, attn="sdpa" if use_gpu else "eager")
         return spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", causal_lm=True), lm.seq_len
 
-    def validate(self, model, batches, device, data) -> dict:
-        val = evaluate_lm(model, batches, device)
-        return {"val_loss": val["loss"], "val_perplexity": val["perplexity"]}
+    def metric_states(self, model, batch) -> dict:
+        n = batch["input_ids"].shape[0]
+        return {"loss": model(**batch).loss.item() * n, "blocks": n}
+
+    def compute_metrics(self, states, data) -> dict:
+        """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means)
+        and its perplexity."""
+        loss = states["loss"] / max(states["blocks"], 1)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
 
     def epoch_extras(self, model, stats, device) -> dict:
         """MFU of the epoch on GPU (none elsewhere: no meaningful peak)."""
@@ -84,21 +90,3 @@ class CausalLM(Task):
         return {"mfu": mfu(stats["tokens_per_s"], params, layers, hidden, self.cfg.model.lm.seq_len, world()[1],
                            device)}
 
-
-def evaluate_lm(model, batches, device) -> dict:
-    """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means) and
-    its perplexity."""
-    import torch
-
-    from workflows.train.loop import in_step
-    from workflows.train.parallel import all_reduce_sum
-
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64)  # loss*blocks, blocks
-    with torch.no_grad():
-        for batch in in_step(batches, device):
-            n = batch["input_ids"].shape[0]
-            sums += torch.tensor([model(**batch).loss.item() * n, n], dtype=torch.float64)
-    loss_sum, blocks = all_reduce_sum(sums).tolist()
-    loss = loss_sum / max(blocks, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "rows": int(blocks)}

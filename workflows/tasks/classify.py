@@ -1,6 +1,7 @@
-"""What every classification task shares: validation F1/accuracy over all ranks, the held-out report
-(weighted and per-class P/R/F1 against a majority-class baseline, confusion matrix) and the
-prediction a served classifier answers (label, score, every label's probability)."""
+"""What every classification task shares: validation F1/accuracy (a confusion matrix per batch,
+summed over the ranks by the platform), the held-out report (weighted and per-class P/R/F1 against a
+majority-class baseline, confusion matrix) and the prediction a served classifier answers (label,
+score, every label's probability)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,45 @@ from workflows.tasks.base import Task
 
 
 class Classification(Task):
-    """A task whose model maps an input to one of `data.labels` (logits -> softmax)."""
+    """Base of a task whose model maps an input to one of `data.labels`.
+
+    The model's forward returns `.logits` (rows x labels) and, given `labels` (label ids, the
+    index in `data.labels`), `.loss`. This class then provides the validation metrics (`val_f1`,
+    weighted as scikit-learn weights it, the checkpoint ranking; `val_accuracy`; `val_loss`), the
+    held-out report (`evaluate_rows`: per-class precision, recall and F1 against the majority label)
+    and serving's answers, {"label", "score", "probabilities"} (softmax of the logits). A subclass
+    writes `preprocess`, `collate`, `build_model` and, with the default predictor, `inputs`."""
 
     score = ("val_f1", "max")
+    prediction_key = "label"
 
-    def validate(self, model, batches, device, data) -> dict:
-        from workflows.train.loop import evaluate
+    def metric_states(self, model, batch) -> dict:
+        import torch
 
-        val = evaluate(model, batches, len(data.labels), device)
-        return {"val_f1": val["f1"], "val_accuracy": val["accuracy"], "val_loss": val["loss"]}
+        out = model(**batch)
+        n = out.logits.shape[-1]
+        pred, gold = out.logits.argmax(-1).cpu(), batch["labels"].cpu()
+        return {"loss": out.loss.item() * gold.shape[0],
+                "confusion": torch.bincount(gold * n + pred, minlength=n * n).reshape(n, n)}
+
+    def compute_metrics(self, states, data) -> dict:
+        from workflows.train.loop import scores_from_confusion
+
+        confusion = np.asarray(states["confusion"], dtype=np.float64)
+        val = scores_from_confusion(confusion)
+        return {"val_f1": val["f1"], "val_accuracy": val["accuracy"],
+                "val_loss": float(states["loss"] / max(confusion.sum(), 1))}
+
+    def predict_batch(self, model, batch, data) -> list[dict]:
+        import torch
+
+        probs = torch.softmax(model(**batch).logits.float(), dim=-1).numpy()
+        return [prediction(data.labels, p) for p in probs]
+
+    def prediction_model(self, card):
+        from workflows.serve.contract import classification_prediction
+
+        return classification_prediction(card.labels)
 
     def evaluate_rows(self, y_true: list, y_pred: list, card) -> dict:
         import pandas as pd
@@ -43,13 +74,15 @@ class Classification(Task):
 
 
 def prediction(labels: list[str], p: np.ndarray) -> dict:
-    """One served prediction from a row of probabilities."""
+    """One served prediction of a classifier from a row of probabilities: {"label": the most probable
+    label, "score": its probability, "probabilities": {label: probability}}."""
     i = int(p.argmax())
     return {"label": labels[i], "score": float(p[i]), "probabilities": {lab: float(x) for lab, x in zip(labels, p)}}
 
 
 def add_predictions(batch, labels: list[str], probs: np.ndarray):
-    """Batch inference and evaluation: the `prediction` and `score` columns of a pandas batch."""
+    """Batch inference and evaluation: the `prediction` (label) and `score` (its probability) columns
+    of a pandas batch, from the rows' probabilities."""
     idx = probs.argmax(1)
     batch["prediction"] = [labels[i] for i in idx]
     batch["score"] = probs[np.arange(len(idx)), idx]

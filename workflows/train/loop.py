@@ -148,6 +148,7 @@ def train_epoch(
     on_step: Callable[[int], None] | None = None,
     accum_steps: int = 1,
     after_step: Callable[[int], None] | None = None,
+    loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
 ) -> dict:
     """One pass over `batches`; the metrics, including every optimizer step's loss averaged over all ranks.
 
@@ -157,7 +158,8 @@ def train_epoch(
     `epoch_seconds` is the time of the steps alone (no startup, no evaluation), of which
     `data_wait_seconds` waiting for batches; `samples_per_s_after_first_step` the steady rate, as
     the loader benchmarks count theirs after the first batch: the samples of the steps after the
-    first over the time after it (the first waits for a cold loader's start).
+    first over the time after it (the first waits for a cold loader's start). `loss_fn(model, batch)`:
+    the task's `loss` hook (default: `model(**batch).loss`).
     """
     model.train()
     batches = TimedIterator(batches)
@@ -173,9 +175,9 @@ def train_epoch(
         step_loss = 0.0
         for i, (batch, n) in enumerate(zip(group, counts)):
             with gradient_sync(model, i == len(group) - 1):
-                out = model(**batch)
-                (out.loss * (n / group_n)).backward()
-            loss = out.loss.item()
+                batch_loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
+                (batch_loss * (n / group_n)).backward()
+            loss = batch_loss.item()
             step_loss += loss * n
             tokens = batch["attention_mask"].sum().item() if "attention_mask" in batch else 0  # images: none
             n_after = batch["labels"].shape[0] if first_step_seconds is not None else 0
@@ -214,20 +216,40 @@ def train_epoch(
 
 
 @torch.no_grad()
-def evaluate(model, batches, num_labels: int, device: torch.device) -> dict:
-    """Loss and confusion matrix over all ranks, then accuracy and weighted F1."""
+def validate(task, model, batches, device: torch.device, data) -> dict:
+    """The task's val_* metrics over all ranks, as torchmetrics reduces states with dist_reduce_fx="sum":
+    each batch's `task.metric_states` are summed here in float64, the sums of all ranks added up by
+    one all-reduce of them stacked, and `task.compute_metrics` called once on the totals. Tasks hold
+    no collective: every rank validates the same number of batches (in_step) and so reduces the same
+    states."""
+    from workflows.errors import UserError
+    from workflows.tasks.base import MetricStates
+
     model.eval()
-    confusion = torch.zeros(num_labels, num_labels, dtype=torch.float64)
-    loss_sum = torch.zeros(1, dtype=torch.float64)
+    totals: dict[str, torch.Tensor] | None = None
     for batch in in_step(batches, device):
-        out = model(**batch)
-        pred = out.logits.argmax(-1).cpu()
-        gold = batch["labels"].cpu()
-        loss_sum += out.loss.item() * gold.shape[0]
-        confusion += torch.bincount(gold * num_labels + pred, minlength=num_labels**2).reshape(num_labels, num_labels)
-    confusion = all_reduce_sum(confusion)
-    loss_sum = all_reduce_sum(loss_sum)
-    return {**scores_from_confusion(confusion.numpy()), "loss": float(loss_sum.item() / max(confusion.sum().item(), 1))}
+        states = {k: (v.detach().to("cpu", torch.float64) if isinstance(v, torch.Tensor)
+                      else torch.as_tensor(v, dtype=torch.float64))
+                  for k, v in task.metric_states(model, batch).items()}
+        if totals is None:
+            totals = states
+            continue
+        if states.keys() != totals.keys() or any(states[k].shape != totals[k].shape for k in totals):
+            raise UserError(f"{type(task).__name__}.metric_states: every batch must return the same keys and "
+                            f"shapes (got {sorted(states)} after {sorted(totals)})")
+        for k, v in states.items():
+            totals[k] += v
+    if totals is None:  # no rank had a validation batch
+        return task.compute_metrics(MetricStates(), data)
+    keys = sorted(totals)
+    flat = all_reduce_sum(torch.cat([totals[k].reshape(-1) for k in keys]))
+    out, i = MetricStates(), 0
+    for k in keys:
+        n = totals[k].numel()
+        value = flat[i:i + n].reshape(totals[k].shape).numpy()
+        out[k] = float(value) if value.ndim == 0 else value
+        i += n
+    return task.compute_metrics(out, data)
 
 
 def scores_from_confusion(confusion: np.ndarray) -> dict:
@@ -388,14 +410,15 @@ def run_epochs(
         hook = (lambda step, e=epoch: on_step(e, step)) if on_step is not None else None
         done = (lambda step, e=epoch: after_step(e, step)) if after_step is not None else None
         stats = train_epoch(
-            model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook, tc.grad_accum_steps, done
+            model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook, tc.grad_accum_steps, done,
+            loss_fn=task.loss,
         )
         step_losses = stats.pop("step_losses")
         # the ranks' buffers (BatchNorm statistics) made one before validating: the checkpoint saved
         # after it, and so the exported model, holds what was validated
         sync_buffers(model)
         t_val = time.perf_counter()
-        val = task.validate(model, val_batches(), device, data)
+        val = validate(task, model, val_batches(), device, data)
         metrics = {
             **stats,
             "epoch": epoch,

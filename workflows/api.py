@@ -1,0 +1,54 @@
+"""The public API of a task plug-in: the only `workflows` module a plug-in imports.
+
+A task is a class named in the config, `model.task: my_module:MyTask`, with its own settings in
+`model.options` (validated by its `Options` pydantic model). Loading the config imports it and checks
+that it defines the methods it must, with the base's parameters, before Ray starts.
+
+What a task writes (`Task`; `Classification` writes the metric and serving parts of a classifier):
+
+- `preprocess(ctx, say)`: the raw shards -> a `ProcessedDataset` (`preprocess_table` for numeric
+  columns and a label or target; `list_shards`, `read_dataset`, `split_of`, `write_splits`,
+  `write_manifest` and `materialized` to write one yourself);
+- `collate(data, *, train, seed)`: a function, numpy columns -> the model's keyword tensors, with
+  `labels` when the label column is there (serving collates instances without it);
+- `build_model(data)`: a torch module whose forward returns `.loss` given `labels` (e.g. a
+  `ModelOutput`); or override `loss(model, batch)`, whose default is `model(**batch).loss`;
+- `metric_states(model, batch)`: one validation batch's sums and counts (tensors or numbers). The
+  platform sums them over the batches and across the ranks (one all-reduce, as torchmetrics'
+  dist_reduce_fx="sum") and calls `compute_metrics(states, data)` once for the val_* metrics; a task
+  never calls a collective itself. `score` names the metric that ranks checkpoints;
+- a task that registers its model: `evaluate_rows(y_true, y_pred, card)` (the held-out report),
+  `inputs()` (the served instance's columns and JSON types) and `predict_batch(model, batch, data)`
+  (a collated batch -> one prediction dict per instance).
+
+The platform's defaults do the rest: `export` writes the state dict as safetensors with a model card
+(labels, label column, the dataset's `info`, the options), `ModelPredictor` loads it into
+`build_model` and answers with `predict_batch`, the HTTP contract is built from `inputs`, and the
+pipeline's demo requests are the val split's first rows. examples/tasks/ holds complete plug-ins.
+"""
+
+from workflows.errors import UserError
+from workflows.model_card import ModelCard
+from workflows.preprocess.materialize import ProcessedDataset, materialized, split_of, write_manifest, write_splits
+from workflows.preprocess.sources import list_shards, read_dataset
+from workflows.preprocess.table import preprocess_table
+from workflows.serve.contract import JsonInstances, classification_prediction
+from workflows.storage.shards import read_parquet
+from workflows.tasks.base import (
+    HttpContract,
+    MetricStates,
+    ModelOutput,
+    ModelPredictor,
+    Predictor,
+    Task,
+    card_dataset,
+)
+from workflows.tasks.classify import Classification, add_predictions, prediction
+from workflows.train.export import write_card
+
+__all__ = [
+    "Classification", "HttpContract", "JsonInstances", "MetricStates", "ModelCard", "ModelOutput", "ModelPredictor",
+    "Predictor", "ProcessedDataset", "Task", "UserError", "add_predictions", "card_dataset",
+    "classification_prediction", "list_shards", "materialized", "prediction", "preprocess_table", "read_dataset",
+    "read_parquet", "split_of", "write_card", "write_manifest", "write_splits",
+]
