@@ -145,12 +145,12 @@ peak of PSS summed over the row's processes (RSS summed in brackets, which count
 {goal("two_workers_vs_one")}
 {goal("train_step_vs_loader")}
 | `ray_data_train_step_vs_loader` (the defaults' training row ÷ ours, warm) | {r.get("ray_data_train_step_vs_loader") or "-"} | |
-| `warm_vs_decode_limit` | {r.get("warm_vs_decode_limit")} | |
-| `cold_indexed_vs_best_peer` (a set with its saved index, whole passes) | {r.get("cold_indexed_vs_best_peer", "-")} | |
+| `warm_vs_decode_limit` | {r.get("warm_vs_decode_limit") or "-"} | |
+| `cold_indexed_vs_best_peer` (a set with its saved index, whole passes) | {r.get("cold_indexed_vs_best_peer") or "-"} | |
 
 {_method(r)}{_training(rows)}
 
-Best peer: {r.get("best_peer_warm")} (warm), {r.get("best_peer_cold")} (cold); WebDataset has no local cache: its one pass
+Best peer: {r.get("best_peer_warm") or "none run"} (warm), {r.get("best_peer_cold") or "none run"} (cold); WebDataset has no local cache: its one pass
 counts as cold only. Peers' warm rows read their own caches{_persistent(r)}. `largest_set_bytes`: {_largest(r["set"]["bytes"]) / 1e9:.1f} GB
 (the scale run below: what one of its epochs streamed).
 
