@@ -299,30 +299,31 @@ class StreamLoader:
             self._release(shard)
 
     # -- iteration ------------------------------------------------------------------------------
-    def _plan(self) -> tuple[list[np.ndarray], list[int], dict[int, int]]:
-        """(sample ids per batch, shards in first-use order, last batch using each shard)."""
+    def _plan(self) -> tuple[list[np.ndarray], list[np.ndarray], list[list[int]], list[list[int]]]:
+        """(sample ids per batch, each sample's shard, the shards to start fetching before each batch,
+        the shards whose last batch each batch is)."""
         batches = [self._order[lo:hi] for lo, hi in self._ranges if hi > lo]
+        shard_of = [np.searchsorted(self._offsets, ids, side="right") - 1 for ids in batches]
         first: list[int] = []
         last: dict[int, int] = {}
-        for k, ids in enumerate(batches):
-            for s in np.unique(np.searchsorted(self._offsets, ids, side="right") - 1):
+        for k, shards in enumerate(shard_of):
+            for s in np.unique(shards):
                 s = int(s)
                 if s not in last:
                     first.append(s)
                 last[s] = k
-        return batches, first, last
+        releases: list[list[int]] = [[] for _ in batches]
+        for s, k in last.items():
+            releases[k].append(s)
+        return batches, shard_of, fetch_schedule(shard_of, first, self.prefetch_shards), releases
 
-    def _items(self, batches: list[np.ndarray], first: list[int]) -> Iterator[list[tuple]]:
+    def _items(self, batches: list[np.ndarray], shard_of: list[np.ndarray],
+               fetches: list[list[int]]) -> Iterator[list[tuple]]:
         """The batch sampler: each batch's items, fetching its shards (and the next ones) first."""
-        rank_of = {s: i for i, s in enumerate(first)}
         epoch = self.epoch
-        wanted = 0  # first[:wanted] are fetched or fetching (or done with and released)
-        for ids in batches:
-            shards = np.searchsorted(self._offsets, ids, side="right") - 1
-            ahead = min(len(first), max(rank_of[int(s)] for s in shards) + self.prefetch_shards + 1)
-            for s in first[wanted:ahead]:
+        for ids, shards, fetch in zip(batches, shard_of, fetches):
+            for s in fetch:
                 self._want(s)
-            wanted = max(wanted, ahead)
             items: list[tuple] = []
             for sid, s in zip(ids.tolist(), shards.tolist()):
                 local = self._get(s)
@@ -351,13 +352,12 @@ class StreamLoader:
         self._sampler.source = sampler
         return self._loader
 
-    def _check_cap(self, batches: list[np.ndarray], first: list[int], last: dict[int, int]) -> None:
+    def _check_cap(self, fetches: list[list[int]], releases: list[list[int]]) -> None:
         """The cache cannot evict a pinned shard, so a cap below what this epoch pins at once bounds
         nothing: the disk then holds the pinned shards. Say so once, with the figures to fix it."""
         inflight = self._num_workers * self._prefetch_factor
         sizes = [s.bytes or 0 for s in self.index.shards]  # 0: an index without sizes (then no warning)
-        self.peak_pinned_bytes, self.peak_pinned_shards = peak_pinned(batches, self._offsets, first, last, inflight,
-                                                     self.prefetch_shards, sizes)
+        self.peak_pinned_bytes, self.peak_pinned_shards = peak_pinned(fetches, releases, inflight, sizes)
         cap = getattr(self.cache, "max_bytes", None)
         if cap and self.peak_pinned_bytes > cap and not self._cap_warned:
             self._cap_warned = True
@@ -369,16 +369,13 @@ class StreamLoader:
                         self.peak_pinned_bytes / 1e6)
 
     def __iter__(self) -> Iterator[dict]:
-        batches, first, last = self._plan()
-        self._check_cap(batches, first, last)
-        release_after: dict[int, list[int]] = {}
-        for s, k in last.items():
-            release_after.setdefault(k, []).append(s)
-        loader = self._dataloader(_Once(self._items(batches, first)))
+        batches, shard_of, fetches, releases = self._plan()
+        self._check_cap(fetches, releases)
+        loader = self._dataloader(_Once(self._items(batches, shard_of, fetches)))
         self._delivered = 0
         try:
             for k, batch in enumerate(loader):
-                for s in release_after.get(k, ()):  # its last batch is decoded: unpin the shard
+                for s in releases[k]:  # its last batch is decoded: unpin the shard
                     self._release(s)
                 self._delivered = k + 1
                 yield batch
@@ -398,27 +395,32 @@ class StreamLoader:
             self.close()
 
 
-def peak_pinned(batches: list[np.ndarray], offsets: np.ndarray, first: list[int], last: dict[int, int],
-                inflight: int, prefetch_shards: int, sizes: list[int]) -> tuple[int, int]:
+def fetch_schedule(shard_of: list[np.ndarray], first: list[int], prefetch_shards: int) -> list[list[int]]:
+    """The shards to start fetching before each batch: those it reads, and `prefetch_shards` more in
+    first-use order (`first`), each shard once."""
+    rank_of = {s: i for i, s in enumerate(first)}
+    out, wanted = [], 0  # first[:wanted] are fetched or fetching (or done with and released)
+    for shards in shard_of:
+        ahead = min(len(first), max(rank_of[int(s)] for s in shards) + prefetch_shards + 1)
+        out.append(first[wanted:ahead])
+        wanted = max(wanted, ahead)
+    return out
+
+
+def peak_pinned(fetches: list[list[int]], releases: list[list[int]], inflight: int,
+                sizes: list[int]) -> tuple[int, int]:
     """(bytes, shards) pinned at most at once over one epoch, as StreamLoader pins and releases
     shards: when the DataLoader asks for batch j, batches up to j - inflight - 1 are back in the main
-    process (their shards released), and shards are fetched `prefetch_shards` ahead in first-use order."""
-    rank_of = {s: i for i, s in enumerate(first)}
-    by_last: dict[int, list[int]] = {}
-    for s, k in last.items():
-        by_last.setdefault(k, []).append(s)
+    process (their shards released), and batch j's fetches (`fetch_schedule`) are pinned."""
     pinned: set[int] = set()
-    held = wanted = peak_bytes = peak_shards = 0
-    for j, ids in enumerate(batches):
-        for s in by_last.get(j - inflight - 1, ()):
+    held = peak_bytes = peak_shards = 0
+    for j, fetch in enumerate(fetches):
+        for s in releases[j - inflight - 1] if j - inflight - 1 >= 0 else ():
             pinned.discard(s)
             held -= sizes[s]
-        shards = np.searchsorted(offsets, ids, side="right") - 1
-        ahead = min(len(first), max(rank_of[int(s)] for s in shards) + prefetch_shards + 1)
-        for s in first[wanted:ahead]:
+        for s in fetch:
             pinned.add(s)
             held += sizes[s]
-        wanted = max(wanted, ahead)
         peak_bytes, peak_shards = max(peak_bytes, held), max(peak_shards, len(pinned))
     return peak_bytes, peak_shards
 
