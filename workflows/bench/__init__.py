@@ -10,6 +10,7 @@ import shlex
 import time
 from pathlib import Path
 
+from workflows.bench.results import DOC, RESULTS_DIR, write_doc_section
 from workflows.errors import UserError
 from workflows.storage.atomic import atomic_write
 
@@ -18,8 +19,6 @@ BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "madewithml": "workflo
               "serve-levers": "workflows.bench.serve_levers", "train": "workflows.bench.train",
               "tune": "workflows.bench.tune", "lm": "workflows.bench.lm", "digits": "workflows.bench.digits",
               "shuffle": "workflows.bench.shuffle", "images": "workflows.bench.images"}
-RESULTS_DIR = Path("benchmarks/results")
-DOC = Path("docs/BENCHMARKS.md")
 
 
 def run_benchmark(name: str, config: str | None, overrides: list[str], argv: list[str], tag: str | None = None,
@@ -70,7 +69,7 @@ def render(name: str, results_dir: str | Path = RESULTS_DIR, doc: str | Path = D
         raise UserError(f"unknown benchmark {name!r}; available: all, gpu, {', '.join(sorted(BENCHMARKS))}")
     paths = []
     if name in ("all", "gpu"):  # run on a GPU machine by benchmarks/gpu/run.sh; "not lent yet" without results
-        from workflows.bench import gpu_doc
+        from workflows.bench import gpu_doc  # a member: gpu_doc imports bench.results, not this registry
 
         paths += gpu_doc.render(results_dir, Path(doc))
         if name == "gpu":
@@ -97,19 +96,3 @@ def machine() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def write_doc_section(name: str, body: str, doc: Path = DOC) -> None:
-    """Replace the section between `<!-- bench:NAME -->` markers of `doc`, or append it."""
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    text = (
-        doc.read_text()
-        if doc.exists()
-        else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME` (`--render`: from the stored"
-        " results); none is typed by hand.\n"
-    )
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    section = f"{start}\n{body.strip()}\n{end}"
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
-    atomic_write(doc, text)
