@@ -36,14 +36,14 @@ ROWS: list[RowSpec] = [
     ),
     RowSpec(
         "object_store_faults",
-        "reliability.object_store",
+        "reliability.object_store_faults",
         True,
         "503 SlowDown, slow responses and connection resets from a proxy in front of the S3 endpoint; "
         "the full run preprocesses and trains through it",
     ),
     RowSpec(
         "object_store_outage",
-        "reliability.object_store",
+        "reliability.object_store_outage",
         True,
         "the endpoint goes away: clear errors in bounded time, nothing half-written",
     ),
