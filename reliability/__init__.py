@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the rows run its configs and commands
 
 
 @dataclass(frozen=True)
@@ -148,4 +151,4 @@ def passed(row: dict) -> bool | None:
     return row["lost"] == 0 and row["failed"] <= (row.get("allowed_failures") or 0)
 
 
-__all__ = ["ROWS", "BY_NAME", "RowSpec", "make_row", "passed", "row_function"]
+__all__ = ["ROOT", "ROWS", "BY_NAME", "RowSpec", "make_row", "passed", "row_function"]

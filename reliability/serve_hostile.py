@@ -42,7 +42,7 @@ def serve_hostile_inputs(workdir: Path, seed: int = 0) -> dict:
     import ray
     from ray import serve
 
-    from reliability.secrets import ROOT
+    from reliability import ROOT
     from tests.helpers import tiny_overrides
     from workflows.config import load_config
     from workflows.runtime import runtime

@@ -64,7 +64,7 @@ def serve_hostile_images(workdir: Path, seed: int = 0) -> dict:
     import ray
     from ray import serve
 
-    from reliability.secrets import ROOT
+    from reliability import ROOT
     from tests.helpers import free_port
     from workflows.config import load_config
     from workflows.pipeline import stage_preprocess, stage_train

@@ -59,7 +59,7 @@ def serve_openapi_fuzz(workdir: Path, seed: int = 0) -> dict:
     import ray
     from ray import serve
 
-    from reliability.secrets import ROOT
+    from reliability import ROOT
     from tests.helpers import tiny_overrides
     from workflows.config import load_config
     from workflows.runtime import runtime
