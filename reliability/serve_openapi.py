@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from reliability import make_row
-from reliability.serve_hostile import AUTH, TOKEN, TOKEN_ENV, _register_untrained, _wait_healthy
+from reliability.serve_common import AUTH, TOKEN, TOKEN_ENV, _register_untrained, _wait_healthy
 
 CHECKS = "all"
 # seconds of each run (--max-time), per app: with the token, where every check can fail, and without it
