@@ -1,5 +1,5 @@
 """docs/BENCHMARKS.md's GPU section, rendered from benchmarks/results/gpu-*.json (what
-`python -m workflows.bench.gpu` wrote under $OUT on a GPU machine, copied here), or, while there are
+`python -m benchmarks.gpu.measure` wrote under $OUT on a GPU machine, copied here), or, while there are
 none, the statement that no GPU has been lent yet and how to run the measurement."""
 
 from __future__ import annotations
