@@ -35,7 +35,7 @@ TEST_WORKERS ?= 0
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test: install
-	$(BIN)/ruff check workflows tests reliability examples
+	$(BIN)/ruff check workflows tests reliability examples benchmarks
 	$(BIN)/mypy
 	$(PYTEST)
 
@@ -78,7 +78,7 @@ GPU_WHEELS = pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typin
 bench-gpu-prepare:
 	rm -rf .whl && $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
-	$(BIN)/python -m workflows.bench.gpu_classify prepare --out .gpu-prep
+	$(BIN)/python -m benchmarks.gpu.classify prepare --out .gpu-prep
 
 # fault injection (reliability/, beside the package and not installed: run from the repo root):
 # writes benchmarks/results/reliability.json and docs/RELIABILITY.md

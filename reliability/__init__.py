@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the rows run its configs and commands
 
 
 @dataclass(frozen=True)
@@ -36,14 +39,14 @@ ROWS: list[RowSpec] = [
     ),
     RowSpec(
         "object_store_faults",
-        "reliability.object_store",
+        "reliability.object_store_faults",
         True,
         "503 SlowDown, slow responses and connection resets from a proxy in front of the S3 endpoint; "
         "the full run preprocesses and trains through it",
     ),
     RowSpec(
         "object_store_outage",
-        "reliability.object_store",
+        "reliability.object_store_outage",
         True,
         "the endpoint goes away: clear errors in bounded time, nothing half-written",
     ),
@@ -148,4 +151,4 @@ def passed(row: dict) -> bool | None:
     return row["lost"] == 0 and row["failed"] <= (row.get("allowed_failures") or 0)
 
 
-__all__ = ["ROWS", "BY_NAME", "RowSpec", "make_row", "passed", "row_function"]
+__all__ = ["ROOT", "ROWS", "BY_NAME", "RowSpec", "make_row", "passed", "row_function"]

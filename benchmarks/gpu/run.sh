@@ -3,7 +3,7 @@
 #   OUT=DIR bash benchmarks/gpu/run.sh            # a CUDA machine: GPT-2 124M MFU, ResNet-50 images/s,
 #                                                 # classification (after make bench-gpu-prepare here)
 #   SMOKE=1 OUT=DIR bash benchmarks/gpu/run.sh    # every step at toy size on the CPU
-# Extra arguments go to `python -m workflows.bench.gpu` (--steps lm, --limit resnet=300, --shards DIR,
+# Extra arguments go to `python -m benchmarks.gpu.measure` (--steps lm, --limit resnet=300, --shards DIR,
 # --prepared DIR).
 set -u
 cd "$(dirname "$0")/../.."
@@ -20,4 +20,4 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 smoke=()
 [ "${SMOKE:-0}" = 1 ] && smoke=(--smoke)
-exec "$PY" -m workflows.bench.gpu --out "$OUT" "${smoke[@]}" "$@"
+exec "$PY" -m benchmarks.gpu.measure --out "$OUT" "${smoke[@]}" "$@"

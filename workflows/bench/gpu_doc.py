@@ -1,5 +1,5 @@
 """docs/BENCHMARKS.md's GPU section, rendered from benchmarks/results/gpu-*.json (what
-`python -m workflows.bench.gpu` wrote under $OUT on a GPU machine, copied here), or, while there are
+`python -m benchmarks.gpu.measure` wrote under $OUT on a GPU machine, copied here), or, while there are
 none, the statement that no GPU has been lent yet and how to run the measurement."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workflows.bench.results import write_doc_section
 from workflows.errors import UserError
 
 HEADING = "## GPU: GPT-2 124M MFU, ResNet-50 images/s and bf16 classification (one device, no Ray)"
@@ -116,8 +117,6 @@ def markdown(results: list[dict]) -> str:
 
 def render(results_dir: str | Path, doc: Path) -> list[Path]:
     """Write the `gpu` section of `doc`; the result files it read."""
-    from workflows.bench import write_doc_section
-
     results = load(results_dir)
     write_doc_section("gpu", markdown(results), doc)
     return [Path(results_dir) / f"gpu-{r['step']}.json" for r in results]

@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from workflows.bench.images import ROOT, _say
+from workflows.bench.images_common import ROOT, _say
 
 
 # -- running rows -------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workflows.bench.images import GOALS, ROWS, _largest
+from workflows.bench.images_common import GOALS, ROWS, _largest, streamed_bytes
 
 
 def _spool(s: dict) -> str:
@@ -199,8 +199,6 @@ def _epoch(p: dict) -> str:
 def _streamed(r: dict) -> int:
     """largest_set_bytes from the points themselves: results stored before it counted only what an
     epoch streamed said the painted size."""
-    from workflows.bench.images_scale import streamed_bytes
-
     return max((streamed_bytes(p) for p in r["points"]), default=0)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from workflows.bench.images import SCALE_GOALS, _copy_set, _drop, _make_set, _say
+from workflows.bench.images_common import SCALE_GOALS, _copy_set, _drop, _make_set, _say, streamed_bytes, whole_epoch
 from workflows.bench.images_proc import _env, _ours_cmd, _phases
 
 
@@ -63,23 +63,6 @@ def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:
               "ray": "not involved (the loader uses DataLoader worker processes, no Ray object store)", **summary}
     _plot(points, Path(opts["plot"]))
     return result
-
-
-def whole_epoch(p: dict) -> bool:
-    """The point's epoch delivered every image of its set exactly once (checked by sample id)."""
-    f = p.get("ours_cold", {})
-    return bool(f.get("samples", {}).get("exactly_once")) and f.get("images") == p["set"]["images"]
-
-
-def streamed_bytes(p: dict) -> int:
-    """What the point's epoch streamed of its set: all of it for a whole epoch, else the share of its
-    distinct images (a capped or failed epoch does not count the set it did not read)."""
-    f = p.get("ours_cold", {})
-    if whole_epoch(p):
-        return int(p["set"]["bytes"])
-    # distinct images by sample id; results from before the check: the images delivered, at most
-    distinct = f.get("samples", {}).get("distinct", min(f.get("images", 0), p["set"]["images"]))
-    return int(p["set"]["bytes"] * distinct / max(p["set"]["images"], 1))
 
 
 def summarize(points: list[dict]) -> dict:

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from workflows.bench.images import ROOT, _drop, _say
+from workflows.bench.images_common import ROOT, _drop, _say
 
 MODEL = "pooled_linear"
 EPOCHS = 2  # the first fills the cache; the second is measured

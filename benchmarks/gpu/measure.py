@@ -1,8 +1,8 @@
 """One prepared GPU measurement: every step in its own process under its own time limit, each
 result written as `OUT/gpu-STEP.json` as it completes (benchmarks/gpu/run.sh, `make bench-gpu`).
 
-    python -m workflows.bench.gpu --out DIR                 # on a CUDA machine: the real sizes
-    python -m workflows.bench.gpu --out DIR --smoke         # every step at toy size on the CPU
+    python -m benchmarks.gpu.measure --out DIR                 # on a CUDA machine: the real sizes
+    python -m benchmarks.gpu.measure --out DIR --smoke         # every step at toy size on the CPU
 
 A step that fails or runs past its limit is recorded (status "failed" / "timeout", with what it had
 measured and the end of its output) and the next step runs. No Ray, pydantic or s3fs is needed:
@@ -55,7 +55,7 @@ def run_step(step: str, out_dir: Path, smoke: bool, limit: float, env_info: dict
     """Run one step in a process group of its own; kill the group at `limit`. Returns its record."""
     path = out_dir / f"gpu-{step}.json"
     path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "workflows.bench.gpu_steps", step, "--out", str(path)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.steps", step, "--out", str(path)]
     cmd += ["--smoke"] if smoke else []
     cmd += ["--data", data] if data else []
     log = out_dir / f"gpu-{step}.log"
@@ -75,7 +75,7 @@ def run_step(step: str, out_dir: Path, smoke: bool, limit: float, env_info: dict
     record = {
         "benchmark": "gpu", "step": step, "status": status, "smoke": smoke, "limit_s": limit,
         "seconds": round(time.time() - t0, 1), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "environment": env_info, "command": " ".join(["python -m workflows.bench.gpu_steps", *cmd[3:]]),
+        "environment": env_info, "command": " ".join(["python -m benchmarks.gpu.steps", *cmd[3:]]),
         "error": None if status == "ok" else (f"ran past its {limit:g} s limit" if rc is None
                                               else f"exit {rc}: " + last_line(tail)),
         **measured,
@@ -98,7 +98,7 @@ def last_line(text: str) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m workflows.bench.gpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.measure", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default: $OUT)")
     ap.add_argument("--smoke", action="store_true", help="every step at toy size on the CPU")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")

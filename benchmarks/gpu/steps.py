@@ -1,8 +1,8 @@
-"""The steps of the GPU measurement (workflows.bench.gpu runs each in its own process, with its own
+"""The steps of the GPU measurement (benchmarks.gpu.measure runs each in its own process, with its own
 time limit). Each step calls `emit(fields)` whenever a part is measured: the result file is
 rewritten then, so a step stopped at its limit keeps what it had measured.
 
-    python -m workflows.bench.gpu_steps STEP --out FILE [--smoke] [--data DIR]
+    python -m benchmarks.gpu.steps STEP --out FILE [--smoke] [--data DIR]
 
 No Ray, no pydantic, no s3fs here: the GPU machine has none of them (benchmarks/gpu/README.md).
 """
@@ -168,8 +168,8 @@ def step_resnet(smoke: bool, emit: Emit, data: str | None) -> None:
 
 
 def step_classify(smoke: bool, emit: Emit, data: str | None) -> None:
-    """The quickstart model on the torchrun path in bf16, then the Predictor (workflows.bench.gpu_classify)."""
-    from workflows.bench.gpu_classify import step_classify as run
+    """The quickstart model on the torchrun path in bf16, then the Predictor (benchmarks.gpu.classify)."""
+    from benchmarks.gpu.classify import step_classify as run
 
     run(smoke, emit, data)
 
@@ -179,7 +179,7 @@ STEPS: dict[str, Callable[[bool, Emit, str | None], None]] = {"lm": step_lm, "re
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workflows.bench.gpu_steps")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.steps")
     ap.add_argument("step", choices=sorted(STEPS))
     ap.add_argument("--out", required=True, help="the step's JSON, rewritten as its parts complete")
     ap.add_argument("--smoke", action="store_true")

@@ -1,6 +1,6 @@
 """The GPU measurement's classification step, and the prepare step it needs (run here, on CPU).
 
-    python -m workflows.bench.gpu_classify prepare --out .gpu-prep   # make bench-gpu-prepare
+    python -m benchmarks.gpu.classify prepare --out .gpu-prep   # make bench-gpu-prepare
 
 The device cannot rebuild the quickstart data (it is made from this machine's installed libraries'
 docstrings) and MiniLM's fp32 weights (~90 MB) are over the 64 MB that travels, so `prepare` writes
@@ -264,7 +264,7 @@ def prepare(out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workflows.bench.gpu_classify")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.classify")
     ap.add_argument("command", choices=["prepare"])
     ap.add_argument("--out", default=".gpu-prep", help="the folder to carry to the device")
     a = ap.parse_args(argv)
