@@ -21,6 +21,7 @@ from conftest import QUICKSTART, ROOT
 
 from reliability.faults import TrainFault
 from tests.helpers import free_port, tiny_overrides
+from tests.test_engine import EPOCH_STATE_KEYS
 from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.pipeline import stage_preprocess
@@ -87,6 +88,7 @@ def test_resume_reproduces_the_uninterrupted_run(run):
         state = read_state(download_checkpoint(uri, run.rt.storage, d))
     # the data position (epoch), the step and the LR schedule are in train_state.json
     assert state["epoch"] == 0 and state["global_step"] == 3 and state["scheduler"]["last_epoch"] == 3
+    assert set(state) == EPOCH_STATE_KEYS, sorted(state)  # engine.Trainer.checkpoint_state's, as torchrun's
 
     # tracked (a SQLite store): rank 0 logs the epoch it trained, not the finished one again
     from mlflow import MlflowClient
@@ -185,6 +187,7 @@ def test_standalone_loop_under_torchrun(run, tmp_path):
     first = json.loads(out.read_text())
     assert first["world_size"] == 2 and first["train_rows"] == 48 and [h["epoch"] for h in first["history"]] == [0]
     assert len(first["history"][0]["step_losses"]) == 3
+    assert set(read_state(str(ckdir / "epoch_0000"))) == EPOCH_STATE_KEYS  # the Ray Train worker's layout
 
     # resumed, and tracked: rank 0 logs the epochs it trains into a run of its own
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -8,10 +8,12 @@ import yaml
 
 from tests.conftest import QUICKSTART
 from tests.helpers import tiny_overrides
+from tests.test_engine import EPOCH_STATE_KEYS
 from workflows.config import load_config
 from workflows.pipeline import stage_preprocess, stage_tune
 from workflows.runtime import runtime
 from workflows.storage.uri import filesystem
+from workflows.train.checkpoint import STATE_FILE
 
 
 def tune_cfg(tmp_path, space: dict, *overrides: str):
@@ -65,6 +67,10 @@ def test_optuna_search(ray_cluster, tmp_path):
                    "tune.search=optuna", "tune.num_samples=1", "tune.max_epochs=1", "tune.checkpoint=true")
     with runtime(cfg) as rt:
         outcome = stage_tune(rt, stage_preprocess(rt))
+        # the trial's checkpoint: engine.Trainer.checkpoint_state's layout, as Ray Train's and torchrun's
+        fs, root = filesystem(outcome.experiment_uri, rt.storage)
+        states = [json.loads(fs.cat_file(p)) for p in fs.glob(f"{root.rstrip('/')}/**/{STATE_FILE}")]
+    assert states and all(set(s) == EPOCH_STATE_KEYS for s in states), [sorted(s) for s in states]
     assert len(outcome.trials) == 1 and all(t.error is None for t in outcome.trials)
     assert outcome.trials[0].seconds["checkpoint"] > 0  # the one-worker trial's epoch checkpoint (quickstart: off)
     assert outcome.trials[0].params["train.batch_size"] in (8, 16)

@@ -141,7 +141,8 @@ def train_run(cfg: WorkflowConfig, processed: Path, epochs: int, threads: int, l
     """Seconds to build the model and train+validate `epochs` epochs of `cfg` in this process
     (math.inf when abandoned past `limit` seconds)."""
     from workflows.tasks import get_task
-    from workflows.train.loop import build_training, run_epochs
+    from workflows.train.engine import run_epochs
+    from workflows.train.loop import build_training
     from workflows.train.standalone import batches, epoch_batches, row_count
 
     tc = cfg.train

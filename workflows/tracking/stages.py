@@ -1,5 +1,5 @@
 """What each stage logs from the driver: its summary numbers, tags and artifacts (the numbers of
-training epochs and tune trials are logged where they are produced: trainer.py, tune/trial.py)."""
+training epochs and tune trials are logged where they are produced: train/ray_worker.py, tune/trial.py)."""
 
 from __future__ import annotations
 

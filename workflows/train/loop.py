@@ -1,14 +1,9 @@
-"""The training loop: plain PyTorch, no Ray in here (the adapter in trainer.py feeds it).
+"""The training loop's parts: plain PyTorch, no Ray in here.
 
-It runs the same under Ray Train (trainer.py), torchrun or a single process (standalone.py): both
-build the model with `build_training` and drive the epochs with `run_epochs`; they differ only in
-where batches come from and where checkpoints and metrics go.
-
-Determinism: an epoch's result depends only on the state at its start (model, optimizer,
-scheduler: all in the checkpoint) and on seeds derived from (train.seed, epoch, rank): the data
-order (`data_seed`) and the dropout RNG (`dropout_seed`, reseeded at the start of every epoch).
-So an epoch run after a resume reproduces the epoch of an uninterrupted run, without the RNG
-state having to be saved.
+One epoch's steps (`train_epoch`), validation reduced over the ranks (`validate`), the model,
+optimizer and schedule (`build_training`), and the seeds an epoch derives from (train.seed, epoch,
+rank). The epoch loop itself, with the checkpoint state, is engine.Trainer, which Ray Train
+(ray_worker.py), torchrun (standalone.py) and one-worker Tune trials (tune/trial.py) all drive.
 """
 
 from __future__ import annotations
@@ -23,9 +18,7 @@ import torch
 import torch.nn as nn
 
 from workflows.preprocess.encoding import pad_batch
-from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, sync_buffers, world
-
-StepHook = Callable[[int, int], None]  # (epoch, step in epoch), called before each step
+from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -377,58 +370,3 @@ def epoch_line(m: dict) -> str:
         f"epoch {m.get('epoch')}: loss {m.get('train_loss', 0):.4f}, {val}, {m.get('samples_per_s', 0):.1f} "
         f"samples/s{tokens}{mfu}, {m.get('epoch_seconds', 0):.1f}s"
     )
-
-
-def run_epochs(
-    cfg,
-    task,
-    data,
-    model,
-    optimizer,
-    scheduler,
-    device,
-    *,
-    start_epoch: int,
-    history: list[dict],
-    train_batches: Callable[[int], Iterable[dict]],
-    val_batches: Callable[[], Iterable[dict]],
-    end_of_epoch: Callable[[int, dict, list[dict]], None],
-    resumed_from_epoch: int | None = None,
-    on_step: StepHook | None = None,
-    log_epoch: Callable[[dict, list[float]], None] | None = None,
-    after_step: StepHook | None = None,
-) -> list[dict]:
-    """Epochs `start_epoch`..train.epochs-1: train, evaluate, `log_epoch(metrics, step_losses)` (the
-    tracking run's sink, where this process logs: once per epoch trained, so a resumed run does not
-    log its last finished epoch again), then `end_of_epoch(epoch, metrics, history)` (checkpoint +
-    report: Tune may stop the trial inside it). `metrics` are scalars; each history row adds the
-    per-step losses and the epoch of the checkpoint this process started from (None: from scratch)."""
-    tc = cfg.train
-    rank = world()[0]
-    for epoch in range(start_epoch, tc.epochs):
-        torch.manual_seed(dropout_seed(tc.seed, epoch, rank))
-        hook = (lambda step, e=epoch: on_step(e, step)) if on_step is not None else None
-        done = (lambda step, e=epoch: after_step(e, step)) if after_step is not None else None
-        stats = train_epoch(
-            model, train_batches(epoch), optimizer, scheduler, device, tc.grad_clip, hook, tc.grad_accum_steps, done,
-            loss_fn=task.loss,
-        )
-        step_losses = stats.pop("step_losses")
-        # the ranks' buffers (BatchNorm statistics) made one before validating: the checkpoint saved
-        # after it, and so the exported model, holds what was validated
-        sync_buffers(model)
-        t_val = time.perf_counter()
-        val = validate(task, model, val_batches(), device, data)
-        metrics = {
-            **stats,
-            "epoch": epoch,
-            "global_step": int(scheduler.last_epoch),
-            **val,
-            "val_seconds": time.perf_counter() - t_val,
-        }
-        metrics.update(task.epoch_extras(model, stats, device))
-        history.append({**metrics, "step_losses": step_losses, "resumed_from_epoch": resumed_from_epoch})
-        if log_epoch is not None:
-            log_epoch(metrics, step_losses)
-        end_of_epoch(epoch, metrics, history)
-    return history

@@ -110,7 +110,7 @@ def sync_buffers(model: nn.Module) -> None:
     and syncing once before validation and export costs one collective per epoch, not one per
     forward. BatchNorm statistics are pooled (running_var is the pooled variance: the mean of the
     ranks' variances plus the variance of their means); any other float buffer is averaged.
-    Called by loop.run_epochs, so every driver (Ray Train, torchrun, Tune) validates and saves
+    Called by engine.Trainer.run_epoch, so every driver (Ray Train, torchrun, Tune) validates and saves
     the same buffers."""
     if world()[1] == 1:
         return

@@ -4,7 +4,7 @@
     python -m workflows.train.standalone --config FILE [--set k=v ...]          # world size 1
 
 Same model building, FSDP2/DDP wrapping, epochs, seeds and checkpoint format as the Ray Train
-path (loop.build_training / loop.run_epochs / checkpoint.py); only the plumbing differs: the
+path (one engine.Trainer; this module is its torchrun adapter); only the plumbing differs: the
 process group comes from torchrun's environment, each rank reads its contiguous equal share of
 the split's rows straight from the parquet files (pyarrow, from the object store through the
 storage context, or a local directory), and checkpoints go to a local `--checkpoint-dir`.
@@ -40,13 +40,13 @@ from workflows.storage.uri import StorageContext, exists, filesystem, join, read
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import augment_seed, build_training, data_seed, epoch_line, run_epochs
+from workflows.train.engine import Trainer
+from workflows.train.loop import augment_seed, data_seed, epoch_line
 from workflows.train.parallel import exit_rank, world
 from workflows.train.worker_setup import (
     join_torchrun_group,
     row_limits,
     set_torch_threads,
-    start_point,
     torchrun_device,
     val_positions,
 )
@@ -153,6 +153,45 @@ def storage_for(cfg: WorkflowConfig, rank: int, world_size: int) -> Iterator[Sto
             barrier()
 
 
+class RowsInput:
+    """Batches from rows read into memory (torchrun, a one-worker Tune trial): this rank's share of
+    the training rows in a new order each epoch (epoch_batches), its validation rows in file order.
+    No step checkpoints are taken from it, so an epoch always starts at its first sample."""
+
+    def __init__(self, cfg: WorkflowConfig, task, data: ProcessedDataset, train_rows: dict[str, Any],
+                 val_rows: dict[str, Any], rank: int = 0):
+        self.cfg, self.task, self.data, self.rank = cfg, task, data, rank
+        self.train_rows, self.val_rows = train_rows, val_rows
+        self.eval_batch = task.collate(data, train=False)
+
+    def train(self, epoch: int, skip: int) -> Iterator[dict]:
+        tc = self.cfg.train
+        return epoch_batches(self.task, self.data, self.train_rows, tc.batch_size, tc.seed, epoch, self.rank)
+
+    def val(self) -> Iterator[dict]:
+        return batches(self.val_rows, self.cfg.evaluate.batch_size, self.eval_batch)
+
+    def probe(self) -> Iterator[dict]:
+        return batches(self.train_rows, self.cfg.evaluate.batch_size, self.eval_batch)
+
+
+class TorchrunTrainer(Trainer):
+    """The Trainer under torchrun: rank 0 prints each epoch; every rank writes its shard of the
+    epoch's checkpoint into `checkpoint_dir/epoch_NNNN` (if given)."""
+
+    def __init__(self, *args, checkpoint_dir: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checkpoint_dir = checkpoint_dir
+
+    def end_of_epoch(self, epoch: int, metrics: dict) -> None:
+        if self.rank == 0:
+            print(f"standalone: {epoch_line(metrics)}", file=sys.stderr, flush=True)
+        if self.checkpoint_dir:
+            d = os.path.join(self.checkpoint_dir, f"epoch_{epoch:04d}")
+            os.makedirs(d, exist_ok=True)
+            self.save_checkpoint(d, epoch, metrics)
+
+
 def train(
     cfg: WorkflowConfig,
     storage: StorageContext,
@@ -178,63 +217,23 @@ def train(
     read_seconds = time.perf_counter() - t_read
     total_rows = row_count(train_rows)
     share = val_positions(row_count(val_rows), rank, world_size)
-    train_rows, val_rows = rank_share(train_rows, rank, world_size), {c: v[share] for c, v in val_rows.items()}
+    source = RowsInput(cfg, task, data, rank_share(train_rows, rank, world_size),
+                       {c: v[share] for c, v in val_rows.items()}, rank)
 
-    eval_batch = task.collate(data, train=False)
-    probe = None if resume else batches(train_rows, cfg.evaluate.batch_size, eval_batch)
-    model, optimizer, scheduler = build_training(cfg, task, data, device, total_rows, probe)
-    found = None
+    trainer = TorchrunTrainer(cfg, task, data, device, source, total_rows, logger, checkpoint_dir=checkpoint_dir)
+    trainer.build(probe=not resume)
     if resume:
         found = ckpt.latest_local(checkpoint_dir) if checkpoint_dir else None
         if found is None:
             raise UserError(f"--resume: no complete checkpoint under {checkpoint_dir}")
-    start_epoch, history, resumed_from, _ = start_point(found, model, optimizer, scheduler)
-    last_epoch = tc.epochs - 1 if stop_after_epoch is None else min(stop_after_epoch, tc.epochs - 1)
-
-    class Stop(Exception):
-        pass
-
-    def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
-        if rank == 0:
-            print(f"standalone: {epoch_line(metrics)}", file=sys.stderr, flush=True)
-        if checkpoint_dir:
-            d = os.path.join(checkpoint_dir, f"epoch_{epoch:04d}")
-            os.makedirs(d, exist_ok=True)
-            ckpt.save(
-                d,
-                model,
-                optimizer,
-                scheduler,
-                {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history},
-            )
-        if epoch >= last_epoch:
-            raise Stop
+        trainer.resume(found)
 
     started = time.time()
     # one process on a GPU: parallelize() leaves the model plain (no FSDP2 bf16 policy without a
     # process group), so bf16 autocast gives it the mixed precision the FSDP2 path has on GPU
     amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" and world_size == 1 else nullcontext()
-    try:
-        with amp:
-            run_epochs(
-                cfg,
-                task,
-                data,
-                model,
-                optimizer,
-                scheduler,
-                device,
-                start_epoch=start_epoch,
-                history=history,
-                resumed_from_epoch=resumed_from,
-                train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
-                                                          tc.seed, epoch, rank),
-                val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
-                end_of_epoch=end_of_epoch,
-                log_epoch=logger.log_epoch if logger is not None else None,  # rank 0's only
-            )
-    except Stop:
-        pass
+    with amp:
+        history = trainer.fit(stop_after=stop_after_epoch)
     return {
         "world_size": world_size,
         "strategy": tc.strategy if world_size > 1 else "none (single process)",

@@ -1,60 +1,31 @@
-"""The thin Ray Train adapter: TorchTrainer around the plain loop in loop.py.
+"""Training under Ray Train, the driver's side: `fit` starts a TorchTrainer whose workers run
+ray_worker.worker_loop (the thin Ray Train adapter over engine.Trainer), then picks the result.
 
-Ray supplies the process group, the dataset shards (`get_dataset_shard` + `iter_torch_batches`),
-checkpoint upload to object storage and restarts after worker failures; everything else is loop.py.
+Ray supplies the process group, the dataset shards, checkpoint upload to object storage and
+restarts after worker failures; the model, optimizer, schedule, epoch loop and checkpoint state
+are the Trainer's (engine.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
-from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.preprocess.materialize import ProcessedDataset
-from workflows.storage.uri import (
-    StorageContext,
-    exists,
-    filesystem,
-    pyarrow_filesystem,
-    read_json,
-    with_protocol,
-    write_json,
-)
+from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol
 from workflows.tasks import get_task
-from workflows.tracking.client import RunLogger, TrackingSpec
+from workflows.tracking.client import TrackingSpec
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import augment_seed, build_training, data_seed, run_epochs
-from workflows.train.report import STEP_CHECKPOINT, is_step_checkpoint
-from workflows.train.stream_input import SampleHook, StreamInput
-from workflows.train.worker_setup import (
-    mid_epoch_position,
-    row_limits,
-    set_torch_threads,
-    start_point,
-    val_positions,
-)
-
-SHUFFLE_BUFFER = 2048
-
-
-def ray_collate(fn):
-    """A task's collate function as the collate-function class Ray Data's iter_torch_batches expects."""
-    from ray.data.collate_fn import NumpyBatchCollateFn
-
-    class Collate(NumpyBatchCollateFn):
-        def __call__(self, batch):
-            return fn(batch)
-
-    return Collate()
+from workflows.train.loop import data_seed
+from workflows.train.ray_worker import RankStepHook, WorkerSpec, worker_loop
+from workflows.train.report import is_step_checkpoint
+from workflows.train.stream_input import SampleHook
+from workflows.train.worker_setup import row_limits
 
 
 def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: str, mode: str) -> tuple[Any, dict]:
@@ -65,169 +36,6 @@ def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: 
         return max(checkpoints, key=lambda cm: cm[1]["epoch"])
     sign = 1 if mode == "max" else -1
     return max(checkpoints, key=lambda cm: (sign * cm[1][metric], -cm[1]["epoch"]))
-
-
-RankStepHook = Callable[[int, int, int], None]  # (world rank, epoch, step in epoch), before each step
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What every Ray Train worker gets from the driver (pickled, in `train_loop_config`)."""
-
-    cfg: dict[str, Any]  # the WorkflowConfig as JSON, validated again in the worker
-    data: ProcessedDataset
-    train_rows: int  # rows (or causal-LM blocks) per epoch, after train.max_train_rows
-    run_uri: str
-    storage: StorageContext
-    resume_from: str | None = None  # `--resume`: an earlier run's checkpoint
-    on_step: RankStepHook | None = None  # fit's on_step, pickled to every worker
-    on_samples: SampleHook | None = None  # loader=stream: called with each batch's global sample ids
-    tracking: TrackingSpec | None = None  # the MLflow run rank 0 logs its epochs into
-
-
-def worker_loop(config: dict[str, WorkerSpec]) -> None:
-    """Runs on every Ray Train worker: loop.run_epochs fed by the worker's Ray Data shards.
-
-    After a worker failure Ray Train restarts the group and `get_checkpoint()` returns the last
-    reported checkpoint, so training continues with the next epoch, not from scratch.
-    """
-    import ray.train
-    import ray.train.torch
-
-    started_at = time.time()
-    spec = config["spec"]  # Ray Train hands the train function a dict
-    cfg = WorkflowConfig.model_validate(spec.cfg)
-    task = get_task(cfg)
-    tc = cfg.train
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    set_torch_threads(tc)
-    device = ray.train.torch.get_device()
-
-    # loader=stream: the worker reads its share of one global order itself (workflows.loader)
-    stream = (StreamInput(cfg, spec.data, spec.storage, rank, ctx.get_world_size(), spec.train_rows, spec.on_samples,
-                          task)
-              if tc.loader == "stream" else None)
-    train_shard = ray.train.get_dataset_shard("train") if stream is None else None
-    val_shard = ray.train.get_dataset_shard("val")
-    eval_batch = ray_collate(task.collate(spec.data, train=False))
-
-    # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
-    # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and spec.resume_from:
-        fs, path = pyarrow_filesystem(spec.resume_from, spec.storage)
-        checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
-    probe_batches = None
-    if checkpoint is None and tc.head_init == "linear_probe":
-        if stream is not None:
-            probe_batches = stream.batches(0, 0, task.collate(spec.data, train=False), record=False)
-        else:
-            assert train_shard is not None
-            probe_batches = train_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
-    model, optimizer, scheduler = build_training(cfg, task, spec.data, device, spec.train_rows, probe_batches)
-    with checkpoint.as_directory() if checkpoint is not None else nullcontext() as d:
-        start_epoch, history, resumed_from, saved = start_point(d, model, optimizer, scheduler)
-    resume_at = mid_epoch_position(saved)  # a step checkpoint's position in its epoch
-    metric, _ = task.score
-
-    def train_batches(epoch: int):
-        # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
-        # by (seed, epoch, rank), the task's augmentation by (seed, epoch) and the sample (never the
-        # rank), so an epoch sees the same batches and crops however the run got there.
-        if stream is not None:  # the global order of the epoch, from the checkpoint's position on
-            return stream.train_batches(epoch, resume_at if epoch == start_epoch else 0)
-        assert train_shard is not None
-        seed = data_seed(tc.seed, epoch, rank)
-        collate = task.collate(spec.data, train=True, seed=augment_seed(tc.seed, epoch))
-        return train_shard.iter_torch_batches(
-            batch_size=tc.batch_size, collate_fn=ray_collate(collate),
-            local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=seed,
-        )
-
-    # MLflow from rank 0, where the numbers are (Train V2 has no tracking callback)
-    logger = RunLogger(spec.tracking) if rank == 0 and spec.tracking is not None else None
-
-    # the val split reaches every rank whole (ingest_config); this rank scores val_positions of it
-    val_rows = min(spec.data.counts["val"], tc.max_val_rows or spec.data.counts["val"])
-    share = val_positions(val_rows, rank, ctx.get_world_size())
-
-    def val_batches():
-        if share == slice(None):
-            return val_shard.iter_torch_batches(batch_size=cfg.evaluate.batch_size, collate_fn=eval_batch)
-        return (eval_batch({k: v[share] for k, v in batch.items()})
-                for batch in val_shard.iter_batches(batch_size=cfg.evaluate.batch_size * share.step,
-                                                    batch_format="numpy"))
-
-    step_checkpoints = {"count": 0, "seconds": 0.0}
-
-    def after_step(epoch: int, step: int) -> None:
-        """A step checkpoint every train.checkpoint_every_steps optimizer steps (not at an epoch's
-        end: the epoch's own follows). Reported like the epoch ones, with the score metric NaN, so
-        Ray keeps it only while it is the latest (what a restart resumes from)."""
-        every = tc.checkpoint_every_steps
-        if stream is None or not every or scheduler.last_epoch % every or stream.consumed >= stream.samples:
-            return
-        t0 = time.perf_counter()
-        state = {"epoch": epoch, "consumed": stream.consumed, "global_step": int(scheduler.last_epoch),
-                 "history": history}
-        with tempfile.TemporaryDirectory() as d:
-            ckpt.save(d, model, optimizer, scheduler, {**state, "metrics": {}})
-            ray.train.report({"epoch": epoch, "global_step": state["global_step"], "consumed": state["consumed"],
-                              STEP_CHECKPOINT: True, metric: float("nan")},
-                             checkpoint=ray.train.Checkpoint.from_directory(d))
-        step_checkpoints["count"] += 1
-        step_checkpoints["seconds"] += time.perf_counter() - t0
-
-    def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
-        t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory() as d:
-            ckpt.save(d, model, optimizer, scheduler,
-                      {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history})
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-        # where the run's time went (the summary's breakdown): this process's start, the
-        # checkpoint's save and upload
-        history[-1].update(worker_started_at=started_at, checkpoint_seconds=time.perf_counter() - t0,
-                           step_checkpoints=step_checkpoints["count"],
-                           step_checkpoint_seconds=round(step_checkpoints["seconds"], 3),
-                           resumed_at_sample=resume_at if epoch == start_epoch else 0)
-        step_checkpoints.update(count=0, seconds=0.0)
-        if rank == 0:  # every epoch's metrics and step losses, for summaries and curves
-            write_json(f"{spec.run_uri}/history.json", history, spec.storage)
-            record_throughput(spec.run_uri.rsplit("/", 1)[-1], metrics)
-
-    try:
-        if checkpoint is not None and start_epoch >= tc.epochs:
-            # a finished run resumed (or a restart after the last report): nothing left to train,
-            # report its final state again so that this run has a result and a checkpoint
-            assert resumed_from is not None and saved is not None  # a checkpoint was loaded
-            end_of_epoch(resumed_from, saved["metrics"], history)
-            return
-        run_epochs(cfg, task, spec.data, model, optimizer, scheduler, device, start_epoch=start_epoch,
-                   history=history, train_batches=train_batches, val_batches=val_batches, end_of_epoch=end_of_epoch,
-                   resumed_from_epoch=resumed_from, on_step=partial(spec.on_step, rank) if spec.on_step else None,
-                   log_epoch=logger.log_epoch if logger is not None else None, after_step=after_step)
-    finally:
-        if logger is not None:
-            logger.close(timeout=30)
-
-
-@per_cluster  # one Gauge per process and cluster: Ray metrics register by name with the core worker
-def _gauges() -> dict:
-    from ray.util import metrics as ray_metrics
-
-    return {
-        name: ray_metrics.Gauge(f"workflows_train_{name}", tag_keys=("run",),
-                                description=f"training throughput, {name.replace('_per_', '/')}")
-        for name in ("samples_per_second", "tokens_per_second")
-    }
-
-
-def record_throughput(run: str, metrics: dict) -> None:
-    """The epoch's samples/s and tokens/s (all ranks) as Ray metrics, for Prometheus/Grafana."""
-    gauges = _gauges()
-    for name, key in (("samples_per_second", "samples_per_s"), ("tokens_per_second", "tokens_per_s")):
-        gauges[name].set(float(metrics[key]), tags={"run": run})
 
 
 def ingest_config():

@@ -1,4 +1,4 @@
-"""What a training process sets up the same way under Ray Train (trainer.py) and torchrun
+"""What a training process sets up the same way under Ray Train (ray_worker.py) and torchrun
 (standalone.py, bench/lm.py): threads, the tokenizer's pad id, row caps, the epoch to start from
 and, under torchrun, the process group and device (Ray Train brings its own)."""
 

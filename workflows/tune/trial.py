@@ -3,7 +3,7 @@
 A trial that asks for one worker needs no process group; starting a Ray Train controller and a
 worker group for it, and streaming its rows through a Ray Data split coordinator every epoch,
 cost several times the trial's own steps on a small machine (docs/BENCHMARKS.md, quickstart).
-Here the same loop (loop.build_training / loop.run_epochs) runs in the actor Tune already
+Here the same engine.Trainer as Ray Train's and torchrun's runs in the actor Tune already
 started, on rows read once per trial through the node's shard cache, and each epoch is reported
 to Tune (ASHA decides on it) with a checkpoint when tune.checkpoint asks for one. Trials of more
 than one worker still run as Ray Train runs (search._trial).
@@ -22,6 +22,7 @@ from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
+from workflows.train.engine import Trainer
 
 
 def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg: WorkflowConfig,
@@ -67,15 +68,33 @@ def run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Processe
         _run_local_trial(cfg, storage, data, logger)
 
 
+class TrialTrainer(Trainer):
+    """The Trainer in a Tune trial's actor: each epoch reported to Tune (ASHA decides on it), with a
+    checkpoint when tune.checkpoint asks for one, and the trial's start-up times."""
+
+    startup: dict[str, float]  # read and start-up seconds, in every report: set before fit
+
+    def end_of_epoch(self, epoch: int, metrics: dict) -> None:
+        import ray.tune
+
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {**metrics, **self.startup}
+        if not self.cfg.tune.checkpoint:
+            ray.tune.report(report)
+            return
+        with tempfile.TemporaryDirectory() as d:
+            self.save_checkpoint(d, epoch, metrics)
+            report["checkpoint_seconds"] = round(time.perf_counter() - t0, 3)
+            ray.tune.report(report, checkpoint=ray.tune.Checkpoint.from_directory(d))
+
+
 def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDataset,
                      logger: RunLogger | None) -> None:
     import ray.tune
     import torch
 
-    from workflows.train import checkpoint as ckpt
-    from workflows.train.loop import build_training, run_epochs
-    from workflows.train.standalone import batches, epoch_batches, row_count
-    from workflows.train.worker_setup import row_limits, set_torch_threads, start_point
+    from workflows.train.standalone import RowsInput, row_count
+    from workflows.train.worker_setup import row_limits, set_torch_threads
 
     tc = cfg.train
     task = get_task(cfg)
@@ -87,37 +106,14 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
     val_rows = task.prepare_rows(read_split(data, "val", storage, cfg, val_limit))
     read_seconds = time.perf_counter() - t_start
 
+    # the logger logs each epoch before its report: Tune may stop the trial inside the report
+    trainer = TrialTrainer(cfg, task, data, device, RowsInput(cfg, task, data, train_rows, val_rows),
+                           row_count(train_rows), logger)
     checkpoint = ray.tune.get_checkpoint()
-    eval_batch = task.collate(data, train=False)
-    probe = None if checkpoint is not None else batches(train_rows, cfg.evaluate.batch_size, eval_batch)
-    model, optimizer, scheduler = build_training(cfg, task, data, device, row_count(train_rows), probe)
-    if checkpoint is None:
-        start_epoch, history, resumed_from, _ = start_point(None, model, optimizer, scheduler)
-    else:  # a restarted trial (failure, or `tune --resume`) continues its epochs
+    trainer.build(probe=checkpoint is None)
+    if checkpoint is not None:  # a restarted trial (failure, or `tune --resume`) continues its epochs
         with checkpoint.as_directory() as d:
-            start_epoch, history, resumed_from, _ = start_point(d, model, optimizer, scheduler)
-    startup = {"read_seconds": round(read_seconds, 3), "startup_seconds": round(time.perf_counter() - t_start, 3)}
-
-    def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
-        t0 = time.perf_counter()
-        report: dict[str, Any] = {**metrics, **startup}
-        if cfg.tune.checkpoint:
-            with tempfile.TemporaryDirectory() as d:
-                ckpt.save(
-                    d,
-                    model,
-                    optimizer,
-                    scheduler,
-                    {"epoch": epoch, "global_step": metrics["global_step"], "metrics": metrics, "history": history},
-                )
-                report["checkpoint_seconds"] = round(time.perf_counter() - t0, 3)
-                ray.tune.report(report, checkpoint=ray.tune.Checkpoint.from_directory(d))
-        else:
-            ray.tune.report(report)
-
-    run_epochs(cfg, task, data, model, optimizer, scheduler, device, start_epoch=start_epoch, history=history,
-               train_batches=lambda epoch: epoch_batches(task, data, train_rows, tc.batch_size,
-                                                         tc.seed, epoch),
-               val_batches=lambda: batches(val_rows, cfg.evaluate.batch_size, eval_batch),
-               end_of_epoch=end_of_epoch, resumed_from_epoch=resumed_from,
-               log_epoch=logger.log_epoch if logger is not None else None)  # before the report: Tune may stop it
+            trainer.resume(d)
+    trainer.startup = {"read_seconds": round(read_seconds, 3),
+                       "startup_seconds": round(time.perf_counter() - t_start, 3)}
+    trainer.fit()
