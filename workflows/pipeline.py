@@ -13,8 +13,8 @@ from typing import Any
 from workflows import registry
 from workflows.config import WorkflowConfig
 from workflows.console import show
-from workflows.errors import UserError
-from workflows.preprocess.materialize import ProcessedDataset, preprocess
+from workflows.dataset import SPLITS, ProcessedDataset
+from workflows.errors import UserError, surface_user_errors
 from workflows.runtime import Runtime, say, warn
 from workflows.storage.uri import protocol_of
 from workflows.tasks import check_card_task, get_task
@@ -69,6 +69,12 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
         warn(f"data: {describe_skipped(skipped)}")
     return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2),
             "skipped_modules": skipped}
+
+
+@surface_user_errors()
+def preprocess(cfg: WorkflowConfig, ctx, say=print) -> ProcessedDataset:
+    """The config's task turns the raw shards into its processed dataset (or finds it made)."""
+    return get_task(cfg).preprocess(ctx, say)
 
 
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
@@ -230,8 +236,6 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
 
 
 def check_split(split: str) -> None:
-    from workflows.preprocess.materialize import SPLITS
-
     if split not in SPLITS:
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
 

@@ -1,7 +1,7 @@
 """The HTTP contract of a served model: pydantic request and response models built from its card,
 declared in the OpenAPI document (/openapi.json, /docs) with every error the app answers.
 
-A task's `http_contract` (workflows.tasks.base.HttpContract) validates a JSON body with the very
+A task's `http_contract` (an `HttpContract`, which a task's `http_contract` returns) validates a JSON body with the very
 request model the document declares (`request_model.model_validate_json`: one validation path, so a
 request the schema accepts is never rejected and one it rejects is never answered outside the
 declared statuses), and `rejection` turns pydantic's first error into the one-line {"error": ...}
@@ -22,7 +22,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from workflows.tasks.base import HttpContract
+
+class HttpContract:
+    """How a served model's POST /predict body becomes instances, and its OpenAPI models.
+
+    `parse(content_type, body)` returns the instances (dicts handed to Predictor.predict), or an
+    (HTTP status, one-line message) tuple for a body that is not a valid request."""
+
+    request_model: Any  # pydantic model of the JSON body
+    response_model: Any
+    errors: tuple[int, ...] = (400, 401, 413, 422, 431, 503)  # the statuses POST /predict can answer
+
+    def parse(self, content_type: str | None, body: bytes) -> list[dict] | tuple[int, str]:
+        raise NotImplementedError
+
+    def openapi(self, document: dict, path: str) -> dict:
+        """Declare the request body of POST `path` in a FastAPI-generated OpenAPI document."""
+        raise NotImplementedError
+
+    def example(self) -> dict:
+        """One request body the /docs page shows."""
+        raise NotImplementedError
+
 
 MAX_TEXT_CHARS = 100_000
 MAX_BODY_BYTES = 1 << 20

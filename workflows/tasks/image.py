@@ -118,10 +118,9 @@ class ImageClassification(Classification):
     def export(self, state, data, out_dir, lineage) -> dict:
         from transformers import AutoModelForImageClassification
 
-        from workflows.model_card import ModelCard
+        from workflows.model_card import ModelCard, write_card
         from workflows.preprocess.images import IMAGENET_MEAN, IMAGENET_STD
         from workflows.tasks.image_models import image_config
-        from workflows.train.export import write_card
 
         model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels))
         model.load_state_dict(state, strict=True)

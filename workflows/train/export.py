@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
 
 from workflows.config import WorkflowConfig
-from workflows.model_card import ModelCard
+from workflows.dataset import ProcessedDataset
+from workflows.model_card import ModelCard, write_card  # noqa: F401  (write_card: its former home)
 from workflows.preprocess.encoding import resolve_model_dir
-from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, download_dir
 from workflows.train.checkpoint import consolidated_model_state
 
@@ -30,14 +28,6 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
     lineage = {"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
                "checkpoint": checkpoint_uri, **lineage}
     return get_task(cfg).export(state, data, out_dir, lineage)
-
-
-def write_card(card: ModelCard, out_dir: str) -> dict:
-    """workflows.json of an artifact; a dict: the pipeline adds the baseline and validation metrics
-    before registering it."""
-    with open(os.path.join(out_dir, "workflows.json"), "w") as f:
-        json.dump(card.to_dict(), f, indent=2)
-    return card.to_dict()
 
 
 def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedDataset, out_dir: str,

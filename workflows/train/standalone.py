@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from workflows.config import WorkflowConfig, load_config
+from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
 from workflows.loader.columns import column_values
-from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
 from workflows.tasks import get_task

@@ -18,8 +18,8 @@ from typing import Any
 
 from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
+from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
-from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import (
     StorageContext,
     exists,
