@@ -6,9 +6,9 @@ import tempfile
 
 from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
-from workflows.model_card import ModelCard, write_card  # noqa: F401  (write_card: its former home)
-from workflows.preprocess.encoding import resolve_model_dir
+from workflows.model_card import write_card  # noqa: F401  (its former home)
 from workflows.storage.uri import StorageContext, download_dir
+from workflows.tasks.text.export import export_text_classifier  # noqa: F401  (the benches import it from here)
 from workflows.train.checkpoint import consolidated_model_state
 
 
@@ -28,21 +28,3 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
     lineage = {"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
                "checkpoint": checkpoint_uri, **lineage}
     return get_task(cfg).export(state, data, out_dir, lineage)
-
-
-def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedDataset, out_dir: str,
-                           lineage: dict) -> dict:
-    """safetensors weights, model config and tokenizer of a text classifier."""
-    from transformers import AutoTokenizer
-
-    from workflows.train.models import load_classifier
-
-    if data.tokenizer is None:
-        raise ValueError(f"the processed text dataset at {data.uri} names no tokenizer in its manifest")
-    model = load_classifier(resolve_model_dir(cfg.model.name_or_path), data.labels, cfg.model.dropout,
-                            cfg.model.pooling)
-    model.load_state_dict(state, strict=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).save_pretrained(out_dir)
-    return write_card(ModelCard(task=cfg.model.task, labels=data.labels, text_columns=data.text_columns,
-                                label_column=data.label_column, max_length=data.max_length, lineage=lineage), out_dir)
