@@ -205,10 +205,9 @@ def test_the_import_map_has_no_circles_and_few_imports_up_the_layers():
     """Over every import of workflows/, in functions too: no module imports one that imports it back
     (a circle makes each importable only in the right order, and hides which way the layers go), and
     at most MAX_UPWARD imports run from a lower layer of LAYERS to a higher one. Those tolerated today:
-    loader.images -> train.loop (the augmentation seeds live with the training loop); train.export ->
-    tasks (the export step asks the config's task to write the artifact); the re-exports of moved
-    names that the benches import by their old paths (train.lm -> tasks.causal_lm.model, train.export
-    -> tasks.text.export)."""
+    loader.images -> train.loop (the augmentation seeds live with the training loop); the re-exports
+    of moved names that the benches import by their old paths (train.lm -> tasks.causal_lm.model,
+    train.export -> tasks.text.export)."""
     edges = import_map(ROOT)
     found = [c for c in circles(edges) if not all(m.startswith(CIRCLES_EXEMPT) for m in c)]
     assert not found, f"import circles: {found}"
