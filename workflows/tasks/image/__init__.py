@@ -64,7 +64,7 @@ class ImageClassification(Classification):
 
     def collate(self, data, *, train: bool, seed: int | None = None):
         """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
-        (train.loop.augment_seed: never the rank's); or a loader's decoded batch as it is."""
+        (workflows.seeds.augment_seed: never the rank's); or a loader's decoded batch as it is."""
         import torch
 
         from workflows.preprocess.images import random_resized_crop_flip, to_model_input
