@@ -125,7 +125,7 @@ def _register_untrained_image(rt, workdir: Path) -> str:
 
     from workflows import registry
     from workflows.preprocess.images import IMAGENET_MEAN, IMAGENET_STD
-    from workflows.tasks.image_models import ARCHITECTURES, _with_labels
+    from workflows.tasks.image.models import ARCHITECTURES, _with_labels
 
     labels = ["0", "1", "2"]
     out = workdir / "image-artifact"

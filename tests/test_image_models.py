@@ -20,7 +20,7 @@ def test_architectures_by_name_have_their_reference_sizes(name, params):
     """ImageNet-1k heads: the sizes of the reference models (ResNet-50 25.56M, ViT-S/16 22.05M, ...)."""
     from transformers import AutoModelForImageClassification
 
-    from workflows.tasks.image_models import image_config
+    from workflows.tasks.image.models import image_config
 
     cfg = _cfg(f"model.name_or_path={name}", "preprocess.image_size=224")
     with torch.device("meta"):
@@ -29,7 +29,7 @@ def test_architectures_by_name_have_their_reference_sizes(name, params):
 
 
 def test_the_small_cnn_trains_a_step_on_cpu():
-    from workflows.tasks.image_models import build_image_classifier
+    from workflows.tasks.image.models import build_image_classifier
 
     torch.manual_seed(0)
     model = build_image_classifier(_cfg(), [str(i) for i in range(10)])
@@ -40,7 +40,7 @@ def test_the_small_cnn_trains_a_step_on_cpu():
 
 @pytest.mark.parametrize("prefix", ["", "file://"])
 def test_fine_tuning_starts_from_the_saved_weights_with_a_head_for_new_labels(tmp_path, prefix):
-    from workflows.tasks.image_models import build_image_classifier
+    from workflows.tasks.image.models import build_image_classifier
 
     torch.manual_seed(0)
     trained = build_image_classifier(_cfg(), [str(i) for i in range(10)])
@@ -56,7 +56,7 @@ def test_fine_tuning_starts_from_the_saved_weights_with_a_head_for_new_labels(tm
 
 def test_an_unknown_architecture_is_a_clear_error(tmp_path):
     from workflows.errors import UserError
-    from workflows.tasks.image_models import build_image_classifier
+    from workflows.tasks.image.models import build_image_classifier
 
     with pytest.raises(UserError, match="not an architecture .*small_cnn.* nor a model directory"):
         build_image_classifier(_cfg(f"model.name_or_path={tmp_path / 'nothing'}"), ["a", "b"])
@@ -69,7 +69,7 @@ def test_pooled_linear_trains_saves_and_serves_from_a_fresh_process(tmp_path):
     import subprocess
     import sys
 
-    from workflows.tasks.image_models import build_image_classifier
+    from workflows.tasks.image.models import build_image_classifier
 
     torch.manual_seed(0)
     model = build_image_classifier(_cfg("model.name_or_path=pooled_linear", "preprocess.image_size=224"),

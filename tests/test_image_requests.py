@@ -1,4 +1,4 @@
-"""workflows.serve.image_requests: the bodies an image model's /predict accepts (JSON with base64, one raw
+"""workflows.tasks.image.contract: the bodies an image model's /predict accepts (JSON with base64, one raw
 image, multipart files), the 4xx answer to each hostile one, and its OpenAPI declaration. Pure: no Ray."""
 
 import base64
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from workflows.serve.contract import ERRORS, error_responses
-from workflows.serve.image_requests import (
+from workflows.tasks.image.contract import (
     ACCEPTED_TYPES,
     EXAMPLE_REQUEST,
     IMAGE_TYPES,
@@ -302,7 +302,7 @@ def test_the_documented_example_is_accepted():
 
 
 def test_the_response_model_is_the_text_models():
-    from workflows.serve.contract import predict_models
+    from workflows.tasks.text.contract import predict_models
 
     text_card = SimpleNamespace(**vars(CARD), text_columns=["text"])
     _, text_response = predict_models(text_card, MAX_INSTANCES)
@@ -390,7 +390,7 @@ def _solid_png(width: int, height: int) -> bytes:
 
 
 def test_the_pixel_budget_counts_what_the_headers_declare():
-    from workflows.serve.image_requests import declared_pixels, over_pixel_budget
+    from workflows.tasks.image.contract import declared_pixels, over_pixel_budget
 
     small, big = _solid_png(30, 20), _solid_png(2000, 1000)
     assert declared_pixels(small) == 600 and declared_pixels(big) == 2_000_000

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from workflows.errors import UserError
-from workflows.train.lm import build_causal_lm, flops_per_token, model_shape, pack_blocks, peak_for_name
+from workflows.tasks.causal_lm.model import build_causal_lm, flops_per_token, model_shape, pack_blocks, peak_for_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -518,11 +518,11 @@ def test_plan_command_json_and_table():
 
 
 def _tiny_lm():
-    """The project's causal LM (workflows.train.lm) at the "small" preset with a 20k vocabulary: 9.3M
+    """The project's causal LM (workflows.tasks.causal_lm.model) at the "small" preset with a 20k vocabulary: 9.3M
     parameters, the logits (b s V) dominating the activations as in real pretraining."""
     from types import SimpleNamespace
 
-    from workflows.train.lm import build_causal_lm, causal_lm_config
+    from workflows.tasks.causal_lm.model import build_causal_lm, causal_lm_config
 
     lm = SimpleNamespace(size="small", seq_len=128, n_layer=None, n_embd=None, n_head=None)
     torch.manual_seed(0)

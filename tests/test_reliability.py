@@ -175,7 +175,7 @@ def test_fuzz_hooks_make_valid_image_json_cases_decodable(request):
     from reliability.schemathesis_images import map_case
     from tests.test_image_requests import openapi_document
     from workflows.preprocess.images import decode_image
-    from workflows.serve.image_requests import parse_image_request
+    from workflows.tasks.image.contract import parse_image_request
 
     operation = schemathesis.openapi.from_dict(openapi_document())["/predict"]["POST"]
     seen = []

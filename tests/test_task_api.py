@@ -25,6 +25,8 @@ from tests.test_plugin_task import plugin_env, write_config
 from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.registry import EVAL_FILE
+from workflows.runtime import runtime
+from workflows.tasks import check_task
 
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.py"))
 TASK = "tabular_classification:TabularClassification"
@@ -112,15 +114,22 @@ def _config(path: Path, task: str, **sections) -> Path:
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_broken_plugin_fails_when_its_config_loads(tmp_path, monkeypatch, case):
+    """The config checks the task's form only (it imports no task); check_task, which the CLI's load
+    and workflows.runtime call once the config has loaded, imports the plug-in and checks its class."""
     folder, task = _broken(tmp_path, case)
     monkeypatch.syspath_prepend(str(folder))
+    cfg = load_config(_config(tmp_path / "c.yaml", task))
     with pytest.raises(UserError) as err:
-        load_config(_config(tmp_path / "c.yaml", task))
+        check_task(cfg)
     assert re.match(BROKEN[case][2].format(m=f"broken_{case}"), str(err.value)), str(err.value)
     assert "\n" not in str(err.value)
+    with pytest.raises(UserError) as err:  # a runtime started from such a config: before the store or Ray
+        with runtime(cfg, ray_needed=False):
+            pass
+    assert re.match(BROKEN[case][2].format(m=f"broken_{case}"), str(err.value)), str(err.value)
     # the example itself loads (so the check above fails for the edit, not for the file)
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    load_config(_config(tmp_path / "c.yaml", TASK))
+    check_task(load_config(_config(tmp_path / "c.yaml", TASK)))
 
 
 @pytest.mark.parametrize("case", ["missing", "signature"])

@@ -1,4 +1,4 @@
-"""workflows.serve.contract: a text model's /predict body is validated by the request model that the
+"""workflows.tasks.text.contract: a text model's /predict body is validated by the request model that the
 OpenAPI document declares, so the schema and the server agree on every body (the two mismatches
 schemathesis once found included), with one-line messages. Pure: no Ray, no HTTP."""
 
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from workflows.serve.contract import text_contract, with_request_body
+from workflows.serve.contract import with_request_body
+from workflows.tasks.text.contract import text_contract
 
 MAX_INSTANCES = 4
 CARD = SimpleNamespace(name="tickets", labels=["a", "b"], text_columns=["title", "description"])

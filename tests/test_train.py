@@ -9,12 +9,12 @@ import torch
 from tests.helpers import free_port
 from workflows import registry
 from workflows.errors import UserError
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline import export_artifact, stage_preprocess
 from workflows.runtime import runtime
 from workflows.serve.predictor import Predictor
 from workflows.tracking.client import TrackingSpec
 from workflows.train.checkpoint import consolidated_model_state, read_state
-from workflows.train.export import download_checkpoint, export_artifact
+from workflows.train.export import download_checkpoint
 from workflows.train.loop import steps_per_epoch
 from workflows.train.trainer import check_resources, fit, select_checkpoint
 

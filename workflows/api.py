@@ -27,9 +27,9 @@ The platform's defaults do the rest: `export` writes the state dict as safetenso
 pipeline's demo requests are the val split's first rows. examples/tasks/ holds complete plug-ins.
 """
 
+from workflows.dataset import ProcessedDataset, materialized, split_of, write_manifest, write_splits
 from workflows.errors import UserError
-from workflows.model_card import ModelCard
-from workflows.preprocess.materialize import ProcessedDataset, materialized, split_of, write_manifest, write_splits
+from workflows.model_card import ModelCard, write_card
 from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.preprocess.table import preprocess_table
 from workflows.serve.contract import JsonInstances, classification_prediction
@@ -44,7 +44,6 @@ from workflows.tasks.base import (
     card_dataset,
 )
 from workflows.tasks.classify import Classification, add_predictions, prediction
-from workflows.train.export import write_card
 
 __all__ = [
     "Classification", "HttpContract", "JsonInstances", "MetricStates", "ModelCard", "ModelOutput", "ModelPredictor",

@@ -11,26 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from sklearn.metrics import accuracy_score, confusion_matrix, precision_recall_fscore_support
 
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
-
-
-def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[str]) -> dict:
-    labels = sorted(set(labels) | set(y_true))
-    p, r, f, s = precision_recall_fscore_support(y_true, y_pred, labels=labels, zero_division=0)
-    wp, wr, wf, _ = precision_recall_fscore_support(y_true, y_pred, labels=labels, average="weighted", zero_division=0)
-    return {
-        "rows": len(y_true),
-        "accuracy": float(accuracy_score(y_true, y_pred)) if y_true else 0.0,
-        "weighted": {"precision": float(wp), "recall": float(wr), "f1": float(wf)},
-        "per_class": {lab: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]), "support": int(s[i])}
-                      for i, lab in enumerate(labels)},
-        # matrix[i][j]: rows of true label i predicted as label j
-        "confusion_matrix": {"labels": labels,
-                             "matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist()},
-    }
+from workflows.tasks.classify import classification_metrics, format_report  # noqa: F401  (their former home)
 
 
 def evaluate_dataset(
@@ -67,25 +51,6 @@ def evaluate_dataset(
     if not len(table):
         raise UserError("evaluation data has no labelled rows")
     return task.evaluate_rows(table[label_column].tolist(), table["prediction"].tolist(), card)
-
-
-def format_report(metrics: dict) -> str:
-    lines = [f"{'class':<28} {'precision':>9} {'recall':>9} {'f1':>9} {'support':>8}"]
-    for lab, m in metrics["per_class"].items():
-        lines.append(f"{lab:<28} {m['precision']:>9.3f} {m['recall']:>9.3f} {m['f1']:>9.3f} {m['support']:>8d}")
-    w = metrics["weighted"]
-    lines.append(f"{'weighted':<28} {w['precision']:>9.3f} {w['recall']:>9.3f} {w['f1']:>9.3f} {metrics['rows']:>8d}")
-    b = metrics["baseline"]
-    lines.append(
-        f"{'majority baseline':<28} {b['precision']:>9.3f} {b['recall']:>9.3f} {b['f1']:>9.3f}"
-        f"   ({b['majority_label']})"
-    )
-    if cm := metrics.get("confusion_matrix"):
-        lines += ["", "confusion matrix (rows: true label, columns: predicted, in this order)"]
-        width = max(8, *(len(str(n)) + 1 for row in cm["matrix"] for n in row))
-        lines.append(f"{'':<28}" + "".join(f"{lab[:width - 1]:>{width}}" for lab in cm["labels"]))
-        lines += [f"{lab:<28}" + "".join(f"{n:>{width}d}" for n in row) for lab, row in zip(cm["labels"], cm["matrix"])]
-    return "\n".join(lines)
 
 
 def plot_confusion(metrics: dict, path) -> Path:

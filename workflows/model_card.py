@@ -45,3 +45,11 @@ class ModelCard(BaseModel):
         """The JSON object: the keys that were given, extras included, none added. Python mode:
         values go to json.dumps as they came (JSON mode would turn a NaN metric into null)."""
         return self.model_dump(exclude_unset=True)
+
+
+def write_card(card: ModelCard, out_dir: str) -> dict:
+    """workflows.json of an artifact; a dict: the pipeline adds the baseline and validation metrics
+    before registering it."""
+    with open(os.path.join(out_dir, "workflows.json"), "w") as f:
+        json.dump(card.to_dict(), f, indent=2)
+    return card.to_dict()

@@ -13,10 +13,10 @@ from typing import Any
 from workflows import registry
 from workflows.config import WorkflowConfig
 from workflows.console import show
-from workflows.errors import UserError
-from workflows.preprocess.materialize import ProcessedDataset, preprocess
+from workflows.dataset import SPLITS, ProcessedDataset
+from workflows.errors import UserError, surface_user_errors
 from workflows.runtime import Runtime, say, warn
-from workflows.storage.uri import protocol_of
+from workflows.storage.uri import StorageContext, protocol_of
 from workflows.tasks import check_card_task, get_task
 from workflows.tracking import stages as tracking
 
@@ -69,6 +69,12 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
         warn(f"data: {describe_skipped(skipped)}")
     return {"built": True, "rows": len(rows), "shards": len(uris), "seconds": round(time.time() - t0, 2),
             "skipped_modules": skipped}
+
+
+@surface_user_errors()
+def preprocess(cfg: WorkflowConfig, ctx, say=print) -> ProcessedDataset:
+    """The config's task turns the raw shards into its processed dataset (or finds it made)."""
+    return get_task(cfg).preprocess(ctx, say)
 
 
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
@@ -142,6 +148,20 @@ def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
     return cfg.model_copy(update={"train": cfg.train.model_validate(train)})
 
 
+def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDataset, checkpoint_uri: str,
+                    out_dir: str, lineage: dict) -> dict:
+    """The checkpoint's consolidated weights, written by the config's task as its serving artifact
+    (safetensors weights, what its predictor needs, workflows.json) into `out_dir`."""
+    from workflows.train.checkpoint import consolidated_model_state
+    from workflows.train.export import download_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        state = consolidated_model_state(download_checkpoint(checkpoint_uri, ctx, tmp))
+    lineage = {"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
+               "checkpoint": checkpoint_uri, **lineage}
+    return get_task(cfg).export(state, data, out_dir, lineage)
+
+
 def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
     with tracking.tracked(rt, "train") as run:
         return _train(rt, data, resume, register, run)
@@ -149,7 +169,6 @@ def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, regis
 
 def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, run):
     from workflows.progress import EpochProgress
-    from workflows.train.export import export_artifact
     from workflows.train.loop import epoch_line
     from workflows.train.report import plot_losses
     from workflows.train.trainer import fit
@@ -230,8 +249,6 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
 
 
 def check_split(split: str) -> None:
-    from workflows.preprocess.materialize import SPLITS
-
     if split not in SPLITS:
         raise UserError(f"--split {split!r}: expected one of {', '.join(SPLITS)}")
 

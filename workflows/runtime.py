@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows import console
+from workflows.cluster_scoped import cluster_address  # noqa: F401  (its former home: tests, cli import it)
 from workflows.config import WorkflowConfig, dump_config
 from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.net import free_port
@@ -75,17 +76,6 @@ def buckets(cfg: WorkflowConfig) -> set[str]:
     """The buckets of the embedded store that the config's root and data source name."""
     uris = [cfg.storage.root, cfg.data.source]
     return {u.split("://", 1)[1].split("/", 1)[0] for u in uris if protocol_of(u) in ("s3", "s3a")}
-
-
-def cluster_address(cfg: WorkflowConfig) -> str | None:
-    """The running cluster a command joins, or None to start a local cluster of its own: ray.address
-    if set ("local" starts one), else RAY_ADDRESS if set and not "local" (`ray job submit` sets it
-    in a job's driver to the cluster's GCS address; cluster/local/start.sh's env file exports it),
-    joined as ray.address=auto would."""
-    if cfg.ray.address:
-        return None if cfg.ray.address == "local" else cfg.ray.address
-    env = os.environ.get("RAY_ADDRESS", "")
-    return env if env and env != "local" else None
 
 
 def plugin_runtime_env(cfg: WorkflowConfig) -> dict | None:
@@ -202,6 +192,9 @@ def runtime(
     """The object store (embedded endpoint if configured), then Ray. `before_ray(storage)` runs in
     between: checks that need only the store (a model that is not registered, an output that is
     not empty) fail in a second instead of after Ray has started."""
+    from workflows.tasks import check_task
+
+    check_task(cfg)  # a plug-in that does not import stops here, before the store or Ray starts
     embedded, started_ray = None, False
     if cfg.storage.embedded.enabled:
         e = cfg.storage.embedded

@@ -92,8 +92,8 @@ def export(data_dir: Path, model: Path, ckpt: Path, out: Path) -> Path:
     """The last epoch's checkpoint as the pipeline's serving artifact (export_text_classifier)."""
     from workflows.config import load_config
     from workflows.storage.uri import StorageContext
+    from workflows.tasks.text.export import export_text_classifier
     from workflows.train.checkpoint import consolidated_model_state
-    from workflows.train.export import export_text_classifier
     from workflows.train.standalone import find_dataset
 
     cfg = load_config("quickstart", [*TRAIN_SETS, f"model.name_or_path={model}", f"preprocess.tokenizer={model}"])
@@ -108,7 +108,7 @@ def score_predictor(model_dir: Path, test, precision: str) -> dict:
     import torch
     from sklearn.metrics import f1_score
 
-    from workflows.serve.predictor import TextPredictor
+    from workflows.tasks.text.predictor import TextPredictor
 
     p = TextPredictor(str(model_dir), precision=precision)
     columns = {c: test[c].astype(str).tolist() for c in p.text_columns}

@@ -74,7 +74,7 @@ def step_lm(smoke: bool, emit: Emit, data: str | None) -> None:
 def _image_model(arch: str, size: int, device, torch):
     from transformers import AutoModelForImageClassification
 
-    from workflows.tasks.image_models import ARCHITECTURES
+    from workflows.tasks.image.models import ARCHITECTURES
 
     config: Any = ARCHITECTURES[arch](size)  # a transformers PretrainedConfig
     config.num_labels = 100

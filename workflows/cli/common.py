@@ -96,6 +96,8 @@ def _task_ready(cfg) -> None:
 
 
 def _load(config: str, overrides: list[str] | None):
+    """The config, its task checked (a plug-in imported, its class's methods) before anything starts."""
     from workflows.config import load_config
+    from workflows.tasks import check_task
 
-    return load_config(config, overrides or [])
+    return check_task(load_config(config, overrides or []))

@@ -1,12 +1,39 @@
-"""The `model` section: the task, its model, and a causal LM's shape."""
+"""The `model` section: the task, its model, and a causal LM's shape.
+
+This module imports no task: `model.task` is checked here for its form only (a built-in's name, or
+`module.path:ClassName`); the plug-in's import and its class are checked once the config has loaded,
+before anything starts (workflows.tasks.check_task: the CLI's config load, workflows.runtime).
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from workflows.config.base import Strict
+
+# the built-in tasks' names (workflows.tasks.BUILTIN maps them to their classes; a test keeps the two alike)
+BUILTIN_TASKS = ("classification", "causal_lm", "image_classification")
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+# GPT-2 family shapes (n_layer, n_embd, n_head) of the causal LM's size presets; "1b" is a GPT-2-style
+# 1.2B (24 x 2048)
+SIZES: dict[str, tuple[int, int, int]] = {
+    "tiny": (2, 64, 2),
+    "small": (4, 256, 4),
+    "gpt2-124m": (12, 768, 12),
+    "gpt2-350m": (24, 1024, 16),
+    "gpt2-774m": (36, 1280, 20),
+    "1b": (24, 2048, 16),
+}
+
+
+def shape(lm_cfg: CausalLMConfig) -> tuple[int, int, int]:
+    """(layers, hidden size, heads) of `model.lm`: its preset with the overrides applied."""
+    layers, hidden, heads = SIZES[lm_cfg.size]
+    return lm_cfg.n_layer or layers, lm_cfg.n_embd or hidden, lm_cfg.n_head or heads
 
 
 class CausalLMConfig(Strict):
@@ -49,14 +76,13 @@ class ModelConfig(Strict):
     @field_validator("task")
     @classmethod
     def _known_task(cls, v: str) -> str:
-        from workflows.tasks import check_task_name
-
-        return check_task_name(v)
+        if v in BUILTIN_TASKS or IMPORT_PATH.match(v):
+            return v
+        raise ValueError(f"unknown task {v!r}: use one of {', '.join(BUILTIN_TASKS)}, or a plug-in as "
+                         "module.path:ClassName")
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self):
-        from workflows.train.lm import shape
-
         _, hidden, heads = shape(self.lm)
         if hidden % heads:
             raise ValueError(f"lm: hidden size {hidden} is not divisible by {heads} heads")

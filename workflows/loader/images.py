@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workflows.train.loop import derived_seed
+from workflows.seeds import derived_seed
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,14 @@ from dataclasses import asdict
 import numpy as np
 import pandas as pd
 
-from workflows.errors import UserError
-from workflows.preprocess.materialize import (
+from workflows.dataset import (
     SPLITS,
     ProcessedDataset,
     _keep_fraction,
     shuffled,
     split_of,
 )
+from workflows.errors import UserError
 from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.storage.uri import exists, filesystem, join, pyarrow_filesystem, with_protocol, write_json
 

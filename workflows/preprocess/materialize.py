@@ -1,11 +1,7 @@
-"""Preprocessing on Ray Data: raw shards -> the task's stored examples (text: token ids + label ids),
-split, written once per dataset version. `preprocess` runs the config's task (workflows.tasks);
-`preprocess_text` is the text tasks' implementation.
-
-Output: `<storage.root>/processed/<dataset-version>/split=<train|val|test>/*.parquet` and a
-`manifest.json` written last, which lists the exact files, the label vocabulary and the counts.
-Readers go through the manifest only, so files of an interrupted earlier run are never read, and
-an unchanged input and config finds the manifest and reuses the output without recomputing.
+"""Text preprocessing on Ray Data (the text tasks' `preprocess`): raw shards -> token ids + label
+ids, split by a hash of the text, written once per dataset version as a ProcessedDataset
+(workflows.dataset: the type, its layout and the helpers to write one). The names of
+workflows.dataset stay importable from here, where they lived before.
 """
 
 from __future__ import annotations
@@ -15,91 +11,30 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
 
 from workflows.config import WorkflowConfig
-from workflows.errors import UserError, surface_user_errors
+from workflows.dataset import (  # noqa: F401  (re-exported: their former home)
+    SPLITS,
+    ProcessedDataset,
+    _keep_fraction,
+    _unit_hash,
+    materialized,
+    shuffled,
+    split_of,
+    write_manifest,
+    write_splits,
+)
+from workflows.errors import UserError
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
 from workflows.preprocess.sources import list_shards, read_dataset
-from workflows.storage.shards import Shard, read_shards
-from workflows.storage.uri import (
-    StorageContext,
-    exists,
-    filesystem,
-    join,
-    pyarrow_filesystem,
-    read_json,
-    with_protocol,
-    write_json,
-)
+from workflows.storage.shards import Shard
+from workflows.storage.uri import StorageContext
 
-SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 2  # bump when the processed layout, encoding or row order changes (2: rows shuffled)
-
-
-@dataclass
-class ProcessedDataset:
-    """A processed dataset: parquet files per split (`files`) under `uri`, described by its
-    manifest.json (written last by `write_manifest`: it marks the dataset complete). `labels` is a
-    classifier's vocabulary, `label_column` what evaluation scores predictions against, `info` what
-    else the task stored (statistics, sizes); the default export copies labels and info into the card."""
-
-    uri: str
-    version: str
-    labels: list[str]  # a classifier's label vocabulary (index = label id); empty for other tasks
-    label_column: str  # the column of the stored rows that evaluation scores predictions against
-    files: dict[str, list[str]]
-    counts: dict[str, int]  # rows per split
-    label_counts: dict[str, dict[str, int]]  # a classifier's rows per split and label; empty for other tasks
-    source: str
-    task: str = "classification"  # model.task that wrote it
-    text_columns: list[str] = field(default_factory=list)  # text tasks
-    tokenizer: str | None = None
-    max_length: int | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # what else the task stored (an image size, ...)
-    reused: bool = False
-
-    @classmethod
-    def from_manifest(cls, m: dict) -> ProcessedDataset:
-        return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
-
-    @classmethod
-    def load(cls, uri: str, ctx: StorageContext) -> ProcessedDataset:
-        return cls.from_manifest(read_json(join(uri, "manifest.json"), ctx))
-
-    def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None, cache=None):
-        """A Ray Dataset of one split, read from exactly the files the manifest lists.
-
-        `num_cpus=0` for training ingest: the reads are light and I/O-bound, and on a small machine
-        the train workers hold every CPU, so reads that wait for a CPU would never run.
-        """
-        files = self.files.get(split) or []
-        if not files:
-            raise UserError(f"processed dataset {self.version} has no rows in split {split!r}")
-        return read_shards(files, "parquet", ctx, cache, num_cpus=num_cpus, check_schemas=False)  # written by us
-
-
-def _unit_hash(key: str) -> float:
-    """A deterministic number in [0, 1) from a string."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-
-
-def split_of(text: str, seed: int, val_fraction: float, test_fraction: float) -> str:
-    """Deterministic split by a hash of the text: identical texts always land in the same split."""
-    h = _unit_hash(f"{seed}:{text}")
-    if h < test_fraction:
-        return "test"
-    if h < test_fraction + val_fraction:
-        return "val"
-    return "train"
-
-
-def _keep_fraction(text: str, seed: int) -> float:
-    return _unit_hash(f"keep:{seed}:{text}")
 
 
 def dataset_version(shards: list[Shard], cfg: WorkflowConfig, tokenizer_dir: str) -> str:
@@ -190,54 +125,6 @@ def _split_label_counts(batch: pd.DataFrame, text_columns, label, seed, val_frac
         }
     )
     return pairs.groupby(["split", "label"], as_index=False).size().rename(columns={"size": "rows"})
-
-
-def materialized(out_uri: str, ctx: StorageContext, say=print) -> ProcessedDataset | None:
-    """The processed dataset already written at `out_uri` (its manifest is there), marked reused; or None."""
-    if not exists(join(out_uri, "manifest.json"), ctx):
-        return None
-    ds = ProcessedDataset.load(out_uri, ctx)
-    ds.reused = True
-    say(f"preprocess: dataset version {ds.version} already materialized at {out_uri}: reusing it")
-    return ds
-
-
-def shuffled(ds, seed: int):
-    """The rows of a Ray Dataset in a seeded random order: what every task writes.
-
-    Sources often come sorted (a folder per class, a CSV per label), and readers that keep the
-    stored order (Ray Train's ingest with preserve_order, torchrun's contiguous rank shares) hand
-    each worker a contiguous slice of it: stored in source order, a worker could see one class
-    only. Ray Data's seeded all-to-all shuffle mixes rows across blocks, which a per-block
-    permutation could not."""
-    return ds.random_shuffle(seed=seed)
-
-
-def write_splits(ds, out_uri: str, ctx: StorageContext, rows_per_file: int, seed: int = 0) -> dict[str, list[str]]:
-    """Write a Ray Dataset with a `split` column as `<out_uri>/split=<name>/*.parquet`, its rows in a
-    seeded random order (`shuffled`); the files of each split."""
-    pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
-    shuffled(ds, seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
-                                     min_rows_per_file=rows_per_file)
-    fs, _ = filesystem(out_uri, ctx)  # listing through fsspec: pyarrow's wrapper has no glob
-    return {split: [with_protocol(out_uri, f) for f in sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))]
-            for split in SPLITS}
-
-
-def write_manifest(data: ProcessedDataset, ctx: StorageContext, **extra: Any) -> None:
-    """`manifest.json`, written last: it marks the dataset complete (`extra`: more keys, e.g. the shards)."""
-    manifest = asdict(data)
-    manifest.pop("reused")
-    manifest.update(extra)
-    write_json(join(data.uri, "manifest.json"), manifest, ctx)
-
-
-@surface_user_errors()
-def preprocess(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> ProcessedDataset:
-    """The config's task turns the raw shards into its processed dataset (or finds it made)."""
-    from workflows.tasks import get_task
-
-    return get_task(cfg).preprocess(ctx, say)
 
 
 def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> ProcessedDataset:

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from workflows.errors import UserError
-from workflows.preprocess.materialize import (
+from workflows.dataset import (
     SPLITS,
     ProcessedDataset,
     materialized,
@@ -27,6 +26,7 @@ from workflows.preprocess.materialize import (
     write_manifest,
     write_splits,
 )
+from workflows.errors import UserError
 from workflows.preprocess.sources import list_shards, read_dataset
 
 if TYPE_CHECKING:

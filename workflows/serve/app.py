@@ -294,8 +294,9 @@ def build_app(args: dict) -> serve.Application:
     args: config (a workflow YAML path), model (NAME[:VERSION]), set (optional list of overrides).
     """
     from workflows.config import load_config
+    from workflows.tasks import check_task
 
-    cfg = load_config(args.get("config") or "quickstart", list(args.get("set") or []))
+    cfg = check_task(load_config(args.get("config") or "quickstart", list(args.get("set") or [])))
     return application(_with_store_endpoint(cfg), str(args["model"]))
 
 

@@ -1,7 +1,7 @@
 """The HTTP contract of a served model: pydantic request and response models built from its card,
 declared in the OpenAPI document (/openapi.json, /docs) with every error the app answers.
 
-A task's `http_contract` (workflows.tasks.base.HttpContract) validates a JSON body with the very
+A task's `http_contract` (an `HttpContract`, which a task's `http_contract` returns) validates a JSON body with the very
 request model the document declares (`request_model.model_validate_json`: one validation path, so a
 request the schema accepts is never rejected and one it rejects is never answered outside the
 declared statuses), and `rejection` turns pydantic's first error into the one-line {"error": ...}
@@ -10,7 +10,8 @@ rule: 422 as any other violation of it, where a hand-written check once answered
 for a body over the byte limit, which no JSON schema states. FastAPI's body parameter would do the
 same validation, but the image route takes three content types in one operation (JSON, a raw image,
 multipart), which it cannot; its RequestValidationError answers go through `rejection` too
-(workflows.serve.app). `JsonInstances` is the contract of every task whose instances are JSON objects.
+(workflows.serve.app). `JsonInstances` is the contract of every task whose instances are JSON objects
+(a text classifier's instance model: workflows.tasks.text.contract).
 """
 
 from __future__ import annotations
@@ -20,11 +21,31 @@ import re
 from types import GenericAlias
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from workflows.tasks.base import HttpContract
 
-MAX_TEXT_CHARS = 100_000
+class HttpContract:
+    """How a served model's POST /predict body becomes instances, and its OpenAPI models.
+
+    `parse(content_type, body)` returns the instances (dicts handed to Predictor.predict), or an
+    (HTTP status, one-line message) tuple for a body that is not a valid request."""
+
+    request_model: Any  # pydantic model of the JSON body
+    response_model: Any
+    errors: tuple[int, ...] = (400, 401, 413, 422, 431, 503)  # the statuses POST /predict can answer
+
+    def parse(self, content_type: str | None, body: bytes) -> list[dict] | tuple[int, str]:
+        raise NotImplementedError
+
+    def openapi(self, document: dict, path: str) -> dict:
+        """Declare the request body of POST `path` in a FastAPI-generated OpenAPI document."""
+        raise NotImplementedError
+
+    def example(self) -> dict:
+        """One request body the /docs page shows."""
+        raise NotImplementedError
+
+
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -43,40 +64,6 @@ ERRORS = {
     431: "request headers too large or too many",
     503: "the server is shutting down (it answers the requests it holds, then stops)",
 }
-
-
-# Not all of an instance's text fields blank, in the schema as in the validator. JSON Schema has no
-# "at least one of these non-empty", so the schema says "not (every field blank)": a `not` over one
-# `pattern` per field, the same regex the validator applies. Blank is spelled out as the whitespace
-# that Python's `\s` and ECMA's agree on, not `\s` itself: Python's also counts U+001C-U+001F and
-# U+0085, ECMA's (and schemathesis' validator, jsonschema-rs) U+FEFF, so the server refused
-# "\x1d\x1d" as blank while the schema declared it valid (make reliability's fuzz row found it); an
-# explicit class reads alike in every engine. Not an anyOf
-# of `\S` patterns: a generator (hypothesis via schemathesis) must then build each field from the
-# pattern AND its 100,000-character maxLength, which stalled schemathesis' coverage phase and failed
-# its health checks, so the fuzzer barely reached POST /predict; a `not` it satisfies by filtering the
-# rare all-blank instance out, and it breaks it by generating blank strings.
-BLANK = r"^[\t\n\v\f\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$"
-_BLANK = re.compile(BLANK)
-
-
-def instance_model(text_columns: list[str]) -> type[BaseModel]:
-    """One instance: the model's text columns, strings, nothing else; not all of them blank."""
-    fields: dict[str, Any] = {c: (str, Field(..., max_length=MAX_TEXT_CHARS)) for c in text_columns}
-
-    def not_all_empty(self):
-        if all(_BLANK.search(getattr(self, c)) for c in text_columns):  # as a JSON Schema validator applies it
-            raise ValueError(f"all text fields are empty ({', '.join(text_columns)})")
-        return self
-
-    validators: dict[str, Any] = {"not_all_empty": model_validator(mode="after")(not_all_empty)}
-    some_text: dict[str, Any] = {"not": {"properties": {c: {"pattern": BLANK} for c in text_columns}}}
-    return create_model("Instance", __config__=ConfigDict(extra="forbid", strict=True, json_schema_extra=some_text),
-                        __validators__=validators, **fields)
-
-
-def example_instance(text_columns: list[str]) -> dict[str, str]:
-    return {c: "Return the mean of the array elements along the given axis." for c in text_columns}
 
 
 def classification_prediction(labels: list[str]) -> type[BaseModel]:
@@ -113,12 +100,6 @@ def request_model(instance: type[BaseModel], max_instances: int, example: dict) 
     )
 
 
-def predict_models(card, max_instances: int) -> tuple[type[BaseModel], type[BaseModel]]:
-    """(PredictRequest, PredictResponse) of a text classifier `card` describes."""
-    request = request_model(instance_model(card.text_columns), max_instances, example_instance(card.text_columns))
-    return request, response_model(card, classification_prediction(card.labels))
-
-
 class JsonInstances(HttpContract):
     """POST /predict {"instances": [{...}, ...]}: each instance validated by a pydantic model, handed
     to the predictor as its dict by alias (the JSON keys)."""
@@ -145,11 +126,6 @@ class JsonInstances(HttpContract):
 
     def openapi(self, document: dict, path: str) -> dict:
         return with_request_body(document, path, self.request_model)
-
-
-def text_contract(card, max_instances: int) -> JsonInstances:
-    return JsonInstances(instance_model(card.text_columns), classification_prediction(card.labels), card,
-                         max_instances, example_instance(card.text_columns))
 
 
 # --- one-line answers for what the request model rejects -------------------------------------------

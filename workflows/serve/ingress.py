@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from workflows.cluster_scoped import cluster_address
 from workflows.errors import UserError
 from workflows.net import listen_ports
 from workflows.serve.haproxy_guard import OWNER_ENV, owner_alive, start_time
@@ -94,8 +95,6 @@ def use_haproxy(sc) -> bool:
 
 def describe(cfg) -> str:
     """The ingress in front of the replicas, as this command set it up."""
-    from workflows.runtime import cluster_address
-
     if cluster_address(cfg):  # a running cluster: its environment decides
         return "the cluster's ingress"
     return "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve's Python proxy"
@@ -140,7 +139,6 @@ def start_serve(cfg, http_options: dict, logging_config: dict, pick=port_env, at
     from ray import serve
 
     from workflows.console import say
-    from workflows.runtime import cluster_address
 
     if cluster_address(cfg) or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         serve.start(http_options=http_options, logging_config=logging_config)

@@ -7,7 +7,9 @@ own by import path, `my_pkg.tasks:MyTask`, with its settings in `model.options` 
 passes its PYTHONPATH and working directory to the workers; one that joins a running cluster ships
 the module's file or top-level package to them (`plugin_source`, workflows.runtime.init_ray).
 A plug-in imports workflows.api only; examples/tasks/ holds complete ones kept outside the package.
-Loading a config imports its plug-in and checks the class (`check_task_class`), before Ray starts.
+The config checks only the form of `model.task` (workflows.config imports no task); `check_task`
+imports the plug-in and checks its class (`check_task_class`) once the config has loaded, before
+anything starts: the CLI's config load and workflows.runtime.runtime call it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import re
 import sys
 from typing import TYPE_CHECKING
 
+from workflows.config.model import IMPORT_PATH
 from workflows.errors import UserError
 
 if TYPE_CHECKING:
@@ -33,13 +35,18 @@ BUILTIN = {
 }
 # model cards written before tasks were plug-ins name the text classifier this way
 CARD_ALIASES = {"sequence-classification": "classification"}
-IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def check_task(cfg: WorkflowConfig) -> WorkflowConfig:
+    """The loaded config, once its `model.task` is checked (`check_task_name`): a mistake stops the
+    command before anything starts, with one line naming the module, class or method."""
+    check_task_name(cfg.model.task)
+    return cfg
 
 
 def check_task_name(value: str) -> str:
-    """`model.task` at config load: a built-in task's name, or `module.path:ClassName`, a plug-in
-    that is imported here and whose class must define what the stages call (`task_class`), so a
-    mistake stops the command before Ray starts."""
+    """`model.task`: a built-in task's name, or `module.path:ClassName`, a plug-in that is imported
+    here and whose class must define what the stages call (`task_class`)."""
     if value in BUILTIN:
         return value
     if IMPORT_PATH.match(value):

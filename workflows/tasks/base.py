@@ -11,7 +11,7 @@ What a task implements, by stage:
 - config: `Options`, a pydantic model of the task's own settings (`model.options`), validated into
   `self.options` on first use (a wrong key is a UserError naming `model.options.<key>`);
 - data: `preprocess` raw shards -> a ProcessedDataset (Ray Data, materialized once per version;
-  workflows.preprocess.materialize has the helpers to find, write and describe one),
+  workflows.dataset has the helpers to find, write and describe one),
   `dataset_version`, the stored `columns` training reads, `prepare_rows`/`prepare_dataset` for a
   last in-memory step (a causal LM packs rows into blocks), `record_encoder` (preprocessing's
   per-record function, built for one process: what `workflows bench` times against the stage);
@@ -44,14 +44,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from workflows.serve.contract import HttpContract, JsonInstances  # noqa: F401  (HttpContract: its former home)
+
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
     from pydantic import BaseModel
 
     from workflows.config import WorkflowConfig
+    from workflows.dataset import ProcessedDataset
     from workflows.model_card import ModelCard
-    from workflows.preprocess.materialize import ProcessedDataset
     from workflows.storage.uri import StorageContext
 
 
@@ -70,28 +72,6 @@ class Predictor:
         raise NotImplementedError
 
     def predict_frame(self, batch):
-        raise NotImplementedError
-
-
-class HttpContract:
-    """How a served model's POST /predict body becomes instances, and its OpenAPI models.
-
-    `parse(content_type, body)` returns the instances (dicts handed to Predictor.predict), or an
-    (HTTP status, one-line message) tuple for a body that is not a valid request."""
-
-    request_model: Any  # pydantic model of the JSON body
-    response_model: Any
-    errors: tuple[int, ...] = (400, 401, 413, 422, 431, 503)  # the statuses POST /predict can answer
-
-    def parse(self, content_type: str | None, body: bytes) -> list[dict] | tuple[int, str]:
-        raise NotImplementedError
-
-    def openapi(self, document: dict, path: str) -> dict:
-        """Declare the request body of POST `path` in a FastAPI-generated OpenAPI document."""
-        raise NotImplementedError
-
-    def example(self) -> dict:
-        """One request body the /docs page shows."""
         raise NotImplementedError
 
 
@@ -250,8 +230,7 @@ class Task(abc.ABC):
         with the labels, label column, dataset `info`, options and the train split's majority label."""
         from safetensors.torch import save_file
 
-        from workflows.model_card import ModelCard
-        from workflows.train.export import write_card
+        from workflows.model_card import ModelCard, write_card
 
         model = self.build_model(data)
         model.load_state_dict(state, strict=True)
@@ -325,8 +304,6 @@ class Task(abc.ABC):
         instance validated by a pydantic model (no other keys, no NaN), `prediction_model` answers."""
         from pydantic import ConfigDict, Field, create_model
 
-        from workflows.serve.contract import JsonInstances
-
         inputs = self.for_card(card).inputs()
         # fields by position, named by alias: any column name ("od280/od315") is a JSON key
         fields: dict[str, Any] = {f"f{i}": (t, Field(..., alias=c)) for i, (c, t) in enumerate(inputs.items())}
@@ -358,7 +335,7 @@ class Task(abc.ABC):
 def card_dataset(card: ModelCard) -> ProcessedDataset:
     """What `build_model`, `collate` and `predict_batch` read of a dataset, as a registered model's
     card recorded it (labels, label column, `info`): serving has the card, not the dataset."""
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
 
     return ProcessedDataset(uri="", version=(card.lineage or {}).get("dataset_version", ""), labels=list(card.labels),
                             label_column=card.label_column or "", files={}, counts={}, label_counts={}, source="",

@@ -8,7 +8,6 @@ rank). The epoch loop itself, with the checkpoint state, is engine.Trainer, whic
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from workflows.preprocess.encoding import pad_batch
+from workflows.seeds import augment_seed, data_seed, derived_seed, dropout_seed  # noqa: F401  (imported from here)
 from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 
 
@@ -30,26 +30,6 @@ def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Te
         "labels": torch.from_numpy(np.array(batch["label_id"], dtype=np.int64)),
     }
 
-
-
-def derived_seed(kind: str, seed: int, epoch: int, rank: int = 0) -> int:
-    """A 31-bit seed from (kind, seed, epoch, rank): (seed=0, epoch=1) and (seed=1, epoch=0) differ."""
-    return int.from_bytes(hashlib.sha256(f"{kind}:{seed}:{epoch}:{rank}".encode()).digest()[:4], "big") >> 1
-
-
-def data_seed(seed: int, epoch: int, rank: int = 0) -> int:
-    """The seed of the data order of one epoch on one rank."""
-    return derived_seed("data", seed, epoch, rank)
-
-
-def augment_seed(seed: int, epoch: int) -> int:
-    """The seed a task's training collate draws augmentation from in one epoch (per sample inside
-    it): never the rank's, so a resume on another worker count, or a Tune trial, sees the same crops."""
-    return derived_seed("augment", seed, epoch)
-
-
-def dropout_seed(seed: int, epoch: int, rank: int = 0) -> int:
-    return derived_seed("dropout", seed, epoch, rank)
 
 
 def make_optimizer(

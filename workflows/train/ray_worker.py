@@ -17,11 +17,11 @@ from typing import Any
 from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
 from workflows.preprocess.materialize import ProcessedDataset
+from workflows.seeds import augment_seed, data_seed
 from workflows.storage.uri import StorageContext, pyarrow_filesystem, write_json
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
 from workflows.train.engine import Trainer
-from workflows.train.loop import augment_seed, data_seed
 from workflows.train.report import STEP_CHECKPOINT
 from workflows.train.stream_input import SampleHook, StreamInput
 from workflows.train.worker_setup import set_torch_threads, val_positions

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from workflows.loader import StreamLoader, parquet_index
 from workflows.loader.index import DatasetIndex
-from workflows.train.loop import augment_seed
+from workflows.seeds import augment_seed
 
 # (world rank, epoch, position of the batch's step in the epoch order, the batch's global sample ids)
 SampleHook = Callable[[int, int, int, list[int]], None]

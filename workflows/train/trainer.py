@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workflows.config import WorkflowConfig
+from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
-from workflows.preprocess.materialize import ProcessedDataset
+from workflows.seeds import data_seed
 from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol
 from workflows.tasks import get_task
 from workflows.tracking.client import TrackingSpec
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import data_seed
 from workflows.train.ray_worker import RankStepHook, WorkerSpec, worker_loop
 from workflows.train.report import is_step_checkpoint
 from workflows.train.stream_input import SampleHook
@@ -55,7 +55,7 @@ def mixed_block_order(ds, seed: int):
     """The training blocks (a causal LM's: its packed blocks) in a seeded random order, after `limit`
     (which keeps the first rows, as torchrun and Tune trials read them). With preserve_order each
     worker gets a contiguous run of blocks: the stored rows are shuffled when written
-    (materialize.shuffled), and this spreads the files too. The order is fixed by train.seed, not
+    (dataset.shuffled), and this spreads the files too. The order is fixed by train.seed, not
     reseeded per epoch: Ray Data's per-execution reseed counts executions from 0 again after a
     restart or a --resume, so epoch N would not see the blocks of an uninterrupted run's epoch N.
     The per-epoch order comes from the local shuffle, seeded by (seed, epoch, rank)."""

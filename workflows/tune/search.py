@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from workflows.config import SearchDim, WorkflowConfig
+from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
-from workflows.preprocess.materialize import ProcessedDataset
 from workflows.storage.uri import StorageContext, pyarrow_filesystem
 from workflows.tracking.client import TrackingSpec
 

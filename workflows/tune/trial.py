@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows.config import WorkflowConfig
-from workflows.preprocess.materialize import ProcessedDataset
+from workflows.dataset import ProcessedDataset
 from workflows.storage.uri import StorageContext
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec

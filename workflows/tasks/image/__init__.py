@@ -1,10 +1,15 @@
 """Image classification: labelled images -> stored uint8 tensors (workflows/preprocess/image_dataset.py)
--> a transformers vision classifier (workflows/tasks/image_models.py) trained with on-the-fly
+-> a transformers vision classifier (workflows/tasks/image/models.py) trained with on-the-fly
 augmentation -> served from JSON base64, a raw image body or multipart files.
 
 One decode/resize path (workflows.preprocess.images.decode_image) serves preprocessing and serving;
 one normalization (`to_model_input`, ImageNet's mean and std, recorded in the model card) serves
 training and serving.
+
+The wing: this task; `models` (the architectures by name, `pooled_linear` among them) and
+`contract` (the bodies POST /predict accepts). Decoding and the stored dataset are the data layer's
+(workflows.preprocess.images, image_dataset; workflows.loader.images), which the benches and the
+loaders share.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class ImageClassification(Classification):
 
     def collate(self, data, *, train: bool, seed: int | None = None):
         """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
-        (train.loop.augment_seed: never the rank's); or a loader's decoded batch as it is."""
+        (workflows.seeds.augment_seed: never the rank's); or a loader's decoded batch as it is."""
         import torch
 
         from workflows.preprocess.images import random_resized_crop_flip, to_model_input
@@ -102,13 +107,13 @@ class ImageClassification(Classification):
 
     # --- model
     def build_model(self, data):
-        from workflows.tasks.image_models import build_image_classifier
+        from workflows.tasks.image.models import build_image_classifier
 
         return build_image_classifier(self.cfg, data.labels)
 
     def check(self, data) -> None:
         from workflows.errors import UserError
-        from workflows.tasks.image_models import image_config
+        from workflows.tasks.image.models import image_config
 
         if int(data.info.get("image_size", 0)) != self.cfg.preprocess.image_size:
             raise UserError(f"the dataset stores {data.info.get('image_size')}px images; preprocess.image_size is "
@@ -118,10 +123,9 @@ class ImageClassification(Classification):
     def export(self, state, data, out_dir, lineage) -> dict:
         from transformers import AutoModelForImageClassification
 
-        from workflows.model_card import ModelCard
+        from workflows.model_card import ModelCard, write_card
         from workflows.preprocess.images import IMAGENET_MEAN, IMAGENET_STD
-        from workflows.tasks.image_models import image_config
-        from workflows.train.export import write_card
+        from workflows.tasks.image.models import image_config
 
         model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels))
         model.load_state_dict(state, strict=True)
@@ -177,7 +181,7 @@ class ImagePredictor(BasePredictor):
         import torch
         from transformers import AutoModelForImageClassification
 
-        import workflows.tasks.pooled_linear  # noqa: F401 (a registered pooled_linear model loads by its type)
+        import workflows.tasks.image.pooled_linear  # noqa: F401 (a registered pooled_linear model loads by its type)
         from workflows.preprocess.images import MAX_PIXELS
 
         self.card, self.labels = card, list(card.labels)
@@ -251,7 +255,7 @@ class ImagePredictor(BasePredictor):
 
 class ImageContract(HttpContract):
     """POST /predict for images: JSON {"instances": [{"image": {"b64": ...}}]}, a raw image body, or
-    multipart files (workflows.serve.image_requests); every image decoded here, so a bad one is a
+    multipart files (workflows.tasks.image.contract); every image decoded here, so a bad one is a
     422 for its request alone, before any batch. Decoding is heavy (0.3 s for a 40 Mpx PNG): the
     replica runs parse off its event loop (`off_loop`), and a request's images may declare at most
     `max_request_pixels` in all, checked from their headers before any is decoded."""
@@ -261,7 +265,7 @@ class ImageContract(HttpContract):
     max_body_bytes = IMAGE_MAX_BODY_BYTES
 
     def __init__(self, card, max_instances: int, max_pixels: int, max_request_pixels: int | None = None):
-        from workflows.serve.image_requests import image_predict_models
+        from workflows.tasks.image.contract import image_predict_models
 
         self.card, self.max_instances, self.max_pixels = card, max_instances, max_pixels
         self.max_request_pixels = max_request_pixels
@@ -269,7 +273,7 @@ class ImageContract(HttpContract):
 
     def parse(self, content_type, body):
         from workflows.preprocess.images import BadImage, decode_image
-        from workflows.serve.image_requests import RequestError, over_pixel_budget, parse_image_request
+        from workflows.tasks.image.contract import RequestError, over_pixel_budget, parse_image_request
 
         images = parse_image_request(content_type, body, self.max_instances, self.max_body_bytes)
         if isinstance(images, RequestError):
@@ -285,12 +289,12 @@ class ImageContract(HttpContract):
         return instances
 
     def openapi(self, document, path):
-        from workflows.serve.image_requests import with_image_request_body
+        from workflows.tasks.image.contract import with_image_request_body
 
         return with_image_request_body(document, path, self.request_model, max_body_bytes=self.max_body_bytes,
                                        max_request_pixels=self.max_request_pixels)
 
     def example(self) -> dict:
-        from workflows.serve.image_requests import EXAMPLE_REQUEST
+        from workflows.tasks.image.contract import EXAMPLE_REQUEST
 
         return EXAMPLE_REQUEST

@@ -1,5 +1,11 @@
 """Text classification: a pretrained encoder (MiniLM by default) fine-tuned with a new head on
-tokenized text columns (workflows/preprocess/encoding.py shares the encoding with serving)."""
+tokenized text columns (workflows/preprocess/encoding.py shares the encoding with serving).
+
+The wing: this task; `predictor` (serving, batch inference, evaluation), `contract` (POST /predict's
+request and response models), `export` (the from_pretrained artifact). Its preprocessing is
+workflows.preprocess.materialize's text tokenization on Ray Data, which the causal LM shares, and its
+model the transformers classifier of workflows.train.models, which the training engine's linear probe
+and memory planner read too."""
 
 from __future__ import annotations
 
@@ -81,18 +87,18 @@ class TextClassification(Classification):
         return self.cfg.train.head_lr
 
     def export(self, state, data, out_dir, lineage) -> dict:
-        from workflows.train.export import export_text_classifier
+        from workflows.tasks.text.export import export_text_classifier
 
         return export_text_classifier(self.cfg, state, data, out_dir, lineage)
 
     # --- serving
     def predictor(self, model_dir, card, threads=None, precision="fp32"):
-        from workflows.serve.predictor import TextPredictor
+        from workflows.tasks.text.predictor import TextPredictor
 
         return TextPredictor(model_dir, threads, precision)
 
     def http_contract(self, card, max_instances):
-        from workflows.serve.contract import text_contract
+        from workflows.tasks.text.contract import text_contract
 
         return text_contract(card, max_instances)
 

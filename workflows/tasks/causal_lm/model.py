@@ -14,29 +14,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # torch is imported inside the functions: the config validates shapes without it
-    import torch
+from workflows.config.model import SIZES, shape  # noqa: F401  (SIZES: the benches import it from here)
 
-# GPT-2 family shapes (n_layer, n_embd, n_head); "1b" is a GPT-2-style 1.2B (24 x 2048)
-SIZES: dict[str, tuple[int, int, int]] = {
-    "tiny": (2, 64, 2),
-    "small": (4, 256, 4),
-    "gpt2-124m": (12, 768, 12),
-    "gpt2-350m": (24, 1024, 16),
-    "gpt2-774m": (36, 1280, 20),
-    "1b": (24, 2048, 16),
-}
+if TYPE_CHECKING:  # torch is imported inside the functions: the planner reads a shape without it
+    import torch
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity), for MFU.
 PEAK_BF16_FLOPS: list[tuple[str, float]] = [
     ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("GH200", 989e12),
     ("B200", 2250e12), ("A100", 312e12), ("A10G", 70e12), ("L40S", 362e12), ("L4", 121e12),
 ]
-
-
-def shape(lm_cfg) -> tuple[int, int, int]:
-    layers, hidden, heads = SIZES[lm_cfg.size]
-    return lm_cfg.n_layer or layers, lm_cfg.n_embd or hidden, lm_cfg.n_head or heads
 
 
 def causal_lm_config(lm_cfg, vocab_size: int, dropout: float | None = None, attn: str | None = None):

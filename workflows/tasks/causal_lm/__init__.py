@@ -1,6 +1,9 @@
 """Causal-LM pretraining: a GPT-2-style model built from model.lm, trained on the tokenized text
 packed into blocks of model.lm.seq_len tokens. Its checkpoints stay with the run: the registry
-and serving take the tasks that predict (registers = False)."""
+and serving take the tasks that predict (registers = False).
+
+The wing: this task and `model` (the GPT-2 model, block packing, FLOPs and MFU). Its preprocessing
+is workflows.preprocess.materialize's text tokenization, which the text classifier shares."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ class CausalLM(Task):
 
     def prepare_dataset(self, ds):
         """Token rows -> blocks of seq_len tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
-        from workflows.train.lm import PACK_ROWS, pack_batch
+        from workflows.tasks.causal_lm.model import PACK_ROWS, pack_batch
 
         return ds.map_batches(pack_batch, fn_kwargs={"seq_len": self.cfg.model.lm.seq_len}, batch_format="numpy",
                               batch_size=PACK_ROWS, num_cpus=0)
@@ -37,7 +40,7 @@ class CausalLM(Task):
         """The same packing of rows held in memory, as Ray Data's map_batches packs them."""
         import numpy as np
 
-        from workflows.train.lm import PACK_ROWS, pack_batch
+        from workflows.tasks.causal_lm.model import PACK_ROWS, pack_batch
 
         ids, seq_len = rows["input_ids"], self.cfg.model.lm.seq_len
         parts = [pack_batch({"input_ids": ids[i: i + PACK_ROWS]}, seq_len)["input_ids"]
@@ -46,12 +49,12 @@ class CausalLM(Task):
         return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
 
     def collate(self, data, *, train: bool, seed: int | None = None):
-        from workflows.train.lm import lm_collate
+        from workflows.tasks.causal_lm.model import lm_collate
 
         return lambda batch: lm_collate(batch["input_ids"])
 
     def build_model(self, data):
-        from workflows.train.lm import build_causal_lm
+        from workflows.tasks.causal_lm.model import build_causal_lm
         from workflows.train.worker_setup import pad_and_vocab
 
         return build_causal_lm(self.cfg.model.lm, pad_and_vocab(data.tokenizer)[1], self.cfg.model.dropout)
@@ -60,7 +63,7 @@ class CausalLM(Task):
         from transformers import AutoTokenizer
 
         from workflows.preprocess.encoding import resolve_model_dir
-        from workflows.train.lm import causal_lm_config
+        from workflows.tasks.causal_lm.model import causal_lm_config
         from workflows.train.model_spec import spec_from_config
 
         lm, use_gpu = self.cfg.model.lm, self.cfg.train.use_gpu
@@ -83,7 +86,7 @@ class CausalLM(Task):
         """MFU of the epoch on GPU (none elsewhere: no meaningful peak)."""
         if device.type != "cuda":
             return {}
-        from workflows.train.lm import mfu, model_shape
+        from workflows.tasks.causal_lm.model import mfu, model_shape
         from workflows.train.parallel import world
 
         params, layers, hidden = model_shape(model)

@@ -30,7 +30,7 @@ def _vit_small(image_size: int):
 
 
 def _pooled_linear(image_size: int):
-    from workflows.tasks.pooled_linear import PooledLinearConfig
+    from workflows.tasks.image.pooled_linear import PooledLinearConfig
 
     return PooledLinearConfig(pool_size=min(8, image_size))
 
@@ -100,7 +100,7 @@ def image_config(cfg, labels: list[str]):
     """The model's transformers config with a head for `labels` (no weights read)."""
     from transformers import AutoConfig
 
-    import workflows.tasks.pooled_linear  # noqa: F401 (registers its config: a saved one reads back by name)
+    import workflows.tasks.image.pooled_linear  # noqa: F401 (registers its config: a saved one reads back by name)
 
     name, size = cfg.model.name_or_path, cfg.preprocess.image_size
     if name in ARCHITECTURES:

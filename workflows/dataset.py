@@ -1,0 +1,131 @@
+"""The processed dataset, the platform's core data type: a task's stored rows per split under one
+URI, described by a `manifest.json` written last, and the helpers every task's preprocessing uses to
+find one already made, split rows, write them and the manifest.
+
+Layout: `<storage.root>/processed/<dataset-version>/split=<train|val|test>/*.parquet` and the
+manifest, which lists the exact files, the label vocabulary and the counts. Readers go through the
+manifest only, so files of an interrupted earlier run are never read, and an unchanged input and
+config finds the manifest and reuses the output without recomputing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from workflows.errors import UserError
+from workflows.storage.shards import read_shards
+from workflows.storage.uri import (
+    StorageContext,
+    exists,
+    filesystem,
+    join,
+    pyarrow_filesystem,
+    read_json,
+    with_protocol,
+    write_json,
+)
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class ProcessedDataset:
+    """A processed dataset: parquet files per split (`files`) under `uri`, described by its
+    manifest.json (written last by `write_manifest`: it marks the dataset complete). `labels` is a
+    classifier's vocabulary, `label_column` what evaluation scores predictions against, `info` what
+    else the task stored (statistics, sizes); the default export copies labels and info into the card."""
+
+    uri: str
+    version: str
+    labels: list[str]  # a classifier's label vocabulary (index = label id); empty for other tasks
+    label_column: str  # the column of the stored rows that evaluation scores predictions against
+    files: dict[str, list[str]]
+    counts: dict[str, int]  # rows per split
+    label_counts: dict[str, dict[str, int]]  # a classifier's rows per split and label; empty for other tasks
+    source: str
+    task: str = "classification"  # model.task that wrote it
+    text_columns: list[str] = field(default_factory=list)  # text tasks
+    tokenizer: str | None = None
+    max_length: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # what else the task stored (an image size, ...)
+    reused: bool = False
+
+    @classmethod
+    def from_manifest(cls, m: dict) -> ProcessedDataset:
+        return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
+
+    @classmethod
+    def load(cls, uri: str, ctx: StorageContext) -> ProcessedDataset:
+        return cls.from_manifest(read_json(join(uri, "manifest.json"), ctx))
+
+    def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None, cache=None):
+        """A Ray Dataset of one split, read from exactly the files the manifest lists.
+
+        `num_cpus=0` for training ingest: the reads are light and I/O-bound, and on a small machine
+        the train workers hold every CPU, so reads that wait for a CPU would never run.
+        """
+        files = self.files.get(split) or []
+        if not files:
+            raise UserError(f"processed dataset {self.version} has no rows in split {split!r}")
+        return read_shards(files, "parquet", ctx, cache, num_cpus=num_cpus, check_schemas=False)  # written by us
+
+
+def _unit_hash(key: str) -> float:
+    """A deterministic number in [0, 1) from a string."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
+def split_of(text: str, seed: int, val_fraction: float, test_fraction: float) -> str:
+    """Deterministic split by a hash of the text: identical texts always land in the same split."""
+    h = _unit_hash(f"{seed}:{text}")
+    if h < test_fraction:
+        return "test"
+    if h < test_fraction + val_fraction:
+        return "val"
+    return "train"
+
+
+def _keep_fraction(text: str, seed: int) -> float:
+    return _unit_hash(f"keep:{seed}:{text}")
+
+
+def materialized(out_uri: str, ctx: StorageContext, say=print) -> ProcessedDataset | None:
+    """The processed dataset already written at `out_uri` (its manifest is there), marked reused; or None."""
+    if not exists(join(out_uri, "manifest.json"), ctx):
+        return None
+    ds = ProcessedDataset.load(out_uri, ctx)
+    ds.reused = True
+    say(f"preprocess: dataset version {ds.version} already materialized at {out_uri}: reusing it")
+    return ds
+
+
+def shuffled(ds, seed: int):
+    """The rows of a Ray Dataset in a seeded random order: what every task writes.
+
+    Sources often come sorted (a folder per class, a CSV per label), and readers that keep the
+    stored order (Ray Train's ingest with preserve_order, torchrun's contiguous rank shares) hand
+    each worker a contiguous slice of it: stored in source order, a worker could see one class
+    only. Ray Data's seeded all-to-all shuffle mixes rows across blocks, which a per-block
+    permutation could not."""
+    return ds.random_shuffle(seed=seed)
+
+
+def write_splits(ds, out_uri: str, ctx: StorageContext, rows_per_file: int, seed: int = 0) -> dict[str, list[str]]:
+    """Write a Ray Dataset with a `split` column as `<out_uri>/split=<name>/*.parquet`, its rows in a
+    seeded random order (`shuffled`); the files of each split."""
+    pa_fs, out_path = pyarrow_filesystem(out_uri, ctx)
+    shuffled(ds, seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
+                                     min_rows_per_file=rows_per_file)
+    fs, _ = filesystem(out_uri, ctx)  # listing through fsspec: pyarrow's wrapper has no glob
+    return {split: [with_protocol(out_uri, f) for f in sorted(fs.glob(f"{out_path}/split={split}/*.parquet"))]
+            for split in SPLITS}
+
+
+def write_manifest(data: ProcessedDataset, ctx: StorageContext, **extra: Any) -> None:
+    """`manifest.json`, written last: it marks the dataset complete (`extra`: more keys, e.g. the shards)."""
+    manifest = asdict(data)
+    manifest.pop("reused")
+    manifest.update(extra)
+    write_json(join(data.uri, "manifest.json"), manifest, ctx)
