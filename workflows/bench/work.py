@@ -14,9 +14,9 @@ are timed here, the way a user would write them in one script, whatever the task
               (`predict_frame`, in batches of evaluate.batch_size), scored by the task
   serve       the demo requests the pipeline sent, each body parsed by the task's HTTP contract
               (an image is decoded there) and predicted, one at a time
-The same functions as the pipeline (the task's record encoder, loop.build_training,
-loop.run_epochs, the task's predictor and contract), so the difference between a stage's wall time
-and its work is what the platform adds.
+The same functions as the pipeline (the task's record encoder, the training engine train.engine.Trainer,
+the task's predictor and contract), so the difference between a stage's wall time and its work is
+what the platform adds.
 
 Threads: each training run, and the evaluation, runs with 1 thread and with the threads the stage
 had (`fastest`), and the faster counts, with the thread count that gave it. On an idle machine more
@@ -39,10 +39,6 @@ from pathlib import Path
 import torch
 
 from workflows.config import WorkflowConfig
-
-
-class _Stop(Exception):
-    pass
 
 
 class _Slower(Exception):
@@ -141,8 +137,7 @@ def train_run(cfg: WorkflowConfig, processed: Path, epochs: int, threads: int, l
     """Seconds to build the model and train+validate `epochs` epochs of `cfg` in this process
     (math.inf when abandoned past `limit` seconds)."""
     from workflows.tasks import get_task
-    from workflows.train.engine import run_epochs
-    from workflows.train.loop import build_training
+    from workflows.train.engine import Trainer
     from workflows.train.standalone import batches, epoch_batches, row_count
 
     tc = cfg.train
@@ -151,23 +146,22 @@ def train_run(cfg: WorkflowConfig, processed: Path, epochs: int, threads: int, l
     train_rows = task.prepare_rows(_rows(data.files["train"], task.columns, tc.max_train_rows))
     val_rows = task.prepare_rows(_rows(data.files["val"], task.columns, tc.max_val_rows))
     t0 = time.perf_counter()
-    device = torch.device("cpu")
     eval_batch = task.collate(data, train=False)
-    probe = batches(train_rows, cfg.evaluate.batch_size, eval_batch)
-    model, optimizer, scheduler = build_training(cfg, task, data, device, row_count(train_rows), probe)
 
-    def end_of_epoch(epoch: int, metrics: dict, history: list[dict]) -> None:
-        if epoch + 1 >= epochs:
-            raise _Stop
+    class Source:  # the pipeline's batches, abandoned past `limit`
+        def train(self, epoch: int, skip: int):
+            return _within(epoch_batches(task, data, train_rows, tc.batch_size, tc.seed, epoch), t0, limit)
 
+        def val(self):
+            return _within(batches(val_rows, cfg.evaluate.batch_size, eval_batch), t0, limit)
+
+        def probe(self):
+            return batches(train_rows, cfg.evaluate.batch_size, eval_batch)
+
+    trainer = Trainer(cfg, task, data, torch.device("cpu"), Source(), row_count(train_rows))
     try:
-        run_epochs(cfg, task, data, model, optimizer, scheduler, device, start_epoch=0, history=[],
-                   train_batches=lambda e: _within(
-                       epoch_batches(task, data, train_rows, tc.batch_size, tc.seed, e), t0, limit),
-                   val_batches=lambda: _within(batches(val_rows, cfg.evaluate.batch_size, eval_batch), t0, limit),
-                   end_of_epoch=end_of_epoch)
-    except _Stop:
-        pass
+        trainer.build()
+        trainer.fit(stop_after=epochs - 1)
     except _Slower:
         return math.inf
     return time.perf_counter() - t0

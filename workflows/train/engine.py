@@ -18,7 +18,7 @@ state having to be saved.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -153,30 +153,3 @@ class Trainer:
                 break
         return self.history
 
-
-class _Batches:
-    """A BatchSource from two functions (run_epochs' interface)."""
-
-    def __init__(self, train: Callable[[int], Iterable[dict]], val: Callable[[], Iterable[dict]]):
-        self._train, self._val = train, val
-
-    def train(self, epoch: int, skip: int) -> Iterable[dict]:
-        return self._train(epoch)
-
-    def val(self) -> Iterable[dict]:
-        return self._val()
-
-    def probe(self) -> Iterable[dict] | None:
-        return None
-
-
-def run_epochs(cfg, task, data, model, optimizer, scheduler, device, *, start_epoch: int, history: list[dict],
-               train_batches: Callable[[int], Iterable[dict]], val_batches: Callable[[], Iterable[dict]],
-               end_of_epoch: Callable[[int, dict, list[dict]], None]) -> list[dict]:
-    """The loop's earlier interface over a Trainer, for the bench's in-process training (bench/work.py)
-    until it builds a Trainer itself: the parts built already, no checkpoint, no logging."""
-    trainer = Trainer(cfg, task, data, device, _Batches(train_batches, val_batches), 0)
-    trainer.model, trainer.optimizer, trainer.scheduler = model, optimizer, scheduler
-    trainer.start_epoch, trainer.history = start_epoch, history
-    trainer.end_of_epoch = lambda epoch, metrics: end_of_epoch(epoch, metrics, trainer.history)  # type: ignore[method-assign]
-    return trainer.fit()
