@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 
 from workflows.preprocess.encoding import pad_batch
-from workflows.seeds import augment_seed, data_seed, derived_seed, dropout_seed  # noqa: F401  (imported from here)
 from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 
 
