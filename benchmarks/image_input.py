@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SETS = {
     "digits": [],  # configs/digits.yaml as it is: 32 px, crops of 0.7-1.0, no flip
     "photos": ["data.source=s3://workflows/synth/photos/", "data.builtin=null", "data.format=tar",
-               "preprocess.image_size=64", "train.augment.flip=true", "train.augment.crop_scale=[0.35,1.0]",
-               "train.augment.crop_ratio=[0.75,1.33]",
+               "model.options.image_size=64", "model.options.augment.flip=true",
+               "model.options.augment.crop_scale=[0.35,1.0]", "model.options.augment.crop_ratio=[0.75,1.33]",
                "train.batch_size=16"],
 }
 

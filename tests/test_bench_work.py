@@ -29,7 +29,7 @@ def test_raw_records_and_the_image_record_encoder_decode_like_preprocessing(tmp_
     assert len(out) == 40 and out["error"].isna().all()
     by_key = {r["key"]: r for r in rows}
     for key, pixels in zip(out["key"], out["pixels"]):
-        expected = decode_image(by_key[key.split("/", 1)[1]]["image"], cfg.preprocess.image_size)
+        expected = decode_image(by_key[key.split("/", 1)[1]]["image"], get_task(cfg).options.image_size)
         assert np.frombuffer(pixels, np.uint8).tobytes() == expected.tobytes()
 
 

@@ -22,9 +22,9 @@ def test_architectures_by_name_have_their_reference_sizes(name, params):
 
     from workflows.tasks.image.models import image_config
 
-    cfg = _cfg(f"model.name_or_path={name}", "preprocess.image_size=224")
+    cfg = _cfg(f"model.name_or_path={name}")
     with torch.device("meta"):
-        model = AutoModelForImageClassification.from_config(image_config(cfg, [str(i) for i in range(1000)]))
+        model = AutoModelForImageClassification.from_config(image_config(cfg, [str(i) for i in range(1000)], 224))
     assert sum(p.numel() for p in model.parameters()) == params
 
 
@@ -32,7 +32,7 @@ def test_the_small_cnn_trains_a_step_on_cpu():
     from workflows.tasks.image.models import build_image_classifier
 
     torch.manual_seed(0)
-    model = build_image_classifier(_cfg(), [str(i) for i in range(10)])
+    model = build_image_classifier(_cfg(), [str(i) for i in range(10)], 32)
     out = model(pixel_values=torch.randn(4, 3, 32, 32), labels=torch.tensor([0, 1, 2, 3]))
     out.loss.backward()
     assert out.logits.shape == (4, 10) and sum(p.numel() for p in model.parameters()) < 1_000_000
@@ -43,10 +43,10 @@ def test_fine_tuning_starts_from_the_saved_weights_with_a_head_for_new_labels(tm
     from workflows.tasks.image.models import build_image_classifier
 
     torch.manual_seed(0)
-    trained = build_image_classifier(_cfg(), [str(i) for i in range(10)])
+    trained = build_image_classifier(_cfg(), [str(i) for i in range(10)], 32)
     trained.save_pretrained(tmp_path / "model", safe_serialization=True)
     torch.manual_seed(1)
-    tuned = build_image_classifier(_cfg(f"model.name_or_path={prefix}{tmp_path / 'model'}"), ["cat", "dog", "fox"])
+    tuned = build_image_classifier(_cfg(f"model.name_or_path={prefix}{tmp_path / 'model'}"), ["cat", "dog", "fox"], 32)
     before, after = trained.state_dict(), tuned.state_dict()
     body = [k for k in before if not k.startswith("classifier")]
     assert body and all(torch.equal(before[k], after[k]) for k in body)
@@ -59,7 +59,7 @@ def test_an_unknown_architecture_is_a_clear_error(tmp_path):
     from workflows.tasks.image.models import build_image_classifier
 
     with pytest.raises(UserError, match="not an architecture .*small_cnn.* nor a model directory"):
-        build_image_classifier(_cfg(f"model.name_or_path={tmp_path / 'nothing'}"), ["a", "b"])
+        build_image_classifier(_cfg(f"model.name_or_path={tmp_path / 'nothing'}"), ["a", "b"], 32)
 
 
 def test_pooled_linear_trains_saves_and_serves_from_a_fresh_process(tmp_path):
@@ -72,8 +72,7 @@ def test_pooled_linear_trains_saves_and_serves_from_a_fresh_process(tmp_path):
     from workflows.tasks.image.models import build_image_classifier
 
     torch.manual_seed(0)
-    model = build_image_classifier(_cfg("model.name_or_path=pooled_linear", "preprocess.image_size=224"),
-                                   ["cat", "dog", "fox"])
+    model = build_image_classifier(_cfg("model.name_or_path=pooled_linear"), ["cat", "dog", "fox"], 224)
     assert sum(p.numel() for p in model.parameters()) == 3 * 64 * 2 + (3 * 64 + 1) * 3
     x, y = torch.rand(4, 3, 224, 224), torch.tensor([0, 1, 2, 0])
     out = model(pixel_values=x, labels=y)

@@ -86,9 +86,13 @@ def test_a_bad_option_is_a_user_error_naming_it(tmp_path, plugin_path):
         with pytest.raises(UserError, match="model.options") as err:
             get_task(wcfg).check_config()
         assert named in str(err.value) and "its options: features, target, hidden, layers" in str(err.value)
-    # a built-in task takes no options: a key there is a mistake too
+    # a built-in's options are checked the same way; a task without options takes none
     wcfg = load_config(write_config(tmp_path / "c.yaml", {**cfg, "model": {"options": {"hidden": 8}}}))
-    with pytest.raises(UserError, match="task classification takes no options"):
+    with pytest.raises(UserError, match=r"task classification: model.options.hidden: unknown option \(its options: "
+                                        r"pooling, head_init, linear_probe_l2\)"):
+        get_task(wcfg).check_config()
+    wcfg = load_config(write_config(tmp_path / "c.yaml", {**cfg, "model": {"task": "causal_lm", "options": {"x": 1}}}))
+    with pytest.raises(UserError, match="task causal_lm takes no options"):
         get_task(wcfg).check_config()
 
 

@@ -25,8 +25,8 @@ from workflows.train.trainer import check_resources, fit, select_checkpoint
 # first (LP-FT), and hands on the best epoch's
 @pytest.mark.parametrize("strategy,extra", [("fsdp", ["train.grad_accum_steps=2", "train.activation_checkpointing=true",
                                                       "train.checkpoint_select=last", "train.num_to_keep=2"]),
-                                            ("ddp", ["model.pooling=mean", "train.head_lr=1e-3",
-                                                     "train.head_init=linear_probe"])])
+                                            ("ddp", ["model.options.pooling=mean", "train.head_lr=1e-3",
+                                                     "model.options.head_init=linear_probe"])])
 @pytest.mark.slow
 def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy, extra):
     cfg = tiny_cfg(f"train.strategy={strategy}", "train.epochs=2", *extra)

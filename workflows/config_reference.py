@@ -1,4 +1,5 @@
-"""Render the configuration reference, docs/CONFIG.md, from the pydantic models in workflows/config/.
+"""Render the configuration reference, docs/CONFIG.md, from the pydantic models in workflows/config/
+and the built-in tasks' `Options` (their `model.options`).
 
     python -m workflows.config_reference            # (re)write docs/CONFIG.md
     python -m workflows.config_reference --check    # exit 1 if docs/CONFIG.md is stale
@@ -34,7 +35,7 @@ REGENERATE = "python -m workflows.config_reference"
 
 HEADER = f"""# Configuration reference
 
-<!-- Generated from workflows/config/ by `{REGENERATE}`: do not edit by hand. -->
+<!-- Generated from workflows/config/ and the built-in tasks' Options by `{REGENERATE}`: do not edit by hand. -->
 
 Every command reads one YAML file (`--config FILE`: a path, or a shipped config by name, default
 `quickstart`, the package's copy of `configs/quickstart.yaml`) and any
@@ -177,7 +178,7 @@ def sections(
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         sub = _model_of(field.annotation)
-        if sub is not None:
+        if sub is not None and not (field.description or "").startswith("deprecated"):  # a moved section: one row
             nested.append((key, sub))
             continue
         rows.append((key, name, field))
@@ -210,35 +211,46 @@ def render() -> str:
     out.append(
         "Sections: " + ", ".join(f"[`{path or 'top level'}`](#{_anchor(path)})" for path, _, _ in all_sections) + ".\n"
     )
+    tasks = list(task_option_sections())
+    out.append("Built-in tasks' options (`model.options`): "
+               + ", ".join(f"[`{name}`](#{_anchor(f'task {name}: model.options')})" for name, _ in tasks) + ".\n")
     for path, model, rows in all_sections:
-        out.append(f"## {'`' + path + '`' if path else 'Top level'}\n")
-        doc = class_doc(model)
-        if doc:
-            out.append(doc + "\n")
-        rules = validator_docs(model)
-        if rules:
-            out.append("\n".join(f"- {rule}" for rule in rules) + "\n")
-        if not rows:
-            out.append("(only the sections below)\n")
-            continue
-        out.append("| key | type | default | constraints | description |")
-        out.append("| --- | --- | --- | --- | --- |")
-        for key, name, field in rows:
-            out.append(
-                "| "
-                + " | ".join(
-                    [
-                        f"`{key}`",
-                        _cell(f"`{type_name(field.annotation)}`"),
-                        _cell(default_text(field)),
-                        _cell(constraints_text(field)),
-                        _cell(description(model, name, field)),
-                    ]
-                )
-                + " |"
-            )
-        out.append("")
+        _section(out, f"`{path}`" if path else "Top level", model, rows)
+    for name, task_sections in tasks:
+        for path, model, rows in task_sections:
+            _section(out, f"Task `{name}`: `{path}`", model, rows)
     return "\n".join(out).rstrip() + "\n"
+
+
+def task_option_sections() -> Iterator[tuple[str, list]]:
+    """(task name, its sections) for each built-in task with an `Options` model: the settings a
+    built-in takes under `model.options` (a plug-in's Options are its own)."""
+    from workflows.tasks import BUILTIN, task_class
+
+    for name in BUILTIN:
+        cls = task_class(name)
+        if cls.Options is not None:
+            yield name, list(sections(cls.Options, "model.options."))
+
+
+def _section(out: list[str], title: str, model: type[BaseModel], rows: list[tuple[str, str, FieldInfo]]) -> None:
+    out.append(f"## {title}\n")
+    doc = class_doc(model)
+    if doc:
+        out.append(doc + "\n")
+    rules = validator_docs(model)
+    if rules:
+        out.append("\n".join(f"- {rule}" for rule in rules) + "\n")
+    if not rows:
+        out.append("(only the sections below)\n")
+        return
+    out.append("| key | type | default | constraints | description |")
+    out.append("| --- | --- | --- | --- | --- |")
+    for key, name, field in rows:
+        cells = [f"`{key}`", _cell(f"`{type_name(field.annotation)}`"), _cell(default_text(field)),
+                 _cell(constraints_text(field)), _cell(description(model, name, field))]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
 
 
 def _anchor(path: str) -> str:

@@ -89,17 +89,17 @@ def f1_of(summary: dict) -> float:
 
 
 def export(data_dir: Path, model: Path, ckpt: Path, out: Path) -> Path:
-    """The last epoch's checkpoint as the pipeline's serving artifact (export_text_classifier)."""
+    """The last epoch's checkpoint as the pipeline's serving artifact (the text task's export)."""
     from workflows.config import load_config
     from workflows.storage.uri import StorageContext
-    from workflows.tasks.text.export import export_text_classifier
+    from workflows.tasks import get_task
     from workflows.train.checkpoint import consolidated_model_state
     from workflows.train.standalone import find_dataset
 
     cfg = load_config("quickstart", [*TRAIN_SETS, f"model.name_or_path={model}", f"preprocess.tokenizer={model}"])
     data = find_dataset(cfg, StorageContext(), str(data_dir))
     state = consolidated_model_state(str(sorted(ckpt.glob("epoch_*"))[-1]))
-    export_text_classifier(cfg, state, data, str(out), {"bench": "gpu classify"})
+    get_task(cfg).export(state, data, str(out), {"bench": "gpu classify"})
     return out
 
 

@@ -201,11 +201,15 @@ def decode(cfg, n: int = IMAGES, rounds: int = ROUNDS) -> dict:
     import pandas as pd
 
     from workflows.preprocess.image_dataset import DecodeImages, decode_batch, decoder_args
+    from workflows.tasks import get_task
+    from workflows.tasks.image import ImageOptions
 
+    # the config's image size when it trains images, else the image task's default
+    size = getattr(get_task(cfg).options, "image_size", None) or ImageOptions().image_size
     jpegs = synth_jpegs(n)
     df = pd.DataFrame({"key": [f"{i:06d}" for i in range(n)], "image": jpegs,
                        "label": [str(i % 10) for i in range(n)]})
-    args = decoder_args(cfg)
+    args = decoder_args(cfg, size)
 
     def one_process():
         dec = DecodeImages(*args)
@@ -213,6 +217,6 @@ def decode(cfg, n: int = IMAGES, rounds: int = ROUNDS) -> dict:
             dec(df.iloc[i : i + IMAGE_BATCH])
 
     sizes = [len(j) for j in jpegs]
-    return {"images": n, "image_size": cfg.preprocess.image_size,
+    return {"images": n, "image_size": size,
             "jpeg_kb_median": round(statistics.median(sizes) / 1e3, 1),
             **compare(df, decode_batch, args, IMAGE_BATCH, one_process, _decode_warm, rounds)}

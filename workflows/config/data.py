@@ -40,9 +40,9 @@ class DataConfig(Strict):
 class PreprocessConfig(Strict):
     tokenizer: str = Field("minilm", description="'minilm' (the packaged all-MiniLM-L6-v2) or a local HF directory")
     max_length: int = Field(128, ge=8, le=4096)
-    image_size: int = Field(
-        224, ge=8, le=1024, description="image tasks: images are decoded, resized (shorter side) and center-cropped "
-        "to this square once, and stored as uint8 tensors; serving decodes requests the same way")
+    image_size: int | None = Field(
+        None, ge=8, le=1024,
+        description="deprecated: the image_classification task's model.options.image_size (still read)")
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="image tasks: an image declaring more pixels is refused undecoded "
         "(decompression bombs), in preprocessing and serving alike")

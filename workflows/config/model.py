@@ -60,17 +60,15 @@ class ModelConfig(Strict):
         "URI in from_pretrained layout (safetensors) whose weights are fine-tuned on the dataset's labels",
     )
     options: dict[str, Any] = Field(
-        default_factory=dict, description="a plug-in task's own settings (its Options model validates them)")
+        default_factory=dict, description="the task's own settings, validated by its Options model: "
+        "the built-ins' are at the end of docs/CONFIG.md, a plug-in's are its own")
     trusted_tasks: list[str] = Field(
         default_factory=list, description="plug-in tasks (module.path:ClassName) that serve, evaluate and predict "
         "may import for a registered model whose card names them; model.task is always trusted. A card naming "
         "any other plug-in is refused: the card comes from the store, and must not choose the code that runs")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
-    pooling: Literal["cls", "mean"] = Field(
-        "cls",
-        description="classification: 'cls' (the checkpoint's pooler on the first token, Hugging Face's classifier) "
-        "or 'mean' (normalized mean of all tokens: how sentence-embedding checkpoints such as MiniLM were trained)",
-    )
+    pooling: Literal["cls", "mean"] | None = Field(
+        None, description="deprecated: the classification task's model.options.pooling (still read)")
     lm: CausalLMConfig = CausalLMConfig()
 
     @field_validator("task")

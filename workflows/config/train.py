@@ -10,8 +10,9 @@ from workflows.config.base import Strict
 
 
 class AugmentConfig(Strict):
-    """On-the-fly augmentation of training images, in the training workers (seeded per sample and
-    epoch, so a resumed epoch sees the same crops)."""
+    """On-the-fly augmentation of training images (the image_classification task's
+    `model.options.augment`), seeded per (seed, epoch, sample), never by rank, so a resumed epoch
+    sees the same crops."""
 
     enabled: bool = True
     crop_scale: tuple[float, float] = Field(
@@ -43,14 +44,10 @@ class TrainConfig(Strict):
     head_lr: float | None = Field(
         None, gt=0, description="classification: learning rate of the new head (random weights); None: train.lr"
     )
-    head_init: Literal["random", "linear_probe"] = Field(
-        "random",
-        description="classification: the new head's start: 'random', or 'linear_probe' "
-        "(LP-FT: the head is first fitted "
-        "on the frozen pretrained features, a logistic regression over all workers' training rows, then "
-        "everything is fine-tuned, so early steps do not pull the pretrained features toward a random head)",
-    )
-    linear_probe_l2: float = Field(1e-3, ge=0, description="head_init=linear_probe: L2 penalty on the head's weights")
+    head_init: Literal["random", "linear_probe"] | None = Field(
+        None, description="deprecated: the classification task's model.options.head_init (still read)")
+    linear_probe_l2: float | None = Field(
+        None, ge=0, description="deprecated: the classification task's model.options.linear_probe_l2 (still read)")
     weight_decay: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     grad_clip: float | None = Field(1.0, gt=0)
@@ -78,7 +75,8 @@ class TrainConfig(Strict):
     num_to_keep: int = Field(1, ge=1)
     max_failures: int = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
-    augment: AugmentConfig = AugmentConfig()
+    augment: AugmentConfig | None = Field(
+        None, description="deprecated: the image_classification task's model.options.augment (still read)")
     loader: Literal["ray_data", "stream"] = Field(
         "ray_data",
         description="training input: 'ray_data' (Ray Data shards, resumable at epoch ends), or 'stream' "

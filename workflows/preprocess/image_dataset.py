@@ -1,6 +1,6 @@
 """Preprocessing of labelled images on Ray Data: raw shards (WebDataset tars, parquet with an
 image-bytes column, or class-per-folder files) -> decoded, resized, center-cropped uint8 tensors of
-preprocess.image_size, split, written once per dataset version.
+the image task's model.options.image_size, split, written once per dataset version.
 
 Decoding runs as Ray Data tasks (preprocess.concurrency at a time) with the same function serving
 uses (workflows.preprocess.images.decode_image), so a served image reaches the model as the stored
@@ -41,14 +41,14 @@ BAD = "bad"
 TRAIN_SAMPLES = "train-samples.json"  # the train split's raw samples (train_sample_index)
 
 
-def dataset_version(shards, fmt: str, cfg) -> str:
+def dataset_version(shards, fmt: str, cfg, image_size: int) -> str:
     d, p = cfg.data, cfg.preprocess
     key = {
         "task": "image", "format_version": FORMAT_VERSION, "format": fmt,
         "shards": [(s.uri, s.version, s.size) for s in shards],
         "image_column": d.image_column if fmt == "parquet" else None, "label_column": d.label_column,
         "val": d.val_fraction, "test": d.test_fraction, "split_seed": d.split_seed, "max_rows": d.max_rows,
-        "image_size": p.image_size, "max_image_pixels": p.max_image_pixels,
+        "image_size": image_size, "max_image_pixels": p.max_image_pixels,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -100,10 +100,10 @@ def decode_batch(batch: pd.DataFrame, *args) -> pd.DataFrame:
     return DecodeImages(*args)(batch)
 
 
-def decoder_args(cfg, keep_fraction: float | None = None) -> tuple:
+def decoder_args(cfg, image_size: int, keep_fraction: float | None = None) -> tuple:
     """DecodeImages' constructor arguments from the config (`keep_fraction`: data.max_rows' share)."""
     d, p = cfg.data, cfg.preprocess
-    return p.image_size, p.max_image_pixels, d.split_seed, d.val_fraction, d.test_fraction, keep_fraction
+    return image_size, p.max_image_pixels, d.split_seed, d.val_fraction, d.test_fraction, keep_fraction
 
 
 def has_label(label) -> bool:
@@ -126,13 +126,13 @@ def _as_records(batch: pd.DataFrame, image_column: str, label_column: str) -> pd
                          "label": list(batch[label_column])})
 
 
-def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
+def preprocess_images(cfg, image_size: int, ctx, say=print) -> ProcessedDataset:
     import pyarrow.parquet as pq
     import ray.data
 
     d, p = cfg.data, cfg.preprocess
     shards, fmt = list_shards(d.source, ctx, d.format)
-    version = dataset_version(shards, fmt, cfg)
+    version = dataset_version(shards, fmt, cfg, image_size)
     out_uri = cfg.uri("processed", version)
     if exists(join(out_uri, "manifest.json"), ctx):
         ds = ProcessedDataset.load(out_uri, ctx)
@@ -142,7 +142,7 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
 
     t0 = time.time()
     say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri} "
-        f"({p.image_size}x{p.image_size} uint8, {p.concurrency} decoding task(s) at a time)")
+        f"({image_size}x{image_size} uint8, {p.concurrency} decoding task(s) at a time)")
     if fmt == "parquet":
         raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=[d.image_column, d.label_column])
         raw = raw.map_batches(_as_records, batch_format="pandas", fn_args=(d.image_column, d.label_column))
@@ -156,7 +156,7 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
         fraction = min(1.0, d.max_rows / max(raw.count(), 1))
     decoded = raw.map_batches(
         decode_batch, batch_format="pandas", batch_size=p.batch_size,
-        compute=ray.data.TaskPoolStrategy(size=p.concurrency), fn_args=decoder_args(cfg, fraction),
+        compute=ray.data.TaskPoolStrategy(size=p.concurrency), fn_args=decoder_args(cfg, image_size, fraction),
     )
     # Each attempt writes under a folder of its own: a failed or interrupted earlier attempt's files
     # are never counted or listed (the manifest names this attempt's files only).
@@ -199,7 +199,7 @@ def preprocess_images(cfg, ctx, say=print) -> ProcessedDataset:
     result = ProcessedDataset(
         task=cfg.model.task, uri=out_uri, version=version, labels=labels, label_column="label", files=files,
         counts=counts, label_counts=label_counts, source=d.source,
-        info={"image_size": p.image_size, "pixels": "uint8 HWC bytes", "bad_records": len(bad),
+        info={"image_size": image_size, "pixels": "uint8 HWC bytes", "bad_records": len(bad),
               "bad_examples": [{"key": k, "reason": r} for k, r in bad[:20]]},
     )
     manifest = asdict(result)
@@ -281,7 +281,7 @@ def train_sample_index(cfg, data: ProcessedDataset, ctx):
     if fmt not in ("tar", "image", "parquet"):
         raise UserError(f"train.image_input=raw reads tar shards, parquet shards or image files; {cfg.data.source} "
                         f"holds {fmt} shards: set train.image_input=pixels")
-    if dataset_version(shards, fmt, cfg) != data.version:
+    if dataset_version(shards, fmt, cfg, int(data.info["image_size"])) != data.version:
         raise UserError(f"{cfg.data.source} changed since dataset version {data.version} was preprocessed: "
                         "run preprocess again")
     cache = cfg.cache.shard_cache(ctx)

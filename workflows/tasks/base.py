@@ -112,6 +112,8 @@ class Task(abc.ABC):
     registers: ClassVar[bool] = True  # the trained model goes to the registry and can be served
     score: ClassVar[tuple[str, str]] = ("val_f1", "max")  # checkpoint ranking: (metric, max|min)
     Options: ClassVar[type[BaseModel] | None] = None  # model.options' model; None: the task takes none
+    # built-ins: option -> the config key that held it before tasks had options (still read, deprecated)
+    legacy_keys: ClassVar[Mapping[str, str]] = {}
     data_version: ClassVar[int] = 1  # part of the default `dataset_version`: bump when `preprocess` changes
     prediction_key: ClassVar[str] = "value"  # the key of `predict_batch`'s dicts that evaluation scores
 
@@ -122,7 +124,7 @@ class Task(abc.ABC):
     def options(self) -> Any:
         """`model.options` validated by the task's `Options` model. On first use, not in __init__:
         serving builds the task from any config and reads what it needs from the model's card."""
-        return parse_options(type(self), self.cfg.model.options)
+        return parse_options(type(self), {**legacy_options(type(self), self.cfg), **self.cfg.model.options})
 
     def check_config(self) -> None:
         """Fail fast, before Ray starts, on a config this task cannot run (default: its options)."""
@@ -208,6 +210,11 @@ class Task(abc.ABC):
         """Before sharding: frozen layers, a fitted head (`probe_batches`: this rank's training
         batches, None when resuming from a checkpoint). Default: nothing."""
         return None
+
+    def needs_probe_batches(self) -> bool:
+        """Whether `prepare_model` reads `probe_batches` (only then does a loader open them).
+        Default: no."""
+        return False
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         """The training loss of a batch, a scalar tensor averaged over its labels. Default: the
@@ -378,6 +385,31 @@ class ModelPredictor(Predictor):
         if predictions and "score" in predictions[0]:
             batch["score"] = [p["score"] for p in predictions]
         return batch
+
+
+def legacy_options(task: type[Task], cfg: WorkflowConfig) -> dict[str, Any]:
+    """The options a config still sets under their old keys (`task.legacy_keys`: option -> dotted
+    key, None when unset), as `model.options` entries. Setting one both ways is a UserError unless
+    the values agree."""
+    from pydantic import BaseModel
+
+    from workflows.errors import UserError
+
+    found = {}
+    for option, key in task.legacy_keys.items():
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        given = cfg.model.options.get(option)
+        if given is not None and given != value:
+            raise UserError(f"model.options.{option} and {key} (its deprecated name) are both set, to {given!r} "
+                            f"and {value!r}: keep model.options.{option}")
+        found[option] = value
+    return found
 
 
 def parse_options(task: type[Task], options: Mapping[str, Any]) -> Any:

@@ -296,7 +296,7 @@ def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device
         dist.all_gather_object(parts, (x, y))
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     if len(y) == 0:
-        raise UserError("train.head_init=linear_probe: no training rows to fit the head on")
+        raise UserError("model.options.head_init=linear_probe: no training rows to fit the head on")
     scale = head_logit_scale(model)
     weight = head.weight.detach().float().cpu().clone().requires_grad_(True)
     bias = head.bias.detach().float().cpu().clone().requires_grad_(True)

@@ -1,6 +1,6 @@
 """Models: a sequence classifier from a local Hugging Face directory (MiniLM by default).
 
-Two poolings (model.pooling):
+Two poolings (the classification task's model.options.pooling):
 - "cls": Hugging Face's sequence-classification model (its pooler on the first token, then a linear head).
 - "mean": `MeanPoolClassifier`, the masked mean of the last hidden states, L2-normalized, into a
   scaled linear head: the representation sentence-embedding checkpoints such as all-MiniLM-L6-v2
@@ -74,12 +74,13 @@ def head_logit_scale(model: nn.Module) -> float:
 
 
 def check_linear_head(model: nn.Module) -> nn.Linear:
-    """The head that train.head_init=linear_probe fits: one linear layer named `classifier`."""
+    """The head that model.options.head_init=linear_probe fits: one linear layer named `classifier`."""
     head = getattr(model, "classifier", None)
     if not isinstance(head, nn.Linear):
         raise UserError(
-            "train.head_init=linear_probe needs a classifier whose head (`classifier`) is one linear layer; "
-            f"{type(model).__name__} has {type(head).__name__}; use train.head_init=random or model.pooling=mean"
+            "model.options.head_init=linear_probe needs a classifier whose head (`classifier`) is one linear layer; "
+            f"{type(model).__name__} has {type(head).__name__}; use model.options.head_init=random or "
+            "model.options.pooling=mean"
         )
     return head
 

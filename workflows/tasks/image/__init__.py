@@ -18,7 +18,9 @@ import hashlib
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
+from workflows.config.train import AugmentConfig
 from workflows.tasks.base import HttpContract
 from workflows.tasks.base import Predictor as BasePredictor
 from workflows.tasks.classify import Classification, add_predictions, prediction
@@ -40,27 +42,42 @@ def sample_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") >> 1
 
 
+class ImageOptions(BaseModel):
+    """The image_classification task's `model.options`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_size: int = Field(
+        224, ge=8, le=1024, description="the square side the model reads: preprocessing decodes, resizes (shorter "
+        "side) and center-crops each image to it once and stores uint8 tensors (part of the dataset's version); "
+        "raw training crops to it; serving decodes requests the same way")
+    augment: AugmentConfig = Field(
+        AugmentConfig(), description="on-the-fly augmentation of training images (RandomResizedCrop and flip)")
+
+
 class ImageClassification(Classification):
     name = "image_classification"
     columns = ("pixels", "label", "key")
+    Options = ImageOptions
+    legacy_keys = {"image_size": "preprocess.image_size", "augment": "train.augment"}
 
     # --- data
     def preprocess(self, ctx, say):
         from workflows.preprocess.image_dataset import preprocess_images
 
-        return preprocess_images(self.cfg, ctx, say)
+        return preprocess_images(self.cfg, self.options.image_size, ctx, say)
 
     def dataset_version(self, shards, ctx) -> str:
         from workflows.preprocess.image_dataset import dataset_version
         from workflows.preprocess.sources import list_shards
 
         _, fmt = list_shards(self.cfg.data.source, ctx, self.cfg.data.format)
-        return dataset_version(shards, fmt, self.cfg)
+        return dataset_version(shards, fmt, self.cfg, self.options.image_size)
 
     def record_encoder(self, data):
         from workflows.preprocess.image_dataset import DecodeImages, decoder_args
 
-        return DecodeImages(*decoder_args(self.cfg))
+        return DecodeImages(*decoder_args(self.cfg, self.options.image_size))
 
     def collate(self, data, *, train: bool, seed: int | None = None):
         """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
@@ -71,7 +88,7 @@ class ImageClassification(Classification):
 
         size = int(data.info["image_size"])
         ids = {lab: i for i, lab in enumerate(data.labels)}
-        aug = self.cfg.train.augment
+        aug = self.options.augment
         augment = train and aug.enabled
 
         def collate(batch: dict[str, Any]) -> dict:
@@ -99,7 +116,7 @@ class ImageClassification(Classification):
         from workflows.loader.images import ImageTransform
         from workflows.preprocess.image_dataset import train_sample_index
 
-        aug, size = self.cfg.train.augment, int(data.info["image_size"])
+        aug, size = self.options.augment, int(data.info["image_size"])
         transform = ImageTransform(size=size, seed=self.cfg.train.seed, train=aug.enabled, scale=aug.crop_scale,
                                    ratio=aug.crop_ratio, flip=aug.flip,
                                    max_pixels=self.cfg.preprocess.max_image_pixels)
@@ -109,16 +126,17 @@ class ImageClassification(Classification):
     def build_model(self, data):
         from workflows.tasks.image.models import build_image_classifier
 
-        return build_image_classifier(self.cfg, data.labels)
+        return build_image_classifier(self.cfg, data.labels, int(data.info["image_size"]))
 
     def check(self, data) -> None:
         from workflows.errors import UserError
         from workflows.tasks.image.models import image_config
 
-        if int(data.info.get("image_size", 0)) != self.cfg.preprocess.image_size:
-            raise UserError(f"the dataset stores {data.info.get('image_size')}px images; preprocess.image_size is "
-                            f"{self.cfg.preprocess.image_size}")
-        image_config(self.cfg, data.labels)  # an unknown architecture or a missing directory fails here
+        size = self.options.image_size
+        if int(data.info.get("image_size", 0)) != size:
+            raise UserError(f"the dataset stores {data.info.get('image_size')}px images; model.options.image_size is "
+                            f"{size}")
+        image_config(self.cfg, data.labels, size)  # an unknown architecture or a missing directory fails here
 
     def export(self, state, data, out_dir, lineage) -> dict:
         from transformers import AutoModelForImageClassification
@@ -127,12 +145,13 @@ class ImageClassification(Classification):
         from workflows.preprocess.images import IMAGENET_MEAN, IMAGENET_STD
         from workflows.tasks.image.models import image_config
 
-        model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels))
+        size = int(data.info["image_size"])
+        model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels, size))
         model.load_state_dict(state, strict=True)
         model.save_pretrained(out_dir, safe_serialization=True)
         return write_card(ModelCard(task=self.name, labels=data.labels, label_column="label",
-                                    image_size=int(data.info["image_size"]), image_mean=list(IMAGENET_MEAN),
-                                    image_std=list(IMAGENET_STD), lineage=lineage), out_dir)
+                                    image_size=size, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD),
+                                    lineage=lineage, options=self.options.model_dump(mode="json")), out_dir)
 
     # --- serving
     def predictor(self, model_dir, card, threads=None, precision="fp32"):

@@ -96,19 +96,20 @@ def local_model_dir(name_or_path: str, cfg) -> str:
     return dest
 
 
-def image_config(cfg, labels: list[str]):
-    """The model's transformers config with a head for `labels` (no weights read)."""
+def image_config(cfg, labels: list[str], image_size: int):
+    """The model's transformers config with a head for `labels`, reading `image_size` px (no
+    weights read)."""
     from transformers import AutoConfig
 
     import workflows.tasks.image.pooled_linear  # noqa: F401 (registers its config: a saved one reads back by name)
 
-    name, size = cfg.model.name_or_path, cfg.preprocess.image_size
+    name, size = cfg.model.name_or_path, image_size
     if name in ARCHITECTURES:
         return _with_labels(ARCHITECTURES[name](size), labels)
     return _with_labels(AutoConfig.from_pretrained(local_model_dir(name, cfg)), labels)
 
 
-def build_image_classifier(cfg, labels: list[str]):
+def build_image_classifier(cfg, labels: list[str], image_size: int):
     """The model to train: a named architecture with new weights, or a pretrained one with a new
     head (safetensors weights only)."""
     from transformers import AutoModelForImageClassification
@@ -116,8 +117,8 @@ def build_image_classifier(cfg, labels: list[str]):
 
     name = cfg.model.name_or_path
     if name in ARCHITECTURES:
-        return AutoModelForImageClassification.from_config(image_config(cfg, labels))
+        return AutoModelForImageClassification.from_config(image_config(cfg, labels, image_size))
     hf_logging.set_verbosity_error()  # "newly initialized head" is what fine-tuning on new labels means
     directory = local_model_dir(name, cfg)
     return AutoModelForImageClassification.from_pretrained(
-        directory, config=image_config(cfg, labels), ignore_mismatched_sizes=True, use_safetensors=True)
+        directory, config=image_config(cfg, labels, image_size), ignore_mismatched_sizes=True, use_safetensors=True)

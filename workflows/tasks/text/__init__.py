@@ -9,12 +9,34 @@ and memory planner read too."""
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
 from workflows.tasks.classify import Classification
+
+
+class TextOptions(BaseModel):
+    """The classification task's `model.options`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pooling: Literal["cls", "mean"] = Field(
+        "cls", description="'cls' (the checkpoint's pooler on the first token, Hugging Face's classifier) or 'mean' "
+        "(normalized mean of all tokens: how sentence-embedding checkpoints such as MiniLM were trained)")
+    head_init: Literal["random", "linear_probe"] = Field(
+        "random", description="the new head's start: 'random', or 'linear_probe' (LP-FT: the head is first fitted "
+        "on the frozen pretrained features, a logistic regression over all workers' training rows, then everything "
+        "is fine-tuned, so early steps do not pull the pretrained features toward a random head)")
+    linear_probe_l2: float = Field(1e-3, ge=0, description="head_init=linear_probe: L2 penalty on the head's weights")
 
 
 class TextClassification(Classification):
     name = "classification"
     columns = ("input_ids", "label_id")
+    Options = TextOptions
+    legacy_keys = {"pooling": "model.pooling", "head_init": "train.head_init",
+                   "linear_probe_l2": "train.linear_probe_l2"}
 
     # --- data
     def preprocess(self, ctx, say):
@@ -53,14 +75,16 @@ class TextClassification(Classification):
     def check(self, data) -> None:
         from workflows.train.models import check_linear_probe_head
 
-        if self.cfg.train.head_init == "linear_probe":
-            check_linear_probe_head(self.model_dir(), data.labels, self.cfg.model.pooling)
+        if self.options.head_init == "linear_probe":
+            check_linear_probe_head(self.model_dir(), data.labels, self.options.pooling)
 
     def build_model(self, data):
         from workflows.train.models import load_classifier
 
-        m = self.cfg.model
-        return load_classifier(self.model_dir(), data.labels, m.dropout, m.pooling)
+        return load_classifier(self.model_dir(), data.labels, self.cfg.model.dropout, self.options.pooling)
+
+    def needs_probe_batches(self) -> bool:
+        return self.options.head_init == "linear_probe"
 
     def prepare_model(self, model, device, probe_batches) -> None:
         from workflows.train.loop import linear_probe
@@ -69,8 +93,8 @@ class TextClassification(Classification):
         tc = self.cfg.train
         if tc.freeze_embeddings:
             model.get_input_embeddings().requires_grad_(False)
-        if tc.head_init == "linear_probe" and probe_batches is not None:
-            probe = linear_probe(model.to(device), probe_batches, device, tc.linear_probe_l2)
+        if self.needs_probe_batches() and probe_batches is not None:
+            probe = linear_probe(model.to(device), probe_batches, device, self.options.linear_probe_l2)
             if world()[0] == 0:
                 print(f"linear probe: head fitted on {probe['rows']} rows (train accuracy "
                       f"{probe['train_accuracy']:.4f}) in {probe['seconds']:.1f}s", flush=True)
@@ -89,7 +113,7 @@ class TextClassification(Classification):
     def export(self, state, data, out_dir, lineage) -> dict:
         from workflows.tasks.text.export import export_text_classifier
 
-        return export_text_classifier(self.cfg, state, data, out_dir, lineage)
+        return export_text_classifier(self.cfg, state, data, out_dir, lineage, self.options)
 
     # --- serving
     def predictor(self, model_dir, card, threads=None, precision="fp32"):

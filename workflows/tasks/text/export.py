@@ -10,8 +10,8 @@ from workflows.preprocess.encoding import resolve_model_dir
 
 
 def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedDataset, out_dir: str,
-                           lineage: dict) -> dict:
-    """safetensors weights, model config and tokenizer of a text classifier."""
+                           lineage: dict, options) -> dict:
+    """safetensors weights, model config and tokenizer of a text classifier (`options`: the task's)."""
     from transformers import AutoTokenizer
 
     from workflows.train.models import load_classifier
@@ -19,9 +19,10 @@ def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedData
     if data.tokenizer is None:
         raise ValueError(f"the processed text dataset at {data.uri} names no tokenizer in its manifest")
     model = load_classifier(resolve_model_dir(cfg.model.name_or_path), data.labels, cfg.model.dropout,
-                            cfg.model.pooling)
+                            options.pooling)
     model.load_state_dict(state, strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).save_pretrained(out_dir)
     return write_card(ModelCard(task=cfg.model.task, labels=data.labels, text_columns=data.text_columns,
-                                label_column=data.label_column, max_length=data.max_length, lineage=lineage), out_dir)
+                                label_column=data.label_column, max_length=data.max_length, lineage=lineage,
+                                options=options.model_dump(mode="json")), out_dir)
