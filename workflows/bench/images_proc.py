@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from workflows.bench.images_common import ROOT, _say
@@ -86,8 +87,15 @@ class _Memory:
                 pass
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.25):
+        # why adaptive: reading PSS walks each process's page tables (smaps_rollup); over a Ray
+        # Train tree of a dozen large processes one sample costs tens of ms of CPU, which every 0.25 s
+        # would take a sizeable share of a 2-core machine from the run being measured. The pause
+        # keeps the sampler under ~5% of one core.
+        pause = 0.25
+        while not self._stop.wait(pause):
+            t0 = time.perf_counter()
             self._sample()
+            pause = max(0.25, 20 * (time.perf_counter() - t0))
 
     def __enter__(self):
         self._sample()
