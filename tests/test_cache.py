@@ -166,17 +166,21 @@ def test_corrupt_and_truncated_copies_are_fetched_again(tmp_path):
 
 
 def test_eviction_keeps_the_budget_lru_first_and_spares_pinned_entries(tmp_path):
+    # an entry's footprint: its 3 data blocks plus a block each for its sidecar and pointer (5
+    # blocks); a cap of 12 blocks holds two entries
+    block = os.statvfs(tmp_path).f_bsize
+    size, cap = 3 * block - 100, 12 * block
     srcs = {}
     for name in "abcde":
         srcs[name] = str(tmp_path / f"{name}.bin")
-        Path(srcs[name]).write_bytes(name.encode() * 1000)
+        Path(srcs[name]).write_bytes(name.encode() * size)
     directory = str(tmp_path / "c")
-    cache = ShardCache(directory, LOCAL, max_bytes=2500)
+    cache = ShardCache(directory, LOCAL, max_bytes=cap)
     paths = {n: cache.fetch(srcs[n]) for n in "ab"}
     cache.fetch(srcs["a"])  # a is now more recent than b
     paths["c"] = cache.fetch(srcs["c"])
     assert not os.path.exists(paths["b"]) and os.path.exists(paths["a"])
-    assert cache.cached_bytes() <= 2500 and cache.stats().evictions == 1
+    assert cache.cached_bytes() <= cap and cache.stats().evictions == 1
 
     # another process pins a; c is touched after, so a is the least recently used
     pinned, release = MP.Event(), MP.Event()
@@ -186,15 +190,32 @@ def test_eviction_keeps_the_budget_lru_first_and_spares_pinned_entries(tmp_path)
         assert pinned.wait(30)
         cache.fetch(srcs["c"])
         paths["d"] = cache.fetch(srcs["d"])  # over budget: a is skipped, c goes
-        assert os.path.exists(paths["a"]) and Path(paths["a"]).read_bytes() == b"a" * 1000
+        assert os.path.exists(paths["a"]) and Path(paths["a"]).read_bytes() == b"a" * size
         assert not os.path.exists(paths["c"])
-        assert cache.cached_bytes() <= 2500
+        assert cache.cached_bytes() <= cap
     finally:
         release.set()
         holder.join(30)
     paths["e"] = cache.fetch(srcs["e"])  # unpinned now, and least recently used: a goes
     assert not os.path.exists(paths["a"]) and os.path.exists(paths["d"])
-    assert cache.cached_bytes() <= 2500 and cache.stats().evictions == 3
+    assert cache.cached_bytes() <= cap and cache.stats().evictions == 3
+
+
+def test_the_cap_bounds_the_whole_directory_however_many_objects_pass_through(tmp_path):
+    """Sidecars, pointers and block rounding count against max_bytes, and an evicted object leaves
+    no file behind (its URI's pointer went with it): 60 objects through a cap of 10 leave the
+    directory within the cap."""
+    cap = 1_000_000
+    cache = ShardCache(str(tmp_path / "c"), LOCAL, max_bytes=cap)
+    for i in range(60):
+        src = tmp_path / f"s{i:03d}.bin"
+        src.write_bytes(os.urandom(100_000 + i))
+        with cache.open_local(str(src)):
+            pass
+    files = list((tmp_path / "c").iterdir())
+    assert sum(f.stat().st_blocks * 512 for f in files) <= cap
+    assert len([f for f in files if f.name.endswith("-current")]) == len([f for f in files if f.suffix == ".data"])
+    assert cache.stats().evictions >= 50
 
 
 def test_a_changed_object_is_fetched_again(tmp_path, bucket):

@@ -14,8 +14,15 @@ Layout of `directory` (one entry per (URI, object version)):
     <name>.lock   flock: LOCK_EX while downloading or evicting, LOCK_SH while a reader holds the
                   entry (a pin). flocks die with their process, so a killed process blocks no one.
     <name>.*.tmp-*  temp files of a download in progress; stale ones are swept.
+    <sha256(uri)[:16]>-current  the URI's current entry (how a new version finds the old one to
+                  drop); removed with the entry it names, so evicted URIs leave nothing behind.
+    usage         the running total of the entries' disk footprint (see _sweep).
 where <name> = sha256(uri)[:16] + "-" + sha256(uri, version)[:16]: new and old versions never
 collide, and all versions of one URI share a prefix.
+
+`max_bytes` bounds the entries' footprint on disk: each entry counts as its data rounded up to the
+file system's blocks plus a block for its sidecar and one for its pointer, so the directory stays
+within the cap plus the downloads in flight.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ from workflows.storage.uri import StorageContext, filesystem, reaching
 log = logging.getLogger(__name__)
 
 DEBRIS_EVERY_S = 60.0  # a process looks for debris of killed downloads at most this often
-USAGE_FILE = "usage"  # the running total of cached bytes (see _sweep)
+USAGE_FILE = "usage"  # the running total of the entries' disk footprint (see _sweep)
+POINTER = "current"  # <uri prefix>current: the URI's current entry
 
 
 @dataclass
@@ -78,6 +86,10 @@ class ShardCache:
         self._stats_lock = threading.Lock()
         self._s3_client = None
         self._debris_swept_at = -math.inf  # the first miss of a process sweeps debris
+        try:
+            self._block = os.statvfs(self.dir).f_bsize or 4096
+        except OSError:
+            self._block = 4096
 
     # -- public API ------------------------------------------------------------------------
     def fetch(self, uri: str, version: str | None = None, size: int | None = None) -> str:
@@ -270,7 +282,7 @@ class ShardCache:
             if self.max_bytes is not None:
                 usage = self._read_usage()
                 if usage is not None:
-                    usage = max(0, usage + src.size - freed)
+                    usage = max(0, usage + self._footprint(src.size) - freed)
                 if usage is None or usage > self.max_bytes:
                     usage = self._evict(keep)
                 self._write_usage(usage)
@@ -285,18 +297,22 @@ class ShardCache:
         debris |= {n for n in self._names("*.data") if not self._meta_path(n).exists()}
         for name in debris:
             self._if_unlocked(name, self._clean)
+        for pointer in self.dir.glob(f"*-{POINTER}"):  # left by entries removed before pointers went with them
+            with contextlib.suppress(OSError):
+                if not self._data_path(pointer.read_text().strip()).exists():
+                    pointer.unlink()
 
     def _drop_old_version(self, src: Source, keep: str) -> int:
         """Remove the entry the URI's pointer names if it is not `keep`; point it at `keep`.
         Returns the bytes freed."""
-        pointer = self.dir / f"{_uri_prefix(src.uri)}current"
+        pointer = self.dir / f"{_uri_prefix(src.uri)}{POINTER}"
         try:
             old = pointer.read_text().strip()
         except FileNotFoundError:
             old = ""
         freed = 0
         if old and old != keep:
-            size = _size(self._data_path(old))
+            size = self._footprint(_size(self._data_path(old)))
             if self._if_unlocked(old, self._remove):
                 freed = size
         if old != keep:
@@ -313,14 +329,15 @@ class ShardCache:
         self._atomic_write(self.dir / USAGE_FILE, str(usage).encode())
 
     def _evict(self, keep: str) -> int:
-        """Remove LRU entries until under max_bytes; returns the bytes left (a full listing)."""
+        """Remove LRU entries until under max_bytes; returns the footprint left (a full listing)."""
         assert self.max_bytes is not None
-        sizes = {n: _size(self._data_path(n)) for n in self._names("*.data")}
+        sizes = {n: self._footprint(_size(self._data_path(n))) for n in self._names("*.data")}
         total = sum(sizes.values())
         for name in sorted(sizes, key=self._last_access):  # least recently used first
             if total <= self.max_bytes:
                 break
             if name != keep and self._if_unlocked(name, self._remove):
+                self._drop_pointer(name)
                 total -= sizes[name]
                 with self._stats_lock:
                     self._stats.evictions += 1
@@ -354,6 +371,18 @@ class ShardCache:
             tmp.unlink(missing_ok=True)
         if not keep_lock:
             (self.dir / f"{name}.lock").unlink(missing_ok=True)  # lockers re-check the inode
+
+    def _drop_pointer(self, name: str) -> None:
+        """Remove the URI's pointer if it names the removed entry `name` (the caller holds the
+        global lock, as every writer of pointers does)."""
+        pointer = self.dir / f"{name.split('-', 1)[0]}-{POINTER}"
+        with contextlib.suppress(OSError):
+            if pointer.read_text().strip() == name:
+                pointer.unlink()
+
+    def _footprint(self, size: int) -> int:
+        """An entry's disk: its data in whole blocks, plus a block each for its sidecar and pointer."""
+        return -(-size // self._block) * self._block + 2 * self._block
 
     def _last_access(self, name: str) -> int:
         try:
