@@ -142,26 +142,6 @@ def test_orders_differ_by_epoch_and_seed_and_repeat_for_the_same(local_data, tmp
     assert (np.diff(shard_of) != 0).sum() == len(COUNTS) - 1
 
 
-def test_a_window_ramps_in_its_shards_so_a_cold_epoch_starts_on_one():
-    """The window's first positions come from its first shard alone, each later shard joins further
-    on (keys in [j/m, 1)), and the order is still a permutation of every sample: the first batch of
-    a cold epoch waits for one shard, not the window."""
-    counts = [1000] * 8
-    offsets = np.cumsum([0, *counts])
-    for epoch in range(3):
-        order = epoch_order(counts, 0, epoch, 4)
-        assert np.array_equal(np.sort(order), np.arange(sum(counts)))
-        shard_of = np.searchsorted(offsets, order, side="right") - 1
-        for w in (0, 4000):  # each window of 4 shards
-            window = shard_of[w:w + 4000]
-            joins = [int(np.argmax(window == s)) for s in dict.fromkeys(window.tolist())]  # in order of joining
-            assert len(joins) == 4 and joins[0] == 0
-            # shard j joins after the earlier shards' samples keyed below j/4: about 250, 833 and 1917
-            assert all(0.8 * e < j < 1.2 * e for j, e in zip(joins[1:], (250, 833, 1917)))
-            assert len(set(window[:150].tolist())) == 1  # the first 150 positions: the first shard alone
-            assert len(set(window[-1000:].tolist())) == 4  # the end of the window mixes all four
-
-
 def test_s3_cold_then_warm_reads_nothing_from_the_store(tmp_path):
     with EmbeddedS3(str(tmp_path / "s3")) as s3:
         s3.ensure_bucket("imgs")

@@ -121,9 +121,8 @@ def markdown(r: dict) -> str:
 
 `{r["command"]}` ({r["measured_at"]}). How far apart the samples of one shard land in an epoch's order:
 ours (`workflows.loader.order.epoch_order`: the shards permuted per epoch, then the samples of each
-window of `shuffle_window` consecutive shards shuffled together, ramped in: the j-th of a window's m
-shards spread over the window's last (m - j)/m, so a cold epoch starts on one shard) beside MosaicML
-Streaming's shuffles computed by Streaming's own `get_shuffle` (its default on one node: `py1e`, 1 canonical node, block
+window of `shuffle_window` consecutive shards shuffled together) beside MosaicML Streaming's shuffles
+computed by Streaming's own `get_shuffle` (its default on one node: `py1e`, 1 canonical node, block
 4,000,000 samples), and a uniform random permutation. Gap: positions between consecutive samples of
 one shard (÷ uniform: 1.0 is a full shuffle's mix); span: the part of the epoch between a shard's first
 and last sample (how long its file must stay readable); open shards: the most spans covering one

@@ -5,16 +5,6 @@ whatever the number of workers: the shards are permuted per (seed, epoch), then 
 window of `window` consecutive shards of that permutation are shuffled together (a shuffle buffer
 of `window` shards, so a rank reads only a few shards at a time).
 
-The shuffle of a window ramps in its shards, as a shuffle buffer fills: the j-th of its m shards
-draws its samples' positions from the last (m - j)/m of the window (a seeded uniform key in
-[j/m, 1) per sample, sorted), so the window's first positions come from its first shard alone and
-each later shard joins a fraction further on. A cold epoch then starts decoding once one shard has
-arrived, not the whole window, and a window's next shards download while its first is read (what
-WebDataset's initial shuffle buffer and Streaming's spread orders do too). The order stays a pure
-function of (counts, seed, epoch, window), so every rank and every resume computes the same one;
-the first shard is over-represented only at the start of each window, which `workflows bench
-shuffle` measures beside the peers' orders.
-
 Ranks consume that sequence in global steps: step k covers the positions
 [bounds[k], bounds[k+1]) and rank r of W takes the r-th of W near-equal contiguous slices of it
 (exactly `batch_size` each in every full step). So the union of a step's batches is exactly the
@@ -47,10 +37,8 @@ def epoch_order(index_counts: Sequence[int], seed: int, epoch: int, window: int 
     out = np.empty(int(offsets[-1]), dtype=np.int64)
     pos = 0
     for w in range(0, len(perm), window):
-        shards = [np.arange(offsets[s], offsets[s + 1]) for s in perm[w:w + window]]
-        m = len(shards)
-        keys = np.concatenate([(j + (m - j) * rng.random(len(ids))) / m for j, ids in enumerate(shards)])
-        ids = np.concatenate(shards)[np.argsort(keys, kind="stable")]
+        ids = np.concatenate([np.arange(offsets[s], offsets[s + 1]) for s in perm[w:w + window]])
+        rng.shuffle(ids)
         out[pos:pos + len(ids)] = ids
         pos += len(ids)
     return out
