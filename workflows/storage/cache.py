@@ -14,15 +14,11 @@ Layout of `directory` (one entry per (URI, object version)):
     <name>.lock   flock: LOCK_EX while downloading or evicting, LOCK_SH while a reader holds the
                   entry (a pin). flocks die with their process, so a killed process blocks no one.
     <name>.*.tmp-*  temp files of a download in progress; stale ones are swept.
-    <sha256(uri)[:16]>-current  the URI's current entry (how a new version finds the old one to
-                  drop); removed with the entry it names, so evicted URIs leave nothing behind.
-    usage         the running total of the entries' disk footprint (see _sweep).
 where <name> = sha256(uri)[:16] + "-" + sha256(uri, version)[:16]: new and old versions never
 collide, and all versions of one URI share a prefix.
 
-`max_bytes` bounds the entries' footprint on disk: each entry counts as its data rounded up to the
-file system's blocks plus a block for its sidecar and one for its pointer, so the directory stays
-within the cap plus the downloads in flight.
+`max_bytes` bounds the directory (plus downloads in flight): an entry counts as its data in whole
+blocks plus a block each for its sidecar and pointer.
 """
 
 from __future__ import annotations
@@ -59,7 +55,7 @@ log = logging.getLogger(__name__)
 
 DEBRIS_EVERY_S = 60.0  # a process looks for debris of killed downloads at most this often
 USAGE_FILE = "usage"  # the running total of the entries' disk footprint (see _sweep)
-POINTER = "current"  # <uri prefix>current: the URI's current entry
+POINTER = "current"  # <sha256(uri)[:16]>-current: the URI's current entry, removed with it
 
 
 @dataclass
@@ -86,10 +82,7 @@ class ShardCache:
         self._stats_lock = threading.Lock()
         self._s3_client = None
         self._debris_swept_at = -math.inf  # the first miss of a process sweeps debris
-        try:
-            self._block = os.statvfs(self.dir).f_bsize or 4096
-        except OSError:
-            self._block = 4096
+        self._block = os.statvfs(self.dir).f_bsize or 4096  # the unit of an entry's footprint
 
     # -- public API ------------------------------------------------------------------------
     def fetch(self, uri: str, version: str | None = None, size: int | None = None) -> str:
@@ -299,8 +292,7 @@ class ShardCache:
             self._if_unlocked(name, self._clean)
         for pointer in self.dir.glob(f"*-{POINTER}"):  # left by entries removed before pointers went with them
             with contextlib.suppress(OSError):
-                if not self._data_path(pointer.read_text().strip()).exists():
-                    pointer.unlink()
+                self._drop_pointer(pointer.read_text().strip(), only_if_gone=True)
 
     def _drop_old_version(self, src: Source, keep: str) -> int:
         """Remove the entry the URI's pointer names if it is not `keep`; point it at `keep`.
@@ -372,16 +364,14 @@ class ShardCache:
         if not keep_lock:
             (self.dir / f"{name}.lock").unlink(missing_ok=True)  # lockers re-check the inode
 
-    def _drop_pointer(self, name: str) -> None:
-        """Remove the URI's pointer if it names the removed entry `name` (the caller holds the
-        global lock, as every writer of pointers does)."""
+    def _drop_pointer(self, name: str, only_if_gone: bool = False) -> None:
+        """Remove the URI's pointer if it names the removed entry `name` (under the global lock)."""
         pointer = self.dir / f"{name.split('-', 1)[0]}-{POINTER}"
         with contextlib.suppress(OSError):
-            if pointer.read_text().strip() == name:
+            if pointer.read_text().strip() == name and not (only_if_gone and self._data_path(name).exists()):
                 pointer.unlink()
 
-    def _footprint(self, size: int) -> int:
-        """An entry's disk: its data in whole blocks, plus a block each for its sidecar and pointer."""
+    def _footprint(self, size: int) -> int:  # an entry's disk: data in whole blocks, sidecar, pointer
         return -(-size // self._block) * self._block + 2 * self._block
 
     def _last_access(self, name: str) -> int:
@@ -458,6 +448,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:  # removed meanwhile by a process re-fetching a bad copy
         return 0
-
-
-__all__ = ["ShardCache", "CacheStats"]
