@@ -90,3 +90,33 @@ print(type(p.model).__name__, p.probabilities(torch.zeros((2, 224, 224, 3), dtyp
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["PooledLinearForImageClassification", "(2,", "3)"]
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "pooled_linear"])
+def test_uint8_batches_are_normalized_on_the_device_as_the_model_reads_them(name):
+    """Training batches stay uint8 to the device (a quarter of float32's bytes); the task normalizes them
+    before every call of the model (loss, validation, evaluate), or pooled_linear pools first and
+    normalizes after: the same loss, metrics and predictions as the normalized float pixels give."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from workflows.preprocess.images import normalize_pixels, to_model_input
+    from workflows.tasks import get_task
+
+    cfg = _cfg(f"model.name_or_path={name}", "tracking.enabled=false")
+    task = get_task(cfg)
+    data = SimpleNamespace(info={"image_size": 32}, labels=["0", "1", "2"], label_column="label")
+    torch.manual_seed(0)
+    model = task.build_model(data).eval()
+    rng = np.random.default_rng(0)
+    images = torch.from_numpy(rng.integers(0, 256, (6, 3, 32, 32), dtype=np.uint8))
+    batch = task.collate(data, train=False)({"image": images, "label": torch.tensor([0, 1, 2, 0, 1, 2])})
+    assert batch["pixel_values"].dtype == torch.uint8  # what crosses to the device
+    floats = {**batch, "pixel_values": to_model_input(images.permute(0, 2, 3, 1))}
+    assert torch.equal(task.model_input(model, batch)["pixel_values"] if name == "small_cnn"
+                       else normalize_pixels(images), floats["pixel_values"])
+    with torch.no_grad():
+        assert task.loss(model, batch).item() == pytest.approx(model(**floats).loss.item(), abs=1e-5)
+        states, reference = task.metric_states(model, batch), task.metric_states(model, floats)
+    assert all(np.allclose(np.asarray(states[k]), np.asarray(reference[k])) for k in reference)

@@ -5,6 +5,7 @@ sees the same pixels for the same bytes in training and in production.
     decode_random_resized_crop(bytes, size, gen)  the same, a random crop + flip drawn at decode time
     random_resized_crop_flip(u8, gen)      training augmentation on a uint8 [N, H, W, 3] batch
     to_model_input(u8)                     uint8 [N, H, W, 3] -> normalized float32 [N, 3, H, W]
+    normalize_pixels(u8)                   uint8 [N, 3, H, W] -> the same, on the tensor's own device
 
 Decoding: Pillow; the declared size is checked against an explicit pixel limit before any pixel is
 decoded; JPEGs much larger than `size` are decoded at 1/2, 1/4 or 1/8 scale by libjpeg (`draft`);
@@ -230,9 +231,16 @@ def to_model_input(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
     The result is a permuted view of the NHWC data, i.e. channels_last memory format, which
     convolutions on GPU (and oneDNN on CPU) prefer; `.contiguous()` gives NCHW if needed.
     """
+    return normalize_pixels(images.permute(0, 3, 1, 2), mean, std)
+
+
+def normalize_pixels(pixels, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    """uint8 [N, 3, H, W] (any strides) -> float32 (x/255 - mean) / std per channel, on the tensor's
+    device and with its strides. Training moves batches to the device as uint8 (a quarter of float32's
+    bytes) and normalizes them there (ImageClassification.model_input)."""
     import torch
 
-    x = images.permute(0, 3, 1, 2).to(torch.float32)  # keeps the channels_last strides
+    x = pixels.to(torch.float32)  # keeps the strides (channels_last stays channels_last)
     m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1) * 255
     s = torch.tensor(std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1) * 255
     return x.sub_(m).div_(s)

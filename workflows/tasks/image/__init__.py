@@ -3,8 +3,8 @@
 augmentation -> served from JSON base64, a raw image body or multipart files.
 
 One decode/resize path (workflows.preprocess.images.decode_image) serves preprocessing and serving;
-one normalization (`to_model_input`, ImageNet's mean and std, recorded in the model card) serves
-training and serving.
+one normalization (`normalize_pixels`, ImageNet's mean and std, recorded in the model card) serves
+training and serving. Training batches stay uint8 until they are on the device (`model_input`).
 
 The wing: this task; `models` (the architectures by name, `pooled_linear` among them) and
 `contract` (the bodies POST /predict accepts). Decoding and the stored dataset are the data layer's
@@ -81,10 +81,11 @@ class ImageClassification(Classification):
 
     def collate(self, data, *, train: bool, seed: int | None = None):
         """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
-        (workflows.seeds.augment_seed: never the rank's); or a loader's decoded batch as it is."""
+        (workflows.seeds.augment_seed: never the rank's); or a loader's decoded batch as it is.
+        `pixel_values` stay uint8 [N, 3, S, S]: `model_input` normalizes them on the device."""
         import torch
 
-        from workflows.preprocess.images import random_resized_crop_flip, to_model_input
+        from workflows.preprocess.images import random_resized_crop_flip
 
         size = int(data.info["image_size"])
         ids = {lab: i for i, lab in enumerate(data.labels)}
@@ -93,7 +94,7 @@ class ImageClassification(Classification):
 
         def collate(batch: dict[str, Any]) -> dict:
             if "image" in batch:  # decoded, cropped and labelled by the loader's processes (stream_source)
-                return {"pixel_values": to_model_input(batch["image"].permute(0, 2, 3, 1)), "labels": batch["label"]}
+                return {"pixel_values": batch["image"], "labels": batch["label"]}
             pixels = stack_pixels(batch["pixels"], size)
             if augment:
                 pixels = torch.cat([
@@ -102,9 +103,35 @@ class ImageClassification(Classification):
                                              aug.crop_scale, aug.crop_ratio, aug.flip)
                     for i, key in enumerate(batch["key"])])
             labels = torch.tensor([ids[str(lab)] for lab in batch["label"]], dtype=torch.int64)
-            return {"pixel_values": to_model_input(pixels), "labels": labels}
+            return {"pixel_values": pixels.permute(0, 3, 1, 2), "labels": labels}  # a channels_last view
 
         return collate
+
+    # --- the model's input: every call of the model in training, validation and evaluate goes through it
+    @staticmethod
+    def model_input(model, batch: dict) -> dict:
+        """The batch as the model reads it: uint8 pixels normalized here, after the batch moved to the
+        device (in_step), so a GPU run copies a quarter of float32's bytes and its CPUs do no per-pixel
+        work; before the model's forward, so FSDP's mixed precision casts the result as any input. A
+        model that declares `takes_uint8_pixels` (pooled_linear) normalizes after its own pooling."""
+        import torch
+
+        from workflows.preprocess.images import normalize_pixels
+
+        pixels = batch["pixel_values"]
+        inner = getattr(model, "module", model)  # DDP wraps; FSDP2 keeps the class
+        if pixels.dtype != torch.uint8 or getattr(inner, "takes_uint8_pixels", False):
+            return batch
+        return {**batch, "pixel_values": normalize_pixels(pixels)}
+
+    def loss(self, model, batch):
+        return super().loss(model, self.model_input(model, batch))
+
+    def metric_states(self, model, batch):
+        return super().metric_states(model, self.model_input(model, batch))
+
+    def predict_batch(self, model, batch, data):
+        return super().predict_batch(model, self.model_input(model, batch), data)
 
     def stream_source(self, data, storage):
         """train.image_input=raw: the training split's samples in the source's tar shards, parquet
@@ -243,8 +270,9 @@ class ImagePredictor(BasePredictor):
         out = []
         with torch.inference_mode():
             for i in range(0, len(pixels), batch_size):
-                x = to_model_input(pixels[i: i + batch_size], self.mean, self.std)
-                logits = self.model(pixel_values=x.to(self.device, self.dtype)).logits
+                # moved as uint8, normalized on the device (a quarter of float32's bytes to a GPU)
+                x = to_model_input(pixels[i: i + batch_size].to(self.device), self.mean, self.std)
+                logits = self.model(pixel_values=x.to(self.dtype)).logits
                 out.append(torch.softmax(logits.float(), dim=-1).cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)), dtype=np.float32)
 

@@ -1,5 +1,6 @@
 """`model.name_or_path: pooled_linear`: a linear classifier over average-pooled pixels (each image
-pooled to pool_size x pool_size x 3 and normalized, then one Linear). A real image model in
+pooled to pool_size x pool_size x 3 from an evenly spaced grid of at most 4 x 4 pixels per cell,
+and normalized, then one Linear). A real image model in
 transformers' from_pretrained layout (registered with AutoConfig and AutoModelForImageClassification,
 so it exports, registers, evaluates and serves as the others do), with almost no compute: a baseline
 for a set, and the model under which training's images/s is the input pipeline's
@@ -26,6 +27,10 @@ class PooledLinearForImageClassification(PreTrainedModel):
     config_class = PooledLinearConfig
     base_model_prefix = "pooled_linear"
     main_input_name = "pixel_values"
+    # Training hands it uint8 pixels (ImageClassification.model_input): it pools them first and
+    # normalizes the few pooled values, which equals pooling normalized pixels (an affine map per
+    # channel commutes with averaging), so the trainer does no per-pixel float work: next to no compute.
+    takes_uint8_pixels = True
 
     def __init__(self, config: PooledLinearConfig):
         super().__init__(config)
@@ -35,8 +40,16 @@ class PooledLinearForImageClassification(PreTrainedModel):
         self.post_init()  # PreTrainedModel's own init: Linear N(0, 0.02), zero bias; LayerNorm ones, zeros
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, **kwargs):
-        pooled = nn.functional.adaptive_avg_pool2d(pixel_values, self.config.pool_size).flatten(1)
-        logits = self.classifier(self.norm(pooled))
+        from workflows.preprocess.images import normalize_pixels
+
+        pool = self.config.pool_size
+        step = max(1, min(pixel_values.shape[-2:]) // (4 * pool))  # a grid of up to 4 x 4 pixels per cell
+        x = pixel_values[..., ::step, ::step]
+        if x.dtype == torch.uint8:  # raw pixels (training): pool, then normalize (see takes_uint8_pixels)
+            pooled = normalize_pixels(nn.functional.adaptive_avg_pool2d(x.float(), pool))
+        else:  # normalized pixels (the serving predictor)
+            pooled = nn.functional.adaptive_avg_pool2d(x, pool)
+        logits = self.classifier(self.norm(pooled.flatten(1).to(self.classifier.weight.dtype)))
         loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return ImageClassifierOutput(loss=loss, logits=logits)
 
