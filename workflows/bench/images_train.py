@@ -2,7 +2,8 @@
 real training run on the bench's tar set, behind the same endpoint. Each run is `fit`
 (workflows.train.trainer: Ray Train, the product's trainer) in a process of its own, as `bench train`
 runs it (workflows.bench.train's child), with `model.name_or_path: pooled_linear` (a linear
-classifier over pooled pixels, next to no compute), so that the input pipeline sets the rate.
+classifier over pooled pixels; batches reach the step as uint8 and it pools before it normalizes:
+next to no compute), so that the input pipeline sets the rate.
 
 - train_stream: `train.loader: stream`, `train.image_input: raw`: the tars read through the shard
   cache, decoded and cropped in `bench.workers` loader processes (as the "ours" loader rows).
