@@ -117,10 +117,10 @@ class ImageClassification(Classification):
         import torch
 
         from workflows.preprocess.images import normalize_pixels
+        from workflows.train.parallel import unwrap  # DDP wraps; FSDP2 keeps the class
 
         pixels = batch["pixel_values"]
-        inner = getattr(model, "module", model)  # DDP wraps; FSDP2 keeps the class
-        if pixels.dtype != torch.uint8 or getattr(inner, "takes_uint8_pixels", False):
+        if pixels.dtype != torch.uint8 or getattr(unwrap(model), "takes_uint8_pixels", False):
             return batch
         return {**batch, "pixel_values": normalize_pixels(pixels)}
 

@@ -13,6 +13,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageClassification, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import ImageClassifierOutput
 
+from workflows.preprocess.images import normalize_pixels
+
 MODEL_TYPE = "workflows_pooled_linear"
 
 
@@ -40,8 +42,6 @@ class PooledLinearForImageClassification(PreTrainedModel):
         self.post_init()  # PreTrainedModel's own init: Linear N(0, 0.02), zero bias; LayerNorm ones, zeros
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, **kwargs):
-        from workflows.preprocess.images import normalize_pixels
-
         pool = self.config.pool_size
         step = max(1, min(pixel_values.shape[-2:]) // (4 * pool))  # a grid of up to 4 x 4 pixels per cell
         x = pixel_values[..., ::step, ::step]
