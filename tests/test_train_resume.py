@@ -9,6 +9,7 @@ Real parts throughout: the session's 2-CPU Ray cluster, 2 FSDP2 workers, the emb
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,8 +27,15 @@ from workflows.config import load_config
 from workflows.errors import UserError
 from workflows.pipeline import stage_preprocess
 from workflows.runtime import runtime
-from workflows.storage.uri import filesystem
-from workflows.train.checkpoint import STATE_FILE, consolidated_model_state, read_state
+from workflows.storage.uri import filesystem, pyarrow_filesystem
+from workflows.train.checkpoint import (
+    STATE_FILE,
+    consolidated_model_state,
+    local_listing,
+    missing_locally,
+    private_copy,
+    read_state,
+)
 from workflows.train.export import download_checkpoint
 from workflows.train.trainer import fit, latest_checkpoint
 
@@ -142,6 +150,24 @@ def test_a_checkpoint_cut_short_in_upload_is_never_resumed_from(run):
         local = download_checkpoint(f"s3://{run_dir}/checkpoint_2000-01-02_00-00-00", run.rt.storage, d)
         with pytest.raises(UserError, match=f"incomplete checkpoint .*{shard} missing"):
             consolidated_model_state(local)
+
+
+@pytest.mark.slow
+def test_ranks_on_one_node_each_read_a_checkpoint_from_their_own_copy(run):
+    """Ray's Checkpoint.as_directory shares one download directory per node and checkpoint; a rank
+    that arrives after the download downloads again over the files another rank is reading (in CI,
+    a restarted group's DCP load read a cut-short .metadata). Each rank gets its own copy."""
+    import ray.train
+
+    fs, path = pyarrow_filesystem(latest_checkpoint(run.cfg, run.rt.storage, "reference"), run.rt.storage)
+    checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)  # what each rank unpickles: one uuid
+    with private_copy(checkpoint) as first:
+        listing = local_listing(first)
+        metadata = open(os.path.join(first, ".metadata"), "rb").read()
+        with private_copy(checkpoint) as late:  # a rank that comes later, while the first reads
+            assert late != first and local_listing(late) == listing and not missing_locally(late)
+        assert open(os.path.join(first, ".metadata"), "rb").read() == metadata and not missing_locally(first)
+    assert not os.path.exists(first) and not os.path.exists(late)  # nothing left behind in /tmp
 
 
 @pytest.mark.slow

@@ -19,9 +19,11 @@ and the history so far. No RNG state: loop.py reseeds the data order and dropout
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -113,6 +115,24 @@ def consolidated_model_state(directory: str) -> dict[str, torch.Tensor]:
         dcp_to_torch_save(directory, path)
         full = torch.load(path, weights_only=True, map_location="cpu")
     return full["model"]
+
+
+@contextlib.contextmanager
+def private_copy(checkpoint) -> Iterator[str]:
+    """A Ray Train checkpoint as a local directory that this process alone reads.
+
+    Not `Checkpoint.as_directory`: its download directory is shared by a node's processes (named
+    by the checkpoint), and only callers that arrive while a download holds the lock wait for it.
+    A rank that arrives later downloads again over the files another rank is reading (DCP then
+    reads a cut-short .metadata: "Ran out of input"), and the first rank to leave may delete it.
+    """
+    from pyarrow.fs import LocalFileSystem
+
+    if isinstance(checkpoint.filesystem, LocalFileSystem):  # read in place, as as_directory does
+        yield checkpoint.path
+        return
+    with tempfile.TemporaryDirectory(prefix="workflows-checkpoint-") as tmp:
+        yield checkpoint.to_directory(tmp)
 
 
 def read_state(directory: str) -> dict:

@@ -21,6 +21,7 @@ from workflows.seeds import augment_seed, data_seed
 from workflows.storage.uri import StorageContext, pyarrow_filesystem, write_json
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
+from workflows.train.checkpoint import private_copy
 from workflows.train.engine import Trainer
 from workflows.train.report import STEP_CHECKPOINT
 from workflows.train.stream_input import SampleHook, StreamInput
@@ -192,7 +193,7 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     try:
         trainer.build(probe=checkpoint is None)
         if checkpoint is not None:
-            with checkpoint.as_directory() as d:
+            with private_copy(checkpoint) as d:
                 trainer.resume(d)
         if checkpoint is not None and trainer.start_epoch >= cfg.train.epochs:
             # a finished run resumed (or a restart after the last report): nothing left to train,

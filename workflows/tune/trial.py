@@ -22,6 +22,7 @@ from workflows.dataset import ProcessedDataset
 from workflows.storage.uri import StorageContext
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
+from workflows.train.checkpoint import private_copy
 from workflows.train.engine import Trainer
 
 
@@ -112,7 +113,7 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
     checkpoint = ray.tune.get_checkpoint()
     trainer.build(probe=checkpoint is None)
     if checkpoint is not None:  # a restarted trial (failure, or `tune --resume`) continues its epochs
-        with checkpoint.as_directory() as d:
+        with private_copy(checkpoint) as d:
             trainer.resume(d)
     trainer.startup = {"read_seconds": round(read_seconds, 3),
                        "startup_seconds": round(time.perf_counter() - t_start, 3)}
