@@ -267,11 +267,12 @@ def test_serve_listens_through_haproxy_on_linux(serving):
         conns = [c for c in psutil.net_connections("tcp") if c.status == status and c.laddr and c.laddr.port == port]
         return None if any(c.pid is None for c in conns) else {c.pid for c in conns}
 
-    def programs(pids: set[int]) -> tuple[set[str], set[str]] | None:
-        """The processes' names and executables' file names; None if one is gone (replaced by a reload)."""
+    def programs(pids: set[int]) -> tuple[set[str], set[str], list[list[str]]] | None:
+        """The processes' names, executables' file names and command lines; None if one is gone
+        (replaced by a reload: read in one go, so that a reload between the reads is scanned again)."""
         try:
             procs = [psutil.Process(pid) for pid in pids]
-            return {p.name() for p in procs}, {Path(p.exe()).name for p in procs}
+            return {p.name() for p in procs}, {Path(p.exe()).name for p in procs}, [p.cmdline() for p in procs]
         except psutil.NoSuchProcess:
             return None
 
@@ -288,12 +289,12 @@ def test_serve_listens_through_haproxy_on_linux(serving):
             break
         time.sleep(0.5)
     assert found is not None and len(listeners) == 1 and peers == listeners, (listeners, peers, found)
-    names, exes = found
+    names, exes, cmdlines = found
     if linux:
         assert names == {"haproxy"} and exes == {"haproxy"}, (names, exes)
         # its backup server (Serve's proxy, while no replica is up) is this command's own: no other
         # cluster on the machine listens on that port (Serve's default, 8500, every cluster shares)
-        args = psutil.Process(next(iter(listeners))).cmdline()
+        (args,) = cmdlines
         config = Path(args[args.index("-f") + 1]).read_text()
         backups = re.findall(r"^\s*server \S+ \S+:(\d+) .*\bbackup$", config, re.MULTILINE)
         assert len(backups) == 1, config
