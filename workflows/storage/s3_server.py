@@ -1,8 +1,9 @@
 """The embedded endpoint's process: moto's S3 server, with its traffic counted at the endpoint.
 
-`python -m workflows.storage.s3_server -H 127.0.0.1 -p PORT` serves moto's WSGI app exactly as
+`python -m workflows.storage.s3_server -H 127.0.0.1 -p PORT` serves moto's WSGI app as
 `python -m moto.server` does, wrapped in a small WSGI middleware that counts requests and bytes
-per method. Benchmarks and tests read the counts at `GET /_workflows/traffic` (and zero them with
+per method, and with ranged GETs reading only their bytes (serve_ranges_from_the_object_file).
+Benchmarks and tests read the counts at `GET /_workflows/traffic` (and zero them with
 `POST /_workflows/traffic/reset`), so "0 bytes fetched from the object store" is measured where
 the bytes leave the store, not by the cache that claims to have saved them.
 
