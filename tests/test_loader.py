@@ -142,6 +142,26 @@ def test_orders_differ_by_epoch_and_seed_and_repeat_for_the_same(local_data, tmp
     assert (np.diff(shard_of) != 0).sum() == len(COUNTS) - 1
 
 
+def test_the_loader_imports_torch_when_built_so_a_cold_epoch_fetches_at_once(local_data, tmp_path):
+    """A cold epoch's first downloads start when the DataLoader first asks the batch sampler. Were
+    torch imported only then (about 1 s), they would start that much later (#37): building the
+    loader imports it, in a fresh interpreter as a script's first epoch has."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from workflows.loader import StreamLoader\n"
+        "from workflows.storage.cache import ShardCache\n"
+        "from workflows.storage.uri import StorageContext\n"
+        "assert 'torch' not in sys.modules, 'imported before the loader is built: this test checks nothing'\n"
+        f"StreamLoader({local_data!r}, StorageContext(), ShardCache({str(tmp_path / 'c')!r}, StorageContext()),"
+        " num_workers=0)\n"
+        "assert 'torch.utils.data' in sys.modules, 'built without importing torch'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_s3_cold_then_warm_reads_nothing_from_the_store(tmp_path):
     with EmbeddedS3(str(tmp_path / "s3")) as s3:
         s3.ensure_bucket("imgs")

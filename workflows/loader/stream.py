@@ -183,6 +183,10 @@ class StreamLoader:
         self._dataset = _Samples(self.index.format, transform, columns)
         self._num_workers, self._prefetch_factor = num_workers, prefetch_factor
         self._loader = None
+        # torch (about 1 s to import) is imported here, not by the first iteration's DataLoader: there
+        # it ran before the batch sampler asked for the first shards, so a cold epoch's downloads
+        # started a second late (a trainer has imported it long before; a script may not have)
+        import torch.utils.data  # noqa: F401
         self._offsets = self.index.offsets
         self._pool = ThreadPoolExecutor(max(1, prefetch_shards), thread_name_prefix="shard-prefetch")
         self._open: dict[int, Future] = {}
