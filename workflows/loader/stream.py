@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from workflows.errors import UserError
+from workflows.loader.fork import iter_forked
 from workflows.loader.index import DatasetIndex, ParquetRows, TarMembers, read_index, tar_members
 from workflows.loader.order import epoch_order, rank_batches, step_bounds
 from workflows.storage.uri import StorageContext
@@ -378,7 +379,7 @@ class StreamLoader:
         loader = self._dataloader(_Once(self._items(batches, shard_of, fetches)))
         self._delivered = 0
         try:
-            for k, batch in enumerate(loader):
+            for k, batch in enumerate(iter_forked(loader)):
                 for s in releases[k]:  # its last batch is decoded: unpin the shard
                     self._release(s)
                 self._delivered = k + 1
