@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast bench bench-peers bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability
+.PHONY: install demo test test-fast test-all bench bench-peers bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,22 +27,24 @@ install: $(STAMP)
 demo: install
 	$(BIN)/workflows pipeline --config configs/quickstart.yaml
 
+# Three tiers (README's Development section): test-fast, the inner loop (no Ray, no server, no
+# pipeline); test, the gate CI runs (everything but the `extended` tests); test-all, everything.
 # TEST_WORKERS=2: pytest-xdist processes, each with a local Ray cluster of its own; one runs all the
-# tests of a shared pipeline run, the others a module at a time (tests/conftest.py's groups). Off by
-# default: on 2 cores it took 29 min against 37 in one process, and a timing limit can fail under the
-# contention (README's Development section); CI runs one process.
+# tests of a shared pipeline run, the others a module at a time (tests/conftest.py's groups).
 TEST_WORKERS ?= 0
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+LINT = $(BIN)/ruff check workflows tests reliability examples benchmarks && $(BIN)/mypy
 
 test: install
-	$(BIN)/ruff check workflows tests reliability examples benchmarks
-	$(BIN)/mypy
-	$(PYTEST)
+	$(LINT)
+	$(PYTEST) -m "not extended"
 
-# the inner loop: no pipeline runs, no Ray Train runs, no commands that start Ray of their own (the
-# tests marked slow; tests/conftest.py marks every pipeline user); CI runs `make test`
 test-fast: install
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not integration and not extended"
+
+test-all: install
+	$(LINT)
+	$(PYTEST)
 
 bench: install
 	$(BIN)/workflows bench quickstart

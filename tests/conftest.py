@@ -28,9 +28,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # both pick it, and one would run without the dashboard Ray Train's state API needs)
     os.environ["WORKFLOWS_DASHBOARD_PORT"] = "0"
 
-# The shared pipeline runs: a test that uses one takes minutes (its first user pays for the run), so
-# it is `slow` whether or not its module says so, and `make test-fast` (-m "not slow") runs none.
+# The shared pipeline runs: a test that uses one takes minutes (its first user pays for the run).
 PIPELINE_FIXTURES = {"quickstart_run", "digits_run"}
+# A test that uses one of these (or a shared pipeline run) is an `integration` test whether or not its
+# module says so: it needs the session's Ray cluster or a server, and `make test-fast` runs none.
+INTEGRATION_FIXTURES = PIPELINE_FIXTURES | {"ray_cluster", "ray_join", "mlflow_server"}
 # The groups that took a minute or more in a measured run (2 cores, `make test`), longest first: xdist
 # hands them out first, so that no worker is left with a long one at the end.
 LONG_GROUPS = [
@@ -46,13 +48,14 @@ def _group(item) -> str:
 
 
 def pytest_itemcollected(item):
-    """Pipeline users are slow. For pytest-xdist (`make test`: `-n 2 --dist loadgroup`), each test
-    gets a group that one worker runs whole: the users of one shared pipeline run (so that the run
-    happens once), else its module (its module-scoped fixtures set up once). Marked as each item is
-    collected: xdist reads the groups in its own pytest_collection_modifyitems, which may run first."""
+    """Users of Ray, a server or a pipeline run are `integration` tests, and so is every `extended`
+    one. For pytest-xdist (`TEST_WORKERS=2`: `-n 2 --dist loadgroup`), each test gets a group that one
+    worker runs whole: the users of one shared pipeline run (so that the run happens once), else its
+    module (its module-scoped fixtures set up once). Marked as each item is collected: xdist reads the
+    groups in its own pytest_collection_modifyitems, which may run first."""
     group = _group(item)
-    if group in PIPELINE_FIXTURES:
-        item.add_marker(pytest.mark.slow)
+    if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("extended"):
+        item.add_marker(pytest.mark.integration)
     item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(item, "_id"):
         # What xdist 3.8's loadgroup means to do: the group as the node id's suffix, which its
@@ -65,7 +68,7 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(items):
-    """Under xdist: the longest groups first (LONG_GROUPS), then the other modules with slow tests,
+    """Under xdist: the longest groups first (LONG_GROUPS), then the other modules with integration tests,
     then the rest, so that the long work starts early and the cheap tests fill the gaps at the end.
     A run in one process keeps the collection order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
@@ -73,7 +76,7 @@ def pytest_collection_modifyitems(items):
     group = {id(i): i.get_closest_marker("xdist_group").args[0] for i in items}  # pytest_itemcollected's
     rank: dict[str, int] = {}
     for item in items:
-        g, slow = group[id(item)], item.get_closest_marker("slow") is not None
+        g, slow = group[id(item)], item.get_closest_marker("integration") is not None
         rank[g] = min(rank.get(g, len(LONG_GROUPS) + 1),
                       LONG_GROUPS.index(g) if g in LONG_GROUPS else len(LONG_GROUPS) + (0 if slow else 1))
     order = {id(item): n for n, item in enumerate(items)}

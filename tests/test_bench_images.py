@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the bench's own measurement rows
 def test_bench_images_tiny_set(tmp_path):
     """Two interleaved repetitions of ours, ours on the set without index.json (the index build a row
     of its own, counted in our cold rate) and a peer without its venv."""
@@ -57,7 +57,7 @@ def test_bench_images_tiny_set(tmp_path):
     assert not list(tmp_path.glob("workflows-bench-images-*"))  # the scratch dir is gone
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the bench's own measurement rows
 def test_bench_images_training_rows_tiny(tmp_path):
     """The training rows on a tiny set, one repetition: a real Ray Train run per row (pooled_linear,
     two epochs, batches of 2), images/s into the step of its warm epoch after the first step; the
@@ -140,7 +140,7 @@ def test_bench_images_bad_option():
     assert opts["rows"] == ("ours",) and rest == ["cache.max_bytes=5"]
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the bench's own measurement rows
 def test_bench_images_scale_tiny(tmp_path):
     """The scale curve on two tiny sizes, each set painted whole (every image distinct), each epoch
     whole (no image cap), batches of 2 over 200 KB shards so that the cache capped below every set

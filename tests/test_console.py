@@ -33,7 +33,7 @@ def log_path(stderr: str) -> Path:
     return Path(match.group(1))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ray_output_goes_to_the_log_file_and_the_terminal_stays_short(tmp_path):
     res = preprocess(tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -51,7 +51,7 @@ def test_ray_output_goes_to_the_log_file_and_the_terminal_stays_short(tmp_path):
     assert "workflows preprocess summary written to" in res.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_failure_prints_the_error_then_the_log_tail(tmp_path):
     """An exception raised in a Ray actor (not a user error): one error line, the end of the log
     (where the actor's traceback is), and the log's path; exit status 1."""
@@ -70,7 +70,7 @@ def test_a_failure_prints_the_error_then_the_log_tail(tmp_path):
     assert "\x1b[" not in res.stderr and "Traceback (most recent call last)" in log_path(res.stderr).read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_user_error_after_ray_started_keeps_its_one_line(tmp_path):
     res = preprocess(tmp_path, "data.builtin=null", f"data.source={tmp_path}/nothing/")
     assert res.returncode == 2, res.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_a_user_error_after_ray_started_keeps_its_one_line(tmp_path):
     assert res.stderr.splitlines()[-1] == f"workflows full log: {log_path(res.stderr)}"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_verbose_brings_ray_output_back(tmp_path):
     tok = tmp_path / "broken-tokenizer"
     tok.mkdir()
@@ -94,7 +94,7 @@ def test_verbose_brings_ray_output_back(tmp_path):
     assert "Traceback (most recent call last)" in res.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sigterm_stops_a_long_command_in_one_line_and_leaves_no_ray(tmp_path):
     """SIGTERM to a command mid-run (preprocess, once Ray is up): Ray shut down, one line, exit 143."""
     import os

@@ -24,7 +24,7 @@ import requests
 from tests.conftest import QUICKSTART, ROOT, sets
 from tests.helpers import free_port, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 LABELS = {"plotting", "deep-learning", "dataframes", "scientific-computing"}
 HOLDOUT = [

@@ -31,6 +31,7 @@ def smoke_out(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.extended  # the GPU measurement's harness on toy sizes; no GPU path a user takes here
 def test_smoke_run_writes_every_step(smoke_out):
     lm = json.loads((smoke_out / "gpu-lm.json").read_text())
     resnet = json.loads((smoke_out / "gpu-resnet.json").read_text())
@@ -45,6 +46,7 @@ def test_smoke_run_writes_every_step(smoke_out):
     assert resnet["loader_images"] > 0 and resnet["channels_last"]
 
 
+@pytest.mark.extended
 def test_smoke_run_classifies(smoke_out):
     """The classification step: the torchrun path trained, its F1 set against the prepared CPU figure,
     the exported model's Predictor in fp32 and bf16, batched against unbatched."""
@@ -59,6 +61,7 @@ def test_smoke_run_classifies(smoke_out):
     assert p["batched_vs_unbatched"] == pytest.approx(p["batched32_rows_per_s"] / p["unbatched_rows_per_s"], rel=0.02)
 
 
+@pytest.mark.extended
 def test_doc_section_renders_every_step(smoke_out, tmp_path):
     """Every figure the GPU section shows is in the step JSON (a smoke file, relabelled as measured)."""
     results = tmp_path / "results"

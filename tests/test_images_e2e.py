@@ -22,7 +22,7 @@ from tests.conftest import DIGITS, ROOT, sets
 from tests.helpers import free_port
 from tests.test_images import png_declaring
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def test_digits_pipeline_trains_registers_and_serves(digits_run):

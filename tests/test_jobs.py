@@ -38,7 +38,7 @@ def submit_job(cluster: LocalCluster, *entrypoint: str, working_dir: str | Path 
     return logs
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_job_submission_on_local_multinode_cluster_needs_its_token(cluster, tmp_path):
     # Token auth guards job submission: without the cluster's token, or with another, the Jobs
     # API and `ray job submit` refuse (the same checks as the secrets_hygiene reliability row).
@@ -53,7 +53,7 @@ def test_job_submission_on_local_multinode_cluster_needs_its_token(cluster, tmp_
     assert line and Path(line.split(": ", 1)[1]).parent == Path(sys.executable).parent, line
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_command_in_a_job_joins_the_jobs_cluster(cluster, tmp_path):
     """Without ray.address, a command that `ray job submit` started joins the cluster in the
     RAY_ADDRESS that the job's driver gets, instead of starting a nested local cluster (whose
@@ -70,7 +70,7 @@ def test_a_command_in_a_job_joins_the_jobs_cluster(cluster, tmp_path):
     assert probe["task_node"] in probe["nodes"], probe
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_users_task_in_the_jobs_working_directory(cluster, tmp_path):
     """A user's plug-in task (examples/tasks/tabular_regression.py), uploaded as the job's working
     directory beside its config: `model.task=tabular_regression:TabularRegression` imports in the job's

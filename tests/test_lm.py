@@ -62,7 +62,7 @@ def test_pipeline_and_tuning_refuse_a_causal_lm(tiny_cfg):
         registering_task_only(tiny_cfg("model.task=causal_lm"), "tuning")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ray_train_pretrains_a_causal_lm_with_fsdp(ray_cluster, tiny_cfg):
     from workflows.pipeline import stage_preprocess
     from workflows.runtime import runtime
@@ -81,7 +81,7 @@ def test_ray_train_pretrains_a_causal_lm_with_fsdp(ray_cluster, tiny_cfg):
     assert "mfu" not in out.history[-1]  # CPU: no peak to divide by
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the LM benchmark's own rows (test_ray_train_pretrains_a_causal_lm_with_fsdp trains the path)
 def test_benchmark_under_torchrun_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "lm.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -17,7 +17,7 @@ from tests.conftest import ROOT, SHARED, run_cli
 DATASET = SHARED / "data" / "madewithml" / "dataset.csv"
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # an accuracy benchmark: minutes of MiniLM training against a reference F1
 @pytest.mark.skipif(not DATASET.exists(), reason=f"the shared Made-With-ML copy is absent ({DATASET})")
 def test_madewithml_trains_to_a_strong_f1(tmp_path):
     res = run_cli(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_two_nodes_cache_what_they_read_and_refetch_nothing(tmp_path, mlflow_server):
     script = Path(__file__).with_name("multinode_run.py")
     res = subprocess.run([sys.executable, str(script), str(tmp_path), mlflow_server.url], capture_output=True,

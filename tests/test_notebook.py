@@ -33,7 +33,7 @@ def test_committed_notebook_has_no_outputs(path):
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
     import nbformat
     from jupyter_client.kernelspec import KernelSpecManager
@@ -97,7 +97,7 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
     assert all((runs / f"{s}.json").exists() for s in ("preprocess", "tune", "train"))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_digits_notebook_runs_top_to_bottom(tmp_path, ray_join):
     """notebooks/digits.ipynb in a real kernel: one short epoch on one worker, its PNG answered."""
     import nbformat

@@ -133,7 +133,7 @@ def assert_card_is_evaluate(card: dict, evaluation: dict) -> None:
     assert val["val_accuracy"] == pytest.approx(evaluation["accuracy"], abs=0.005)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_quickstart_models_card_is_its_val_evaluation(quickstart_run, ray_join):
     from tests.conftest import QUICKSTART
 
@@ -144,7 +144,7 @@ def test_the_quickstart_models_card_is_its_val_evaluation(quickstart_run, ray_jo
     assert_card_is_evaluate(card, evaluation)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_digits_models_card_is_its_val_evaluation(digits_run, ray_join):
     from tests.conftest import DIGITS
 
@@ -192,7 +192,7 @@ def class_sorted_photos(root: Path, per_class: int = 150, classes: int = 2) -> P
     return root
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_readme_own_images_command_on_a_class_sorted_folder(tmp_path, ray_join):
     from tests.conftest import run_cli, sets
 

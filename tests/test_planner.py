@@ -391,7 +391,7 @@ run(arg["rank"], arg["world"])
 
 
 @pytest.mark.parametrize("strategy,world", [("ddp", 1), ("fsdp", 2)])
-@pytest.mark.slow
+@pytest.mark.extended  # a measurement of the planner's claim (peak RSS of real training processes)
 def test_peak_rss_of_a_training_process_matches_the_estimate(strategy, world):
     """A fresh process trains a BERT of 11.2M parameters (179 MB of fp32 training state), s=128, b=8."""
     kind, s, b = "bert", 128, 8

@@ -143,7 +143,7 @@ def test_the_cli_refuses_a_bad_option_before_starting_ray(tmp_path):
     assert not (tmp_path / "runs" / "tabular" / "logs").exists()  # failed before Ray started (and its log)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join, mlflow_server):
     write_regression_shards(tmp_path / "raw")
     # tracked, with one tuning trial: the task's own val_* metrics must reach MLflow per epoch

@@ -227,7 +227,7 @@ def workdir(quickstart_run, ray_join, tmp_path_factory):
     shutdown_serve()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_readme_blocks_on_the_embedded_store(quickstart_run, workdir):
     work, env, subs = workdir
     outputs = [run_block(b, work, work / "bin", env, subs) for b in readme_blocks() if b.kind == "embedded"]
@@ -252,7 +252,7 @@ def test_readme_blocks_on_the_embedded_store(quickstart_run, workdir):
     assert "store: stopped; data persisted" in store_log, store_log
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
     """The 'Real S3 or MinIO' block against moto's server, the embedded store off: it trains on the
     bucket's tickets and registers them there, and builds nothing into the bucket. It starts a Ray
@@ -283,7 +283,7 @@ def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
         server.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_readme_block_on_a_local_cluster(tmp_path):
     """The cluster block: `cluster/local/start.sh` (on free ports, a token of its own), a pipeline
     as a Ray job, `stop.sh`. The nodes' `python` (start.sh puts the directory of `$RAY` first on
@@ -328,7 +328,7 @@ def test_readme_block_on_a_local_cluster(tmp_path):
                        capture_output=True, timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_readme_image_blocks_on_the_digits_store(digits_run, ray_join, tmp_path_factory):
     """The Images section's commands on the store the shared digits pipeline left: evaluate, serve
     with the three request shapes, batch predictions over the raw tar shards. The block's `predict`

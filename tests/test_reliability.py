@@ -27,7 +27,7 @@ KNOWN_ISSUES: dict[str, tuple[str, ...]] = {}
 
 
 @pytest.mark.parametrize("name", FAST)
-@pytest.mark.slow
+@pytest.mark.integration
 def test_fast_row(name, tmp_path):
     row = row_function(name)(tmp_path, seed=0)
     assert set(row) >= {"name", "injected", "survived", "failed", "allowed_failures", "lost", "detail"}

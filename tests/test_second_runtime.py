@@ -36,7 +36,7 @@ for round_ in (1, 2):
 """
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_second_runtime_in_one_process_runs_its_stage(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("RAY_ADDRESS", None)

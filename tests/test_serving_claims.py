@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import QUICKSTART
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 # int8 dynamic quantization against fp32, per class probability (docs/guides/serve.md); the
 # largest difference seen on the tiny model's held-out rows was 0.004

@@ -274,7 +274,7 @@ def write_wine(raw: Path, shards: int = 2) -> list[str]:
     return list(wine.feature_names)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_classification_example_runs_the_whole_pipeline(tmp_path, ray_join):
     import requests
 

@@ -165,7 +165,7 @@ def _tracking_report(tmp_path) -> dict:
     return json.loads((tmp_path / "runs" / "quickstart" / "tracking.json").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_unreachable_server_gives_one_warning_and_the_work_goes_on(tmp_path):
     from workflows.tracking.client import RunLogger, TrackingSpec
 
@@ -245,7 +245,7 @@ def test_params_hold_no_secrets():
     assert secret_key("x.auth_token") and secret_key("aws_secret_access_key") and not secret_key("x.tokenizer")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ui_serves_the_sqlite_store_and_artifacts_from_the_embedded_endpoint(tmp_path):
     """`workflows ui` on the default store (SQLite under output_dir): MLflow's server lists the runs
     and serves their artifacts, which it reads from the embedded S3 endpoint, and its web app (the
@@ -363,7 +363,7 @@ def _epochs(logger, epochs) -> None:
                          [0.5, 0.4])
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_server_failing_for_seconds_mid_run_loses_no_metric(mlflow_server, tmp_path, monkeypatch):
     """The server answers 503 for 6 s in the middle of a run: the calls are retried with backoff, the
     epochs logged meanwhile are buffered and arrive, at their steps; the run ends FINISHED."""
@@ -403,7 +403,7 @@ def test_a_server_failing_for_seconds_mid_run_loses_no_metric(mlflow_server, tmp
     assert len(client.get_metric_history(run.id, "train_step_loss")) == 0  # step_loss_every=10: none of 8 steps
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_lasting_failure_marks_the_runs_failed_with_the_gap(mlflow_server, tmp_path, monkeypatch):
     """A failure that outlasts tracking.retry_seconds turns a worker's tracking off; once the server is
     back, the worker tags its run with the gap, the driver marks it FAILED and its summary says so.
@@ -472,7 +472,7 @@ def test_a_retried_trial_logs_on_into_its_run(mlflow_server, tmp_path):
     assert sorted(m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")) == [0, 1]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_server, tmp_path):
     """A tune.num_workers=2 trial (a Ray Train run of 2 epochs): the driver-side trial creates the
     trial's run, rank 0 finds it by its key and logs each epoch at its step, once. With step
@@ -554,7 +554,7 @@ def restartable(tmp_path_factory):
     server.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_server_down_at_a_workers_first_call_loses_no_metric(restartable, tmp_path):
     """A worker process (rank 0, a trial) whose first call comes while the server is down, from
     before its first epoch's report until 30 s later (past the 15 s a first contact once had): it
@@ -598,7 +598,7 @@ def test_a_server_down_at_a_workers_first_call_loses_no_metric(restartable, tmp_
     assert history == [(e, pytest.approx(1.0 / (e + 1))) for e in range(3)]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_workers_first_contact_failing_past_the_window_marks_the_runs_failed(restartable, tmp_path):
     """The server down for longer than tracking.retry_seconds from a worker's first call on: its
     tracking goes off, and though it never reached the server, its gap is recorded once the server

@@ -27,7 +27,7 @@ from workflows.train.trainer import check_resources, fit, select_checkpoint
                                                       "train.checkpoint_select=last", "train.num_to_keep=2"]),
                                             ("ddp", ["model.options.pooling=mean", "train.head_lr=1e-3",
                                                      "model.options.head_init=linear_probe"])])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy, extra):
     cfg = tiny_cfg(f"train.strategy={strategy}", "train.epochs=2", *extra)
     with runtime(cfg) as rt:

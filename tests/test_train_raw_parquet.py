@@ -19,7 +19,7 @@ from workflows.config import load_config
 from workflows.pipeline import stage_preprocess
 from workflows.runtime import runtime
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 SOURCE = "s3://workflows/raw/digits-parquet/"
 DATA = [f"data.source={SOURCE}", "data.builtin=null", "data.image_column=png", "data.label_column=digit"]
 

@@ -62,7 +62,7 @@ def step_losses(outcome, epoch: int) -> list[float]:
     return row["step_losses"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_reference_history_has_per_step_losses(run):
     h = run.reference.history
     assert [r["epoch"] for r in h] == [0, 1]
@@ -73,7 +73,7 @@ def test_reference_history_has_per_step_losses(run):
     assert np.isclose(np.mean(h[0]["step_losses"]), h[0]["train_loss"], rtol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_resume_reproduces_the_uninterrupted_run(run):
     """`workflows train --resume` after a 2-epoch run stopped after epoch 0.
 
@@ -152,7 +152,7 @@ def test_a_checkpoint_cut_short_in_upload_is_never_resumed_from(run):
             consolidated_model_state(local)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ranks_on_one_node_each_read_a_checkpoint_from_their_own_copy(run):
     """Ray's Checkpoint.as_directory shares one download directory per node and checkpoint; a rank
     that arrives after the download downloads again over the files another rank is reading (in CI,
@@ -170,7 +170,7 @@ def test_ranks_on_one_node_each_read_a_checkpoint_from_their_own_copy(run):
     assert not os.path.exists(first) and not os.path.exists(late)  # nothing left behind in /tmp
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_killed_worker_is_restarted_from_the_last_checkpoint(run):
     marker = run.tmp / "killed-once"
     assert run.cfg.train.max_failures >= 1
@@ -196,7 +196,7 @@ def test_killed_worker_is_restarted_from_the_last_checkpoint(run):
     assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_standalone_loop_under_torchrun(run, tmp_path):
     """The Ray-free loop: torchrun, 2 processes, FSDP2 over gloo, parquet read from the embedded
     S3 endpoint this test's runtime holds; then one plain process resuming from its checkpoint."""

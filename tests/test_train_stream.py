@@ -46,7 +46,7 @@ def run(digits, name: str, workers: int, *extra: str, resume: bool = False, on_s
                on_samples=SampleRecorder(str(record)))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_two_workers_see_each_sample_once_in_the_global_order(digits):
     out = run(digits, "once", 2)
     ids = lineage(digits.tmp / "once")
@@ -56,7 +56,7 @@ def test_two_workers_see_each_sample_once_in_the_global_order(digits):
     assert h["steps"] == 5 and h["step_checkpoints"] == 2 and h["step_checkpoint_seconds"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_restarted_worker_group_continues_mid_epoch(digits):
     marker = digits.tmp / "raised-once"
     # raise in rank 1 before step 2 of 5 (40%): Ray Train restarts the group from the checkpoint after step 2
@@ -67,7 +67,7 @@ def test_a_restarted_worker_group_continues_mid_epoch(digits):
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_resume_mid_epoch_on_another_worker_count(digits, before, after):
     name = f"w{before}to{after}"
     marker = digits.tmp / f"{name}-raised"
@@ -98,7 +98,7 @@ def crops(digits, workers: int, start: int, *extra: str) -> dict[int, bytes]:
 
 
 @pytest.mark.parametrize("image_input", ["pixels", "raw"])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_training_crops_follow_the_sample_not_the_rank(digits, image_input):
     """An elastic 2 -> 1 resume mid-epoch: the samples the one worker trains on get the crops the
     two would have given them (augmentation seeded by seed, epoch and sample, never the rank)."""
@@ -110,7 +110,7 @@ def test_training_crops_follow_the_sample_not_the_rank(digits, image_input):
     assert sum(other_seed[i] != one[i] for i in one) > len(one) // 2  # the crops are drawn, not fixed
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_raw_images_train_from_the_tars_each_sample_once(digits):
     """train.image_input=raw under Ray Train (2 workers, a decode process each): the train split's
     samples read from the source's tars by the saved index, each exactly once in the epoch."""
@@ -124,7 +124,7 @@ def test_raw_images_train_from_the_tars_each_sample_once(digits):
     assert out.history[0]["steps"] == 5 and out.history[0]["val_f1"] >= 0
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_an_elastic_run_that_loses_a_worker_continues_on_fewer(tmp_path):
     """train.num_workers=[1, 2] on two 2-CPU nodes (a worker each); the second node is removed mid-epoch (past the
     40% step checkpoint): the run finishes on one worker, and the epoch's final lineage sees each

@@ -25,7 +25,7 @@ def tune_cfg(tmp_path, space: dict, *overrides: str):
     return load_config(path, [*tiny_overrides(tmp_path), *overrides])
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_one_worker_trials_train_in_their_tune_actor(ray_cluster, tmp_path):
     # One worker per trial: the loop runs in the trial's Tune actor (no Ray Train run). With 2 CPUs
     # per worker, one trial at a time in grid order, so the sound trial sets the bar at epoch 1 and
@@ -60,7 +60,7 @@ def cfg_dir(cfg):
     return Path(cfg.output_dir) / cfg.name
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_optuna_search(ray_cluster, tmp_path):
     pytest.importorskip("optuna")
     cfg = tune_cfg(tmp_path, {"train.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "train.batch_size": {"choice": [8, 16]}},
@@ -108,7 +108,7 @@ def _finished_trials(experiment_dir) -> dict[str, str]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     """`workflows tune` SIGKILLed (driver, its Ray cluster, trials) once a trial has finished;
     `workflows tune --resume` then runs only the others. Local storage: the embedded endpoint
