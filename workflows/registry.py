@@ -125,12 +125,32 @@ def register(
     return ModelRef(name, version, uri)
 
 
+def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
+    """The stored card of `ref`, refused in one line unless the fields that name places (its name,
+    version and artifact id: the cache entry) are what register() writes: anyone who can write to
+    the bucket can edit the card, and must not choose where a fetch writes."""
+    uri = join(ref.uri, META_FILE)
+    try:
+        card = ModelCard.model_validate(read_json(uri, ctx))
+    except ValueError as e:  # not JSON, or a field of the wrong type
+        raise UserError(f"{uri} is not a valid model card: {str(e).splitlines()[0]}") from None
+    if card.artifact_id is None:  # written by every register(); a hand-made version lacks it
+        raise UserError(f"{uri} has no artifact_id: register the model again")
+    try:
+        check_name(card.artifact_id, "artifact_id")
+    except ValueError as e:
+        raise UserError(f"{uri}: {e}; the card was edited in the store: register the model again") from None
+    if (card.name, card.version) != (ref.name, ref.version):
+        raise UserError(f"{uri} names model {card.name!r} version {card.version!r}, not the {ref.name!r} "
+                        f"v{ref.version} it is stored as; the card was edited in the store: register the model again")
+    return card
+
+
 def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, ModelCard]:
     """Local directory holding the model version (downloaded once per node), and its card."""
     ref = resolve(cfg, ctx, spec)
-    card = ModelCard.model_validate(read_json(join(ref.uri, META_FILE), ctx))
-    if card.artifact_id is None:  # written by every register(); a hand-made version lacks it
-        raise UserError(f"{ref.uri}/{META_FILE} has no artifact_id: register the model again")
+    card = read_card(ref, ctx)
+    assert card.artifact_id is not None  # read_card refuses a card without one
     cache = Path(cfg.cache.resolved_dir()) / "models" / card.artifact_id
     if (cache / META_FILE).exists():
         return str(cache), card
@@ -161,7 +181,7 @@ def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, me
 def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard:
     """The card of a version, with its evaluation metrics when there are any."""
     ref = resolve(cfg, ctx, spec)
-    found = ModelCard.model_validate(read_json(join(ref.uri, META_FILE), ctx))
+    found = read_card(ref, ctx)
     eval_uri = join(ref.uri, EVAL_FILE)
     if exists(eval_uri, ctx):
         found = found.model_copy(update={"metrics": read_json(eval_uri, ctx)})

@@ -142,11 +142,15 @@ def join(uri: str, *parts: str) -> str:
 
 
 def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str, ...] = ()) -> None:
-    """Copy the files directly under `uri` (a flat "directory" of objects) into `local_dir`."""
+    """Copy the files directly under `uri` (a flat "directory" of objects) into `local_dir`. A key's
+    name comes from the store: one that is not a plain file name (`..`, `.`) is refused."""
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
-        for remote in fs.ls(path, detail=False):
-            base = remote.rstrip("/").rsplit("/", 1)[-1]
+        found = {remote: remote.rstrip("/").rsplit("/", 1)[-1] for remote in fs.ls(path, detail=False)}
+        for base in found.values():
+            if base in ("", ".", "..") or os.sep in base:
+                raise UserError(f"{uri} holds an object named {base!r}, which is no file name: not downloaded")
+        for remote, base in found.items():
             if base not in skip:
                 fs.get_file(remote, os.path.join(local_dir, base))
 
