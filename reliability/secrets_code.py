@@ -47,8 +47,8 @@ def static_checks(package: Path) -> dict:
                     violations.append(f"{name}(allow_pickle=True) at {where}")
             elif name.endswith(("dcp.load", "_load_state_dict", "dcp_to_torch_save")):
                 checked += 1  # DCP's own reader unpickles .metadata: only with checkpoint.py's
-                if not (isinstance(kw.get("storage_reader"), ast.Call)
-                        and _dotted(kw["storage_reader"].func) == "_Reader"):
+                reader = kw.get("storage_reader")
+                if not (isinstance(reader, ast.Call) and _dotted(reader.func) == "_Reader"):
                     violations.append(f"{name} without checkpoint._Reader at {where}")
             elif name.endswith(".from_pretrained") and "Model" in name.rsplit(".", 1)[0]:
                 checked += 1  # model weights (tokenizers and configs hold none)
