@@ -1,6 +1,7 @@
 """The model card (workflows.json) through the registry on a local store: the JSON keys on disk are
 the ones given, unknown keys survive, and fetch/model_card/describe read them back."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -157,3 +158,64 @@ def test_serve_evaluate_and_predict_refuse_a_hostile_card_in_one_line_before_ray
             assert out.exit_code == 2 and lines[-1].startswith("error: ") and "artifact_id" in lines[-1], \
                 (command, out.output)
             assert "Traceback" not in out.output and not (tmp_path / "cache" / "models").exists()
+
+
+@pytest.mark.parametrize("store", ["s3", "local"])
+def test_concurrent_registrations_get_distinct_versions_each_with_its_own_weights_and_card(tmp_path, store,
+                                                                                          monkeypatch):
+    """Four registrations of one name at once, each having listed the same versions (a barrier after
+    the listing makes the race certain): four versions, each with the weights and card of one."""
+    import threading
+
+    from workflows.storage.embedded import EmbeddedS3
+
+    writers = 4
+    with contextlib.ExitStack() as stack:
+        if store == "s3":
+            s3 = stack.enter_context(EmbeddedS3(str(tmp_path / "s3")))
+            s3.ensure_bucket("race")
+            root, ctx = "s3://race/store", StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1",
+                                                          embedded=True)
+        else:
+            root, ctx = str(tmp_path / "store"), StorageContext()
+        cfg = WorkflowConfig.model_validate({"data": {"source": str(tmp_path / "raw")},
+                                             "storage": {"root": root, "embedded": {"enabled": False}},
+                                             "cache": {"dir": str(tmp_path / "cache")}})
+        listed = threading.Barrier(writers)
+        real_versions = registry.versions
+
+        def versions_then_wait(*args):
+            found = real_versions(*args)
+            listed.wait(timeout=60)
+            return found
+
+        monkeypatch.setattr(registry, "versions", versions_then_wait)
+        errors: list[BaseException] = []
+
+        def register(i: int) -> None:
+            art = tmp_path / f"artifact{i}"
+            art.mkdir()
+            (art / "model.safetensors").write_bytes(f"weights of writer {i}".encode() * 1000)
+            try:
+                registry.register(cfg, ctx, str(art), "m", {**META, "writer": i})
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=register, args=(i,)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        monkeypatch.setattr(registry, "versions", real_versions)
+        assert not errors, errors
+        assert registry.versions(cfg, ctx, "m") == [1, 2, 3, 4]
+        seen = []
+        for v in range(1, writers + 1):
+            local, card = registry.fetch(cfg, ctx, f"m:{v}")
+            writer = card.model_extra["writer"]
+            assert card.version == v and card.name == "m"
+            assert (Path(local) / "model.safetensors").read_bytes() == f"weights of writer {writer}".encode() * 1000
+            assert sorted(p.name for p in Path(local).iterdir()) == ["model.safetensors", registry.META_FILE]
+            seen.append(writer)
+        assert sorted(seen) == list(range(writers))
+

@@ -26,17 +26,18 @@ from workflows.errors import UserError
 from workflows.model_card import ModelCard
 from workflows.storage.uri import (
     StorageContext,
+    create_once,
     download_dir,
     exists,
     filesystem,
     join,
-    protocol_of,
     reaching,
     read_json,
     write_json,
 )
 
 META_FILE = "workflows.json"
+CLAIM_FILE = "claim.json"  # a version's first object: which registration writes into it
 _VERSION = re.compile(r"^v(\d+)$")
 
 
@@ -107,19 +108,26 @@ def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
 def register(
     cfg: WorkflowConfig, ctx: StorageContext, local_dir: str, name: str, metadata: ModelCard | Mapping[str, Any]
 ) -> ModelRef:
-    """Upload an exported artifact as the next version of `name`, described by its card."""
+    """Upload an exported artifact as the next version of `name`, described by its card.
+
+    The version is claimed first: its CLAIM_FILE is created only where none exists (S3's
+    conditional PUT, a local file's O_EXCL), so of registrations racing for one version exactly
+    one writes into it and the others move on to the next. A registration that dies after its
+    claim leaves that version number unused (never listed: it has no workflows.json)."""
     check_name(name, "model name")
     card = metadata if isinstance(metadata, ModelCard) else ModelCard.model_validate(metadata)
+    artifact_id = uuid.uuid4().hex
     version = (versions(cfg, ctx, name) or [0])[-1] + 1
+    while not create_once(join(_models_root(cfg), name, f"v{version}", CLAIM_FILE),
+                          json.dumps({"artifact_id": artifact_id}).encode(), ctx):
+        version += 1  # another registration holds it
     uri = join(_models_root(cfg), name, f"v{version}")
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
-        if protocol_of(uri) == "file":  # a local storage.root: no directory comes with the first file
-            fs.makedirs(path, exist_ok=True)
         for f in sorted(Path(local_dir).iterdir()):
-            if f.is_file() and f.name != META_FILE:
+            if f.is_file() and f.name not in (META_FILE, CLAIM_FILE):
                 fs.put_file(str(f), f"{path}/{f.name}")
-    card = card.model_copy(update={"name": name, "version": version, "artifact_id": uuid.uuid4().hex,
+    card = card.model_copy(update={"name": name, "version": version, "artifact_id": artifact_id,
                                    "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     write_json(join(uri, META_FILE), card.to_dict(), ctx)  # last: marks the version complete
     return ModelRef(name, version, uri)
@@ -157,7 +165,7 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{card.artifact_id}-", dir=cache.parent))
     try:
-        download_dir(ref.uri, ctx, str(tmp), skip=(META_FILE, EVAL_FILE))
+        download_dir(ref.uri, ctx, str(tmp), skip=(META_FILE, EVAL_FILE, CLAIM_FILE))
         (tmp / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
         try:
             os.rename(tmp, cache)

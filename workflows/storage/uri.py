@@ -175,6 +175,29 @@ def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
             f.write(data)
 
 
+def create_once(uri: str, data: bytes, ctx: StorageContext) -> bool:
+    """Write `data` at `uri` unless something is there already; True where this call created it.
+    Of writers racing for one name exactly one wins: a local file is created with O_EXCL, an object
+    with S3's conditional PUT (If-None-Match: *; AWS S3 and MinIO honour it, as does the embedded
+    endpoint: workflows.storage.s3_server)."""
+    fs, path = filesystem(uri, ctx)
+    if protocol_of(uri) == "file":
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+    with reaching(uri, ctx):
+        try:
+            fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+    return True
+
+
 def write_json(uri: str, obj: Any, ctx: StorageContext) -> None:
     write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True).encode(), ctx)
 
