@@ -161,8 +161,8 @@ def test_a_serve_port_taken_after_the_commands_check_is_refused_in_one_line_befo
                                                                                                   haproxy):
     """`workflows serve`/`pipeline` check serve.port before Ray starts; a pipeline then trains for
     minutes. Taken since (here: by a listener of this process), Serve's Python proxy would fail to
-    bind it over and over while the holder answers: start_serve names the holder in one line
-    instead, before Serve starts, behind either ingress."""
+    bind it over and over while the holder answers: deploy names the holder in one line instead,
+    before Serve starts, behind either ingress."""
     import socket
 
     import ray.serve
@@ -170,22 +170,23 @@ def test_a_serve_port_taken_after_the_commands_check_is_refused_in_one_line_befo
 
     from workflows.config import load_config
     from workflows.errors import UserError
-    from workflows.serve import ingress
+    from workflows.serve import app
 
     started: list = []
-    monkeypatch.setattr(ray.serve, "start", lambda **kw: started.append(kw))
+    monkeypatch.setattr(ray.serve, "start", lambda **kw: started.append("start"))
+    monkeypatch.setattr(ray.serve, "run", lambda *a, **kw: started.append("run"))
+    monkeypatch.setattr(app, "application", lambda cfg, spec: None)
     monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda **kw: None)  # no Serve in the cluster yet
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", haproxy)
-    cfg = load_config(QUICKSTART, ["ray.address=local"])
     port = free_port()
+    cfg = load_config(QUICKSTART, ["ray.address=local", f"serve.port={port}"])
     with socket.create_server(("127.0.0.1", port)):
         with pytest.raises(UserError) as e:
-            ingress.start_serve(cfg, {"host": "127.0.0.1", "port": port}, {}, pick=dict)
+            app.deploy(cfg, "quickstart:1")
     assert str(e.value).startswith(f"serve.port {port} is in use on 127.0.0.1 by pid {os.getpid()} ")
     assert len(str(e.value).splitlines()) == 1 and started == []
-    assert ingress.start_serve(cfg, {"host": "127.0.0.1", "port": port}, {}, pick=dict) == 1  # free again
-    assert len(started) == 1
-
+    assert app.deploy(cfg, "quickstart:1") == f"http://127.0.0.1:{port}"  # free again: Serve starts
+    assert started == ["start", "run"]
 
 class Serve:
     """`workflows serve` of the shared run's model in a new process group, on a cluster of its own

@@ -345,9 +345,12 @@ def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
 
 def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
     """Deploy the model on the running Ray cluster; returns the base URL."""
+    from workflows.console import say
     from workflows.serve import ingress
+    from workflows.serve.stale_ingress import free_before_serve_starts
 
     sc = cfg.serve
+    free_before_serve_starts(cfg, say)
     ingress.start_serve(cfg, {"host": sc.host, "port": sc.port}, logging_config(sc))
     serve.run(
         application(cfg, model_spec),

@@ -135,18 +135,11 @@ def start_serve(cfg, http_options: dict, logging_config: dict, pick=port_env, at
     each attempt gives Serve fresh ports (`pick`; those the user set in the environment stay), and a
     start that failed to bind one, or whose proxy died starting (Serve kills one that misses its
     health checks, as on an overloaded machine), is started again; after `attempts`, a one-line
-    UserError. Elsewhere (the Python proxy, a cluster joined, whose ingress is its own) one plain start.
-    On a cluster this command started, a serve port taken by then is a one-line UserError first."""
+    UserError. Elsewhere (the Python proxy, a cluster joined, whose ingress is its own) one plain start."""
     from ray import serve
-    from ray.serve.context import _get_global_client
 
     from workflows.console import say
-    from workflows.serve.stale_ingress import free_serve_port
 
-    if not cluster_address(cfg) and _get_global_client(raise_if_no_controller_running=False) is None:
-        # checked before Ray started too (workflows.cli), but a pipeline trains for minutes in between:
-        # taken since, Serve's Python proxy would keep failing to bind while the holder answers
-        free_serve_port(http_options["host"], http_options["port"], say)
     if cluster_address(cfg) or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         serve.start(http_options=http_options, logging_config=logging_config)
         return 1
