@@ -45,17 +45,21 @@ def static_checks(package: Path) -> dict:
                 checked += 1
                 if _is_true(kw.get("allow_pickle")):
                     violations.append(f"{name}(allow_pickle=True) at {where}")
+            elif name.endswith(("dcp.load", "_load_state_dict", "dcp_to_torch_save")):
+                checked += 1  # DCP's own reader unpickles .metadata: only with checkpoint.py's
+                reader = kw.get("storage_reader")
+                if not (isinstance(reader, ast.Call) and _dotted(reader.func) == "_Reader"):
+                    violations.append(f"{name} without checkpoint._Reader at {where}")
             elif name.endswith(".from_pretrained") and "Model" in name.rsplit(".", 1)[0]:
                 checked += 1  # model weights (tokenizers and configs hold none)
                 if not _is_true(kw.get("use_safetensors")):
                     violations.append(f"{name} without use_safetensors=True at {where}")
-    # Outside workflows/: torch.distributed.checkpoint, which the trainer uses for sharded
-    # checkpoints, unpickles the checkpoint's `.metadata` (and torch.load(weights_only=False)s any
-    # non-tensor entries) when resuming or exporting. Reported, not counted: it is the only DCP format.
+    # torch.distributed.checkpoint's own reader unpickles a checkpoint's `.metadata` (and
+    # torch.load(weights_only=False)s its non-tensor entries): workflows/train/checkpoint.py reads
+    # both with restricted loaders (_Reader, its planners), which every DCP load above must use.
     notes.append(
-        "note: torch.distributed.checkpoint unpickles a checkpoint's .metadata on resume/export "
-        "(workflows/train/checkpoint.py dcp.load, dcp_to_torch_save): checkpoints under runs/ must be "
-        "as trusted as the code"
+        "note: DCP checkpoints are read with workflows/train/checkpoint.py's _Reader (.metadata by a "
+        "restricted unpickler, non-tensor values with torch.load(weights_only=True))"
     )
     return {"violations": violations, "notes": notes, "checked": checked, "files": files}
 

@@ -20,6 +20,11 @@ failure is a finding, and so is an app whose POST /predict got under a third of 
 (the fuzzer not reaching the main route; with the token: without it, every POST /predict is a 401
 before its body is read). `injected` = requests sent; `failed` = distinct findings;
 `lost` = requests answered 2xx without the token.
+
+The document itself is behind the token (workflows.serve.app.TokenGuard): it is read once with it
+and fuzzed from the file. FastAPI's own routes (/openapi.json, /docs, /redoc) are no operations of
+the document, so schemathesis never calls them: tests/test_serve_auth.py fuzzes every route of the
+app, those included.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "41
 
 def serve_openapi_fuzz(workdir: Path, seed: int = 0) -> dict:
     import ray
+    import requests
     from ray import serve
 
     from reliability import ROOT
@@ -81,9 +87,13 @@ def serve_openapi_fuzz(workdir: Path, seed: int = 0) -> dict:
             url = deploy(rt.cfg, spec, name=f"reliability-openapi-{app}")
             _wait_healthy(rt.cfg.serve.host, rt.cfg.serve.port)
             models[app] = spec
+            # the document is behind the token too: read once with it, then fuzzed with and without
+            schema = workdir / f"{app}-openapi.json"
+            schema.write_bytes(requests.get(f"{url}/openapi.json", headers=AUTH, timeout=30).content)
             for name, headers in (("with token", [f"Authorization: {AUTH['Authorization']}"]),
                                   ("without token", [])):
-                runs[f"{app} {name}"] = _schemathesis(url, headers, workdir / f"{app}-{name.replace(' ', '-')}",
+                runs[f"{app} {name}"] = _schemathesis(url, schema, headers,
+                                                      workdir / f"{app}-{name.replace(' ', '-')}",
                                                       seed, SECONDS[name], limit, image=app == "image")
             serve.delete(f"reliability-openapi-{app}")
         serve.shutdown()
@@ -147,14 +157,15 @@ def _version() -> str:
     return version("schemathesis")
 
 
-def _schemathesis(url: str, headers: list[str], out: Path, seed: int, seconds: int, max_body_bytes: int,
+def _schemathesis(url: str, schema: Path, headers: list[str], out: Path, seed: int, seconds: int, max_body_bytes: int,
                   image: bool = False) -> dict:
-    """One `schemathesis run` (in a new process, its CLI as a user runs it); its NDJSON events read back."""
+    """One `schemathesis run` of the document in `schema` against the server at `url` (in a new
+    process, its CLI as a user runs it); its NDJSON events read back."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.ndjson"
     (out / "schemathesis.toml").write_text(CONFIG)
     cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(out / "schemathesis.toml"), "run",
-           f"{url}/openapi.json", "--checks", CHECKS, "--max-time", str(seconds), "--seed", str(seed),
+           str(schema.resolve()), "--url", url, "--checks", CHECKS, "--max-time", str(seconds), "--seed", str(seed),
            "--phases", "examples,coverage,fuzzing", "--report", "ndjson", "--report-ndjson-path", str(events),
            # hypothesis' health check stops fuzzing an operation whose smallest example it finds
            # "too large" (POST /predict: a token and instances): fuzz it anyway; errors still count

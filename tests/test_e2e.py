@@ -362,7 +362,8 @@ def test_openapi_declares_the_typed_contract(server):
     models, and every error answer as {"error": ...}; a real answer validates against it."""
     import jsonschema
 
-    spec = requests.get(f"{server}/openapi.json", timeout=10).json()
+    assert requests.get(f"{server}/openapi.json", timeout=10).status_code == 401  # it lists the labels
+    spec = requests.get(f"{server}/openapi.json", headers=AUTH, timeout=10).json()
     schemas = spec["components"]["schemas"]
     op = spec["paths"]["/predict"]["post"]
     body = op["requestBody"]["content"]["application/json"]
@@ -389,7 +390,8 @@ def test_openapi_declares_the_typed_contract(server):
     valid(bad.json(), "ErrorResponse")
     with pytest.raises(jsonschema.ValidationError):  # the schema does reject what the server rejects
         valid({"instances": [{"text": 3}]}, "PredictRequest")
-    assert "swagger" in requests.get(f"{server}/docs", timeout=10).text.lower()
+    assert "swagger" in requests.get(f"{server}/docs", headers=AUTH, timeout=10).text.lower()
+    assert requests.get(f"{server}/docs", timeout=10).status_code == 401
 
 
 def test_sigterm_drains_and_stops_cleanly(serving):

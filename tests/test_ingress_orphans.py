@@ -156,6 +156,38 @@ def test_a_stale_haproxy_of_ours_is_stopped_and_any_other_holder_named(tmp_path)
             free_serve_port("127.0.0.1", port, said.append)
 
 
+@pytest.mark.parametrize("haproxy", ["0", "1"])
+def test_a_serve_port_taken_after_the_commands_check_is_refused_in_one_line_before_serve_starts(monkeypatch,
+                                                                                                  haproxy):
+    """`workflows serve`/`pipeline` check serve.port before Ray starts; a pipeline then trains for
+    minutes. Taken since (here: by a listener of this process), Serve's Python proxy would fail to
+    bind it over and over while the holder answers: deploy names the holder in one line instead,
+    before Serve starts, behind either ingress."""
+    import socket
+
+    import ray.serve
+    import ray.serve.context
+
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.serve import app
+
+    started: list = []
+    monkeypatch.setattr(ray.serve, "start", lambda **kw: started.append("start"))
+    monkeypatch.setattr(ray.serve, "run", lambda *a, **kw: started.append("run"))
+    monkeypatch.setattr(app, "application", lambda cfg, spec: None)
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda **kw: None)  # no Serve in the cluster yet
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", haproxy)
+    port = free_port()
+    cfg = load_config(QUICKSTART, ["ray.address=local", f"serve.port={port}"])
+    with socket.create_server(("127.0.0.1", port)):
+        with pytest.raises(UserError) as e:
+            app.deploy(cfg, "quickstart:1")
+    assert str(e.value).startswith(f"serve.port {port} is in use on 127.0.0.1 by pid {os.getpid()} ")
+    assert len(str(e.value).splitlines()) == 1 and started == []
+    assert app.deploy(cfg, "quickstart:1") == f"http://127.0.0.1:{port}"  # free again: Serve starts
+    assert started == ["start", "run"]
+
 class Serve:
     """`workflows serve` of the shared run's model in a new process group, on a cluster of its own
     (one it joined would keep the Serve application, and that cluster's ingress, by design)."""

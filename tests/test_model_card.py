@@ -1,10 +1,16 @@
 """The model card (workflows.json) through the registry on a local store: the JSON keys on disk are
 the ones given, unknown keys survive, and fetch/model_card/describe read them back."""
 
+import contextlib
 import json
+from pathlib import Path
+
+import pytest
+import yaml
 
 from workflows import registry
 from workflows.config import WorkflowConfig
+from workflows.errors import UserError
 from workflows.model_card import ModelCard
 from workflows.storage.uri import StorageContext
 
@@ -56,3 +62,160 @@ def test_registry_writes_and_reads_cards(tmp_path):
 def test_metrics_are_written_as_json_dumps_writes_them():
     card = ModelCard.model_validate({**META, "val_metrics": {"val_loss": float("nan")}})
     assert json.dumps(card.to_dict()) == json.dumps({**META, "val_metrics": {"val_loss": float("nan")}})
+
+
+def _store_with_model(tmp_path):
+    cfg = WorkflowConfig.model_validate(
+        {
+            "data": {"source": str(tmp_path / "raw")},
+            "storage": {"root": str(tmp_path / "store"), "embedded": {"enabled": False}},
+            "cache": {"dir": str(tmp_path / "cache")},
+        }
+    )
+    art = tmp_path / "artifact"
+    art.mkdir()
+    (art / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "store" / "models" / "m" / "v1").mkdir(parents=True)
+    ref = registry.register(cfg, StorageContext(), str(art), "m", META)
+    return cfg, Path(ref.uri) / registry.META_FILE
+
+
+def _files(root):
+    return {p for p in root.rglob("*")}
+
+
+# what someone who can write to the bucket could put in a card: each would make fetch write, or
+# look for a cached model, outside the cache (an absolute path; `..` parts, also in mkdtemp's prefix)
+HOSTILE_CARDS = [
+    ("artifact_id", "/ABS/elsewhere"),
+    ("artifact_id", "../escaped"),
+    ("artifact_id", "./../../escaped"),
+    ("artifact_id", "x/../../escaped"),
+    ("artifact_id", ""),
+    ("artifact_id", 7),
+    ("name", "other"),
+    ("version", 2),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), HOSTILE_CARDS)
+def test_a_card_edited_in_the_store_cannot_choose_where_fetch_writes(tmp_path, field, value):
+    cfg, card_file = _store_with_model(tmp_path)
+    card = json.loads(card_file.read_text())
+    card[field] = value.replace("/ABS", str(tmp_path)) if isinstance(value, str) else value
+    card_file.write_text(json.dumps(card))
+    before = _files(tmp_path)
+    for read in (registry.fetch, registry.model_card):
+        with pytest.raises(UserError) as e:
+            read(cfg, StorageContext(), "m")
+        assert len(str(e.value).splitlines()) == 1 and str(card_file) in str(e.value), str(e.value)
+    written = _files(tmp_path) - before
+    assert {p for p in written if (tmp_path / "cache") not in p.parents} == set(), written
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_key_that_is_no_file_name_is_not_downloaded(tmp_path, monkeypatch):
+    import workflows.storage.uri as uri
+
+    class Listing:
+        def ls(self, path, detail=False):
+            return [f"{path}/model.safetensors", f"{path}/.."]
+
+        def get_file(self, remote, local):
+            raise AssertionError(f"downloaded {remote} to {local}")
+
+    monkeypatch.setattr(uri, "filesystem", lambda u, ctx: (Listing(), "bucket/models/m/v1"))
+    with pytest.raises(UserError, match=r"an object named '\.\.'"):
+        uri.download_dir("s3://bucket/models/m/v1", StorageContext(), str(tmp_path))
+
+
+def test_serve_evaluate_and_predict_refuse_a_hostile_card_in_one_line_before_ray(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import workflows.runtime
+    from workflows.cli import app
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started before the card was checked")
+
+    monkeypatch.setattr(workflows.runtime, "init_ray", no_ray)
+    monkeypatch.chdir(tmp_path)
+    cfg, card_file = _store_with_model(tmp_path)
+    config = tmp_path / "user.yaml"
+    config.write_text(yaml.safe_dump({"name": "hostile", "output_dir": f"{tmp_path}/runs",
+                                      "storage": {"root": f"{tmp_path}/store", "embedded": {"enabled": False}},
+                                      "cache": {"dir": f"{tmp_path}/cache"}, "tracking": {"enabled": False},
+                                      "data": {"source": f"{tmp_path}/raw"}}))
+    for artifact_id in (str(tmp_path / "elsewhere"), "../escaped"):
+        card = json.loads(card_file.read_text())
+        card["artifact_id"] = artifact_id
+        card_file.write_text(json.dumps(card))
+        for command in (["serve", "--model", "m"], ["evaluate", "--model", "m", "--split", "val"],
+                        ["evaluate", "--model", "m", "--data", str(tmp_path)],
+                        ["predict", "--model", "m", "--data", str(tmp_path), "--output", str(tmp_path / "out")]):
+            out = CliRunner().invoke(app, [*command, "--config", str(config)])
+            lines = [ln for ln in out.output.splitlines() if ln.strip()]
+            assert out.exit_code == 2 and lines[-1].startswith("error: ") and "artifact_id" in lines[-1], \
+                (command, out.output)
+            assert "Traceback" not in out.output and not (tmp_path / "cache" / "models").exists()
+
+
+@pytest.mark.parametrize("store", ["s3", "local"])
+def test_concurrent_registrations_get_distinct_versions_each_with_its_own_weights_and_card(tmp_path, store,
+                                                                                          monkeypatch):
+    """Four registrations of one name at once, each having listed the same versions (a barrier after
+    the listing makes the race certain): four versions, each with the weights and card of one."""
+    import threading
+
+    from workflows.storage.embedded import EmbeddedS3
+
+    writers = 4
+    with contextlib.ExitStack() as stack:
+        if store == "s3":
+            s3 = stack.enter_context(EmbeddedS3(str(tmp_path / "s3")))
+            s3.ensure_bucket("race")
+            root, ctx = "s3://race/store", StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1",
+                                                          embedded=True)
+        else:
+            root, ctx = str(tmp_path / "store"), StorageContext()
+        cfg = WorkflowConfig.model_validate({"data": {"source": str(tmp_path / "raw")},
+                                             "storage": {"root": root, "embedded": {"enabled": False}},
+                                             "cache": {"dir": str(tmp_path / "cache")}})
+        listed = threading.Barrier(writers)
+        real_versions = registry.versions
+
+        def versions_then_wait(*args):
+            found = real_versions(*args)
+            listed.wait(timeout=60)
+            return found
+
+        monkeypatch.setattr(registry, "versions", versions_then_wait)
+        errors: list[BaseException] = []
+
+        def register(i: int) -> None:
+            art = tmp_path / f"artifact{i}"
+            art.mkdir()
+            (art / "model.safetensors").write_bytes(f"weights of writer {i}".encode() * 1000)
+            try:
+                registry.register(cfg, ctx, str(art), "m", {**META, "writer": i})
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=register, args=(i,)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        monkeypatch.setattr(registry, "versions", real_versions)
+        assert not errors, errors
+        assert registry.versions(cfg, ctx, "m") == [1, 2, 3, 4]
+        seen = []
+        for v in range(1, writers + 1):
+            local, card = registry.fetch(cfg, ctx, f"m:{v}")
+            writer = card.model_extra["writer"]
+            assert card.version == v and card.name == "m"
+            assert (Path(local) / "model.safetensors").read_bytes() == f"weights of writer {writer}".encode() * 1000
+            assert sorted(p.name for p in Path(local).iterdir()) == ["model.safetensors", registry.META_FILE]
+            seen.append(writer)
+        assert sorted(seen) == list(range(writers))
+

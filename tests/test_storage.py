@@ -279,3 +279,51 @@ def test_store_command_runs_in_the_runtime_and_persists_on_sigterm(tmp_path):
                            "--set", f"storage.root={tmp_path}/plain"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
     assert proc.returncode == 2 and "storage.embedded.enabled is false" in proc.stdout + proc.stderr
+
+
+def test_a_conditional_put_is_atomic_on_the_embedded_endpoint(monkeypatch):
+    """Eight PUTs with If-None-Match: * for one key at once: one succeeds, the others get 412, as on
+    S3 (the registry claims a version that way). moto checks the key, then writes: here its check is
+    slowed, so that without the embedded endpoint's lock every PUT would pass it. In this process,
+    with moto's classes restored afterwards."""
+    import threading
+    import time
+
+    from botocore.exceptions import ClientError
+    from moto.s3.models import S3Backend
+    from moto.s3.responses import S3Response
+    from moto.server import ThreadedMotoServer
+
+    from tests.helpers import free_port
+    from workflows.storage.s3_server import conditional_puts_are_atomic
+
+    monkeypatch.setattr(S3Response, "put_object", S3Response.put_object)
+    real_get = S3Backend.get_object
+    monkeypatch.setattr(S3Backend, "get_object", lambda self, *a, **k: (real_get(self, *a, **k), time.sleep(0.2))[0])
+    conditional_puts_are_atomic()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        ctx = StorageContext(endpoint_url=f"http://{host}:{port}", region="us-east-1", embedded=True)
+        clients = [ctx.boto3_client() for _ in range(8)]
+        clients[0].create_bucket(Bucket="race")
+        start, won, lost = threading.Barrier(len(clients)), [], []
+
+        def put(i: int) -> None:
+            start.wait(timeout=60)
+            try:
+                clients[i].put_object(Bucket="race", Key="claim", Body=str(i).encode(), IfNoneMatch="*")
+                won.append(i)
+            except ClientError as e:
+                lost.append(e.response["Error"]["Code"])
+
+        threads = [threading.Thread(target=put, args=(i,)) for i in range(len(clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(won) == 1 and lost == ["PreconditionFailed"] * (len(clients) - 1), (won, lost)
+        assert clients[0].get_object(Bucket="race", Key="claim")["Body"].read() == str(won[0]).encode()
+    finally:
+        server.stop()

@@ -26,17 +26,18 @@ from workflows.errors import UserError
 from workflows.model_card import ModelCard
 from workflows.storage.uri import (
     StorageContext,
+    create_once,
     download_dir,
     exists,
     filesystem,
     join,
-    protocol_of,
     reaching,
     read_json,
     write_json,
 )
 
 META_FILE = "workflows.json"
+CLAIM_FILE = "claim.json"  # a version's first object: which registration writes into it
 _VERSION = re.compile(r"^v(\d+)$")
 
 
@@ -107,37 +108,64 @@ def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
 def register(
     cfg: WorkflowConfig, ctx: StorageContext, local_dir: str, name: str, metadata: ModelCard | Mapping[str, Any]
 ) -> ModelRef:
-    """Upload an exported artifact as the next version of `name`, described by its card."""
+    """Upload an exported artifact as the next version of `name`, described by its card.
+
+    The version is claimed first: its CLAIM_FILE is created only where none exists (S3's
+    conditional PUT, a local file's O_EXCL), so of registrations racing for one version exactly
+    one writes into it and the others move on to the next. A registration that dies after its
+    claim leaves that version number unused (never listed: it has no workflows.json)."""
     check_name(name, "model name")
     card = metadata if isinstance(metadata, ModelCard) else ModelCard.model_validate(metadata)
+    artifact_id = uuid.uuid4().hex
     version = (versions(cfg, ctx, name) or [0])[-1] + 1
+    while not create_once(join(_models_root(cfg), name, f"v{version}", CLAIM_FILE),
+                          json.dumps({"artifact_id": artifact_id}).encode(), ctx):
+        version += 1  # another registration holds it
     uri = join(_models_root(cfg), name, f"v{version}")
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
-        if protocol_of(uri) == "file":  # a local storage.root: no directory comes with the first file
-            fs.makedirs(path, exist_ok=True)
         for f in sorted(Path(local_dir).iterdir()):
-            if f.is_file() and f.name != META_FILE:
+            if f.is_file() and f.name not in (META_FILE, CLAIM_FILE):
                 fs.put_file(str(f), f"{path}/{f.name}")
-    card = card.model_copy(update={"name": name, "version": version, "artifact_id": uuid.uuid4().hex,
+    card = card.model_copy(update={"name": name, "version": version, "artifact_id": artifact_id,
                                    "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     write_json(join(uri, META_FILE), card.to_dict(), ctx)  # last: marks the version complete
     return ModelRef(name, version, uri)
 
 
+def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
+    """The stored card of `ref`, refused in one line unless the fields that name places (its name,
+    version and artifact id: the cache entry) are what register() writes: anyone who can write to
+    the bucket can edit the card, and must not choose where a fetch writes."""
+    uri = join(ref.uri, META_FILE)
+    try:
+        card = ModelCard.model_validate(read_json(uri, ctx))
+    except ValueError as e:  # not JSON, or a field of the wrong type
+        raise UserError(f"{uri} is not a valid model card: {str(e).splitlines()[0]}") from None
+    if card.artifact_id is None:  # written by every register(); a hand-made version lacks it
+        raise UserError(f"{uri} has no artifact_id: register the model again")
+    try:
+        check_name(card.artifact_id, "artifact_id")
+    except ValueError as e:
+        raise UserError(f"{uri}: {e}; the card was edited in the store: register the model again") from None
+    if (card.name, card.version) != (ref.name, ref.version):
+        raise UserError(f"{uri} names model {card.name!r} version {card.version!r}, not the {ref.name!r} "
+                        f"v{ref.version} it is stored as; the card was edited in the store: register the model again")
+    return card
+
+
 def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, ModelCard]:
     """Local directory holding the model version (downloaded once per node), and its card."""
     ref = resolve(cfg, ctx, spec)
-    card = ModelCard.model_validate(read_json(join(ref.uri, META_FILE), ctx))
-    if card.artifact_id is None:  # written by every register(); a hand-made version lacks it
-        raise UserError(f"{ref.uri}/{META_FILE} has no artifact_id: register the model again")
+    card = read_card(ref, ctx)
+    assert card.artifact_id is not None  # read_card refuses a card without one
     cache = Path(cfg.cache.resolved_dir()) / "models" / card.artifact_id
     if (cache / META_FILE).exists():
         return str(cache), card
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{card.artifact_id}-", dir=cache.parent))
     try:
-        download_dir(ref.uri, ctx, str(tmp), skip=(META_FILE, EVAL_FILE))
+        download_dir(ref.uri, ctx, str(tmp), skip=(META_FILE, EVAL_FILE, CLAIM_FILE))
         (tmp / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
         try:
             os.rename(tmp, cache)
@@ -161,7 +189,7 @@ def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, me
 def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard:
     """The card of a version, with its evaluation metrics when there are any."""
     ref = resolve(cfg, ctx, spec)
-    found = ModelCard.model_validate(read_json(join(ref.uri, META_FILE), ctx))
+    found = read_card(ref, ctx)
     eval_uri = join(ref.uri, EVAL_FILE)
     if exists(eval_uri, ctx):
         found = found.model_copy(update={"metrics": read_json(eval_uri, ctx)})

@@ -41,7 +41,8 @@ class ServeConfig(Strict):
         "fp32", description="fp32; bf16 (meant for GPU replicas); int8 dynamic quantization of Linear layers (CPU)"
     )
     auth_token_env: str | None = Field(
-        None, description="name of an environment variable holding a bearer token that /predict and /v1/models require"
+        None, description="name of an environment variable holding a bearer token that every route but /healthz "
+        "requires (/openapi.json and /docs too)"
     )
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(

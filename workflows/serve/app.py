@@ -4,7 +4,7 @@ POST /predict  {"instances": [{...}]} -> {"predictions": [{...}], "model", "vers
                predictions of the model's task (text: {<text columns>} -> {"label", "score",
                "probabilities"}; images also take a raw image body or multipart files)
 GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json: the typed contract of
-workflows.serve.contract)
+workflows.serve.contract); with a bearer token set, every route but /healthz requires it (TokenGuard)
 
 Each replica builds its FastAPI app after loading the model (`__serve_build_asgi_app__`), so the
 OpenAPI document declares that model's request and response models.
@@ -24,6 +24,7 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
+from starlette.routing import Match
 
 from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
@@ -97,6 +98,32 @@ class RequestGuard:
             m["latency_ms"].observe((time.perf_counter() - t0) * 1000, tags=tags)
 
 
+# The one route answered without the token: readiness probes (Kubernetes, load balancers) call it
+# without credentials, and it says only that the model is up, with its name and version.
+OPEN_ROUTES = ("/healthz",)
+
+
+class TokenGuard:
+    """With a bearer token set, every request needs it before any route runs: /predict, the model's
+    card, and FastAPI's /openapi.json, /docs and /redoc too, whose document lists the labels that
+    /v1/models/NAME answers only with the token (a route added later is covered too). Only
+    OPEN_ROUTES, as the app's router matches them, are answered without it."""
+
+    def __init__(self, app, server: "ModelServer", api: FastAPI):
+        self.app, self.server, self.api = app, server, api
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.server.token is not None and not self._open(scope):
+            denied = self.server._denied(Request(scope))
+            if denied is not None:
+                return await denied(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _open(self, scope) -> bool:
+        return any(getattr(r, "path", None) in OPEN_ROUTES and r.matches(scope)[0] == Match.FULL
+                   for r in self.api.router.routes)
+
+
 def bearer_token(sc) -> str | None:
     """The token requests must carry, read from the environment variable the config names."""
     if not sc.auth_token_env:
@@ -123,7 +150,8 @@ def build_api(server: "ModelServer") -> FastAPI:
     what = f"labels {', '.join(card.labels)}" if card.labels else card.task  # a regression has no labels
     api = FastAPI(title=f"workflows model server: {card.name} v{card.version}", lifespan=lifespan,
                   description=f"Predictions of registered model {card.name}:{card.version} ({what}).")
-    api.add_middleware(RequestGuard)
+    api.add_middleware(TokenGuard, server=server, api=api)
+    api.add_middleware(RequestGuard)  # outside the token's check: its 401s are counted and timed too
 
     @api.exception_handler(RequestValidationError)
     async def one_line(_, exc: RequestValidationError) -> JSONResponse:
@@ -149,10 +177,8 @@ def build_api(server: "ModelServer") -> FastAPI:
     @api.get("/v1/models/{name}", summary="The served model's card: labels, columns, metrics, lineage",
              responses={404: {"model": ErrorResponse, "description": "another model's name"},
                         **error_responses(401, 431)})
-    async def model_info(request: Request, name: str = PathParam(
+    async def model_info(name: str = PathParam(
             description="the served model's name (any other is a 404)", json_schema_extra={"enum": [card.name]})):
-        if (denied := server._denied(request)) is not None:
-            return denied
         if name != card.name:
             return _error(404, f"model {name!r} is not served here")
         keep = ("name", "version", "task", "labels", "text_columns", "image_size", "metrics", "lineage",
@@ -225,9 +251,7 @@ class ModelServer:
         if self.stopping:
             return self.stopping_response()
         self.in_flight += 1
-        try:
-            if (denied := self._denied(request)) is not None:
-                return denied
+        try:  # the bearer token was checked before (TokenGuard)
             body = await read_body(request, self.max_body_bytes)
             if isinstance(body, JSONResponse):
                 return body
@@ -321,9 +345,12 @@ def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
 
 def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
     """Deploy the model on the running Ray cluster; returns the base URL."""
+    from workflows.console import say
     from workflows.serve import ingress
+    from workflows.serve.stale_ingress import free_before_serve_starts
 
     sc = cfg.serve
+    free_before_serve_starts(cfg, say)
     ingress.start_serve(cfg, {"host": sc.host, "port": sc.port}, logging_config(sc))
     serve.run(
         application(cfg, model_spec),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from workflows.cluster_scoped import cluster_address
 from workflows.errors import UserError
 from workflows.net import port_free
 from workflows.serve.ingress import TEMP_PREFIX
@@ -85,6 +86,17 @@ def stop(proc: psutil.Process, wait_s: float = 5) -> bool:
     except psutil.AccessDenied:
         return False
     return True
+
+
+def free_before_serve_starts(cfg, say: Callable[[str], object]) -> None:
+    """free_serve_port right before Serve starts on a cluster this command started (where Serve
+    runs already, the port is its own). `workflows serve` and `pipeline` check before Ray starts
+    too, but a pipeline trains for minutes in between: a port taken since would leave Serve's
+    Python proxy failing to bind over and over while the holder answers."""
+    from ray.serve.context import _get_global_client
+
+    if cluster_address(cfg) is None and _get_global_client(raise_if_no_controller_running=False) is None:
+        free_serve_port(cfg.serve.host, cfg.serve.port, say)
 
 
 def free_serve_port(host: str, port: int, say: Callable[[str], object], wait_s: float = 5) -> None:

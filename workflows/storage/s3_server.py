@@ -2,7 +2,8 @@
 
 `python -m workflows.storage.s3_server -H 127.0.0.1 -p PORT` serves moto's WSGI app as
 `python -m moto.server` does, wrapped in a small WSGI middleware that counts requests and bytes
-per method, and with ranged GETs reading only their bytes (serve_ranges_from_the_object_file).
+per method, with ranged GETs reading only their bytes (serve_ranges_from_the_object_file), and
+with conditional PUTs atomic (conditional_puts_are_atomic).
 Benchmarks and tests read the counts at `GET /_workflows/traffic` (and zero them with
 `POST /_workflows/traffic/reset`), so "0 bytes fetched from the object store" is measured where
 the bytes leave the store, not by the cache that claims to have saved them.
@@ -130,6 +131,32 @@ def serve_ranges_from_the_object_file() -> None:
     S3Response.key_response = key_response  # type: ignore[method-assign]
 
 
+_CONDITIONAL_PUT = threading.Lock()
+
+
+def conditional_puts_are_atomic() -> None:
+    """Make a conditional PUT (If-None-Match, If-Match) check and write in one step, as S3 does.
+
+    # why by hand: moto 5.2 looks the key up, then stores the object, with nothing between them, and
+    # the server answers requests on threads: two PUTs with If-None-Match: * racing for one key
+    # could both find it absent and both succeed, where S3 answers the second 412. The registry
+    # claims a version that way (workflows.registry.register)."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response.put_object, "_atomic", False):
+        return
+    plain = S3Response.put_object
+
+    def put_object(self):
+        if "If-None-Match" in self.headers or "If-Match" in self.headers:
+            with _CONDITIONAL_PUT:
+                return plain(self)
+        return plain(self)
+
+    put_object._atomic = True  # type: ignore[attr-defined]
+    S3Response.put_object = put_object  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> None:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import run_simple
@@ -144,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve_ranges_from_the_object_file()
+    conditional_puts_are_atomic()
     app = TrafficCounter(DomainDispatcherApplication(create_backend_app))
     run_simple(args.host, args.port, app, threaded=True, request_handler=MotoRequestHandler)
 

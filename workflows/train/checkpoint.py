@@ -15,25 +15,53 @@ model and optimizer state (DCP, sharded), and in train_state.json the LR schedul
 epoch just completed (the data position: checkpoints are taken at epoch ends), the global step
 and the history so far. No RNG state: loop.py reseeds the data order and dropout from
 (seed, epoch, rank) at every epoch start.
+
+A checkpoint is read from the store, where anyone who may write to the bucket can replace its files.
+DCP reads `.metadata` with pickle and the non-tensor values in the shards (the optimizer's
+hyperparameters) with torch.load(weights_only=False): either could run any code. Here both are read
+with restricted loaders (`read_metadata`: only the classes DCP's metadata is made of; values:
+torch.load(weights_only=True)), and the metadata may name only plain files of the checkpoint's own
+directory. A replaced file can still hold other numbers; it cannot choose code or paths.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import pickle
+import re
 import tempfile
 from collections.abc import Iterator
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from workflows.errors import UserError
 from workflows.train.parallel import world
 
 STATE_FILE = "train_state.json"
+METADATA_FILE = ".metadata"
+# what DCP's .metadata is made of (torch 2.13, FSDP2 and plain state dicts alike), besides torch's dtypes
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id: a path, never opened
+}
 
 
 def save(directory: str, model, optimizer, scheduler, state: dict) -> None:
@@ -70,7 +98,9 @@ def load(directory: str, model, optimizer, scheduler) -> dict:
     check_complete(directory)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=directory)
+    with refused_in_one_line(directory):
+        _read_local_metadata(directory)
+        dcp.load(state, storage_reader=_Reader(directory), planner=_LoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(directory, STATE_FILE)) as f:
         saved = json.load(f)
@@ -106,15 +136,115 @@ def check_complete(directory: str) -> None:
 
 
 def consolidated_model_state(directory: str) -> dict[str, torch.Tensor]:
-    """One full, unsharded model state dict from a sharded checkpoint (no process group needed)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    """One full, unsharded model state dict from a sharded checkpoint (no process group needed):
+    dcp_to_torch_save's reading, without its pickle."""
     check_complete(directory)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(directory, path)
-        full = torch.load(path, weights_only=True, map_location="cpu")
+    full: dict[str, Any] = {}
+    with refused_in_one_line(directory):
+        _read_local_metadata(directory)
+        # as dcp_to_torch_save reads (dcp.load would fill only the keys `full` already has)
+        _load_state_dict(full, storage_reader=_Reader(directory), planner=_ConsolidatingPlanner(), no_dist=True)
     return full["model"]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                    torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata is not made of")
+
+
+def read_metadata(f: IO[bytes]) -> Metadata:
+    """A checkpoint's .metadata, read without running code it could name; its storage entries may
+    name only files of the checkpoint's own directory. pickle.UnpicklingError where it is not so."""
+    try:
+        metadata = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception as e:  # a malformed stream: EOFError, a bad opcode, a class given wrong state
+        raise pickle.UnpicklingError(f"{type(e).__name__}: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    for info in (metadata.storage_data or {}).values():
+        if not isinstance(info, _StorageInfo) or not _plain_name(info.relative_path) or info.transform_descriptors:
+            raise pickle.UnpicklingError(f"an entry names {getattr(info, 'relative_path', info)!r}, "
+                                         "not a file of the checkpoint")
+    return metadata
+
+
+def _plain_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name \
+        and "\\" not in name
+
+
+def _read_local_metadata(directory: str | os.PathLike) -> Metadata:
+    with open(os.path.join(directory, METADATA_FILE), "rb") as f:
+        return read_metadata(f)
+
+
+class _Reader(FileSystemReader):
+    """DCP's reader of a local checkpoint directory, with .metadata read by `read_metadata`. DCP
+    reports a failure to read it as text in an AssertionError: callers read it first
+    (_read_local_metadata), for its own error."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = _read_local_metadata(self.path)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes(planner: DefaultLoadPlanner, read_item, value: io.BytesIO) -> None:
+    """DefaultLoadPlanner.load_bytes with torch.load(weights_only=True): the checkpoint's non-tensor
+    values are numbers, strings, tuples and lists."""
+    loaded = torch.load(value, weights_only=True)
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    load_bytes = _load_bytes
+
+
+class _ConsolidatingPlanner(_EmptyStateDictLoadPlanner):
+    load_bytes = _load_bytes
+
+
+@contextlib.contextmanager
+def refused_in_one_line(directory: str) -> Iterator[None]:
+    """A checkpoint whose files name code or paths it may not, as a one-line UserError."""
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        cause = _unpickling_error(e)
+        if cause is None:
+            raise
+        raise UserError(f"checkpoint {directory} was not read: {cause} (its files were replaced, or written "
+                        "by another torch)") from None
+
+
+def _unpickling_error(e: BaseException | None) -> str | None:
+    """The first line of a pickle.UnpicklingError in `e`'s chain, or within DCP's CheckpointException."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, pickle.UnpicklingError):
+            text = str(err)
+            weights_only = re.search(r"WeightsUnpickler error: (.+?)(\. Please|\n|$)", text)  # torch.load's reason
+            return weights_only.group(1) if weights_only else (text.splitlines() or [type(err).__name__])[0]
+        stack += [err.__cause__, err.__context__]
+        failures = getattr(err, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
 
 
 @contextlib.contextmanager

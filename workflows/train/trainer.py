@@ -8,6 +8,7 @@ are the Trainer's (engine.py).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -140,6 +141,19 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     return None
 
 
+def resume_point(cfg: WorkflowConfig, storage: StorageContext, prefix: str) -> str:
+    """The checkpoint `--resume` continues from (latest_checkpoint), its .metadata read here the way
+    the workers will read it (checkpoint.read_metadata): one that names code or paths is refused in
+    one line before a worker starts."""
+    uri = latest_checkpoint(cfg, storage, prefix)
+    if uri is None:
+        raise UserError(f"--resume: no checkpoint of a run named {prefix}-* under {_runs_root(cfg)}")
+    fs, path = filesystem(f"{uri}/{ckpt.METADATA_FILE}", storage)
+    with ckpt.refused_in_one_line(uri):
+        ckpt.read_metadata(io.BytesIO(fs.cat_file(path)))
+    return uri
+
+
 def fit(
     cfg: WorkflowConfig,
     storage: StorageContext,
@@ -185,11 +199,7 @@ def fit(
         else {"val": val_ds}
 
     prefix = run_prefix or f"{cfg.name}-train"
-    resume_from = None
-    if resume:
-        resume_from = latest_checkpoint(cfg, storage, prefix)
-        if resume_from is None:
-            raise UserError(f"--resume: no checkpoint of a run named {prefix}-* under {_runs_root(cfg)}")
+    resume_from = resume_point(cfg, storage, prefix) if resume else None
     metric, mode = task.score
     run_name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
     pa_fs, runs_path = pyarrow_filesystem(_runs_root(cfg), storage)
