@@ -29,6 +29,11 @@ def builtin_dataset(name: str, cfg: WorkflowConfig):
 
         return ("scikit-learn's bundled handwritten digits as PNGs", lambda: (digits_data.build(), {}),
                 digits_data.write_shards)
+    if name == "chat":
+        from workflows.preprocess import chat_data
+
+        return ("the seeded synthetic instruction set", lambda: (chat_data.build(cfg.data.builtin_rows_per_class), {}),
+                chat_data.write_shards)
     from workflows.preprocess import quickstart_data
 
     def build():
