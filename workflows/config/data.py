@@ -21,7 +21,7 @@ class DataConfig(Strict):
         0, ge=0, description="records that cannot be decoded (an image that is truncated, empty, not an image, a "
         "decompression bomb) skipped and named in the preprocessing summary; one more fails preprocessing, "
         "naming the first bad key (0: the first bad record fails it)")
-    builtin: Literal["quickstart", "digits"] | None = Field(
+    builtin: Literal["quickstart", "digits", "chat"] | None = Field(
         None,
         description="build this dataset into `source` when no shard is there: in the embedded store only, "
         "unless write_builtin is set (anywhere else an empty source is an error)",
@@ -30,7 +30,8 @@ class DataConfig(Strict):
         False, description="let `builtin` write its dataset into a source outside the embedded store "
         "(a real bucket or a local directory)"
     )
-    builtin_rows_per_class: int = Field(900, ge=10)
+    builtin_rows_per_class: int = Field(900, ge=10, description="quickstart: rows per label; chat: rows per kind "
+                                        "of instruction")
     val_fraction: float = Field(0.1, ge=0.0, lt=0.5)
     test_fraction: float = Field(0.2, gt=0.0, lt=0.5)
     split_seed: int = 0

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from workflows.config.base import Strict
 
 # the built-in tasks' names (workflows.tasks.BUILTIN maps them to their classes; a test keeps the two alike)
-BUILTIN_TASKS = ("classification", "causal_lm", "image_classification")
+BUILTIN_TASKS = ("classification", "causal_lm", "image_classification", "chat")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 # GPT-2 family shapes (n_layer, n_embd, n_head) of the causal LM's size presets; "1b" is a GPT-2-style
@@ -50,11 +50,14 @@ class ModelConfig(Strict):
     task: str = Field(
         "classification",
         description="classification (fine-tune a text classifier), causal_lm (pretrain a causal LM from model.lm), "
-        "image_classification, or a plug-in task by import path, module.path:ClassName (a workflows.tasks.base.Task)",
+        "image_classification, chat (fine-tune a pretrained causal LM on conversations), or a plug-in task by "
+        "import path, module.path:ClassName (a workflows.tasks.base.Task)",
     )
     name_or_path: str = Field(
         "minilm",
-        description="text: 'minilm' or a local Hugging Face model directory; images: an architecture by name "
+        description="text: 'minilm' or a local Hugging Face model directory; chat: 'smollm2' (the packaged "
+        "SmolLM2-135M-Instruct), a directory or object-store URI in from_pretrained layout, or "
+        "registry:NAME[:VERSION]; images: an architecture by name "
         "(small_cnn, resnet18, resnet50, vit_small, convnext_tiny, pooled_linear: a linear classifier over 8x8 "
         "average-pooled pixels; new weights), or a directory or object-store "
         "URI in from_pretrained layout (safetensors) whose weights are fine-tuned on the dataset's labels",

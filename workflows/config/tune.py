@@ -9,6 +9,8 @@ from pydantic import Field, field_validator, model_validator
 from workflows.config.base import Strict
 from workflows.config.train import TrainConfig
 
+OPTION_PREFIX = "model.options."  # a search dimension over one of the task's options
+
 
 class SearchDim(Strict):
     uniform: tuple[float, float] | None = None
@@ -53,14 +55,19 @@ class TuneConfig(Strict):
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per trial epoch")
     max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per trial epoch")
     seed: int = 0
-    space: dict[str, SearchDim] = Field(default_factory=dict, description="dotted train.* field -> distribution")
+    space: dict[str, SearchDim] = Field(
+        default_factory=dict, description="dotted train.* field or model.options.* key (the task's option, which "
+        "its Options model validates in each trial) -> distribution")
 
     @field_validator("space")
     @classmethod
     def train_fields_only(cls, space: dict[str, SearchDim]) -> dict[str, SearchDim]:
         for key in space:
+            option = key.removeprefix(OPTION_PREFIX)
+            if key.startswith(OPTION_PREFIX) and option and "." not in option:
+                continue
             field = key.removeprefix("train.")
             if not key.startswith("train.") or field not in TrainConfig.model_fields:
-                raise ValueError(f"search dimension {key!r} must name a train.* field")
+                raise ValueError(f"search dimension {key!r} must name a train.* field or a model.options.* key")
         return space
 

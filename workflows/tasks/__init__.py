@@ -1,6 +1,6 @@
 """Tasks: the kinds of model the stages run (workflows.tasks.base.Task).
 
-`model.task` names a built-in (`classification`, `causal_lm`, `image_classification`) or a user's
+`model.task` names a built-in (`classification`, `causal_lm`, `image_classification`, `chat`) or a user's
 own by import path, `my_pkg.tasks:MyTask`, with its settings in `model.options` (the task's
 `Options` model validates them). It must import where the stages run: the working directory of a
 `ray job submit --working-dir` job does, on every node; a command that starts its own local cluster
@@ -32,6 +32,7 @@ BUILTIN = {
     "classification": "workflows.tasks.text:TextClassification",
     "causal_lm": "workflows.tasks.causal_lm:CausalLM",
     "image_classification": "workflows.tasks.image:ImageClassification",
+    "chat": "workflows.tasks.chat:ChatTask",
 }
 # model cards written before tasks were plug-ins name the text classifier this way
 CARD_ALIASES = {"sequence-classification": "classification"}

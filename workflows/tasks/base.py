@@ -22,7 +22,8 @@ What a task implements, by stage:
 - training: `loss(model, batch)` (default: `model(**batch).loss`);
 - metrics: `score` (the checkpoint-ranking metric), `metric_states` (a validation batch's sums and
   counts) and `compute_metrics` (val_* metrics from those states, summed over batches and ranks by
-  the platform: workflows.train.loop.validate), `evaluate_rows`/`format_report` (the held-out report);
+  the platform: workflows.train.loop.validate), `evaluate_rows`/`format_report` (the held-out report;
+  `evaluate_frame` and `evaluation_columns` to read more of the predictor's output than its prediction);
 - serving: `predictor(model_dir, card)` (shared by HTTP serving, batch inference and evaluation),
   `http_contract(card, max_instances)` (request and response models, how a body becomes instances).
 
@@ -116,6 +117,8 @@ class Task(abc.ABC):
     legacy_keys: ClassVar[Mapping[str, str]] = {}
     data_version: ClassVar[int] = 1  # part of the default `dataset_version`: bump when `preprocess` changes
     prediction_key: ClassVar[str] = "value"  # the key of `predict_batch`'s dicts that evaluation scores
+    # the columns the predictor's `predict_frame` adds that `evaluate_frame` reads
+    evaluation_columns: ClassVar[tuple[str, ...]] = ("prediction",)
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
@@ -268,6 +271,11 @@ class Task(abc.ABC):
         """The held-out report's metrics of predictions against the label column (`card.label_column`),
         with `rows`; a `baseline` dict of numbers, if any, is logged beside them."""
         raise NotImplementedError(f"{type(self).__name__}.evaluate_rows")
+
+    def evaluate_frame(self, table, label_column: str, card: ModelCard) -> dict:
+        """The held-out report of a pandas table of the label column and the `evaluation_columns` the
+        predictor added. Default: `evaluate_rows` of the labels and the `prediction` column."""
+        return self.evaluate_rows(table[label_column].tolist(), table["prediction"].tolist(), card)
 
     def format_report(self, metrics: dict) -> str:
         """The report `workflows evaluate` prints. Default: each number, and the baseline's."""

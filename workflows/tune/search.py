@@ -42,9 +42,14 @@ def to_tune_space(space: dict[str, SearchDim]) -> dict[str, Any]:
 
 def trial_config(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
     """The workflow config of one trial: the sampled train.* values, the trial budget."""
+    from workflows.config.tune import OPTION_PREFIX
+
     data = cfg.model_dump(mode="json")
     for key, value in params.items():
-        data["train"][key.removeprefix("train.")] = value
+        if key.startswith(OPTION_PREFIX):
+            data["model"]["options"][key.removeprefix(OPTION_PREFIX)] = value
+        else:
+            data["train"][key.removeprefix("train.")] = value
     t = cfg.tune
     data["train"].update(epochs=t.max_epochs, num_workers=t.num_workers, num_to_keep=1, max_failures=0)
     for cap in ("max_train_rows", "max_val_rows"):

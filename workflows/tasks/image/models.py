@@ -63,37 +63,15 @@ def _with_labels(config, labels: list[str]):
 
 def local_model_dir(name_or_path: str, cfg) -> str:
     """A from_pretrained directory on this node: a local path as it is, an object-store URI
-    downloaded once into the node's model cache (keyed by the URI and its config's ETag/size)."""
-    import hashlib
+    downloaded once into the node's model cache (workflows.storage.model_dir)."""
+    from workflows.storage.model_dir import fetch_model_dir
+    from workflows.storage.uri import protocol_of
 
-    from workflows.storage.uri import StorageContext, download_dir, filesystem, protocol_of
-
-    if protocol_of(name_or_path) in ("", "file"):
-        path = os.path.expanduser(name_or_path.removeprefix("file://"))
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise UserError(f"model.name_or_path {name_or_path!r}: not an architecture "
-                            f"({', '.join(ARCHITECTURES)}) nor a model directory (no config.json)")
-        return path
-    ctx = StorageContext.from_config(cfg.storage)
-    fs, path = filesystem(name_or_path, ctx)
-    try:
-        info = fs.info(f"{path.rstrip('/')}/config.json")
-    except FileNotFoundError:
-        raise UserError(f"model.name_or_path {name_or_path!r}: no config.json there") from None
-    key = hashlib.sha256(f"{name_or_path}|{info.get('ETag') or info.get('size')}".encode()).hexdigest()[:16]
-    dest = os.path.join(cfg.cache.resolved_dir(), "models", f"init-{key}")
-    if not os.path.isfile(os.path.join(dest, "config.json")):
-        import shutil
-        import tempfile
-
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".init-{key}-", dir=os.path.dirname(dest))
-        download_dir(name_or_path, ctx, tmp)
-        try:
-            os.rename(tmp, dest)  # whole or not at all: a crash leaves a temp name, never a half model
-        except OSError:  # another process on this node finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    if protocol_of(name_or_path) in ("", "file") and not os.path.isfile(
+            os.path.join(os.path.expanduser(name_or_path.removeprefix("file://")), "config.json")):
+        raise UserError(f"model.name_or_path {name_or_path!r}: not an architecture "
+                        f"({', '.join(ARCHITECTURES)}) nor a model directory (no config.json)")
+    return fetch_model_dir(name_or_path, cfg)
 
 
 def image_config(cfg, labels: list[str], image_size: int):

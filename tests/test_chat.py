@@ -1,0 +1,208 @@
+"""The chat task (#50): assistant-only labels with the eos that ends each turn, padding masked by the
+attention mask (pad = eos), the seeded synthetic instruction set, exact-match scoring, and one
+pipeline through the real CLI on a tiny random Llama (LoRA on 2 workers, registered adapter, card =
+`evaluate --split val`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.chat_model import chat_texts, tiny_chat_model
+from tests.conftest import ROOT, run_cli, sets
+from tests.helpers import tiny_overrides
+from workflows.preprocess import chat_data
+
+CHAT = ROOT / "configs" / "chat.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tiny_chat_model(tmp_path_factory.mktemp("chat") / "tiny", chat_texts(chat_data.build(60)))
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_dir):
+    from workflows.tasks.chat.data import ChatEncoder
+
+    return ChatEncoder(str(tiny_dir), 256)
+
+
+def pieces(encoder, ids, labels) -> list[str]:
+    return [encoder.tok.decode([i]) for i, lab in zip(ids, labels) if lab != -100]
+
+
+def test_labels_are_the_assistant_turns_and_the_eos_ending_each(encoder):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+                    {"role": "assistant", "content": "4"}, {"role": "user", "content": "Convert 3 km to m."},
+                    {"role": "assistant", "content": "3000"}]
+    row = encoder.encode(conversation)
+    ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
+    eos = encoder.tok.eos_token_id
+    assert len(ids) == len(labels)
+    # both answers and their closing eos are labels, as the ids they are; nothing else is
+    assert "".join(pieces(encoder, ids, labels)) == "4<|im_end|>3000<|im_end|>"
+    assert all(lab in (-100, tid) for tid, lab in zip(ids, labels))
+    assert [tid for tid, lab in zip(ids, labels) if lab == eos] == [eos, eos]
+    # eos also closes the system and user turns: those are not labels
+    assert ids.count(eos) == 5 and labels.count(eos) == 2
+    # what greedy decoding starts from is the template's generation prompt for the last turn
+    assert row["prompt_ids"].tolist() == encoder.prompt_ids(conversation[:-1])
+    assert encoder.tok.decode(row["answer_ids"].tolist()) == "3000"
+    assert ids[: len(row["prompt_ids"])] == row["prompt_ids"].tolist()
+
+
+def test_padding_is_masked_by_the_attention_mask_not_by_the_pad_id(encoder):
+    """pad = eos here: the eos that ends an answer is a label and attended, the padding after a shorter
+    row is neither, though both have the same id."""
+    from workflows.tasks.chat.data import chat_collate, to_messages
+
+    tok = encoder.tok
+    assert tok.pad_token_id == tok.eos_token_id
+    rows = [encoder.encode(to_messages({"prompt": p, "completion": c}))
+            for p, c in (("What is 2 + 2?", "4"), ("Rewrite the date 2021-03-07 in the format DD/MM/YYYY.",
+                                                   "07/03/2021"))]
+    batch = chat_collate({k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]}, tok.pad_token_id,
+                         prompts=True)
+    short, n = 0, len(rows[0]["input_ids"])
+    ids, mask, labels = batch["input_ids"][short], batch["attention_mask"][short], batch["labels"][short]
+    assert ids.shape[0] > n and (ids[n:] == tok.pad_token_id).all()  # padded with the eos id
+    assert mask[:n].all() and not mask[n:].any()
+    assert (labels[n:] == -100).all()
+    assert labels[labels != -100][-1] == tok.eos_token_id  # the answer's eos is a label, padding is not
+    # prompts for decoding are left-padded, their padding masked too
+    p = len(rows[0]["prompt_ids"])
+    assert batch["prompt_mask"][short, -p:].all() and not batch["prompt_mask"][short, :-p].any()
+    assert batch["prompt_ids"][short, -p:].tolist() == rows[0]["prompt_ids"].tolist()
+    # and the model's loss counts the labels only: padding more changes nothing
+    import torch
+
+    from workflows.tasks.chat.model import load_causal_lm
+    from workflows.tasks.chat.predictor import token_nll
+
+    model = load_causal_lm(str(encoder.tok.name_or_path)).eval()
+    wide = {k: torch.nn.functional.pad(v, (0, 5), value=(-100 if k == "labels" else 0 if k == "attention_mask"
+                                                         else tok.pad_token_id))
+            for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+    with torch.no_grad():
+        (nll, count), (nll_wide, count_wide) = token_nll(model, batch), token_nll(model, wide)
+    assert count.tolist() == count_wide.tolist() == [len([x for x in r["labels"] if x != -100]) for r in rows]
+    assert torch.allclose(nll, nll_wide, atol=1e-4)
+
+
+def test_rows_without_a_final_answer_or_too_long_are_not_stored(encoder):
+    from workflows.tasks.chat.data import ChatEncoder, to_messages
+
+    assert to_messages({"messages": [{"role": "user", "content": "hi"}]}) is None
+    assert to_messages({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}) is None
+    assert to_messages({"messages": json.dumps([{"role": "user", "content": "a"},
+                                                {"role": "assistant", "content": "b"}])})[1]["content"] == "b"
+    assert to_messages({"prompt": "a", "completion": "b"}, system_prompt="S")[0] == {"role": "system", "content": "S"}
+    short = ChatEncoder(str(encoder.tok.name_or_path), 12)
+    assert short.encode(to_messages({"prompt": "What is 12 + 13? Answer with the number only.",
+                                     "completion": "25"})) is None
+
+
+def test_the_synthetic_set_is_seeded_and_answers_are_exact():
+    rows = chat_data.build(25)
+    assert rows == chat_data.build(25) and rows != chat_data.build(25, seed=1)
+    assert len(rows) == 100 and len({r["messages"][0]["content"] for r in rows}) == 100
+    assert {r["kind"] for r in rows} == set(chat_data.KINDS)
+    for r in rows:
+        prompt, answer = (m["content"] for m in r["messages"])
+        if r["kind"] == "arithmetic":
+            a, op, b = prompt.split("?")[0].removeprefix("What is ").split()
+            assert int(answer) == eval(f"{int(a)} {op} {int(b)}")  # noqa: S307 (digits and one operator)
+        elif r["kind"] == "extraction":
+            assert answer in prompt
+
+
+def test_exact_match_compares_stripped_answers():
+    from workflows.tasks.chat.predictor import exact_match
+
+    assert exact_match(["42", "07/03/2021", "Porto"], [" 42\n", "7/3/2021", "Porto"]) == pytest.approx(2 / 3)
+    assert exact_match([], []) == 0.0
+
+
+def test_tune_space_takes_task_options(tiny_dir):
+    from workflows.config import load_config
+    from workflows.pipeline import apply_params
+    from workflows.tune.search import trial_config
+
+    cfg = load_config(CHAT, [f"model.name_or_path={tiny_dir}"])
+    assert "model.options.lora_r" in cfg.tune.space
+    trial = trial_config(cfg, {"train.lr": 1e-3, "model.options.lora_r": 8})
+    assert trial.model.options["lora_r"] == 8 and trial.train.lr == 1e-3
+    tuned = apply_params(cfg, {"model.options.lora_r": 4, "train.lr": 2e-3})
+    assert tuned.model.options["lora_r"] == 4 and cfg.model.options["lora_r"] == 16
+    from workflows.errors import UserError
+
+    with pytest.raises(UserError, match="lora_r"):
+        apply_params(cfg, {"model.options.lora_r": 0})
+
+
+def chat_overrides(tmp: Path, base: Path) -> list[str]:
+    """The chat config on the tiny model, with local storage (the test reads the manifest and the
+    registered files), 160 conversations, no serving (its OpenAI-compatible part comes separately)."""
+    return [*tiny_overrides(tmp), f"storage.root={tmp}/store", "storage.embedded.enabled=false",
+            f"data.source={tmp}/raw/chat/", "data.write_builtin=true", f"model.name_or_path={base}",
+            "data.builtin_rows_per_class=40", "preprocess.max_length=96", "train.max_train_rows=null",
+            "train.epochs=4", "train.batch_size=8", "train.lr=1e-2", "model.options.max_new_tokens=8",
+            "model.options.lora_r=8", "serve.enabled=false", "train.checkpoint_select=last"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_dir, tmp_path, finetune):
+    """Data, preprocess, fine-tuning on 2 workers (FSDP2; LoRA: the adapter registered, full: the whole
+    model), evaluation against the base model, then `evaluate --split val` gives the card's val figures."""
+    overrides = [*chat_overrides(tmp_path, tiny_dir), f"model.options.finetune={finetune}", "train.strategy=fsdp"]
+    if finetune == "full":
+        overrides.append("train.lr=2e-3")
+    res = run_cli("pipeline", "--config", str(CHAT), *sets(overrides), timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
+    summary = json.loads((tmp_path / "runs" / "chat" / "pipeline.json").read_text())
+    manifest = json.loads(Path(summary["dataset"]["uri"], "manifest.json").read_text())
+    assert manifest["task"] == "chat" and manifest["label_column"] == "answer"
+    assert sum(manifest["counts"].values()) == 160 and manifest["info"]["dropped"] == {"too_long": 0, "invalid": 0}
+
+    # the card names the base model and the sha256 of its weights, and what was exported
+    from workflows.tasks.chat.model import weights_sha256
+
+    model_dir = Path(summary["model"]["uri"])
+    card = json.loads((model_dir / "workflows.json").read_text())
+    assert card["task"] == "chat" and card["export"] == ("adapter" if finetune == "lora" else "full")
+    assert card["base"] == {"name_or_path": str(tiny_dir), "sha256": weights_sha256(str(tiny_dir))}
+    weights = "adapter_model.safetensors" if finetune == "lora" else "model.safetensors"
+    assert [p.name for p in model_dir.glob("*.safetensors")] == [weights]
+    assert {"val_loss", "val_perplexity", "val_exact_match"} <= set(card["val_metrics"])
+
+    # training lowered the loss below the random base model's, which evaluation reports beside it
+    assert summary["evaluate"]["headline"]["name"] == "exact match"
+    held_out = json.loads((model_dir / "evaluation.json").read_text())
+    assert held_out["rows"] == manifest["counts"]["test"]
+    assert held_out["loss"] < held_out["baseline"]["loss"] - 0.02, held_out
+
+    # the registered model is the validated one
+    val_out = tmp_path / "val.json"
+    res = run_cli("evaluate", "--config", str(CHAT), "--model", "chat", "--split", "val", "--output", str(val_out),
+                  *sets(overrides), timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    val = json.loads(val_out.read_text())
+    assert val["rows"] == manifest["counts"]["val"]
+    for key in ("loss", "perplexity", "exact_match"):
+        assert val[key] == pytest.approx(card["val_metrics"][f"val_{key}"], abs=0.005), (key, val, card)
+
+    if finetune == "lora":
+        # resuming the finished run loads its last checkpoint into new LoRA adapters on 2 workers and
+        # registers it again: the same adapter weights, not the new adapters' initial ones
+        from safetensors.torch import load_file
+
+        res = run_cli("train", "--config", str(CHAT), "--resume", *sets(overrides), timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+        again = model_dir.parent / "v2"
+        first, second = (load_file(d / "adapter_model.safetensors") for d in (model_dir, again))
+        assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first)

@@ -1,0 +1,188 @@
+"""Chat fine-tuning: a pretrained causal LM (model.name_or_path: the packaged SmolLM2, a directory or
+object-store URI in from_pretrained layout, or `registry:NAME[:VERSION]`) fine-tuned on chat rows,
+with LoRA adapters (peft) or in full, through the platform's one Trainer (FSDP2 or DDP), and
+registered as an adapter naming its base or as a whole model.
+
+The wing: this task; `data` (chat template, assistant-only labels, preprocessing on Ray Data, the
+batches), `model` (the base model, LoRA, greedy decoding, the artifact), `predictor` (batch inference
+and evaluation: greedy answers, token loss, the base model's figures beside them), `smollm2` (the
+packaged base model, converted once per node).
+
+Validation and evaluation report the same three numbers on a split: the token-weighted loss of the
+assistant tokens (`loss`), its perplexity, and `exact_match`, the share of greedy answers that equal
+the reference answer once both are stripped. Evaluation adds the base model's figures as the
+baseline, as a classifier reports its majority class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workflows.tasks.base import Task
+
+
+class ChatOptions(BaseModel):
+    """The chat task's `model.options`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    finetune: Literal["lora", "full"] = Field(
+        "lora", description="'lora' (new low-rank adapters trained, the base frozen) or 'full' (every weight)")
+    lora_r: int = Field(16, ge=1, description="finetune=lora: the adapters' rank")
+    lora_alpha: float = Field(32.0, gt=0, description="finetune=lora: the adapters' scale is lora_alpha / lora_r")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="finetune=lora: dropout on the adapters' input")
+    lora_target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description="finetune=lora: the modules adapted ('all-linear': every linear layer but the "
+        "output head, or a list of module names such as [q_proj, v_proj])")
+    export: Literal["adapter", "merged"] = Field(
+        "adapter", description="finetune=lora: register the adapter alone (its card names the base model and the "
+        "sha256 of its weights) or the adapter merged into the base (a whole model)")
+    max_new_tokens: int = Field(32, ge=1, le=4096, description="greedy answer length cap in validation, evaluation "
+                                "and serving")
+    system_prompt: str | None = Field(
+        None, description="a system turn put before every conversation that has none (in preprocessing and "
+        "serving alike)")
+
+
+class ChatTask(Task):
+    name = "chat"
+    columns = ("input_ids", "labels", "prompt_ids", "answer_ids")
+    score = ("val_loss", "min")
+    Options = ChatOptions
+    prediction_key = "text"
+    evaluation_columns = ("prediction", "nll", "tokens", "base_prediction", "base_nll")
+
+    def check_config(self) -> None:
+        super().check_config()
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            from workflows.errors import UserError
+
+            raise UserError("model.task=chat needs peft (pip install 'workflows[chat]')") from None
+
+    # --- data
+    def preprocess_options(self) -> dict:
+        """The options that change what preprocessing writes (they enter the dataset version)."""
+        return {"system_prompt": self.options.system_prompt}
+
+    def preprocess(self, ctx, say):
+        from workflows.tasks.chat.data import preprocess_chat
+
+        return preprocess_chat(self, ctx, say)
+
+    def dataset_version(self, shards, ctx) -> str:
+        from workflows.tasks.chat.data import dataset_version
+        from workflows.tasks.chat.model import resolve_dir
+
+        return dataset_version(self, shards, resolve_dir(self.cfg.model.name_or_path, self.cfg))
+
+    def collate(self, data, *, train: bool, seed: int | None = None):
+        from functools import partial
+
+        from workflows.tasks.chat.data import chat_collate
+
+        return partial(chat_collate, pad=int(data.info["pad_id"]), prompts=not train)
+
+    # --- model
+    def build_model(self, data):
+        from workflows.tasks.chat.model import load_causal_lm, resolve_dir, with_lora
+
+        model = load_causal_lm(resolve_dir(self.cfg.model.name_or_path, self.cfg), self.cfg.model.dropout)
+        return with_lora(model, self.options) if self.options.finetune == "lora" else model
+
+    def loss(self, model, batch):
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+
+    def export(self, state, data, out_dir, lineage) -> dict:
+        from workflows.tasks.chat.model import export_chat
+
+        return export_chat(self, state, data, out_dir, lineage)
+
+    # --- metrics
+    def metric_states(self, model, batch) -> dict:
+        """A validation batch's summed token loss and label count, and its exact greedy answers."""
+        from workflows.tasks.chat.model import completion_text, greedy_generate, pad_id
+        from workflows.tasks.chat.predictor import token_nll
+        from workflows.train.parallel import world
+
+        nll, tokens = token_nll(model, batch)
+        tok = self._tokenizer(model)
+        eos = int(tok.eos_token_id)
+        gen = greedy_generate(model, batch["prompt_ids"], batch["prompt_mask"], self.options.max_new_tokens, eos,
+                              pad_id(tok), sync=world()[1] > 1)
+        exact = 0
+        for row, ref in zip(gen.tolist(), batch["answer_ids"].tolist()):
+            answer = tok.decode([t for t in ref if t >= 0], skip_special_tokens=True).strip()
+            exact += completion_text(tok, row, eos) == answer
+        return {"nll": nll.double().sum(), "tokens": tokens.sum(), "exact": exact, "rows": batch["input_ids"].shape[0]}
+
+    def _tokenizer(self, model):
+        from workflows.tasks.chat.model import load_tokenizer, resolve_dir
+
+        if "_tok" not in self.__dict__:
+            self.__dict__["_tok"] = load_tokenizer(resolve_dir(self.cfg.model.name_or_path, self.cfg))
+        return self.__dict__["_tok"]
+
+    def compute_metrics(self, states, data) -> dict:
+        loss = states["nll"] / max(states["tokens"], 1)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)),
+                "val_exact_match": states["exact"] / max(states["rows"], 1)}
+
+    # --- evaluation
+    def evaluate_rows(self, y_true, y_pred, card) -> dict:
+        from workflows.tasks.chat.predictor import exact_match
+
+        return {"rows": len(y_true), "exact_match": exact_match(y_true, y_pred)}
+
+    def evaluate_frame(self, table, label_column: str, card) -> dict:
+        """Loss, perplexity and exact match of the split, and the base model's beside them."""
+        from workflows.tasks.chat.predictor import exact_match
+
+        answers = table[label_column].tolist()
+        tokens = max(float(table["tokens"].sum()), 1.0)
+        figures = {}
+        for key, prediction, nll in (("model", "prediction", "nll"), ("baseline", "base_prediction", "base_nll")):
+            loss = float(table[nll].sum()) / tokens
+            figures[key] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+                            "exact_match": exact_match(answers, table[prediction].tolist())}
+        return {"rows": len(table), **figures["model"], "baseline": figures["baseline"]}
+
+    def headline(self, metrics: dict) -> tuple[str, float, str]:
+        return ("exact match", float(metrics["exact_match"]),
+                f"base model {metrics['baseline']['exact_match']:.4f}")
+
+    # --- serving
+    def inputs(self) -> dict[str, type]:
+        return {"prompt": str}
+
+    def prediction_model(self, card):
+        from pydantic import Field, create_model
+
+        return create_model("Prediction", text=(str, Field(..., description="the model's greedy answer")))
+
+    def predictor(self, model_dir, card, threads=None, precision="fp32"):
+        from workflows.tasks.chat.predictor import ChatPredictor
+
+        return ChatPredictor(self.for_card(card), model_dir, card, threads, self.cfg.evaluate.batch_size)
+
+    def input_columns(self, card, available):
+        from workflows.tasks.chat.predictor import PROCESSED
+
+        if set(PROCESSED) <= set(available):
+            return list(PROCESSED)
+        return ["messages"] if "messages" in available else ["prompt"]
+
+    def demo_instances(self, data, ctx, n):
+        from workflows.storage.shards import read_parquet
+
+        files = data.files.get("val") or []
+        if n <= 0 or not files:
+            return []
+        return [{"prompt": row["prompt"]} for row in read_parquet(files[0], ctx, ["prompt"]).slice(0, n).to_pylist()]
+
+    def describe(self, instance) -> str:
+        return str(instance.get("prompt", ""))[-70:]

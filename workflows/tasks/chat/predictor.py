@@ -1,0 +1,140 @@
+"""The chat predictor: a registered chat model loaded once; conversations in, greedy answers out
+(batch inference and evaluation; the HTTP contract's default /predict too).
+
+On processed rows (evaluation of a split) it also scores each row: the summed next-token loss of
+its labels (`nll`, over `tokens` labels) and, for the baseline, the base model's answer and loss on
+the same row (an adapter switched off; a whole model's base loaded on first use). The sums, not
+per-row means, go back: the evaluation's loss is the token-weighted mean over the split, as the
+validation in training computes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from workflows.tasks import base
+from workflows.tasks.chat.data import ChatEncoder, chat_collate, to_messages
+
+PROCESSED = ("input_ids", "labels", "prompt_ids", "answer_ids")  # the columns of a processed row it scores
+
+
+def token_nll(model, batch) -> tuple[Any, Any]:
+    """Per row: the summed next-token loss over its labels, and how many labels (teacher forcing)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    target = batch["labels"][:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, ignore_index=-100, reduction="none")
+    return nll.sum(-1), (target != -100).sum(-1)
+
+
+class ChatPredictor(base.Predictor):
+    def __init__(self, task, model_dir: str, card, threads: int | None = None, batch_size: int = 16):
+        import torch
+
+        from workflows.tasks.chat.model import load_tokenizer, load_trained, pad_id
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.task, self.card, self.cfg, self.options = task, card, task.cfg, task.options
+        self.model_dir, self.batch_size = model_dir, batch_size
+        self.model = load_trained(model_dir, card, self.cfg)
+        self.tok = load_tokenizer(model_dir)
+        self.encoder = ChatEncoder(model_dir, card.max_length or 4096, self.options.system_prompt)
+        self.eos, self.pad = int(self.tok.eos_token_id), pad_id(self.tok)
+        self.input_columns = ["prompt"]
+        self._base = None
+
+    # --- generation
+    def _answers(self, model, prompts: list) -> list[str]:
+        import torch
+
+        from workflows.tasks.chat.data import pad_left
+        from workflows.tasks.chat.model import completion_text, greedy_generate
+
+        out = []
+        with torch.inference_mode():
+            for i in range(0, len(prompts), self.batch_size):
+                ids, mask = pad_left(prompts[i:i + self.batch_size], self.pad)
+                gen = greedy_generate(model, torch.from_numpy(ids), torch.from_numpy(mask),
+                                      self.options.max_new_tokens, self.eos, self.pad)
+                out += [completion_text(self.tok, row, self.eos) for row in gen.tolist()]
+        return out
+
+    def _messages(self, instance: Mapping[str, Any]) -> list[dict]:
+        """A request's conversation: `messages` (a list, or JSON text of one) or `prompt` (a user's
+        text, or the JSON list of messages a processed row stores)."""
+        raw = instance.get("messages")
+        if raw is None:
+            prompt = instance.get("prompt", "")
+            try:
+                raw = json.loads(prompt) if isinstance(prompt, str) and prompt.lstrip().startswith("[") else None
+            except json.JSONDecodeError:
+                raw = None
+            if raw is None:
+                return [{"role": "user", "content": str(prompt)}]
+        turns = list(json.loads(raw) if isinstance(raw, str) else raw)
+        if turns and isinstance(turns[-1], Mapping) and turns[-1].get("role") == "assistant":
+            turns = turns[:-1]  # a labelled row's answer: the reference, not part of the prompt
+        messages = to_messages({"messages": [*turns, {"role": "assistant", "content": "-"}]})
+        if messages is None:
+            raise ValueError("messages: a list of {role, content} with roles system, user, assistant")
+        return messages[:-1]
+
+    def predict(self, instances: Sequence[Mapping[str, Any]]) -> list[dict]:
+        prompts = [self.encoder.prompt_ids(self._messages(i)) for i in instances]
+        return [{"text": t} for t in self._answers(self.model, prompts)]
+
+    # --- batch inference and evaluation
+    def base_model(self):
+        """The base model, for the baseline: the adapter switched off, or the whole model's base."""
+        import os
+
+        from workflows.tasks.chat.model import ADAPTER_CONFIG, card_base_dir, load_causal_lm
+
+        if os.path.isfile(os.path.join(self.model_dir, ADAPTER_CONFIG)):
+            return None  # disable_adapter() on self.model
+        if self._base is None:
+            self._base = load_causal_lm(card_base_dir(self.card, self.cfg)).eval()
+        return self._base
+
+    def _score(self, model, batch) -> tuple[list, list, list]:
+        import torch
+
+        nll, tokens = [], []
+        with torch.inference_mode():
+            for i in range(0, len(batch["input_ids"]), self.batch_size):
+                part = chat_collate({k: batch[k][i:i + self.batch_size] for k in ("input_ids", "labels")}, self.pad,
+                                    prompts=False)
+                n, t = token_nll(model, part)
+                nll += n.double().tolist()
+                tokens += t.tolist()
+        return self._answers(model, list(batch["prompt_ids"])), nll, tokens
+
+    def predict_frame(self, batch):
+        if not set(PROCESSED) <= set(batch.columns):
+            key = "messages" if "messages" in batch.columns else "prompt"
+            prompts = [self.encoder.prompt_ids(self._messages({key: v})) for v in batch[key]]
+            batch["prediction"] = self._answers(self.model, prompts)
+            return batch
+        columns = {k: list(batch[k]) for k in PROCESSED}
+        batch["prediction"], batch["nll"], batch["tokens"] = self._score(self.model, columns)
+        base = self.base_model()
+        if base is None:
+            with self.model.disable_adapter():
+                answers, nll, _ = self._score(self.model, columns)
+        else:
+            answers, nll, _ = self._score(base, columns)
+        batch["base_prediction"], batch["base_nll"] = answers, nll
+        return batch
+
+
+def exact_match(y_true: Sequence, y_pred: Sequence) -> float:
+    """The share of answers equal to the reference once both are stripped of surrounding whitespace."""
+    if not len(y_true):
+        return 0.0
+    return float(np.mean([str(p).strip() == str(t).strip() for t, p in zip(y_true, y_pred)]))
