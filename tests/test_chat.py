@@ -154,7 +154,7 @@ def chat_overrides(tmp: Path, base: Path) -> list[str]:
             "model.options.lora_r=8", "serve.enabled=false", "train.checkpoint_select=last"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_dir, tmp_path, finetune):
     """Data, preprocess, fine-tuning on 2 workers (FSDP2; LoRA: the adapter registered, full: the whole
