@@ -32,7 +32,7 @@ import numpy as np
 from workflows.errors import UserError
 from workflows.loader.fork import iter_forked
 from workflows.loader.index import DatasetIndex, ParquetRows, TarMembers, read_index, tar_members
-from workflows.loader.order import epoch_order, rank_batches, step_bounds
+from workflows.loader.order import STAND_IN, epoch_order, rank_batches, step_bounds
 from workflows.loader.samples import Samples
 from workflows.storage.uri import StorageContext
 
@@ -60,7 +60,8 @@ class StreamLoader:
     sample's bytes: its row's value in the index's `column`). Parquet (parquet_index): the stored
     `columns` as numpy (what a task's collate takes) plus "sample". `start`: global samples of the
     epoch already consumed (from a checkpoint: `state()["consumed"]`); `set_epoch` moves on without
-    new worker processes.
+    new worker processes. A rank yields one batch per global step; a stand-in (order.Batch: when
+    fewer samples than ranks are left) also holds `STAND_IN: True` and trains nothing.
     """
 
     def __init__(self, source: DatasetIndex | str, storage: StorageContext, cache, transform: Callable | None = None,
@@ -118,7 +119,7 @@ class StreamLoader:
 
     def __len__(self) -> int:
         """Batches this rank yields (one per global step; the same on every rank)."""
-        return sum(1 for lo, hi in self._ranges if hi > lo)
+        return len(self._ranges)
 
     @property
     def consumed(self) -> int:
@@ -208,7 +209,7 @@ class StreamLoader:
     def _plan(self) -> tuple[list[np.ndarray], list[np.ndarray], list[list[int]], list[list[int]]]:
         """(sample ids per batch, each sample's shard, the shards to start fetching before each batch,
         the shards whose last batch each batch is)."""
-        batches = [self._order[lo:hi] for lo, hi in self._ranges if hi > lo]
+        batches = [self._order[b.lo:b.hi] for b in self._ranges]
         shard_of = [np.searchsorted(self._offsets, ids, side="right") - 1 for ids in batches]
         first: list[int] = []
         last: dict[int, int] = {}
@@ -284,6 +285,8 @@ class StreamLoader:
                 for s in releases[k]:  # its last batch is decoded: unpin the shard
                     self._release(s)
                 self._delivered = k + 1
+                if self._ranges[k].stand_in:
+                    batch[STAND_IN] = True
                 yield batch
         finally:
             self._release_all()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from workflows.loader import StreamLoader, parquet_index
 from workflows.loader.index import DatasetIndex
+from workflows.loader.order import STAND_IN
 from workflows.seeds import augment_seed
 
 # (world rank, epoch, position of the batch's step in the epoch order, the batch's global sample ids)
@@ -66,13 +67,24 @@ class StreamInput:
         return self.batches(epoch, start, self.task.collate(self.data, train=True, seed=augment_seed(self.seed, epoch)))
 
     def batches(self, epoch: int, start: int, collate: Callable, record: bool = True) -> Iterator[dict]:
+        """`record`: a training pass, whose ids go to `on_samples` and whose stand-ins (a rank's batch of a
+        step with fewer samples left than ranks, order.Batch) stay in, marked, for loop.train_epoch to
+        run with zero weight; False (the probe, one rank's own pass): no stand-ins."""
+        import torch
+
         self.loader.set_epoch(epoch, start)
         for batch in self.loader:
             position = self.loader.last_step_start
             ids = batch.pop("sample")
-            if record and self.on_samples is not None:
+            stand_in = batch.pop(STAND_IN, False)
+            if stand_in and not record:
+                continue
+            if record and not stand_in and self.on_samples is not None:
                 self.on_samples(self.rank, epoch, position, ids.tolist())
-            yield collate(batch)
+            out = collate(batch)
+            if stand_in:
+                out[STAND_IN] = torch.ones(())
+            yield out
 
     @property
     def consumed(self) -> int:
