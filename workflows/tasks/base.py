@@ -115,6 +115,9 @@ class Task(abc.ABC):
     # built-ins: option -> the config key that held it before tasks had options (still read, deprecated)
     legacy_keys: ClassVar[Mapping[str, str]] = {}
     data_version: ClassVar[int] = 1  # part of the default `dataset_version`: bump when `preprocess` changes
+    # options that shape the model alone, never what `preprocess` writes: left out of the default
+    # `dataset_version` (every other option enters it), so changing one reuses the processed dataset
+    model_only_options: ClassVar[tuple[str, ...]] = ()
     prediction_key: ClassVar[str] = "value"  # the key of `predict_batch`'s dicts that evaluation scores
 
     def __init__(self, cfg: WorkflowConfig):
@@ -160,12 +163,17 @@ class Task(abc.ABC):
         (workflows.api.preprocess_table does it for rows of columns)."""
 
     def dataset_version(self, shards: list, ctx: StorageContext) -> str:
-        """The processed dataset's version: a hash of what it is made of. Default: the raw shards
-        (name, version, size), the split settings, the task, its stored `columns` and `data_version`."""
+        """The processed dataset's version: a hash of everything that changes what `preprocess`
+        writes. Default: the raw shards (name, version, size), the split settings,
+        `preprocess.rows_per_shard`, the task, its options (less `model_only_options`), its stored
+        `columns` and `data_version`."""
         d = self.cfg.data
+        options = self.options.model_dump(mode="json") if self.options is not None else {}
         key = {"task": self.cfg.model.task, "columns": list(self.columns), "data_version": self.data_version,
+               "options": {k: v for k, v in options.items() if k not in self.model_only_options},
                "shards": [(s.uri, s.version, s.size) for s in shards], "val": d.val_fraction,
-               "test": d.test_fraction, "split_seed": d.split_seed}
+               "test": d.test_fraction, "split_seed": d.split_seed,
+               "rows_per_shard": self.cfg.preprocess.rows_per_shard}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def record_encoder(self, data: ProcessedDataset) -> Callable:
