@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from workflows.errors import UserError
 from workflows.loader import StreamLoader, parquet_index
 from workflows.loader.index import DatasetIndex
 from workflows.loader.order import STAND_IN
@@ -30,6 +31,13 @@ class SampleRecorder:
         line = json.dumps({"t": time.time(), "rank": rank, "epoch": epoch, "position": position, "ids": ids})
         with open(os.path.join(self.directory, f"samples-{rank}-{os.getpid()}.jsonl"), "a") as f:
             f.write(line + "\n")
+
+
+def stream_refused(cfg) -> UserError:
+    """The error of train.loader=stream with a task that trains on examples made from the stored rows
+    (a causal LM's blocks): the loader reads the rows themselves."""
+    return UserError(f"train.loader=stream reads the stored rows, but model.task={cfg.model.task} trains on "
+                     "other examples made from them; use train.loader=ray_data")
 
 
 def head(index: DatasetIndex, rows: int) -> DatasetIndex:
