@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.storage import flock
 from workflows.storage.atomic import atomic_write
 from workflows.storage.transfer import (  # object_version is also imported from here
     CHUNK,
@@ -409,34 +410,12 @@ class ShardCache:
         atomic_write(path, data, tmp=self._tmp_path(path.stem, "meta"), fsync=True)
 
     def _lock(self, name: str, op: int) -> int:
-        """An fd holding flock `op` on the entry's lock file.
+        """An fd holding flock `op` on the entry's lock file (evictions unlink it: flock.lock retries)."""
+        return flock.lock(self.dir / f"{name}.lock", op)
 
-        Evictions unlink lock files, so after locking check that the path still names the inode
-        we locked; if not, we locked a dead file: try again on the new one.
-        """
-        path = self.dir / f"{name}.lock"
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, op)
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def _global_lock(self) -> Iterator[None]:
+    def _global_lock(self):
         """Serialises sweeps so that two processes do not both evict for the same overflow."""
-        fd = os.open(self.dir / "sweep.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return flock.exclusive(self.dir / "sweep.lock")
 
 
 def _uri_prefix(uri: str) -> str:
