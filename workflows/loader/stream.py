@@ -265,7 +265,7 @@ class StreamLoader:
         inflight = self._num_workers * self._prefetch_factor
         sizes = [s.bytes or 0 for s in self.index.shards]  # 0: an index without sizes (then no warning)
         self.peak_pinned_bytes, self.peak_pinned_shards = peak_pinned(fetches, releases, inflight, sizes)
-        cap = getattr(self.cache, "max_bytes", None)
+        cap = None if getattr(self.cache, "transient", False) else getattr(self.cache, "max_bytes", None)
         if cap and self.peak_pinned_bytes > cap and not self._cap_warned:
             self._cap_warned = True
             log.warning("cache.max_bytes (%.0f MB) is below what this loader pins at once (%.0f MB in %d shards: a "
