@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from workflows.errors import UserError
-from workflows.loader import DatasetIndex, StreamLoader, epoch_order, rank_batches, read_index, step_bounds
+from workflows.loader import (
+    DatasetIndex,
+    StreamLoader,
+    epoch_order,
+    parquet_index,
+    rank_batches,
+    read_index,
+    step_bounds,
+)
 from workflows.loader.images import ImageTransform
 from workflows.loader.order import STAND_IN
 from workflows.storage.cache import ShardCache
@@ -564,6 +572,60 @@ def test_a_warm_epoch_asks_the_store_nothing_and_runs_with_it_stopped(tmp_path):
     for r in (reader, other):  # the store is down: the cached shards are all an epoch needs
         assert _epoch(r, 3) == everything
         assert r.stats()["hits"] >= 2 * len(COUNTS) and other.stats()["misses"] == 0
+
+
+_WARM_EPOCH = """
+import json, sys
+from workflows.loader import StreamLoader, parquet_index
+from workflows.loader.images import ImageTransform
+from workflows.storage.cache import ShardCache
+from workflows.storage.uri import StorageContext
+
+endpoint, cache_dir, files = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+ctx = StorageContext(endpoint_url=endpoint, region="us-east-1", embedded=True)
+cache = ShardCache(cache_dir, ctx)
+tars = StreamLoader("s3://imgs/ds", ctx, cache, ImageTransform(size=16), batch_size=8, num_workers=0, epoch=1)
+rows = StreamLoader(parquet_index(files, ctx, cache), ctx, cache, batch_size=8, num_workers=0, columns=["v"], epoch=1)
+print(json.dumps({"tars": sorted(i for b in tars for i in b["sample"].tolist()),
+                  "rows": sorted(int(v) for b in rows for v in b["v"]), "misses": cache.stats().misses}))
+"""
+
+
+def test_a_new_process_runs_a_warm_epoch_with_the_store_stopped(tmp_path):
+    """A new run on a node whose cache is warm, with the store down: the tar dataset's index (asked
+    of the store, which does not answer) and a processed split's parquet footers come from the
+    node's copies, the shards from the cache (before: the index's HEAD, GET and LIST and the
+    footers' reads went to the store, and the run failed before its epoch)."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    s3 = EmbeddedS3(str(tmp_path / "s3"))
+    s3.start()
+    try:
+        ctx = _s3_dataset(s3, with_versions=True)
+        client = ctx.boto3_client()
+        files = []
+        for k, (lo, hi) in enumerate(((0, 30), (30, 50))):
+            buf = io.BytesIO()
+            pq.write_table(pa.table({"v": list(range(lo, hi))}), buf)
+            client.put_object(Bucket="imgs", Key=f"processed/v1/part-{k}.parquet", Body=buf.getvalue())
+            files.append(f"s3://imgs/processed/v1/part-{k}.parquet")
+        cache = ShardCache(str(tmp_path / "cache"), ctx)  # a first run fills the node's cache
+        assert _epoch(StreamLoader("s3://imgs/ds", ctx, cache, ImageTransform(size=SIZE), num_workers=0), 0) \
+            == list(range(sum(COUNTS)))
+        rows = StreamLoader(parquet_index(files, ctx, cache), ctx, cache, num_workers=0, columns=["v"])
+        assert sorted(int(v) for b in rows for v in b["v"]) == list(range(50))
+    finally:
+        s3.stop()
+    done = subprocess.run([sys.executable, "-c", _WARM_EPOCH, s3.endpoint_url, str(tmp_path / "cache"),
+                           json.dumps(files)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"tars": list(range(sum(COUNTS))), "rows": list(range(50)), "misses": 0}
+    assert "cannot reach s3://imgs/ds/index.json" in done.stderr  # said, then the node's copy read
 
 
 def test_an_index_without_versions_asks_the_store_once_per_shard(tmp_path, caplog):

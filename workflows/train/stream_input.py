@@ -60,11 +60,12 @@ class StreamInput:
     def __init__(self, cfg, data, storage, rank: int, world_size: int, rows: int,
                  on_samples: SampleHook | None = None, task=None):
         tc = cfg.train
+        cache = cfg.cache.shard_cache(storage)
         source = task.stream_source(data, storage) if task is not None else None
-        index, transform = source if source is not None else (parquet_index(data.files["train"], storage), None)
+        index, transform = source if source is not None else (parquet_index(data.files["train"], storage, cache), None)
         index = head(index, rows)
         self.rank, self.on_samples, self.task, self.data, self.seed = rank, on_samples, task, data, tc.seed
-        self.loader = StreamLoader(index, storage, cfg.cache, transform, batch_size=tc.batch_size,
+        self.loader = StreamLoader(index, storage, cache, transform, batch_size=tc.batch_size,
                                    num_workers=tc.decode_workers, seed=tc.seed, rank=rank, world_size=world_size,
                                    shuffle_window=tc.shuffle_window)
         self.samples = len(index)
