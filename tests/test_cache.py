@@ -335,3 +335,98 @@ def test_a_ranged_get_reads_only_its_range_from_the_stored_object(monkeypatch):
         _ranged_reads_match(client, "ranges", "obj", data)  # and the answers are S3's
     finally:
         server.stop()
+
+
+# -- what the cache switch and cap cover (#51) ------------------------------------------------
+def test_the_cap_counts_the_model_cache_beside_the_shards(tmp_path):
+    """cache.max_bytes bounds <cache.dir>/shards and <cache.dir>/models together: with a model
+    directory cached, the shard cache evicts shards to stay within what the model leaves."""
+    from workflows.config.storage import CacheConfig
+    from workflows.storage.model_cache import cached_dir, disk_usage
+
+    src = tmp_path / "src"
+    src.mkdir()
+    uris = []
+    for i in range(8):
+        (src / f"s{i}").write_bytes(os.urandom(40_000))
+        uris.append(str(src / f"s{i}"))
+    cap = 400_000
+    cfg = CacheConfig(dir=str(tmp_path / "cache"), max_bytes=cap)
+    models = tmp_path / "cache" / "models"
+    cached_dir(models, "m1", lambda d: Path(d, "model.safetensors").write_bytes(os.urandom(250_000)))
+    cache = cfg.shard_cache(LOCAL)
+    for uri in uris:
+        cache.fetch(uri)
+    held = sum(p.stat().st_blocks * 512 for p in (tmp_path / "cache" / "shards").iterdir())
+    assert held + disk_usage(models) <= cap, (held, disk_usage(models))
+    assert cache.stats().evictions > 0
+
+
+def _s3_model_config(bucket, tmp_path):
+    from workflows.config import load_config
+
+    return load_config(None, ["data.source=raw", f"storage.endpoint_url={bucket.ctx.endpoint_url}",
+                              "storage.embedded.enabled=true", f"cache.dir={tmp_path / 'cache'}"])
+
+
+def test_replaced_initial_weights_beside_an_unchanged_config_are_fetched_again(tmp_path, bucket):
+    """The node's copy of initial weights (model.name_or_path, an object-store URI) is keyed on every
+    file of the directory, not on config.json's ETag alone."""
+    from workflows.tasks.image.models import local_model_dir
+
+    cfg = _s3_model_config(bucket, tmp_path)
+    bucket("init/config.json", b'{"model_type": "resnet"}')
+    uri = bucket("init/model.safetensors", b"old weights").rsplit("/", 1)[0]
+    first = local_model_dir(uri, cfg)
+    assert Path(first, "model.safetensors").read_bytes() == b"old weights"
+    assert local_model_dir(uri, cfg) == first  # unchanged: the same copy
+    bucket("init/model.safetensors", b"new weights")
+    second = local_model_dir(uri, cfg)
+    assert second != first and Path(second, "model.safetensors").read_bytes() == b"new weights"
+
+
+def test_a_failed_model_download_leaves_nothing_behind(tmp_path, bucket, monkeypatch):
+    import workflows.storage.uri as uri_module
+    from workflows.tasks.image.models import local_model_dir
+
+    cfg = _s3_model_config(bucket, tmp_path)
+    bucket("broken/config.json", b"{}")
+    uri = bucket("broken/model.safetensors", b"weights").rsplit("/", 1)[0]
+    download_dir = uri_module.download_dir
+
+    def half_then_fail(src, ctx, local_dir, skip=()):
+        Path(local_dir, "config.json").write_bytes(b"{}")
+        raise ConnectionError("the store went away mid-download")
+
+    monkeypatch.setattr(uri_module, "download_dir", half_then_fail)
+    with pytest.raises(ConnectionError):
+        local_model_dir(uri, cfg)
+    models = tmp_path / "cache" / "models"
+    assert not models.exists() or list(models.iterdir()) == []
+    monkeypatch.setattr(uri_module, "download_dir", download_dir)
+    assert Path(local_model_dir(uri, cfg), "model.safetensors").read_bytes() == b"weights"
+
+
+def test_with_the_cache_disabled_the_stream_loader_keeps_nothing(tmp_path):
+    """cache.enabled=false: the stream loader (and an index build, through the same shard_cache)
+    reads through a temp directory that keeps no shard once unpinned and goes with the loader;
+    nothing is written under cache.dir."""
+    import gc
+
+    from tests.test_loader import write_shards
+    from workflows.config.storage import CacheConfig
+    from workflows.loader import StreamLoader
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shards(lambda name, b: (data / name).write_bytes(b))
+    cfg = CacheConfig(enabled=False, dir=str(tmp_path / "cache"))
+    loader = StreamLoader(str(data), LOCAL, cfg, batch_size=8, num_workers=0)
+    assert sum(len(b["sample"]) for b in loader) == len(loader.index)
+    transient = loader.cache.dir
+    assert not (tmp_path / "cache").exists()
+    assert len(list(transient.glob("*.data"))) <= loader.peak_pinned_shards  # none kept beyond those last read
+    loader.close()
+    del loader
+    gc.collect()
+    assert not transient.exists()

@@ -11,8 +11,17 @@ import numpy as np
 import pytest
 
 from workflows.errors import UserError
-from workflows.loader import DatasetIndex, StreamLoader, epoch_order, read_index, step_bounds
+from workflows.loader import (
+    DatasetIndex,
+    StreamLoader,
+    epoch_order,
+    parquet_index,
+    rank_batches,
+    read_index,
+    step_bounds,
+)
 from workflows.loader.images import ImageTransform
+from workflows.loader.order import STAND_IN
 from workflows.storage.cache import ShardCache
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext
@@ -82,6 +91,9 @@ def global_sequence(prefix, cache, world_size, start=0, epoch=0, **kw) -> tuple[
     ids, pixels = [], {}
     for step in zip(*ranks):
         for b in step:
+            if b.get(STAND_IN):  # a rank with no sample left in the step: trains nothing
+                assert len(b["sample"]) == 1 and sum(COUNTS) - start < world_size
+                continue
             ids += b["sample"].tolist()
             for sid, img, label in zip(b["sample"].tolist(), b["image"], b["label"].tolist()):
                 assert label == sid % 10 and img.shape == (3, SIZE, SIZE) and str(img.dtype) == "torch.uint8"
@@ -127,6 +139,49 @@ def test_resume_at_40_percent_on_another_worker_count(local_data, tmp_path, befo
     rest, rest_pixels = global_sequence(local_data, cache, after, start=consumed, epoch=1)
     assert rest == full[consumed:]  # the same samples in the same order
     assert all(rest_pixels[i] == full_pixels[i] for i in rest)  # and the same crops
+
+
+def lockstep(n: int, start: int, world_size: int, batch_size: int) -> list[int]:
+    """The positions trained by `world_size` ranks planned from `start`, as the ranks run in step
+    (loop.in_step: as many steps as the rank with fewest batches), stand-ins left out."""
+    plans = [rank_batches(n, start, world_size, r, batch_size) for r in range(world_size)]
+    steps = min(len(p) for p in plans)
+    assert all(len(p) == steps for p in plans), "a rank would stop the others early"
+    trained = []
+    for r, plan in enumerate(plans):
+        for b in plan:
+            assert b.hi > b.lo, f"rank {r} of {world_size} has no batch in a step from {start}"
+            assert start <= b.lo and b.hi <= n
+            trained += [] if b.stand_in else list(range(b.lo, b.hi))
+    return trained
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 13])
+@pytest.mark.parametrize("batch_size", [1, 3, 4])
+def test_an_elastic_resume_at_any_position_trains_each_sample_once(n, batch_size):
+    """A run on `before` workers stopped at any step, resumed on more or fewer (or at any position
+    at all): the rest of the epoch is trained exactly once, every rank in every step (#51: a resume
+    at 8 of 10 on 3 workers gave rank 0 nothing, so no rank trained the last 2 samples)."""
+    for before in (1, 2, 3):
+        for stop in step_bounds(n, 0, before, batch_size).tolist():
+            for after in (1, 2, 3, 4, 6):
+                trained = lockstep(n, stop, after, batch_size)
+                assert sorted(trained) == list(range(stop, n)), (before, stop, after)
+    for start in range(n + 1):  # any position, not only a step's end
+        for world_size in (1, 2, 3, 5, 8, 16):
+            assert sorted(lockstep(n, start, world_size, batch_size)) == list(range(start, n)), (start, world_size)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_resume_at_an_epochs_end_on_more_workers_reads_each_sample_once(local_data, tmp_path, world_size):
+    """The loader itself, near the epoch's end on more ranks than samples left: every rank yields a
+    batch per step, the stand-ins are marked, and the remaining samples come once each, in order."""
+    cache = ShardCache(str(tmp_path / "cache"), LOCAL)
+    full = epoch_order(COUNTS, 0, 1, 4).tolist()
+    n = sum(COUNTS)
+    for start in range(n - world_size - 1, n + 1):
+        rest, _ = global_sequence(local_data, cache, world_size, start=start, epoch=1)
+        assert rest == full[start:], start
 
 
 def test_orders_differ_by_epoch_and_seed_and_repeat_for_the_same(local_data, tmp_path):
@@ -517,6 +572,60 @@ def test_a_warm_epoch_asks_the_store_nothing_and_runs_with_it_stopped(tmp_path):
     for r in (reader, other):  # the store is down: the cached shards are all an epoch needs
         assert _epoch(r, 3) == everything
         assert r.stats()["hits"] >= 2 * len(COUNTS) and other.stats()["misses"] == 0
+
+
+_WARM_EPOCH = """
+import json, sys
+from workflows.loader import StreamLoader, parquet_index
+from workflows.loader.images import ImageTransform
+from workflows.storage.cache import ShardCache
+from workflows.storage.uri import StorageContext
+
+endpoint, cache_dir, files = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+ctx = StorageContext(endpoint_url=endpoint, region="us-east-1", embedded=True)
+cache = ShardCache(cache_dir, ctx)
+tars = StreamLoader("s3://imgs/ds", ctx, cache, ImageTransform(size=16), batch_size=8, num_workers=0, epoch=1)
+rows = StreamLoader(parquet_index(files, ctx, cache), ctx, cache, batch_size=8, num_workers=0, columns=["v"], epoch=1)
+print(json.dumps({"tars": sorted(i for b in tars for i in b["sample"].tolist()),
+                  "rows": sorted(int(v) for b in rows for v in b["v"]), "misses": cache.stats().misses}))
+"""
+
+
+def test_a_new_process_runs_a_warm_epoch_with_the_store_stopped(tmp_path):
+    """A new run on a node whose cache is warm, with the store down: the tar dataset's index (asked
+    of the store, which does not answer) and a processed split's parquet footers come from the
+    node's copies, the shards from the cache (before: the index's HEAD, GET and LIST and the
+    footers' reads went to the store, and the run failed before its epoch)."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    s3 = EmbeddedS3(str(tmp_path / "s3"))
+    s3.start()
+    try:
+        ctx = _s3_dataset(s3, with_versions=True)
+        client = ctx.boto3_client()
+        files = []
+        for k, (lo, hi) in enumerate(((0, 30), (30, 50))):
+            buf = io.BytesIO()
+            pq.write_table(pa.table({"v": list(range(lo, hi))}), buf)
+            client.put_object(Bucket="imgs", Key=f"processed/v1/part-{k}.parquet", Body=buf.getvalue())
+            files.append(f"s3://imgs/processed/v1/part-{k}.parquet")
+        cache = ShardCache(str(tmp_path / "cache"), ctx)  # a first run fills the node's cache
+        assert _epoch(StreamLoader("s3://imgs/ds", ctx, cache, ImageTransform(size=SIZE), num_workers=0), 0) \
+            == list(range(sum(COUNTS)))
+        rows = StreamLoader(parquet_index(files, ctx, cache), ctx, cache, num_workers=0, columns=["v"])
+        assert sorted(int(v) for b in rows for v in b["v"]) == list(range(50))
+    finally:
+        s3.stop()
+    done = subprocess.run([sys.executable, "-c", _WARM_EPOCH, s3.endpoint_url, str(tmp_path / "cache"),
+                           json.dumps(files)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"tars": list(range(sum(COUNTS))), "rows": list(range(50)), "misses": 0}
+    assert "cannot reach s3://imgs/ds/index.json" in done.stderr  # said, then the node's copy read
 
 
 def test_an_index_without_versions_asks_the_store_once_per_shard(tmp_path, caplog):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.helpers import free_port
+from workflows.loader.order import STAND_IN
 from workflows.train.loop import make_optimizer, make_scheduler, micro_batch_groups, steps_per_epoch, train_epoch
 from workflows.train.parallel import parallelize
 
@@ -135,6 +136,75 @@ def test_two_ranks_sync_once_per_accumulated_step(strategy, tmp_path):
     assert len(big) == 4  # 16 rows per rank, 8 per step, 2 epochs
     assert acc == pytest.approx(big, abs=1e-5)
     assert results[1] == results[0]  # step losses are averaged over ranks
+
+
+# ---------------------------------------- a rank with no sample left in a step (loader/order.py)
+def bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def bn_batch(seed: int, rows: int = 6, stand_in: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    batch = {"x": torch.randn(rows, 4, generator=g) * (1 + seed), "labels": torch.randint(0, 3, (rows,), generator=g)}
+    if stand_in:
+        batch[STAND_IN] = torch.ones(())
+    return batch
+
+
+def bn_loss(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"])
+
+
+def bn_epoch(model, batches, accum: int = 1, losses: list | None = None) -> dict:
+    def loss_fn(m, b):
+        loss = bn_loss(m, b)
+        if losses is not None:
+            losses.append(loss.item())
+        return loss
+
+    opt = make_optimizer(model, 1e-2, 0.01)
+    return train_epoch(model, batches, opt, make_scheduler(opt, 4, 0.0), torch.device("cpu"), 1.0,
+                       accum_steps=accum, loss_fn=loss_fn)
+
+
+def test_a_stand_in_batch_trains_nothing():
+    """A stand-in in a step adds no gradient, no BatchNorm statistics and no sample: the step is the
+    one its real batches make alone."""
+    ref, with_stand_in = bn_model(), bn_model()
+    a = bn_epoch(ref, [bn_batch(1)])
+    b = bn_epoch(with_stand_in, [bn_batch(1), bn_batch(2, stand_in=True)], accum=2)
+    assert (a["steps"], a["samples"]) == (b["steps"], b["samples"]) == (1, 6)
+    assert b["step_losses"] == pytest.approx(a["step_losses"], abs=1e-6)
+    for (name, x), y in zip(ref.state_dict().items(), with_stand_in.state_dict().values()):
+        assert torch.equal(x, y), name  # weights and BatchNorm running statistics alike
+
+
+def _stand_in_ranks(rank: int, world_size: int, port: int, strategy: str, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model = parallelize(bn_model(), strategy, torch.device("cpu"))
+        # rank 1 has no sample left in the second step: its batch is a stand-in
+        batches = [bn_batch(0), bn_batch(1)] if rank == 0 else [bn_batch(2), bn_batch(3, stand_in=True)]
+        losses: list[float] = []
+        out = bn_epoch(model, batches, losses=losses)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({k: out[k] for k in ("steps", "samples", "step_losses")} | {"losses": losses}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as _ranks: skip the interpreter's teardown
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_rank_with_a_stand_in_takes_the_step_with_the_others(strategy, tmp_path):
+    mp.spawn(_stand_in_ranks, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["steps"] == r1["steps"] == 2 and r0["samples"] == r1["samples"] == 18  # 3 real batches of 6
+    assert r0["step_losses"] == r1["step_losses"]
+    assert r0["step_losses"][1] == pytest.approx(r0["losses"][1], abs=1e-6)  # the second step: rank 0's batch only
 
 
 def _probe(rank: int = 0, world_size: int = 1, l2: float = 1e-2):

@@ -341,3 +341,28 @@ def test_the_readme_shows_the_classification_example_as_it_is():
 
     example = lines((EXAMPLES / "tabular_classification.py").read_text())
     assert lines(code) <= example, sorted(lines(code) - example)
+
+
+# --- what a dataset version is made of ------------------------------------------------------------
+def test_a_changed_plug_in_option_makes_a_new_dataset_version(monkeypatch):
+    """Everything that changes what preprocessing writes enters the version, the task's options too:
+    the example's `label: color` is another dataset than `label: cultivar` (it was the same version,
+    so the old data were reused silently). An option that shapes the model alone (`hidden`, the
+    example's `model_only_options`) keeps the version, and so does an unchanged config."""
+    from workflows.storage.shards import Shard
+    from workflows.tasks import get_task
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    shards = [Shard(uri=f"s3://b/raw/wine-{i}.csv", version=str(i), size=100 + i) for i in range(2)]
+
+    def version(*sets: str) -> str:
+        cfg = load_config(None, ["data.source=s3://b/raw/", f"model.task={TASK}", "model.options.features=[a,b]",
+                                 "model.options.label=cultivar", *sets])
+        return get_task(cfg).dataset_version(shards, None)
+
+    base = version()
+    assert version() == base
+    assert version("model.options.hidden=64") == base
+    assert version("model.options.label=color") != base
+    assert version("model.options.features=[a,c]") != base
+    assert version("preprocess.rows_per_shard=10") != base

@@ -111,6 +111,23 @@ def test_training_crops_follow_the_sample_not_the_rank(digits, image_input):
 
 
 @pytest.mark.integration
+def test_torchrun_trains_on_the_raw_images_a_ray_train_worker_reads(digits, monkeypatch):
+    """train.image_input=raw under torchrun (one process, workflows.train.standalone): the epoch's
+    crops of the source's images, batch by batch those of a Ray Train worker (StreamInput), not
+    the stored pixels (tests/test_local_input.py checks the parquet stream and Tune trials)."""
+    from tests.test_local_input import trained_batches
+    from workflows.tasks import get_task
+    from workflows.train.standalone import train
+    from workflows.train.stream_input import StreamInput
+
+    cfg = load_config(DIGITS, overrides(digits.tmp, "train.image_input=raw", "train.loader_workers=0"))
+    epochs = trained_batches(monkeypatch, lambda b: b["pixel_values"].numpy().tobytes())
+    train(cfg, digits.rt.storage, digits.data)
+    worker = StreamInput(cfg, digits.data, digits.rt.storage, 0, 1, ROWS, task=get_task(cfg))
+    assert epochs == [[b["pixel_values"].numpy().tobytes() for b in worker.train_batches(0, 0)]]
+
+
+@pytest.mark.integration
 def test_raw_images_train_from_the_tars_each_sample_once(digits):
     """train.image_input=raw under Ray Train (2 workers, a decode process each): the train split's
     samples read from the source's tars by the saved index, each exactly once in the epoch."""

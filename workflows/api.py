@@ -21,6 +21,11 @@ What a task writes (`Task`; `Classification` writes the metric and serving parts
   `inputs()` (the served instance's columns and JSON types) and `predict_batch(model, batch, data)`
   (a collated batch -> one prediction dict per instance).
 
+A processed dataset is written once per `dataset_version`, by default a hash of the raw shards, the
+split settings, `preprocess.rows_per_shard`, the task, its stored `columns` and every option but
+those named in `model_only_options` (options that shape the model alone, such as a hidden size):
+a changed option that preprocessing reads makes a new dataset.
+
 The platform's defaults do the rest: `export` writes the state dict as safetensors with a model card
 (labels, label column, the dataset's `info`, the options), `ModelPredictor` loads it into
 `build_model` and answers with `predict_batch`, the HTTP contract is built from `inputs`, and the

@@ -10,7 +10,11 @@ class UserError(Exception):
     """Bad input (config, URI, model name, data): the message says what and where."""
 
 
-_IN_TRACEBACK = re.compile(r"^workflows\.errors\.UserError: (.+)$", re.M)
+class StoreUnreachable(UserError):
+    """The object store did not answer (storage.uri.reaching): a reader with a copy of its own may go on."""
+
+
+_IN_TRACEBACK = re.compile(r"^workflows\.errors\.(?:UserError|StoreUnreachable): (.+)$", re.M)
 
 
 def find_user_error(exc: BaseException) -> UserError | None:

@@ -10,10 +10,7 @@ directory and renamed into place.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -24,6 +21,7 @@ from typing import Any
 from workflows.config import WorkflowConfig, check_name
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
+from workflows.storage.model_cache import cached_dir
 from workflows.storage.uri import (
     StorageContext,
     create_once,
@@ -159,22 +157,12 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
     ref = resolve(cfg, ctx, spec)
     card = read_card(ref, ctx)
     assert card.artifact_id is not None  # read_card refuses a card without one
-    cache = Path(cfg.cache.resolved_dir()) / "models" / card.artifact_id
-    if (cache / META_FILE).exists():
-        return str(cache), card
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{card.artifact_id}-", dir=cache.parent))
-    try:
-        download_dir(ref.uri, ctx, str(tmp), skip=(META_FILE, EVAL_FILE, CLAIM_FILE))
-        (tmp / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
-        try:
-            os.rename(tmp, cache)
-        except OSError:  # another process on this node finished first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return str(cache), card
+
+    def fill(tmp: str) -> None:
+        download_dir(ref.uri, ctx, tmp, skip=(META_FILE, EVAL_FILE, CLAIM_FILE))
+        (Path(tmp) / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
+
+    return cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill), card
 
 
 EVAL_FILE = "evaluation.json"

@@ -44,6 +44,7 @@ class MLP(nn.Module):
 class TabularClassification(Classification):
     name = "tabular_classification"
     Options = Options
+    model_only_options = ("hidden",)  # the rest (features, label) change the processed dataset
 
     @property
     def columns(self) -> tuple[str, ...]:  # type: ignore[override]  # the stored columns training reads

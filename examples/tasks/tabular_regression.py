@@ -36,6 +36,7 @@ class MLP(nn.Module):
 
 class TabularRegression(Task):
     name, score, Options = "tabular_regression", ("val_r2", "max"), Options
+    model_only_options = ("hidden", "layers")  # left out of the dataset version (features, target are in)
 
     @property
     def columns(self) -> tuple[str, ...]:  # type: ignore[override]  # the stored columns training reads

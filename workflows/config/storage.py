@@ -29,7 +29,8 @@ class StorageConfig(Strict):
 
 
 class CacheConfig(Strict):
-    enabled: bool = Field(True, description="read shards through the per-node cache")
+    enabled: bool = Field(True, description="read shards through the per-node cache (false: nothing is kept; the "
+                          "stream loader reads through a temp directory holding only the shards it reads)")
     dir: str = Field(
         "auto",
         description="per-node cache directory (shards/, models/); 'auto' = $WORKFLOWS_CACHE_DIR if the node "
@@ -37,7 +38,8 @@ class CacheConfig(Strict):
         "($XDG_CACHE_HOME/workflows when set)",
     )
     max_bytes: int | None = Field(
-        None, ge=1, description="byte budget of the shard cache (LRU eviction); None = unbounded. Shards a "
+        None, ge=1, description="byte budget of the node's cache, shards/ and models/ together (shards are "
+        "evicted LRU to make room; model directories count but are not evicted); None = unbounded. Shards a "
         "stream loader is reading are pinned and never evicted: set it above what a loader pins at once (a "
         "shuffle window of 4 shards, those of the batches in flight and 2 prefetched; the loader computes it "
         "from its plan and warns when the cap is below)",
@@ -58,8 +60,13 @@ class CacheConfig(Strict):
         return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "workflows")
 
     def shard_cache(self, ctx):
-        """The shard cache of the node this runs on ('auto' is resolved here, on that node)."""
+        """The shard cache of the node this runs on ('auto' is resolved here, on that node); with
+        enabled=false a transient one for readers that need local copies (nothing is kept)."""
         from workflows.storage.cache import ShardCache
+        from workflows.storage.transient import TransientCache
 
-        return ShardCache(os.path.join(self.resolved_dir(), "shards"), ctx, self.max_bytes, self.verify_checksums)
+        if not self.enabled:
+            return TransientCache(ctx)
+        return ShardCache(os.path.join(self.resolved_dir(), "shards"), ctx, self.max_bytes, self.verify_checksums,
+                          counted=os.path.join(self.resolved_dir(), "models"))
 

@@ -23,17 +23,22 @@ parquet source with image bytes in a column (preprocess.image_dataset.parquet_sa
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import tarfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from workflows.errors import UserError
+from workflows.errors import StoreUnreachable, UserError
 from workflows.loader.order import shard_offsets
+from workflows.storage.atomic import atomic_write
 from workflows.storage.shards import IMAGE_EXTENSIONS, LABEL_EXTENSIONS
 from workflows.storage.transfer import object_version
 from workflows.storage.uri import (
@@ -52,6 +57,7 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "index.json"
 FORMATS = ("wds-tar", "parquet", "raw", "raw-parquet")
 INDEX_FETCHES = 4  # shards fetched at once while building an index
+KEPT = "indexes"  # under a shard cache's directory: the indexes kept on the node (keep_index)
 
 
 @dataclass(frozen=True)
@@ -213,11 +219,48 @@ def tar_members(path: str, uri: str, labels: list[str] | None = None, strict: bo
                       tuple(samples))
 
 
+def kept_index(cache, key: str, prefix: str = "") -> DatasetIndex | None:
+    """The copy of an index this node keeps beside its shard cache (`keep_index`), if any."""
+    if cache is None:
+        return None
+    try:
+        return DatasetIndex.from_json(prefix, json.loads(_kept_path(cache, key).read_bytes()))
+    except (FileNotFoundError, ValueError, UserError):
+        return None
+
+
+def keep_index(cache, key: str, index: DatasetIndex) -> DatasetIndex:
+    """Keep `index` on this node under `key` (a URI, or the files it lists), beside `cache`'s shards,
+    so that a new process finds it without asking the store; returns it."""
+    if cache is not None:
+        path = _kept_path(cache, key)
+        path.parent.mkdir(exist_ok=True)
+        atomic_write(path, json.dumps(index.to_json()).encode(), tmp=f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+    return index
+
+
+def _kept_path(cache, key: str) -> Path:
+    return Path(cache.dir) / KEPT / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
 def read_index(prefix: str, storage: StorageContext, cache=None) -> DatasetIndex:
     """`<prefix>/index.json`; without one (or with one whose shards no longer match the prefix's
     *.tar names and sizes), an index built by reading every `*.tar` shard's headers once through
     `cache` (a ShardCache; INDEX_FETCHES shards at a time; logged, as it fetches every shard), then
-    saved as `<prefix>/index.json`."""
+    saved as `<prefix>/index.json`. With `cache`, the index is kept on the node too: when the store
+    cannot be reached, that copy is read (a warm epoch of a new process runs with the store down)."""
+    index_uri = join(prefix, INDEX_FILE)
+    try:
+        return keep_index(cache, index_uri, _read_index(prefix, storage, cache))
+    except StoreUnreachable as e:
+        kept = kept_index(cache, index_uri, prefix)
+        if kept is None:
+            raise
+        log.warning("%s; reading this node's copy of %s", e, index_uri)
+        return kept
+
+
+def _read_index(prefix: str, storage: StorageContext, cache) -> DatasetIndex:
     index_uri = join(prefix, INDEX_FILE)
     saved = DatasetIndex.from_json(prefix, read_json(index_uri, storage)) if exists(index_uri, storage) else None
     if saved is not None and cache is None:
@@ -287,11 +330,16 @@ def sample_index(shards: list, fmt: str, wanted: dict[str, int], storage: Storag
     return DatasetIndex(prefix="", shards=entries, format="raw", members=members)
 
 
-def parquet_index(files: list[str], storage: StorageContext) -> DatasetIndex:
+def parquet_index(files: list[str], storage: StorageContext, cache=None) -> DatasetIndex:
     """Processed parquet shards (a ProcessedDataset split's files, whole URIs) with their row counts
-    from the parquet footers (one small read per file) and their versions (the stat that sized them)."""
+    from the parquet footers (one small read per file) and their versions (the stat that sized them).
+    A processed dataset's files never change (their URIs name its version), so with `cache` the
+    index is kept on the node and a new process reads it with no request to the store."""
     import pyarrow.parquet as pq
 
+    key = "\n".join(files)
+    if (kept := kept_index(cache, key)) is not None:
+        return kept
     shards = []
     for uri in files:
         fs, path = filesystem(uri, storage)
@@ -299,4 +347,4 @@ def parquet_index(files: list[str], storage: StorageContext) -> DatasetIndex:
             meta = pq.ParquetFile(f).metadata
             info = fs.info(path)
             shards.append(ShardEntry(uri, meta.num_rows, int(info["size"]), object_version(info)))
-    return DatasetIndex(prefix="", shards=shards, format="parquet")
+    return keep_index(cache, key, DatasetIndex(prefix="", shards=shards, format="parquet"))

@@ -13,13 +13,32 @@ W, continues the same sequence. The tail: a remainder of at least W positions is
 step; a smaller one is merged into the last step (its slices are then batch_size + 1), so that every
 rank has a batch in every step (DDP/FSDP ranks must run the same number of steps, see
 loop.in_step) and no sample is dropped.
+
+Fewer than W positions left in the whole epoch (a resume near its end on more workers, or an epoch
+smaller than W) is one step in which some slices are empty. Such a rank still takes part in the
+step's collectives: its batch is a stand-in (`Batch.stand_in`), one sample of the step that another
+rank trains on, which the training loop runs with zero weight (loop.train_epoch). So every rank
+runs the same number of steps and each sample is trained exactly once, from any position on any W.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
+
+STAND_IN = "stand_in"  # the key that marks a stand-in batch (StreamLoader, loop.train_epoch)
+
+
+class Batch(NamedTuple):
+    """One rank's batch of one global step: positions [lo, hi) of the epoch order. A stand-in
+    (`stand_in`) is one position another rank trains on in the same step: read only so that this
+    rank takes part in the step, trained with zero weight."""
+
+    lo: int
+    hi: int
+    stand_in: bool = False
 
 
 def shard_offsets(counts: Sequence[int]) -> np.ndarray:
@@ -60,15 +79,17 @@ def step_bounds(n: int, start: int, world_size: int, batch_size: int) -> np.ndar
     return np.asarray(bounds, dtype=np.int64)
 
 
-def rank_batches(n: int, start: int, world_size: int, rank: int, batch_size: int) -> list[tuple[int, int]]:
-    """Rank `rank`'s batches as [lo, hi) position ranges of the epoch order, one per global step.
+def rank_batches(n: int, start: int, world_size: int, rank: int, batch_size: int) -> list[Batch]:
+    """Rank `rank`'s batches as position ranges of the epoch order, one per global step, none empty.
 
-    A range may be empty only when fewer positions than ranks are left in the whole epoch."""
+    A rank's slice of a step is empty only when fewer positions than ranks are left in the whole
+    epoch; it is then a stand-in of the step's first position (see the module docstring)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     bounds = step_bounds(n, start, world_size, batch_size)
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         size = int(hi - lo)
-        out.append((int(lo + rank * size // world_size), int(lo + (rank + 1) * size // world_size)))
+        first, end = int(lo + rank * size // world_size), int(lo + (rank + 1) * size // world_size)
+        out.append(Batch(first, end) if end > first else Batch(int(lo), int(lo) + 1, stand_in=True))
     return out

@@ -4,8 +4,9 @@ from shards cached whole on local disk (storage.cache.ShardCache), decoded in wo
 Main process: plans the rank's batches (sample ids), fetches their shards through the cache in a
 background thread pool, `prefetch_shards` ahead of the batch being planned (a cold epoch overlaps
 download with decode), keeps each shard pinned until its last batch is delivered, and builds each
-tar shard's member table once (tar headers). Worker processes: os.pread of each sample's bytes from
-the pinned local file and the per-sample transform; nothing holds a whole shard in memory.
+tar shard's member table once (tar headers). Worker processes (samples.py): os.pread of each
+sample's bytes from the pinned local file and the per-sample transform; nothing holds a whole shard
+in memory.
 
 # why torch's DataLoader: it is the field's multi-process, in-order batch pipeline (worker
 # processes with persistent_workers, prefetch_factor batches in flight per worker, pinned-memory
@@ -19,10 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,13 +32,11 @@ import numpy as np
 from workflows.errors import UserError
 from workflows.loader.fork import iter_forked
 from workflows.loader.index import DatasetIndex, ParquetRows, TarMembers, read_index, tar_members
-from workflows.loader.order import epoch_order, rank_batches, step_bounds
+from workflows.loader.order import STAND_IN, epoch_order, rank_batches, step_bounds
+from workflows.loader.samples import Samples
 from workflows.storage.uri import StorageContext
 
 log = logging.getLogger(__name__)
-
-ROW_GROUPS = 8  # per decode process: parquet row groups kept decoded (a shuffle window's worth)
-FOOTERS = 32  # per decode process: parquet footers kept parsed (metadata only, no open file)
 
 
 @dataclass(frozen=True)
@@ -54,102 +51,6 @@ def _identity(batch):
     return batch
 
 
-class _Samples:
-    """The map-style dataset the DataLoader's workers run: a batch of items -> a dict of arrays.
-
-    Items carry everything a worker needs (epoch, sample id, local path, where the bytes are), so
-    one persistent worker pool serves every epoch and resume point."""
-
-    def __init__(self, fmt: str, transform: Callable | None, columns: list[str] | None):
-        self.fmt = fmt
-        self.transform = transform
-        self.columns = columns
-        self._groups: OrderedDict[tuple[str, int], Any] = OrderedDict()
-        self._footers: OrderedDict[str, tuple[Any, np.ndarray]] = OrderedDict()  # metadata, row-group starts
-
-    def __len__(self) -> int:  # the DataLoader asks; batches come from the batch sampler
-        return 0
-
-    def __getitem__(self, item):
-        return self.__getitems__([item])
-
-    def __getitems__(self, items: list[tuple]) -> dict:
-        import torch
-
-        if self.fmt == "parquet":
-            out = self._rows(items)
-        elif self.fmt == "raw-parquet":  # items: (epoch, sample, path, row, label); the image column's bytes
-            blobs = self._table([it[:4] for it in items]).column(0).to_pylist()
-            if self.transform is None:
-                out = {"data": blobs}
-            else:
-                out = {"image": torch.from_numpy(np.stack([self.transform(d, it[1], it[0])
-                                                           for d, it in zip(blobs, items)]))}
-            out["label"] = torch.tensor([it[4] for it in items], dtype=torch.int64)
-        else:
-            images, labels = [], []
-            # why open per batch, not an LRU of fds kept across batches: a cap bounds the disk. A
-            # file evicted while a process holds it open stays on disk until closed, uncounted by
-            # the cache (issue #37: 4 evicted shards held at a cap of 2). A batch is decoded while
-            # the main process pins its shards (eviction skips pinned entries), so closing every
-            # file at the end of the batch means no evicted file is ever held open; an open+close
-            # per shard of a batch costs microseconds beside its decodes.
-            fds: dict[str, int] = {}
-            try:
-                for epoch, sample, path, off, size, label in items:
-                    if path not in fds:
-                        fds[path] = os.open(path, os.O_RDONLY)
-                    data = os.pread(fds[path], size, off)
-                    if len(data) != size:
-                        raise UserError(f"{path}: short read of sample {sample} (the cached shard changed?)")
-                    images.append(self.transform(data, sample, epoch) if self.transform is not None else data)
-                    labels.append(label)
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-            if self.transform is None:
-                out = {"data": images}
-            else:
-                out = {"image": torch.from_numpy(np.stack(images))}
-            out["label"] = torch.tensor(labels, dtype=torch.int64)
-        out["sample"] = torch.tensor([it[1] for it in items], dtype=torch.int64)
-        return out
-
-    def _rows(self, items: list[tuple]) -> dict:
-        from workflows.loader.columns import column_values
-
-        table = self._table(items)
-        return {c: column_values(table.column(c)) for c in table.column_names}
-
-    def _table(self, items: list[tuple]):
-        """Parquet rows (`self.columns`), read by row group (kept decoded, LRU) and taken in the
-        items' order. Files are opened only to read a row group and closed at once (see
-        __getitems__: a cap bounds the disk); the parsed footers are kept, so a reopen reads no footer."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        parts = []
-        for _epoch, _sample, path, row in items:
-            footer = self._footers.pop(path, None)
-            if footer is None:
-                meta = pq.read_metadata(path)
-                footer = (meta, np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]))
-            self._footers[path] = footer
-            if len(self._footers) > FOOTERS:
-                self._footers.popitem(last=False)
-            meta, starts = footer
-            g = int(np.searchsorted(starts, row, side="right") - 1)
-            table = self._groups.pop((path, g), None)
-            if table is None:
-                with pq.ParquetFile(path, metadata=meta) as pf:
-                    table = pf.read_row_group(g, columns=self.columns)
-            self._groups[(path, g)] = table
-            if len(self._groups) > ROW_GROUPS:
-                self._groups.popitem(last=False)
-            parts.append(table.slice(int(row - starts[g]), 1))
-        return pa.concat_tables(parts)
-
-
 class StreamLoader:
     """An iterable over one rank's batches of one epoch (see the module docstring and order.py).
 
@@ -159,7 +60,8 @@ class StreamLoader:
     sample's bytes: its row's value in the index's `column`). Parquet (parquet_index): the stored
     `columns` as numpy (what a task's collate takes) plus "sample". `start`: global samples of the
     epoch already consumed (from a checkpoint: `state()["consumed"]`); `set_epoch` moves on without
-    new worker processes.
+    new worker processes. A rank yields one batch per global step; a stand-in (order.Batch: when
+    fewer samples than ranks are left) also holds `STAND_IN: True` and trains nothing.
     """
 
     def __init__(self, source: DatasetIndex | str, storage: StorageContext, cache, transform: Callable | None = None,
@@ -181,7 +83,7 @@ class StreamLoader:
         self.transform = transform
         if self.index.format == "raw-parquet":
             columns = [self.index.column or ""]
-        self._dataset = _Samples(self.index.format, transform, columns)
+        self._dataset = Samples(self.index.format, transform, columns)
         self._num_workers, self._prefetch_factor = num_workers, prefetch_factor
         self._loader = None
         # torch (about 1 s to import) is imported here, not by the first iteration's DataLoader: there
@@ -217,7 +119,7 @@ class StreamLoader:
 
     def __len__(self) -> int:
         """Batches this rank yields (one per global step; the same on every rank)."""
-        return sum(1 for lo, hi in self._ranges if hi > lo)
+        return len(self._ranges)
 
     @property
     def consumed(self) -> int:
@@ -307,7 +209,7 @@ class StreamLoader:
     def _plan(self) -> tuple[list[np.ndarray], list[np.ndarray], list[list[int]], list[list[int]]]:
         """(sample ids per batch, each sample's shard, the shards to start fetching before each batch,
         the shards whose last batch each batch is)."""
-        batches = [self._order[lo:hi] for lo, hi in self._ranges if hi > lo]
+        batches = [self._order[b.lo:b.hi] for b in self._ranges]
         shard_of = [np.searchsorted(self._offsets, ids, side="right") - 1 for ids in batches]
         first: list[int] = []
         last: dict[int, int] = {}
@@ -363,7 +265,7 @@ class StreamLoader:
         inflight = self._num_workers * self._prefetch_factor
         sizes = [s.bytes or 0 for s in self.index.shards]  # 0: an index without sizes (then no warning)
         self.peak_pinned_bytes, self.peak_pinned_shards = peak_pinned(fetches, releases, inflight, sizes)
-        cap = getattr(self.cache, "max_bytes", None)
+        cap = None if getattr(self.cache, "transient", False) else getattr(self.cache, "max_bytes", None)
         if cap and self.peak_pinned_bytes > cap and not self._cap_warned:
             self._cap_warned = True
             log.warning("cache.max_bytes (%.0f MB) is below what this loader pins at once (%.0f MB in %d shards: a "
@@ -383,6 +285,8 @@ class StreamLoader:
                 for s in releases[k]:  # its last batch is decoded: unpin the shard
                     self._release(s)
                 self._delivered = k + 1
+                if self._ranges[k].stand_in:
+                    batch[STAND_IN] = True
                 yield batch
         finally:
             self._release_all()

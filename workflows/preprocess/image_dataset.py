@@ -262,12 +262,15 @@ def train_sample_index(cfg, data: ProcessedDataset, ctx):
     """
     import pyarrow.parquet as pq
 
-    from workflows.loader.index import DatasetIndex, sample_index
+    from workflows.loader.index import DatasetIndex, keep_index, kept_index, sample_index
     from workflows.storage.uri import read_json, write_json
 
     uri = join(data.uri, TRAIN_SAMPLES)
+    cache = cfg.cache.shard_cache(ctx)
+    if (kept := kept_index(cache, uri)) is not None:  # a processed version's index never changes: no request
+        return kept
     if exists(uri, ctx):
-        return DatasetIndex.from_json("", read_json(uri, ctx))
+        return keep_index(cache, uri, DatasetIndex.from_json("", read_json(uri, ctx)))
     label_id = {lab: i for i, lab in enumerate(data.labels)}
     wanted: dict[str, int] = {}
     rows = 0  # the train split's rows (parquet rows of identical images share a key)
@@ -284,7 +287,6 @@ def train_sample_index(cfg, data: ProcessedDataset, ctx):
     if dataset_version(shards, fmt, cfg, int(data.info["image_size"])) != data.version:
         raise UserError(f"{cfg.data.source} changed since dataset version {data.version} was preprocessed: "
                         "run preprocess again")
-    cache = cfg.cache.shard_cache(ctx)
     if fmt == "parquet":
         index = parquet_sample_index(shards, cfg.data.image_column, cfg.data.label_column, wanted, cache)
     else:
@@ -293,4 +295,4 @@ def train_sample_index(cfg, data: ProcessedDataset, ctx):
         raise UserError(f"{cfg.data.source}: the train split has {rows} samples but its shards hold {len(index)} "
                         "of their keys (the source changed, or parquet rows share a `key`?): run preprocess again")
     write_json(uri, index.to_json(), ctx)  # atomic; each worker of a first run builds the same one
-    return index
+    return keep_index(cache, uri, index)

@@ -18,7 +18,9 @@ where <name> = sha256(uri)[:16] + "-" + sha256(uri, version)[:16]: new and old v
 collide, and all versions of one URI share a prefix.
 
 `max_bytes` bounds the directory (plus downloads in flight): an entry counts as its data in whole
-blocks plus a block each for its sidecar and pointer.
+blocks plus a block each for its sidecar and pointer. With `counted`, the node's model cache
+(storage.model_cache), the bytes it holds count against `max_bytes` too: shards are evicted to
+make room for them (it is listed at each download's sweep: a few directories).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.storage import flock, model_cache
 from workflows.storage.atomic import atomic_write
 from workflows.storage.transfer import (  # object_version is also imported from here
     CHUNK,
@@ -70,12 +73,15 @@ class CacheStats:
 
 
 class ShardCache:
+    transient = False  # a TransientCache (storage/transient.py): cache.enabled=false
+
     def __init__(self, directory: str, ctx: StorageContext, max_bytes: int | None = None,
-                 verify_checksums: bool = False, chunk_size: int = CHUNK):
+                 verify_checksums: bool = False, chunk_size: int = CHUNK, counted: str | None = None):
         self.dir = Path(directory).expanduser().resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ctx = ctx
         self.max_bytes = max_bytes
+        self.counted = Path(counted) if counted is not None else None  # a model cache sharing max_bytes
         self.verify_checksums = verify_checksums
         self.chunk_size = chunk_size
         self._stats = CacheStats()
@@ -273,11 +279,12 @@ class ShardCache:
                 self._sweep_debris()
             freed = self._drop_old_version(src, keep)
             if self.max_bytes is not None:
+                budget = self.max_bytes - (model_cache.disk_usage(self.counted) if self.counted else 0)
                 usage = self._read_usage()
                 if usage is not None:
                     usage = max(0, usage + self._footprint(src.size) - freed)
-                if usage is None or usage > self.max_bytes:
-                    usage = self._evict(keep)
+                if usage is None or usage > budget:
+                    usage = self._evict(keep, budget)
                 self._write_usage(usage)
 
     def _debris_due(self) -> bool:
@@ -320,13 +327,12 @@ class ShardCache:
     def _write_usage(self, usage: int) -> None:
         self._atomic_write(self.dir / USAGE_FILE, str(usage).encode())
 
-    def _evict(self, keep: str) -> int:
-        """Remove LRU entries until under max_bytes; returns the footprint left (a full listing)."""
-        assert self.max_bytes is not None
+    def _evict(self, keep: str, budget: int) -> int:
+        """Remove LRU entries until under `budget`; returns the footprint left (a full listing)."""
         sizes = {n: self._footprint(_size(self._data_path(n))) for n in self._names("*.data")}
         total = sum(sizes.values())
         for name in sorted(sizes, key=self._last_access):  # least recently used first
-            if total <= self.max_bytes:
+            if total <= budget:
                 break
             if name != keep and self._if_unlocked(name, self._remove):
                 self._drop_pointer(name)
@@ -409,34 +415,12 @@ class ShardCache:
         atomic_write(path, data, tmp=self._tmp_path(path.stem, "meta"), fsync=True)
 
     def _lock(self, name: str, op: int) -> int:
-        """An fd holding flock `op` on the entry's lock file.
+        """An fd holding flock `op` on the entry's lock file (evictions unlink it: flock.lock retries)."""
+        return flock.lock(self.dir / f"{name}.lock", op)
 
-        Evictions unlink lock files, so after locking check that the path still names the inode
-        we locked; if not, we locked a dead file: try again on the new one.
-        """
-        path = self.dir / f"{name}.lock"
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, op)
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def _global_lock(self) -> Iterator[None]:
+    def _global_lock(self):
         """Serialises sweeps so that two processes do not both evict for the same overflow."""
-        fd = os.open(self.dir / "sweep.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return flock.exclusive(self.dir / "sweep.lock")
 
 
 def _uri_prefix(uri: str) -> str:

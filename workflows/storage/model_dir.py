@@ -1,20 +1,21 @@
 """A pretrained model in from_pretrained layout, as a directory on this node: a local path as it is,
 an object-store URI downloaded once into the node's model cache (`<cache.dir>/models/init-<key>`,
-keyed by the URI and its config.json's ETag or size), written to a temp name and renamed into place."""
+workflows.storage.model_cache), keyed by the URI and every file's name, version and size (one
+listing): replaced weights beside an unchanged config.json are a new entry."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 
 from workflows.errors import UserError
 
 
 def fetch_model_dir(name_or_path: str, cfg, what: str = "model.name_or_path") -> str:
     """The directory of `name_or_path` (a local directory or an object-store URI) on this node."""
-    from workflows.storage.uri import StorageContext, download_dir, filesystem, protocol_of
+    from workflows.storage.model_cache import cached_dir
+    from workflows.storage.transfer import object_version
+    from workflows.storage.uri import StorageContext, download_dir, filesystem, protocol_of, reaching
 
     if protocol_of(name_or_path) in ("", "file"):
         path = os.path.expanduser(name_or_path.removeprefix("file://"))
@@ -23,22 +24,15 @@ def fetch_model_dir(name_or_path: str, cfg, what: str = "model.name_or_path") ->
         return path
     ctx = StorageContext.from_config(cfg.storage)
     fs, path = filesystem(name_or_path, ctx)
-    try:
-        info = fs.info(f"{path.rstrip('/')}/config.json")
-    except FileNotFoundError:
-        raise UserError(f"{what} {name_or_path!r}: no config.json there") from None
-    key = hashlib.sha256(f"{name_or_path}|{info.get('ETag') or info.get('size')}".encode()).hexdigest()[:16]
-    dest = os.path.join(cfg.cache.resolved_dir(), "models", f"init-{key}")
-    if not os.path.isfile(os.path.join(dest, "config.json")):
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".init-{key}-", dir=os.path.dirname(dest))
+    with reaching(name_or_path, ctx):
         try:
-            download_dir(name_or_path, ctx, tmp)
-            try:
-                os.rename(tmp, dest)  # whole or not at all: a crash leaves a temp name, never a half model
-            except OSError:  # another process on this node finished first
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return dest
+            listing = fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            listing = []
+    files = sorted((e["name"].rstrip("/").rsplit("/", 1)[-1], object_version(e), int(e["size"]))
+                   for e in listing if e.get("type") == "file")
+    if "config.json" not in {name for name, _, _ in files}:
+        raise UserError(f"{what} {name_or_path!r}: no config.json there")
+    key = hashlib.sha256(f"{name_or_path}|{files}".encode()).hexdigest()[:16]
+    return cached_dir(os.path.join(cfg.cache.resolved_dir(), "models"), f"init-{key}",
+                      lambda tmp: download_dir(name_or_path, ctx, tmp))

@@ -18,7 +18,7 @@ from typing import Any
 import fsspec
 import pyarrow.fs as pafs
 
-from workflows.errors import UserError
+from workflows.errors import StoreUnreachable, UserError
 from workflows.storage.atomic import atomic_write
 
 EMBEDDED_KEY = "embedded"  # moto accepts any key; these are not secrets
@@ -99,7 +99,7 @@ def reaching(uri: str, ctx: StorageContext):
         endpoint = ctx.endpoint_url or "default"
         if _is_unreachable(e):
             message = f"cannot reach {uri} (endpoint {endpoint}): {type(e).__name__}: {e}"
-            raise UserError(message.splitlines()[0]) from None
+            raise StoreUnreachable(message.splitlines()[0]) from None
         if _lacks_credentials(e):
             raise UserError(
                 f"no credentials for {uri} (endpoint {endpoint}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "

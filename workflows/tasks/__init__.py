@@ -46,7 +46,7 @@ def check_task(cfg: WorkflowConfig) -> WorkflowConfig:
     command before anything starts, with one line naming the module, class or method. A built-in's
     setting under its old key (`model.pooling` for `model.options.pooling`, ...) is still read, and
     said to be deprecated once per process."""
-    from workflows.tasks.base import legacy_options
+    from workflows.tasks.options import legacy_options
 
     check_task_name(cfg.model.task)
     cls = task_class(cfg.model.task)

@@ -116,6 +116,9 @@ class Task(abc.ABC):
     # built-ins: option -> the config key that held it before tasks had options (still read, deprecated)
     legacy_keys: ClassVar[Mapping[str, str]] = {}
     data_version: ClassVar[int] = 1  # part of the default `dataset_version`: bump when `preprocess` changes
+    # options that shape the model alone, never what `preprocess` writes: left out of the default
+    # `dataset_version` (every other option enters it), so changing one reuses the processed dataset
+    model_only_options: ClassVar[tuple[str, ...]] = ()
     prediction_key: ClassVar[str] = "value"  # the key of `predict_batch`'s dicts that evaluation scores
     # the columns the predictor's `predict_frame` adds that `evaluate_frame` reads
     evaluation_columns: ClassVar[tuple[str, ...]] = ("prediction",)
@@ -127,6 +130,8 @@ class Task(abc.ABC):
     def options(self) -> Any:
         """`model.options` validated by the task's `Options` model. On first use, not in __init__:
         serving builds the task from any config and reads what it needs from the model's card."""
+        from workflows.tasks.options import legacy_options, parse_options
+
         return parse_options(type(self), {**legacy_options(type(self), self.cfg), **self.cfg.model.options})
 
     def check_config(self) -> None:
@@ -150,6 +155,8 @@ class Task(abc.ABC):
     def for_card(self, card: ModelCard) -> Task:
         """This task with the options the registered model was trained with (the default export
         writes them into the card): a serving config need not repeat them."""
+        from workflows.tasks.options import parse_options
+
         if getattr(card, "options", None) is None:
             return self
         task = type(self)(self.cfg)
@@ -163,12 +170,17 @@ class Task(abc.ABC):
         (workflows.api.preprocess_table does it for rows of columns)."""
 
     def dataset_version(self, shards: list, ctx: StorageContext) -> str:
-        """The processed dataset's version: a hash of what it is made of. Default: the raw shards
-        (name, version, size), the split settings, the task, its stored `columns` and `data_version`."""
+        """The processed dataset's version: a hash of everything that changes what `preprocess`
+        writes. Default: the raw shards (name, version, size), the split settings,
+        `preprocess.rows_per_shard`, the task, its options (less `model_only_options`), its stored
+        `columns` and `data_version`."""
         d = self.cfg.data
+        options = self.options.model_dump(mode="json") if self.options is not None else {}
         key = {"task": self.cfg.model.task, "columns": list(self.columns), "data_version": self.data_version,
+               "options": {k: v for k, v in options.items() if k not in self.model_only_options},
                "shards": [(s.uri, s.version, s.size) for s in shards], "val": d.val_fraction,
-               "test": d.test_fraction, "split_seed": d.split_seed}
+               "test": d.test_fraction, "split_seed": d.split_seed,
+               "rows_per_shard": self.cfg.preprocess.rows_per_shard}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def record_encoder(self, data: ProcessedDataset) -> Callable:
@@ -393,58 +405,3 @@ class ModelPredictor(Predictor):
         if predictions and "score" in predictions[0]:
             batch["score"] = [p["score"] for p in predictions]
         return batch
-
-
-def legacy_options(task: type[Task], cfg: WorkflowConfig) -> dict[str, Any]:
-    """The options a config still sets under their old keys (`task.legacy_keys`: option -> dotted
-    key, None when unset), as `model.options` entries. Setting one both ways is a UserError unless
-    the values agree."""
-    from pydantic import BaseModel
-
-    from workflows.errors import UserError
-
-    found = {}
-    for option, key in task.legacy_keys.items():
-        value: Any = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        if value is None:
-            continue
-        if isinstance(value, BaseModel):
-            value = value.model_dump(mode="json")
-        given = cfg.model.options.get(option)
-        if given is not None and given != value:
-            raise UserError(f"model.options.{option} and {key} (its deprecated name) are both set, to {given!r} "
-                            f"and {value!r}: keep model.options.{option}")
-        found[option] = value
-    return found
-
-
-def parse_options(task: type[Task], options: Mapping[str, Any]) -> Any:
-    """`model.options` validated by `task.Options`; any error is a UserError naming the key."""
-    from pydantic import ValidationError
-
-    from workflows.errors import UserError
-
-    name = task.name or task.__name__
-    if task.Options is None:
-        if options:
-            raise UserError(f"model.options: task {name} takes no options (got {', '.join(map(str, options))})")
-        return None
-    fields = task.Options.model_fields
-    known = [*fields, *(f.alias for f in fields.values() if f.alias and f.alias not in fields)]
-    problems = []
-    if task.Options.model_config.get("extra", "ignore") == "ignore":  # a typo is an error even so
-        problems = [f"model.options.{k}: unknown option" for k in options if k not in known]
-    try:
-        if not problems:
-            return task.Options.model_validate(dict(options))
-    except ValidationError as e:
-        for err in e.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            msg = {"extra_forbidden": "unknown option", "missing": "required option is missing"}.get(
-                err["type"], err["msg"])
-            if err["type"] not in ("extra_forbidden", "missing") and not isinstance(err.get("input"), dict | list):
-                msg += f" (got {err.get('input')!r})"
-            problems.append(f"model.options{'.' + key if key else ''}: {msg}")
-    raise UserError(f"task {name}: " + "; ".join(problems) + f" (its options: {', '.join(known) or 'none'})")

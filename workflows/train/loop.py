@@ -8,6 +8,7 @@ rank). The epoch loop itself, with the checkpoint state, is engine.Trainer, whic
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from workflows.loader.order import STAND_IN
 from workflows.preprocess.encoding import pad_batch
 from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 
@@ -69,6 +71,20 @@ def in_step(batches: Iterable[dict], device: torch.device) -> Iterator[dict]:
             return
         assert batch is not None  # all_have: every rank has one, this rank included
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module, on: bool) -> Iterator[None]:
+    """The model in eval mode while `on` (a stand-in batch: no dropout draw, no BatchNorm statistics
+    updated), back in train mode after."""
+    if not on:
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def micro_batch_groups(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
@@ -131,7 +147,9 @@ def train_epoch(
     `data_wait_seconds` waiting for batches; `samples_per_s_after_first_step` the steady rate, as
     the loader benchmarks count theirs after the first batch: the samples of the steps after the
     first over the time after it (the first waits for a cold loader's start). `loss_fn(model, batch)`:
-    the task's `loss` hook (default: `model(**batch).loss`).
+    the task's `loss` hook (default: `model(**batch).loss`). A batch holding `STAND_IN` (a rank with
+    no sample left in a step, loader/order.py) runs forward and backward in eval mode with zero
+    weight, so this rank takes part in the step's collectives and trains nothing, and counts no sample.
     """
     model.train()
     batches = TimedIterator(batches)
@@ -142,13 +160,16 @@ def train_epoch(
     for step, group in enumerate(micro_batch_groups(in_step(batches, device), accum_steps)):
         if on_step is not None:
             on_step(step)
-        counts = [label_count(b) for b in group]
+        stand_ins = [b.pop(STAND_IN, None) is not None for b in group]
+        counts = [0 if stand_in else label_count(b) for b, stand_in in zip(group, stand_ins)]
         group_n = max(sum(counts), 1)
         step_loss = 0.0
-        for i, (batch, n) in enumerate(zip(group, counts)):
-            with gradient_sync(model, i == len(group) - 1):
+        for i, (batch, n, stand_in) in enumerate(zip(group, counts, stand_ins)):
+            with gradient_sync(model, i == len(group) - 1), evaluating(model, stand_in):
                 batch_loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
-                (batch_loss * (n / group_n)).backward()
+                (batch_loss * (n / group_n)).backward()  # a stand-in: n = 0, zero gradients
+            if stand_in:
+                continue
             loss = batch_loss.item()
             step_loss += loss * n
             tokens = batch["attention_mask"].sum().item() if "attention_mask" in batch else 0  # images: none

@@ -7,7 +7,8 @@ Same model building, FSDP2/DDP wrapping, epochs, seeds and checkpoint format as 
 path (one engine.Trainer; this module is its torchrun adapter); only the plumbing differs: the
 process group comes from torchrun's environment, each rank reads its contiguous equal share of
 the split's rows straight from the parquet files (pyarrow, from the object store through the
-storage context, or a local directory), and checkpoints go to a local `--checkpoint-dir`.
+storage context, or a local directory) or, with train.loader=stream, its share of the epoch's
+global order as a Ray Train worker does (local_input), and checkpoints go to a local `--checkpoint-dir`.
 It measures what Ray adds (`workflows bench train`) and runs on GPU machines without Ray.
 
 The processed dataset is the one `workflows preprocess` materialized for this config (found by
@@ -39,11 +40,13 @@ from workflows.seeds import augment_seed, data_seed
 from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
 from workflows.tasks import get_task
+from workflows.tasks.base import Task
 from workflows.tracking.client import RunLogger
 from workflows.train import checkpoint as ckpt
 from workflows.train.engine import Trainer
 from workflows.train.loop import epoch_line
 from workflows.train.parallel import exit_rank, world
+from workflows.train.stream_input import StreamInput, stream_refused
 from workflows.train.worker_setup import (
     join_torchrun_group,
     row_limits,
@@ -155,17 +158,21 @@ def storage_for(cfg: WorkflowConfig, rank: int, world_size: int) -> Iterator[Sto
 
 
 class RowsInput:
-    """Batches from rows read into memory (torchrun, a one-worker Tune trial): this rank's share of
-    the training rows in a new order each epoch (epoch_batches), its validation rows in file order.
-    No step checkpoints are taken from it, so an epoch always starts at its first sample."""
+    """The batches of a launcher without Ray Train (torchrun, a one-worker Tune trial): its validation
+    rows, read into memory, in file order; training from `stream` (train.loader=stream: this rank's
+    share of the epoch's global order, as a Ray Train worker reads it) or else from this rank's
+    share of the training rows in memory, in a new order each epoch (epoch_batches). No step
+    checkpoints are taken from it, so an epoch always starts at its first sample."""
 
     def __init__(self, cfg: WorkflowConfig, task, data: ProcessedDataset, train_rows: dict[str, Any],
-                 val_rows: dict[str, Any], rank: int = 0):
+                 val_rows: dict[str, Any], rank: int = 0, stream: StreamInput | None = None):
         self.cfg, self.task, self.data, self.rank = cfg, task, data, rank
-        self.train_rows, self.val_rows = train_rows, val_rows
+        self.train_rows, self.val_rows, self.stream = train_rows, val_rows, stream
         self.eval_batch = task.collate(data, train=False)
 
     def train(self, epoch: int, skip: int) -> Iterator[dict]:
+        if self.stream is not None:
+            return self.stream.train_batches(epoch, skip)
         tc = self.cfg.train
         return epoch_batches(self.task, self.data, self.train_rows, tc.batch_size, tc.seed, epoch, self.rank)
 
@@ -173,7 +180,31 @@ class RowsInput:
         return batches(self.val_rows, self.cfg.evaluate.batch_size, self.eval_batch)
 
     def probe(self) -> Iterator[dict]:
+        if self.stream is not None:
+            return self.stream.batches(0, 0, self.eval_batch, record=False)
         return batches(self.train_rows, self.cfg.evaluate.batch_size, self.eval_batch)
+
+
+def local_input(cfg: WorkflowConfig, task, data: ProcessedDataset, storage: StorageContext,
+                read: Callable[[str, int | None], dict[str, Any]], rank: int = 0,
+                world_size: int = 1) -> tuple[RowsInput, int]:
+    """This rank's input under torchrun or in a one-worker Tune trial, the one a Ray Train worker
+    reads with the same settings: train.loader=stream (train.image_input included) through
+    StreamInput, else the training rows read into memory (`read(split, limit)`), this rank's
+    contiguous equal share. Returns it and the training examples per epoch over all ranks."""
+    tc = cfg.train
+    train_limit, val_limit = row_limits(tc, data.counts["train"])
+    val_rows = task.prepare_rows(read("val", val_limit))
+    share = val_positions(row_count(val_rows), rank, world_size)
+    val_rows = {c: v[share] for c, v in val_rows.items()}
+    if tc.loader == "stream":
+        if type(task).prepare_rows is not Task.prepare_rows:
+            raise stream_refused(cfg)
+        rows = train_limit if train_limit is not None else data.counts["train"]
+        stream = StreamInput(cfg, data, storage, rank, world_size, rows, task=task)
+        return RowsInput(cfg, task, data, {}, val_rows, rank, stream), rows
+    train_rows = task.prepare_rows(read("train", train_limit))
+    return RowsInput(cfg, task, data, rank_share(train_rows, rank, world_size), val_rows, rank), row_count(train_rows)
 
 
 class TorchrunTrainer(Trainer):
@@ -212,14 +243,10 @@ def train(
     set_torch_threads(tc)
 
     t_read = time.perf_counter()
-    train_limit, val_limit = row_limits(tc, data.counts["train"])
-    train_rows = task.prepare_rows(read_rows(data.files["train"], storage, task.columns, train_limit))
-    val_rows = task.prepare_rows(read_rows(data.files["val"], storage, task.columns, val_limit))
+    source, total_rows = local_input(cfg, task, data, storage,
+                                     lambda split, limit: read_rows(data.files[split], storage, task.columns, limit),
+                                     rank, world_size)
     read_seconds = time.perf_counter() - t_read
-    total_rows = row_count(train_rows)
-    share = val_positions(row_count(val_rows), rank, world_size)
-    source = RowsInput(cfg, task, data, rank_share(train_rows, rank, world_size),
-                       {c: v[share] for c, v in val_rows.items()}, rank)
 
     trainer = TorchrunTrainer(cfg, task, data, device, source, total_rows, logger, checkpoint_dir=checkpoint_dir)
     trainer.build(probe=not resume)

@@ -10,8 +10,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from workflows.errors import UserError
 from workflows.loader import StreamLoader, parquet_index
 from workflows.loader.index import DatasetIndex
+from workflows.loader.order import STAND_IN
 from workflows.seeds import augment_seed
 
 # (world rank, epoch, position of the batch's step in the epoch order, the batch's global sample ids)
@@ -29,6 +31,13 @@ class SampleRecorder:
         line = json.dumps({"t": time.time(), "rank": rank, "epoch": epoch, "position": position, "ids": ids})
         with open(os.path.join(self.directory, f"samples-{rank}-{os.getpid()}.jsonl"), "a") as f:
             f.write(line + "\n")
+
+
+def stream_refused(cfg) -> UserError:
+    """The error of train.loader=stream with a task that trains on examples made from the stored rows
+    (a causal LM's blocks): the loader reads the rows themselves."""
+    return UserError(f"train.loader=stream reads the stored rows, but model.task={cfg.model.task} trains on "
+                     "other examples made from them; use train.loader=ray_data")
 
 
 def head(index: DatasetIndex, rows: int) -> DatasetIndex:
@@ -51,11 +60,12 @@ class StreamInput:
     def __init__(self, cfg, data, storage, rank: int, world_size: int, rows: int,
                  on_samples: SampleHook | None = None, task=None):
         tc = cfg.train
+        cache = cfg.cache.shard_cache(storage)
         source = task.stream_source(data, storage) if task is not None else None
-        index, transform = source if source is not None else (parquet_index(data.files["train"], storage), None)
+        index, transform = source if source is not None else (parquet_index(data.files["train"], storage, cache), None)
         index = head(index, rows)
         self.rank, self.on_samples, self.task, self.data, self.seed = rank, on_samples, task, data, tc.seed
-        self.loader = StreamLoader(index, storage, cfg.cache, transform, batch_size=tc.batch_size,
+        self.loader = StreamLoader(index, storage, cache, transform, batch_size=tc.batch_size,
                                    num_workers=tc.decode_workers, seed=tc.seed, rank=rank, world_size=world_size,
                                    shuffle_window=tc.shuffle_window)
         self.samples = len(index)
@@ -66,13 +76,24 @@ class StreamInput:
         return self.batches(epoch, start, self.task.collate(self.data, train=True, seed=augment_seed(self.seed, epoch)))
 
     def batches(self, epoch: int, start: int, collate: Callable, record: bool = True) -> Iterator[dict]:
+        """`record`: a training pass, whose ids go to `on_samples` and whose stand-ins (a rank's batch of a
+        step with fewer samples left than ranks, order.Batch) stay in, marked, for loop.train_epoch to
+        run with zero weight; False (the probe, one rank's own pass): no stand-ins."""
+        import torch
+
         self.loader.set_epoch(epoch, start)
         for batch in self.loader:
             position = self.loader.last_step_start
             ids = batch.pop("sample")
-            if record and self.on_samples is not None:
+            stand_in = batch.pop(STAND_IN, False)
+            if stand_in and not record:
+                continue
+            if record and not stand_in and self.on_samples is not None:
                 self.on_samples(self.rank, epoch, position, ids.tolist())
-            yield collate(batch)
+            out = collate(batch)
+            if stand_in:
+                out[STAND_IN] = torch.ones(())
+            yield out
 
     @property
     def consumed(self) -> int:

@@ -25,7 +25,7 @@ from workflows.tracking.client import TrackingSpec
 from workflows.train import checkpoint as ckpt
 from workflows.train.ray_worker import RankStepHook, WorkerSpec, worker_loop
 from workflows.train.report import is_step_checkpoint
-from workflows.train.stream_input import SampleHook
+from workflows.train.stream_input import SampleHook, stream_refused
 from workflows.train.worker_setup import row_limits
 
 
@@ -187,8 +187,7 @@ def fit(
         val_ds = val_ds.limit(val_limit)
     prepared = task.prepare_dataset(train_ds)
     if prepared is not train_ds and tc.loader == "stream":
-        raise UserError(f"train.loader=stream reads the stored rows, but model.task={cfg.model.task} trains on "
-                        "other examples made from them; use train.loader=ray_data")
+        raise stream_refused(cfg)
     if prepared is not train_ds:  # rows become other examples (a causal LM's blocks): count them
         train_ds, val_ds = prepared, task.prepare_dataset(val_ds)
         train_rows = train_ds.count()

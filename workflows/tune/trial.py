@@ -4,7 +4,8 @@ A trial that asks for one worker needs no process group; starting a Ray Train co
 worker group for it, and streaming its rows through a Ray Data split coordinator every epoch,
 cost several times the trial's own steps on a small machine (docs/BENCHMARKS.md, quickstart).
 Here the same engine.Trainer as Ray Train's and torchrun's runs in the actor Tune already
-started, on rows read once per trial through the node's shard cache, and each epoch is reported
+started, on rows read once per trial through the node's shard cache (train.loader=stream: on the
+stream loader's batches, as Ray Train's workers read them), and each epoch is reported
 to Tune (ASHA decides on it) with a checkpoint when tune.checkpoint asks for one. Trials of more
 than one worker still run as Ray Train runs (search._trial).
 """
@@ -94,22 +95,21 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
     import ray.tune
     import torch
 
-    from workflows.train.standalone import RowsInput, row_count
-    from workflows.train.worker_setup import row_limits, set_torch_threads
+    from workflows.train.standalone import local_input
+    from workflows.train.worker_setup import set_torch_threads
 
     tc = cfg.train
     task = get_task(cfg)
     t_start = time.perf_counter()
     set_torch_threads(tc)
     device = torch.device("cuda", 0) if tc.use_gpu and torch.cuda.is_available() else torch.device("cpu")
-    train_limit, val_limit = row_limits(tc, data.counts["train"])
-    train_rows = task.prepare_rows(read_split(data, "train", storage, cfg, train_limit))
-    val_rows = task.prepare_rows(read_split(data, "val", storage, cfg, val_limit))
+    # the input a Ray Train run of this config reads (train.loader, train.image_input)
+    source, train_rows = local_input(cfg, task, data, storage,
+                                     lambda split, limit: read_split(data, split, storage, cfg, limit))
     read_seconds = time.perf_counter() - t_start
 
     # the logger logs each epoch before its report: Tune may stop the trial inside the report
-    trainer = TrialTrainer(cfg, task, data, device, RowsInput(cfg, task, data, train_rows, val_rows),
-                           row_count(train_rows), logger)
+    trainer = TrialTrainer(cfg, task, data, device, source, train_rows, logger)
     checkpoint = ray.tune.get_checkpoint()
     trainer.build(probe=checkpoint is None)
     if checkpoint is not None:  # a restarted trial (failure, or `tune --resume`) continues its epochs

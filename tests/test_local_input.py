@@ -1,0 +1,125 @@
+"""Every launcher trains on the same input: torchrun (workflows.train.standalone) and a one-worker
+Tune trial (workflows.tune.trial) read, with train.loader=stream, the batches a Ray Train worker
+reads (StreamInput), not the rows in memory in an order of their own. No Ray: the classification
+example on a processed dataset written here, both launchers run in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_plugin_task import PLUGINS as EXAMPLES
+from workflows.config import load_config
+from workflows.dataset import ProcessedDataset
+from workflows.storage.uri import StorageContext
+
+LOCAL = StorageContext()
+TASK = "tabular_classification:TabularClassification"
+TRAIN_FILES = [20, 15, 25]  # rows per parquet file of the train split
+
+
+def write_split(root: Path, split: str, sizes: list[int], first: int) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / f"split={split}").mkdir(parents=True)
+    files, i = [], first
+    for k, n in enumerate(sizes):
+        ids = np.arange(i, i + n)
+        path = root / f"split={split}" / f"part-{k}.parquet"
+        # feature `a` is the row's id: a batch's ids are its rows
+        pq.write_table(pa.table({"a": ids.astype(np.float64), "b": np.sin(ids), "label_id": ids % 3}), path)
+        files.append(str(path))
+        i += n
+    return files
+
+
+@pytest.fixture
+def wine_like(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    root = tmp_path / "processed"
+    files = {"train": write_split(root, "train", TRAIN_FILES, 0), "val": write_split(root, "val", [9], 1000),
+             "test": []}
+    data = ProcessedDataset(uri=str(root), version="v", labels=["x", "y", "z"], label_column="cultivar", files=files,
+                            counts={"train": sum(TRAIN_FILES), "val": 9, "test": 0}, label_counts={},
+                            source=str(tmp_path / "raw"), task=TASK,
+                            info={"features": ["a", "b"], "label": "cultivar", "mean": [0.0, 0.0], "std": [1.0, 1.0]})
+
+    def config(*sets: str):
+        return load_config(None, [f"data.source={tmp_path}/raw", f"model.task={TASK}", "model.options.features=[a,b]",
+                                  "model.options.label=cultivar", "train.epochs=2", "train.batch_size=8",
+                                  "train.loader_workers=0", "train.num_workers=1", f"cache.dir={tmp_path}/cache",
+                                  f"output_dir={tmp_path}/runs", "tracking.enabled=false", *sets])
+
+    return data, config
+
+
+def row_ids(batch: dict) -> list[int]:
+    return batch["features"][:, 0].long().tolist()
+
+
+def trained_batches(monkeypatch, what=row_ids) -> list[list]:
+    """Records `what` of every batch each epoch trains on (engine's train_epoch): by default the
+    batch's row ids."""
+    import workflows.train.engine as engine
+
+    epochs: list[list] = []
+    train_epoch = engine.train_epoch
+
+    def recording(model, batches, *args, **kwargs):
+        batches = list(batches)
+        epochs.append([what(b) for b in batches])
+        return train_epoch(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "train_epoch", recording)
+    return epochs
+
+
+def ray_train_input(cfg, data) -> list[list[list[int]]]:
+    """What a Ray Train worker trains on with this config (ray_worker.RayInput: StreamInput), one worker."""
+    from workflows.tasks import get_task
+    from workflows.train.stream_input import StreamInput
+
+    stream = StreamInput(cfg, data, LOCAL, 0, 1, data.counts["train"], task=get_task(cfg))
+    return [[row_ids(b) for b in stream.train_batches(epoch, 0)] for epoch in range(cfg.train.epochs)]
+
+
+def test_torchrun_trains_on_the_stream_loaders_batches(wine_like, monkeypatch):
+    from workflows.train.standalone import train
+
+    data, config = wine_like
+    cfg = config("train.loader=stream")
+    epochs = trained_batches(monkeypatch)
+    summary = train(cfg, LOCAL, data)
+    assert summary["train_rows"] == 60 and len(summary["history"]) == 2
+    assert epochs == ray_train_input(cfg, data)
+    assert all(sorted(i for b in e for i in b) == list(range(60)) for e in epochs)
+
+
+def test_a_one_worker_trial_trains_on_the_stream_loaders_batches(wine_like, monkeypatch):
+    import ray.tune
+
+    import workflows.storage.cache_stats
+    from workflows.tune import trial
+
+    data, config = wine_like
+    cfg = config("train.loader=stream")
+    epochs = trained_batches(monkeypatch)
+    monkeypatch.setattr(ray.tune, "get_checkpoint", lambda: None)  # no Tune session here
+    monkeypatch.setattr(trial.TrialTrainer, "end_of_epoch", lambda self, epoch, metrics: None)
+    monkeypatch.setattr(workflows.storage.cache_stats, "report", lambda before, after: None)
+    trial._run_local_trial(cfg, LOCAL, data, None)
+    assert epochs == ray_train_input(cfg, data)
+
+
+def test_without_the_stream_loader_torchrun_reads_the_rows(wine_like, monkeypatch):
+    """loader=ray_data: torchrun's rows in memory, each once per epoch in an order of their own."""
+    from workflows.train.standalone import train
+
+    data, config = wine_like
+    epochs = trained_batches(monkeypatch)
+    train(config(), LOCAL, data)
+    assert all(sorted(i for b in e for i in b) == list(range(60)) for e in epochs)
+    assert epochs != ray_train_input(config("train.loader=stream"), data)

@@ -1,0 +1,66 @@
+"""A task's `model.options`: validated by its `Options` model, with the keys that held an option
+before tasks had options (`Task.legacy_keys`) still read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workflows.config import WorkflowConfig
+    from workflows.tasks.base import Task
+
+
+def legacy_options(task: type[Task], cfg: WorkflowConfig) -> dict[str, Any]:
+    """The options a config still sets under their old keys (`task.legacy_keys`: option -> dotted
+    key, None when unset), as `model.options` entries. Setting one both ways is a UserError unless
+    the values agree."""
+    from pydantic import BaseModel
+
+    from workflows.errors import UserError
+
+    found = {}
+    for option, key in task.legacy_keys.items():
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        given = cfg.model.options.get(option)
+        if given is not None and given != value:
+            raise UserError(f"model.options.{option} and {key} (its deprecated name) are both set, to {given!r} "
+                            f"and {value!r}: keep model.options.{option}")
+        found[option] = value
+    return found
+
+
+def parse_options(task: type[Task], options: Mapping[str, Any]) -> Any:
+    """`model.options` validated by `task.Options`; any error is a UserError naming the key."""
+    from pydantic import ValidationError
+
+    from workflows.errors import UserError
+
+    name = task.name or task.__name__
+    if task.Options is None:
+        if options:
+            raise UserError(f"model.options: task {name} takes no options (got {', '.join(map(str, options))})")
+        return None
+    fields = task.Options.model_fields
+    known = [*fields, *(f.alias for f in fields.values() if f.alias and f.alias not in fields)]
+    problems = []
+    if task.Options.model_config.get("extra", "ignore") == "ignore":  # a typo is an error even so
+        problems = [f"model.options.{k}: unknown option" for k in options if k not in known]
+    try:
+        if not problems:
+            return task.Options.model_validate(dict(options))
+    except ValidationError as e:
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            msg = {"extra_forbidden": "unknown option", "missing": "required option is missing"}.get(
+                err["type"], err["msg"])
+            if err["type"] not in ("extra_forbidden", "missing") and not isinstance(err.get("input"), dict | list):
+                msg += f" (got {err.get('input')!r})"
+            problems.append(f"model.options{'.' + key if key else ''}: {msg}")
+    raise UserError(f"task {name}: " + "; ".join(problems) + f" (its options: {', '.join(known) or 'none'})")
