@@ -29,7 +29,7 @@ def build_tiny_chat(out, seed: int = 0, hidden: int = 48):
 
     specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {t: i for i, t in enumerate(specials + WORDS + chars)}
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(specials + WORDS + chars))}  # "a" is a word and a char
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="isolated")
     tok.decoder = decoders.Fuse()
