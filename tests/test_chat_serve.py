@@ -248,6 +248,45 @@ def test_requests_wait_on_the_engine_not_the_event_loop(tiny, engine):
 
 
 
+def test_batch_predictions_go_through_the_engine_within_its_queue(tiny):
+    """`predict` (batch inference) submits more instances than the batch and queue hold (max_queue 0:
+    only free places), waiting as the engine frees them; each answer is the greedy one."""
+    from workflows.config.serve import GenerateConfig
+    from workflows.tasks.chat.serving import ChatPredictor
+
+    model_dir, _, tokenizer = tiny
+    predictor = ChatPredictor(model_dir, SimpleNamespace(name="tiny", version=1),
+                              GenerateConfig(max_batch=2, max_queue=0, max_tokens=8))
+    try:
+        instances = [{"prompt": "hello world " * k} for k in range(1, 5)] + [
+            {"messages": [{"role": "user", "content": "the cat"}]}]
+        answers = predictor.predict(instances)
+        for inst, answer in zip(instances, answers):
+            ids = predictor.chat_ids(inst["messages"]) if "messages" in inst else predictor.prompt_ids(inst["prompt"])
+            alone = predictor.engine.submit(ids, greedy(8))
+            assert (answer["text"], answer["finish_reason"]) == alone.result(60)
+            assert answer["completion_tokens"] == len(alone.tokens)
+        assert predictor.engine.stats["max_rows"] == 2
+    finally:
+        predictor.close()
+
+
+def test_the_measurements_count_what_ran(tiny, engine):
+    """workflows.tasks.chat.measure (what a generation benchmark reports): each path produces exactly
+    max_tokens per prompt; timings are there (their values are not checked: this is no benchmark)."""
+    from workflows.tasks.chat.measure import engine_run, static_run
+
+    _, model, tokenizer = tiny
+    ps = prompts(tokenizer, 4)
+    e = engine(max_batch=2)
+    run = engine_run(e, ps, 6, arrivals_s=[0, 0, 0.01, 0.02])
+    assert run["tokens"] == 24 and run["requests"] == 4 and 1 <= run["mean_batch"] <= 2
+    assert 0 < run["ttft_s_p50"] <= run["latency_s_p50"] and run["tokens_per_s"] > 0
+    assert e.eos  # restored after the run
+    static = static_run(model, tokenizer, ps, 6, batch_size=2)
+    assert static["tokens"] == 24 and static["tokens_per_s"] > 0
+
+
 def test_the_generic_app_mounts_the_chat_contracts_routes_and_no_predict():
     """workflows.serve.app builds the replica's app from any task's contract: the chat task's adds the
     OpenAI routes (their bodies declared in the OpenAPI document) and goes without /predict."""

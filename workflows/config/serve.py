@@ -36,8 +36,8 @@ class GenerateConfig(Strict):
     max_tokens: int = Field(512, ge=1, description="the most new tokens one request may ask for (max_tokens above "
                             "it is capped to it); also what a request that names none gets")
     max_batch: int = Field(8, ge=1, description="requests decoded together in each step of a replica")
-    max_queue: int = Field(32, ge=0, description="requests waiting for a place in the batch; one more is answered "
-                           "503 with Retry-After (never queued without bound)")
+    max_queue: int = Field(32, ge=0, description="requests waiting for a place in a full batch; one more is "
+                           "answered 503 with Retry-After (never queued without bound)")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 503 for a full queue")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
                               "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "

@@ -74,6 +74,8 @@ class Generation:
         self.prompt_tokens, self.completion_tokens = len(prompt), 0
         self.tokens: list[int] = []  # generated token ids (EOS included), written by the engine thread
         self.steps: tuple[int, int] = (-1, -1)  # the engine's step count when it joined the batch and when it ended
+        # perf_counter() at submit, first token sampled, end: time to first token and tokens/s for benchmarks
+        self.times: dict[str, float] = {"submitted": time.perf_counter()}
         self.finish_reason: str | None = None
         self.cancelled = False
         self._engine = engine
@@ -166,8 +168,8 @@ class Engine:
 
     # --- callers' side ----------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, adapter: str | None = None) -> Generation:
-        """Queue a request; QueueFull when max_queue are already waiting, ValueError for a prompt that
-        leaves no room in the model's context."""
+        """Queue a request; QueueFull when max_queue requests already wait beyond what the batch has room
+        for, ValueError for a prompt that leaves no room in the model's context."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) >= self.max_context:
@@ -176,7 +178,8 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            if len(self._waiting) >= self.max_queue:
+            # a request the batch can take at its next step does not wait: only those beyond count
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._rows)):
                 raise QueueFull(len(self._waiting), self.retry_after_s)
             self._waiting.append(gen)
             self._cond.notify()
@@ -277,6 +280,7 @@ class Engine:
             gen.steps = (self.stats["steps"], -1)
             new.append((row, cache))
             row.last = next_token(logits[0], gen.params, row.rng)
+            gen.times["first_token"] = time.perf_counter()
         if new:
             self._merge(new)
             self._advance(list(range(len(self._rows) - len(new), len(self._rows))))
@@ -323,6 +327,7 @@ class Engine:
     def _finish_gen(self, gen: Generation, reason: str, text: str) -> None:
         gen.finish_reason = reason
         gen.steps = (gen.steps[0], self.stats["steps"])
+        gen.times["finished"] = time.perf_counter()
         gen._push(Delta(text, reason))
         if self.on_finish is not None:
             self.on_finish(gen)

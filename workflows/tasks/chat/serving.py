@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from workflows.tasks.base import Predictor
-from workflows.tasks.chat.engine import Engine, ModelNotFound
+from workflows.tasks.chat.engine import Engine, Generation, ModelNotFound
 
 if TYPE_CHECKING:
     from workflows.config import WorkflowConfig
@@ -174,12 +174,40 @@ class ChatPredictor(Predictor):
         self.engine.call(delete)
 
     # --- batch work -----------------------------------------------------------------------------------
-    def predict(self, instances):
-        raise NotImplementedError("a chat model answers /v1/chat/completions and /v1/completions; "
-                                  "batch inference over it is not written yet")
+    def predict(self, instances) -> list[dict]:
+        """Greedy answers for instances {"prompt": text} or {"messages": [{"role", "content"}]}, up to
+        serve.generate.max_tokens each, decoded together by the engine (blocking; no event loop):
+        [{"text", "finish_reason", "completion_tokens"}]."""
+        from workflows.tasks.chat.engine import QueueFull
+        from workflows.tasks.chat.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=self.gen.max_tokens, temperature=0)
+        order: list[Generation] = []
+        in_flight: list[Generation] = []
+        texts: dict[int, str] = {}
+        for inst in instances:
+            ids = self.chat_ids(list(inst["messages"])) if "messages" in inst else self.prompt_ids(inst["prompt"])
+            while True:
+                try:
+                    gen = self.engine.submit(ids, params)
+                    break
+                except QueueFull:  # as many in flight as the engine takes: wait for the oldest
+                    oldest = in_flight.pop(0)
+                    texts[oldest.id] = oldest.result()[0]
+            order.append(gen)
+            in_flight.append(gen)
+        for gen in in_flight:
+            texts[gen.id] = gen.result()[0]
+        return [{"text": texts[g.id], "finish_reason": g.finish_reason, "completion_tokens": g.completion_tokens}
+                for g in order]
 
     def predict_frame(self, batch):
-        raise NotImplementedError("batch inference over a chat model is not written yet")
+        """`predict` over a pandas batch's `prompt` (or `messages`) column; adds `prediction` (the text)."""
+        column = "messages" if "messages" in batch and "prompt" not in batch else "prompt"
+        answers = self.predict([{column: v} for v in batch[column]])
+        batch["prediction"] = [a["text"] for a in answers]
+        batch["finish_reason"] = [a["finish_reason"] for a in answers]
+        return batch
 
     def close(self) -> None:
         self.engine.close()
