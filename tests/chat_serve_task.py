@@ -79,7 +79,7 @@ class ChatServeTask(Task):
     def predictor(self, model_dir, card, threads=None, precision="fp32"):
         from workflows.tasks.chat.serving import chat_predictor
 
-        predictor = chat_predictor(model_dir, card, self.cfg, threads=threads)
+        predictor = chat_predictor(model_dir, card, self.cfg, threads=threads, precision=precision)
         opts, engine = self.options, predictor.engine
         if opts.step_delay_s:
             forward = engine.model.forward

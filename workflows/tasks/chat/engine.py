@@ -198,12 +198,6 @@ class Engine:
         with self._cond:
             return {"running": len(self._rows), "waiting": len(self._waiting)}
 
-    def adapters_in_use(self) -> set[str]:
-        """Adapters that running or waiting requests name (read in the decode thread, or a snapshot)."""
-        with self._cond:
-            return {g.adapter for g in self._waiting if g.adapter} | {r.gen.adapter for r in self._rows
-                                                                      if r.gen.adapter}
-
     def close(self, timeout: float = 10) -> None:
         with self._cond:
             self._closed = True
@@ -330,7 +324,10 @@ class Engine:
         gen.times["finished"] = time.perf_counter()
         gen._push(Delta(text, reason))
         if self.on_finish is not None:
-            self.on_finish(gen)
+            try:
+                self.on_finish(gen)
+            except Exception:  # a hook's failure is not the batch's
+                log.exception("on_finish hook failed")
 
     def _drop(self, indices: list[int], reason: str | None) -> None:
         """Remove rows from the batch (telling each `reason`, if given), and the columns left unused."""

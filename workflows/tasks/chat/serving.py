@@ -214,9 +214,12 @@ class ChatPredictor(Predictor):
         self._tokenize.shutdown(wait=False)
 
 
-def chat_predictor(model_dir: str, card: ModelCard, cfg: WorkflowConfig, threads: int | None = None) -> ChatPredictor:
-    """What the chat task's `predictor` returns."""
-    return ChatPredictor(model_dir, card, cfg.serve.generate, threads=threads, precision=cfg.serve.precision)
+def chat_predictor(model_dir: str, card: ModelCard, cfg: WorkflowConfig, threads: int | None = None,
+                   precision: str | None = None) -> ChatPredictor:
+    """What the chat task's `predictor(model_dir, card, threads, precision)` returns (precision: the
+    caller's, else serve.precision; fp32 or bf16)."""
+    return ChatPredictor(model_dir, card, cfg.serve.generate, threads=threads,
+                         precision=precision or cfg.serve.precision)
 
 
 def chat_http_contract(card: ModelCard, cfg: WorkflowConfig):
