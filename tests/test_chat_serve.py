@@ -433,6 +433,8 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
         (chat, {"json": {"model": "nope:1", "messages": messages}}, 404, "model"),
         (chat, {"json": {"model": "stranger:1", "messages": messages}}, 404, "model"),
         (text_path, {"json": {"model": "tinychat:1", "prompt": ["a", "b"]}}, 400, "prompt"),
+        (text_path, {"json": {"model": "tinychat:1", "prompt": "the " * 300}}, 400, "prompt"),  # over the context
+        (chat, {"data": b" " * ((1 << 20) + 1), "headers": {**auth, "content-type": "application/json"}}, 413, None),
     ]:
         r = requests.post(f"{url}{path}", **{"headers": auth, "timeout": 60, **kwargs})
         err = r.json()["error"]
