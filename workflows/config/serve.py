@@ -29,6 +29,21 @@ class AutoscalingConfig(Strict):
         return self
 
 
+class GenerateConfig(Strict):
+    """Generative models (the chat task's OpenAI-compatible routes): the continuous-batching engine of
+    each replica and the limits of a request."""
+
+    max_tokens: int = Field(512, ge=1, description="the most new tokens one request may ask for (max_tokens above "
+                            "it is capped to it); also what a request that names none gets")
+    max_batch: int = Field(8, ge=1, description="requests decoded together in each step of a replica")
+    max_queue: int = Field(32, ge=0, description="requests waiting for a place in a full batch; one more is "
+                           "answered 503 with Retry-After (never queued without bound)")
+    retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 503 for a full queue")
+    max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
+                              "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "
+                              "recently used unloaded)")
+
+
 class ServeConfig(Strict):
     enabled: bool = True
     host: str = Field("127.0.0.1", description="bind address; 0.0.0.0 exposes the server beyond this machine")
@@ -77,4 +92,5 @@ class ServeConfig(Strict):
         "decoding one request costs, about 0.75 s for 100 Mpx of PNG on one core; a request over it is a 422",
     )
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
+    generate: GenerateConfig = GenerateConfig()
 

@@ -5,6 +5,8 @@ POST /predict  {"instances": [{...}]} -> {"predictions": [{...}], "model", "vers
                "probabilities"}; images also take a raw image body or multipart files)
 GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json: the typed contract of
 workflows.serve.contract); with a bearer token set, every route but /healthz requires it (TokenGuard)
+A task's contract may mount routes of its own and go without /predict (`HttpContract.add_routes`,
+`predict_route`): the chat task's OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models.
 
 Each replica builds its FastAPI app after loading the model (`__serve_build_asgi_app__`), so the
 OpenAPI document declares that model's request and response models.
@@ -161,11 +163,12 @@ def build_api(server: "ModelServer") -> FastAPI:
         loc = tuple(err.get("loc") or ())
         return _error(422, f"{loc_path(str(loc[0]), loc[1:]) if loc else 'request'}: {err['msg']}")
 
-    @api.post("/predict", response_class=JSONResponse, summary="Predict for instances (one prediction each)",
-              responses={200: {"model": contract.response_model, "description": "one prediction per instance"},
-                         **error_responses(*contract.errors)})
-    async def predict(request: Request):
-        return await server.predict(request)
+    if contract.predict_route:
+        @api.post("/predict", response_class=JSONResponse, summary="Predict for instances (one prediction each)",
+                  responses={200: {"model": contract.response_model, "description": "one prediction per instance"},
+                             **error_responses(*contract.errors)})
+        async def predict(request: Request):
+            return await server.predict(request)
 
     @api.get("/healthz", summary="Readiness: the model is loaded and the server is not stopping",
              responses=error_responses(503))
@@ -185,6 +188,7 @@ def build_api(server: "ModelServer") -> FastAPI:
                 "registered_at")
         return {k: getattr(card, k) for k in keep}
 
+    contract.add_routes(api, server)  # a task's own routes (the chat task's OpenAI API)
     generated = api.openapi
 
     def openapi() -> dict:
@@ -204,7 +208,7 @@ class ModelServer:
         from workflows.tasks import task_for_card
 
         self.cfg = WorkflowConfig.model_validate(cfg)
-        storage = StorageContext.from_config(self.cfg.storage)
+        self.storage = storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
         self.card = registry.model_card(self.cfg, storage, model_spec)  # with evaluation metrics
         task = task_for_card(self.cfg, self.card)
@@ -242,6 +246,16 @@ class ModelServer:
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.encode()):
             return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
         return None
+
+    def guard(self, request: Request) -> JSONResponse | None:
+        """What a task's own route answers first, if anything: 503 while stopping, 401 without the token."""
+        return self.stopping_response() if self.stopping else self._denied(request)
+
+    def fetch_model(self, spec: str) -> tuple[str, Any]:
+        """Another registered version (a task's adapter): its local directory and card. Blocking."""
+        from workflows import registry
+
+        return registry.fetch(self.cfg, self.storage, spec)
 
     def stopping_response(self) -> JSONResponse:
         # Connection: close makes the client drop its keep-alive connection before the proxy goes.

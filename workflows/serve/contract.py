@@ -33,6 +33,17 @@ class HttpContract:
     request_model: Any  # pydantic model of the JSON body
     response_model: Any
     errors: tuple[int, ...] = (400, 401, 413, 422, 431, 503)  # the statuses POST /predict can answer
+    predict_route: bool = True  # whether the app serves POST /predict with this contract
+
+    def add_routes(self, api, server) -> None:
+        """Mount the task's own routes on the replica's FastAPI app `api` (default: none), streaming
+        responses included; the app's request guard (header limits, metrics) wraps them as every route.
+        `server` is the replica (workflows.serve.app.ModelServer); a route may use:
+        `server.guard(request)` (None, or the 401/503 answer that every route gives first: bearer
+        token, shutting down), `server.in_flight` (add 1 while a request is answered, streams until
+        their last byte: the drain waits for it to reach 0), `server.predictor` (the task's predictor),
+        `server.card`, and `server.fetch_model(spec)` (another registered version's local directory
+        and card, blocking: call it off the event loop)."""
 
     def parse(self, content_type: str | None, body: bytes) -> list[dict] | tuple[int, str]:
         raise NotImplementedError

@@ -1,0 +1,126 @@
+"""A tiny chat model for the serving tests, and a test-only task that serves it.
+
+`build_tiny_chat(out)`: a random 2-layer LlamaForCausalLM (hidden 48) with a word-level tokenizer built
+here, a ChatML chat template and eos = pad = <|im_end|>, saved with save_pretrained. `build_lora`: a
+random LoRA adapter of it (peft, safetensors). `ChatServeTask`: what the chat task's serving side needs
+of a task (its predictor and HTTP contract come from workflows.tasks.chat.serving), until the chat task
+itself (workflows.tasks.chat.Chat, with its training side) exists; its options slow each model step down
+and record each generation's end, so that a test can watch a disconnect stop one generation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pydantic import BaseModel
+
+from workflows.tasks.base import Task
+
+WORDS = "hello world the a cat dog sat on mat is big small red blue green one two three four five".split()
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_chat(out, seed: int = 0, hidden: int = 48):
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(specials + WORDS + chars))}  # "a" is a word and a char
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
+                                        eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tokenizer.chat_template = CHATML
+    torch.manual_seed(seed)
+    end = vocab["<|im_end|>"]
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=end, pad_token_id=end,
+                         bos_token_id=vocab["<|im_start|>"])
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model, tokenizer
+
+
+def build_lora(base_dir, out, seed: int):
+    """A LoRA adapter of the tiny model with random (nonzero) weights: it changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+
+
+class ChatServeOptions(BaseModel):
+    step_delay_s: float = 0.0  # sleep in each model call (a slow model: a stream lasts long enough to leave)
+    finish_log: str | None = None  # append {"tokens", "finish_reason", "max_tokens"} per ended generation
+
+
+class ChatServeTask(Task):
+    """Serving only: the chat task's predictor and contract (workflows.tasks.chat.serving)."""
+
+    name = "chat_serve_test"
+    Options = ChatServeOptions
+
+    def predictor(self, model_dir, card, threads=None, precision="fp32"):
+        from workflows.tasks.chat.serving import chat_predictor
+
+        predictor = chat_predictor(model_dir, card, self.cfg, threads=threads, precision=precision)
+        opts, engine = self.options, predictor.engine
+        if opts.step_delay_s:
+            forward = engine.model.forward
+
+            def slow(*args, **kwargs):
+                time.sleep(opts.step_delay_s)
+                return forward(*args, **kwargs)
+
+            engine.model.forward = slow
+        if opts.finish_log:
+            def record(gen):
+                with open(opts.finish_log, "a") as f:
+                    f.write(json.dumps({"tokens": gen.completion_tokens, "finish_reason": gen.finish_reason,
+                                        "max_tokens": gen.params.max_tokens}) + "\n")
+
+            engine.on_finish = record
+        return predictor
+
+    def http_contract(self, card, max_instances):
+        from workflows.tasks.chat.serving import chat_http_contract
+
+        return chat_http_contract(card, self.cfg)
+
+    def inputs(self):
+        return {"prompt": str}
+
+    # training is the chat task's (another engineer's): nothing here trains
+    def preprocess(self, ctx, say):
+        raise NotImplementedError
+
+    def collate(self, data, *, train, seed=None):
+        raise NotImplementedError
+
+    def build_model(self, data):
+        raise NotImplementedError
+
+    def metric_states(self, model, batch):
+        raise NotImplementedError
+
+    def compute_metrics(self, states, data):
+        raise NotImplementedError
+
+    def evaluate_rows(self, y_true, y_pred, card):
+        raise NotImplementedError

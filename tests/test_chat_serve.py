@@ -1,0 +1,507 @@
+"""Serving a chat model (#50): the continuous-batching engine (workflows.tasks.chat.engine) on a tiny
+random Llama without Ray, then the OpenAI-compatible app on Ray Serve over real HTTP, driven by the
+official `openai` client (one slow test)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.chat_serve_task import build_lora, build_tiny_chat
+from tests.helpers import wait_until
+from workflows.tasks.chat.engine import Engine, QueueFull
+from workflows.tasks.chat.sampling import SamplingParams, TextState
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, model, tokenizer) of the tiny chat model."""
+    out = tmp_path_factory.mktemp("tinychat")
+    model, tokenizer = build_tiny_chat(out)
+    return str(out), model, tokenizer
+
+
+@pytest.fixture
+def engine(tiny):
+    made = []
+
+    def make(**kw):
+        e = Engine(tiny[1], tiny[2], **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer("hello world the cat " * (1 + k % 4) + "dog " * (k % 3) + "sat").input_ids for k in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0)
+
+
+def test_greedy_tokens_are_the_same_alone_and_beside_requests_that_come_and_go(tiny, engine):
+    """Six requests with staggered arrivals share steps of a batch of up to 4 (one joins as another
+    ends): each gets, token for token, what it gets alone, which is what `generate` gives."""
+    _, model, tokenizer = tiny
+    ps = prompts(tokenizer, 6)
+    e = engine(max_batch=4)
+    e.eos = set()  # run every request to its max_tokens: the lengths differ by design
+    alone = []
+    for p in ps:
+        g = e.submit(p, greedy(24))
+        g.result(60)
+        alone.append(g.tokens)
+    out = model.generate(torch.tensor([ps[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                         pad_token_id=tokenizer.pad_token_id)
+    assert alone[0] == out[0, len(ps[0]):].tolist()
+    e.stats["max_rows"] = 0
+    gens = []
+    for i, p in enumerate(ps):
+        gens.append(e.submit(p, greedy(24 - 3 * i)))
+        if i < 4:  # the next arrives once this one is decoding
+            wait_until(lambda: len(gens[-1].tokens) >= 2, 30, "a request to start decoding", every=0.001)
+    for g in gens:
+        assert g.result(60)[1] == "length"
+    assert [g.tokens for g in gens] == [a[: 24 - 3 * i] for i, a in enumerate(alone)]
+    assert e.stats["max_rows"] == 4
+
+
+def test_a_finished_request_leaves_and_a_waiting_one_joins_mid_flight(tiny, engine):
+    _, _, tokenizer = tiny
+    ps = prompts(tokenizer, 3)
+    e = engine(max_batch=2)
+    e.eos = set()
+    long, short, waiting = (e.submit(p, greedy(n)) for p, n in zip(ps, (60, 4, 6)))
+    for g in (long, short, waiting):
+        g.result(60)
+    assert short.steps[1] <= waiting.steps[0], (short.steps, waiting.steps)  # it waited for a place
+    assert waiting.steps[1] < long.steps[1], (waiting.steps, long.steps)  # and ran, and ended, beside `long`
+    assert e.stats["max_rows"] == 2 and len(long.tokens) == 60
+
+
+def test_cancel_stops_that_request_only(tiny, engine):
+    _, _, tokenizer = tiny
+    a, b = prompts(tokenizer, 2)
+    e = engine(max_batch=4)
+    e.eos = set()
+    ref = e.submit(b, greedy(40))
+    ref.result(60)
+    gone, kept = e.submit(a, greedy(200)), e.submit(b, greedy(40))
+    wait_until(lambda: len(gone.tokens) >= 3, 30, "tokens of the request to cancel", every=0.001)
+    gone.cancel()
+    assert gone.result(30) [1] == "cancelled" and len(gone.tokens) < 200
+    assert kept.result(60)[1] == "length" and kept.tokens == ref.tokens
+    assert e.load() == {"running": 0, "waiting": 0}
+
+
+def test_a_full_queue_refuses_with_a_retry_after(tiny, engine):
+    _, _, tokenizer = tiny
+    p = prompts(tokenizer, 1)[0]
+    e = engine(max_batch=1, max_queue=2, retry_after_s=3)
+    e.eos = set()
+    running = e.submit(p, greedy(200))
+    wait_until(lambda: e.load()["running"] == 1, 30, "the first request in the batch", every=0.001)
+    waiting = [e.submit(p, greedy(2)) for _ in range(2)]
+    with pytest.raises(QueueFull, match="2 requests are waiting") as refused:
+        e.submit(p, greedy(2))
+    assert refused.value.retry_after_s == 3
+    running.cancel()
+    assert [g.result(30)[1] for g in waiting] == ["length", "length"]
+    e.submit(p, greedy(2)).result(30)  # room again
+
+
+def test_stop_strings_end_the_text_before_them_streamed_or_not(tiny, engine):
+    _, _, tokenizer = tiny
+    p = prompts(tokenizer, 1)[0]
+    e = engine()
+    e.eos = set()
+    g = e.submit(p, greedy(30))
+    full = g.result(60)[0]
+    stop = full[8:11]
+    cut = full[: full.find(stop)]
+    text, reason = e.submit(p, SamplingParams(max_tokens=30, temperature=0, stop=("\x00never", stop))).result(60)
+    assert (text, reason) == (cut, "stop")
+
+    async def stream():
+        g = e.submit(p, SamplingParams(max_tokens=30, temperature=0, stop=(stop,)))
+        return [d async for d in g]
+
+    deltas = asyncio.run(stream())
+    assert "".join(d.text for d in deltas) == cut and deltas[-1].finish_reason == "stop"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_text_that_may_start_a_stop_string_waits():
+    state = TextState(stop=("abc",))
+    state.text = "xxab"
+    assert state.delta(final=False) == "xx"
+    state.text = "xxabd"
+    assert state.delta(final=False) == "abd"
+
+
+def test_a_seed_repeats_sampling_alone_or_beside_others(tiny, engine):
+    _, _, tokenizer = tiny
+    a, b = prompts(tokenizer, 2)
+    e = engine(max_batch=4)
+    e.eos = set()
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    first = e.submit(a, seeded)
+    first.result(60)
+    beside = [e.submit(b, SamplingParams(max_tokens=30, temperature=1.0, seed=s)) for s in (1, 2)]
+    again = e.submit(a, seeded)
+    other = e.submit(a, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=8))
+    for g in (*beside, again, other):
+        g.result(60)
+    assert again.tokens == first.tokens
+    assert other.tokens != first.tokens
+
+
+def test_a_prompt_over_the_context_is_refused(tiny, engine):
+    e = engine()
+    with pytest.raises(ValueError, match="context is 256"):
+        e.submit([5] * 256, greedy(1))
+    g = e.submit([5] * 250, greedy(50))
+    g.result(60)
+    assert g.finish_reason in ("length", "stop") and len(g.tokens) <= 6
+
+
+def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
+    """Two LoRA adapters of one base and the base itself in one batch (peft's mixed-adapter forward):
+    each row decodes what it decodes alone, and an adapter unused once unloaded leaves the model."""
+    from workflows.config.serve import GenerateConfig
+    from workflows.tasks.chat.serving import ChatPredictor
+
+    model_dir, _, tokenizer = tiny
+    for i in (1, 2):
+        build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
+    card = SimpleNamespace(name="tiny", version=1)
+    predictor = ChatPredictor(model_dir, card, GenerateConfig(max_batch=3))
+    try:
+        e = predictor.engine
+        e.eos = set()
+        names = {m: predictor.add_adapter(m, str(tmp_path / f"lora{i}")).result(60)
+                 for i, m in ((1, "one:1"), (2, "two:1"))}
+        p = prompts(tokenizer, 1)[0]
+        alone = {}
+        for adapter in (None, *names.values()):
+            g = e.submit(p, greedy(16), adapter)
+            g.result(60)
+            alone[adapter] = g.tokens
+        assert len({tuple(t) for t in alone.values()}) == 3  # the adapters change what the model says
+        gens = {a: e.submit(p, greedy(16), a) for a in alone}
+        for g in gens.values():
+            g.result(60)
+        assert {a: g.tokens for a, g in gens.items()} == alone
+        assert predictor.resolve("tiny") is None and predictor.resolve("tiny:1") is None
+        assert predictor.resolve("two:v1") == "two:1"
+        predictor.retire("one:1")
+        e.call(lambda: None).result(30)  # the deletion queued before it has run
+        assert names["one:1"] not in e.model.peft_config and names["two:1"] in e.model.peft_config
+        g = e.submit(p, greedy(4), names["one:1"])
+        with pytest.raises(LookupError, match="not loaded"):
+            g.result(30)
+    finally:
+        predictor.close()
+
+
+def test_requests_wait_on_the_engine_not_the_event_loop(tiny, engine):
+    """Many async consumers on one event loop while the engine decodes in its thread: the loop stays
+    free (a timer ticks meanwhile) and every stream ends."""
+    _, _, tokenizer = tiny
+    e = engine(max_batch=4, max_queue=16)
+    e.eos = set()
+    ps = prompts(tokenizer, 8)
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+
+        async def one(p):
+            return "".join([d.text async for d in e.submit(p, greedy(30))])
+
+        t0 = time.perf_counter()
+        texts = await asyncio.gather(*(one(p) for p in ps))
+        ticker.cancel()
+        return texts, ticks, time.perf_counter() - t0
+
+    texts, ticks, seconds = asyncio.run(main())
+    assert len(texts) == 8 and all(texts)
+    assert ticks > 0
+
+
+
+def test_batch_predictions_go_through_the_engine_within_its_queue(tiny):
+    """`predict` (batch inference) submits more instances than the batch and queue hold (max_queue 0:
+    only free places), waiting as the engine frees them; each answer is the greedy one."""
+    from workflows.config.serve import GenerateConfig
+    from workflows.tasks.chat.serving import ChatPredictor
+
+    model_dir, _, tokenizer = tiny
+    predictor = ChatPredictor(model_dir, SimpleNamespace(name="tiny", version=1),
+                              GenerateConfig(max_batch=2, max_queue=0, max_tokens=8))
+    try:
+        instances = [{"prompt": "hello world " * k} for k in range(1, 5)] + [
+            {"messages": [{"role": "user", "content": "the cat"}]}]
+        answers = predictor.predict(instances)
+        for inst, answer in zip(instances, answers):
+            ids = predictor.chat_ids(inst["messages"]) if "messages" in inst else predictor.prompt_ids(inst["prompt"])
+            alone = predictor.engine.submit(ids, greedy(8))
+            assert (answer["text"], answer["finish_reason"]) == alone.result(60)
+            assert answer["completion_tokens"] == len(alone.tokens)
+        assert predictor.engine.stats["max_rows"] == 2
+    finally:
+        predictor.close()
+
+
+def test_the_measurements_count_what_ran(tiny, engine):
+    """workflows.tasks.chat.measure (what a generation benchmark reports): each path produces exactly
+    max_tokens per prompt; timings are there (their values are not checked: this is no benchmark)."""
+    from workflows.tasks.chat.measure import engine_run, static_run
+
+    _, model, tokenizer = tiny
+    ps = prompts(tokenizer, 4)
+    e = engine(max_batch=2)
+    run = engine_run(e, ps, 6, arrivals_s=[0, 0, 0.01, 0.02])
+    assert run["tokens"] == 24 and run["requests"] == 4 and 1 <= run["mean_batch"] <= 2
+    assert 0 < run["ttft_s_p50"] <= run["latency_s_p50"] and run["tokens_per_s"] > 0
+    assert e.eos  # restored after the run
+    static = static_run(model, tokenizer, ps, 6, batch_size=2)
+    assert static["tokens"] == 24 and static["tokens_per_s"] > 0
+
+
+def test_the_generic_app_mounts_the_chat_contracts_routes_and_no_predict():
+    """workflows.serve.app builds the replica's app from any task's contract: the chat task's adds the
+    OpenAI routes (their bodies declared in the OpenAPI document) and goes without /predict."""
+    from workflows.config.serve import GenerateConfig
+    from workflows.serve.app import build_api
+    from workflows.tasks.chat.openai_api import OpenAIContract
+
+    card = SimpleNamespace(name="tiny", version=1, labels=[], task="chat")
+    api = build_api(SimpleNamespace(card=card, contract=OpenAIContract(card, GenerateConfig()), predictor=None))
+    paths = {r.path for r in api.routes}
+    assert {"/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz"} <= paths
+    assert "/predict" not in paths
+    doc = api.openapi()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ChatRequest"} and "Message" in doc["components"]["schemas"]
+
+# --- over HTTP, on Ray Serve -------------------------------------------------------------------------
+
+TASK = "tests.chat_serve_task:ChatServeTask"
+TOKEN = "chat-s3cret"
+STEP_S = 0.05  # each model call of the served model sleeps this long: a long stream lasts seconds
+
+
+@pytest.fixture(scope="module")
+def chat_server(ray_cluster, tmp_path_factory):
+    """The tiny chat model and two LoRA adapters of it registered in a local store, served by the
+    generic app (workflows.serve.app.ModelServer) behind a bearer token: batches of 2, a queue of 1."""
+    from ray import serve
+
+    from tests.conftest import QUICKSTART
+    from tests.helpers import free_port
+    from workflows import registry
+    from workflows.config import load_config
+    from workflows.serve import drain
+    from workflows.serve.app import ModelServer, deployment_options
+    from workflows.storage.uri import StorageContext
+
+    tmp = tmp_path_factory.mktemp("chat-serve")
+    base = tmp / "tinychat"
+    build_tiny_chat(base)
+    for name, seed in (("support", 1), ("pirate", 2)):
+        build_lora(base, tmp / name, seed)
+    port = free_port()
+    cfg = load_config(QUICKSTART, [
+        "storage.embedded.enabled=false", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache",
+        f"model.task={TASK}", f"model.options.step_delay_s={STEP_S}", f"model.options.finish_log={tmp}/finished.jsonl",
+        f"serve.port={port}", "serve.auth_token_env=CHAT_TOKEN", "serve.generate.max_batch=2",
+        "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2"])
+    ctx = StorageContext.from_config(cfg.storage)
+    registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
+    for name in ("support", "pirate"):
+        registry.register(cfg, ctx, str(tmp / name), name, {"task": TASK, "base_model": "tinychat:1"})
+    registry.register(cfg, ctx, str(tmp / "support"), "stranger", {"task": TASK, "base_model": "other:3"})
+    drainer = drain.create()  # as `workflows serve` does: replicas find it and drain on stop
+    opts = deployment_options(cfg.serve)
+    opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"CHAT_TOKEN": TOKEN}}
+    deployment: Any = ModelServer
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(deployment.options(**opts).bind(cfg.model_dump(mode="json"), "tinychat:1"), name="chat",
+              route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _healthy(url), 300, "the chat model's replica")
+    yield SimpleNamespace(url=url, tmp=tmp, base=base, drainer=drainer)
+    serve.delete("chat")
+    serve.shutdown()
+
+
+def _healthy(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{url}/healthz", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _finished(tmp) -> list[dict]:
+    import json
+
+    path = tmp / "finished.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.integration
+def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
+    import threading
+
+    import openai
+    import requests
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    url, auth = chat_server.url, {"Authorization": f"Bearer {TOKEN}"}
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list()] == ["tinychat:1"]
+    messages = [{"role": "user", "content": "hello the cat sat"}]
+
+    # greedy over HTTP is what the model says here, through its chat template
+    tokenizer = AutoTokenizer.from_pretrained(chat_server.base)
+    model = AutoModelForCausalLM.from_pretrained(chat_server.base)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:]
+    expected = tokenizer.decode(out, skip_special_tokens=True)
+    answer = client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=12, temperature=0)
+    choice = answer.choices[0]
+    assert choice.message.content == expected and choice.message.role == "assistant"
+    assert choice.finish_reason == ("stop" if out[-1] == tokenizer.eos_token_id else "length")
+    assert answer.usage.prompt_tokens == ids["input_ids"].shape[1] and answer.usage.completion_tokens == len(out)
+
+    # the same, streamed: a role chunk, content chunks, the finish reason, the usage, [DONE]
+    chunks = list(client.chat.completions.create(model="tinychat", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(out)
+    raw = requests.post(f"{url}/v1/chat/completions", headers=auth, stream=True, timeout=60,
+                        json={"model": "tinychat:1", "messages": messages, "max_tokens": 3, "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    lines = [ln for ln in raw.iter_lines(decode_unicode=True) if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+
+    # text completions, a stop string, a seed
+    text = client.completions.create(model="tinychat:1", prompt="hello world", max_tokens=20, temperature=0)
+    full = text.choices[0].text
+    assert text.object == "text_completion" and text.usage.completion_tokens <= 20
+    assert len(full) > 6, full
+    cut = client.completions.create(model="tinychat:1", prompt="hello world", max_tokens=20, temperature=0,
+                                    stop=[full[4:6]])
+    assert cut.choices[0].text == full[: full.find(full[4:6])] and cut.choices[0].finish_reason == "stop"
+    seeded = [client.completions.create(model="tinychat:1", prompt="the dog", max_tokens=10, seed=5).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+    # 4xx in OpenAI's error shape
+    def post(body):
+        return requests.post(f"{url}/v1/chat/completions", headers=auth, timeout=60, json=body)
+
+    chat, text_path = "/v1/chat/completions", "/v1/completions"
+    for path, kwargs, status, param in [
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "temperature": 3}}, 400, "temperature"),
+        (chat, {"json": {"model": "tinychat:1", "messages": []}}, 400, "messages"),
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "n": 2}}, 400, "n"),
+        (chat, {"data": b"{not json", "headers": {**auth, "content-type": "application/json"}}, 400, None),
+        (chat, {"json": {"model": "nope:1", "messages": messages}}, 404, "model"),
+        (chat, {"json": {"model": "stranger:1", "messages": messages}}, 404, "model"),
+        (text_path, {"json": {"model": "tinychat:1", "prompt": ["a", "b"]}}, 400, "prompt"),
+        (text_path, {"json": {"model": "tinychat:1", "prompt": "the " * 300}}, 400, "prompt"),  # over the context
+        (chat, {"data": b" " * ((1 << 20) + 1), "headers": {**auth, "content-type": "application/json"}}, 413, None),
+    ]:
+        r = requests.post(f"{url}{path}", **{"headers": auth, "timeout": 60, **kwargs})
+        err = r.json()["error"]
+        assert r.status_code == status and err["param"] == param, (r.status_code, err)
+        assert err["type"] == "invalid_request_error" and err["message"] and "code" in err
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tinychat:1", messages=messages, temperature=2.5)
+
+    # two adapters on one base, in one replica: each answers its own way, the same way each time
+    said = {m: client.chat.completions.create(model=m, messages=messages, max_tokens=10, temperature=0)
+            .choices[0].message.content for m in ("support:1", "pirate:v1", "tinychat:1")}
+    assert len(set(said.values())) == 3, said
+    again = client.chat.completions.create(model="support:1", messages=messages, max_tokens=10, temperature=0,
+                                           extra_headers={"serve_multiplexed_model_id": "support:1"})
+    assert again.choices[0].message.content == said["support:1"]
+    assert sorted(m.id for m in client.models.list()) == ["pirate:1", "support:1", "tinychat:1"]
+
+    # a client that leaves mid-stream ends its own generation only
+    before = len(_finished(chat_server.tmp))
+    kept = client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=40, temperature=0,
+                                          stream=True)
+    left = client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=200, temperature=0,
+                                          stream=True)
+    for _, _ in zip(range(3), left):
+        pass
+    left.close()
+    rest = [c.choices[0].finish_reason for c in kept]
+    ended = wait_until(lambda: [r for r in _finished(chat_server.tmp)[before:] if r["max_tokens"] == 200], 60,
+                       "the generation of the client that left to end")
+    assert ended[0]["finish_reason"] == "cancelled" and ended[0]["tokens"] < 200, ended
+    assert rest[-1] in ("stop", "length")
+
+    # a full queue: 2 running, 1 waiting, the next is a 503 with Retry-After
+    running = [client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=200, temperature=0,
+                                              stream=True) for _ in range(2)]
+    for s in running:  # past the role chunk, which comes before the request has a place in the batch
+        next(c for c in s if c.choices[0].delta.content or c.choices[0].finish_reason)
+    answers: list = []
+    body = {"model": "tinychat:1", "messages": messages, "max_tokens": 2}
+    threads = [threading.Thread(target=lambda: answers.append(post(body))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: answers, 60, "a refused request")
+    refused = answers[0]
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "2", refused.text
+    assert refused.json()["error"]["code"] == "server_busy"
+    for s in running:
+        s.close()
+    for t in threads:
+        t.join(60)
+    assert sorted(a.status_code for a in answers) == [200, 503]
+
+    # stopping: a stream in flight finishes whole, a new request is refused (OpenAI's shape), the drain waits
+    from workflows.serve import drain
+
+    stream = client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    report: dict = {}
+    stopper = threading.Thread(target=lambda: report.update(drain.drain(chat_server.drainer, timeout_s=60)))
+    stopper.start()
+    wait_until(lambda: post(body).status_code == 503, 30, "new requests refused while stopping")
+    assert post(body).json()["error"]["message"] == "the server is shutting down"
+    rest_chunks = list(stream)
+    stopper.join(60)
+    assert rest_chunks[-1].usage is not None and rest_chunks[-1].usage.completion_tokens >= 1
+    assert report["drained"] == 1 and report["in_flight_answered"] >= 1, report

@@ -1,0 +1,103 @@
+"""What one generated sequence needs besides the model: its sampling settings, the choice of its next
+token (greedy, or temperature and top-p with its own seeded generator), and its text as tokens come
+(incremental detokenization, stop strings, the text held back while it may still become a stop string).
+
+Pure torch and a tokenizer: the engine (workflows.tasks.chat.engine) calls these from its decode thread.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation settings (OpenAI's meaning): `temperature` 0 is greedy; `top_p` keeps the
+    smallest set of most probable tokens whose probabilities reach it; `seed` makes sampling repeatable
+    (the same seed, prompt and settings give the same tokens, alone or beside other requests); `stop`:
+    strings that end the text (not included in it)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be between 0 and 2, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be above 0 and at most 1, not {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("a stop string must not be empty")
+
+
+def generator(seed: int | None) -> torch.Generator:
+    """A CPU generator of its own per request: its draws do not depend on what else is in the batch."""
+    g = torch.Generator()
+    g.manual_seed(seed if seed is not None else random.SystemRandom().randrange(2**63))
+    return g
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """The next token from one row of logits [vocab]."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more probable tokens
+        sorted_probs[before >= params.top_p] = 0  # the most probable token always stays
+        return int(order[torch.multinomial(sorted_probs, 1, generator=gen)])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@dataclass
+class TextState:
+    """A sequence's generated text, built token by token. Detokenizing the new tokens alone can split a
+    character made of several tokens (a byte-level BPE's UTF-8 pieces), so each step decodes a short
+    window (from `prefix` to the end) and keeps its new characters once they no longer end in U+FFFD.
+    `emitted` counts the characters handed out: text that may still be the start of a stop string waits."""
+
+    stop: tuple[str, ...]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    prefix: int = 0  # window start (tokens)
+    read: int = 0  # tokens whose text is in `text`
+    stopped: bool = False
+
+    def add(self, token: int, tokenizer) -> None:
+        """Append a token; finds a stop string in the text (then `stopped`, and the text ends before it)."""
+        self.ids.append(token)
+        before = tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        window = tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return  # a character still incomplete (or a special token): wait for the next token
+        start = len(self.text)
+        self.text += window[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        cut = min((i for s in self.stop if (i := self.text.find(s, max(0, start - len(s) + 1))) >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+
+    def delta(self, final: bool) -> str:
+        """The text not yet handed out, less (unless `final`) the end that may begin a stop string."""
+        end = len(self.text) if final or self.stopped else len(self.text) - self.held_back()
+        out, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
+        return out
+
+    def held_back(self) -> int:
+        """Characters at the end of the text that are a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
