@@ -105,6 +105,7 @@ def test_evaluate_of_an_unknown_model_fails_in_one_line(cli, holdout):
     assert res.returncode == 2 and "model 'nope' not found" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.extended  # the README's embedded block runs `evaluate --set serve.precision=int8` in the gate
 def test_int8_evaluation(quickstart_run, cli, holdout):
     """int8 dynamic quantization, evaluated on the same rows, by a Ray Data actor pool (the rows are
     few enough to be scored in process otherwise); then the same actors' scores (`predict`, which runs

@@ -79,6 +79,7 @@ def test_serving_feeds_the_model_a_raw_row_as_the_training_shards_input_ids(regi
     assert any(len(ids) == card.max_length for ids in trained) and card.max_length == 32
 
 
+@pytest.mark.extended  # an accuracy claim: int8's predictions against fp32's
 def test_int8_serving_quantizes_linear_layers_and_stays_near_fp32(registered):
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 

@@ -274,7 +274,7 @@ def write_wine(raw: Path, shards: int = 2) -> list[str]:
     return list(wine.feature_names)
 
 
-@pytest.mark.integration
+@pytest.mark.extended  # the gate runs the plug-in path with the regression example (test_plugin_task)
 def test_the_classification_example_runs_the_whole_pipeline(tmp_path, ray_join):
     import requests
 

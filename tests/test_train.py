@@ -18,13 +18,16 @@ from workflows.train.export import download_checkpoint
 from workflows.train.loop import steps_per_epoch
 from workflows.train.trainer import check_resources, fit, select_checkpoint
 
-
 # FSDP also runs with gradient accumulation and activation checkpointing switched on, and hands on
 # the last epoch's checkpoint; DDP with the mean-pooling head (DDP fails on a parameter left without
 # a gradient), its own learning rate and the head fitted by a linear probe over both workers' rows
 # first (LP-FT), and hands on the best epoch's
-@pytest.mark.parametrize("strategy,extra", [("fsdp", ["train.grad_accum_steps=2", "train.activation_checkpointing=true",
-                                                      "train.checkpoint_select=last", "train.num_to_keep=2"]),
+# FSDP's case is extended: the gate's pipelines train, checkpoint and export under FSDP2 on 2 workers
+FSDP_EXTRA = ["train.grad_accum_steps=2", "train.activation_checkpointing=true", "train.checkpoint_select=last",
+              "train.num_to_keep=2"]
+
+
+@pytest.mark.parametrize("strategy,extra", [pytest.param("fsdp", FSDP_EXTRA, marks=pytest.mark.extended),
                                             ("ddp", ["model.options.pooling=mean", "train.head_lr=1e-3",
                                                      "model.options.head_init=linear_probe"])])
 @pytest.mark.integration
