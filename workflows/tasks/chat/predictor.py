@@ -1,5 +1,5 @@
-"""The chat predictor: a registered chat model loaded once; conversations in, greedy answers out
-(batch inference and evaluation; the HTTP contract's default /predict too).
+"""The chat scorer: a registered chat model loaded once for evaluation; conversations in, greedy answers
+out, in left-padded batches (workflows.tasks.chat.serving.ChatPredictor hands it processed rows).
 
 On processed rows (evaluation of a split) it also scores each row: the summed next-token loss of
 its labels (`nll`, over `tokens` labels) and, for the baseline, the base model's answer and loss on
@@ -32,7 +32,7 @@ def token_nll(model, batch) -> tuple[Any, Any]:
     return nll.sum(-1), (target != -100).sum(-1)
 
 
-class ChatPredictor(base.Predictor):
+class ChatScorer(base.Predictor):
     def __init__(self, task, model_dir: str, card, threads: int | None = None, batch_size: int = 16):
         import torch
 
