@@ -42,8 +42,8 @@ class ChatOptions(BaseModel):
     export: Literal["adapter", "merged"] = Field(
         "adapter", description="finetune=lora: register the adapter alone (its card names the base model and the "
         "sha256 of its weights) or the adapter merged into the base (a whole model)")
-    max_new_tokens: int = Field(32, ge=1, le=4096, description="greedy answer length cap in validation, evaluation "
-                                "and serving")
+    max_new_tokens: int = Field(32, ge=1, le=4096, description="greedy answer length cap in validation and "
+                                "evaluation (serving and `workflows predict`: serve.generate.max_tokens)")
     system_prompt: str | None = Field(
         None, description="a system turn put before every conversation that has none (in preprocessing and "
         "serving alike)")
