@@ -178,14 +178,52 @@ def test_a_prompt_over_the_context_is_refused(tiny, engine):
     assert g.finish_reason in ("length", "stop") and len(g.tokens) <= 6
 
 
-def served(model_dir: str, **generate):
-    """The chat task's predictor of a whole model directory, registered as tiny:1 (nothing loaded yet)."""
+def served(model_dir: str, card=None, base: str | None = None, **generate):
+    """The chat task's predictor of a registered directory, by default a whole model registered as
+    tiny:1 (nothing loaded yet); `base`: the config's model.name_or_path."""
     from workflows.config import load_config
     from workflows.tasks.chat import ChatTask
     from workflows.tasks.chat.serving import ChatPredictor
 
-    cfg = load_config(CHAT, [f"serve.generate.{k}={v}" for k, v in generate.items()])
-    return ChatPredictor(ChatTask(cfg), model_dir, SimpleNamespace(name="tiny", version=1))
+    sets = [f"serve.generate.{k}={v}" for k, v in generate.items()] + ([f"model.name_or_path={base}"] if base else [])
+    cfg = load_config(CHAT, sets)
+    return ChatPredictor(ChatTask(cfg), model_dir, card or SimpleNamespace(name="tiny", version=1))
+
+
+def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_base(tiny, tmp_path):
+    """What the chat task registers with export=adapter: the adapter and a card naming its base by path
+    and weights sha256. Served, it answers as the base with that adapter (batch predictions too); another
+    adapter is accepted only when its card names the same base weights."""
+    from workflows.tasks.chat.engine import ModelNotFound
+    from workflows.tasks.chat.model import weights_sha256
+
+    model_dir, _, tokenizer = tiny
+    for i in (1, 2):
+        build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
+        tokenizer.save_pretrained(tmp_path / f"lora{i}")  # as the export writes it beside the adapter
+    base = {"name_or_path": model_dir, "sha256": weights_sha256(model_dir)}
+    predictor = served(str(tmp_path / "lora1"), SimpleNamespace(name="mine", version=1, base=base), base=model_dir,
+                       max_tokens=12)
+    plain = served(model_dir)
+    try:
+        plain.engine.eos = predictor.engine.eos = set()
+        name = plain.add_adapter("mine:1", str(tmp_path / "lora1")).result(60)
+        p = prompts(tokenizer, 1)[0]
+        ours = predictor.engine.submit(p, greedy(12), predictor.served_adapter)
+        ours.result(60)
+        theirs = plain.engine.submit(p, greedy(12), name)
+        theirs.result(60)
+        assert ours.tokens == theirs.tokens
+        assert predictor.predict([{"prompt": "hello world"}])[0]["text"] == \
+            plain.engine.submit(plain.prompt_ids("hello world"), greedy(12), name).result(60)[0]
+        predictor.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=base))
+        for other in ({**base, "sha256": "0" * 64}, None):
+            with pytest.raises(ModelNotFound, match="not of the base served by mine:1"):
+                predictor.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=other))
+        plain.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=base))  # its own weights' sha256
+    finally:
+        predictor.close()
+        plain.close()
 
 
 def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):

@@ -136,7 +136,6 @@ class ChatPredictor(Predictor):
         system = getattr(self.task.options, "system_prompt", None)
         if system and not any(m.get("role") == "system" for m in messages):  # as preprocessing puts it
             messages = [{"role": "system", "content": system}, *messages]
-
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
