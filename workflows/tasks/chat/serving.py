@@ -61,9 +61,7 @@ class ChatPredictor(Predictor):
             torch.set_num_threads(threads)
         self.task, self.cfg, self.model_dir, self.card, self.threads = task, task.cfg, model_dir, card, threads
         self.gen = self.cfg.serve.generate
-        self.precision = precision or self.cfg.serve.precision
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"serve.precision={self.precision}: a chat model is served in fp32 or bf16")
+        self.precision = precision or self.cfg.serve.precision  # the engine's; the scorer's is fp32
         self.input_columns = ["prompt"]
         self.served_adapter = SERVED_ADAPTER if is_adapter(model_dir) else None  # the engine's adapter for it
         self._engine: Engine | None = None
@@ -99,6 +97,9 @@ class ChatPredictor(Predictor):
                 import torch
 
                 from workflows.tasks.chat.model import load_trained
+
+                if self.precision not in ("fp32", "bf16"):
+                    raise ValueError(f"serve.precision={self.precision}: a chat model is served in fp32 or bf16")
 
                 model = load_trained(self.model_dir, self.card, self.cfg)
                 if self.precision == "bf16":
