@@ -4,7 +4,7 @@
     workflows bench generate --config chat --set requests=64 --set max_tokens=128 --set repeats=3
 
 Every row decodes the same prompts (chat-templated questions of the synthetic instruction set) with the
-same model object, greedy, EOS ignored, so that each request produces exactly `max_tokens`:
+same model object, greedy, with a KV cache, EOS ignored, so that each request produces exactly `max_tokens`:
 - the peer: plain Hugging Face `generate` behind a minimal FastAPI server (uvicorn, in a thread, on
   127.0.0.1), streaming each token as a line, sent one request at a time over real HTTP;
 - static batching: left-padded `generate`, `static_batch` prompts at a time, all waiting at the start;
@@ -103,7 +103,7 @@ class Peer:
 
             def work():
                 with lock, torch.inference_mode():
-                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
                                    max_new_tokens=body["max_tokens"], min_new_tokens=body["max_tokens"],
                                    pad_token_id=pad, streamer=lines)
 
@@ -170,7 +170,7 @@ def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch
         steps = Steps()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                           do_sample=False, pad_token_id=pad, streamer=steps)
+                           do_sample=False, use_cache=True, pad_token_id=pad, streamer=steps)
         timed += [(t0, steps.times)] * len(part)  # every request was waiting at the start
     return figures(timed, time.perf_counter() - t0)
 

@@ -66,7 +66,8 @@ def static_run(model, tokenizer, prompts: list[list[int]], max_tokens: int, batc
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+                                 min_new_tokens=max_tokens, do_sample=False, use_cache=True,
+                                 pad_token_id=pad)
         tokens += (out.shape[1] - width) * len(batch)
     seconds = time.perf_counter() - t0
     return {"path": f"static batching (generate, {batch_size} a batch)", "requests": len(prompts), "tokens": tokens,
