@@ -157,7 +157,7 @@ def chat_overrides(tmp: Path, base: Path) -> list[str]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_dir, tmp_path, finetune, ray_join):
+def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_dir, tmp_path, finetune, request):
     """Data, preprocess, fine-tuning on 2 workers (FSDP2; LoRA: the adapter registered, full: the whole
     model), evaluation against the base model, then `evaluate --split val` gives the card's val figures.
     LoRA: the pipeline (in the session's cluster) also serves the adapter on its base, OpenAI-compatible,
@@ -167,6 +167,7 @@ def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_d
         overrides += ["train.lr=2e-3", "serve.enabled=false"]
         res = run_cli("pipeline", "--config", str(CHAT), *sets(overrides), timeout=900)
     else:
+        ray_join = request.getfixturevalue("ray_join")  # the session's cluster: Serve outlives the command
         try:
             res = run_cli("pipeline", "--config", str(CHAT), *sets([*overrides, *ray_join.overrides]),
                           env=ray_join.env, timeout=900)
