@@ -178,15 +178,15 @@ def test_a_prompt_over_the_context_is_refused(tiny, engine):
     assert g.finish_reason in ("length", "stop") and len(g.tokens) <= 6
 
 
-def served(model_dir: str, card=None, base: str | None = None, **generate):
+def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str, ...] = (), **generate):
     """The chat task's predictor of a registered directory, by default a whole model registered as
-    tiny:1 (nothing loaded yet); `base`: the config's model.name_or_path."""
+    tiny:1 (nothing loaded yet); `base`: the config's model.name_or_path; `extra`: config overrides."""
     from workflows.config import load_config
     from workflows.tasks.chat import ChatTask
     from workflows.tasks.chat.serving import ChatPredictor
 
     sets = [f"serve.generate.{k}={v}" for k, v in generate.items()] + ([f"model.name_or_path={base}"] if base else [])
-    cfg = load_config(CHAT, sets)
+    cfg = load_config(CHAT, [*sets, *extra])
     return ChatPredictor(ChatTask(cfg), model_dir, card or SimpleNamespace(name="tiny", version=1))
 
 
@@ -309,6 +309,27 @@ def test_batch_predictions_go_through_the_engine_within_its_queue(tiny):
             assert (answer["text"], answer["finish_reason"]) == alone.result(60)
             assert answer["completion_tokens"] == len(alone.tokens)
         assert predictor.engine.stats["max_rows"] == 2
+    finally:
+        predictor.close()
+
+
+def test_rows_of_prompts_or_conversations_are_chats_with_the_system_prompt(tiny):
+    """`workflows predict` rows: a `prompt` is a user's turn (or the JSON conversation a processed row
+    stores, its reference answer left out), rendered by the chat template after the task's system prompt."""
+    import json
+
+    import pandas as pd
+
+    model_dir, _, tokenizer = tiny
+    predictor = served(model_dir, extra=("model.options.system_prompt=be big",), max_tokens=6)
+    try:
+        user = [{"role": "user", "content": "hello world"}]
+        assert predictor.chat_ids(user) == list(tokenizer.apply_chat_template(
+            [{"role": "system", "content": "be big"}, *user], add_generation_prompt=True, return_dict=False))
+        batch = pd.DataFrame({"prompt": ["hello world", json.dumps([*user, {"role": "assistant", "content": "red"}])]})
+        out = predictor.predict_frame(batch)
+        assert out["prediction"][0] == out["prediction"][1] == predictor.predict([{"messages": user}])[0]["text"]
+        assert set(out["finish_reason"]) <= {"stop", "length"}
     finally:
         predictor.close()
 

@@ -135,7 +135,7 @@ class ChatPredictor(Predictor):
         from jinja2 import TemplateError
 
         system = getattr(self.task.options, "system_prompt", None)
-        if system and not any(m.get("role") == "system" for m in messages):  # as preprocessing puts it
+        if system and (not messages or messages[0].get("role") != "system"):  # as preprocessing puts it
             messages = [{"role": "system", "content": system}, *messages]
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
