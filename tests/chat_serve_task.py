@@ -1,11 +1,10 @@
-"""A tiny chat model for the serving tests, and a test-only task that serves it.
+"""A tiny chat model for the serving tests, and the chat task with test hooks that serves it.
 
 `build_tiny_chat(out)`: a random 2-layer LlamaForCausalLM (hidden 48) with a word-level tokenizer built
 here, a ChatML chat template and eos = pad = <|im_end|>, saved with save_pretrained. `build_lora`: a
-random LoRA adapter of it (peft, safetensors). `ChatServeTask`: what the chat task's serving side needs
-of a task (its predictor and HTTP contract come from workflows.tasks.chat.serving), until the chat task
-itself (workflows.tasks.chat.Chat, with its training side) exists; its options slow each model step down
-and record each generation's end, so that a test can watch a disconnect stop one generation.
+random LoRA adapter of it (peft, safetensors). `HookedChatTask`: the chat task with two test hooks
+(model.options): each model step slowed down, and each generation's end recorded, so that a test can
+watch a disconnect stop one generation.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from pydantic import BaseModel
-
-from workflows.tasks.base import Task
+from workflows.tasks.chat import ChatOptions, ChatTask
 
 WORDS = "hello world the a cat dog sat on mat is big small red blue green one two three four five".split()
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -65,21 +62,19 @@ def build_lora(base_dir, out, seed: int):
     model.save_pretrained(out)
 
 
-class ChatServeOptions(BaseModel):
+class HookedOptions(ChatOptions):
     step_delay_s: float = 0.0  # sleep in each model call (a slow model: a stream lasts long enough to leave)
     finish_log: str | None = None  # append {"tokens", "finish_reason", "max_tokens"} per ended generation
 
 
-class ChatServeTask(Task):
-    """Serving only: the chat task's predictor and contract (workflows.tasks.chat.serving)."""
+class HookedChatTask(ChatTask):
+    """The chat task with two test hooks on its engine, set by model.options: a slow model and a log
+    of each generation's end (so that a test can watch a disconnect stop one generation)."""
 
-    name = "chat_serve_test"
-    Options = ChatServeOptions
+    Options = HookedOptions
 
     def predictor(self, model_dir, card, threads=None, precision="fp32"):
-        from workflows.tasks.chat.serving import chat_predictor
-
-        predictor = chat_predictor(model_dir, card, self.cfg, threads=threads, precision=precision)
+        predictor = super().predictor(model_dir, card, threads=threads, precision=precision)
         opts, engine = self.options, predictor.engine
         if opts.step_delay_s:
             forward = engine.model.forward
@@ -97,30 +92,3 @@ class ChatServeTask(Task):
 
             engine.on_finish = record
         return predictor
-
-    def http_contract(self, card, max_instances):
-        from workflows.tasks.chat.serving import chat_http_contract
-
-        return chat_http_contract(card, self.cfg)
-
-    def inputs(self):
-        return {"prompt": str}
-
-    # training is the chat task's (another engineer's): nothing here trains
-    def preprocess(self, ctx, say):
-        raise NotImplementedError
-
-    def collate(self, data, *, train, seed=None):
-        raise NotImplementedError
-
-    def build_model(self, data):
-        raise NotImplementedError
-
-    def metric_states(self, model, batch):
-        raise NotImplementedError
-
-    def compute_metrics(self, states, data):
-        raise NotImplementedError
-
-    def evaluate_rows(self, y_true, y_pred, card):
-        raise NotImplementedError

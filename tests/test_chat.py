@@ -1,7 +1,8 @@
 """The chat task (#50): assistant-only labels with the eos that ends each turn, padding masked by the
 attention mask (pad = eos), the seeded synthetic instruction set, exact-match scoring, and one
 pipeline through the real CLI on a tiny random Llama (LoRA on 2 workers, registered adapter, card =
-`evaluate --split val`)."""
+`evaluate --split val`, the adapter served OpenAI-compatible and streamed from with the `openai` client,
+`workflows predict` on a prompts file)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.chat_model import chat_texts, tiny_chat_model
-from tests.conftest import ROOT, run_cli, sets
+from tests.conftest import ROOT, run_cli, sets, shutdown_serve
 from tests.helpers import tiny_overrides
 from workflows.preprocess import chat_data
 
@@ -146,23 +147,35 @@ def test_tune_space_takes_task_options(tiny_dir):
 
 def chat_overrides(tmp: Path, base: Path) -> list[str]:
     """The chat config on the tiny model, with local storage (the test reads the manifest and the
-    registered files), 160 conversations, no serving (its OpenAI-compatible part comes separately)."""
+    registered files), 160 conversations, answers of up to 8 tokens."""
     return [*tiny_overrides(tmp), f"storage.root={tmp}/store", "storage.embedded.enabled=false",
             f"data.source={tmp}/raw/chat/", "data.write_builtin=true", f"model.name_or_path={base}",
             "data.builtin_rows_per_class=40", "preprocess.max_length=96", "train.max_train_rows=null",
             "train.epochs=4", "train.batch_size=8", "train.lr=1e-2", "model.options.max_new_tokens=8",
-            "model.options.lora_r=8", "serve.enabled=false", "train.checkpoint_select=last"]
+            "model.options.lora_r=8", "train.checkpoint_select=last", "serve.generate.max_tokens=8"]
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_dir, tmp_path, finetune):
+def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_dir, tmp_path, finetune, request):
     """Data, preprocess, fine-tuning on 2 workers (FSDP2; LoRA: the adapter registered, full: the whole
-    model), evaluation against the base model, then `evaluate --split val` gives the card's val figures."""
+    model), evaluation against the base model, then `evaluate --split val` gives the card's val figures.
+    LoRA: the pipeline (in the session's cluster) also serves the adapter on its base, OpenAI-compatible,
+    which the `openai` client streams from, and `workflows predict` writes completions of a prompts file."""
     overrides = [*chat_overrides(tmp_path, tiny_dir), f"model.options.finetune={finetune}", "train.strategy=fsdp"]
     if finetune == "full":
-        overrides.append("train.lr=2e-3")
-    res = run_cli("pipeline", "--config", str(CHAT), *sets(overrides), timeout=900)
+        overrides += ["train.lr=2e-3", "serve.enabled=false"]
+        res = run_cli("pipeline", "--config", str(CHAT), *sets(overrides), timeout=900)
+    else:
+        ray_join = request.getfixturevalue("ray_join")  # the session's cluster: Serve outlives the command
+        try:
+            res = run_cli("pipeline", "--config", str(CHAT), *sets([*overrides, *ray_join.overrides]),
+                          env=ray_join.env, timeout=900)
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
+            served_answers_stream(tmp_path)
+        finally:
+            shutdown_serve()  # its replica holds a CPU of the session's cluster
+        predict_writes_completions(tmp_path, overrides, ray_join)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
     summary = json.loads((tmp_path / "runs" / "chat" / "pipeline.json").read_text())
     manifest = json.loads(Path(summary["dataset"]["uri"], "manifest.json").read_text())
@@ -206,3 +219,39 @@ def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_d
         again = model_dir.parent / "v2"
         first, second = (load_file(d / "adapter_model.safetensors") for d in (model_dir, again))
         assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first)
+
+
+def served_answers_stream(tmp: Path) -> None:
+    """The pipeline's own requests streamed answers; the `openai` client streams one more."""
+    import openai
+
+    summary = json.loads((tmp / "runs" / "chat" / "pipeline.json").read_text())
+    serve = summary["serve"]
+    assert serve["model"] == "chat:1" and len(serve["requests"]) == 2
+    for sent in serve["requests"]:
+        assert sent["prediction"]["chunks"] >= 2 and sent["prediction"]["finish_reason"] in ("stop", "length")
+    client = openai.OpenAI(base_url=f"{serve['url']}/v1", api_key="none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == ["chat:1"]
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
+    chunks = list(client.chat.completions.create(model="chat:1", messages=question, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    again = client.chat.completions.create(model="chat:1", messages=question, temperature=0)
+    assert again.choices[0].message.content == text and again.usage.completion_tokens <= 8
+
+
+def predict_writes_completions(tmp: Path, overrides: list[str], ray_join) -> None:
+    """`workflows predict` on a JSONL file of prompts: a completion per row, through the engine."""
+    import pandas as pd
+
+    prompts = tmp / "prompts.jsonl"
+    rows = ["What is 2 + 2?", "Convert 3 km to m.", "Rewrite the date 2021-03-07 in the format DD/MM/YYYY."]
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
+    out = tmp / "completions"
+    res = run_cli("predict", "--config", str(CHAT), "--model", "chat", "--data", str(prompts), "--output", str(out),
+                  "--concurrency", "1", *sets([*overrides, *ray_join.overrides]), env=ray_join.env, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    table = pd.concat([pd.read_parquet(f) for f in sorted(out.glob("*.parquet"))])
+    assert sorted(table["prompt"]) == sorted(rows)
+    assert set(table["finish_reason"]) <= {"stop", "length"} and table["prediction"].map(type).eq(str).all()

@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from tests.chat_serve_task import build_lora, build_tiny_chat
+from tests.conftest import ROOT
 from tests.helpers import wait_until
 from workflows.tasks.chat.engine import Engine, QueueFull
 from workflows.tasks.chat.sampling import SamplingParams, TextState
 
 torch.set_num_threads(1)
+CHAT = ROOT / "configs" / "chat.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -176,17 +178,61 @@ def test_a_prompt_over_the_context_is_refused(tiny, engine):
     assert g.finish_reason in ("length", "stop") and len(g.tokens) <= 6
 
 
-def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
-    """Two LoRA adapters of one base and the base itself in one batch (peft's mixed-adapter forward):
-    each row decodes what it decodes alone, and an adapter unused once unloaded leaves the model."""
-    from workflows.config.serve import GenerateConfig
+def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str, ...] = (), **generate):
+    """The chat task's predictor of a registered directory, by default a whole model registered as
+    tiny:1 (nothing loaded yet); `base`: the config's model.name_or_path; `extra`: config overrides."""
+    from workflows.config import load_config
+    from workflows.tasks.chat import ChatTask
     from workflows.tasks.chat.serving import ChatPredictor
+
+    sets = [f"serve.generate.{k}={v}" for k, v in generate.items()] + ([f"model.name_or_path={base}"] if base else [])
+    cfg = load_config(CHAT, [*sets, *extra])
+    return ChatPredictor(ChatTask(cfg), model_dir, card or SimpleNamespace(name="tiny", version=1))
+
+
+def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_base(tiny, tmp_path):
+    """What the chat task registers with export=adapter: the adapter and a card naming its base by path
+    and weights sha256. Served, it answers as the base with that adapter (batch predictions too); another
+    adapter is accepted only when its card names the same base weights."""
+    from workflows.tasks.chat.engine import ModelNotFound
+    from workflows.tasks.chat.model import weights_sha256
 
     model_dir, _, tokenizer = tiny
     for i in (1, 2):
         build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
-    card = SimpleNamespace(name="tiny", version=1)
-    predictor = ChatPredictor(model_dir, card, GenerateConfig(max_batch=3))
+        tokenizer.save_pretrained(tmp_path / f"lora{i}")  # as the export writes it beside the adapter
+    base = {"name_or_path": model_dir, "sha256": weights_sha256(model_dir)}
+    predictor = served(str(tmp_path / "lora1"), SimpleNamespace(name="mine", version=1, base=base), base=model_dir,
+                       max_tokens=12)
+    plain = served(model_dir)
+    try:
+        plain.engine.eos = predictor.engine.eos = set()
+        name = plain.add_adapter("mine:1", str(tmp_path / "lora1")).result(60)
+        p = prompts(tokenizer, 1)[0]
+        ours = predictor.engine.submit(p, greedy(12), predictor.served_adapter)
+        ours.result(60)
+        theirs = plain.engine.submit(p, greedy(12), name)
+        theirs.result(60)
+        assert ours.tokens == theirs.tokens
+        assert predictor.predict([{"prompt": "hello world"}])[0]["text"] == \
+            plain.engine.submit(plain.prompt_ids("hello world"), greedy(12), name).result(60)[0]
+        predictor.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=base))
+        for other in ({**base, "sha256": "0" * 64}, None):
+            with pytest.raises(ModelNotFound, match="not of the base served by mine:1"):
+                predictor.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=other))
+        plain.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=base))  # its own weights' sha256
+    finally:
+        predictor.close()
+        plain.close()
+
+
+def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
+    """Two LoRA adapters of one base and the base itself in one batch (peft's mixed-adapter forward):
+    each row decodes what it decodes alone, and an adapter unused once unloaded leaves the model."""
+    model_dir, _, tokenizer = tiny
+    for i in (1, 2):
+        build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
+    predictor = served(model_dir, max_batch=3)
     try:
         e = predictor.engine
         e.eos = set()
@@ -251,12 +297,8 @@ def test_requests_wait_on_the_engine_not_the_event_loop(tiny, engine):
 def test_batch_predictions_go_through_the_engine_within_its_queue(tiny):
     """`predict` (batch inference) submits more instances than the batch and queue hold (max_queue 0:
     only free places), waiting as the engine frees them; each answer is the greedy one."""
-    from workflows.config.serve import GenerateConfig
-    from workflows.tasks.chat.serving import ChatPredictor
-
     model_dir, _, tokenizer = tiny
-    predictor = ChatPredictor(model_dir, SimpleNamespace(name="tiny", version=1),
-                              GenerateConfig(max_batch=2, max_queue=0, max_tokens=8))
+    predictor = served(model_dir, max_batch=2, max_queue=0, max_tokens=8)
     try:
         instances = [{"prompt": "hello world " * k} for k in range(1, 5)] + [
             {"messages": [{"role": "user", "content": "the cat"}]}]
@@ -267,6 +309,27 @@ def test_batch_predictions_go_through_the_engine_within_its_queue(tiny):
             assert (answer["text"], answer["finish_reason"]) == alone.result(60)
             assert answer["completion_tokens"] == len(alone.tokens)
         assert predictor.engine.stats["max_rows"] == 2
+    finally:
+        predictor.close()
+
+
+def test_rows_of_prompts_or_conversations_are_chats_with_the_system_prompt(tiny):
+    """`workflows predict` rows: a `prompt` is a user's turn (or the JSON conversation a processed row
+    stores, its reference answer left out), rendered by the chat template after the task's system prompt."""
+    import json
+
+    import pandas as pd
+
+    model_dir, _, tokenizer = tiny
+    predictor = served(model_dir, extra=("model.options.system_prompt=be big",), max_tokens=6)
+    try:
+        user = [{"role": "user", "content": "hello world"}]
+        assert predictor.chat_ids(user) == list(tokenizer.apply_chat_template(
+            [{"role": "system", "content": "be big"}, *user], add_generation_prompt=True, return_dict=False))
+        batch = pd.DataFrame({"prompt": ["hello world", json.dumps([*user, {"role": "assistant", "content": "red"}])]})
+        out = predictor.predict_frame(batch)
+        assert out["prediction"][0] == out["prediction"][1] == predictor.predict([{"messages": user}])[0]["text"]
+        assert set(out["finish_reason"]) <= {"stop", "length"}
     finally:
         predictor.close()
 
@@ -305,7 +368,7 @@ def test_the_generic_app_mounts_the_chat_contracts_routes_and_no_predict():
 
 # --- over HTTP, on Ray Serve -------------------------------------------------------------------------
 
-TASK = "tests.chat_serve_task:ChatServeTask"
+TASK = "tests.chat_serve_task:HookedChatTask"
 TOKEN = "chat-s3cret"
 STEP_S = 0.05  # each model call of the served model sleeps this long: a long stream lasts seconds
 
@@ -316,13 +379,13 @@ def chat_server(ray_cluster, tmp_path_factory):
     generic app (workflows.serve.app.ModelServer) behind a bearer token: batches of 2, a queue of 1."""
     from ray import serve
 
-    from tests.conftest import QUICKSTART
     from tests.helpers import free_port
     from workflows import registry
     from workflows.config import load_config
     from workflows.serve import drain
     from workflows.serve.app import ModelServer, deployment_options
     from workflows.storage.uri import StorageContext
+    from workflows.tasks.chat.model import weights_sha256
 
     tmp = tmp_path_factory.mktemp("chat-serve")
     base = tmp / "tinychat"
@@ -330,16 +393,18 @@ def chat_server(ray_cluster, tmp_path_factory):
     for name, seed in (("support", 1), ("pirate", 2)):
         build_lora(base, tmp / name, seed)
     port = free_port()
-    cfg = load_config(QUICKSTART, [
-        "storage.embedded.enabled=false", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache",
+    cfg = load_config(CHAT, [
+        "storage.embedded.enabled=false", "serve.enabled=true", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache",
         f"model.task={TASK}", f"model.options.step_delay_s={STEP_S}", f"model.options.finish_log={tmp}/finished.jsonl",
         f"serve.port={port}", "serve.auth_token_env=CHAT_TOKEN", "serve.generate.max_batch=2",
         "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2"])
     ctx = StorageContext.from_config(cfg.storage)
     registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
+    # adapters name their base as the chat task's export does: its name and the sha256 of its weights
+    same = {"name_or_path": "registry:tinychat:1", "sha256": weights_sha256(str(base))}
     for name in ("support", "pirate"):
-        registry.register(cfg, ctx, str(tmp / name), name, {"task": TASK, "base_model": "tinychat:1"})
-    registry.register(cfg, ctx, str(tmp / "support"), "stranger", {"task": TASK, "base_model": "other:3"})
+        registry.register(cfg, ctx, str(tmp / name), name, {"task": TASK, "base": same})
+    registry.register(cfg, ctx, str(tmp / "support"), "stranger", {"task": TASK, "base": {**same, "sha256": "0" * 64}})
     drainer = drain.create()  # as `workflows serve` does: replicas find it and drain on stop
     opts = deployment_options(cfg.serve)
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"CHAT_TOKEN": TOKEN}}

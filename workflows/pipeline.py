@@ -290,30 +290,29 @@ def model_split(cfg: WorkflowConfig, storage, model_spec: str, split: str):
 
 def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None, route_prefix: str = "/",
                 app_name: str | None = None) -> dict:
-    import requests
-
     from workflows.serve import ingress
     from workflows.serve.app import bearer_token, deploy
     from workflows.tasks import task_for_card
 
     ref = registry.resolve(rt.cfg, rt.storage, model_spec)
     spec = f"{ref.name}:{ref.version}"
-    task = task_for_card(rt.cfg, registry.model_card(rt.cfg, rt.storage, spec))
+    card = registry.model_card(rt.cfg, rt.storage, spec)
+    task = task_for_card(rt.cfg, card)
+    contract = task.http_contract(card, rt.cfg.serve.max_instances)
     say(f"serve: deploying {spec} with Ray Serve")
     t0 = time.time()
     url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
     deploy_seconds = time.time() - t0
     front = ingress.describe(rt.cfg)
-    say(f"serve: {url}/predict is up behind {front} (docs at {url}/docs)")
+    first = "/predict" if contract.predict_route else "/v1/chat/completions"
+    say(f"serve: {url}{first} is up behind {front} (docs at {url}/docs)")
     token = bearer_token(rt.cfg.serve)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     sent = []
     for row in demo_rows or []:
-        resp = requests.post(f"{url}/predict", json={"instances": [row]}, headers=headers, timeout=60)
-        resp.raise_for_status()
-        pred = resp.json()["predictions"][0]
+        route, pred = contract.demo(url, row, headers)
         shown = f"{pred['label']} ({pred['score']:.2f})" if "label" in pred else json.dumps(pred)[:60]
-        say(f"serve:   POST /predict {task.describe(row)!r} -> {shown}")
+        say(f"serve:   {route} {task.describe(row)!r} -> {shown}")
         sent.append({"instance": row, "prediction": pred})
     return {"url": url, "model": spec, "ingress": front, "requests": sent, "deploy_seconds": round(deploy_seconds, 2)}
 

@@ -4,7 +4,8 @@ Two kinds, decided in #38 from what each measures:
 - user commands (USER_BENCHMARKS): the user's own config, cluster and registered model on the path they
   run: data (the shard cache and Ray Data reads), train (Ray Train against a plain loop, FSDP2 against
   DDP), tune (ASHA against FIFO on their search space), serve (their Serve deployment under load,
-  against a plain FastAPI peer), lm (the training loop's tokens/s and MFU on their GPUs);
+  against a plain FastAPI peer), lm (the training loop's tokens/s and MFU on their GPUs), generate (their
+  chat model's continuous batching against one request at a time and static batching);
 - the project's harness (HARNESS_BENCHMARKS): claims about the project itself: quickstart and digits
   (the shipped configs' pipeline against their plain-PyTorch work), madewithml (a reference F1),
   serve-levers (Serve's flags against the peer), shuffle and images (peers from `make bench-peers`'s
@@ -28,7 +29,7 @@ from workflows.errors import UserError
 from workflows.storage.atomic import atomic_write
 
 USER_BENCHMARKS = {"data": "workflows.bench.data", "train": "workflows.bench.train", "tune": "workflows.bench.tune",
-                   "serve": "workflows.bench.serve", "lm": "workflows.bench.lm"}
+                   "serve": "workflows.bench.serve", "lm": "workflows.bench.lm", "generate": "workflows.bench.generate"}
 HARNESS_BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "digits": "workflows.bench.digits",
                       "madewithml": "workflows.bench.madewithml", "serve-levers": "workflows.bench.serve_levers",
                       "shuffle": "workflows.bench.shuffle", "images": "workflows.bench.images"}

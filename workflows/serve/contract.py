@@ -56,6 +56,15 @@ class HttpContract:
         """One request body the /docs page shows."""
         raise NotImplementedError
 
+    def demo(self, url: str, instance: dict, headers: dict) -> tuple[str, dict]:
+        """One request the pipeline sends once the model is deployed: (the route, the prediction).
+        Default: POST /predict with the instance."""
+        import requests
+
+        resp = requests.post(f"{url}/predict", json={"instances": [instance]}, headers=headers, timeout=60)
+        resp.raise_for_status()
+        return "POST /predict", resp.json()["predictions"][0]
+
 
 MAX_BODY_BYTES = 1 << 20
 

@@ -4,9 +4,10 @@ with LoRA adapters (peft) or in full, through the platform's one Trainer (FSDP2 
 registered as an adapter naming its base or as a whole model.
 
 The wing: this task; `data` (chat template, assistant-only labels, preprocessing on Ray Data, the
-batches), `model` (the base model, LoRA, greedy decoding, the artifact), `predictor` (batch inference
-and evaluation: greedy answers, token loss, the base model's figures beside them), `smollm2` (the
-packaged base model, converted once per node).
+batches), `model` (the base model, LoRA, greedy decoding, the artifact), `predictor` (evaluation's
+scorer: greedy answers, token loss, the base model's figures beside them), `serving` (the predictor of
+every use: the continuous-batching `engine` behind the OpenAI-compatible routes of `openai_api`, batch
+generation, the scorer for evaluation), `smollm2` (the packaged base model, converted once per node).
 
 Validation and evaluation report the same three numbers on a split: the token-weighted loss of the
 assistant tokens (`loss`), its perplexity, and `exact_match`, the share of greedy answers that equal
@@ -16,6 +17,7 @@ baseline, as a classifier reports its majority class.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Literal
 
@@ -40,8 +42,8 @@ class ChatOptions(BaseModel):
     export: Literal["adapter", "merged"] = Field(
         "adapter", description="finetune=lora: register the adapter alone (its card names the base model and the "
         "sha256 of its weights) or the adapter merged into the base (a whole model)")
-    max_new_tokens: int = Field(32, ge=1, le=4096, description="greedy answer length cap in validation, evaluation "
-                                "and serving")
+    max_new_tokens: int = Field(32, ge=1, le=4096, description="greedy answer length cap in validation and "
+                                "evaluation (serving and `workflows predict`: serve.generate.max_tokens)")
     system_prompt: str | None = Field(
         None, description="a system turn put before every conversation that has none (in preprocessing and "
         "serving alike)")
@@ -165,9 +167,16 @@ class ChatTask(Task):
         return create_model("Prediction", text=(str, Field(..., description="the model's greedy answer")))
 
     def predictor(self, model_dir, card, threads=None, precision="fp32"):
-        from workflows.tasks.chat.predictor import ChatPredictor
+        """One predictor for HTTP, batch generation and evaluation (workflows.tasks.chat.serving)."""
+        from workflows.tasks.chat.serving import ChatPredictor
 
-        return ChatPredictor(self.for_card(card), model_dir, card, threads, self.cfg.evaluate.batch_size)
+        return ChatPredictor(self.for_card(card), model_dir, card, threads, precision)
+
+    def http_contract(self, card, max_instances):
+        """The OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models), no /predict."""
+        from workflows.tasks.chat.serving import chat_http_contract
+
+        return chat_http_contract(card, self.cfg)
 
     def input_columns(self, card, available):
         from workflows.tasks.chat.predictor import PROCESSED
@@ -182,7 +191,10 @@ class ChatTask(Task):
         files = data.files.get("val") or []
         if n <= 0 or not files:
             return []
-        return [{"prompt": row["prompt"]} for row in read_parquet(files[0], ctx, ["prompt"]).slice(0, n).to_pylist()]
+        rows = read_parquet(files[0], ctx, ["prompt"]).slice(0, n).to_pylist()
+        return [{"messages": json.loads(row["prompt"])} for row in rows]  # the conversation before the answer
 
     def describe(self, instance) -> str:
+        if instance.get("messages"):
+            return str(instance["messages"][-1].get("content", ""))[-70:]
         return str(instance.get("prompt", ""))[-70:]

@@ -76,6 +76,7 @@ class Generation:
         self.steps: tuple[int, int] = (-1, -1)  # the engine's step count when it joined the batch and when it ended
         # perf_counter() at submit, first token sampled, end: time to first token and tokens/s for benchmarks
         self.times: dict[str, float] = {"submitted": time.perf_counter()}
+        self.token_times: list[float] = []  # perf_counter() as each token was sampled: inter-token latency
         self.finish_reason: str | None = None
         self.cancelled = False
         self._engine = engine
@@ -299,10 +300,12 @@ class Engine:
     def _advance(self, indices: list[int]) -> None:
         """Count each row's newly sampled token (`last`), send its text, drop the rows that ended."""
         ended: dict[int, str] = {}
+        now = time.perf_counter()
         for i in indices:
             r = self._rows[i]
             r.gen.completion_tokens += 1
             r.gen.tokens.append(r.last)
+            r.gen.token_times.append(now)
             self.stats["tokens"] += 1
             if r.last in self.eos:
                 ended[i] = "stop"

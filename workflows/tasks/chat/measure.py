@@ -1,7 +1,8 @@
-"""What a generation benchmark measures (`workflows bench generate`, not written yet), on the path users
-run: the serving engine (workflows.tasks.chat.engine, continuous batching) against static batching with
-plain `generate` (left-padded batches, the usual baseline), on the same prompts, greedy, with EOS ignored
-so that both produce exactly `max_tokens` per prompt.
+"""Open-loop generation runs, for a quick look without the benchmark: the serving engine
+(workflows.tasks.chat.engine, continuous batching) with requests arriving at given times, against static
+batching with plain `generate` (left-padded batches), on the same prompts, greedy, with EOS ignored so
+that both produce exactly `max_tokens` per prompt. `workflows bench generate` (workflows.bench.generate)
+is the benchmark: closed-loop clients at fixed concurrencies, per-token timings, and a peer over HTTP.
 
 Each run returns plain numbers (tokens/s; for the engine also time to first token and latency
 percentiles, and the mean batch it decoded), ready for benchmarks/results/*.json. Nothing here times
@@ -65,7 +66,8 @@ def static_run(model, tokenizer, prompts: list[list[int]], max_tokens: int, batc
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+                                 min_new_tokens=max_tokens, do_sample=False, use_cache=True,
+                                 pad_token_id=pad)
         tokens += (out.shape[1] - width) * len(batch)
     seconds = time.perf_counter() - t0
     return {"path": f"static batching (generate, {batch_size} a batch)", "requests": len(prompts), "tokens": tokens,

@@ -169,12 +169,34 @@ class OpenAIContract(HttpContract):
     def example(self) -> dict:
         return {"model": f"{self.card.name}:{self.card.version}", "messages": [{"role": "user", "content": "Hi"}]}
 
+    def demo(self, url: str, instance: dict, headers: dict) -> tuple[str, dict]:
+        """A streamed chat completion of the instance's `messages`, greedy: {"text", "finish_reason",
+        "chunks"} (the pipeline's requests once it has deployed the model)."""
+        import requests
+
+        body = {"model": f"{self.card.name}:{self.card.version}", "messages": instance["messages"],
+                "temperature": 0, "stream": True}
+        text, reason, chunks = [], None, 0
+        with requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=True, timeout=60) as r:
+            r.raise_for_status()
+            for raw in r.iter_lines():
+                line = raw.decode()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks += 1
+                for choice in json.loads(line.removeprefix("data: ")).get("choices", []):
+                    text.append(choice["delta"].get("content") or "")
+                    reason = choice.get("finish_reason") or reason
+        return "POST /v1/chat/completions (stream)", {"text": "".join(text), "finish_reason": reason,
+                                                      "chunks": chunks}
+
     def add_routes(self, api, server) -> None:
         from ray import serve
 
         from workflows.tasks.chat.streaming import Completion
 
         predictor = server.predictor
+        getattr(predictor, "engine", None)  # loads the model now: the replica is healthy once it can answer
         adapters = Adapters(server)
 
         async def load_adapter(model_id: str) -> AdapterRef:  # a function: Serve keeps its cache on it
@@ -216,7 +238,7 @@ class OpenAIContract(HttpContract):
                     adapter = await loader(model_id)  # multiplexed: loaded once, least recently used unloaded
                     predictor.using(model_id, +1)
                 try:
-                    gen = predictor.engine.submit(ids, params, adapter.name if adapter else None)
+                    gen = predictor.engine.submit(ids, params, adapter.name if adapter else predictor.served_adapter)
                 except BaseException:
                     predictor.using(model_id, -1)
                     raise
@@ -267,7 +289,8 @@ class Adapters:
             model_dir, card = await loop.run_in_executor(None, self.server.fetch_model, model_id)
         except Exception as e:  # the registry's UserError: no such model or version
             raise ModelNotFound(str(e).splitlines()[0]) from None
-        predictor.check_adapter(model_id, model_dir, card)
+        # off the loop: a served whole model's base is identified by hashing its weights, once
+        await loop.run_in_executor(None, predictor.check_adapter, model_id, model_dir, card)
         name = await asyncio.wrap_future(predictor.add_adapter(model_id, model_dir))
         return AdapterRef(model_id, name, predictor, loop)
 

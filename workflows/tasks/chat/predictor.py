@@ -1,23 +1,22 @@
-"""The chat predictor: a registered chat model loaded once; conversations in, greedy answers out
-(batch inference and evaluation; the HTTP contract's default /predict too).
+"""The chat scorer: a registered chat model loaded once for the evaluation of processed rows
+(workflows.tasks.chat.serving.ChatPredictor hands them to it; raw rows go to the serving engine).
 
-On processed rows (evaluation of a split) it also scores each row: the summed next-token loss of
-its labels (`nll`, over `tokens` labels) and, for the baseline, the base model's answer and loss on
-the same row (an adapter switched off; a whole model's base loaded on first use). The sums, not
-per-row means, go back: the evaluation's loss is the token-weighted mean over the split, as the
-validation in training computes it.
+For each row: its greedy answer (left-padded batches, up to model.options.max_new_tokens), the summed
+next-token loss of its labels (`nll`, over `tokens` labels) and, for the baseline, the base model's
+answer and loss on the same row (an adapter switched off; a whole model's base loaded on first use).
+The sums, not per-row means, go back: the evaluation's loss is the token-weighted mean over the split,
+as the validation in training computes it.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from workflows.tasks import base
-from workflows.tasks.chat.data import ChatEncoder, chat_collate, to_messages
+from workflows.tasks.chat.data import chat_collate
 
 PROCESSED = ("input_ids", "labels", "prompt_ids", "answer_ids")  # the columns of a processed row it scores
 
@@ -32,7 +31,7 @@ def token_nll(model, batch) -> tuple[Any, Any]:
     return nll.sum(-1), (target != -100).sum(-1)
 
 
-class ChatPredictor(base.Predictor):
+class ChatScorer(base.Predictor):
     def __init__(self, task, model_dir: str, card, threads: int | None = None, batch_size: int = 16):
         import torch
 
@@ -44,9 +43,8 @@ class ChatPredictor(base.Predictor):
         self.model_dir, self.batch_size = model_dir, batch_size
         self.model = load_trained(model_dir, card, self.cfg)
         self.tok = load_tokenizer(model_dir)
-        self.encoder = ChatEncoder(model_dir, card.max_length or 4096, self.options.system_prompt)
         self.eos, self.pad = int(self.tok.eos_token_id), pad_id(self.tok)
-        self.input_columns = ["prompt"]
+        self.input_columns = list(PROCESSED)
         self._base = None
 
     # --- generation
@@ -65,31 +63,7 @@ class ChatPredictor(base.Predictor):
                 out += [completion_text(self.tok, row, self.eos) for row in gen.tolist()]
         return out
 
-    def _messages(self, instance: Mapping[str, Any]) -> list[dict]:
-        """A request's conversation: `messages` (a list, or JSON text of one) or `prompt` (a user's
-        text, or the JSON list of messages a processed row stores)."""
-        raw = instance.get("messages")
-        if raw is None:
-            prompt = instance.get("prompt", "")
-            try:
-                raw = json.loads(prompt) if isinstance(prompt, str) and prompt.lstrip().startswith("[") else None
-            except json.JSONDecodeError:
-                raw = None
-            if raw is None:
-                return [{"role": "user", "content": str(prompt)}]
-        turns = list(json.loads(raw) if isinstance(raw, str) else raw)
-        if turns and isinstance(turns[-1], Mapping) and turns[-1].get("role") == "assistant":
-            turns = turns[:-1]  # a labelled row's answer: the reference, not part of the prompt
-        messages = to_messages({"messages": [*turns, {"role": "assistant", "content": "-"}]})
-        if messages is None:
-            raise ValueError("messages: a list of {role, content} with roles system, user, assistant")
-        return messages[:-1]
-
-    def predict(self, instances: Sequence[Mapping[str, Any]]) -> list[dict]:
-        prompts = [self.encoder.prompt_ids(self._messages(i)) for i in instances]
-        return [{"text": t} for t in self._answers(self.model, prompts)]
-
-    # --- batch inference and evaluation
+    # --- evaluation
     def base_model(self):
         """The base model, for the baseline: the adapter switched off, or the whole model's base."""
         import os
@@ -116,11 +90,7 @@ class ChatPredictor(base.Predictor):
         return self._answers(model, list(batch["prompt_ids"])), nll, tokens
 
     def predict_frame(self, batch):
-        if not set(PROCESSED) <= set(batch.columns):
-            key = "messages" if "messages" in batch.columns else "prompt"
-            prompts = [self.encoder.prompt_ids(self._messages({key: v})) for v in batch[key]]
-            batch["prediction"] = self._answers(self.model, prompts)
-            return batch
+        """Processed rows: `prediction`, `nll`, `tokens`, and the base model's `base_prediction`, `base_nll`."""
         columns = {k: list(batch[k]) for k in PROCESSED}
         batch["prediction"], batch["nll"], batch["tokens"] = self._score(self.model, columns)
         base = self.base_model()

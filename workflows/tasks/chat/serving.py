@@ -1,18 +1,26 @@
-"""Serving a chat model: what the chat task's `predictor` and `http_contract` return.
+"""The chat task's predictor and HTTP contract: one `ChatPredictor` for every use of a registered chat
+model, each loading what it needs on first use.
 
-`chat_predictor(model_dir, card, cfg)` loads a registered causal LM (safetensors weights, its tokenizer
-and chat template) into a continuous-batching `Engine` (workflows.tasks.chat.engine);
-`chat_http_contract(card, cfg)` is its HTTP contract: the OpenAI-compatible routes of
-workflows.tasks.chat.openai_api, mounted on the replica's app, and no /predict. Both read `serve.generate`
-(workflows.config.serve.GenerateConfig: max_tokens cap, batch, queue, adapters).
+- HTTP (workflows.serve.app): `chat_http_contract(card, cfg)` mounts the OpenAI-compatible routes of
+  workflows.tasks.chat.openai_api on the replica's app (no /predict); they load the continuous-batching
+  `engine` (workflows.tasks.chat.engine) when the app builds them, before the replica reports healthy.
+- Batch inference (`workflows predict` on prompts or conversations): `predict_frame` decodes the rows
+  through the same engine, greedy, up to serve.generate.max_tokens each.
+- Evaluation of processed rows (token loss, greedy answers, the base model's figures): `predict_frame`
+  hands them to the training side's scorer (workflows.tasks.chat.predictor.ChatScorer).
+
+The model is loaded by the training side's `load_trained`: a whole model (full fine-tune, merged
+adapter, or any from_pretrained directory), or a LoRA adapter on the base its card names (`base:
+{name_or_path, sha256}`, checked by sha256), kept unmerged and served as the peft adapter "default".
 
 LoRA adapters: a request whose "model" is another registered version, NAME:VERSION, is answered by the
 served base with that adapter. Its version directory holds peft's `adapter_config.json` and
-`adapter_model.safetensors` (no pickle is read), and its card names the base it was trained on,
-`"base_model": "<base name>:<base version>"`, which must be the served one. Adapters load on first use
-through Ray Serve's model multiplexing (`serve.multiplexed`, at most `max_adapters` per replica, least
-recently used unloaded; a client may send the `serve_multiplexed_model_id` header too, so Serve routes it
-to a replica that has the adapter), and are deleted from the model only once no request uses them.
+`adapter_model.safetensors` (no pickle is read), and its card's `base.sha256` must be the sha256 of the
+served base's weights (the served model's own weights, or, for a served adapter, its card's base). Adapters
+load on first use through Ray Serve's model multiplexing (`serve.multiplexed`, at most `max_adapters` per
+replica, least recently used unloaded; a client may send the `serve_multiplexed_model_id` header too, so
+Serve routes it to a replica that has the adapter), and are deleted from the model only once no request
+uses them.
 """
 
 from __future__ import annotations
@@ -29,50 +37,95 @@ from workflows.tasks.base import Predictor
 from workflows.tasks.chat.engine import Engine, Generation, ModelNotFound
 
 if TYPE_CHECKING:
-    from workflows.config import WorkflowConfig
-    from workflows.config.serve import GenerateConfig
     from workflows.model_card import ModelCard
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+SERVED_ADAPTER = "default"  # peft's name for the adapter a served adapter version loads as
 # a registered version as a request names it (registry names: workflows.config.check_name)
 MODEL_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})(?::v?(\d{1,9}))?$")
 
 
-def load_causal_lm(model_dir: str, precision: str = "fp32", threads: int | None = None):
-    """(model, tokenizer) of a registered causal LM: safetensors weights only, no remote code."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if threads:
-        torch.set_num_threads(threads)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if precision not in dtypes:
-        raise ValueError(f"serve.precision={precision}: a chat model is served in fp32 or bf16")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtypes[precision], use_safetensors=True)
-    return model.eval(), tokenizer
+def is_adapter(model_dir: str) -> bool:
+    return os.path.isfile(os.path.join(model_dir, ADAPTER_FILES[0]))
 
 
 class ChatPredictor(Predictor):
-    """A registered causal LM in a decode thread (`engine`), its prompts rendered and tokenized in a
-    thread of their own (never on the event loop), and the LoRA adapters it holds."""
+    """A registered chat model: its engine (a decode thread; prompts rendered and tokenized in a thread of
+    their own, never on the event loop) and the LoRA adapters it holds, or the evaluation's scorer."""
 
-    def __init__(self, model_dir: str, card: ModelCard, gen: GenerateConfig, threads: int | None = None,
-                 precision: str = "fp32"):
-        model, self.tokenizer = load_causal_lm(model_dir, precision, threads)
-        self.card, self.gen, self.input_columns = card, gen, ["prompt"]
-        self.engine = Engine(model, self.tokenizer, max_batch=gen.max_batch, max_queue=gen.max_queue,
-                             retry_after_s=gen.retry_after_s)
+    def __init__(self, task, model_dir: str, card: ModelCard, threads: int | None = None,
+                 precision: str | None = None):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.task, self.cfg, self.model_dir, self.card, self.threads = task, task.cfg, model_dir, card, threads
+        self.gen = self.cfg.serve.generate
+        self.precision = precision or self.cfg.serve.precision  # the engine's; the scorer's is fp32
+        self.input_columns = ["prompt"]
+        self.served_adapter = SERVED_ADAPTER if is_adapter(model_dir) else None  # the engine's adapter for it
+        self._engine: Engine | None = None
+        self._tokenizer: Any = None
+        self._scorer: Any = None
+        self._base_sha: str | None = None
         self._tokenize = ThreadPoolExecutor(1, "tokenize")
         self.adapters: dict[str, str] = {}  # model id -> peft adapter name, loaded (or loading)
         self._using: Counter[str] = Counter()  # model id -> requests using it (event loop only)
         self._retiring: set[str] = set()  # unloaded by Serve, deleted once unused
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._count = 0
 
     @property
     def base_id(self) -> str:
         return f"{self.card.name}:{self.card.version}"
+
+    # --- what each use loads --------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            return self._tokenizer
+
+    @property
+    def engine(self) -> Engine:
+        """The continuous-batching engine over the model (`load_trained`), loaded on first use."""
+        with self._lock:
+            if self._engine is None:
+                import torch
+
+                from workflows.tasks.chat.model import load_trained
+
+                if self.precision not in ("fp32", "bf16"):
+                    raise ValueError(f"serve.precision={self.precision}: a chat model is served in fp32 or bf16")
+
+                model = load_trained(self.model_dir, self.card, self.cfg)
+                if self.precision == "bf16":
+                    model = model.to(torch.bfloat16)
+                self._engine = Engine(model, self.tokenizer, max_batch=self.gen.max_batch,
+                                      max_queue=self.gen.max_queue, retry_after_s=self.gen.retry_after_s)
+            return self._engine
+
+    def scorer(self):
+        """The training side's scorer (evaluation of processed rows), loaded on first use."""
+        with self._lock:
+            if self._scorer is None:
+                from workflows.tasks.chat.predictor import ChatScorer
+
+                self._scorer = ChatScorer(self.task, self.model_dir, self.card, self.threads,
+                                          self.cfg.evaluate.batch_size)
+            return self._scorer
+
+    def base_sha256(self) -> str:
+        """The sha256 of the served base's weights: a served adapter's card names it; else its own."""
+        if self._base_sha is None:
+            from workflows.tasks.chat.model import weights_sha256
+
+            base = dict(getattr(self.card, "base", None) or {})
+            self._base_sha = str(base.get("sha256") or "") if self.served_adapter else weights_sha256(self.model_dir)
+        return self._base_sha
 
     # --- prompts -------------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict]) -> list[int]:
@@ -81,6 +134,9 @@ class ChatPredictor(Predictor):
             raise ValueError("this model has no chat template: use /v1/completions")
         from jinja2 import TemplateError
 
+        system = getattr(self.task.options, "system_prompt", None)
+        if system and (not messages or messages[0].get("role") != "system"):  # as preprocessing puts it
+            messages = [{"role": "system", "content": system}, *messages]
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
@@ -114,10 +170,11 @@ class ChatPredictor(Predictor):
         missing = [f for f in ADAPTER_FILES if not os.path.isfile(os.path.join(model_dir, f))]
         if missing:
             raise ModelNotFound(f"model {model_id} is not a LoRA adapter (no {', '.join(missing)})")
-        base = getattr(card, "base_model", None)
-        if base != self.base_id:
-            raise ModelNotFound(f"model {model_id} is an adapter of {base or 'an unnamed base'}, not of the "
-                                f"served {self.base_id}")
+        base = dict(getattr(card, "base", None) or {})
+        if not base.get("sha256") or base["sha256"] != self.base_sha256():
+            raise ModelNotFound(f"model {model_id} is an adapter of {base.get('name_or_path') or 'an unnamed base'} "
+                                f"(weights sha256 {str(base.get('sha256') or '?')[:12]}...), not of the base "
+                                f"served by {self.base_id} ({self.base_sha256()[:12]}...)")
 
     def add_adapter(self, model_id: str, model_dir: str):
         """Load an adapter in the decode thread, between steps (a Future of its peft name)."""
@@ -182,6 +239,7 @@ class ChatPredictor(Predictor):
         from workflows.tasks.chat.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=self.gen.max_tokens, temperature=0)
+        engine = self.engine
         order: list[Generation] = []
         in_flight: list[Generation] = []
         texts: dict[int, str] = {}
@@ -189,7 +247,7 @@ class ChatPredictor(Predictor):
             ids = self.chat_ids(list(inst["messages"])) if "messages" in inst else self.prompt_ids(inst["prompt"])
             while True:
                 try:
-                    gen = self.engine.submit(ids, params)
+                    gen = engine.submit(ids, params, self.served_adapter)
                     break
                 except QueueFull:  # as many in flight as the engine takes: wait for the oldest
                     oldest = in_flight.pop(0)
@@ -202,27 +260,43 @@ class ChatPredictor(Predictor):
                 for g in order]
 
     def predict_frame(self, batch):
-        """`predict` over a pandas batch's `prompt` (or `messages`) column; adds `prediction` (the text)."""
+        """Processed rows (evaluation): the scorer's answers, token loss and base figures. Raw rows:
+        `predict` over the `prompt` (or `messages`) column, adding `prediction` (the text) and
+        `finish_reason`."""
+        from workflows.tasks.chat.predictor import PROCESSED
+
+        if set(PROCESSED) <= set(batch.columns):
+            return self.scorer().predict_frame(batch)
         column = "messages" if "messages" in batch and "prompt" not in batch else "prompt"
-        answers = self.predict([{column: v} for v in batch[column]])
+        answers = self.predict([{"messages": _conversation(v)} for v in batch[column]])
         batch["prediction"] = [a["text"] for a in answers]
         batch["finish_reason"] = [a["finish_reason"] for a in answers]
         return batch
 
     def close(self) -> None:
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
         self._tokenize.shutdown(wait=False)
 
 
-def chat_predictor(model_dir: str, card: ModelCard, cfg: WorkflowConfig, threads: int | None = None,
-                   precision: str | None = None) -> ChatPredictor:
-    """What the chat task's `predictor(model_dir, card, threads, precision)` returns (precision: the
-    caller's, else serve.precision; fp32 or bf16)."""
-    return ChatPredictor(model_dir, card, cfg.serve.generate, threads=threads,
-                         precision=precision or cfg.serve.precision)
+def _conversation(value) -> list[dict]:
+    """A row's conversation: a list of {role, content} (or its JSON text, as a processed row's `prompt`),
+    a final assistant turn (the reference answer of a labelled row) left out; other text is a user's turn."""
+    import json
+
+    if isinstance(value, str):
+        text = value
+        try:
+            value = json.loads(text) if text.lstrip().startswith("[") else None
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list):
+            return [{"role": "user", "content": text}]
+    turns = [dict(t) for t in value]
+    return turns[:-1] if turns and turns[-1].get("role") == "assistant" else turns
 
 
-def chat_http_contract(card: ModelCard, cfg: WorkflowConfig):
+def chat_http_contract(card: ModelCard, cfg):
     """What the chat task's `http_contract` returns: the OpenAI-compatible routes."""
     from workflows.tasks.chat.openai_api import OpenAIContract
 
