@@ -22,6 +22,8 @@ from workflows.bench.quickstart import STAGES, threads, where_rows
 GOALS = {"fixed_seconds_vs_quickstart": 0.0}
 
 
+FIGURES = ("wall_seconds", "wall_vs_work_ratio", "weighted_f1")  # headline figures (workflows.bench.superseded)
+
 def _port_override() -> str:
     from workflows.bench.serve_levers import _free_port
 

@@ -20,6 +20,8 @@ F1_GOAL = 0.90
 STAGES = ["preprocess", "tune", "train", "evaluate", "serve"]
 
 
+FIGURES = ("wall_seconds", "wall_vs_work_ratio", "weighted_f1")  # headline figures (workflows.bench.superseded)
+
 def run(config: str | None, overrides: list[str]) -> dict:
     return {**measure_pipeline(config or "quickstart", overrides),
             "goals": {"wall_vs_work_ratio": GOALS, "weighted_f1": F1_GOAL}}
