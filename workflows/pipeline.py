@@ -57,7 +57,8 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
         return {"built": False, "shards": len(shards)}
     except NoShards as e:
         # a user's own bucket or directory that is empty by mistake must not fill up with demo data
-        if not (d.write_builtin or (rt.cfg.storage.embedded.enabled and protocol_of(d.source) in ("s3", "s3a"))):
+        in_embedded = protocol_of(d.source) in ("s3", "s3a") and rt.storage.for_uri(d.source).embedded
+        if not (d.write_builtin or in_embedded):
             raise UserError(f"{e}; data.builtin={d.builtin} is built only into the embedded store: "
                             "point data.source at your data (and set data.builtin=null), or set "
                             "data.write_builtin=true to build it there") from None
