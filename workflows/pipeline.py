@@ -111,7 +111,8 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     registering_task_only(rt.cfg, "tuning")
     rt.cfg = with_task_metric(rt.cfg)
     t = rt.cfg.tune
-    say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
+    how = "ASHA" if t.scheduler == "asha" else "every trial to its end (fifo)"
+    say(f"tune: {t.num_samples} trial(s), {how} on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
     if t.num_workers == 1 and rt.cfg.train.checkpoint_every_steps:
         warn("tune: train.checkpoint_every_steps applies to Ray Train trials (tune.num_workers > 1); a one-worker "
              "trial restarts from its last epoch")
