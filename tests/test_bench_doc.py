@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -58,3 +59,147 @@ def test_each_bench_is_a_user_command_or_the_harness_and_the_readme_says_which()
     harness = re.search(r"are user commands\..*? ((?:`[a-z-]+`, )*`[a-z-]+`) and `([a-z-]+)` are the project's harness",
                         readme)
     assert harness and re.findall(r"`([a-z-]+)`", harness.group(1)) + [harness.group(2)] == list(HARNESS_BENCHMARKS)
+
+
+def test_a_section_that_a_later_run_measured_again_is_marked_history(tmp_path):
+    """A tagged run on the same settings (bench.rows only picks the rows) that measured a figure again
+    makes the older section's figure history, named with the newer figure and a link to its section;
+    a variant on other settings (bench.workers=1) does not, nor does the newer run's own section."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("images", "images-cold", "images-train-1worker"):
+        shutil.copy(RESULTS / f"{name}.json", results / f"{name}.json")
+    doc = tmp_path / "BENCHMARKS.md"
+    render("images", results, doc)
+    text = doc.read_text()
+    sections = {m.group(1): m.group(2) for m in re.finditer(r"<!-- bench:(\S+) -->\n(.*?)<!-- /bench:", text, re.S)}
+    old = sections["images"]
+    heading = "## Images: a training loop's input pipeline\n\n"
+    assert old.startswith(heading + "**History, not the current figures**"), old[:300]
+    note = old.splitlines()[2]
+    assert ("`cold_vs_best_peer` 0.901" in note and "(#images-a-training-loops-input-pipeline-cold)" in note
+            and "2026-11-27" in note), note
+    assert "two_workers_vs_one" not in note  # the train-1worker run is a variant: one decode process
+    assert "History" not in sections["images-cold"] and "History" not in sections["images-train-1worker"]
+
+
+def _rows(r: dict, row: str, phase: str) -> dict:
+    return r["rows"][row][phase]
+
+
+def _index_then_warm(r: dict) -> float:
+    """Ours with the index built first, then a warm epoch, over the best peer's cold whole pass."""
+    images = _rows(r, "ours", "ours_warm")["images"]
+    seconds = _rows(r, "ours_index", "ours_index_build")["seconds"] + _rows(r, "ours", "ours_warm")["seconds"]
+    return images / seconds / _rows(r, "webdataset", "webdataset")["images_per_s_whole_pass"]
+
+
+def _preprocess_seconds(results: dict) -> list[float]:
+    return sorted(results[f]["rows"]["train_ray_data"]["train_ray_data_preprocess"]["seconds"]
+                  for f in ("images-train", "images-train-1worker"))
+
+
+# Every figure the README cites from a benchmark's results: the README's words with `{}` where the
+# figure stands, the results file(s), and the figure as read from them.
+README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
+    ("warm epoch is {}x the best peer's", ("images-cold",), lambda r: f"{r['images-cold']['warm_vs_best_peer']:.2f}"),
+    ("runs at {}x WebDataset's steady rate", ("images-cold",), lambda r: "{:.2f}".format(
+        _rows(r["images-cold"], "ours", "ours_cold")["images_per_s"]
+        / _rows(r["images-cold"], "webdataset", "webdataset")["images_per_s"])),
+    ("and {}x over the whole pass", ("images-cold",), lambda r: f"{r['images-cold']['cold_indexed_vs_best_peer']:.2f}"),
+    ("its first batch, at {} s against", ("images-cold",),
+     lambda r: f"{_rows(r['images-cold'], 'ours', 'ours_cold')['first_batch_s']:.1f}"),
+    ("against {} s, waits", ("images-cold",),
+     lambda r: f"{_rows(r['images-cold'], 'webdataset', 'webdataset')['first_batch_s']:.1f}"),
+    ("and {}x when the index is built first", ("images-cold",),
+     lambda r: f"{r['images-cold']['cold_vs_best_peer']:.2f}"),
+    ("4 at a time: {} s per GB", ("images-cold",), lambda r: "{:.1f}".format(
+        _rows(r["images-cold"], "ours_index", "ours_index_build")["seconds"]
+        / (r["images-cold"]["set"]["bytes"] / 1e9))),
+    ("would be {}x", ("images-cold",), lambda r: f"{_index_then_warm(r['images-cold']):.2f}"),
+    ("delivers {}x what it delivers alone with 1 decode process", ("images-train-1worker",),
+     lambda r: f"{r['images-train-1worker']['train_step_vs_loader']:.2f}"),
+    ("and {}x with 2 (the trainer", ("images-train",), lambda r: f"{r['images-train']['train_step_vs_loader']:.2f}"),
+    ("deliver {}x and", ("images-train-1worker",),
+     lambda r: f"{r['images-train-1worker']['ray_data_train_step_vs_loader']:.2f}"),
+    ("and {}x of the same figures", ("images-train",),
+     lambda r: f"{r['images-train']['ray_data_train_step_vs_loader']:.2f}"),
+    ("after {} s of preprocessing", ("images-train", "images-train-1worker"),
+     lambda r: "{:.0f}-{:.0f}".format(*_preprocess_seconds(r))),
+    ("cache with {} GiB of memory", ("images-scale",),
+     lambda r: f"{max(p['ours_cold']['peak_pss_bytes'] for p in r['images-scale']['points']) / 2**30:.2f}"),
+    ("at least {}x the 1 GB set's", ("images-scale",),
+     lambda r: f"{min(p['images_per_s_vs_smallest'] for p in r['images-scale']['points']):.2f}"),
+    ("held-out weighted F1 {} in", ("madewithml",), lambda r: f"{r['madewithml']['weighted_f1']:.3f}"),
+    ("in {} epochs (", ("madewithml",), lambda r: str(r["madewithml"]["epochs"])),
+    ("({} over `train.seed`", ("madewithml",), lambda r: "{:.3f}-{:.3f}".format(
+        min(r["madewithml"]["weighted_f1_by_seed"].values()), max(r["madewithml"]["weighted_f1_by_seed"].values()))),
+    ("SciBERT at {}", ("madewithml",), lambda r: f"{r['madewithml']['reference_f1']:.3f}"),
+    ("({} errors in", ("madewithml",), lambda r: str(r["madewithml"]["test_errors"])),
+    ("in {} held-out rows", ("madewithml",), lambda r: str(r["madewithml"]["test_rows"])),
+    ("--config digits      # {} s on 2 cores", ("digits",), lambda r: f"{r['digits']['wall_seconds']:.0f}"),
+    ("held-out weighted F1 {} (", ("digits",), lambda r: f"{r['digits']['weighted_f1']:.3f}"),
+    ("0 of {} at concurrency", ("serve",), lambda r: f"{r['serve']['rolling_update']['requests']:,}"),
+    ("at concurrency {}", ("serve",), lambda r: str(r["serve"]["rolling_update"]["concurrency"])),
+]
+# figures written as `N.Nx` in the README that no benchmark measured: goals, and this machine's RAM
+NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
+# changes after which an older run's figures are no longer what the command gives: a figure from a
+# run before one of these must say the run's date in its paragraph
+CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09766c)", {"madewithml", "digits",
+                                                                                         "quickstart"})]
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def test_the_readme_cites_each_benchmark_figure_from_its_latest_run():
+    """Each figure the README cites is read from its results file, as the README words it; no later
+    run of the same benchmark measured it again; a run from before a change that alters what the
+    command gives names its date beside the figure; and no `N.Nx` figure stands in the README that is
+    neither cited from a results file nor a goal."""
+    from workflows.bench import superseded
+
+    stored = {p.stem: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
+    readme = _readme()
+    flat = " ".join(readme.split())
+    paragraphs = [" ".join(p.split()) for p in readme.split("\n\n")]
+    covered: list[tuple[int, int]] = []
+    for words, files, figure in README_FIGURES:
+        text = " ".join(words.format(figure(stored)).split())  # type: ignore[operator]
+        assert text in flat, f"README: expected {text!r} (from {', '.join(files)})"
+        start = flat.index(text)
+        covered.append((start, start + len(text)))
+        for f in files:
+            later = superseded(stored[f], list(stored.values()))
+            assert not later, f"README cites {f}.json for {text!r}, but a later run measured {sorted(later)} again"
+            run = stored[f]
+            for when, what, benches in CHANGES:
+                if run["benchmark"] in benches and run["measured_at"] < when:
+                    para = next(p for p in paragraphs if text in p)
+                    assert run["measured_at"][:10] in para, (
+                        f"README: {text!r} is from the run of {run['measured_at'][:10]}, before {what}: "
+                        "say the run's date beside it")
+    allowed = [re.compile(re.escape(p).replace(re.escape("{}"), r"\d+(?:\.\d+)?")) for p in NOT_MEASURED]
+    for m in re.finditer(r"\b\d+\.\d+x\b", flat):
+        if any(a <= m.start() < b for a, b in covered):
+            continue
+        around = flat[max(0, m.start() - 40): m.end() + 40]
+        assert any(a.search(around) for a in allowed), (
+            f"README figure {m.group()} in {around!r} is cited from no results file (add it to README_FIGURES)")
+
+
+def test_the_readmes_links_into_benchmarks_md_reach_current_sections():
+    """A README link to a section of docs/BENCHMARKS.md names a heading that exists, and not a section
+    whose figures a later run measured again (marked history by the renderer)."""
+    from workflows.bench import anchor
+
+    doc = DOC.read_text()
+    headings = {anchor(ln): n for n, ln in enumerate(doc.splitlines()) if ln.startswith("## ")}
+    lines = doc.splitlines()
+    links = re.findall(r"docs/BENCHMARKS\.md#([\w-]+)", _readme())
+    assert links
+    for link in links:
+        assert link in headings, f"README links to docs/BENCHMARKS.md#{link}: no such section"
+        assert not lines[headings[link] + 2].startswith("**History"), f"docs/BENCHMARKS.md#{link} is history"

@@ -194,25 +194,54 @@ def class_sorted_photos(root: Path, per_class: int = 150, classes: int = 2) -> P
 
 @pytest.mark.integration
 def test_the_readme_own_images_command_on_a_class_sorted_folder(tmp_path, ray_join):
+    """The README's own-images command as printed, its `data.source=s3://my-bucket/pets/train/` a
+    bucket on a second S3 endpoint (moto's server, named as a user names theirs: AWS_ENDPOINT_URL and
+    credentials in the environment) while the digits config's embedded store holds storage.root: the
+    class-sorted folder is read from the user's bucket, the model registered in the embedded store,
+    and nothing is written into the user's bucket or created in the embedded one under its name."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
     from tests.conftest import run_cli, sets
 
-    source = class_sorted_photos(tmp_path / "pets" / "train")
     args = readme_own_images_command()
-    args = [f"data.source={source}/" if a.startswith("data.source=") else a for a in args]
-    assert f"data.source={source}/" in args
-    # where it writes, and the stages this check does not need (tuning, serving): training,
-    # evaluation and registration run as the README's command sets them (2 workers, ray_data, FSDP2)
-    test_only = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
-                 f"cache.dir={tmp_path}/cache", "tune.enabled=false", "serve.enabled=false", "tracking.enabled=false",
-                 *ray_join.overrides]
-    res = run_cli(*args, *sets(test_only), env=ray_join.env, timeout=900)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "data.source=s3://my-bucket/pets/train/" in args, args
+    photos = class_sorted_photos(tmp_path / "photos")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{server._server.server_port}"
+        user_env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                    "AWS_REGION": "us-east-1"}
+        s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="test",
+                          aws_secret_access_key="test")
+        s3.create_bucket(Bucket="my-bucket")
+        for f in sorted(photos.rglob("*.jpg")):
+            s3.put_object(Bucket="my-bucket", Key=f"pets/train/{f.relative_to(photos).as_posix()}", Body=f.read_bytes())
+        uploaded = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="my-bucket")["Contents"])
+        # where it writes, and the stages this check does not need (tuning, serving): training,
+        # evaluation and registration run as the README's command sets them (2 workers, ray_data, FSDP2).
+        # A Ray of its own (RAY_ADDRESS=local), as a user's command starts: the credentials reach its
+        # workers through the environment, which the session's cluster cannot get.
+        test_only = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
+                     f"cache.dir={tmp_path}/cache", "tune.enabled=false", "serve.enabled=false",
+                     "tracking.enabled=false"]
+        res = run_cli(*args, *sets(test_only), env={**user_env, "RAY_ADDRESS": "local"}, timeout=900)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        assert sorted(o["Key"] for o in s3.list_objects_v2(Bucket="my-bucket")["Contents"]) == uploaded
+    finally:
+        server.stop()
     run_dir = tmp_path / "runs" / "pets"
     summary = json.loads((run_dir / "pipeline.json").read_text())
     held_out = summary["evaluate"]["headline"]
     assert held_out["name"] == "weighted F1" and held_out["value"] >= 0.9, held_out
+    store = tmp_path / "s3"  # the embedded store's persisted buckets: storage.root's only
+    persisted = {e["bucket"] for e in json.loads((store / "manifest.json").read_text()).values()}
+    if (store / "buckets.json").exists():
+        persisted |= set(json.loads((store / "buckets.json").read_text()))
+    assert persisted == {"workflows"}, persisted
 
-    overrides = [*(x for flag, x in zip(args, args[1:]) if flag == "--set"), *test_only]
+    overrides = [*(x for flag, x in zip(args, args[1:]) if flag == "--set"), *test_only, *ray_join.overrides]
     card, evaluation = card_and_val(
         "digits", overrides, lambda *a: run_cli(*a, "--config", "digits", *sets(overrides), env=ray_join.env),
         "pets", tmp_path / "val.json")

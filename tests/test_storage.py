@@ -327,3 +327,49 @@ def test_a_conditional_put_is_atomic_on_the_embedded_endpoint(monkeypatch):
         assert clients[0].get_object(Bucket="race", Key="claim")["Body"].read() == str(won[0]).encode()
     finally:
         server.stop()
+
+
+def test_the_embedded_store_serves_its_own_bucket_and_a_users_bucket_stays_where_it_is(tmp_path, monkeypatch):
+    """With the embedded store on (the quickstart and digits configs), `data.source=s3://my-bucket/...`
+    is the user's bucket at the endpoint their environment names (AWS_ENDPOINT_URL; else
+    storage.endpoint_url, else AWS), read with their credentials: listed, read through the shard
+    cache, and never built into or created in the embedded store. storage.root's bucket is the
+    embedded store's."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from workflows.config import load_config
+    from workflows.pipeline import ensure_raw_data
+    from workflows.preprocess.sources import list_shards
+    from workflows.runtime import runtime
+    from workflows.storage.cache import ShardCache
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{server._server.server_port}"
+        for k, v in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
+            monkeypatch.setenv(k, v)
+        users = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
+        users.create_bucket(Bucket="my-bucket")
+        users.put_object(Bucket="my-bucket", Key="tickets/a.jsonl", Body=b'{"text": "x y", "label": "a"}\n')
+        users.create_bucket(Bucket="empty-bucket")
+        base = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs", f"cache.dir={tmp_path}/c"]
+        cfg = load_config("quickstart", [*base, "data.source=s3://my-bucket/tickets/"])
+        with runtime(cfg, ray_needed=False) as rt:
+            assert rt.storage.for_uri("s3://workflows/raw/").endpoint_url == rt.cfg.storage.endpoint_url != url
+            assert rt.storage.for_uri("s3://my-bucket/tickets/").endpoint_url == url
+            shards, fmt = list_shards("s3://my-bucket/tickets/", rt.storage)
+            assert [s.uri for s in shards] == ["s3://my-bucket/tickets/a.jsonl"] and fmt == "jsonl"
+            assert ensure_raw_data(rt) == {"built": False, "shards": 1}
+            with ShardCache(str(tmp_path / "c"), rt.storage).open_local(shards[0].uri) as path:
+                assert open(path, "rb").read().startswith(b'{"text": "x y"')
+            embedded = rt.storage.boto3_client()
+            assert {b["Name"] for b in embedded.list_buckets()["Buckets"]} == {"workflows"}
+        # an empty bucket of the user's is an error naming it, not a place to build the demo data in
+        cfg = load_config("quickstart", [*base, "data.source=s3://empty-bucket/raw/"])
+        with runtime(cfg, ray_needed=False) as rt, pytest.raises(UserError, match="is built only into the embedded"):
+            ensure_raw_data(rt)
+        assert "Contents" not in users.list_objects_v2(Bucket="empty-bucket")
+    finally:
+        server.stop()

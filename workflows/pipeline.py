@@ -57,7 +57,8 @@ def ensure_raw_data(rt: Runtime) -> dict[str, Any]:
         return {"built": False, "shards": len(shards)}
     except NoShards as e:
         # a user's own bucket or directory that is empty by mistake must not fill up with demo data
-        if not (d.write_builtin or (rt.cfg.storage.embedded.enabled and protocol_of(d.source) in ("s3", "s3a"))):
+        in_embedded = protocol_of(d.source) in ("s3", "s3a") and rt.storage.for_uri(d.source).embedded
+        if not (d.write_builtin or in_embedded):
             raise UserError(f"{e}; data.builtin={d.builtin} is built only into the embedded store: "
                             "point data.source at your data (and set data.builtin=null), or set "
                             "data.write_builtin=true to build it there") from None
@@ -110,7 +111,8 @@ def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
     registering_task_only(rt.cfg, "tuning")
     rt.cfg = with_task_metric(rt.cfg)
     t = rt.cfg.tune
-    say(f"tune: {t.num_samples} trial(s), ASHA on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
+    how = "ASHA" if t.scheduler == "asha" else "every trial to its end (fifo)"
+    say(f"tune: {t.num_samples} trial(s), {how} on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
     if t.num_workers == 1 and rt.cfg.train.checkpoint_every_steps:
         warn("tune: train.checkpoint_every_steps applies to Ray Train trials (tune.num_workers > 1); a one-worker "
              "trial restarts from its last epoch")

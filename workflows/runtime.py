@@ -19,7 +19,7 @@ from workflows.console import say, warn  # noqa: F401  (say is imported from her
 from workflows.net import free_port
 from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
-from workflows.storage.uri import StorageContext, check_bucket, protocol_of
+from workflows.storage.uri import StorageContext, bucket_of, check_bucket
 
 log = logging.getLogger("workflows")
 
@@ -73,9 +73,11 @@ class Runtime:
 
 
 def buckets(cfg: WorkflowConfig) -> set[str]:
-    """The buckets of the embedded store that the config's root and data source name."""
-    uris = [cfg.storage.root, cfg.data.source]
-    return {u.split("://", 1)[1].split("/", 1)[0] for u in uris if protocol_of(u) in ("s3", "s3a")}
+    """The buckets the embedded store creates: storage.root's, the one it serves; any other bucket (a
+    user's data.source) is read from the store it is in (StorageContext.for_uri). With a root on a
+    local disk it serves every bucket, as data.source's."""
+    root = bucket_of(cfg.storage.root)
+    return {root} if root else {b for b in [bucket_of(cfg.data.source)] if b}
 
 
 def plugin_runtime_env(cfg: WorkflowConfig) -> dict | None:
@@ -195,10 +197,11 @@ def runtime(
     from workflows.tasks import check_task
 
     check_task(cfg)  # a plug-in that does not import stops here, before the store or Ray starts
-    embedded, started_ray = None, False
+    embedded, started_ray, outside = None, False, None
     if cfg.storage.embedded.enabled:
         e = cfg.storage.embedded
         embedded = EmbeddedS3(e.data_dir, e.host, e.port)
+        outside = cfg.storage.endpoint_url  # where buckets other than the embedded store's are
         # a new config that points at the endpoint (Runtime.cfg): the caller's stays as it was loaded
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"endpoint_url": embedded.start()})})
         for bucket in sorted(buckets(cfg)):
@@ -207,6 +210,8 @@ def runtime(
     tracking = None
     try:
         storage = StorageContext.from_config(cfg.storage)
+        if embedded is not None:
+            storage = storage.outside(outside)
         check_bucket(cfg.storage.root, storage)
         if before_ray is not None:
             before_ray(storage)

@@ -64,15 +64,70 @@ def run_benchmark(name: str, config: str | None, overrides: list[str], argv: lis
     text = json.dumps(result, indent=2, sort_keys=True)
     atomic_write(path, text)
     result = json.loads(text)  # the doc renders what was stored, as `--render` will later
-    write_doc_section(key, section_body(module, result), doc)
+    # every section of this benchmark: this run may have measured again what an older one shows
+    render(name, results_dir, doc)
     print(f"results written to {path} and {doc}")
     return result
 
 
-def section_body(module, result: dict) -> str:
+def heading(module, result: dict) -> str:
+    """The section's heading, as its markdown writes it (with its tag)."""
+    first = next(ln for ln in module.markdown(result).splitlines() if ln.startswith("## "))
+    return f"{first} ({result['tag']})" if result.get("tag") else first
+
+
+def anchor(title: str) -> str:
+    """GitHub's anchor of a markdown heading ("## Images: a loop (cold)" -> "images-a-loop-cold")."""
+    return re.sub(r"[^\w\- ]", "", title.removeprefix("## ").strip().lower()).replace(" ", "-")
+
+
+def _settings(command: str, selection: tuple[str, ...]) -> tuple[str, ...]:
+    """The `--set` values of a stored command line, less those that only choose what is measured."""
+    args = shlex.split(command)
+    sets = [v for flag, v in zip(args, args[1:]) if flag == "--set"]
+    return tuple(sorted(v for v in sets if v.split("=", 1)[0] not in selection))
+
+
+def superseded(result: dict, results: list[dict]) -> dict[str, dict]:
+    """The figures of `result` that a later run of the same benchmark, on the same settings (the
+    module's SELECTION_SETTINGS aside, which only pick the rows to run), measured again: figure ->
+    the newest such run. Only a module's FIGURES count (its headline numbers, not its settings)."""
+    module = importlib.import_module(BENCHMARKS[result["benchmark"]])
+    selection = tuple(getattr(module, "SELECTION_SETTINGS", ()))
+    mine = _settings(result.get("command", ""), selection)
+    out: dict[str, dict] = {}
+    for other in sorted(results, key=lambda r: r.get("measured_at") or ""):
+        if (other is result or other.get("benchmark") != result["benchmark"]
+                or (other.get("measured_at") or "") <= (result.get("measured_at") or "")
+                or _settings(other.get("command", ""), selection) != mine):
+            continue
+        for key in getattr(module, "FIGURES", ()):
+            if isinstance(result.get(key), (int, float)) and isinstance(other.get(key), (int, float)):
+                out[key] = other  # the newest wins: sorted by time
+    return out
+
+
+def history_note(result: dict, later: dict[str, dict]) -> str:
+    """The line under a section's heading whose figures a later run measured again."""
+    by_run: dict[str, tuple[dict, list[str]]] = {}
+    for key, other in later.items():
+        by_run.setdefault(other.get("measured_at") or "", (other, []))[1].append(key)
+    where = []
+    for when, (other, keys) in sorted(by_run.items()):
+        title = heading(importlib.import_module(BENCHMARKS[other["benchmark"]]), other)
+        figures = ", ".join(f"`{k}` {other[k]}" for k in keys)
+        where.append(f"{figures} in [{title.removeprefix('## ')}](#{anchor(title)}) ({when[:10]})")
+    return (f"**History, not the current figures**: a later run measured {len(later)} of this run's figures again: "
+            f"{'; '.join(where)}. This section is the earlier run's, kept for what no later run measured.")
+
+
+def section_body(module, result: dict, later: dict[str, dict] | None = None) -> str:
     body = module.markdown(result)
     if result.get("tag"):  # the section's heading names its variant
         body = re.sub(r"^(## .*)$", rf"\1 ({result['tag']})", body, count=1, flags=re.M)
+    if later:
+        body = re.sub(r"^(## .*)$", lambda m: f"{m.group(1)}\n\n{history_note(result, later)}", body,
+                      count=1, flags=re.M)
     return body
 
 
@@ -89,12 +144,14 @@ def render(name: str, results_dir: str | Path = RESULTS_DIR, doc: str | Path = D
         paths += gpu_doc.render(results_dir, Path(doc))
         if name == "gpu":
             return paths
-    for path in sorted(Path(results_dir).glob("*.json")):
-        result = json.loads(path.read_text())
+    stored = {path: json.loads(path.read_text()) for path in sorted(Path(results_dir).glob("*.json"))}
+    for path, result in stored.items():
         bench = result.get("benchmark")
         if bench in BENCHMARKS and name in ("all", bench):
             key = f"{bench}-{result['tag']}" if result.get("tag") else bench
-            write_doc_section(key, section_body(importlib.import_module(BENCHMARKS[bench]), result), Path(doc))
+            later = superseded(result, list(stored.values()))
+            write_doc_section(key, section_body(importlib.import_module(BENCHMARKS[bench]), result, later),
+                              Path(doc))
             paths.append(path)
     if not paths:
         raise UserError(f"no stored results for {name!r} in {results_dir}")

@@ -16,11 +16,13 @@ overrides apply to the digits pipeline only).
 from __future__ import annotations
 
 from workflows.bench.load import LoadSampler
-from workflows.bench.quickstart import STAGES, threads, where_rows
+from workflows.bench.quickstart import STAGES, load, threads, where_rows
 
 # fixed cost (wall − work) of the digits pipeline at most the quickstart's, measured in the same run
 GOALS = {"fixed_seconds_vs_quickstart": 0.0}
 
+
+FIGURES = ("wall_seconds", "wall_vs_work_ratio", "weighted_f1")  # headline figures (workflows.bench.superseded)
 
 def _port_override() -> str:
     from workflows.bench.serve_levers import _free_port
@@ -83,7 +85,7 @@ def markdown(r: dict) -> str:
     work_acc = f"{ev['accuracy']:.4f} / " if ev.get("accuracy") is not None else ""
     return f"""## Digits: the image pipeline beside its work
 
-`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, torch {r["machine"]["torch"]})
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs{load(r)}, torch {r["machine"]["torch"]})
 
 `workflows pipeline --config configs/digits.yaml` in a fresh process from an empty store, then the
 same computations in one plain-PyTorch process without Ray or an object store (`workflows/bench/work.py`,

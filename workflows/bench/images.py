@@ -52,6 +52,11 @@ OPTIONS = {"size": "1GB", "workers": "2", "reps": "3", "batch": "256", "classes"
 # warm: a peer's own cache; WebDataset has none, so its pass is a cold row ("no cache") only
 PEER_PHASES = {"streaming": "streaming_warm", "litdata": "litdata_warm"}
 COLD_PEER_PHASES = {"streaming": "streaming_cold", "litdata": "litdata_cold", "webdataset": "webdataset"}
+# the headline ratios: a later run on the same settings that measured one again makes an older
+# section's figure history (workflows.bench.superseded); bench.rows only picks which rows run
+FIGURES = ("warm_vs_best_peer", "cold_vs_best_peer", "warm_vs_local_dataloader", "two_workers_vs_one",
+           "train_step_vs_loader", "ray_data_train_step_vs_loader", "warm_vs_decode_limit", "cold_indexed_vs_best_peer")
+SELECTION_SETTINGS = ("bench.rows",)
 
 
 def _options(overrides: list[str]) -> tuple[dict, list[str]]:

@@ -16,6 +16,8 @@ GOAL_F1 = 0.95
 EXTRA_SEEDS = 2
 
 
+FIGURES = ("weighted_f1",)  # headline figures (workflows.bench.superseded)
+
 def run(config: str | None, overrides: list[str]) -> dict:
     if not any(o.startswith("data.source=") for o in overrides):
         raise UserError("bench madewithml needs Made-With-ML's dataset.csv: --set data.source=PATH_OR_URI")

@@ -20,6 +20,8 @@ F1_GOAL = 0.90
 STAGES = ["preprocess", "tune", "train", "evaluate", "serve"]
 
 
+FIGURES = ("wall_seconds", "wall_vs_work_ratio", "weighted_f1")  # headline figures (workflows.bench.superseded)
+
 def run(config: str | None, overrides: list[str]) -> dict:
     return {**measure_pipeline(config or "quickstart", overrides),
             "goals": {"wall_vs_work_ratio": GOALS, "weighted_f1": F1_GOAL}}
@@ -90,6 +92,13 @@ def breakdown(summary: dict, stages: dict) -> dict:
     return out
 
 
+def load(r: dict) -> str:
+    """The machine's load around the run (stored since run_benchmark records it): the seconds on a
+    shared machine stretch with it, the wall/work ratios much less (the work runs on the same cores)."""
+    la = r["machine"].get("load_average")
+    return f", load average {la['before']} before, {la['after_15min']} over the last 15 min" if la else ""
+
+
 def _goal(value: float, goal: float, at_most: bool = True) -> str:
     met = value <= goal if at_most else value >= goal
     return f"{'<=' if at_most else '>='} {goal} ({'met' if met else 'not met'})"
@@ -144,7 +153,7 @@ def markdown(r: dict) -> str:
     w = r["work"]
     return f"""## Quickstart: the pipeline beside its work
 
-`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, torch {r["machine"]["torch"]})
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs{load(r)}, torch {r["machine"]["torch"]})
 
 `workflows pipeline --config configs/quickstart.yaml` in a fresh process from an empty store, then the
 same computations in one plain-PyTorch process without Ray or an object store (`workflows/bench/work.py`:

@@ -10,9 +10,12 @@ from workflows.config.base import Strict
 
 
 class EmbeddedS3Config(Strict):
-    """moto's S3 server on this machine, persisted to `data_dir` between commands."""
+    """moto's S3 server on this machine, persisted to `data_dir` between commands. It holds the
+    bucket of storage.root only: any other bucket (a `data.source` of yours) is read from the store
+    it is in."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="serve storage.root's bucket from moto's server on this machine; "
+                          "other buckets stay at storage.endpoint_url, else AWS_ENDPOINT_URL, else AWS")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     data_dir: str = Field(".workflows/s3", description="local directory that persists the buckets")
@@ -21,7 +24,8 @@ class EmbeddedS3Config(Strict):
 class StorageConfig(Strict):
     root: str = Field("s3://workflows", description="URI under which processed data, runs and models live")
     endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO, ...); else AWS_ENDPOINT_URL or AWS"
+        None, description="S3-compatible endpoint (MinIO, ...); else AWS_ENDPOINT_URL or AWS (with the embedded "
+        "store on: the endpoint of every bucket but storage.root's)"
     )
     region: str | None = Field(None, description="else AWS_REGION / AWS_DEFAULT_REGION")
     embedded: EmbeddedS3Config = EmbeddedS3Config()

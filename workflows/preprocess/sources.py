@@ -38,7 +38,7 @@ def list_shards(uri: str, ctx: StorageContext, fmt: str = "auto") -> tuple[list[
         check_bucket(uri, ctx)  # names a missing bucket or bad credentials precisely
         raise UserError(f"access denied listing {uri}: check the AWS credentials and the bucket policy") from None
     except OSError as e:  # endpoint unreachable after s3fs's retries
-        raise UserError(f"cannot list {uri} (endpoint {ctx.endpoint_url or 'default'}): {e}") from None
+        raise UserError(f"cannot list {uri} (endpoint {ctx.for_uri(uri).endpoint_url or 'default'}): {e}") from None
     paths = sorted(
         p for p, i in infos.items() if i.get("type") != "directory" and not p.rsplit("/", 1)[-1].startswith((".", "_"))
     )

@@ -86,7 +86,7 @@ class ShardCache:
         self.chunk_size = chunk_size
         self._stats = CacheStats()
         self._stats_lock = threading.Lock()
-        self._s3_client = None
+        self._s3_clients: dict = {}  # per StorageContext: the embedded store's buckets, an outside one's
         self._debris_swept_at = -math.inf  # the first miss of a process sweeps debris
         self._block = os.statvfs(self.dir).f_bsize or 4096  # the unit of an entry's footprint
 
@@ -235,10 +235,11 @@ class ShardCache:
         return stream_to_file(src, tmp, self.chunk_size)
 
     def _download_s3(self, src: Source, tmp: Path):
+        ctx = self.ctx.for_uri(src.uri)
         with self._stats_lock:  # creating a boto3 client is not thread-safe; using one is
-            if self._s3_client is None:
-                self._s3_client = self.ctx.boto3_client()
-        return s3_download_to_file(self._s3_client, src, tmp, self.chunk_size)
+            if ctx not in self._s3_clients:
+                self._s3_clients[ctx] = ctx.boto3_client()
+        return s3_download_to_file(self._s3_clients[ctx], src, tmp, self.chunk_size)
 
     def _present(self, name: str, src: Source, check_hash: bool) -> bool:
         """Both files exist, the sizes agree with the store (cheap), and optionally the hash."""

@@ -12,7 +12,7 @@ import json
 import os
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
@@ -24,26 +24,61 @@ from workflows.storage.atomic import atomic_write
 EMBEDDED_KEY = "embedded"  # moto accepts any key; these are not secrets
 
 
+def bucket_of(uri: str) -> str | None:
+    """The bucket of an s3:// URI; None for any other protocol."""
+    return uri.split("://", 1)[1].split("/", 1)[0] if protocol_of(uri) in ("s3", "s3a") else None
+
+
+def _env_endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 @dataclass(frozen=True)
 class StorageContext:
+    """How to reach the object store. With the embedded endpoint on, it serves only its own buckets
+    (`embedded_buckets`: storage.root's; None: every bucket, for a context built on the endpoint
+    alone); any other bucket, such as a user's `data.source=s3://my-bucket/...`, is read from the
+    store it is in: `outside_endpoint_url` (storage.endpoint_url, else AWS_ENDPOINT_URL, else AWS),
+    with the standard AWS credentials. `for_uri` picks the context of a URI."""
+
     endpoint_url: str | None = None
     region: str | None = None
     embedded: bool = False
     retries: int = 5
+    embedded_buckets: tuple[str, ...] | None = None
+    outside_endpoint_url: str | None = None
 
     @classmethod
     def from_config(cls, storage_cfg) -> StorageContext:
+        """The store of a config as loaded. A running embedded endpoint takes storage.endpoint_url's
+        place in the runtime's config; the runtime keeps the configured one as the outside endpoint
+        (`outside`)."""
+        embedded = storage_cfg.embedded.enabled
+        root_bucket = bucket_of(storage_cfg.root)
         return cls(
-            endpoint_url=storage_cfg.endpoint_url
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL"),
+            endpoint_url=storage_cfg.endpoint_url or _env_endpoint(),
             region=storage_cfg.region
             or os.environ.get("AWS_REGION")
             or os.environ.get("AWS_DEFAULT_REGION")
             or "us-east-1",
-            embedded=storage_cfg.embedded.enabled,
+            embedded=embedded,
             retries=storage_cfg.retries,
+            embedded_buckets=(root_bucket,) if embedded and root_bucket else None,
+            outside_endpoint_url=(storage_cfg.endpoint_url or _env_endpoint()) if embedded else None,
         )
+
+    def outside(self, configured_endpoint_url: str | None) -> StorageContext:
+        """This context with buckets other than the embedded store's at `configured_endpoint_url`
+        (else AWS_ENDPOINT_URL, else AWS)."""
+        return replace(self, outside_endpoint_url=configured_endpoint_url or _env_endpoint())
+
+    def for_uri(self, uri: str) -> StorageContext:
+        """The context that reaches `uri`: this one, or for a bucket that the embedded endpoint does
+        not serve, the outside store's (no embedded keys: the AWS credential chain)."""
+        bucket = bucket_of(uri)
+        if not self.embedded or self.embedded_buckets is None or bucket is None or bucket in self.embedded_buckets:
+            return self
+        return StorageContext(endpoint_url=self.outside_endpoint_url, region=self.region, retries=self.retries)
 
     def s3_options(self) -> dict[str, Any]:
         client_kwargs: dict[str, Any] = {"region_name": self.region}
@@ -96,7 +131,7 @@ def reaching(uri: str, ctx: StorageContext):
     except UserError:
         raise
     except Exception as e:
-        endpoint = ctx.endpoint_url or "default"
+        endpoint = ctx.for_uri(uri).endpoint_url or "default"
         if _is_unreachable(e):
             message = f"cannot reach {uri} (endpoint {endpoint}): {type(e).__name__}: {e}"
             raise StoreUnreachable(message.splitlines()[0]) from None
@@ -115,7 +150,7 @@ def protocol_of(uri: str) -> str:
 def filesystem(uri: str, ctx: StorageContext) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for `uri` and the path inside it."""
     proto = protocol_of(uri)
-    options = ctx.s3_options() if proto in ("s3", "s3a") else {}
+    options = ctx.for_uri(uri).s3_options() if proto in ("s3", "s3a") else {}
     try:
         fs, path = fsspec.core.url_to_fs(uri, **options)
     except (ImportError, ValueError) as e:
@@ -213,6 +248,7 @@ def check_bucket(uri: str, ctx: StorageContext) -> None:
     if protocol_of(uri) not in ("s3", "s3a"):
         return
     bucket = uri.split("://", 1)[1].split("/", 1)[0]
+    ctx = ctx.for_uri(uri)
     client = ctx.boto3_client()
     try:
         client.head_bucket(Bucket=bucket)
