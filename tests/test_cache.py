@@ -48,7 +48,7 @@ def bucket(s3, request):
         client.put_object(Bucket=name, Key=key, Body=data)
         return f"s3://{name}/{key}"
 
-    put.ctx = ctx
+    put.ctx, put.name = ctx, name
     return put
 
 
@@ -365,8 +365,10 @@ def test_the_cap_counts_the_model_cache_beside_the_shards(tmp_path):
 def _s3_model_config(bucket, tmp_path):
     from workflows.config import load_config
 
+    # the test's bucket is the embedded store's own (storage.root's): other buckets are read outside it
     return load_config(None, ["data.source=raw", f"storage.endpoint_url={bucket.ctx.endpoint_url}",
-                              "storage.embedded.enabled=true", f"cache.dir={tmp_path / 'cache'}"])
+                              "storage.embedded.enabled=true", f"storage.root=s3://{bucket.name}/workflows",
+                              f"cache.dir={tmp_path / 'cache'}"])
 
 
 def test_replaced_initial_weights_beside_an_unchanged_config_are_fetched_again(tmp_path, bucket):
