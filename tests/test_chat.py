@@ -156,7 +156,8 @@ def chat_overrides(tmp: Path, base: Path) -> list[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("finetune", ["lora", "full"])
+# the gate runs LoRA, the demo's path, and serves it; full fine-tuning is in make test-all
+@pytest.mark.parametrize("finetune", ["lora", pytest.param("full", marks=pytest.mark.extended)])
 def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_dir, tmp_path, finetune, request):
     """Data, preprocess, fine-tuning on 2 workers (FSDP2; LoRA: the adapter registered, full: the whole
     model), evaluation against the base model, then `evaluate --split val` gives the card's val figures.

@@ -236,7 +236,8 @@ class Serve:
 
 
 @needs_haproxy
-@pytest.mark.parametrize("moment", ["haproxy started", "serving"])
+# one moment and one fault in the gate; the other of each in make test-all
+@pytest.mark.parametrize("moment", ["haproxy started", pytest.param("serving", marks=pytest.mark.extended)])
 def test_a_serve_stopped_during_startup_leaves_no_ingress(quickstart_run, tmp_path, moment):
     """SIGTERM at a moment of startup, SIGKILL to the process group 5 s later (as a supervisor
     does): nothing listens on the port afterwards, no HAProxy nor other process of its cluster is
@@ -264,7 +265,7 @@ def test_a_serve_stopped_during_startup_leaves_no_ingress(quickstart_run, tmp_pa
 
 @needs_haproxy
 @pytest.mark.parametrize("fault", ["manager and raylet killed",
-                                   pytest.param("command killed, manager hung", marks=pytest.mark.integration)])
+                                   pytest.param("command killed, manager hung", marks=pytest.mark.extended)])
 def test_haproxy_dies_with_its_manager_or_its_command(quickstart_run, fault):
     """Where Ray cannot clean up, HAProxy still goes. Its manager SIGKILLed together with the
     raylet (which would kill the manager's process group): the parent-death signal ends HAProxy

@@ -192,7 +192,9 @@ def class_sorted_photos(root: Path, per_class: int = 150, classes: int = 2) -> P
     return root
 
 
-@pytest.mark.integration
+# an image pipeline of its own with an accuracy bar; the gate checks a user's bucket beside the embedded
+# store in test_storage and runs a README block on a second endpoint (test_readme)
+@pytest.mark.extended
 def test_the_readme_own_images_command_on_a_class_sorted_folder(tmp_path, ray_join):
     """The README's own-images command as printed, its `data.source=s3://my-bucket/pets/train/` a
     bucket on a second S3 endpoint (moto's server, named as a user names theirs: AWS_ENDPOINT_URL and

@@ -473,7 +473,7 @@ def test_a_retried_trial_logs_on_into_its_run(mlflow_server, tmp_path):
     assert sorted(m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")) == [0, 1]
 
 
-@pytest.mark.integration
+@pytest.mark.extended  # the gate's pipelines log one-worker trials; this is the two-worker trial's variant
 def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_server, tmp_path):
     """A tune.num_workers=2 trial (a Ray Train run of 2 epochs): the driver-side trial creates the
     trial's run, rank 0 finds it by its key and logs each epoch at its step, once. With step

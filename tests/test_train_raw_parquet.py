@@ -75,6 +75,7 @@ def test_raw_parquet_trains_on_each_training_row_once_and_no_held_out_row(parque
     assert out.history[0]["val_f1"] >= 0
 
 
+@pytest.mark.extended  # the gate checks crops across worker counts on the tar stream (test_train_stream)
 def test_raw_parquet_crops_follow_the_sample_not_the_rank(parquet_digits):
     """2 workers against 1 resumed at position 32: the same samples get the same crops."""
     ns = parquet_digits

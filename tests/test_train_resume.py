@@ -196,7 +196,7 @@ def test_killed_worker_is_restarted_from_the_last_checkpoint(run):
     assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
 
 
-@pytest.mark.integration
+@pytest.mark.extended  # the gate trains under torchrun in test_images_e2e (DDP, resume)
 def test_standalone_loop_under_torchrun(run, tmp_path):
     """The Ray-free loop: torchrun, 2 processes, FSDP2 over gloo, parquet read from the embedded
     S3 endpoint this test's runtime holds; then one plain process resuming from its checkpoint."""

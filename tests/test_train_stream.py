@@ -66,7 +66,7 @@ def test_a_restarted_worker_group_continues_mid_epoch(digits):
     assert lineage(digits.tmp / "restart") == digits.expected
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.extended)])
 @pytest.mark.integration
 def test_resume_mid_epoch_on_another_worker_count(digits, before, after):
     name = f"w{before}to{after}"
@@ -97,7 +97,7 @@ def crops(digits, workers: int, start: int, *extra: str) -> dict[int, bytes]:
     return out
 
 
-@pytest.mark.parametrize("image_input", ["pixels", "raw"])
+@pytest.mark.parametrize("image_input", [pytest.param("pixels", marks=pytest.mark.extended), "raw"])
 @pytest.mark.integration
 def test_training_crops_follow_the_sample_not_the_rank(digits, image_input):
     """An elastic 2 -> 1 resume mid-epoch: the samples the one worker trains on get the crops the

@@ -61,7 +61,7 @@ def cfg_dir(cfg):
     return Path(cfg.output_dir) / cfg.name
 
 
-@pytest.mark.integration
+@pytest.mark.extended  # a search algorithm beside the default; the gate's searches are random/grid with ASHA and FIFO
 def test_optuna_search(ray_cluster, tmp_path):
     pytest.importorskip("optuna")
     cfg = tune_cfg(tmp_path, {"train.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "train.batch_size": {"choice": [8, 16]}},
@@ -109,7 +109,7 @@ def _finished_trials(experiment_dir) -> dict[str, str]:
     return out
 
 
-@pytest.mark.integration
+@pytest.mark.extended  # the gate resumes training after a kill; a search's resume is in make test-all
 def test_interrupted_search_resumes_without_rerunning_finished_trials(tmp_path):
     """`workflows tune` SIGKILLed (driver, its Ray cluster, trials) once a trial has finished;
     `workflows tune --resume` then runs only the others. Local storage: the embedded endpoint
