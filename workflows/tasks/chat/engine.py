@@ -265,16 +265,20 @@ class Engine:
                 gen.finish_reason = "error"  # unloaded between its request's load and this step
                 gen._push(LookupError(f"adapter {gen.adapter} is not loaded; retry the request"))
                 continue
-            n = len(gen.prompt)
-            ids = torch.tensor([gen.prompt])
-            logits, cache = self._forward(ids, torch.ones_like(ids), torch.arange(n)[None], None,
-                                          [gen.adapter or BASE])
-            self.stats["prefills"] += 1
-            limit = min(gen.params.max_tokens, self.max_context - n)
-            row = _Row(gen, TextState(gen.params.stop), generator(gen.params.seed), -1, n, limit)
-            gen.steps = (self.stats["steps"], -1)
+            try:  # a joining request's failure (its prefill, its first token) is its own
+                n = len(gen.prompt)
+                ids = torch.tensor([gen.prompt])
+                logits, cache = self._forward(ids, torch.ones_like(ids), torch.arange(n)[None], None,
+                                              [gen.adapter or BASE])
+                self.stats["prefills"] += 1
+                limit = min(gen.params.max_tokens, self.max_context - n)
+                row = _Row(gen, TextState(gen.params.stop), generator(gen.params.seed), -1, n, limit)
+                gen.steps = (self.stats["steps"], -1)
+                row.last = next_token(logits[0], gen.params, row.rng)
+            except Exception as e:
+                self._fail(gen, e)
+                continue
             new.append((row, cache))
-            row.last = next_token(logits[0], gen.params, row.rng)
             gen.times["first_token"] = time.perf_counter()
         if new:
             self._merge(new)
@@ -288,9 +292,15 @@ class Engine:
         logits, self._cache = self._forward(ids, mask, positions, self._cache,
                                             [r.gen.adapter or BASE for r in self._rows])
         self._mask = mask
+        failed = []
         for i, r in enumerate(self._rows):
             r.pos += 1
-            r.last = next_token(logits[i], r.gen.params, r.rng)
+            try:  # one row's failure to choose its token fails that request only
+                r.last = next_token(logits[i], r.gen.params, r.rng)
+            except Exception as e:
+                self._fail(r.gen, e)
+                failed.append(i)
+        self._drop(failed, None)
         self.stats["steps"] += 1
         self.stats["row_steps"] += len(self._rows)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(self._rows))
@@ -320,6 +330,12 @@ class Engine:
         for i, reason in ended.items():
             self._finish_gen(self._rows[i].gen, reason, self._rows[i].state.delta(final=True))
         self._drop(sorted(ended), None)
+
+    def _fail(self, gen: Generation, e: Exception) -> None:
+        log.error("request %d failed: %r", gen.id, e)
+        gen.finish_reason = "error"
+        gen.times["finished"] = time.perf_counter()
+        gen._push(e)
 
     def _finish_gen(self, gen: Generation, reason: str, text: str) -> None:
         gen.finish_reason = reason

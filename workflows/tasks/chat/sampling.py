@@ -44,11 +44,17 @@ def generator(seed: int | None) -> torch.Generator:
     return g
 
 
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy: dividing by less overflows the logits
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """The next token from one row of logits [vocab]."""
-    if params.temperature == 0:
+    """The next token from one row of logits [vocab]. Numerically safe for any valid temperature: the
+    logits less their maximum, in float64, so no division overflows and softmax has no NaN; a
+    temperature below MIN_TEMPERATURE is greedy (what such a temperature means in the limit)."""
+    if params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    scaled = (logits.double() - logits.max().double()) / params.temperature
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more probable tokens

@@ -1,0 +1,90 @@
+"""Faults of the chat task's serving (the review of #50) that must stay one request's, or one
+replica's, and never take down the rest: unit tests without Ray, on the tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.chat_serve_task import build_tiny_chat
+from workflows.tasks.chat import engine as engine_mod
+from workflows.tasks.chat.engine import Engine
+from workflows.tasks.chat.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, model, tokenizer) of the tiny chat model."""
+    out = tmp_path_factory.mktemp("tinychat")
+    model, tokenizer = build_tiny_chat(out)
+    return str(out), model, tokenizer
+
+
+@pytest.fixture
+def engine(tiny):
+    made = []
+
+    def make(**kw):
+        e = Engine(tiny[1], tiny[2], **kw)
+        e.eos = set()
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def prompt(tokenizer) -> list[int]:
+    return tokenizer("hello world the cat sat").input_ids
+
+
+def test_a_tiny_temperature_samples_safely_beside_a_greedy_request(tiny, engine):
+    """Temperature 1e-39 overflowed logits/temperature to inf (softmax NaN, multinomial raised in the
+    decode thread and failed every request in the batch): now it is greedy, with top_p < 1 too, and
+    the greedy request beside it gets its usual tokens."""
+    e = engine(max_batch=4)
+    p = prompt(tiny[2])
+    alone = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
+    alone.result(60)
+    gens = [e.submit(p, SamplingParams(max_tokens=8, temperature=0)),
+            e.submit(p, SamplingParams(max_tokens=8, temperature=1e-39, seed=1)),
+            e.submit(p, SamplingParams(max_tokens=8, temperature=1e-39, top_p=0.5, seed=2)),
+            e.submit(p, SamplingParams(max_tokens=8, temperature=1e-3, top_p=0.5, seed=3))]
+    for g in gens:
+        g.result(60)
+    assert gens[0].tokens == alone.tokens
+    assert all(g.finish_reason == "length" for g in gens)
+
+
+def test_one_requests_failure_to_sample_fails_it_alone(tiny, engine, monkeypatch):
+    """An error choosing one row's token (at its prefill or at a later step) fails that request only:
+    the others in the batch go on with their usual tokens and the engine keeps serving."""
+    real = engine_mod.next_token
+    calls: dict[int, int] = {}
+
+    def flaky(logits, params, gen):
+        if params.seed in (13, 14):
+            calls[params.seed] = calls.get(params.seed, 0) + 1
+            if params.seed == 13 or calls[params.seed] == 3:  # 13 at its prefill, 14 at its third token
+                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, params, gen)
+
+    monkeypatch.setattr(engine_mod, "next_token", flaky)
+    e = engine(max_batch=4)
+    p = prompt(tiny[2])
+    alone = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
+    alone.result(60)
+    ok = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
+    bad = [e.submit(p, SamplingParams(max_tokens=8, seed=s)) for s in (13, 14)]
+    for g in bad:
+        with pytest.raises(RuntimeError, match="inf, nan"):
+            g.result(60)
+        assert g.finish_reason == "error"
+    ok.result(60)
+    assert ok.tokens == alone.tokens and ok.finish_reason == "length"
+    again = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
+    again.result(60)
+    assert again.tokens == alone.tokens
