@@ -88,3 +88,60 @@ def test_one_requests_failure_to_sample_fails_it_alone(tiny, engine, monkeypatch
     again = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
     again.result(60)
     assert again.tokens == alone.tokens
+
+
+def served(model_dir: str, **generate):
+    """The chat task's predictor of a whole model registered as tiny:1 (nothing loaded yet)."""
+    from types import SimpleNamespace
+
+    from tests.conftest import ROOT
+    from workflows.config import load_config
+    from workflows.tasks.chat import ChatTask
+    from workflows.tasks.chat.serving import ChatPredictor
+
+    cfg = load_config(ROOT / "configs" / "chat.yaml", [f"serve.generate.{k}={v}" for k, v in generate.items()])
+    return ChatPredictor(ChatTask(cfg), model_dir, SimpleNamespace(name="tiny", version=1))
+
+
+def test_deleting_the_last_adapter_of_a_whole_model_leaves_the_replica_serving(tiny, tmp_path):
+    """A whole model served, adapter A loaded (the model wrapped by peft, A its active adapter) then
+    unloaded by Serve: peft kept the deleted name active and every later forward raised KeyError. Now
+    the base answers as before and a new adapter B loads and answers as it does on a fresh replica."""
+    from tests.chat_serve_task import build_lora
+
+    model_dir, _, tokenizer = tiny
+    for i in (1, 2):
+        build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
+    p = prompt(tokenizer)
+    fresh, predictor = served(model_dir), served(model_dir)
+    try:
+        fresh.engine.eos = predictor.engine.eos = set()
+        base = fresh.engine.submit(p, SamplingParams(max_tokens=8, temperature=0))
+        base.result(60)
+        b_name = fresh.add_adapter("b:1", str(tmp_path / "lora2")).result(60)
+        b = fresh.engine.submit(p, SamplingParams(max_tokens=8, temperature=0), b_name)
+        b.result(60)
+        e = predictor.engine
+        predictor.add_adapter("a:1", str(tmp_path / "lora1")).result(60)
+        predictor.retire("a:1")
+        e.call(lambda: None).result(30)  # the deletion queued before it has run
+        again = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
+        again.result(60)
+        assert again.tokens == base.tokens
+        name = predictor.add_adapter("b:1", str(tmp_path / "lora2")).result(60)
+        g = e.submit(p, SamplingParams(max_tokens=8, temperature=0), name)
+        g.result(60)
+        assert g.tokens == b.tokens
+        predictor.add_adapter("a:2", str(tmp_path / "lora1")).result(60)
+        predictor.retire("b:1")  # peft's active adapter, with another left
+        e.call(lambda: None).result(30)
+        for adapter in (None, predictor.adapters["a:2"]):
+            g = e.submit(p, SamplingParams(max_tokens=8, temperature=0), adapter)
+            g.result(60)
+        assert g.tokens != base.tokens
+        again = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
+        again.result(60)
+        assert again.tokens == base.tokens
+    finally:
+        fresh.close()
+        predictor.close()

@@ -225,8 +225,15 @@ class ChatPredictor(Predictor):
 
         def delete():
             model = self.engine.model
-            if name in getattr(model, "peft_config", {}):
-                model.delete_adapter(name)
+            if name not in getattr(model, "peft_config", {}):
+                return
+            if self.served_adapter is None and set(model.peft_config) == {name}:
+                # the last adapter of a whole model: unwrap it (peft would keep the deleted name active)
+                self.engine.model = model.unload().eval()
+                return
+            model.delete_adapter(name)
+            if model.active_adapter not in model.peft_config:  # peft leaves the deleted one active
+                model.set_adapter(next(iter(model.peft_config)))
 
         self.engine.call(delete)
 
