@@ -145,3 +145,48 @@ def test_deleting_the_last_adapter_of_a_whole_model_leaves_the_replica_serving(t
     finally:
         fresh.close()
         predictor.close()
+
+
+def test_an_adapter_is_checked_by_its_card_before_anything_is_downloaded(tiny, tmp_path):
+    """A request's "model" naming a registered version made the replica download it (registry.fetch)
+    before checking it. Now its card alone is read first: another task's model, a merged export, or
+    an adapter of other base weights is refused (404) with nothing fetched; a suitable one loads."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tests.chat_serve_task import build_lora
+    from workflows.tasks.chat.engine import ModelNotFound
+    from workflows.tasks.chat.model import weights_sha256
+    from workflows.tasks.chat.openai_api import Adapters
+
+    model_dir, _, _ = tiny
+    build_lora(model_dir, tmp_path / "lora", seed=1)
+    base = {"name_or_path": model_dir, "sha256": weights_sha256(model_dir)}
+    good = SimpleNamespace(task="chat", export="adapter", base=base)
+    fetched: list[str] = []
+    cards = {"text:1": SimpleNamespace(task="text_classification", base=base),
+             "merged:1": SimpleNamespace(task="chat", export="merged", base=base),
+             "other:1": SimpleNamespace(task="chat", export="adapter", base={**base, "sha256": "0" * 64}),
+             "good:1": good}
+
+    def read_card(spec):
+        if spec not in cards:
+            raise LookupError(f"model {spec!r} not found in the registry")
+        return cards[spec]
+
+    def fetch_model(spec):
+        fetched.append(spec)
+        return str(tmp_path / "lora"), cards[spec]
+
+    predictor = served(model_dir)
+    try:
+        adapters = Adapters(SimpleNamespace(predictor=predictor, read_card=read_card, fetch_model=fetch_model))
+        for spec in ("nope:1", "text:1", "merged:1", "other:1"):
+            with pytest.raises(ModelNotFound):
+                asyncio.run(adapters.load(spec))
+        assert fetched == []
+        ref = asyncio.run(adapters.load("good:1"))
+        assert fetched == ["good:1"] and ref.name in predictor.engine.model.peft_config
+        ref._unloaded = True  # its loop is gone: no retire
+    finally:
+        predictor.close()

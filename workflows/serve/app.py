@@ -257,6 +257,12 @@ class ModelServer:
 
         return registry.fetch(self.cfg, self.storage, spec)
 
+    def read_card(self, spec: str) -> Any:
+        """Another registered version's card alone (one small read, nothing downloaded). Blocking."""
+        from workflows import registry
+
+        return registry.read_card(registry.resolve(self.cfg, self.storage, spec), self.storage)
+
     def stopping_response(self) -> JSONResponse:
         # Connection: close makes the client drop its keep-alive connection before the proxy goes.
         return _error(503, "the server is shutting down", {"Connection": "close", "Retry-After": "5"})

@@ -285,11 +285,16 @@ class Adapters:
 
         predictor = self.server.predictor
         loop = asyncio.get_running_loop()
-        try:
-            model_dir, card = await loop.run_in_executor(None, self.server.fetch_model, model_id)
+        try:  # the card first: nothing is downloaded for a version this replica cannot serve
+            card = await loop.run_in_executor(None, self.server.read_card, model_id)
         except Exception as e:  # the registry's UserError: no such model or version
             raise ModelNotFound(str(e).splitlines()[0]) from None
         # off the loop: a served whole model's base is identified by hashing its weights, once
+        await loop.run_in_executor(None, predictor.check_card, model_id, card)
+        try:
+            model_dir, card = await loop.run_in_executor(None, self.server.fetch_model, model_id)
+        except Exception as e:
+            raise ModelNotFound(str(e).splitlines()[0]) from None
         await loop.run_in_executor(None, predictor.check_adapter, model_id, model_dir, card)
         name = await asyncio.wrap_future(predictor.add_adapter(model_id, model_dir))
         return AdapterRef(model_id, name, predictor, loop)

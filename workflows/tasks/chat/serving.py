@@ -165,11 +165,23 @@ class ChatPredictor(Predictor):
             raise ModelNotFound(f"model {name!r}: name an adapter with its version, {name}:VERSION")
         return f"{name}:{int(version)}"
 
+    def check_card(self, model_id: str, card: Any) -> None:
+        """Before anything is downloaded: the card of a chat task's adapter export of the served base
+        (its base weights' sha256), or ModelNotFound."""
+        tasks = {"chat", getattr(self.card, "task", None) or "chat"}  # the served card's: a chat task's subclass
+        if getattr(card, "task", None) not in tasks or getattr(card, "export", None) != "adapter":
+            raise ModelNotFound(f"model {model_id} is not a LoRA adapter of the chat task (task "
+                                f"{getattr(card, 'task', None)!r}, export {getattr(card, 'export', None)!r})")
+        self._check_base(model_id, card)
+
     def check_adapter(self, model_id: str, model_dir: str, card: Any) -> None:
         """A registered version this replica may load as an adapter of its base, or ModelNotFound."""
         missing = [f for f in ADAPTER_FILES if not os.path.isfile(os.path.join(model_dir, f))]
         if missing:
             raise ModelNotFound(f"model {model_id} is not a LoRA adapter (no {', '.join(missing)})")
+        self._check_base(model_id, card)
+
+    def _check_base(self, model_id: str, card: Any) -> None:
         base = dict(getattr(card, "base", None) or {})
         if not base.get("sha256") or base["sha256"] != self.base_sha256():
             raise ModelNotFound(f"model {model_id} is an adapter of {base.get('name_or_path') or 'an unnamed base'} "
