@@ -190,3 +190,32 @@ def test_an_adapter_is_checked_by_its_card_before_anything_is_downloaded(tiny, t
         ref._unloaded = True  # its loop is gone: no retire
     finally:
         predictor.close()
+
+
+def test_an_adapters_base_stays_under_the_root_and_is_a_whole_model(tmp_path, monkeypatch):
+    """An adapter card's base name chooses what is read: `..` segments after storage.root escaped it,
+    and a registered base that is itself an adapter (a card naming its own version) recursed without
+    end (RecursionError). Both are now one-line UserErrors."""
+    from types import SimpleNamespace
+
+    from tests.conftest import ROOT
+    from workflows import registry
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.tasks.chat.model import card_base_dir, registered_dir
+
+    cfg = load_config(ROOT / "configs" / "chat.yaml", [f"storage.root={tmp_path / 'store'}"])
+    root = cfg.storage.root.rstrip("/")
+    for name in (f"{root}/../secret", f"{root}/models/../../secret", f"{root}2/x"):
+        card = SimpleNamespace(name="a", version=1, base={"name_or_path": name, "sha256": "0" * 64})
+        with pytest.raises(UserError, match="does not read"):
+            card_base_dir(card, cfg)
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    card = SimpleNamespace(name="self", version=1, task="chat", artifact_id="a1",
+                           base={"name_or_path": "registry:self:1", "sha256": "0" * 64})
+    monkeypatch.setattr(registry, "fetch", lambda cfg, ctx, spec: (str(adapter), card))
+    with pytest.raises(UserError, match="itself an adapter"):
+        registered_dir("registry:self:1", cfg)

@@ -31,19 +31,20 @@ def attn_implementation() -> str:
     return "sdpa" if torch.cuda.is_available() else "eager"
 
 
-def resolve_dir(name_or_path: str, cfg) -> str:
-    """A local directory holding `name_or_path` (see the module docstring) on this node."""
+def resolve_dir(name_or_path: str, cfg, whole: bool = False) -> str:
+    """A local directory holding `name_or_path` (see the module docstring) on this node; `whole`: a
+    registered model must be a whole model (an adapter's base: no chain of adapters)."""
     from workflows.storage.model_dir import fetch_model_dir
     from workflows.tasks.chat.smollm2 import NAME, smollm2_dir
 
     if name_or_path == NAME:
         return smollm2_dir(cfg.cache.resolved_dir())
     if name_or_path.startswith(REGISTRY_PREFIX):
-        return registered_dir(name_or_path, cfg)
+        return registered_dir(name_or_path, cfg, whole)
     return fetch_model_dir(name_or_path, cfg)
 
 
-def registered_dir(name_or_path: str, cfg) -> str:
+def registered_dir(name_or_path: str, cfg, whole: bool = False) -> str:
     """A registered chat model as a from_pretrained directory: its own folder when it holds a whole
     model; an adapter merged into its base, once per node, into the model cache."""
     from workflows import registry
@@ -55,6 +56,8 @@ def registered_dir(name_or_path: str, cfg) -> str:
         raise UserError(f"model.name_or_path {name_or_path!r}: a {card.task} model, not a chat model")
     if not os.path.isfile(os.path.join(model_dir, ADAPTER_CONFIG)):
         return model_dir
+    if whole:
+        raise UserError(f"base model {name_or_path!r} is itself an adapter: an adapter's base must be a whole model")
     dest = os.path.join(cfg.cache.resolved_dir(), "models", f"merged-{card.artifact_id}")
     if not os.path.isfile(os.path.join(dest, "config.json")):
         import shutil
@@ -206,11 +209,11 @@ def card_base_dir(card, cfg) -> str:
     base = dict(getattr(card, "base", None) or {})
     name, sha = str(base.get("name_or_path") or ""), str(base.get("sha256") or "")
     root = cfg.storage.root.rstrip("/") + "/"
-    if not (name == NAME or name.startswith(REGISTRY_PREFIX) or name == cfg.model.name_or_path
-            or name.startswith(root)):
+    under_root = name.startswith(root) and ".." not in name[len(root):].replace("\\", "/").split("/")
+    if not (name == NAME or name.startswith(REGISTRY_PREFIX) or name == cfg.model.name_or_path or under_root):
         raise UserError(f"model {card.name}:v{card.version} is an adapter of {name!r}, which this command does not "
                         f"read: set model.name_or_path={name} to use that base")
-    directory = resolve_dir(name, cfg)
+    directory = resolve_dir(name, cfg, whole=True)
     if (found := weights_sha256(directory)) != sha:
         raise UserError(f"base model {name!r} has weights sha256 {found[:16]}..., the adapter "
                         f"{card.name}:v{card.version} was trained on {sha[:16]}...: not the same base")
