@@ -219,3 +219,53 @@ def test_an_adapters_base_stays_under_the_root_and_is_a_whole_model(tmp_path, mo
     monkeypatch.setattr(registry, "fetch", lambda cfg, ctx, spec: (str(adapter), card))
     with pytest.raises(UserError, match="itself an adapter"):
         registered_dir("registry:self:1", cfg)
+
+
+class _FailedGen:
+    """A generation the engine failed after one delta."""
+
+    def __init__(self, error: Exception):
+        self.error, self.finish_reason, self.cancelled = error, None, False
+        self.usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def __aiter__(self):
+        from workflows.tasks.chat.engine import Delta
+
+        yield Delta("hel")
+        self.finish_reason = "error"
+        raise self.error
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_an_engine_failure_is_an_openai_error_not_a_bare_500(kind):
+    """A generation the engine fails (an adapter unloaded under it: LookupError; a failed step) escaped
+    as a bare 500 with a traceback. Now a JSON answer is a 503 with Retry-After or a 500 in OpenAI's
+    error shape, and a stream sends an error event then `data: [DONE]`; the request is released once."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from workflows.tasks.chat.streaming import Completion
+
+    for error, status, code in ((LookupError("adapter adapter1 is not loaded; retry the request"), 503,
+                                 "model_unavailable"), (RuntimeError("step failed"), 500, "generation_failed")):
+        server, released = SimpleNamespace(in_flight=1), []
+        answer = asyncio.run(Completion(kind, "tiny:1", _FailedGen(error), server,
+                                        lambda: released.append(1)).json_response())
+        body = json.loads(answer.body)
+        assert answer.status_code == status and body["error"]["code"] == code
+        assert body["error"]["type"] == "server_error" and str(error) in body["error"]["message"]
+        assert ("retry-after" in answer.headers) == (status == 503)
+        assert server.in_flight == 0 and released == [1]
+
+        async def stream(c):
+            return [e async for e in c.events()]
+
+        server, released = SimpleNamespace(in_flight=1), []
+        events = asyncio.run(stream(Completion(kind, "tiny:1", _FailedGen(error), server, lambda: released.append(1))))
+        assert events[-1] == "data: [DONE]\n\n"
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == code
+        assert server.in_flight == 0 and released == [1]

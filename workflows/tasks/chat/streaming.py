@@ -19,6 +19,17 @@ from starlette.responses import JSONResponse, StreamingResponse
 from workflows.tasks.chat.engine import Delta, Generation
 
 
+def engine_error(e: Exception, retry_after_s: int = 1) -> tuple[int, dict, dict]:
+    """(status, OpenAI's error body, headers) for a generation the engine failed: an adapter unloaded
+    under the request (LookupError) is a 503 to retry, anything else a 500; one line, no traceback."""
+    message = (str(e).splitlines() or [type(e).__name__])[0]
+    if isinstance(e, LookupError):
+        return 503, {"error": {"message": message, "type": "server_error", "param": None,
+                               "code": "model_unavailable"}}, {"Retry-After": str(retry_after_s)}
+    return 500, {"error": {"message": f"generation failed: {message}", "type": "server_error", "param": None,
+                           "code": "generation_failed"}}, {}
+
+
 class Completion:
     def __init__(self, kind: str, model: str, gen: Generation, server, release: Callable[[], None],
                  include_usage: bool = False):
@@ -37,6 +48,9 @@ class Completion:
         self.server.in_flight -= 1
         self.release()
 
+    def _retry_after_s(self) -> int:
+        return int(getattr(getattr(self.gen, "_engine", None), "retry_after_s", 1))
+
     def _envelope(self, choices: list, **extra) -> dict:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -45,9 +59,13 @@ class Completion:
     async def json_response(self) -> JSONResponse:
         try:
             parts, reason = [], None
-            async for d in self.gen:
-                parts.append(d.text)
-                reason = d.finish_reason
+            try:
+                async for d in self.gen:
+                    parts.append(d.text)
+                    reason = d.finish_reason
+            except Exception as e:  # the engine failed this generation
+                status, body, headers = engine_error(e, self._retry_after_s())
+                return JSONResponse(body, status_code=status, headers=headers)
             text = "".join(parts)
             if self.kind == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -77,12 +95,17 @@ class Completion:
         try:
             if self.kind == "chat":
                 yield self._chunk(None, first=True)
-            async for d in self.gen:
-                if d.finish_reason is not None and d.text and self.kind == "chat":
-                    yield self._chunk(Delta(d.text))  # OpenAI's last chunk carries the reason, no content
-                    d = Delta("", d.finish_reason)
-                if d.text or d.finish_reason is not None:
-                    yield self._chunk(d)
+            try:
+                async for d in self.gen:
+                    if d.finish_reason is not None and d.text and self.kind == "chat":
+                        yield self._chunk(Delta(d.text))  # OpenAI's last chunk carries the reason, no content
+                        d = Delta("", d.finish_reason)
+                    if d.text or d.finish_reason is not None:
+                        yield self._chunk(d)
+            except Exception as e:  # the engine failed it mid-stream: an error event, then the end
+                yield f"data: {json.dumps(engine_error(e, self._retry_after_s())[1])}\n\n"
+                yield "data: [DONE]\n\n"
+                return
             if self.include_usage:
                 usage = self._envelope([], usage=self.gen.usage)
                 if self.kind == "chat":
