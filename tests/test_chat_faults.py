@@ -269,3 +269,26 @@ def test_an_engine_failure_is_an_openai_error_not_a_bare_500(kind):
         assert events[-1] == "data: [DONE]\n\n"
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == code
         assert server.in_flight == 0 and released == [1]
+
+
+def test_close_resolves_the_commands_still_queued(tiny, engine):
+    """A `call` queued while the decode thread was busy, then `close`: its future was never resolved
+    (its caller waited forever). Now it fails with "the engine was closed", as does a call after close."""
+    import threading
+    import time
+
+    e = engine()
+    started, release = threading.Event(), threading.Event()
+    busy = e.call(lambda: (started.set(), release.wait(30)))
+    assert started.wait(30)
+    queued = e.call(lambda: "ran")
+    closing = threading.Thread(target=e.close)
+    closing.start()
+    time.sleep(0.2)
+    release.set()
+    closing.join(30)
+    busy.result(5)
+    with pytest.raises(RuntimeError, match="closed"):
+        queued.result(5)
+    with pytest.raises(RuntimeError, match="closed"):
+        e.call(lambda: "ran").result(5)

@@ -190,6 +190,9 @@ class Engine:
         """Run `fn` in the decode thread between two steps (the model is not in use then)."""
         fut: Future = Future()
         with self._cond:
+            if self._closed:
+                fut.set_exception(RuntimeError("the engine is closed"))
+                return fut
             self._commands.append((fn, fut))
             self._cond.notify()
         return fut
@@ -242,6 +245,11 @@ class Engine:
                 self._rows, self._cache, self._mask = [], None, None
         for gen in [r.gen for r in self._rows] + list(self._waiting):
             gen._push(RuntimeError("the engine was closed"))
+        with self._cond:  # commands queued but never run: their callers must not wait forever
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            fut.set_exception(RuntimeError("the engine was closed"))
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache, adapters: list[str]):
         kwargs: dict[str, Any] = {}
