@@ -400,11 +400,13 @@ def chat_server(ray_cluster, tmp_path_factory):
         "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2"])
     ctx = StorageContext.from_config(cfg.storage)
     registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
-    # adapters name their base as the chat task's export does: its name and the sha256 of its weights
+    # adapters' cards as the chat task's export writes them: export=adapter, and the base by its name and
+    # the sha256 of its weights (a replica reads the card before it downloads a version)
     same = {"name_or_path": "registry:tinychat:1", "sha256": weights_sha256(str(base))}
     for name in ("support", "pirate"):
-        registry.register(cfg, ctx, str(tmp / name), name, {"task": TASK, "base": same})
-    registry.register(cfg, ctx, str(tmp / "support"), "stranger", {"task": TASK, "base": {**same, "sha256": "0" * 64}})
+        registry.register(cfg, ctx, str(tmp / name), name, {"task": TASK, "export": "adapter", "base": same})
+    registry.register(cfg, ctx, str(tmp / "support"), "stranger",
+                      {"task": TASK, "export": "adapter", "base": {**same, "sha256": "0" * 64}})
     drainer = drain.create()  # as `workflows serve` does: replicas find it and drain on stop
     opts = deployment_options(cfg.serve)
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"CHAT_TOKEN": TOKEN}}
