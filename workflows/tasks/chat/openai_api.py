@@ -9,7 +9,9 @@ POST /v1/completions        the same with "prompt" (a string, or a list of one) 
 `"stream": true` answers Server-Sent Events, one `data: {chunk}` per delta in OpenAI's chunk format,
 then `data: [DONE]`. Every answer carries `finish_reason` ("stop": end of sequence or a stop string;
 "length": max_tokens or the model's context) and `usage`. A bad request gets a 4xx with OpenAI's error
-body, {"error": {"message", "type", "param", "code"}}; a full queue a 503 with Retry-After. A client
+body, {"error": {"message", "type", "param", "code"}}; a full queue a 503 with Retry-After, as does an
+adapter unloaded under the request; a generation the engine failed a 500 (a stream sends the error as
+its last event before `data: [DONE]`); a failure to prefill or sample one request fails it alone. A client
 that disconnects ends its own generation only. The bearer token, the drain on shutdown (503 once
 stopping, open streams finish) and the request metrics apply as to every route of the app.
 """
@@ -58,7 +60,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = Field(..., min_length=1, description="the served NAME:VERSION (or NAME), or an adapter's")
     max_tokens: int | None = Field(None, ge=1, description="capped at serve.generate.max_tokens")
-    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 (or below 1e-5) is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None

@@ -15,10 +15,10 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's generation settings (OpenAI's meaning): `temperature` 0 is greedy; `top_p` keeps the
-    smallest set of most probable tokens whose probabilities reach it; `seed` makes sampling repeatable
-    (the same seed, prompt and settings give the same tokens, alone or beside other requests); `stop`:
-    strings that end the text (not included in it)."""
+    """One request's generation settings (OpenAI's meaning): `temperature` 0 (or below MIN_TEMPERATURE)
+    is greedy; `top_p` keeps the smallest set of most probable tokens whose probabilities reach it;
+    `seed` makes sampling repeatable (the same seed, prompt and settings give the same tokens, alone or
+    beside other requests); `stop`: strings that end the text (not included in it)."""
 
     max_tokens: int
     temperature: float = 1.0
