@@ -51,8 +51,9 @@ def static_checks(package: Path) -> dict:
                 if not (isinstance(reader, ast.Call) and _dotted(reader.func) == "_Reader"):
                     violations.append(f"{name} without checkpoint._Reader at {where}")
             elif name.endswith(".from_pretrained") and "Model" in name.rsplit(".", 1)[0]:
-                checked += 1  # model weights (tokenizers and configs hold none)
-                if not _is_true(kw.get("use_safetensors")):
+                checked += 1  # model weights (tokenizers and configs hold none); a GGUF file is read by the
+                # gguf package (tensors from a memory map, no pickle), so gguf_file= counts as safe
+                if not (_is_true(kw.get("use_safetensors")) or "gguf_file" in kw):
                     violations.append(f"{name} without use_safetensors=True at {where}")
     # torch.distributed.checkpoint's own reader unpickles a checkpoint's `.metadata` (and
     # torch.load(weights_only=False)s its non-tensor entries): workflows/train/checkpoint.py reads

@@ -1,4 +1,5 @@
 import json
+import uuid
 
 import pytest
 
@@ -344,6 +345,8 @@ def test_the_embedded_store_serves_its_own_bucket_and_a_users_bucket_stays_where
     from workflows.runtime import runtime
     from workflows.storage.cache import ShardCache
 
+    # moto's servers in one process share one backend: bucket names of this test's own
+    mine, empty = f"my-bucket-{uuid.uuid4().hex[:8]}", f"empty-bucket-{uuid.uuid4().hex[:8]}"
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     try:
@@ -351,25 +354,25 @@ def test_the_embedded_store_serves_its_own_bucket_and_a_users_bucket_stays_where
         for k, v in {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}.items():
             monkeypatch.setenv(k, v)
         users = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
-        users.create_bucket(Bucket="my-bucket")
-        users.put_object(Bucket="my-bucket", Key="tickets/a.jsonl", Body=b'{"text": "x y", "label": "a"}\n')
-        users.create_bucket(Bucket="empty-bucket")
+        users.create_bucket(Bucket=mine)
+        users.put_object(Bucket=mine, Key="tickets/a.jsonl", Body=b'{"text": "x y", "label": "a"}\n')
+        users.create_bucket(Bucket=empty)
         base = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs", f"cache.dir={tmp_path}/c"]
-        cfg = load_config("quickstart", [*base, "data.source=s3://my-bucket/tickets/"])
+        cfg = load_config("quickstart", [*base, f"data.source=s3://{mine}/tickets/"])
         with runtime(cfg, ray_needed=False) as rt:
             assert rt.storage.for_uri("s3://workflows/raw/").endpoint_url == rt.cfg.storage.endpoint_url != url
-            assert rt.storage.for_uri("s3://my-bucket/tickets/").endpoint_url == url
-            shards, fmt = list_shards("s3://my-bucket/tickets/", rt.storage)
-            assert [s.uri for s in shards] == ["s3://my-bucket/tickets/a.jsonl"] and fmt == "jsonl"
+            assert rt.storage.for_uri(f"s3://{mine}/tickets/").endpoint_url == url
+            shards, fmt = list_shards(f"s3://{mine}/tickets/", rt.storage)
+            assert [s.uri for s in shards] == [f"s3://{mine}/tickets/a.jsonl"] and fmt == "jsonl"
             assert ensure_raw_data(rt) == {"built": False, "shards": 1}
             with ShardCache(str(tmp_path / "c"), rt.storage).open_local(shards[0].uri) as path:
                 assert open(path, "rb").read().startswith(b'{"text": "x y"')
             embedded = rt.storage.boto3_client()
             assert {b["Name"] for b in embedded.list_buckets()["Buckets"]} == {"workflows"}
         # an empty bucket of the user's is an error naming it, not a place to build the demo data in
-        cfg = load_config("quickstart", [*base, "data.source=s3://empty-bucket/raw/"])
+        cfg = load_config("quickstart", [*base, f"data.source=s3://{empty}/raw/"])
         with runtime(cfg, ray_needed=False) as rt, pytest.raises(UserError, match="is built only into the embedded"):
             ensure_raw_data(rt)
-        assert "Contents" not in users.list_objects_v2(Bucket="empty-bucket")
+        assert "Contents" not in users.list_objects_v2(Bucket=empty)
     finally:
         server.stop()

@@ -51,8 +51,9 @@ def test_run_tree_tags_and_params(tracked, quickstart_run):
     assert params["train.batch_size"] == str(train_cfg["train"]["batch_size"])
     assert params["tracking.step_loss_every"] == "1" and params["data.label_column"] == "label"
     secretish = [k for k in params if any(s in k.lower() for s in ("secret", "password", "token", "credential"))]
-    # the variable's name, never a value; and the tokenizer's name, which holds "token" inside a word
-    assert secretish == ["preprocess.tokenizer", "serve.auth_token_env"]
+    # the variable's name, never a value; the tokenizer's name and the cap on generated tokens, which
+    # hold "token" inside a word
+    assert secretish == ["preprocess.tokenizer", "serve.auth_token_env", "serve.generate.max_tokens"]
 
 
 def test_epoch_and_step_metric_histories(tracked, quickstart_run):

@@ -228,4 +228,4 @@ def load_trained(model_dir: str, card, cfg):
     from peft import PeftModel
 
     base = load_causal_lm(card_base_dir(card, cfg))
-    return PeftModel.from_pretrained(base, model_dir, is_trainable=False).eval()
+    return PeftModel.from_pretrained(base, model_dir, is_trainable=False, use_safetensors=True).eval()
