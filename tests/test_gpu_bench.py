@@ -62,11 +62,29 @@ def test_smoke_run_classifies(smoke_out):
 
 
 @pytest.mark.extended
+def test_smoke_run_generates(smoke_out):
+    """The generation step: the chat engine at each concurrency and static batching, every request the same
+    prompt length and token count, and the ratio of the two."""
+    r = json.loads((smoke_out / "gpu-generate.json").read_text())
+    assert r["status"] == "ok" and r["smoke"] and r["error"] is None, r.get("output_tail")
+    assert r["weights"].startswith("random") and r["tokenizer"].startswith("word-level toy")
+    rows = {x["row"]: x for x in r["rows"]}
+    assert set(rows) == {"engine_c1", "engine_c4", "static_4"}
+    for x in rows.values():
+        assert x["tokens"] == x["requests"] * r["max_tokens"] and x["tokens_per_s"] > 0, x
+        assert 0 < x["ttft_s_p50"] <= x["ttft_s_p99"] and 0 < x["itl_s_p50"] <= x["itl_s_p99"], x
+    assert rows["engine_c4"]["requests"] == 8 and rows["static_4"]["requests"] == 8
+    assert rows["engine_c1"]["mean_batch"] == 1 and rows["engine_c4"]["mean_batch"] >= 1
+    assert r["engine_vs_static"] == pytest.approx(rows["engine_c4"]["tokens_per_s"] / rows["static_4"]["tokens_per_s"],
+                                                  rel=0.01)
+
+
+@pytest.mark.extended
 def test_doc_section_renders_every_step(smoke_out, tmp_path):
     """Every figure the GPU section shows is in the step JSON (a smoke file, relabelled as measured)."""
     results = tmp_path / "results"
     results.mkdir()
-    for name in ("gpu-lm.json", "gpu-resnet.json", "gpu-classify.json"):
+    for name in ("gpu-lm.json", "gpu-resnet.json", "gpu-classify.json", "gpu-generate.json"):
         r = json.loads((smoke_out / name).read_text())
         (results / name).write_text(json.dumps({**r, "smoke": False}))
     doc = tmp_path / "BENCHMARKS.md"
@@ -77,6 +95,11 @@ def test_doc_section_renders_every_step(smoke_out, tmp_path):
     assert "fsdp_vs_plain" in text and "compute only" in text and "decode-bound ceiling" in text
     assert "| torchrun path, training |" in text and "| Predictor, bf16 |" in text
     assert "batched (32 rows a call)" in text
+    assert "| engine (continuous batching) | 4 | 8 |" in text
+    assert "| static batching (generate, 4 a batch) | 4 |" in text
+    assert "against static batching: **" in text
+    assert text.index("`bench lm`") < text.index("ResNet-50 training") < text.index("Classification (")
+    assert text.index("Classification (") < text.index("Chat generation")
     (results / "gpu-lm.json").write_text((smoke_out / "gpu-lm.json").read_text())
     with pytest.raises(UserError, match="gpu-lm.json: a smoke run"):
         gpu_doc.render(results, doc)

@@ -246,6 +246,14 @@ def prepare(out: Path) -> dict:
             fs, path = filesystem(stage["dataset"]["uri"], rt.storage)
             fs.get(path.rstrip("/") + "/", str(staged / "processed") + "/", recursive=True)
         convert_model(packaged_minilm(), staged / "minilm-bf16", "bfloat16")
+        # the generate step's: SmolLM2-135M-Instruct's tokenizer and config, from the packaged GGUF
+        from benchmarks.gpu.generate import PREPARED as SMOLLM2
+        from benchmarks.gpu.generate import prepare as prepare_generate
+
+        try:
+            prepare_generate(staged / SMOLLM2)
+        except UserError as e:  # the generate step then detokenizes with a toy tokenizer, and says so
+            print(f"bench gpu prepare: generate: {e}; its step will use a toy tokenizer")
         # the CPU figure: the same training from the same (bf16-rounded) weights, on this machine's CPU
         model = work / "minilm"
         convert_model(staged / "minilm-bf16", model, "float32")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurement in one call, without Ray (benchmarks/gpu/README.md):
 #   OUT=DIR bash benchmarks/gpu/run.sh            # a CUDA machine: GPT-2 124M MFU, ResNet-50 images/s,
-#                                                 # classification (after make bench-gpu-prepare here)
+#                                                 # classification (after make bench-gpu-prepare here),
+#                                                 # chat generation (the engine against static batching)
 #   SMOKE=1 OUT=DIR bash benchmarks/gpu/run.sh    # every step at toy size on the CPU
 # Extra arguments go to `python -m benchmarks.gpu.measure` (--steps lm, --limit resnet=300, --shards DIR,
 # --prepared DIR).

@@ -174,8 +174,16 @@ def step_classify(smoke: bool, emit: Emit, data: str | None) -> None:
     run(smoke, emit, data)
 
 
+def step_generate(smoke: bool, emit: Emit, data: str | None) -> None:
+    """The chat engine (continuous batching) on SmolLM2-135M's architecture in bf16, against static batching
+    (benchmarks.gpu.generate)."""
+    from benchmarks.gpu.generate import step_generate as run
+
+    run(smoke, emit, data)
+
+
 STEPS: dict[str, Callable[[bool, Emit, str | None], None]] = {"lm": step_lm, "resnet": step_resnet,
-                                                               "classify": step_classify}
+                                                               "classify": step_classify, "generate": step_generate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the step's JSON, rewritten as its parts complete")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--data", help="the step's prepared input (resnet: a shard directory with index.json; "
-                    "classify: the folder `make bench-gpu-prepare` wrote)")
+                    "classify, generate: the folder `make bench-gpu-prepare` wrote)")
     a = ap.parse_args(argv)
     record: dict = {}
 

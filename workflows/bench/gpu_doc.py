@@ -10,12 +10,15 @@ from pathlib import Path
 from workflows.bench.results import write_doc_section
 from workflows.errors import UserError
 
-HEADING = "## GPU: GPT-2 124M MFU, ResNet-50 images/s and bf16 classification (one device, no Ray)"
+HEADING = ("## GPU: GPT-2 124M MFU, ResNet-50 images/s, bf16 classification and chat generation "
+           "(one device, no Ray)")
+ORDER = ("lm", "resnet", "classify", "generate")  # benchmarks/gpu/measure.py's STEPS
 HOW = ("Prepared as one call (`benchmarks/gpu/README.md`): `make bench-gpu-prepare` here (the quickstart's "
-       "processed split, MiniLM in bf16 and the CPU F1 into `.gpu-prep/`, pydantic's wheels into `.whl/`), then "
+       "processed split, MiniLM in bf16, the CPU F1 and SmolLM2's tokenizer into `.gpu-prep/`, pydantic's wheels "
+       "into `.whl/`), then "
        "`OUT=$OUT bash benchmarks/gpu/run.sh` (or `make bench-gpu`) on a CUDA machine with both folders carried (the "
        "device tool: one `run`, `carry` `[\".gpu-prep\", \".whl\"]`, `timeout_s` 600), every "
-       "step in its own process under its own time limit (under 8 minutes in all), each result written as "
+       "step in its own process under its own time limit (550 s in all), each result written as "
        "`$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and run `workflows bench gpu "
        "--render`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU (tests/test_gpu_bench.py does, "
        "in the fast tier).")
@@ -31,7 +34,7 @@ def load(results_dir: str | Path) -> list[dict]:
         if r.get("smoke"):
             raise UserError(f"{path}: a smoke run (toy sizes on the CPU), not a measurement; remove it")
         results.append(r)
-    return results
+    return sorted(results, key=lambda r: ORDER.index(r["step"]) if r["step"] in ORDER else len(ORDER))
 
 
 def _f(value, fmt: str = ",.0f", none: str = "n/a") -> str:
@@ -103,6 +106,33 @@ def classify_rows(r: dict) -> str:
     return "\n".join(lines)
 
 
+def generate_rows(r: dict) -> str:
+    def ms(value) -> str:
+        return _f(None if value is None else 1000 * value, ".1f")
+
+    params = _f(r.get("params", 0) / 1e6, ".1f")
+    lines = [f"Chat generation: the chat task's continuous-batching engine (`workflows.tasks.chat.engine`, the one "
+             f"Serve runs) called directly by closed-loop clients, against static batching ({r.get('static')}), on "
+             f"{r.get('model')} ({params}M params; weights: {r.get('weights')}, seed {r.get('seed')}), "
+             f"{r.get('precision')}, attention {r.get('attn_implementation')}; every request a "
+             f"{r.get('prompt_tokens')}-token prompt and {r.get('max_tokens')} greedy tokens (EOS ignored); "
+             f"tokenizer: {r.get('tokenizer')}; measured {r['measured_at']}, {r['seconds']} s of its "
+             f"{r['limit_s']:g} s limit.{_status(r)}", "",
+             "| path | concurrency | requests | output tokens/s | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) "
+             "| mean batch |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for x in r.get("rows", []):
+        lines.append(f"| {x['path']} | {x['concurrency']} | {x['requests']} | {_f(x['tokens_per_s'])} | "
+                     f"{ms(x['ttft_s_p50'])} / {ms(x['ttft_s_p99'])} | {ms(x['itl_s_p50'])} / {ms(x['itl_s_p99'])} | "
+                     f"{_f(x.get('mean_batch'), '.1f', '')} |")
+    peak = r.get("peak_memory_gib")
+    lines += ["", f"Engine at concurrency {r.get('max_batch')} against static batching: "
+                  f"**{_f(r.get('engine_vs_static'), '.2f')}x** the output tokens/s; against concurrency 1: "
+                  f"{_f(r.get('top_vs_one'), '.1f')}x." + ("" if peak is None else f" Peak GPU memory {peak} GiB.")
+              + " The engine builds its inputs on the CPU; the step moves them to the GPU at each forward. Static "
+                "batching's TTFT counts every request as waiting from the start, so a later batch's wait is in it."]
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict]) -> str:
     if not results:
         return (f"{HEADING}\n\n**No GPU has been lent to this project yet**: nothing in it has run on a GPU, so this "
@@ -111,7 +141,8 @@ def markdown(results: list[dict]) -> str:
     parts = [HEADING, "", f"Measured on {env['device']} ({env['cpus']} CPUs, torch {env['torch']}, CUDA {env['cuda']}, "
              f"{results[0]['measured_at']}). {HOW}", ""]
     for r in results:
-        parts += [{"lm": lm_rows, "resnet": resnet_rows, "classify": classify_rows}[r["step"]](r), ""]
+        parts += [{"lm": lm_rows, "resnet": resnet_rows, "classify": classify_rows,
+                   "generate": generate_rows}[r["step"]](r), ""]
     return "\n".join(parts)
 
 
