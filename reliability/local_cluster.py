@@ -66,6 +66,8 @@ def local_cluster(state_dir: Path, workers: int, head_cpus: int, cpus_per_node: 
         RAY=str(RAY), STATE_DIR=str(state_dir), NUM_WORKERS=str(workers), HEAD_CPUS=str(head_cpus),
         CPUS_PER_NODE=str(cpus_per_node), OBJECT_STORE_MB="256", RAY_PORT=str(free_port()),
         DASHBOARD_PORT=str(dashboard), CLIENT_PORT=str(free_port()), BASE_PORT=str(_base_port(workers + 1)),
+        # the default 180 s is for a quiet machine; here other tests or rows may hold every core
+        START_TIMEOUT_S=os.environ.get("START_TIMEOUT_S", "360"),
     )
     # Every process of the cluster must find *this* cluster's dashboard. Ray Train's
     # PlacementGroupCleaner calls the state API without an address; with another Ray instance on
@@ -74,7 +76,7 @@ def local_cluster(state_dir: Path, workers: int, head_cpus: int, cpus_per_node: 
     node_env = {**env, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}
     try:
         started = subprocess.run(["bash", str(START)], cwd=ROOT, env=node_env, capture_output=True, text=True,
-                                 timeout=400)
+                                 timeout=900)
         alive = f"head + {workers} worker node(s), {workers + 1} alive"
         if started.returncode != 0 or alive not in started.stdout:
             raise RuntimeError(f"cluster/local/start.sh failed (exit {started.returncode}):\n"

@@ -23,6 +23,8 @@
 #   RAY_AUTH_MODE=token    token authentication (Ray's default token file ~/.ray/auth_token is
 #                          generated if missing); RAY_AUTH_MODE=disabled turns it off
 #   RAY=ray                the `ray` executable (default: .venv/bin/ray if present)
+#   START_TIMEOUT_S=180    how long to wait for the head, then for the worker nodes, to come up
+#                          (more on a machine whose cores are busy with other work)
 set -euo pipefail
 
 die() { echo "start.sh: $*" >&2; exit 1; }
@@ -35,6 +37,7 @@ RAY_PORT=${RAY_PORT:-6379}
 DASHBOARD_PORT=${DASHBOARD_PORT:-8265}
 CLIENT_PORT=${CLIENT_PORT:-10001}
 BASE_PORT=${BASE_PORT:-31000}
+START_TIMEOUT_S=${START_TIMEOUT_S:-180}
 STATE_DIR=${STATE_DIR:-$ROOT/.workflows/local-cluster}
 TMP_ROOT=${TMP_ROOT:-/tmp/workflows-ray-$RAY_PORT}
 if [ -z "${RAY:-}" ]; then
@@ -111,13 +114,13 @@ export RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT
 echo "starting the head on 127.0.0.1:$RAY_PORT (dashboard http://127.0.0.1:$DASHBOARD_PORT)"
 start_node 0 head --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
   --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" --ray-client-server-port="$CLIENT_PORT"
-wait_for 120 "the head" ray_status >/dev/null
+wait_for "$START_TIMEOUT_S" "the head" ray_status >/dev/null
 
 for i in $(seq 1 "$NUM_WORKERS"); do
   echo "starting worker node $i"
   start_node "$i" "worker-$i" --address="127.0.0.1:$RAY_PORT" --node-ip-address=127.0.0.1
 done
-wait_for 180 "$NUM_WORKERS worker node(s)" all_nodes_up
+wait_for "$START_TIMEOUT_S" "$NUM_WORKERS worker node(s)" all_nodes_up
 
 cat >"$STATE_DIR/env" <<EOF
 # source this file: drivers with ray.address=auto and the ray CLI find the local cluster
