@@ -19,8 +19,8 @@ def write_doc_section(name: str, body: str, doc: Path = DOC) -> None:
     text = (
         doc.read_text()
         if doc.exists()
-        else "# Benchmarks\n\nEvery figure here is written by `python -m benchmarks.NAME` (`make bench-render`: from the"
-        " stored results); none is typed by hand.\n"
+        else "# Benchmarks\n\nEvery figure here is written by `python -m benchmarks.NAME` (`make bench-render`: from"
+        " the stored results); none is typed by hand.\n"
     )
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     section = f"{start}\n{body.strip()}\n{end}"

@@ -272,10 +272,10 @@ def _test_rows(rt, spec: str, n: int) -> list[dict]:
 
 def _predictor(rt, spec: str, precision: str):
     from workflows import registry
-    from workflows.serve.predictor import Predictor
+    from workflows.tasks.text.predictor import TextPredictor
 
     model_dir, _ = registry.fetch(rt.cfg, rt.storage, spec)
-    return Predictor(model_dir, threads=max(1, int(rt.cfg.serve.cpus_per_replica)), precision=precision)
+    return TextPredictor(model_dir, threads=max(1, int(rt.cfg.serve.cpus_per_replica)), precision=precision)
 
 
 def _direct_p50_ms(rt, spec: str, rows: list[dict]) -> float:
