@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast test-all bench bench-peers bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability
+.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,13 +48,23 @@ test-all: install
 	$(LINT)
 	$(PYTEST)
 
-bench: install
-	$(BIN)/workflows bench quickstart
+# The project's benchmarks (benchmarks/, not installed): `make bench-NAME` runs `python -m benchmarks.NAME`
+# (NAME: quickstart, digits, madewithml, serve-levers, shuffle, images, and the user commands' project runs
+# data, train, tune, serve, lm, generate), writing benchmarks/results/NAME.json and its section of
+# docs/BENCHMARKS.md; ARGS passes options (--set k=v, --tag T). `make bench-render` rewrites every section
+# from the stored results without running anything.
+bench: bench-quickstart
 
-# `workflows bench images` runs its peers (MosaicML Streaming, LitData, WebDataset) in their own venv:
+bench-render: install
+	$(BIN)/python -m benchmarks.record --render all
+
+bench-%: install
+	$(BIN)/python -m benchmarks.$(subst -,_,$*) $(ARGS)
+
+# `python -m benchmarks.images` runs its peers (MosaicML Streaming, LitData, WebDataset) in their own venv:
 # streaming 0.13 pins numpy<2.2 and transformers<5, against the product's. Both list torchvision,
 # which cannot be imported with this CPU torch: it is installed as a dependency, then removed
-# (workflows/bench/image_peers.py stubs the one streaming module that imports it).
+# (benchmarks/image_peers.py stubs the one streaming module that imports it).
 PEERS_VENV ?= .venv-peers
 $(PEERS_VENV)/.installed: benchmarks/peers-constraints.txt
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -65,6 +75,7 @@ $(PEERS_VENV)/.installed: benchmarks/peers-constraints.txt
 	touch $@
 
 bench-peers: $(PEERS_VENV)/.installed
+	@echo "peers venv: $(PEERS_VENV)"
 
 # The GPU measurement without Ray (benchmarks/gpu/README.md): GPT-2 124M MFU, FSDP2 against plain,
 # ResNet-50 images/s (compute only and loader-fed); each step's JSON lands in OUT as it completes.

@@ -1,2 +1,3 @@
-"""The project's own measurement harness that the product package does not ship: run from a checkout
-(the GPU measurement: benchmarks/gpu/). `workflows bench NAME` (workflows/bench/) is the command for the rest."""
+"""The project's own measurements, run from a checkout and not shipped in the wheel: `python -m benchmarks.NAME`
+(`make bench-NAME`) records a benchmark into benchmarks/results/ and docs/BENCHMARKS.md (benchmarks.record);
+the GPU measurement: benchmarks/gpu/. `workflows bench NAME` (workflows/bench/) is the user's command."""

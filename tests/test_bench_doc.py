@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from workflows.bench import render
+from benchmarks.record import render
 from workflows.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ def test_doc_is_what_the_stored_results_render(tmp_path):
     assert {p.stem for p in rendered} >= {"quickstart", "data", "train", "tune", "serve", "lm", "madewithml"}
     assert doc.read_text() == DOC.read_text(), (
         "docs/BENCHMARKS.md differs from its stored results: a section was edited by hand, or a benchmark's "
-        "report changed; regenerate it with `workflows bench all --render` and commit it"
+        "report changed; regenerate it with `make bench-render` and commit it"
     )
 
 
@@ -46,11 +46,13 @@ def test_render_rewrites_only_the_named_sections(tmp_path):
 
 
 def test_each_bench_is_a_user_command_or_the_harness_and_the_readme_says_which():
-    """The decision of #38 lives once in the registry; the README states the same user commands."""
+    """The registry names each kind once; the README states the same user commands."""
     import re
 
-    from workflows.bench import BENCHMARKS, HARNESS_BENCHMARKS, USER_BENCHMARKS
+    from benchmarks.record import BENCHMARKS, HARNESS_BENCHMARKS, USER_BENCHMARKS
+    from workflows.bench import BENCHMARKS as COMMANDS
 
+    assert list(COMMANDS) == list(USER_BENCHMARKS)  # the product's command runs the user benchmarks only
     assert not set(USER_BENCHMARKS) & set(HARNESS_BENCHMARKS)
     assert BENCHMARKS == {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
     readme = " ".join((ROOT / "README.md").read_text().split())
@@ -159,7 +161,7 @@ def test_the_readme_cites_each_benchmark_figure_from_its_latest_run():
     run of the same benchmark measured it again; a run from before a change that alters what the
     command gives names its date beside the figure; and no `N.Nx` figure stands in the README that is
     neither cited from a results file nor a goal."""
-    from workflows.bench import superseded
+    from benchmarks.record import superseded
 
     stored = {p.stem: json.loads(p.read_text()) for p in RESULTS.glob("*.json")}
     readme = _readme()
@@ -193,7 +195,7 @@ def test_the_readme_cites_each_benchmark_figure_from_its_latest_run():
 def test_the_readmes_links_into_benchmarks_md_reach_current_sections():
     """A README link to a section of docs/BENCHMARKS.md names a heading that exists, and not a section
     whose figures a later run measured again (marked history by the renderer)."""
-    from workflows.bench import anchor
+    from benchmarks.record import anchor
 
     doc = DOC.read_text()
     headings = {anchor(ln): n for n, ln in enumerate(doc.splitlines()) if ln.startswith("## ")}

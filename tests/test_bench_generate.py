@@ -13,15 +13,15 @@ from tests.conftest import ROOT
 
 @pytest.mark.integration  # a real HTTP server (the peer) on 127.0.0.1
 def test_bench_generate_writes_every_row_and_key(tmp_path):
-    from workflows.bench import run_benchmark
+    from benchmarks.record import record
 
     model = tmp_path / "tiny"
     build_tiny_chat(model)
     overrides = [f"model.name_or_path={model}", f"cache.dir={tmp_path}/cache", "storage.embedded.enabled=false",
                  f"storage.root={tmp_path}/store", "requests=32", "max_tokens=3", "repeats=1", "threads=1"]
     doc = tmp_path / "BENCHMARKS.md"
-    result = run_benchmark("generate", str(ROOT / "configs" / "chat.yaml"), overrides,
-                           ["workflows", "bench", "generate"], results_dir=tmp_path, doc=doc)
+    result = record("generate", str(ROOT / "configs" / "chat.yaml"), overrides, "python -m benchmarks.generate",
+                    results_dir=tmp_path, doc=doc)
     stored = json.loads((tmp_path / "generate.json").read_text())
     assert stored == result
     assert [r["row"] for r in stored["rows"]] == ["peer", "static", "ours_c1", "ours_c8", "ours_c16", "ours_c32"]

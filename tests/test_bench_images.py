@@ -1,4 +1,4 @@
-"""`workflows bench images` on a tiny set: our rows run for real against the embedded endpoint,
+"""`python -m benchmarks.images` on a tiny set: our rows run for real against the embedded endpoint,
 the store's counters say the cold epoch read the set once and the warm one nothing; the report
 renders from what was stored. (The peers need their own venv, `make bench-peers`: a run without it
 reports their rows as failed, which is checked too.)"""
@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.images ARGS` from the repository root, in a new process."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.images", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.extended  # the bench's own measurement rows
@@ -21,7 +29,7 @@ def test_bench_images_tiny_set(tmp_path):
     """Two interleaved repetitions of ours, ours on the set without index.json (the index build a row
     of its own, counted in our cold rate) and a peer without its venv."""
     results, doc = tmp_path / "results", tmp_path / "B.md"
-    out = run_cli("bench", "images", "--set", "bench.size=1200KB", "--set", "bench.shard_bytes=400KB",
+    out = run_bench("--set", "bench.size=1200KB", "--set", "bench.shard_bytes=400KB",
                   "--set", "bench.rows=ours,ours_index,streaming", "--set", "bench.workers=1",
                   "--set", "bench.reps=2", "--set", f"bench.peers_python={tmp_path}/none",
                   "--set", f"bench.scratch={tmp_path}", "--results-dir", str(results), "--doc", str(doc),
@@ -64,7 +72,7 @@ def test_bench_images_training_rows_tiny(tmp_path):
     ray_data row's preprocessing timed as its conversion; the ratio over ours, warm, which brackets
     them (one repetition: ours again at the end). A row that yields no step after its first fails."""
     results, doc = tmp_path / "results", tmp_path / "B.md"
-    out = run_cli("bench", "images", "--set", "bench.size=2400KB", "--set", "bench.shard_bytes=800KB",
+    out = run_bench("--set", "bench.size=2400KB", "--set", "bench.shard_bytes=800KB",
                   "--set", "bench.rows=ours,train_ray_data,train_stream", "--set", "bench.workers=1",
                   "--set", "bench.batch=2", "--set", "bench.reps=1", "--set", "bench.classes=4",
                   "--set", f"bench.scratch={tmp_path}", "--results-dir", str(results), "--doc", str(doc),
@@ -90,13 +98,13 @@ def test_bench_images_training_rows_tiny(tmp_path):
     assert r["goals_met"]["train_step_vs_loader"] == (r["train_step_vs_loader"] >= 0.9)
     text = doc.read_text()
     assert stream["label"] in text and ray_data["label"] in text and "`train_step_vs_loader`" in text
-    assert "The training rows (`workflows.bench.images_train`) are real training runs" in text
+    assert "The training rows (`benchmarks.images_train`) are real training runs" in text
 
 
 def test_a_training_row_without_steady_steps_is_an_error_not_a_zero():
     """A training run whose measured epoch had a single step (a set smaller than two batches) has no
     steady rate: the row fails and says why, rather than reporting 0 or the start-up-bound rate."""
-    from workflows.bench.images_train import summarize
+    from benchmarks.images_train import summarize
 
     epoch = {"samples": 2, "steps": 1, "samples_per_s": 5.0, "samples_after_first_step": 0,
              "samples_per_s_after_first_step": 0.0, "first_step_seconds": 0.4, "epoch_seconds": 0.4,
@@ -114,7 +122,7 @@ def test_a_training_row_without_steady_steps_is_an_error_not_a_zero():
 
 def test_rows_rotate_per_repetition():
     """Each repetition starts one row later; decode stays right after local (it reads local's files)."""
-    from workflows.bench.images import rotated
+    from benchmarks.images import rotated
 
     rows = ["ours", "train_stream", "local", "decode", "train_ray_data"]
     assert rotated(rows, 0) == rows
@@ -125,7 +133,7 @@ def test_rows_rotate_per_repetition():
 
 
 def test_bench_images_bad_option():
-    from workflows.bench.images import _options
+    from benchmarks.images import _options
     from workflows.errors import UserError
 
     with pytest.raises(UserError, match="bench.sizes: unknown option of bench images"):
@@ -147,7 +155,7 @@ def test_bench_images_scale_tiny(tmp_path):
     evicts: every image once by sample id, the cache's peak disk measured and judged against the cap
     plus one shard per decode process, `largest_set_bytes` what an epoch streamed, the plot written."""
     results, doc = tmp_path / "results", tmp_path / "B.md"
-    out = run_cli("bench", "images", "--tag", "scale", "--set", "bench.scale=1200KB,2400KB",
+    out = run_bench("--tag", "scale", "--set", "bench.scale=1200KB,2400KB",
                   "--set", "bench.shard_bytes=200KB", "--set", "bench.scale_cache_bytes=900KB",
                   "--set", "bench.batch=2", "--set", "bench.workers=1", "--set", f"bench.scratch={tmp_path}",
                   "--set", f"bench.plot={tmp_path}/scale.png",
@@ -191,8 +199,8 @@ def _recorded(name: str) -> dict:
 def test_ratios_on_recorded_peer_rows():
     """The ratio and summary code fed a real run's rows (all five peers, #39 item 7c): each ratio is
     ours over the best peer of its kind; WebDataset, which has no cache, is never a warm peer."""
-    from workflows.bench.images import _ratios
-    from workflows.bench.images_report import markdown
+    from benchmarks.images import _ratios
+    from benchmarks.images_report import markdown
 
     r = _recorded("bench-images-peers.json")
     rows = r["rows"]
@@ -229,7 +237,7 @@ def test_ratios_on_recorded_peer_rows():
 def test_median_of_repetitions():
     """Interleaved repetitions -> each phase the median repetition's figures, every repetition's rate
     and load kept beside; a repetition's failure is named."""
-    from workflows.bench.images import median_row
+    from benchmarks.images import median_row
 
     ours = _recorded("bench-images-peers.json")["rows"]["ours"]
     reps = []
@@ -250,8 +258,8 @@ def test_scale_counts_only_what_an_epoch_streamed():
     """A recorded scale run whose epochs were capped at 20000 images (the 5 GB and 27 GB points read
     the same images): `largest_set_bytes` is what an epoch read, not the set painted, and no capped
     point passes as a whole epoch."""
-    from workflows.bench.images_report import markdown
-    from workflows.bench.images_scale import summarize
+    from benchmarks.images_report import markdown
+    from benchmarks.images_scale import summarize
 
     r = _recorded("bench-images-scale-capped.json")
     largest = max(p["set"]["bytes"] for p in r["points"])
@@ -272,7 +280,7 @@ def test_cache_disk_counts_open_evicted_files(tmp_path):
     curve's disk figure counts it for that process, once, and not once it is closed."""
     import os
 
-    from workflows.bench.images_proc import cache_disk_bytes
+    from benchmarks.images_proc import cache_disk_bytes
 
     kept, evicted = tmp_path / "kept.data", tmp_path / "evicted.data"
     kept.write_bytes(b"k" * 200_000)

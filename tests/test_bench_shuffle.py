@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from workflows.bench.shuffle import measure
+from benchmarks.shuffle import measure
 from workflows.loader.order import epoch_order, shard_offsets
 
 

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
-from workflows.bench import digits, serve_cpu, serve_report, work
+from benchmarks import digits, work
+from benchmarks import serve as serve_report
+from workflows.bench import serve_cpu
 from workflows.config import load_config
 from workflows.model_card import ModelCard
 from workflows.preprocess import digits_data

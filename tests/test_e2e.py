@@ -146,9 +146,9 @@ def _fetch_model(overrides) -> str:
 
 
 def _local_predictor(model_dir: str, precision: str):
-    from workflows.serve.predictor import Predictor
+    from workflows.tasks.text.predictor import TextPredictor
 
-    return Predictor(model_dir, threads=1, precision=precision)
+    return TextPredictor(model_dir, threads=1, precision=precision)
 
 
 @pytest.fixture(scope="module")

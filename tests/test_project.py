@@ -70,11 +70,11 @@ def test_the_package_parses_as_the_floor_python():
 
 def test_mypy_checks_the_whole_package():
     """`make test` runs mypy over [tool.mypy] files: every module of workflows/ (tasks/ included),
-    reliability/, examples/ and the GPU measurement (benchmarks/gpu/) is among them, and none is excluded."""
+    reliability/, examples/ and benchmarks/ is among them, and none is excluded."""
     mypy = PYPROJECT["tool"]["mypy"]
     files = [ROOT / f for f in mypy["files"]]
     assert not mypy.get("exclude"), mypy.get("exclude")
-    checked = ("workflows", "reliability", "examples", "benchmarks/gpu")
+    checked = ("workflows", "reliability", "examples", "benchmarks")
     modules = sorted(m for d in checked for m in (ROOT / d).rglob("*.py"))
     assert any(m.parent.name == "tasks" and m.parent.parent.name == "workflows" for m in modules)
     unchecked = [str(m.relative_to(ROOT)) for m in modules if not any(m == f or f in m.parents for f in files)]
@@ -107,7 +107,7 @@ LAYERS: dict[str, int] = {
     # 3 tasks: the built-in wings, the classification base, the plug-in API
     **dict.fromkeys(["workflows.tasks", "workflows.api"], 3),
     # 4 stages and commands: what runs a task (trainer drivers, Tune, serving app, batch prediction,
-    # evaluation, registry, runtime, the pipeline, the CLI, the benches)
+    # evaluation, registry, runtime, the pipeline, the CLI, the user benchmarks)
     **dict.fromkeys(["workflows.train.trainer", "workflows.train.standalone", "workflows.train.planner",
                      "workflows.tune", "workflows.serve.app", "workflows.serve.batch", "workflows.serve.deploy_config",
                      "workflows.serve.predictor", "workflows.evaluate", "workflows.registry", "workflows.runtime",

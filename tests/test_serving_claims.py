@@ -66,12 +66,12 @@ def fed_to_the_model(predictor, columns: dict, batch_size: int) -> list[list[int
 
 
 def test_serving_feeds_the_model_a_raw_row_as_the_training_shards_input_ids(registered):
-    from workflows.serve.predictor import Predictor
+    from workflows.tasks.text.predictor import TextPredictor
 
     model_dir, card, raw, train, _ = registered
     by_text = {row["text"]: row for row in raw}
     rows = [by_text[t] for t in train["text"][:64]]  # the raw rows behind these training rows
-    predictor = Predictor(model_dir)
+    predictor = TextPredictor(model_dir)
     trained = list(train["input_ids"][:64])
     # batches of 16: padding to each batch's longest row must not change a row's ids
     assert fed_to_the_model(predictor, {"text": [r["text"] for r in rows]}, batch_size=16) == trained
@@ -83,10 +83,10 @@ def test_serving_feeds_the_model_a_raw_row_as_the_training_shards_input_ids(regi
 def test_int8_serving_quantizes_linear_layers_and_stays_near_fp32(registered):
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
-    from workflows.serve.predictor import Predictor
+    from workflows.tasks.text.predictor import TextPredictor
 
     model_dir, card, _, _, test = registered
-    fp32, int8 = Predictor(model_dir), Predictor(model_dir, precision="int8")
+    fp32, int8 = TextPredictor(model_dir), TextPredictor(model_dir, precision="int8")
     quantized = [m for m in int8.model.modules() if isinstance(m, DynamicQuantizedLinear)]
     float_linear = [m for m in int8.model.modules() if type(m) is torch.nn.Linear]
     assert len(quantized) >= 6 * 6 and not float_linear  # MiniLM: 6 layers x 6 Linear, plus pooler and head

@@ -11,7 +11,7 @@ from workflows import registry
 from workflows.errors import UserError
 from workflows.pipeline import export_artifact, stage_preprocess
 from workflows.runtime import runtime
-from workflows.serve.predictor import Predictor
+from workflows.tasks.text.predictor import TextPredictor
 from workflows.tracking.client import TrackingSpec
 from workflows.train.checkpoint import consolidated_model_state, read_state
 from workflows.train.export import download_checkpoint
@@ -56,7 +56,7 @@ def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy
             meta = export_artifact(cfg, rt.storage, data, out.best_checkpoint_uri, art, {"run": out.run_uri})
             assert meta["labels"] == data.labels and meta["lineage"]["dataset_version"] == data.version
             # export -> reload gives the checkpoint's exact weights, hence identical logits
-            predictor = Predictor(art)
+            predictor = TextPredictor(art)
             reloaded = predictor.model.state_dict()
             for k, v in state.items():
                 assert torch.equal(reloaded[k], v), k
@@ -64,11 +64,11 @@ def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy
         local, fetched = registry.fetch(cfg, rt.storage, f"t-{strategy}")
         assert fetched.version == ref.version == 1
         rows = [{"text": "Plot a histogram."}, {"text": "Solve a linear system."}]
-        a, b = Predictor(local).predict(rows), Predictor(local).predict(rows)
+        a, b = TextPredictor(local).predict(rows), TextPredictor(local).predict(rows)
         assert [p["label"] for p in a] == [p["label"] for p in b]
         assert np.allclose([p["score"] for p in a], [p["score"] for p in b])
         # bf16 (serve.precision for GPU replicas; the same numerics on CPU): the same answers, to bf16's precision
-        half = Predictor(local, precision="bf16")
+        half = TextPredictor(local, precision="bf16")
         assert next(half.model.parameters()).dtype == torch.bfloat16
         for full, bf in zip(a, half.predict(rows)):  # probabilities, not labels: a near-tie may flip
             assert np.allclose(list(bf["probabilities"].values()), list(full["probabilities"].values()), atol=0.02)

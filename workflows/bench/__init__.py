@@ -1,161 +1,46 @@
-"""Benchmarks: `workflows bench NAME` writes benchmarks/results/NAME.json and a section of docs/BENCHMARKS.md.
-
-Two kinds, decided in #38 from what each measures:
-- user commands (USER_BENCHMARKS): the user's own config, cluster and registered model on the path they
-  run: data (the shard cache and Ray Data reads), train (Ray Train against a plain loop, FSDP2 against
-  DDP), tune (ASHA against FIFO on their search space), serve (their Serve deployment under load,
-  against a plain FastAPI peer), lm (the training loop's tokens/s and MFU on their GPUs), generate (their
-  chat model's continuous batching against one request at a time and static batching);
-- the project's harness (HARNESS_BENCHMARKS): claims about the project itself: quickstart and digits
-  (the shipped configs' pipeline against their plain-PyTorch work), madewithml (a reference F1),
-  serve-levers (Serve's flags against the peer), shuffle and images (peers from `make bench-peers`'s
-  .venv-peers). They stay commands here because docs/BENCHMARKS.md records them as `workflows bench
-  NAME` and `--render` rebuilds its sections from this registry. The GPU measurement, never one of
-  these commands, lives outside the package: benchmarks/gpu/ (`make bench-gpu`).
+"""`workflows bench NAME`: measures your own config, cluster and registered model on the path you run, and
+prints what it measured (JSON; `--out FILE` keeps it):
+- data: the shard cache and Ray Data reads;
+- train: Ray Train against a plain loop, FSDP2 against DDP;
+- tune: ASHA against FIFO on your search space;
+- serve: your Serve deployment under load, against a plain FastAPI peer;
+- lm: the training loop's tokens/s and MFU on your GPUs;
+- generate: your chat model's continuous batching against one request at a time and static batching.
+The project's own measurements, and docs/BENCHMARKS.md that reports them, live in the repository's
+benchmarks/ (not installed).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import re
-import shlex
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-from workflows.bench.results import DOC, RESULTS_DIR, write_doc_section
 from workflows.errors import UserError
-from workflows.storage.atomic import atomic_write
 
-USER_BENCHMARKS = {"data": "workflows.bench.data", "train": "workflows.bench.train", "tune": "workflows.bench.tune",
-                   "serve": "workflows.bench.serve", "lm": "workflows.bench.lm", "generate": "workflows.bench.generate"}
-HARNESS_BENCHMARKS = {"quickstart": "workflows.bench.quickstart", "digits": "workflows.bench.digits",
-                      "madewithml": "workflows.bench.madewithml", "serve-levers": "workflows.bench.serve_levers",
-                      "shuffle": "workflows.bench.shuffle", "images": "workflows.bench.images"}
-BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
+BENCHMARKS = {"data": "workflows.bench.data", "train": "workflows.bench.train", "tune": "workflows.bench.tune",
+              "serve": "workflows.bench.serve", "lm": "workflows.bench.lm", "generate": "workflows.bench.generate"}
 
 
-def run_benchmark(name: str, config: str | None, overrides: list[str], argv: list[str], tag: str | None = None,
-                  results_dir: str | Path = RESULTS_DIR, doc: str | Path = DOC) -> dict:
-    """Run benchmark `name`; write `results_dir/NAME[-TAG].json` and its section of `doc`.
-
-    A tag keeps a variant (another size, another cluster) beside the default run instead of over it.
-    """
+def run_benchmark(name: str, config: str | None, overrides: list[str], command: str) -> dict:
+    """Run benchmark `name` on `config` (default: its own) and return what it measured."""
     if name == "gpu":
-        raise UserError("bench gpu runs without Ray on a CUDA machine: `make bench-gpu` (benchmarks/gpu/README.md); "
-                        "`workflows bench gpu --render` writes its section from the stored gpu-*.json")
+        raise UserError("bench gpu runs without Ray on a CUDA machine, from a checkout: `make bench-gpu` "
+                        "(benchmarks/gpu/README.md)")
     if name not in BENCHMARKS:
         raise UserError(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
-    if tag is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", tag):
-        raise UserError(f"--tag {tag!r}: lower-case letters, digits and '-' (it names a file)")
-    key = f"{name}-{tag}" if tag else name
-    module = importlib.import_module(BENCHMARKS[name])
+    return measure(importlib.import_module(BENCHMARKS[name]).run, name, config, overrides, command)
+
+
+def measure(run: Callable[[str | None, list[str]], dict], name: str, config: str | None, overrides: list[str],
+            command: str) -> dict:
+    """`run(config, overrides)` with what says where and when it ran: the command, the time, the machine."""
     load_before = round(os.getloadavg()[0], 2)  # a busy machine shifts absolute figures (not ratios)
-    result = module.run(config, overrides)
-    command = "workflows " + " ".join(shlex.quote(a) for a in argv[1:])
+    result = run(config, overrides)
     load = {"before": load_before, "after_15min": round(os.getloadavg()[2], 2)}
-    result = {"benchmark": name, "tag": tag, "command": command,
-              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": {**machine(), "load_average": load}, **result}
-    results_dir, doc = Path(results_dir), Path(doc)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{key}.json"
-    text = json.dumps(result, indent=2, sort_keys=True)
-    atomic_write(path, text)
-    result = json.loads(text)  # the doc renders what was stored, as `--render` will later
-    # every section of this benchmark: this run may have measured again what an older one shows
-    render(name, results_dir, doc)
-    print(f"results written to {path} and {doc}")
-    return result
-
-
-def heading(module, result: dict) -> str:
-    """The section's heading, as its markdown writes it (with its tag)."""
-    first = next(ln for ln in module.markdown(result).splitlines() if ln.startswith("## "))
-    return f"{first} ({result['tag']})" if result.get("tag") else first
-
-
-def anchor(title: str) -> str:
-    """GitHub's anchor of a markdown heading ("## Images: a loop (cold)" -> "images-a-loop-cold")."""
-    return re.sub(r"[^\w\- ]", "", title.removeprefix("## ").strip().lower()).replace(" ", "-")
-
-
-def _settings(command: str, selection: tuple[str, ...]) -> tuple[str, ...]:
-    """The `--set` values of a stored command line, less those that only choose what is measured."""
-    args = shlex.split(command)
-    sets = [v for flag, v in zip(args, args[1:]) if flag == "--set"]
-    return tuple(sorted(v for v in sets if v.split("=", 1)[0] not in selection))
-
-
-def superseded(result: dict, results: list[dict]) -> dict[str, dict]:
-    """The figures of `result` that a later run of the same benchmark, on the same settings (the
-    module's SELECTION_SETTINGS aside, which only pick the rows to run), measured again: figure ->
-    the newest such run. Only a module's FIGURES count (its headline numbers, not its settings)."""
-    module = importlib.import_module(BENCHMARKS[result["benchmark"]])
-    selection = tuple(getattr(module, "SELECTION_SETTINGS", ()))
-    mine = _settings(result.get("command", ""), selection)
-    out: dict[str, dict] = {}
-    for other in sorted(results, key=lambda r: r.get("measured_at") or ""):
-        if (other is result or other.get("benchmark") != result["benchmark"]
-                or (other.get("measured_at") or "") <= (result.get("measured_at") or "")
-                or _settings(other.get("command", ""), selection) != mine):
-            continue
-        for key in getattr(module, "FIGURES", ()):
-            if isinstance(result.get(key), (int, float)) and isinstance(other.get(key), (int, float)):
-                out[key] = other  # the newest wins: sorted by time
-    return out
-
-
-def history_note(result: dict, later: dict[str, dict]) -> str:
-    """The line under a section's heading whose figures a later run measured again."""
-    by_run: dict[str, tuple[dict, list[str]]] = {}
-    for key, other in later.items():
-        by_run.setdefault(other.get("measured_at") or "", (other, []))[1].append(key)
-    where = []
-    for when, (other, keys) in sorted(by_run.items()):
-        title = heading(importlib.import_module(BENCHMARKS[other["benchmark"]]), other)
-        figures = ", ".join(f"`{k}` {other[k]}" for k in keys)
-        where.append(f"{figures} in [{title.removeprefix('## ')}](#{anchor(title)}) ({when[:10]})")
-    return (f"**History, not the current figures**: a later run measured {len(later)} of this run's figures again: "
-            f"{'; '.join(where)}. This section is the earlier run's, kept for what no later run measured.")
-
-
-def section_body(module, result: dict, later: dict[str, dict] | None = None) -> str:
-    body = module.markdown(result)
-    if result.get("tag"):  # the section's heading names its variant
-        body = re.sub(r"^(## .*)$", rf"\1 ({result['tag']})", body, count=1, flags=re.M)
-    if later:
-        body = re.sub(r"^(## .*)$", lambda m: f"{m.group(1)}\n\n{history_note(result, later)}", body,
-                      count=1, flags=re.M)
-    return body
-
-
-def render(name: str, results_dir: str | Path = RESULTS_DIR, doc: str | Path = DOC) -> list[Path]:
-    """Rewrite `doc`'s sections from the stored results of benchmark `name` ("all": every one, tags
-    included) without running anything: after a change to a benchmark's report, or to check that
-    the doc is what its results say."""
-    if name not in ("all", "gpu") and name not in BENCHMARKS:
-        raise UserError(f"unknown benchmark {name!r}; available: all, gpu, {', '.join(sorted(BENCHMARKS))}")
-    paths = []
-    if name in ("all", "gpu"):  # run on a GPU machine by benchmarks/gpu/run.sh; "not lent yet" without results
-        from workflows.bench import gpu_doc  # a member: gpu_doc imports bench.results, not this registry
-
-        paths += gpu_doc.render(results_dir, Path(doc))
-        if name == "gpu":
-            return paths
-    stored = {path: json.loads(path.read_text()) for path in sorted(Path(results_dir).glob("*.json"))}
-    for path, result in stored.items():
-        bench = result.get("benchmark")
-        if bench in BENCHMARKS and name in ("all", bench):
-            key = f"{bench}-{result['tag']}" if result.get("tag") else bench
-            later = superseded(result, list(stored.values()))
-            write_doc_section(key, section_body(importlib.import_module(BENCHMARKS[bench]), result, later),
-                              Path(doc))
-            paths.append(path)
-    if not paths:
-        raise UserError(f"no stored results for {name!r} in {results_dir}")
-    return paths
+    return {"benchmark": name, "command": command, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {**machine(), "load_average": load}, **result}
 
 
 def machine() -> dict:

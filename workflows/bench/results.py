@@ -1,6 +1,6 @@
-"""Where `workflows bench` keeps what it measured (benchmarks/results/) and the doc it renders
-(docs/BENCHMARKS.md), and how one section of that doc is rewritten. Below the registry
-(workflows.bench) and every bench: the benches and the GPU section import it, never the registry."""
+"""Where the project's benchmarks keep what they measured (benchmarks/results/) and the doc they render
+(docs/BENCHMARKS.md), and how one section of that doc is rewritten: benchmarks.record and the GPU
+section (workflows.bench.gpu_doc) import it. It belongs in benchmarks/, with gpu_doc."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def write_doc_section(name: str, body: str, doc: Path = DOC) -> None:
     text = (
         doc.read_text()
         if doc.exists()
-        else "# Benchmarks\n\nEvery figure here is written by `workflows bench NAME` (`--render`: from the stored"
-        " results); none is typed by hand.\n"
+        else "# Benchmarks\n\nEvery figure here is written by `python -m benchmarks.NAME` (`make bench-render`: from"
+        " the stored results); none is typed by hand.\n"
     )
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     section = f"{start}\n{body.strip()}\n{end}"

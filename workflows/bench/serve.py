@@ -48,13 +48,24 @@ from pathlib import Path
 from workflows.bench.serve_changes import autoscaling, replica_kill, rolling_update
 from workflows.bench.serve_cpu import cpu_per_request
 from workflows.bench.serve_load import LOAD_REQUESTS, get_p50_ms, load
-from workflows.bench.serve_report import GOALS, PLOT, _plot
-from workflows.bench.serve_report import markdown as _markdown
 from workflows.errors import UserError
 
 MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_MODEL", "quickstart")
 IMAGE_MODEL = os.environ.get("WORKFLOWS_BENCH_SERVE_IMAGE_MODEL", "digits")
 PRECISIONS = ("fp32", "int8", "bf16")  # fp32 first: the others are compared with it
+# The peer comparison replaced the goals of batched >= 4x unbatched and p50 overhead <= 5 ms over
+# the in-process call, both bound by the CPU on 2 cores (issue 20); they are still measured.
+GOALS = {
+    "serve_vs_peer_throughput": 0.9,
+    "p50_over_peer_ms": 3.0,
+    "load_errors": 0,
+    "replica_kill_failed_fraction": 0.01,
+    "replica_kill_recovery_s": 30.0,
+    "rolling_update_failed": 0,
+    "autoscaling_errors": 0,
+    "image_serve_vs_peer_throughput": 0.95,
+    "image_p50_over_peer_ms": 3.0,
+}
 
 
 def run(config: str | None, overrides: list[str]) -> dict:
@@ -127,8 +138,6 @@ def _measure(rt) -> dict:
     serve.delete("bench")
     out["autoscaling"] = autoscaling(rt, spec, rows)
     serve.delete("bench")
-    _plot(curve, out["unbatched_c32"])
-    out["plot"] = str(PLOT)
     out["goals"] = GOALS
     out["goals_met"] = {
         "serve_vs_peer_throughput": (out["serve_vs_peer_throughput"] or 0) >= GOALS["serve_vs_peer_throughput"],
@@ -158,14 +167,15 @@ def _peer(rt, spec: str, url: str, rows: list[dict], cpu_requests: int = 0, more
     the CPU each spends per request at concurrency 32, process by process (`cpu_per_request`);
     with `more`, `more(peer_url)` as "levers" (other deployments against the same peer)."""
     from workflows import registry
-    from workflows.bench.serve_levers import _free_port, compare
+    from workflows.bench.serve_load import compare
     from workflows.bench.serve_peer import Peer
+    from workflows.net import free_port
 
     model_dir, _ = registry.fetch(rt.cfg, rt.storage, spec)
     log = Path(rt.cfg.output_dir) / rt.cfg.name / "logs" / f"bench-serve-peer-{spec.split(':')[0]}.log"
     threads = max(1, int(rt.cfg.serve.cpus_per_replica))
     text_rows = [{k: v for k, v in r.items() if k != "label"} for r in rows]
-    with Peer(model_dir, _free_port(), threads, 32, spec, log, rt.cfg) as peer:
+    with Peer(model_dir, free_port(), threads, 32, spec, log, rt.cfg) as peer:
         out = compare(url, peer.url, text_rows)
         if cpu_requests:
             out["cpu_ms_per_request"] = {name: cpu_per_request(u, text_rows, cpu_requests, 32)
@@ -192,7 +202,7 @@ def _image(rt, deployed) -> dict:
         ref = registry.resolve(rt.cfg, rt.storage, IMAGE_MODEL)
     except UserError as e:
         return {"model": IMAGE_MODEL, "skipped": f"{e}; run `workflows pipeline --config digits` first"}
-    from workflows.bench.serve_levers import compare
+    from workflows.bench.serve_load import compare
 
     spec = f"{ref.name}:{ref.version}"
     rows = _image_rows(rt, spec, 256)
@@ -262,10 +272,10 @@ def _test_rows(rt, spec: str, n: int) -> list[dict]:
 
 def _predictor(rt, spec: str, precision: str):
     from workflows import registry
-    from workflows.serve.predictor import Predictor
+    from workflows.tasks.text.predictor import TextPredictor
 
     model_dir, _ = registry.fetch(rt.cfg, rt.storage, spec)
-    return Predictor(model_dir, threads=max(1, int(rt.cfg.serve.cpus_per_replica)), precision=precision)
+    return TextPredictor(model_dir, threads=max(1, int(rt.cfg.serve.cpus_per_replica)), precision=precision)
 
 
 def _direct_p50_ms(rt, spec: str, rows: list[dict]) -> float:
@@ -329,7 +339,3 @@ def _precisions(rt, spec: str, rows: list[dict]) -> dict:
         out[f"{precision}_f1"] = round(f1[precision], 4)
         out[f"{precision}_f1_delta"] = round(f1["fp32"] - f1[precision], 4)
     return out
-
-
-def markdown(r: dict) -> str:
-    return _markdown(r)

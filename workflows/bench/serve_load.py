@@ -100,3 +100,36 @@ async def get_p50_ms_async(url: str, n: int) -> float:
 
 
 # -- in-process baselines ---------------------------------------------------------------------
+
+
+POINTS = ((1, 60), (32, 320))  # (concurrency, requests) per rep: short runs, many reps, against drift
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 2) if xs else None
+
+
+def compare(serve_url: str, peer_url: str, rows: list[dict], reps: int = 5) -> dict:
+    """A Serve URL against the peer's with the same client and rows, alternating point by point
+    (concurrency 1, then 32, `reps` times) so that load from elsewhere on the machine falls on both
+    alike; each figure is the median over the reps."""
+    runs: dict = {name: {c: [] for c, _ in POINTS} for name in ("serve", "peer")}
+    for rep in range(reps):
+        for c, n in POINTS:
+            order = (("serve", serve_url), ("peer", peer_url))
+            for name, url in order if rep % 2 == 0 else order[::-1]:
+                runs[name][c].append(load(url, rows, n, c))
+    out: dict = {}
+    for name, by_c in runs.items():
+        out[name] = {
+            str(c): {"rps": _median([r["rps"] for r in rs]), "p50_ms": _median([r["p50_ms"] for r in rs]),
+                     "p95_ms": _median([r["p95_ms"] for r in rs]), "errors": sum(r["errors"] for r in rs)}
+            for c, rs in by_c.items()
+        }
+    s, p = out["serve"], out["peer"]
+    out["serve_vs_peer_throughput"] = round(s["32"]["rps"] / p["32"]["rps"], 3) if p["32"]["rps"] else None
+    both = s["1"]["p50_ms"] is not None and p["1"]["p50_ms"] is not None
+    out["p50_over_peer_ms"] = round(s["1"]["p50_ms"] - p["1"]["p50_ms"], 2) if both else None
+    out["reps"] = reps
+    return out

@@ -118,47 +118,6 @@ def run(config: str | None, overrides: list[str]) -> dict:
     }
 
 
-def _met(ok: bool) -> str:
-    return "met" if ok else "**not met**"
-
-
-def markdown(r: dict) -> str:
-    p, f, d = r["runs"]["plain"], r["runs"]["ray_fsdp"], r["runs"]["ray_ddp"]
-
-    def row(name: str, x: dict) -> str:
-        epochs = " / ".join(f"{s:.1f}" for s in x["epoch_seconds"])
-        return (
-            f"| {name} | {epochs} s | {x['samples_per_s']:.1f} | {x['steps_per_epoch']} | {x['wall_seconds']:.0f} s "
-            f"| {x['final_train_loss']:.4f} / {x['final_val_f1']:.4f} | {x['load_average_before_after'][0]:.1f} / "
-            f"{x['load_average_before_after'][1]:.1f} |"
-        )
-
-    return f"""## Training: Ray Train overhead, FSDP2 vs DDP
-
-`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, torch {r["machine"]["torch"]}).
-Quickstart model and data, {r["train_rows"]} training rows per epoch, {r["epochs"]} epochs per run, each run a
-fresh process. Epoch time = the training steps inside `train_epoch` (batches included; start-up and
-evaluation excluded); wall = the whole process, start-up to exit.
-
-| run | epoch times | samples/s | steps/epoch | wall | final loss / val F1 | load avg before / after |
-| --- | --- | --- | --- | --- | --- | --- |
-{row(f"plain PyTorch, 1 process x 2 threads, batch {r['ray_workers'] * r['batch_per_worker']}, no Ray", p)}
-{row(f"Ray Train FSDP2, {r['ray_workers']} workers x 1 CPU, batch {r['batch_per_worker']}/worker", f)}
-{row(f"Ray Train DDP, {r['ray_workers']} workers x 1 CPU, batch {r['batch_per_worker']}/worker", d)}
-
-| measure | value | goal |
-| --- | --- | --- |
-| `ray_vs_plain_epoch_ratio` (Ray FSDP2 mean epoch ÷ plain mean epoch) | {r["ray_vs_plain_epoch_ratio"]:.3f} | <= {r["goal_ratio"]} ({_met(r["ray_vs_plain_meets_goal"])}) |
-| same, wall time of the whole process | {r["ray_vs_plain_wall_ratio"]:.3f} | |
-| `fsdp_vs_ddp_ratio` (Ray FSDP2 mean epoch ÷ Ray DDP mean epoch) | {r["fsdp_vs_ddp_ratio"]:.3f} | <= {r["goal_ratio"]} ({_met(r["fsdp_vs_ddp_meets_goal"])}) |
-| same, wall time of the whole process | {r["fsdp_vs_ddp_wall_ratio"]:.3f} | |
-| every epoch >= {MIN_EPOCH_SECONDS} s | {r["epochs_at_least_20s"]} | |
-
-The machine's CPUs are shared with other work while this runs: the load averages are the
-1-minute load when each run started and ended (2 CPUs; above 2 means the runs competed for them).
-"""  # noqa: E501 (markdown table rows: one line each)
-
-
 def _ray_child(argv: list[str]) -> None:
     """One Ray Train run in this process: `python -m workflows.bench.train --config C [--set k=v] --output F`."""
     import argparse

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import typer
 
@@ -86,25 +87,24 @@ def plan(
 
 
 def bench(
-    name: str = typer.Argument(..., help="benchmark to run (see `workflows bench --help`)"),
+    name: str = typer.Argument(..., help="benchmark to run: data, train, tune, serve, lm or generate"),
     config: str | None = typer.Option(None, "--config", "-c", help="config (default: the benchmark's own)"),
     set: list[str] | None = SetOpt,
-    tag: str | None = typer.Option(None, "--tag", help="a variant: results in NAME-TAG.json, its own doc section"),
-    results_dir: str = typer.Option("benchmarks/results", "--results-dir", help="directory for the results JSON"),
-    doc: str = typer.Option("docs/BENCHMARKS.md", "--doc", help="markdown file whose bench section is rewritten"),
-    render_only: bool = typer.Option(False, "--render", help="run nothing: rewrite NAME's sections (NAME 'all': "
-                                     "every one) of --doc from the results stored in --results-dir"),
+    out: str | None = typer.Option(None, "--out", help="also write what it measured to this JSON file"),
 ):
-    """Run benchmark NAME: writes RESULTS_DIR/NAME[-TAG].json and its section of the --doc file."""
+    """Run benchmark NAME on your config, cluster and model; print what it measured (JSON)."""
 
     def go():
-        from workflows.bench import render, run_benchmark
+        import shlex
 
-        if render_only:
-            paths = render(name, results_dir, doc)
-            print(f"{doc} rewritten from {len(paths)} result file(s) in {results_dir}")
-        else:
-            run_benchmark(name, config, set or [], sys.argv, tag=tag, results_dir=results_dir, doc=doc)
+        from workflows.bench import run_benchmark
+        from workflows.storage.atomic import atomic_write
+
+        command = "workflows " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        text = json.dumps(run_benchmark(name, config, set or [], command), indent=2, sort_keys=True)
+        if out:
+            atomic_write(Path(out), text)
+        typer.echo(text)
 
     _run(go)
 

@@ -1,6 +1,6 @@
 """An ImageNet-like image set of any size: photo-like JPEGs in WebDataset tar shards, in any store.
 
-`workflows data synth-images` (and `workflows bench images`) write `<out>/shard-NNNNNN.tar`
+`workflows data synth-images` (and `python -m benchmarks.images`) write `<out>/shard-NNNNNN.tar`
 (`<key>.jpg` + `<key>.cls`, as webdataset reads them) and `<out>/index.json`:
 `{"format": "wds-tar", "version": 1, "shards": [{"name", "samples", "bytes", "version"}, ...], "classes": N}`
 (each shard's object version, so that a reader asks the store nothing for a shard it has cached).

@@ -1,15 +1,12 @@
 """The predictors shared by online serving, batch inference and evaluation (one code path, no skew):
 each task's `predictor` builds one (workflows.tasks.base.Predictor); this module loads the one a
 registered model's card names and holds the Ray Data actor that runs any of them. The text
-classifier's own is workflows.tasks.text.predictor (imported from here by benches and notebooks)."""
+classifier's own is workflows.tasks.text.predictor.TextPredictor."""
 
 from __future__ import annotations
 
 from workflows.model_card import ModelCard
 from workflows.tasks import base
-from workflows.tasks.text.predictor import TextPredictor  # noqa: F401  (imported from here by benches, notebooks)
-
-Predictor = TextPredictor  # the name benches and notebooks import
 
 
 def load_predictor(cfg, model_dir: str, threads: int | None = None, precision: str | None = None) -> base.Predictor:

@@ -98,7 +98,7 @@ def serve_ranges_from_the_object_file() -> None:
     # why by hand: moto 5.2 answers a ranged GET by reading the WHOLE object from its spooled file
     # (FakeKey.value) and slicing it, so a download in 8 MB ranges (s3transfer's, ours and
     # MosaicML Streaming's) of a 125 MB object reads 16 x 125 MB, mostly system CPU taken from
-    # the decode processes on a small machine (`workflows bench images --tag cold`: the index build
+    # the decode processes on a small machine (`python -m benchmarks.images --tag cold`: the index build
     # read 1 GB in 7.9 s before this, 4.8 s after; #37). That is an emulator cost S3 does not
     # have, and it fell on every benchmark row that downloads by ranges. Only a range
     # moto will slice is served this way: `bytes=a-b` or `bytes=a-` starting inside the object;

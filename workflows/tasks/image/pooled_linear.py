@@ -4,7 +4,7 @@ and normalized, then one Linear). A real image model in
 transformers' from_pretrained layout (registered with AutoConfig and AutoModelForImageClassification,
 so it exports, registers, evaluates and serves as the others do), with almost no compute: a baseline
 for a set, and the model under which training's images/s is the input pipeline's
-(`workflows bench images`' training rows)."""
+(`python -m benchmarks.images`' training rows)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,22 @@
-"""The markdown of `workflows bench serve` (docs/BENCHMARKS.md's serving section), its goals, and the
-latency/throughput figure that section embeds."""
+"""`workflows bench serve` on the quickstart's model for docs/BENCHMARKS.md's serving section, and the
+latency/throughput figure that section embeds (`python -m benchmarks.serve`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from workflows.bench.serve import GOALS
+
 PLOT = Path("docs/images/serve_latency_throughput.png")
-# The peer comparison replaced the goals of batched >= 4x unbatched and p50 overhead <= 5 ms over
-# the in-process call, both bound by the CPU on 2 cores (issue 20); they are still measured.
-GOALS = {
-    "serve_vs_peer_throughput": 0.9,
-    "p50_over_peer_ms": 3.0,
-    "load_errors": 0,
-    "replica_kill_failed_fraction": 0.01,
-    "replica_kill_recovery_s": 30.0,
-    "rolling_update_failed": 0,
-    "autoscaling_errors": 0,
-    "image_serve_vs_peer_throughput": 0.95,
-    "image_p50_over_peer_ms": 3.0,
-}
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    """The serving benchmark (workflows.bench.serve), then its latency/throughput figure."""
+    from workflows.bench import serve
+
+    result = serve.run(config, overrides)
+    _plot(result["batched"], result["unbatched_c32"])
+    return {**result, "plot": str(PLOT)}
 
 
 def _plot(curve: dict, unbatched: dict) -> None:
@@ -237,3 +235,8 @@ Batched deployment, by concurrency:
 
 ![latency and throughput](images/{PLOT.name})
 {_image_cpu_md(r)}"""  # noqa: E501 (markdown table rows: one line each)
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("serve")

@@ -7,8 +7,8 @@ counting the bytes it serves).
     workflows bench images --tag scale --set bench.scale=1GB,5GB,27GB   # ours as the data grows
 
 The set is written by `workflows data synth-images` (ImageNet-like JPEGs in ~128 MB tar shards).
-Every row runs in its own process (ours: workflows.bench.image_rows, in this venv; the peers:
-workflows.bench.image_peers, in the peers' venv, `make bench-peers`) and applies the same
+Every row runs in its own process (ours: benchmarks.image_rows, in this venv; the peers:
+benchmarks.image_peers, in the peers' venv, `make bench-peers`) and applies the same
 transform with the same code (workflows.preprocess.images: decode, RandomResizedCrop(224, scale
 (0.08, 1)), flip, uint8 CHW), batches of 256, the same number of decode processes
 (`bench.workers`, 2). Per phase, this process measures what the row cannot claim for itself:
@@ -20,7 +20,7 @@ batch. Cold: an empty local cache; warm: the next epoch in the same process.
 Options (`--set bench.KEY=VALUE`): size (1GB), workers (2), reps (3: the rows
 interleaved, medians kept), batch (256, every row's), classes (100),
 rows (all, or a comma list of ours,ours_index,ours2,train_ray_data,train_stream,streaming,litdata,webdataset,local,
-decode; train_*: images/s into the step of a real training run, workflows.bench.images_train), peers_python (default
+decode; train_*: images/s into the step of a real training run, benchmarks.images_train), peers_python (default
 .venv-peers/bin/python, else $WORKFLOWS_BENCH_PEERS_PYTHON), scale (sizes: runs ours only, one
 cold epoch per size with the cache capped below the set, `cache.max_bytes` or scale_cache_bytes),
 scratch (a directory on the disk that holds the set twice over), shard_bytes (128MB), scale_distinct
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workflows.bench.images_common import GOALS, ROWS, _copy_set, _drop, _largest, _make_set, _say
+from benchmarks.images_common import GOALS, ROWS, _copy_set, _drop, _largest, _make_set, _say
 from workflows.errors import UserError
 
 PLOT = Path("docs/images/images_scale.png")  # the scale section embeds it (relative to docs/)
@@ -104,7 +104,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
                             "set storage.embedded.enabled=true")
         with runtime(cfg, ray_needed=False) as rt:
             if sizes:
-                from workflows.bench.images_scale import _scale
+                from benchmarks.images_scale import _scale
 
                 return _scale(rt, scratch, opts, sizes)
             return _rows(rt, scratch, opts, size)
@@ -114,8 +114,8 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
 # -- the rows -----------------------------------------------------------------------------------
 def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
-    from workflows.bench.images_proc import _env, _ours_cmd, _peers_python, _phases
-    from workflows.bench.images_train import config_file, train_row
+    from benchmarks.images_proc import _env, _ours_cmd, _peers_python, _phases
+    from benchmarks.images_train import config_file, train_row
 
     workers, reps = int(opts["workers"]), int(opts["reps"])
     prefix = rt.cfg.uri("bench", "images", "set")
@@ -154,7 +154,7 @@ def _rows(rt, scratch: Path, opts: dict, size: int) -> dict:
         if peers is None:
             return {"error": why}
         args = {**common, "scratch": str(scratch / "peers")}
-        out = _phases(name, [[peers, "-m", "workflows.bench.image_peers", row, json.dumps(args)]], env, rt, logs)
+        out = _phases(name, [[peers, "-m", "benchmarks.image_peers", row, json.dumps(args)]], env, rt, logs)
         if row in ("streaming", "litdata"):  # a peer's converted copy and cache: made again next repetition
             _drop(prefix + ("-mds" if row == "streaming" else "-litdata"), rt.storage)
             shutil.rmtree(scratch / "peers" / ("mds-cache" if row == "streaming" else "litdata-cache"),
@@ -292,6 +292,12 @@ def _persist_cost(rt, scratch: Path) -> dict:
 
 
 def markdown(r: dict) -> str:
-    from workflows.bench.images_report import markdown as render
+    from benchmarks.images_report import markdown as render
 
     return render(r)
+
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("images")

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from workflows.bench.images_common import ROOT, _drop, _say
+from benchmarks.images_common import ROOT, _drop, _say
 
 MODEL = "pooled_linear"
 EPOCHS = 2  # the first fills the cache; the second is measured
@@ -67,7 +67,7 @@ def config_file(rt, scratch: Path, opts: dict, prefix: str) -> Path:
 
 def _child(cmd: list[str], env: dict, log: Path, rt) -> tuple[float, dict]:
     """Run one child to its end, sampling its process tree's memory (Ray's processes included)."""
-    from workflows.bench.images_proc import _Memory
+    from benchmarks.images_proc import _Memory
 
     t0 = time.perf_counter()
     with open(log, "w") as out:

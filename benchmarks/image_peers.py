@@ -1,6 +1,6 @@
-"""The peer rows of `workflows bench images`, one process per row, run by workflows.bench.images.
+"""The peer rows of `workflows bench images`, one process per row, run by benchmarks.images.
 
-    python -m workflows.bench.image_peers ROW '{"endpoint": ..., "prefix": ..., ...}'
+    python -m benchmarks.image_peers ROW '{"endpoint": ..., "prefix": ..., ...}'
 
 ROW: streaming (MosaicML Streaming, MDS), litdata (LitData optimize + StreamingDataset),
 webdataset (the tars streamed from S3 over HTTP), local (torch DataLoader over the same images as
@@ -10,7 +10,7 @@ Runs in the peers' venv (make bench-peers), not the product's: streaming 0.13 pi
 transformers<5. So this module imports only the standard library at the top, and in its functions
 torch, numpy, PIL, boto3, the peer, and workflows.preprocess.images (numpy + PIL only) for the
 transform every row shares with ours: decode, RandomResizedCrop(224, scale (0.08, 1)), flip, uint8
-CHW. `ours` (workflows.bench.image_rows) imports `timed_pass` and `phase` from here.
+CHW. `ours` (benchmarks.image_rows) imports `timed_pass` and `phase` from here.
 
 Protocol with the parent: before each measured phase the row prints `@phase NAME` and waits for a
 line on stdin (the parent snapshots the endpoint's counters and starts sampling the process tree's
@@ -220,7 +220,7 @@ def row_litdata(a: dict) -> None:
         shutil.rmtree(stage, ignore_errors=True)
 
     # litdata's workers are spawned: the transform must pickle by a module path, not as __main__'s
-    from workflows.bench.image_peers import _lit_transform
+    from benchmarks.image_peers import _lit_transform
 
     ds = litdata.StreamingDataset(remote, cache_dir=str(scratch / "litdata-cache"), shuffle=True, seed=0,
                                   storage_options=storage, transform=_lit_transform)

@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from workflows.bench.load import LoadSampler
+from benchmarks.load import LoadSampler
 
 ROUNDS = 3
 N_CPUS = 2

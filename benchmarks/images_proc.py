@@ -1,5 +1,5 @@
 """The rows' processes of `workflows bench images`: run one row's processes through the phase
-protocol (workflows.bench.image_peers), counting the store's bytes and the process trees' memory."""
+protocol (benchmarks.image_peers), counting the store's bytes and the process trees' memory."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from workflows.bench.images_common import ROOT, _say
+from benchmarks.images_common import ROOT, _say
 
 
 # -- running rows -------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def _peers_python(opts: dict) -> tuple[str | None, str]:
 
 
 def _ours_cmd(args: dict) -> list[str]:
-    return [sys.executable, "-m", "workflows.bench.image_rows", json.dumps(args)]
+    return [sys.executable, "-m", "benchmarks.image_rows", json.dumps(args)]
 
 
 def _env() -> dict:

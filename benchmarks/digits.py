@@ -15,8 +15,8 @@ overrides apply to the digits pipeline only).
 
 from __future__ import annotations
 
-from workflows.bench.load import LoadSampler
-from workflows.bench.quickstart import STAGES, load, threads, where_rows
+from benchmarks.load import LoadSampler
+from benchmarks.quickstart import STAGES, load, threads, where_rows
 
 # fixed cost (wall − work) of the digits pipeline at most the quickstart's, measured in the same run
 GOALS = {"fixed_seconds_vs_quickstart": 0.0}
@@ -25,13 +25,13 @@ GOALS = {"fixed_seconds_vs_quickstart": 0.0}
 FIGURES = ("wall_seconds", "wall_vs_work_ratio", "weighted_f1")  # headline figures (workflows.bench.superseded)
 
 def _port_override() -> str:
-    from workflows.bench.serve_levers import _free_port
+    from workflows.net import free_port
 
-    return f"serve.port={_free_port()}"
+    return f"serve.port={free_port()}"
 
 
 def run(config: str | None, overrides: list[str]) -> dict:
-    from workflows.bench.quickstart import measure_pipeline
+    from benchmarks.quickstart import measure_pipeline
 
     port = [] if any(o.startswith("serve.port=") for o in overrides) else [_port_override()]
     with LoadSampler() as digits_load:
@@ -88,7 +88,7 @@ def markdown(r: dict) -> str:
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs{load(r)}, torch {r["machine"]["torch"]})
 
 `workflows pipeline --config configs/digits.yaml` in a fresh process from an empty store, then the
-same computations in one plain-PyTorch process without Ray or an object store (`workflows/bench/work.py`,
+same computations in one plain-PyTorch process without Ray or an object store (`benchmarks/work.py`,
 through the task seam: reading the tar shards and decoding + resizing {w["preprocess"]["rows"]} PNGs to
 32x32 with `decode_image`; {tune.get("trials", 0)} trials, {tune.get("epochs", 0)} trial-epochs on {threads(tune, "thread(s)")};
 the final {w["train"]["epochs"]} epoch(s) on {threads(w["train"], "threads")}; evaluating {ev["rows"]} held-out images;
@@ -120,3 +120,9 @@ Where the digits pipeline's rest goes (as each stage measured itself):
 | --- | --- |
 {chr(10).join(where)}
 """  # noqa: E501 (markdown table rows: one line each)
+
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("digits")

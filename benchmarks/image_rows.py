@@ -1,8 +1,8 @@
 """Our row of `workflows bench images`: the product's StreamLoader, one rank per process, run by
-workflows.bench.images in the product's venv, with the same phase protocol as the peers'
-(workflows.bench.image_peers).
+benchmarks.images in the product's venv, with the same phase protocol as the peers'
+(benchmarks.image_peers).
 
-    python -m workflows.bench.image_rows '{"endpoint", "prefix", "cache_dir", "max_bytes", "workers",
+    python -m benchmarks.image_rows '{"endpoint", "prefix", "cache_dir", "max_bytes", "workers",
                                            "rank", "world_size", "phases": ["ours_cold", "ours_warm"]}'
 
 Each phase is one epoch (epoch 0, 1, ...) of one loader (its decode processes persist), through
@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from workflows.bench.image_peers import SIZE, _batch, phase, timed_pass
+from benchmarks.image_peers import SIZE, _batch, phase, timed_pass
 
 
 def main(argv: list[str]) -> None:

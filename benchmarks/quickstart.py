@@ -31,7 +31,7 @@ def measure_pipeline(config: str, overrides: list[str]) -> dict:
     """The pipeline of `config` from an empty store, then its work in one plain-PyTorch process:
     wall, work and their ratio for the whole run and per stage, where the rest went, the held-out
     figures (bench quickstart, bench digits)."""
-    from workflows.bench import work
+    from benchmarks import work
     from workflows.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,7 +156,7 @@ def markdown(r: dict) -> str:
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs{load(r)}, torch {r["machine"]["torch"]})
 
 `workflows pipeline --config configs/quickstart.yaml` in a fresh process from an empty store, then the
-same computations in one plain-PyTorch process without Ray or an object store (`workflows/bench/work.py`:
+same computations in one plain-PyTorch process without Ray or an object store (`benchmarks/work.py`:
 tokenizing {w["preprocess"]["rows"]} rows; {w.get("tune", {}).get("trials", 0)} trials, {w.get("tune", {}).get("epochs", 0)} trial-epochs
 on {threads(w.get("tune", {}), "thread(s)")}; the final {w["train"]["epochs"]} epoch(s) on {threads(w["train"], "threads")};
 evaluating {w["evaluate"]["rows"]} rows; {w["serve"]["requests"]} single-row predictions).
@@ -180,3 +180,9 @@ Where the rest goes (as each stage measured itself):
 | majority-class baseline F1, same rows | {r["majority_baseline_f1"]:.4f} | |
 | predictions served over HTTP | {r["served_predictions"]} | |
 """  # noqa: E501 (markdown table rows: one line each)
+
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("quickstart")

@@ -145,3 +145,9 @@ does not depend on the workers: one rank reads the epoch order as it is).
         lines.append("")
     return "\n".join(lines)
 
+
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("shuffle")

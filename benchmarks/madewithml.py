@@ -65,3 +65,9 @@ def markdown(r: dict) -> str:
 | validation F1 of the registered checkpoint (epoch {r["train"].get("epoch")} of 0-{r["epochs"] - 1}, {select}) | {r["train"].get("val_f1", 0):.4f} | |
 | wall time of the pipeline (no tuning, no serving; the registered run) | {r["wall_seconds"]:.0f} s | |
 """  # noqa: E501 (markdown table rows: one line each)
+
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("madewithml")

@@ -1,4 +1,4 @@
-"""What the parts of `workflows bench images` share (workflows.bench.images runs them): the goals,
+"""What the parts of `workflows bench images` share (benchmarks.images runs them): the goals,
 the rows' names, the progress line, the sets painted or copied into the store and dropped again,
 and what a stored scale run streamed. It imports none of the parts, so each part imports it."""
 
@@ -22,7 +22,7 @@ SCALE_GOALS: dict[str, Any] = {"images_per_s_vs_smallest": 0.9, "peak_pss_bytes"
                                "cache_disk_bytes": "cap + 1 shard/reader", "exactly_once": True}
 ROWS = ("ours", "ours_index", "ours2", "train_ray_data", "train_stream", "streaming", "litdata", "webdataset", "local",
         "decode", "ours_end")
-ROOT = Path(__file__).resolve().parents[2]  # the tree the rows import workflows from
+ROOT = Path(__file__).resolve().parents[1]  # the tree the rows import workflows from
 
 
 def _say(msg: str) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from workflows.bench.images_common import SCALE_GOALS, _copy_set, _drop, _make_set, _say, streamed_bytes, whole_epoch
-from workflows.bench.images_proc import _env, _ours_cmd, _phases
+from benchmarks.images_common import SCALE_GOALS, _copy_set, _drop, _make_set, _say, streamed_bytes, whole_epoch
+from benchmarks.images_proc import _env, _ours_cmd, _phases
 
 
 def _scale(rt, scratch: Path, opts: dict, sizes: list[int]) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workflows.bench.images_common import GOALS, ROWS, _largest, streamed_bytes
+from benchmarks.images_common import GOALS, ROWS, _largest, streamed_bytes
 
 
 def _spool(s: dict) -> str:
@@ -84,7 +84,7 @@ def _training(rows: dict) -> str:
     if not any(k.startswith("train_") for k in rows):
         return ""
     return ("\n\n"
-            "The training rows (`workflows.bench.images_train`) are real training runs: Ray Train with the "
+            "The training rows (`benchmarks.images_train`) are real training runs: Ray Train with the "
             "product's trainer (`fit`), one worker, `model.name_or_path: pooled_linear` (a linear classifier over"
             " pooled pixels; batches reach the step as uint8, which it pools before normalizing, so the trainer "
             "does next to no per-pixel work and the input sets the pace), two epochs each, a fresh cache per "

@@ -1,8 +1,6 @@
-"""Ray Serve against its peer (workflows.bench.serve_peer), and the levers that close the gap.
-
-`compare` drives a Serve URL and the peer's with the same client and rows, alternating between
-them point by point (concurrency 1, then 32, `reps` times) so that load from elsewhere on the
-machine falls on both alike; each figure is the median over the reps.
+"""Ray Serve against its peer (workflows.bench.serve_peer), and the levers that close the gap
+(`python -m benchmarks.serve_levers`): each lever against the peer with `compare`
+(workflows.bench.serve_load).
 
 `levers` starts `workflows serve` once per variant, in a process of its own (Ray's Serve flags
 are environment variables read when its processes start, so each variant needs a fresh cluster),
@@ -13,15 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from workflows.bench.serve_load import load
-
-POINTS = ((1, 60), (32, 320))  # (concurrency, requests) per rep: short runs, many reps, against drift
+from workflows.bench.serve_load import compare
+from workflows.net import free_port
 
 # (name, what it changes, environment, --set overrides); the default row first
 LEVERS = [
@@ -37,39 +33,6 @@ LEVERS = [
      {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, []),
     ("fewer Ray processes", "ray.dashboard=false (no dashboard process)", {}, ["ray.dashboard=false"]),
 ]
-
-
-def _free_port() -> int:
-    from workflows.net import free_port
-
-    return free_port()
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return round(statistics.median(xs), 2) if xs else None
-
-
-def compare(serve_url: str, peer_url: str, rows: list[dict], reps: int = 5) -> dict:
-    runs: dict = {name: {c: [] for c, _ in POINTS} for name in ("serve", "peer")}
-    for rep in range(reps):
-        for c, n in POINTS:
-            order = (("serve", serve_url), ("peer", peer_url))
-            for name, url in order if rep % 2 == 0 else order[::-1]:
-                runs[name][c].append(load(url, rows, n, c))
-    out: dict = {}
-    for name, by_c in runs.items():
-        out[name] = {
-            str(c): {"rps": _median([r["rps"] for r in rs]), "p50_ms": _median([r["p50_ms"] for r in rs]),
-                     "p95_ms": _median([r["p95_ms"] for r in rs]), "errors": sum(r["errors"] for r in rs)}
-            for c, rs in by_c.items()
-        }
-    s, p = out["serve"], out["peer"]
-    out["serve_vs_peer_throughput"] = round(s["32"]["rps"] / p["32"]["rps"], 3) if p["32"]["rps"] else None
-    both = s["1"]["p50_ms"] is not None and p["1"]["p50_ms"] is not None
-    out["p50_over_peer_ms"] = round(s["1"]["p50_ms"] - p["1"]["p50_ms"], 2) if both else None
-    out["reps"] = reps
-    return out
 
 
 class ServeProcess:
@@ -116,7 +79,7 @@ def levers(spec: str, config: str, overrides: list[str], peer_url: str, rows: li
     for i, (name, change, env, extra) in enumerate(LEVERS):
         row: dict = {"lever": name, "change": change}
         try:
-            with ServeProcess(spec, config, [*overrides, *extra], env, _free_port(), logs / f"lever-{i}.log") as sp:
+            with ServeProcess(spec, config, [*overrides, *extra], env, free_port(), logs / f"lever-{i}.log") as sp:
                 row.update(compare(sp.url, peer_url, rows, reps))
             row["stop"] = sp.stop
         except RuntimeError as e:  # a lever that does not start here is a result too
@@ -147,7 +110,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
         card = registry.model_card(cfg, rt.storage, spec)
         rows = demo_rows(ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage), rt, 256)
         threads = max(1, int(cfg.serve.cpus_per_replica))
-        with Peer(model_dir, _free_port(), threads, cfg.serve.max_batch_size, spec, logs / "peer.log") as peer:
+        with Peer(model_dir, free_port(), threads, cfg.serve.max_batch_size, spec, logs / "peer.log") as peer:
             rows_out = levers(spec, config, overrides, peer.url, rows, logs)
     default = next(r for r in rows_out if r["lever"].endswith("(default)"))
     return {"model": spec, "cpus_per_replica": cfg.serve.cpus_per_replica, "max_batch_size": cfg.serve.max_batch_size,
@@ -201,3 +164,9 @@ cores are few and the model is the bottleneck, what they spend is taken from the
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {lever_rows(r["levers"])}
 """  # noqa: E501 (markdown table rows: one line each)
+
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("serve-levers")

@@ -1,0 +1,45 @@
+"""`workflows bench generate` for docs/BENCHMARKS.md's generation section (`python -m benchmarks.generate`)."""
+
+from __future__ import annotations
+
+from workflows.bench.generate import run as run
+
+
+def markdown(r: dict) -> str:
+    def ms(v: float) -> str:
+        return f"{1000 * v:.1f}"
+
+    lines = "\n".join(f"| {x['path']} | {x['concurrency']} | {x['tokens_per_s']:.1f} | {ms(x['ttft_s_p50'])} / "
+                      f"{ms(x['ttft_s_p99'])} | {ms(x['itl_s_p50'])} / {ms(x['itl_s_p99'])} |" for x in r["rows"])
+
+    def goal(key: str, text: str) -> str:
+        v = r[key]
+        shown = "n/a" if v is None else f"**{v:.2f}x**"
+        return f"| {text} | {shown} | {'met' if r['meets_goals'][key] else '**not met**'} |"
+
+    return f"""## Generation: continuous batching against one request at a time
+
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} torch threads, load
+{r["machine"]["load_average"]["before"]}). {r["model"]} ({r["params"] / 1e6:.1f}M params, {r["precision"]},
+attention {r["attn_implementation"]}); {r["requests"]} chat-templated prompts (mean {r["prompt_tokens_mean"]} tokens),
+{r["max_tokens"]} greedy tokens each (EOS ignored), the same model object for every row; rows interleaved, {r["repeats"]}
+repeats after a warm-up. Ours is the engine called directly (no HTTP); the peer is reached over HTTP on 127.0.0.1.
+
+| path | concurrency | output tokens/s | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) |
+| --- | --- | --- | --- | --- |
+{lines}
+
+| figure | measured | goal |
+| --- | --- | --- |
+{goal("tokens_per_s_vs_one_at_a_time", f"tokens/s, ours at 16 against the peer (goal >= {r['goals']['tokens_per_s_vs_one_at_a_time']}x)")}
+{goal("ttft_p50_vs_peer", f"TTFT p50, ours at 1 against the peer (goal <= {r['goals']['ttft_p50_vs_peer']}x)")}
+{goal("decode_vs_flop_limit", f"tokens/s at 32 against the FLOP limit, {r['flop_limit_tokens_per_s']:.0f} tokens/s (goal >= {r['goals']['decode_vs_flop_limit']}x)")}
+
+The FLOP limit is {r["matmul_flops_per_s"] / 1e9:.1f} GFLOP/s (fp32 matmuls at the decode shape, measured in this run)
+over 2 x params FLOPs per token.
+"""  # noqa: E501 (markdown table rows: one line each)
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("generate")
