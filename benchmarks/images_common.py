@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workflows.bench.results import RESULTS_DIR
+from benchmarks.record import RESULTS_DIR
 
 GOALS = {"warm_vs_best_peer": 1.0, "cold_vs_best_peer": 0.9, "warm_vs_local_dataloader": 0.9,
          "two_workers_vs_one": 0.9, "train_step_vs_loader": 0.9}

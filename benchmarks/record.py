@@ -27,9 +27,11 @@ import sys
 from pathlib import Path
 
 from workflows.bench import measure
-from workflows.bench.results import DOC, RESULTS_DIR, write_doc_section
 from workflows.errors import UserError
 from workflows.storage.atomic import atomic_write
+
+RESULTS_DIR = Path("benchmarks/results")  # what each run measured, NAME[-TAG].json
+DOC = Path("docs/BENCHMARKS.md")  # the doc rendered from them
 
 USER_BENCHMARKS = {"data": "benchmarks.data", "train": "benchmarks.train", "tune": "benchmarks.tune",
                    "serve": "benchmarks.serve", "lm": "benchmarks.lm", "generate": "benchmarks.generate"}
@@ -37,6 +39,22 @@ HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmar
                       "madewithml": "benchmarks.madewithml", "serve-levers": "benchmarks.serve_levers",
                       "shuffle": "benchmarks.shuffle", "images": "benchmarks.images"}
 BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
+
+
+def write_doc_section(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace the section between `<!-- bench:NAME -->` markers of `doc`, or append it."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = (
+        doc.read_text()
+        if doc.exists()
+        else "# Benchmarks\n\nEvery figure here is written by `python -m benchmarks.NAME` (`make bench-render`: from"
+        " the stored results); none is typed by hand.\n"
+    )
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    section = f"{start}\n{body.strip()}\n{end}"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    atomic_write(doc, text)
 
 
 def record(name: str, config: str | None, overrides: list[str], command: str, tag: str | None = None,
@@ -133,7 +151,7 @@ def render(name: str, results_dir: str | Path = RESULTS_DIR, doc: str | Path = D
         raise UserError(f"unknown benchmark {name!r}; available: all, gpu, {', '.join(sorted(BENCHMARKS))}")
     paths = []
     if name in ("all", "gpu"):  # run on a GPU machine by benchmarks/gpu/run.sh; "not lent yet" without results
-        from workflows.bench import gpu_doc  # imports bench.results, not this registry
+        from benchmarks.gpu import doc as gpu_doc  # imports this module: not at the top
 
         paths += gpu_doc.render(results_dir, Path(doc))
         if name == "gpu":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workflows.bench import gpu_doc
+from benchmarks.gpu import doc as gpu_doc
 from workflows.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent

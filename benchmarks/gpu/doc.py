@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from workflows.bench.results import write_doc_section
+from benchmarks.record import write_doc_section
 from workflows.errors import UserError
 
 HEADING = ("## GPU: GPT-2 124M MFU, ResNet-50 images/s, bf16 classification and chat generation "
