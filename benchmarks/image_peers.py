@@ -1,4 +1,4 @@
-"""The peer rows of `workflows bench images`, one process per row, run by benchmarks.images.
+"""The peer rows of `python -m benchmarks.images`, one process per row, run by benchmarks.images.
 
     python -m benchmarks.image_peers ROW '{"endpoint": ..., "prefix": ..., ...}'
 

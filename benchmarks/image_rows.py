@@ -1,4 +1,4 @@
-"""Our row of `workflows bench images`: the product's StreamLoader, one rank per process, run by
+"""Our row of `python -m benchmarks.images`: the product's StreamLoader, one rank per process, run by
 benchmarks.images in the product's venv, with the same phase protocol as the peers'
 (benchmarks.image_peers).
 

@@ -3,8 +3,8 @@ WebDataset, a local-disk torch DataLoader and the decode limit, on one machine, 
 the same shards behind the same S3 endpoint (the embedded one: moto over HTTP, in its own process,
 counting the bytes it serves).
 
-    workflows bench images                      # the rows, on a 1 GB set
-    workflows bench images --tag scale --set bench.scale=1GB,5GB,27GB   # ours as the data grows
+    python -m benchmarks.images                      # the rows, on a 1 GB set
+    python -m benchmarks.images --tag scale --set bench.scale=1GB,5GB,27GB   # ours as the data grows
 
 The set is written by `workflows data synth-images` (ImageNet-like JPEGs in ~128 MB tar shards).
 Every row runs in its own process (ours: benchmarks.image_rows, in this venv; the peers:

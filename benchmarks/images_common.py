@@ -1,4 +1,4 @@
-"""What the parts of `workflows bench images` share (benchmarks.images runs them): the goals,
+"""What the parts of `python -m benchmarks.images` share (benchmarks.images runs them): the goals,
 the rows' names, the progress line, the sets painted or copied into the store and dropped again,
 and what a stored scale run streamed. It imports none of the parts, so each part imports it."""
 

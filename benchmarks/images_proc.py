@@ -1,4 +1,4 @@
-"""The rows' processes of `workflows bench images`: run one row's processes through the phase
+"""The rows' processes of `python -m benchmarks.images`: run one row's processes through the phase
 protocol (benchmarks.image_peers), counting the store's bytes and the process trees' memory."""
 
 from __future__ import annotations

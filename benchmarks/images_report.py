@@ -1,4 +1,4 @@
-"""The markdown of `workflows bench images` (docs/BENCHMARKS.md's images sections)."""
+"""The markdown of `python -m benchmarks.images` (docs/BENCHMARKS.md's images sections)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scale curve of `workflows bench images` (`--tag scale --set bench.scale=...`): ours only, one
+"""The scale curve of `python -m benchmarks.images` (`--tag scale --set bench.scale=...`): ours only, one
 cold epoch per set size through a cache capped below the set."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The training rows of `workflows bench images`: images/s delivered into the training step of a
+"""The training rows of `python -m benchmarks.images`: images/s delivered into the training step of a
 real training run on the bench's tar set, behind the same endpoint. Each run is `fit`
 (workflows.train.trainer: Ray Train, the product's trainer) in a process of its own, as `bench train`
 runs it (workflows.bench.train's child), with `model.name_or_path: pooled_linear` (a linear

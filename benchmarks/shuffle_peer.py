@@ -1,4 +1,4 @@
-"""MosaicML Streaming's epoch orders for `workflows bench shuffle`, computed by Streaming's own
+"""MosaicML Streaming's epoch orders for `python -m benchmarks.shuffle`, computed by Streaming's own
 shuffle functions (streaming.base.shuffle.get_shuffle). Runs in the peers' venv, as a script: it
 imports numpy and streaming only, never workflows.
 

@@ -1,7 +1,7 @@
 """Made-With-ML projects, trained from the shared copy: held-out weighted F1 (slow: real training).
 
 The reference to beat is Made-With-ML's fine-tuned SciBERT, weighted F1 0.905 on its holdout, and
-the goal is 0.95; `workflows bench madewithml` measures both (docs/BENCHMARKS.md: 0.932 on our
+the goal is 0.95; `python -m benchmarks.madewithml` measures both (docs/BENCHMARKS.md: 0.932 on our
 132-row held-out split, where one row is 0.0076 of F1). This test trains the shipped config with
 2 of its 4 epochs (held-out F1 0.930 at 2 epochs, 0.932 at 3, measured on 2 CPUs; half the suite
 time of 4) and is the floor under that figure: it fails when training, evaluation or the CSV path

@@ -191,7 +191,7 @@ def test_asha_ratio_model_uses_rays_rule():
 def test_the_quickstarts_search_does_not_depend_on_which_trial_reports_first():
     """ASHA stops a trial at a rung by the values reported there so far, so which trials continue
     depends on the order they report in, which a busy machine changes: the quickstart's 4 trials
-    scored within noise of each other and `workflows bench quickstart` and the same command run by
+    scored within noise of each other and `python -m benchmarks.quickstart` and the same command run by
     hand registered different models. Its search runs every trial to the end (fifo, or one epoch)
     and ranks them by a metric a short trial moves (val_loss), on the whole val split."""
     cfg = load_config(QUICKSTART)

@@ -19,8 +19,8 @@ HOW = ("Prepared as one call (`benchmarks/gpu/README.md`): `make bench-gpu-prepa
        "`OUT=$OUT bash benchmarks/gpu/run.sh` (or `make bench-gpu`) on a CUDA machine with both folders carried (the "
        "device tool: one `run`, `carry` `[\".gpu-prep\", \".whl\"]`, `timeout_s` 600), every "
        "step in its own process under its own time limit (550 s in all), each result written as "
-       "`$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and run `workflows bench gpu "
-       "--render`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU (tests/test_gpu_bench.py does, "
+       "`$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and run `python -m benchmarks.record "
+       "--render gpu`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU (tests/test_gpu_bench.py does, "
        "in the fast tier).")
 
 
