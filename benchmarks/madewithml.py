@@ -6,7 +6,7 @@ tag: Made-With-ML's `dataset.csv`).
 
 from __future__ import annotations
 
-from workflows.bench.pipeline_run import run_pipeline
+from benchmarks.pipeline_run import run_pipeline
 from workflows.errors import UserError
 
 REFERENCE_F1 = 0.905  # Made-With-ML's fine-tuned SciBERT on its holdout

@@ -13,7 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from workflows.bench.pipeline_run import fresh_overrides, run_pipeline_in
+from benchmarks.pipeline_run import fresh_overrides, run_pipeline_in
 
 GOALS = {"pipeline": 1.5, "tune": 2.0, "train": 2.0}  # wall_vs_work_ratio at most
 F1_GOAL = 0.90

@@ -224,7 +224,7 @@ def smoke_prepare(dst: Path) -> Path:
 
 def prepare(out: Path) -> dict:
     """The carried folder: processed split (the real `workflows preprocess`), bf16 MiniLM, CPU F1."""
-    from workflows.bench.pipeline_run import fresh_overrides
+    from benchmarks.pipeline_run import fresh_overrides
     from workflows.config import load_config
     from workflows.preprocess.encoding import packaged_minilm
     from workflows.runtime import runtime
