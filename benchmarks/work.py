@@ -3,9 +3,9 @@
 After `workflows pipeline` has run (bench quickstart, bench digits), its inputs and outputs are
 copied out of the persisted embedded store to local files (not timed), and the same computations
 are timed here, the way a user would write them in one script, whatever the task:
-  preprocess  the copied raw shards read (the same readers) and every record encoded with the task's
-              `record_encoder`, the function the stage maps over them on Ray Data (text: load the
-              tokenizer, tokenize; images: decode + resize each image with decode_image)
+  preprocess  the copied raw shards read (the same readers) and every record encoded by
+              `record_encoder`: the function the task's preprocess stage maps over them on Ray Data
+              (text: load the tokenizer, clean, tokenize; images: decode + resize each image)
   tune        each trial's config (the same sampled params, rows and number of epochs it ran)
               trained and validated, one trial after another, on all the threads the trials had
   train       the final config (best params) trained and validated on all its rows, one process
@@ -14,7 +14,7 @@ are timed here, the way a user would write them in one script, whatever the task
               (`predict_frame`, in batches of evaluate.batch_size), scored by the task
   serve       the demo requests the pipeline sent, each body parsed by the task's HTTP contract
               (an image is decoded there) and predicted, one at a time
-The same functions as the pipeline (the task's record encoder, the training engine train.engine.Trainer,
+The same functions as the pipeline (the preprocessing's record encoder, the training engine train.engine.Trainer,
 the task's predictor and contract), so the difference between a stage's wall time and its work is
 what the platform adds.
 
@@ -34,6 +34,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,16 +119,35 @@ def raw_records(cfg: WorkflowConfig, raw_dir: Path):
     return pa.concat_tables(tables, promote_options="default").to_pandas()
 
 
-def encode_raw(cfg: WorkflowConfig, raw_dir: Path, processed: Path) -> dict:
-    """Seconds to read the raw shards and encode every record with the task's record encoder, in
-    batches of preprocess.batch_size, as the stage's Ray Data actors do."""
+def record_encoder(cfg: WorkflowConfig, data) -> Callable:
+    """The function a built-in classification task's `preprocess` maps over raw records on Ray Data,
+    built here in this process: a pandas batch of raw records (as storage.shards reads the raw
+    shards) -> processed rows. `data`: the dataset `preprocess` made of them (its labels)."""
     from workflows.tasks import get_task
 
-    task, data = get_task(cfg), local_dataset(processed)
+    task = get_task(cfg)
+    if task.name == "image_classification":
+        from workflows.preprocess.image_dataset import DecodeImages, decoder_args
+
+        return DecodeImages(*decoder_args(cfg, task.options.image_size))
+    if task.name == "classification":
+        from workflows.preprocess.encoding import resolve_model_dir
+        from workflows.preprocess.materialize import Tokenize, _clean, tokenize_args
+
+        d = cfg.data
+        tokenize = Tokenize(*tokenize_args(cfg, resolve_model_dir(cfg.preprocess.tokenizer), data.labels))
+        return lambda batch: tokenize(_clean(batch, d.text_columns, d.label_column, None, d.split_seed))
+    raise NotImplementedError(f"the plain-PyTorch work times the built-in classification tasks, not {task.name!r}")
+
+
+def encode_raw(cfg: WorkflowConfig, raw_dir: Path, processed: Path) -> dict:
+    """Seconds to read the raw shards and encode every record with `record_encoder`, in batches of
+    preprocess.batch_size, as the stage's Ray Data actors do."""
+    data = local_dataset(processed)
     t0 = time.perf_counter()
     records = raw_records(cfg, raw_dir)
     read = time.perf_counter() - t0
-    encode = task.record_encoder(data)
+    encode = record_encoder(cfg, data)
     size = cfg.preprocess.batch_size
     rows = sum(len(encode(records.iloc[i : i + size])) for i in range(0, len(records), size))
     return {"seconds": time.perf_counter() - t0, "read_seconds": read, "rows": rows}

@@ -13,8 +13,7 @@ What a task implements, by stage:
 - data: `preprocess` raw shards -> a ProcessedDataset (Ray Data, materialized once per version;
   workflows.dataset has the helpers to find, write and describe one),
   `dataset_version`, the stored `columns` training reads, `prepare_rows`/`prepare_dataset` for a
-  last in-memory step (a causal LM packs rows into blocks), `record_encoder` (preprocessing's
-  per-record function, built for one process: what `workflows bench` times against the stage);
+  last in-memory step (a causal LM packs rows into blocks);
 - batches: `collate(columns, train, seed)` numpy columns -> the model's keyword tensors (the
   augmentation of the training split runs here, in the training workers);
 - model: `build_model`, `prepare_model` (anything before sharding: a linear probe, frozen layers),
@@ -182,13 +181,6 @@ class Task(abc.ABC):
                "test": d.test_fraction, "split_seed": d.split_seed,
                "rows_per_shard": self.cfg.preprocess.rows_per_shard}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-    def record_encoder(self, data: ProcessedDataset) -> Callable:
-        """The function `preprocess` maps over raw records on Ray Data, built here in the calling
-        process: a pandas batch of raw records (as storage.shards reads the raw shards) -> processed
-        rows. `data`: the dataset `preprocess` made of them (its labels). Benchmarks time the stage's
-        work with it, without Ray."""
-        raise NotImplementedError(f"{type(self).__name__} has no record_encoder (workflows bench times built-ins)")
 
     def prepare_dataset(self, ds):
         """A last step on a split's Ray Dataset before training reads it (default: none)."""

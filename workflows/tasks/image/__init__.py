@@ -74,11 +74,6 @@ class ImageClassification(Classification):
         _, fmt = list_shards(self.cfg.data.source, ctx, self.cfg.data.format)
         return dataset_version(shards, fmt, self.cfg, self.options.image_size)
 
-    def record_encoder(self, data):
-        from workflows.preprocess.image_dataset import DecodeImages, decoder_args
-
-        return DecodeImages(*decoder_args(self.cfg, self.options.image_size))
-
     def collate(self, data, *, train: bool, seed: int | None = None):
         """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
         (workflows.seeds.augment_seed: never the rank's); or a loader's decoded batch as it is.

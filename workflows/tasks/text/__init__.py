@@ -50,14 +50,6 @@ class TextClassification(Classification):
 
         return dataset_version(shards, self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer))
 
-    def record_encoder(self, data):
-        from workflows.preprocess.encoding import resolve_model_dir
-        from workflows.preprocess.materialize import Tokenize, _clean, tokenize_args
-
-        d = self.cfg.data
-        tokenize = Tokenize(*tokenize_args(self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer), data.labels))
-        return lambda batch: tokenize(_clean(batch, d.text_columns, d.label_column, None, d.split_seed))
-
     def collate(self, data, *, train: bool, seed: int | None = None):
         from functools import partial
 
