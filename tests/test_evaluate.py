@@ -3,7 +3,8 @@ as a PNG."""
 
 import json
 
-from workflows.evaluate import classification_metrics, format_report, plot_confusion
+from workflows.evaluate import plot_confusion
+from workflows.tasks.classify import classification_metrics, format_report
 
 
 def test_confusion_matrix_is_in_the_metrics_printed_and_drawn(tmp_path):

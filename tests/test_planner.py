@@ -37,7 +37,9 @@ from tests.conftest import QUICKSTART, ROOT
 from tests.helpers import free_port
 from workflows.errors import UserError
 from workflows.train import planner
-from workflows.train.planner import GiB, ModelSpec, activation_bytes, estimate, max_micro_batch, parse_bytes
+from workflows.train.memory_estimate import GiB, activation_bytes, estimate, max_micro_batch, usable_bytes
+from workflows.train.model_spec import ModelSpec, model_spec, saved_storages, spec_from_config
+from workflows.train.planner import parse_bytes
 
 ACTIVATION_TOLERANCE = 0.05
 PEAK_TOLERANCE = 0.10
@@ -150,7 +152,7 @@ def test_peak_is_the_largest_phase_and_accumulation_keeps_gradients():
 def test_max_micro_batch_fits_and_one_more_does_not(strategy):
     sp = synthetic()
     mem = parse_bytes("24GiB")
-    usable = planner.usable_bytes(mem)
+    usable = usable_bytes(mem)
     assert usable == int(24 * GiB * 0.9) - GiB
     b = max_micro_batch(sp, strategy, 4, 512, mem)
     assert b >= 1
@@ -195,7 +197,7 @@ def test_spec_counts_the_real_minilm_on_the_meta_device():
     from workflows.preprocess.encoding import packaged_minilm
     from workflows.train.models import load_classifier
 
-    spec = planner.model_spec(packaged_minilm(), num_labels=3, freeze_embeddings=True)
+    spec = model_spec(packaged_minilm(), num_labels=3, freeze_embeddings=True)
     real = load_classifier(packaged_minilm(), ["a", "b", "c"])
     real.get_input_embeddings().requires_grad_(False)
     assert spec.params == sum(p.numel() for p in real.parameters())
@@ -209,11 +211,11 @@ def test_spec_of_a_1b_model_is_fast_and_gpt2_fields_are_read():
 
     from transformers import GPT2Config, LlamaConfig
 
-    planner.spec_from_config(
+    spec_from_config(
         LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=100)
     )  # warm the imports
     t0 = time.perf_counter()
-    big = planner.spec_from_config(
+    big = spec_from_config(
         LlamaConfig(
             hidden_size=2048,
             intermediate_size=8192,
@@ -226,7 +228,7 @@ def test_spec_of_a_1b_model_is_fast_and_gpt2_fields_are_read():
     assert time.perf_counter() - t0 < 5  # ~0.05 s: no weights are allocated
     assert 1.2e9 < big.params < 1.3e9 and big.gated_mlp and big.layers == 16 and big.kv_heads == 8
     assert big.norm_bytes["bf16"] == pytest.approx(6.0, abs=0.1)  # Llama's RMSNorm keeps an fp32 copy
-    g = planner.spec_from_config(GPT2Config(n_embd=128, n_layer=3, n_head=4, vocab_size=1000))
+    g = spec_from_config(GPT2Config(n_embd=128, n_layer=3, n_head=4, vocab_size=1000))
     assert (g.hidden, g.layers, g.heads, g.intermediate) == (128, 3, 4, 512)
     assert g.act_bytes["fp32"] == 16.0  # GPT-2's tanh-GELU, composed in Python, keeps 4 tensors
 
@@ -285,7 +287,7 @@ def test_state_bytes_are_exact(freeze):
         nbytes(p.grad for p in model.parameters() if p.grad is not None),
         nbytes(v for st in opt.state.values() for v in st.values() if v.dim() > 0),
     )
-    e = estimate(planner.spec_from_config(cfg, freeze_embeddings=freeze), "ddp", 1, 16, 2, device_type="cpu")
+    e = estimate(spec_from_config(cfg, freeze_embeddings=freeze), "ddp", 1, 16, 2, device_type="cpu")
     assert measured == (e.model, e.gradients, e.optimizer)
 
 
@@ -297,8 +299,8 @@ def test_saved_activations_match_the_formula(kind):
     cfg = hf_config(kind)
     model = AutoModelForSequenceClassification.from_config(cfg).train()
     s, b = 128, 8
-    saved, _ = planner.saved_storages(model.parameters(), lambda: _forward(model, b, s, cfg.vocab_size))
-    predicted = activation_bytes(planner.spec_from_config(cfg), s, b, device_type="cpu", working_set=False)
+    saved, _ = saved_storages(model.parameters(), lambda: _forward(model, b, s, cfg.vocab_size))
+    predicted = activation_bytes(spec_from_config(cfg), s, b, device_type="cpu", working_set=False)
     print(f"{kind}: saved activations {sum(saved.values()) / 2**20:.1f} MiB, formula {predicted / 2**20:.1f} MiB")
     assert abs(predicted / sum(saved.values()) - 1) <= ACTIVATION_TOLERANCE, (predicted, sum(saved.values()))
 
@@ -315,7 +317,7 @@ def test_live_tensor_peak_matches_the_estimate(kind, s, b, ckpt):
         model.activation_checkpointing_enable({"use_reentrant": False})  # each layer's input kept, recomputed
     opt = torch.optim.AdamW(model.parameters())
     measured = _measured_peak(model, opt, lambda: _step(model, opt, b, s, cfg.vocab_size))
-    e = estimate(planner.spec_from_config(cfg), "ddp", 1, s, b, device_type="cpu", checkpointing=ckpt)
+    e = estimate(spec_from_config(cfg), "ddp", 1, s, b, device_type="cpu", checkpointing=ckpt)
     print(
         f"{kind} s={s} b={b} checkpointing={ckpt}: estimate {e.total / 2**20:.1f} MiB, live tensor peak "
         f"{measured / 2**20:.1f} MiB, ratio {e.total / measured:.3f}"
@@ -427,7 +429,7 @@ def test_peak_rss_of_a_training_process_matches_the_estimate(strategy, world):
             if proc.poll() is None:
                 proc.kill()
     assert len(ranks) == world
-    e = estimate(planner.spec_from_config(hf_config(kind)), strategy, world, s, b, device_type="cpu")
+    e = estimate(spec_from_config(hf_config(kind)), strategy, world, s, b, device_type="cpu")
     for r in ranks:
         print(
             f"{strategy} d={world} rank {r['rank']}: estimate {e.total / 2**20:.1f} MiB, measured peak RSS growth "
@@ -532,9 +534,9 @@ def _tiny_lm():
 def test_causal_lm_saved_activations_match_the_formula():
     model, config = _tiny_lm()
     s, b = 128, 8
-    saved, out = planner.saved_storages(model.parameters(), lambda: _forward(model, b, s, config.vocab_size, lm=True))
+    saved, out = saved_storages(model.parameters(), lambda: _forward(model, b, s, config.vocab_size, lm=True))
     saved[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()  # held by the output
-    spec = planner.spec_from_config(config, causal_lm=True)
+    spec = spec_from_config(config, causal_lm=True)
     predicted = activation_bytes(spec, s, b, device_type="cpu", working_set=False)
     print(
         f"causal LM: saved activations + logits {sum(saved.values()) / 2**20:.1f} MiB, "
@@ -551,8 +553,8 @@ def test_causal_lm_live_tensor_peak_matches_the_estimate():
     s, b = 128, 8
     opt = torch.optim.AdamW(model.parameters())
     measured = _measured_peak(model, opt, lambda: _step(model, opt, b, s, config.vocab_size, lm=True))
-    e = estimate(planner.spec_from_config(config, causal_lm=True), "ddp", 1, s, b, device_type="cpu")
-    without_head = estimate(planner.spec_from_config(config), "ddp", 1, s, b, device_type="cpu")
+    e = estimate(spec_from_config(config, causal_lm=True), "ddp", 1, s, b, device_type="cpu")
+    without_head = estimate(spec_from_config(config), "ddp", 1, s, b, device_type="cpu")
     print(
         f"causal LM s={s} b={b}: estimate {e.total / 2**20:.1f} MiB, live tensor peak {measured / 2**20:.1f} MiB, "
         f"ratio {e.total / measured:.3f} (a classifier of the same model: {without_head.total / 2**20:.1f} MiB)"

@@ -14,7 +14,6 @@ import pandas as pd
 
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
-from workflows.tasks.classify import classification_metrics, format_report  # noqa: F401  (their former home)
 
 
 def evaluate_dataset(

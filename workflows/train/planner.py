@@ -13,9 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workflows.errors import UserError
-
-# re-exported: callers and tests import the estimate and the model spec from the planner
-from workflows.train.memory_estimate import (  # noqa: F401
+from workflows.train.memory_estimate import (
     ATTENTIONS,
     FRAGMENTATION_MARGIN,
     PRECISIONS,
@@ -23,12 +21,11 @@ from workflows.train.memory_estimate import (  # noqa: F401
     STRATEGIES,
     Estimate,
     GiB,
-    activation_bytes,
     estimate,
     max_micro_batch,
     usable_bytes,
 )
-from workflows.train.model_spec import ModelSpec, model_spec, saved_storages, spec_from_config  # noqa: F401
+from workflows.train.model_spec import ModelSpec
 
 DEFAULT_DEVICE_MEMORY = "80GiB"
 
