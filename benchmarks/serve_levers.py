@@ -95,8 +95,8 @@ def run(config: str | None, overrides: list[str]) -> dict:
     from workflows import registry
     from workflows.bench.serve_peer import Peer
     from workflows.config import load_config
+    from workflows.dataset import ProcessedDataset
     from workflows.pipeline import demo_rows
-    from workflows.preprocess.materialize import ProcessedDataset
     from workflows.runtime import runtime
 
     config = config or "configs/quickstart.yaml"

@@ -96,7 +96,7 @@ def _rows(files: list[str], columns, limit: int | None = None) -> dict:
 
 def local_dataset(processed: Path):
     """The copied processed dataset, its files named by their local paths."""
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
 
     m = json.loads((processed / "manifest.json").read_text())
     data = ProcessedDataset.from_manifest(m)

@@ -93,7 +93,7 @@ def test_evaluate_split_reads_the_model_card_once_and_evaluates_that_version(tmp
     import workflows.evaluate
     import workflows.runtime
     from workflows import registry
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
 
     sets = _registry_with_models(tmp_path)
     reads, evaluated = [], []

@@ -57,7 +57,7 @@ def test_processed_digits_are_uint8_tensors_equal_to_servings_decode(digits_run)
     import tarfile
 
     from workflows import registry
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
     from workflows.storage.shards import read_parquet
     from workflows.storage.uri import filesystem
     from workflows.tasks import task_for_card

@@ -112,7 +112,7 @@ def test_freeze_embeddings_applies_to_fine_tuning_only():
     not freeze its random ones (tied to the LM head)."""
     from tests.conftest import QUICKSTART
     from workflows.config import load_config
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
     from workflows.tasks import get_task
     from workflows.train.loop import build_training
 

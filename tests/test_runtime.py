@@ -7,8 +7,9 @@ import os
 import pytest
 
 from tests.conftest import QUICKSTART
+from workflows.cluster_scoped import cluster_address
 from workflows.config import load_config
-from workflows.runtime import cluster_address, init_ray
+from workflows.runtime import init_ray
 from workflows.serve import ingress
 
 GCS = "127.0.0.1:6379"

@@ -26,7 +26,7 @@ def registered(quickstart_run):
     splits, read from the shared run's store."""
     from workflows import registry
     from workflows.config import load_config
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
     from workflows.storage.embedded import EmbeddedS3
     from workflows.storage.shards import read_parquet
     from workflows.storage.uri import StorageContext, filesystem

@@ -47,7 +47,8 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workflows.tasks.causal_lm.model import SIZES, build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
+    from workflows.config.model import SIZES
+    from workflows.tasks.causal_lm.model import build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
     from workflows.train.loop import make_optimizer, make_scheduler, train_epoch
     from workflows.train.models import transformer_blocks
     from workflows.train.parallel import parallelize, world
@@ -132,7 +133,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    from workflows.tasks.causal_lm.model import SIZES
+    from workflows.config.model import SIZES
 
     d = GPU_DEFAULTS
     p = argparse.ArgumentParser(prog="python -m workflows.bench.lm", description=__doc__.split("\n\n")[0])
@@ -176,8 +177,8 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
     gpus = torch.cuda.device_count()
     defaults = dict(GPU_DEFAULTS if gpus else CPU_DEFAULTS)
+    from workflows.config.model import SIZES
     from workflows.errors import UserError
-    from workflows.tasks.causal_lm.model import SIZES
 
     for item in overrides:
         key, _, value = item.partition("=")

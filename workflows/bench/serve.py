@@ -236,7 +236,7 @@ def _image_rows(rt, spec: str, n: int) -> list[dict]:
     import base64
 
     from workflows import registry
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
     from workflows.preprocess.sources import list_shards
     from workflows.storage.shards import _read_local, read_parquet
     from workflows.storage.uri import filesystem
@@ -261,7 +261,7 @@ def _image_rows(rt, spec: str, n: int) -> list[dict]:
 
 def _test_rows(rt, spec: str, n: int) -> list[dict]:
     from workflows import registry
-    from workflows.preprocess.materialize import ProcessedDataset
+    from workflows.dataset import ProcessedDataset
 
     card = registry.model_card(rt.cfg, rt.storage, spec)
     data = ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage)
@@ -314,8 +314,8 @@ def _inprocess_batching(rt, spec: str, rows: list[dict]) -> dict:
 
 def _precisions(rt, spec: str, rows: list[dict]) -> dict:
     from workflows import registry
+    from workflows.dataset import ProcessedDataset
     from workflows.evaluate import evaluate_dataset
-    from workflows.preprocess.materialize import ProcessedDataset
 
     out = {}
     for precision in PRECISIONS:

@@ -17,13 +17,11 @@ import numpy as np
 import pandas as pd
 
 from workflows.config import WorkflowConfig
-from workflows.dataset import (  # noqa: F401  (re-exported: their former home)
+from workflows.dataset import (
     SPLITS,
     ProcessedDataset,
     _keep_fraction,
-    _unit_hash,
     materialized,
-    shuffled,
     split_of,
     write_manifest,
     write_splits,

@@ -30,7 +30,7 @@ from starlette.routing import Match
 
 from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
-from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path  # noqa: F401 (re-exported)
+from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path
 from workflows.storage.uri import StorageContext
 
 # Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on

@@ -16,7 +16,7 @@ from typing import Any
 
 from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
-from workflows.preprocess.materialize import ProcessedDataset
+from workflows.dataset import ProcessedDataset
 from workflows.seeds import augment_seed, data_seed
 from workflows.storage.uri import StorageContext, pyarrow_filesystem, write_json
 from workflows.tasks import get_task
