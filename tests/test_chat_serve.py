@@ -144,6 +144,23 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(tiny, engine):
     assert all(d.finish_reason is None for d in deltas[:-1])
 
 
+def test_tokens_are_chosen_as_next_token_chooses_them_greedy_or_sampled():
+    """The engine picks a step's tokens together (choose_tokens: the greedy rows' argmax in one transfer
+    from a GPU, the sampled rows on the CPU with their own generators): each the token next_token gives
+    that row alone, with logits in float32 or bf16 (a GPU replica's serve.precision=bf16)."""
+    from workflows.tasks.chat.engine import choose_tokens, model_device
+    from workflows.tasks.chat.sampling import generator, next_token
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 4
+    params = [greedy(4), SamplingParams(4, temperature=0.7, seed=1), greedy(4),
+              SamplingParams(4, temperature=1.0, top_p=0.5, seed=2), SamplingParams(4, temperature=1.5, seed=3)]
+    for x in (logits, logits.bfloat16()):
+        want = [next_token(x[i], p, generator(p.seed)) for i, p in enumerate(params)]
+        assert choose_tokens(x, params, [generator(p.seed) for p in params]) == want
+    assert model_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    assert model_device(SimpleNamespace()) == torch.device("cpu")  # nothing to tell: the CPU
+
+
 def test_text_that_may_start_a_stop_string_waits():
     state = TextState(stop=("abc",))
     state.text = "xxab"

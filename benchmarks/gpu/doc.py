@@ -128,7 +128,7 @@ def generate_rows(r: dict) -> str:
     lines += ["", f"Engine at concurrency {r.get('max_batch')} against static batching: "
                   f"**{_f(r.get('engine_vs_static'), '.2f')}x** the output tokens/s; against concurrency 1: "
                   f"{_f(r.get('top_vs_one'), '.1f')}x." + ("" if peak is None else f" Peak GPU memory {peak} GiB.")
-              + " The engine builds its inputs on the CPU; the step moves them to the GPU at each forward. Static "
+              + " The engine runs as Serve runs it on a GPU replica: it makes its inputs on the model's device. Static "
                 "batching's TTFT counts every request as waiting from the start, so a later batch's wait is in it."]
     return "\n".join(lines)
 

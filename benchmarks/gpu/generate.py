@@ -10,8 +10,8 @@ does the same work per request. The clients, the static baseline and the figures
 generate`'s own (workflows.bench.generate): closed-loop clients, each sending its next request once its
 previous one has ended; time to first token and inter-token latency from each token's sampling time.
 
-The engine builds its inputs (ids, mask, positions) on the CPU: Serve runs it on the CPU and nothing in
-it moves them. `OnDevice` moves each call's tensors to the GPU; the KV cache and the logits stay there.
+The engine and the static baseline run the product code as it is: the engine makes its inputs on the
+model's device (as a Serve replica with a GPU runs it), and `static_run` its batches there.
 
     make bench-gpu-prepare    # also writes .gpu-prep/smollm2/: the GGUF's tokenizer and config
 """
@@ -53,31 +53,6 @@ def differences(gguf: dict, ours: dict) -> dict:
         return a == b
 
     return {k: (gguf.get(k), ours[k]) for k in ARCH_KEYS if not same(gguf.get(k), ours[k])}
-
-
-class OnDevice:
-    """The model as the engine sees it, with each call's tensors moved to `device` (see the docstring)."""
-
-    def __init__(self, model, device):
-        self.model, self.device = model, device
-
-    def __getattr__(self, name: str):  # config, generation_config, parameters ...
-        return getattr(self.__dict__["model"], name)
-
-    def eval(self) -> OnDevice:
-        self.model.eval()
-        return self
-
-    def _moved(self, kwargs: dict) -> dict:
-        import torch
-
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-
-    def __call__(self, **kwargs):
-        return self.model(**self._moved(kwargs))
-
-    def generate(self, **kwargs):
-        return self.model.generate(**self._moved(kwargs))
 
 
 def toy_tokenizer(vocab: int):
@@ -142,7 +117,7 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
         "prompt_tokens": p["prompt_tokens"], "max_tokens": p["max_tokens"], "eos": "ignored (every request "
         "produces max_tokens)", "sampling": "greedy",
         "engine": "workflows.tasks.chat.engine.Engine, called directly (no HTTP), closed-loop clients "
-                  "(workflows.bench.generate.engine_run); its CPU-built inputs moved to the device per call",
+                  "(workflows.bench.generate.engine_run); its inputs made on the model's device by the engine itself",
         "static": f"Hugging Face generate on a left-padded batch of {p['static_batch']}, "
                   "workflows.bench.generate.static_run"}
     if prepared is not None and (prepared / "tokenizer.json").exists():
@@ -165,7 +140,6 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if gpu else torch.float32,
                                              attn_implementation=out["attn_implementation"]).to(device).eval()
     out["params"] = sum(t.numel() for t in model.parameters())
-    wrapped: Any = OnDevice(model, device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     levels = list(p["concurrency"])
     requests = {c: max(p["min_requests"], 2 * c) for c in levels}
@@ -174,13 +148,13 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
     low = min(100, arch["vocab_size"] // 2)  # clear of the special tokens
     prompts = torch.randint(low, arch["vocab_size"], (max(n_static, *requests.values()), p["prompt_tokens"]),
                             generator=g).tolist()
-    engine = Engine(wrapped, tok, max_batch=max(levels), max_queue=len(prompts))
+    engine = Engine(model, tok, max_batch=max(levels), max_queue=len(prompts))
     out.update(max_batch=max(levels), requests_per_level={str(c): n for c, n in requests.items()},
                static_requests=n_static, rows=[])
     try:
         t0 = time.perf_counter()  # warm-up: the first calls allocate and pick kernels, at the largest batch
         engine_run(engine, prompts[:max(levels)], 4, max(levels))
-        static_run(wrapped, pad, prompts[:p["static_batch"]], 4, p["static_batch"])
+        static_run(model, pad, prompts[:p["static_batch"]], 4, p["static_batch"])
         out["warmup_s"] = round(time.perf_counter() - t0, 2)
         emit(out)
         for c in levels:
@@ -191,7 +165,7 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
             extra = {"path": "engine (continuous batching)", "mean_batch": round(mean_batch, 2)}
             out["rows"].append(row_figures(f"engine_c{c}", c, measured, extra))
             emit(out)
-        measured = static_run(wrapped, pad, prompts[:n_static], p["max_tokens"], p["static_batch"])
+        measured = static_run(model, pad, prompts[:n_static], p["max_tokens"], p["static_batch"])
         out["rows"].append(row_figures(f"static_{p['static_batch']}", p["static_batch"], measured,
                                        {"path": f"static batching (generate, {p['static_batch']} a batch)"}))
     finally:

@@ -15,7 +15,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 from workflows.errors import UserError
@@ -109,7 +108,7 @@ def step_resnet(smoke: bool, emit: Emit, data: str | None) -> None:
     model.compile(backend=p["compile"])
     optimizer = make_optimizer(model, 1e-3, 0.05, fused=True)
     scheduler = make_scheduler(optimizer, 10**6, 0.0)
-    amp = torch.autocast(device.type, torch.bfloat16) if gpu else nullcontext()  # bf16 matmuls are slow on CPU
+    amp = torch.bfloat16 if gpu else None  # around each forward (loop.autocast); bf16 matmuls are slow on CPU
     b, s = p["batch"], p["size"]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(b, 3, s, s, generator=g).to(device).contiguous(memory_format=torch.channels_last)
@@ -118,9 +117,8 @@ def step_resnet(smoke: bool, emit: Emit, data: str | None) -> None:
     out = {"device": device_name(torch), "arch": p["arch"], "params": params, "image_size": s, "batch": b,
            "precision": "bf16 autocast" if gpu else "fp32", "channels_last": True, "compile": p["compile"],
            "goal_compute_images_per_s": 3000, "goal_loader_vs_compute": 0.9, "cpus": os.cpu_count()}
-    with amp:
-        train_epoch(model, synthetic(p["warmup"]), optimizer, scheduler, device)
-        compute = train_epoch(model, synthetic(p["steps"]), optimizer, scheduler, device)
+    train_epoch(model, synthetic(p["warmup"]), optimizer, scheduler, device, amp=amp)
+    compute = train_epoch(model, synthetic(p["steps"]), optimizer, scheduler, device, amp=amp)
     out["compute_images_per_s"] = round(compute["samples_per_s"], 1)
     out["compute_steps"] = compute["steps"]
     emit(out)
@@ -157,8 +155,7 @@ def step_resnet(smoke: bool, emit: Emit, data: str | None) -> None:
                 seen += len(batch["labels"])
             out["decode_images_per_s"] = round(seen / (time.perf_counter() - t0), 1)
             emit(out)
-            with amp:
-                fed_stats = train_epoch(model, fed(p["loader_steps"]), optimizer, scheduler, device)
+            fed_stats = train_epoch(model, fed(p["loader_steps"]), optimizer, scheduler, device, amp=amp)
         finally:
             loader.close()
     out["loader_images_per_s"] = round(fed_stats["samples_per_s"], 1)

@@ -165,8 +165,8 @@ def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch
     for i in range(0, len(prompts), batch):
         part = prompts[i:i + batch]
         width = max(len(p) for p in part)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in part])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in part], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=model.device)
         steps = Steps()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,

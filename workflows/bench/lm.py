@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,14 +84,14 @@ def worker(args: argparse.Namespace) -> dict:
     params, layers, hidden = model_shape(model)
 
     data = lambda n, seed: synthetic_blocks(n, args.micro_batch, args.seq_len, args.vocab, seed + rank)  # noqa: E731
-    # plain on GPU: bf16 autocast over fp32 weights, the precision FSDP2's policy gives the sharded run
-    amp = torch.autocast("cuda", torch.bfloat16) if gpu and args.strategy == "plain" else nullcontext()
-    with amp:
-        warm = train_epoch(model, data(args.warmup, 1000), optimizer, scheduler, device, 1.0)
-        if gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-        stats = train_epoch(model, data(args.steps, 0), optimizer, scheduler, device, 1.0)  # ends on .item()
+    # plain on GPU: bf16 autocast over fp32 weights around each forward (loop.autocast), the precision
+    # FSDP2's policy gives the sharded run
+    amp = torch.bfloat16 if gpu and args.strategy == "plain" else None
+    warm = train_epoch(model, data(args.warmup, 1000), optimizer, scheduler, device, 1.0, amp=amp)
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    stats = train_epoch(model, data(args.steps, 0), optimizer, scheduler, device, 1.0, amp=amp)  # ends on .item()
     peak, device_name = peak_flops(device)
     fpt = flops_per_token(params, layers, hidden, args.seq_len)
     tokens_per_s = stats["tokens_per_s"]

@@ -74,6 +74,9 @@ class Trainer:
         self.resumed_from: int | None = None  # the epoch of the checkpoint this process started from
         self.saved: dict | None = None  # that checkpoint's train state
         self.resume_at = 0  # global samples of `start_epoch` trained before the checkpoint (a step one)
+        # autocast dtype around each forward (training and validation); None: the model's own precision.
+        # torchrun's single GPU process sets bf16 (FSDP2's policy gives the sharded runs theirs)
+        self.amp: torch.dtype | None = None
 
     def build(self, probe: bool = True) -> None:
         """Model (the task's, seeded new weights, FSDP2/DDP per train.strategy), optimizer, schedule.
@@ -123,14 +126,14 @@ class Trainer:
         stats = train_epoch(
             model, batches, self.optimizer, self.scheduler, self.device, tc.grad_clip,
             lambda step: self.before_step(epoch, step), tc.grad_accum_steps,
-            lambda step: self.after_step(epoch, step), loss_fn=self.task.loss,
+            lambda step: self.after_step(epoch, step), loss_fn=self.task.loss, amp=self.amp,
         )
         step_losses = stats.pop("step_losses")
         # the ranks' buffers (BatchNorm statistics) made one before validating: the checkpoint saved
         # after it, and so the exported model, holds what was validated
         sync_buffers(model)
         t_val = time.perf_counter()
-        val = validate(self.task, model, self.source.val(), self.device, self.data)
+        val = validate(self.task, model, self.source.val(), self.device, self.data, self.amp)
         metrics = {
             **stats,
             "epoch": epoch,

@@ -62,6 +62,25 @@ def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_fr
     return get_linear_schedule_with_warmup(optimizer, int(total_steps * warmup_fraction), max(total_steps, 1))
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Mixed precision (`dtype`, bf16) around ONE forward and its loss on `device`; None: nothing.
+
+    Never around a loop of optimizer steps: autocast keeps its casts of the weights until its outermost
+    context exits, so one context held over many steps feeds every forward the first step's weights
+    while the optimizer updates the fp32 ones (the torchrun path on a GPU trained so: its loss stayed at
+    chance, benchmarks/gpu/README.md). `train_epoch` and `validate` refuse to run inside an enabled one."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype)
+
+
+def check_no_outer_autocast(device: torch.device) -> None:
+    if torch.is_autocast_enabled(device.type):
+        raise RuntimeError(
+            "the training loop was called inside an autocast context: its cached weight casts would give every "
+            "step the first step's weights; pass amp=torch.bfloat16 to train_epoch / validate instead")
+
+
 def in_step(batches: Iterable[dict], device: torch.device) -> Iterator[dict]:
     """Yield batches while every rank has one, moved to `device`."""
     it = iter(batches)
@@ -137,6 +156,7 @@ def train_epoch(
     accum_steps: int = 1,
     after_step: Callable[[int], None] | None = None,
     loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
+    amp: torch.dtype | None = None,
 ) -> dict:
     """One pass over `batches`; the metrics, including every optimizer step's loss averaged over all ranks.
 
@@ -150,7 +170,9 @@ def train_epoch(
     the task's `loss` hook (default: `model(**batch).loss`). A batch holding `STAND_IN` (a rank with
     no sample left in a step, loader/order.py) runs forward and backward in eval mode with zero
     weight, so this rank takes part in the step's collectives and trains nothing, and counts no sample.
+    `amp`: autocast to this dtype (bf16) around each forward and its loss, not the backward or the step.
     """
+    check_no_outer_autocast(device)
     model.train()
     batches = TimedIterator(batches)
     t0 = time.perf_counter()
@@ -166,7 +188,8 @@ def train_epoch(
         step_loss = 0.0
         for i, (batch, n, stand_in) in enumerate(zip(group, counts, stand_ins)):
             with gradient_sync(model, i == len(group) - 1), evaluating(model, stand_in):
-                batch_loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
+                with autocast(device, amp):
+                    batch_loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
                 (batch_loss * (n / group_n)).backward()  # a stand-in: n = 0, zero gradients
             if stand_in:
                 continue
@@ -209,21 +232,24 @@ def train_epoch(
 
 
 @torch.no_grad()
-def validate(task, model, batches, device: torch.device, data) -> dict:
+def validate(task, model, batches, device: torch.device, data, amp: torch.dtype | None = None) -> dict:
     """The task's val_* metrics over all ranks, as torchmetrics reduces states with dist_reduce_fx="sum":
     each batch's `task.metric_states` are summed here in float64, the sums of all ranks added up by
     one all-reduce of them stacked, and `task.compute_metrics` called once on the totals. Tasks hold
     no collective: every rank validates the same number of batches (in_step) and so reduces the same
-    states."""
+    states. `amp`: each batch's forward autocast to this dtype, as in training."""
     from workflows.errors import UserError
     from workflows.tasks.base import MetricStates
 
+    check_no_outer_autocast(device)
     model.eval()
     totals: dict[str, torch.Tensor] | None = None
     for batch in in_step(batches, device):
+        with autocast(device, amp):
+            found = task.metric_states(model, batch)
         states = {k: (v.detach().to("cpu", torch.float64) if isinstance(v, torch.Tensor)
                       else torch.as_tensor(v, dtype=torch.float64))
-                  for k, v in task.metric_states(model, batch).items()}
+                  for k, v in found.items()}
         if totals is None:
             totals = states
             continue

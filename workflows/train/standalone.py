@@ -258,10 +258,11 @@ def train(
 
     started = time.time()
     # one process on a GPU: parallelize() leaves the model plain (no FSDP2 bf16 policy without a
-    # process group), so bf16 autocast gives it the mixed precision the FSDP2 path has on GPU
-    amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" and world_size == 1 else nullcontext()
-    with amp:
-        history = trainer.fit(stop_after=stop_after_epoch)
+    # process group), so bf16 autocast around each forward gives it the mixed precision the FSDP2 path
+    # has on GPU (per forward: one context around fit() kept the first step's weight casts, loop.autocast)
+    if device.type == "cuda" and world_size == 1:
+        trainer.amp = torch.bfloat16
+    history = trainer.fit(stop_after=stop_after_epoch)
     return {
         "world_size": world_size,
         "strategy": tc.strategy if world_size > 1 else "none (single process)",

@@ -18,6 +18,10 @@ then one forward of every row's last token gives each its next token. A row that
 string, max_tokens, its context, a cancel) is dropped from the cache between steps, and the columns no
 remaining row uses are trimmed from the left.
 
+Every tensor the engine makes (ids, mask, positions, the rows kept) is made on the model's device, so the
+cache and the logits stay there; only the chosen token ids come back to the host (greedy rows' argmax in
+one transfer a step; a sampled row's logits to the CPU, where its own seeded generator draws).
+
 The loop runs in a thread of its own, never on the event loop; each request's tokens go back through
 its `Generation` (an async iterator, or `result()` for a caller without a loop). The waiting queue is
 bounded: `submit` raises `QueueFull` when it is full, for the caller to answer 503 with Retry-After.
@@ -39,10 +43,43 @@ from typing import Any
 
 import torch
 
-from workflows.tasks.chat.sampling import SamplingParams, TextState, generator, next_token
+from workflows.tasks.chat.sampling import MIN_TEMPERATURE, SamplingParams, TextState, generator, next_token
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
+
+
+def model_device(model) -> torch.device:
+    """Where the model's weights are (a Hugging Face or peft model's `device`, else its first parameter's;
+    the CPU for a model without parameters)."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cpu")
+
+
+def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], rngs: list[torch.Generator]) -> list:
+    """Each row's next token (an int), or the exception choosing it raised, from the logits [rows, vocab]
+    wherever they are: the greedy rows' argmax in one transfer; a sampled row by `next_token` on the CPU
+    (its generator is a CPU one), in float32 where the model ran in lower precision."""
+    greedy = [p.temperature < MIN_TEMPERATURE for p in params]
+    picked = logits.argmax(-1).tolist() if any(greedy) else []
+    host = None
+    out: list = []
+    for i, (p, rng) in enumerate(zip(params, rngs)):
+        if greedy[i]:
+            out.append(int(picked[i]))
+            continue
+        try:
+            if host is None:
+                host = logits if logits.device.type == "cpu" else logits.float().cpu()
+            out.append(next_token(host[i], p, rng))
+        except Exception as e:  # that row's alone
+            out.append(e)
+    return out
 
 
 class QueueFull(Exception):
@@ -262,6 +299,7 @@ class Engine:
 
     def _step(self, joining: list[Generation]) -> None:
         t0 = time.perf_counter()
+        device = model_device(self.model)
         done = [i for i, r in enumerate(self._rows) if r.gen.cancelled]
         self._drop(done, "cancelled")
         new = []
@@ -275,39 +313,43 @@ class Engine:
                 continue
             try:  # a joining request's failure (its prefill, its first token) is its own
                 n = len(gen.prompt)
-                ids = torch.tensor([gen.prompt])
-                logits, cache = self._forward(ids, torch.ones_like(ids), torch.arange(n)[None], None,
+                ids = torch.tensor([gen.prompt], device=device)
+                logits, cache = self._forward(ids, torch.ones_like(ids), torch.arange(n, device=device)[None], None,
                                               [gen.adapter or BASE])
                 self.stats["prefills"] += 1
                 limit = min(gen.params.max_tokens, self.max_context - n)
                 row = _Row(gen, TextState(gen.params.stop), generator(gen.params.seed), -1, n, limit)
                 gen.steps = (self.stats["steps"], -1)
-                row.last = next_token(logits[0], gen.params, row.rng)
+                first = choose_tokens(logits, [gen.params], [row.rng])[0]
+                if isinstance(first, Exception):
+                    raise first
+                row.last = first
             except Exception as e:
                 self._fail(gen, e)
                 continue
             new.append((row, cache))
             gen.times["first_token"] = time.perf_counter()
         if new:
-            self._merge(new)
+            self._merge(new, device)
             self._advance(list(range(len(self._rows) - len(new), len(self._rows))))
         if not self._rows:
             return
         assert self._mask is not None
-        ids = torch.tensor([[r.last] for r in self._rows])
-        mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=self._mask.dtype)], dim=1)
-        positions = torch.tensor([[r.pos] for r in self._rows])
+        ids = torch.tensor([[r.last] for r in self._rows], device=device)
+        mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=self._mask.dtype, device=device)], dim=1)
+        positions = torch.tensor([[r.pos] for r in self._rows], device=device)
         logits, self._cache = self._forward(ids, mask, positions, self._cache,
                                             [r.gen.adapter or BASE for r in self._rows])
         self._mask = mask
         failed = []
-        for i, r in enumerate(self._rows):
+        chosen = choose_tokens(logits, [r.gen.params for r in self._rows], [r.rng for r in self._rows])
+        for i, (r, token) in enumerate(zip(self._rows, chosen)):
             r.pos += 1
-            try:  # one row's failure to choose its token fails that request only
-                r.last = next_token(logits[i], r.gen.params, r.rng)
-            except Exception as e:
-                self._fail(r.gen, e)
+            if isinstance(token, Exception):  # one row's failure to choose its token fails that request only
+                self._fail(r.gen, token)
                 failed.append(i)
+            else:
+                r.last = token
         self._drop(failed, None)
         self.stats["steps"] += 1
         self.stats["row_steps"] += len(self._rows)
@@ -369,7 +411,7 @@ class Engine:
             self._cache, self._mask = None, None
             return
         assert self._mask is not None
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self._mask.device)
         self._mask = self._mask[index]
         first = int(self._mask.any(dim=0).int().argmax())  # the first column a remaining row uses
         for layer in self._cache.layers:
@@ -377,10 +419,10 @@ class Engine:
             layer.values = layer.values[index, :, first:]
         self._mask = self._mask[:, first:]
 
-    def _merge(self, new: list[tuple[_Row, Any]]) -> None:
+    def _merge(self, new: list[tuple[_Row, Any]], device: torch.device) -> None:
         """Append prefilled rows to the batch: every row's cache left-padded to the longest."""
         parts: list[tuple[Any, Any]] = ([(self._cache, self._mask)] if self._rows else []) + [
-            (cache, torch.ones(1, row.pos, dtype=torch.long)) for row, cache in new]
+            (cache, torch.ones(1, row.pos, dtype=torch.long, device=device)) for row, cache in new]
         width = max(mask.shape[1] for _, mask in parts)
         caches = [c for c, _ in parts]
         base = caches[0]

@@ -35,13 +35,14 @@ class ChatScorer(base.Predictor):
     def __init__(self, task, model_dir: str, card, threads: int | None = None, batch_size: int = 16):
         import torch
 
-        from workflows.tasks.chat.model import load_tokenizer, load_trained, pad_id
+        from workflows.tasks.chat.model import load_tokenizer, load_trained, pad_id, serving_device
 
         if threads:
             torch.set_num_threads(threads)
         self.task, self.card, self.cfg, self.options = task, card, task.cfg, task.options
         self.model_dir, self.batch_size = model_dir, batch_size
-        self.model = load_trained(model_dir, card, self.cfg)
+        self.device = serving_device()  # the replica's GPU when it has one; fp32 either way
+        self.model = load_trained(model_dir, card, self.cfg).to(self.device)
         self.tok = load_tokenizer(model_dir)
         self.eos, self.pad = int(self.tok.eos_token_id), pad_id(self.tok)
         self.input_columns = list(PROCESSED)
@@ -58,8 +59,8 @@ class ChatScorer(base.Predictor):
         with torch.inference_mode():
             for i in range(0, len(prompts), self.batch_size):
                 ids, mask = pad_left(prompts[i:i + self.batch_size], self.pad)
-                gen = greedy_generate(model, torch.from_numpy(ids), torch.from_numpy(mask),
-                                      self.options.max_new_tokens, self.eos, self.pad)
+                ids, mask = torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
+                gen = greedy_generate(model, ids, mask, self.options.max_new_tokens, self.eos, self.pad)
                 out += [completion_text(self.tok, row, self.eos) for row in gen.tolist()]
         return out
 
@@ -73,7 +74,7 @@ class ChatScorer(base.Predictor):
         if os.path.isfile(os.path.join(self.model_dir, ADAPTER_CONFIG)):
             return None  # disable_adapter() on self.model
         if self._base is None:
-            self._base = load_causal_lm(card_base_dir(self.card, self.cfg)).eval()
+            self._base = load_causal_lm(card_base_dir(self.card, self.cfg)).eval().to(self.device)
         return self._base
 
     def _score(self, model, batch) -> tuple[list, list, list]:
@@ -84,6 +85,7 @@ class ChatScorer(base.Predictor):
             for i in range(0, len(batch["input_ids"]), self.batch_size):
                 part = chat_collate({k: batch[k][i:i + self.batch_size] for k in ("input_ids", "labels")}, self.pad,
                                     prompts=False)
+                part = {k: v.to(self.device) for k, v in part.items()}
                 n, t = token_nll(model, part)
                 nll += n.double().tolist()
                 tokens += t.tolist()

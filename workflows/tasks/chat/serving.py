@@ -96,14 +96,17 @@ class ChatPredictor(Predictor):
             if self._engine is None:
                 import torch
 
-                from workflows.tasks.chat.model import load_trained
+                from workflows.tasks.chat.model import load_trained, serving_device
 
                 if self.precision not in ("fp32", "bf16"):
                     raise ValueError(f"serve.precision={self.precision}: a chat model is served in fp32 or bf16")
 
+                # on the replica's GPU when it has one (SDPA attention there: load_causal_lm), in bf16 when
+                # serve.precision says so; the engine makes its inputs where the model is
                 model = load_trained(self.model_dir, self.card, self.cfg)
                 if self.precision == "bf16":
                     model = model.to(torch.bfloat16)
+                model = model.to(serving_device())
                 self._engine = Engine(model, self.tokenizer, max_batch=self.gen.max_batch,
                                       max_queue=self.gen.max_queue, retry_after_s=self.gen.retry_after_s)
             return self._engine
