@@ -67,8 +67,8 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
     Never around a loop of optimizer steps: autocast keeps its casts of the weights until its outermost
     context exits, so one context held over many steps feeds every forward the first step's weights
-    while the optimizer updates the fp32 ones (the torchrun path on a GPU trained so: its loss stayed at
-    chance, benchmarks/gpu/README.md). `train_epoch` and `validate` refuse to run inside an enabled one."""
+    while the optimizer updates the fp32 ones, and the loss stays where it started. `train_epoch` and
+    `validate` refuse to run inside an enabled one."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype)
