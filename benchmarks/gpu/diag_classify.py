@@ -145,7 +145,7 @@ def main() -> int:
 
     ref = [logits(model, b, none, "eager") for b in val]
     ref_feats = list(feats)
-    modes = [("fp32_sdpa", model, none, "sdpa", None), ("autocast_sdpa", model, amp, "sdpa", None),
+    modes: list[tuple] = [("fp32_sdpa", model, none, "sdpa", None), ("autocast_sdpa", model, amp, "sdpa", None),
              ("autocast_eager", model, amp, "eager", None), ("bf16w_sdpa", bf16_model, none, "sdpa", None),
              ("bf16w_eager", bf16_model, none, "eager", None)]
     if gpu:
@@ -209,7 +209,7 @@ def main() -> int:
         outer = {"outer": lambda: torch.autocast(device.type, torch.bfloat16),
                  "outer_nocache": lambda: torch.autocast(device.type, torch.bfloat16, cache_enabled=False)}
         trainer.amp = torch.bfloat16 if mode == "per_forward" else None
-        loop.check_no_outer_autocast = (lambda _d: None) if mode in outer else check
+        loop.check_no_outer_autocast = (lambda _d: None) if mode in outer else check  # type: ignore[assignment]
         try:
             with outer[mode]() if mode in outer else none():
                 h = trainer.fit()[-1]
