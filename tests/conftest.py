@@ -33,12 +33,13 @@ PIPELINE_FIXTURES = {"quickstart_run", "digits_run"}
 # A test that uses one of these (or a shared pipeline run) is an `integration` test whether or not its
 # module says so: it needs the session's Ray cluster or a server, and `make test-fast` runs none.
 INTEGRATION_FIXTURES = PIPELINE_FIXTURES | {"ray_cluster", "ray_join", "mlflow_server"}
-# The groups that took a minute or more in a measured run (2 cores, `make test`), longest first: xdist
-# hands them out first, so that no worker is left with a long one at the end.
+# The groups that took a minute or more in a measured run (2 cores, `make test`, two workers), longest
+# first: xdist hands them out first, so that no worker is left with a long one at the end.
 LONG_GROUPS = [
-    "quickstart_run", "digits_run", "tests/test_train_stream.py", "tests/test_train_resume.py", "tests/test_tune.py",
-    "tests/test_readme.py", "tests/test_madewithml.py", "tests/test_notebook.py", "tests/test_jobs.py",
-    "tests/test_train.py", "tests/test_ingress_orphans.py", "tests/test_tracking.py", "tests/test_reliability.py",
+    "quickstart_run", "digits_run", "tests/test_train_stream.py", "tests/test_readme.py", "tests/test_train_resume.py",
+    "tests/test_chat.py", "tests/test_notebook.py", "tests/test_jobs.py", "tests/test_train.py",
+    "tests/test_console.py", "tests/test_reliability.py", "tests/test_tracking.py", "tests/test_plugin_task.py",
+    "tests/test_lm.py", "tests/test_serve_starts.py", "tests/test_second_runtime.py", "tests/test_multinode.py",
 ]
 
 

@@ -57,6 +57,9 @@ def test_two_workers_see_each_sample_once_in_the_global_order(digits):
 
 
 @pytest.mark.integration
+# a variant of the elastic run below (Ray Train restarts the group from the 40% step checkpoint, there on
+# fewer workers, here on as many), which the gate runs
+@pytest.mark.extended
 def test_a_restarted_worker_group_continues_mid_epoch(digits):
     marker = digits.tmp / "raised-once"
     # raise in rank 1 before step 2 of 5 (40%): Ray Train restarts the group from the checkpoint after step 2
