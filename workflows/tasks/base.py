@@ -57,6 +57,14 @@ if TYPE_CHECKING:
     from workflows.storage.uri import StorageContext
 
 
+def serving_device() -> torch.device:
+    """Where a predictor runs its model: the replica's GPU when it has one (Serve gives a replica with
+    serve.gpus_per_replica its GPU; one without sees none), else the CPU."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 class Predictor:
     """A registered model loaded once: raw instances in, predictions out (one per instance). Tasks
     keep the default, `ModelPredictor`, unless their model loads or reads its input differently.

@@ -186,6 +186,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1):
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.device = model_device(model)  # where every tensor the engine makes goes
         self.max_batch, self.max_queue, self.retry_after_s = max_batch, max_queue, retry_after_s
         self.max_context = max_context or int(getattr(model.config, "max_position_embeddings", 2048))
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -299,7 +300,7 @@ class Engine:
 
     def _step(self, joining: list[Generation]) -> None:
         t0 = time.perf_counter()
-        device = model_device(self.model)
+        device = self.device
         done = [i for i, r in enumerate(self._rows) if r.gen.cancelled]
         self._drop(done, "cancelled")
         new = []

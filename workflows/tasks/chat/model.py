@@ -31,14 +31,6 @@ def attn_implementation() -> str:
     return "sdpa" if torch.cuda.is_available() else "eager"
 
 
-def serving_device():
-    """Where a served or scoring chat model runs: the replica's GPU when it has one (Serve gives a replica
-    with serve.gpus_per_replica its GPU; one without sees none), else the CPU, as the other tasks' predictors."""
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def resolve_dir(name_or_path: str, cfg, whole: bool = False) -> str:
     """A local directory holding `name_or_path` (see the module docstring) on this node; `whole`: a
     registered model must be a whole model (an adapter's base: no chain of adapters)."""

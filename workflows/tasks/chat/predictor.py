@@ -35,13 +35,13 @@ class ChatScorer(base.Predictor):
     def __init__(self, task, model_dir: str, card, threads: int | None = None, batch_size: int = 16):
         import torch
 
-        from workflows.tasks.chat.model import load_tokenizer, load_trained, pad_id, serving_device
+        from workflows.tasks.chat.model import load_tokenizer, load_trained, pad_id
 
         if threads:
             torch.set_num_threads(threads)
         self.task, self.card, self.cfg, self.options = task, card, task.cfg, task.options
         self.model_dir, self.batch_size = model_dir, batch_size
-        self.device = serving_device()  # the replica's GPU when it has one; fp32 either way
+        self.device = base.serving_device()  # the replica's GPU when it has one; fp32 either way
         self.model = load_trained(model_dir, card, self.cfg).to(self.device)
         self.tok = load_tokenizer(model_dir)
         self.eos, self.pad = int(self.tok.eos_token_id), pad_id(self.tok)

@@ -33,7 +33,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from workflows.tasks.base import Predictor
+from workflows.tasks.base import Predictor, serving_device
 from workflows.tasks.chat.engine import Engine, Generation, ModelNotFound
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class ChatPredictor(Predictor):
             if self._engine is None:
                 import torch
 
-                from workflows.tasks.chat.model import load_trained, serving_device
+                from workflows.tasks.chat.model import load_trained
 
                 if self.precision not in ("fp32", "bf16"):
                     raise ValueError(f"serve.precision={self.precision}: a chat model is served in fp32 or bf16")

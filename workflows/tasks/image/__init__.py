@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.config.train import AugmentConfig
-from workflows.tasks.base import HttpContract
+from workflows.tasks.base import HttpContract, serving_device
 from workflows.tasks.base import Predictor as BasePredictor
 from workflows.tasks.classify import Classification, add_predictions, prediction
 
@@ -235,7 +235,7 @@ class ImagePredictor(BasePredictor):
         if threads:
             torch.set_num_threads(threads)
         model = AutoModelForImageClassification.from_pretrained(model_dir, use_safetensors=True).eval()
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = serving_device()
         self.precision = precision
         if precision == "int8":  # the Linear layers only: convolutions keep fp32 (no dynamic int8 conv kernels)
             self.device = torch.device("cpu")

@@ -30,7 +30,7 @@ class TextPredictor(base.Predictor):
         if threads:
             torch.set_num_threads(threads)
         model = load_trained_classifier(model_dir).eval()  # safetensors weights only
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = base.serving_device()
         self.precision = precision
         if precision == "int8":  # dynamic quantization: int8 weights, activations quantized per batch (CPU kernels)
             self.device = torch.device("cpu")
