@@ -285,6 +285,9 @@ def test_readme_block_on_a_separate_s3_endpoint(tmp_path):
 
 
 @pytest.mark.integration
+# make test-all: the block's parts run in the gate, its pipeline (the same tiny settings) as the
+# quickstart fixture's run and its `ray job submit` to a start.sh cluster in tests/test_jobs.py
+@pytest.mark.extended
 def test_readme_block_on_a_local_cluster(tmp_path):
     """The cluster block: `cluster/local/start.sh` (on free ports, a token of its own), a pipeline
     as a Ray job, `stop.sh`. The nodes' `python` (start.sh puts the directory of `$RAY` first on
