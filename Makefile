@@ -49,7 +49,7 @@ test-all: install
 	$(PYTEST)
 
 # The project's benchmarks (benchmarks/, not installed): `make bench-NAME` runs `python -m benchmarks.NAME`
-# (NAME: quickstart, digits, madewithml, serve-levers, shuffle, images, and the user commands' project runs
+# (NAME: quickstart, digits, madewithml, serve-levers, shuffle, images, chat, and the user commands' project runs
 # data, train, tune, serve, lm, generate), writing benchmarks/results/NAME.json and its section of
 # docs/BENCHMARKS.md; ARGS passes options (--set k=v, --tag T). `make bench-render` rewrites every section
 # from the stored results without running anything.

@@ -10,7 +10,8 @@ Two kinds, from what each measures:
   is `workflows bench NAME`'s measurement (workflows.bench) with the section that reports it, and for data and
   serve what only the project's claims need (the preprocessing speedup on one node; the latency figure);
 - the harness (HARNESS_BENCHMARKS): claims about the project itself: quickstart and digits (the shipped
-  configs' pipeline against their plain-PyTorch work), madewithml (a reference F1), serve-levers (Serve's
+  configs' pipeline against their plain-PyTorch work), chat (the chat demo's time and exact-match gain),
+  madewithml (a reference F1), serve-levers (Serve's
   flags against the peer), shuffle and images (peers from `make bench-peers`'s .venv-peers).
 The GPU measurement runs without Ray on a CUDA machine (benchmarks/gpu/, `make bench-gpu`); `--render gpu`
 writes its section from the stored gpu-*.json.
@@ -37,7 +38,7 @@ USER_BENCHMARKS = {"data": "benchmarks.data", "train": "benchmarks.train", "tune
                    "serve": "benchmarks.serve", "lm": "benchmarks.lm", "generate": "benchmarks.generate"}
 HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmarks.digits",
                       "madewithml": "benchmarks.madewithml", "serve-levers": "benchmarks.serve_levers",
-                      "shuffle": "benchmarks.shuffle", "images": "benchmarks.images"}
+                      "shuffle": "benchmarks.shuffle", "images": "benchmarks.images", "chat": "benchmarks.chat"}
 BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
 
 
