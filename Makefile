@@ -78,7 +78,8 @@ bench-peers: $(PEERS_VENV)/.installed
 	@echo "peers venv: $(PEERS_VENV)"
 
 # The GPU measurement without Ray (benchmarks/gpu/README.md): GPT-2 124M MFU, FSDP2 against plain,
-# ResNet-50 images/s (compute only and loader-fed); each step's JSON lands in OUT as it completes.
+# ResNet-50 images/s (compute only and loader-fed), classification, chat generation and fine-tuning;
+# each step's JSON lands in OUT as it completes.
 # No install step: the GPU machine runs it with its own python3. SMOKE=1: toy sizes on the CPU.
 SMOKE ?= 0
 OUT ?= .workflows/bench-gpu
@@ -87,13 +88,16 @@ bench-gpu:
 	SMOKE=$(SMOKE) OUT=$(OUT) PYTHON=$(GPU_PYTHON) bash benchmarks/gpu/run.sh
 
 # what the GPU machine cannot make or fetch, into gitignored folders that the device call carries:
-# .gpu-prep/ (the quickstart's processed split, MiniLM in bf16, the CPU F1 figure) and .whl/
-# (pydantic's wheels for the device's Python 3.12 on x86-64: workflows.config needs them)
-GPU_WHEELS = pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+# .gpu-prep/ (the quickstart's processed split, MiniLM in bf16, the CPU F1 figure, SmolLM2's tokenizer,
+# the chat config's processed split) and .whl/ (wheels for the device's Python 3.12 on x86-64: pydantic's,
+# which workflows.config needs, and peft's and accelerate's, the chat task's LoRA)
+GPU_WHEELS = pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	peft==0.21.2 accelerate==1.15.0
 bench-gpu-prepare:
 	rm -rf .whl && $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 	$(BIN)/python -m benchmarks.gpu.classify prepare --out .gpu-prep
+	$(BIN)/python -m benchmarks.gpu.chat prepare --out .gpu-prep
 
 # fault injection (reliability/, beside the package and not installed: run from the repo root):
 # writes benchmarks/results/reliability.json and docs/RELIABILITY.md

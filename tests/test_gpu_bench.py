@@ -80,11 +80,34 @@ def test_smoke_run_generates(smoke_out):
 
 
 @pytest.mark.extended
+def test_smoke_run_finetunes_chat(smoke_out):
+    """The chat fine-tuning step: LoRA on the torchrun path and the same Trainer in fp32 from one init on the
+    same rows (on the CPU both fp32, so they agree), then a full fine-tune (in process at smoke size); loss
+    per epoch and per step."""
+    r = json.loads((smoke_out / "gpu-chat.json").read_text())
+    assert r["status"] == "ok" and r["smoke"] and r["error"] is None, r.get("output_tail")
+    assert r["tokenizer_check"] == {"rows": 16, "identical": 16}
+    assert r["attn_implementation"] == "eager" and r["sdpa_calls_per_forward"] == 0  # the chat task's CPU choice
+    assert 0 < r["trainable_params"] < r["params"]
+    runs = r["runs"]
+    assert set(runs) == {"lora_bf16", "lora_fp32", "full_bf16"}
+    for name, x in runs.items():
+        assert x["epochs"] == 2 and x["train_rows"] == 32 and x["steps"] == 8 == len(x["step_losses"]), name
+        assert len(x["train_loss"]) == len(x["val_loss"]) == 2 and x["tokens_per_s"] > 0 and x["train_seconds"] > 0
+    assert runs["lora_bf16"]["finetune"] == "lora" and runs["full_bf16"]["finetune"] == "full"
+    assert runs["lora_bf16"]["precision"] == "fp32 (no CUDA)" and runs["lora_fp32"]["precision"] == "fp32"
+    # the torchrun path and the in-process Trainer: the same init, rows, order and precision on the CPU
+    assert runs["lora_bf16"]["step_losses"] == pytest.approx(runs["lora_fp32"]["step_losses"], abs=1e-3)
+    assert abs(r["bf16_vs_fp32"]["val_loss_rel_delta"]) < 1e-3
+    assert r["goal_met"] == (abs(r["bf16_vs_fp32"]["val_loss_rel_delta"]) <= 0.02 and r["loss_falls"])
+
+
+@pytest.mark.extended
 def test_doc_section_renders_every_step(smoke_out, tmp_path):
     """Every figure the GPU section shows is in the step JSON (a smoke file, relabelled as measured)."""
     results = tmp_path / "results"
     results.mkdir()
-    for name in ("gpu-lm.json", "gpu-resnet.json", "gpu-classify.json", "gpu-generate.json"):
+    for name in ("gpu-lm.json", "gpu-resnet.json", "gpu-classify.json", "gpu-generate.json", "gpu-chat.json"):
         r = json.loads((smoke_out / name).read_text())
         (results / name).write_text(json.dumps({**r, "smoke": False}))
     doc = tmp_path / "BENCHMARKS.md"
@@ -99,7 +122,9 @@ def test_doc_section_renders_every_step(smoke_out, tmp_path):
     assert "| static batching (generate, 4 a batch) | 4 |" in text
     assert "against static batching: **" in text
     assert text.index("`bench lm`") < text.index("ResNet-50 training") < text.index("Classification (")
-    assert text.index("Classification (") < text.index("Chat generation")
+    assert "| lora | torchrun (workflows.train.standalone, one process) | fp32 (no CUDA) |" in text
+    assert "| lora | in process (" in text and "| full | in process (" in text and "LoRA bf16 against fp32" in text
+    assert text.index("Classification (") < text.index("Chat generation") < text.index("Chat fine-tuning")
     (results / "gpu-lm.json").write_text((smoke_out / "gpu-lm.json").read_text())
     with pytest.raises(UserError, match="gpu-lm.json: a smoke run"):
         gpu_doc.render(results, doc)

@@ -10,15 +10,16 @@ from pathlib import Path
 from benchmarks.record import write_doc_section
 from workflows.errors import UserError
 
-HEADING = ("## GPU: GPT-2 124M MFU, ResNet-50 images/s, bf16 classification and chat generation "
-           "(one device, no Ray)")
-ORDER = ("lm", "resnet", "classify", "generate")  # benchmarks/gpu/measure.py's STEPS
+HEADING = ("## GPU: GPT-2 124M MFU, ResNet-50 images/s, bf16 classification, chat generation and chat "
+           "fine-tuning (one device, no Ray)")
+ORDER = ("lm", "resnet", "classify", "generate", "chat")  # benchmarks/gpu/measure.py's STEPS
 HOW = ("Prepared as one call (`benchmarks/gpu/README.md`): `make bench-gpu-prepare` here (the quickstart's "
-       "processed split, MiniLM in bf16, the CPU F1 and SmolLM2's tokenizer into `.gpu-prep/`, pydantic's wheels "
-       "into `.whl/`), then "
+       "processed split, MiniLM in bf16, the CPU F1, SmolLM2's tokenizer and the chat config's processed split into "
+       "`.gpu-prep/`, the wheels of pydantic, peft and accelerate into `.whl/`), then "
        "`OUT=$OUT bash benchmarks/gpu/run.sh` (or `make bench-gpu`) on a CUDA machine with both folders carried (the "
-       "device tool: one `run`, `carry` `[\".gpu-prep\", \".whl\"]`, `timeout_s` 600), every "
-       "step in its own process under its own time limit (550 s in all), each result written as "
+       "device tool: a `run`, `carry` `[\".gpu-prep\", \".whl\"]`, `timeout_s` 600; the first four steps (550 s "
+       "of limits) in one call, `--steps chat` (150 s) in another), every "
+       "step in its own process under its own time limit, each result written as "
        "`$OUT/gpu-STEP.json` as it completes; copy them to `benchmarks/results/` and run `python -m benchmarks.record "
        "--render gpu`. `make bench-gpu SMOKE=1` runs every step at toy size on the CPU (tests/test_gpu_bench.py does, "
        "in the fast tier).")
@@ -133,6 +134,48 @@ def generate_rows(r: dict) -> str:
     return "\n".join(lines)
 
 
+def chat_rows(r: dict) -> str:
+    runs = r.get("runs", {})
+    params = _f(r.get("params", 0) / 1e6, ".1f")
+    trainable = _f(r.get("trainable_params", 0) / 1e6, ".2f")
+    counts = r.get("data_counts") or {}
+    check = r.get("tokenizer_check") or {}
+    lines = [f"Chat fine-tuning: the chat config's training (`--config chat`: 2 epochs, batch 8, lr 1e-3; LoRA r 16 "
+             f"on every linear layer, {trainable}M of {params}M parameters trained) on {r.get('model')} (weights: "
+             f"{r.get('weights')}), the chat config's processed split carried from here ({_f(counts.get('train'))} "
+             f"training and {_f(counts.get('val'))} validation conversations, SmolLM2's tokenizer: "
+             f"{check.get('identical', 'n/a')}/{check.get('rows', 'n/a')} rows re-encoded identically there); "
+             f"attention {r.get('attn_implementation')} ({r.get('sdpa_calls_per_forward', 'n/a')} SDPA calls a "
+             f"forward, {r.get('layers', 'n/a')} layers); measured {r['measured_at']}, {r['seconds']} s of its "
+             f"{r['limit_s']:g} s limit.{_status(r)}", "",
+             "| run | path | precision | train loss by epoch | val loss by epoch | val exact match | tokens/s "
+             "| samples/s | train s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in ("lora_bf16", "lora_fp32", "full_bf16"):
+        x = runs.get(name)
+        if not x:
+            continue
+        if "skipped" in x:
+            lines.append(f"| {name} | skipped: {x['skipped']} | | | | | | | |")
+            continue
+        loss = lambda v: " / ".join(_f(y, ".3f") for y in v)  # noqa: E731
+        lines.append(f"| {x['finetune']} | {x['path']} | {x['precision']} | {loss(x['train_loss'])} | "
+                     f"{loss(x['val_loss'])} | {_f(x['val_exact_match'], '.3f')} | {_f(x['tokens_per_s'])} | "
+                     f"{_f(x['samples_per_s'], '.1f')} | {_f(x['train_seconds'], '.1f')} |")
+    cmp = r.get("bf16_vs_fp32") or {}
+    delta, goal = cmp.get("val_loss_rel_delta"), r.get("goal_val_loss_rel_delta", 0.02)
+    met = "not measured" if delta is None else "met" if r.get("goal_met") else "**not met**"
+    lines += ["", f"LoRA bf16 against fp32 from the same init, on the same rows in the same order: val loss "
+                  f"{_f(delta, '+.2%')} (goal within {goal:.0%}, and the loss falling in both: {met}); last epoch's "
+                  f"train loss {_f(cmp.get('train_loss_rel_delta'), '+.2%')}; largest step-loss difference "
+                  f"{_f(cmp.get('max_step_loss_abs_delta'), '.3f')}; bf16 {_f(cmp.get('tokens_per_s_ratio'), '.2f')}x "
+                  f"fp32's tokens/s. Random weights: the losses show the two precisions agree and training descends, "
+                  f"not what SmolLM2 learns (its real weights are too large to carry). Tokens/s and samples/s: the "
+                  f"last epoch's."
+              + ("" if runs.get("lora_fp32", {}).get("peak_memory_gib") is None
+                 else f" Peak GPU memory of the fp32 LoRA run {runs['lora_fp32']['peak_memory_gib']} GiB.")]
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict]) -> str:
     if not results:
         return (f"{HEADING}\n\n**No GPU has been lent to this project yet**: nothing in it has run on a GPU, so this "
@@ -142,7 +185,7 @@ def markdown(results: list[dict]) -> str:
              f"{results[0]['measured_at']}). {HOW}", ""]
     for r in results:
         parts += [{"lm": lm_rows, "resnet": resnet_rows, "classify": classify_rows,
-                   "generate": generate_rows}[r["step"]](r), ""]
+                   "generate": generate_rows, "chat": chat_rows}[r["step"]](r), ""]
     return "\n".join(parts)
 
 

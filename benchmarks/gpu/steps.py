@@ -179,8 +179,17 @@ def step_generate(smoke: bool, emit: Emit, data: str | None) -> None:
     run(smoke, emit, data)
 
 
+def step_chat(smoke: bool, emit: Emit, data: str | None) -> None:
+    """The chat config's LoRA fine-tuning on SmolLM2-135M's architecture: the torchrun path in bf16 against
+    the same Trainer in fp32, then a full fine-tune (benchmarks.gpu.chat)."""
+    from benchmarks.gpu.chat import step_chat as run
+
+    run(smoke, emit, data)
+
+
 STEPS: dict[str, Callable[[bool, Emit, str | None], None]] = {"lm": step_lm, "resnet": step_resnet,
-                                                               "classify": step_classify, "generate": step_generate}
+                                                               "classify": step_classify, "generate": step_generate,
+                                                               "chat": step_chat}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the step's JSON, rewritten as its parts complete")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--data", help="the step's prepared input (resnet: a shard directory with index.json; "
-                    "classify, generate: the folder `make bench-gpu-prepare` wrote)")
+                    "classify, generate, chat: the folder `make bench-gpu-prepare` wrote)")
     a = ap.parse_args(argv)
     record: dict = {}
 
