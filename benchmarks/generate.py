@@ -35,7 +35,8 @@ repeats after a warm-up. Ours is the engine called directly (no HTTP); the peer 
 {goal("ttft_p50_vs_peer", f"TTFT p50, ours at 1 against the peer (goal <= {r['goals']['ttft_p50_vs_peer']}x)")}
 {goal("decode_vs_flop_limit", f"tokens/s at 32 against the FLOP limit, {r['flop_limit_tokens_per_s']:.0f} tokens/s (goal >= {r['goals']['decode_vs_flop_limit']}x)")}
 
-The FLOP limit is {r["matmul_flops_per_s"] / 1e9:.1f} GFLOP/s (fp32 matmuls at the decode shape, measured in this run)
+The FLOP limit is {r["matmul_flops_per_s"] / 1e9:.1f} GFLOP/s (fp32 matmuls at the decode shape, {r["rows"][-1]["concurrency"]}
+rows, measured after each repeat's rows; the best of {", ".join(f"{f / 1e9:.1f}" for f in r.get("matmul_flops_per_s_runs", []))})
 over 2 x params FLOPs per token.
 """  # noqa: E501 (markdown table rows: one line each)
 
