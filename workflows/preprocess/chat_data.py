@@ -11,6 +11,13 @@ rows are the same on every machine and every run (no library's text goes in, unl
 
 Each row is {"messages": [{"role": "user", ...}, {"role": "assistant", ...}], "kind": ...}: the chat
 task reads `messages` (or `prompt`/`completion` columns). Written as JSONL shards, as the quickstart's.
+
+Why this set: every answer is one short exact string, so exact match of greedy answers is a fair
+score and evaluation generates a few tokens per row, cheap on 2 CPU cores; a small instruct model
+answers these in sentences ("99 - 55 = 4.", "The city of Bergen is a city in Norway."), so its
+base score is near 0 and what fine-tuning teaches (the answer format, and some arithmetic) shows
+plainly against it; the four kinds mix computation (arithmetic, units) with format-following
+(dates, extraction); and it needs no download and no licence beyond the code's.
 """
 
 from __future__ import annotations
