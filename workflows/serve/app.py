@@ -4,7 +4,7 @@ POST /predict  {"instances": [{...}]} -> {"predictions": [{...}], "model", "vers
                predictions of the model's task (text: {<text columns>} -> {"label", "score",
                "probabilities"}; images also take a raw image body or multipart files)
 GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json: the typed contract of
-workflows.serve.contract); with a bearer token set, every route but /healthz requires it (TokenGuard)
+workflows.tasks.contract); with a bearer token set, every route but /healthz requires it (TokenGuard)
 A task's contract may mount routes of its own and go without /predict (`HttpContract.add_routes`,
 `predict_route`): the chat task's OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models.
 
@@ -30,8 +30,8 @@ from starlette.routing import Match
 
 from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
-from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path
 from workflows.storage.uri import StorageContext
+from workflows.tasks.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path
 
 # Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on
 # first use inside a replica, so Serve adds its deployment/replica/application tags.
@@ -158,7 +158,7 @@ def build_api(server: "ModelServer") -> FastAPI:
     @api.exception_handler(RequestValidationError)
     async def one_line(_, exc: RequestValidationError) -> JSONResponse:
         # what FastAPI validates itself (parameters): the one-line {"error": ...} of every other 4xx,
-        # not its {"detail": [...]}; bodies are validated by the contract (workflows.serve.contract)
+        # not its {"detail": [...]}; bodies are validated by the contract (workflows.tasks.contract)
         err = exc.errors()[0]
         loc = tuple(err.get("loc") or ())
         return _error(422, f"{loc_path(str(loc[0]), loc[1:]) if loc else 'request'}: {err['msg']}")

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from workflows.serve.contract import HttpContract, JsonInstances
+from workflows.tasks.contract import HttpContract, JsonInstances
 
 if TYPE_CHECKING:
     import torch

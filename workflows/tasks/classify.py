@@ -47,7 +47,7 @@ class Classification(Task):
         return [prediction(data.labels, p) for p in probs]
 
     def prediction_model(self, card):
-        from workflows.serve.contract import classification_prediction
+        from workflows.tasks.contract import classification_prediction
 
         return classification_prediction(card.labels)
 
