@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 
 from tests.helpers import free_port
 from workflows.loader.order import STAND_IN
+from workflows.parallel import parallelize
 from workflows.train.loop import make_optimizer, make_scheduler, micro_batch_groups, steps_per_epoch, train_epoch
-from workflows.train.parallel import parallelize
 
 ROWS, SEQ, VOCAB, LABELS = 32, 12, 50, 3
 

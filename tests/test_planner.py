@@ -357,7 +357,7 @@ def run(rank, world):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(arg["port"]))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    from workflows.train.parallel import parallelize
+    from workflows.parallel import parallelize
     cpu = torch.device("cpu")
     s, b = arg["s"], arg["b"]
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from workflows.loader.order import STAND_IN
+from workflows.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 from workflows.preprocess.encoding import pad_batch
-from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:

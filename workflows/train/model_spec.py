@@ -140,7 +140,7 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
                      causal_lm: bool = False) -> ModelSpec:
     """A ModelSpec from a transformers config: the model is built on the meta device (no memory).
     causal_lm: the language model with its LM head (pretraining), not a sequence classifier."""
-    from workflows.train.models import transformer_blocks
+    from workflows.parallel import transformer_blocks
 
     model = _build_on_meta(config, causal_lm)
     if freeze_embeddings:

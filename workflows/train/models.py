@@ -144,18 +144,3 @@ def load_trained_classifier(model_dir: str) -> nn.Module:
     model = MeanPoolClassifier(AutoModel.from_config(config), config.num_labels)
     model.load_state_dict(load_file(os.path.join(model_dir, "model.safetensors")), strict=True)
     return model
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformer (the largest ModuleList of same-typed modules).
-
-    FSDP2 shards each block as its own unit, so only one block's full parameters are gathered at a
-    time. Found structurally, so BERT-, GPT- and Llama-style models all work without a table.
-    """
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            kinds = {type(m) for m in module}
-            if len(kinds) == 1:
-                best = list(module)
-    return best

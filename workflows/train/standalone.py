@@ -36,6 +36,7 @@ from workflows.config import WorkflowConfig, load_config
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
 from workflows.loader.columns import column_values
+from workflows.parallel import exit_rank, world
 from workflows.seeds import augment_seed, data_seed
 from workflows.storage.atomic import atomic_write
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
@@ -45,7 +46,6 @@ from workflows.tracking.client import RunLogger
 from workflows.train import checkpoint as ckpt
 from workflows.train.engine import Trainer
 from workflows.train.loop import epoch_line
-from workflows.train.parallel import exit_rank, world
 from workflows.train.stream_input import StreamInput, stream_refused
 from workflows.train.worker_setup import (
     join_torchrun_group,

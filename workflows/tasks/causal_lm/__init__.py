@@ -86,8 +86,8 @@ class CausalLM(Task):
         """MFU of the epoch on GPU (none elsewhere: no meaningful peak)."""
         if device.type != "cuda":
             return {}
+        from workflows.parallel import world
         from workflows.tasks.causal_lm.model import mfu, model_shape
-        from workflows.train.parallel import world
 
         params, layers, hidden = model_shape(model)
         return {"mfu": mfu(stats["tokens_per_s"], params, layers, hidden, self.cfg.model.lm.seq_len, world()[1],

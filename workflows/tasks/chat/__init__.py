@@ -113,9 +113,9 @@ class ChatTask(Task):
     # --- metrics
     def metric_states(self, model, batch) -> dict:
         """A validation batch's summed token loss and label count, and its exact greedy answers."""
+        from workflows.parallel import world
         from workflows.tasks.chat.model import completion_text, greedy_generate, pad_id
         from workflows.tasks.chat.predictor import token_nll
-        from workflows.train.parallel import world
 
         nll, tokens = token_nll(model, batch)
         tok = self._tokenizer(model)

@@ -111,8 +111,8 @@ class ImageClassification(Classification):
         model that declares `takes_uint8_pixels` (pooled_linear) normalizes after its own pooling."""
         import torch
 
+        from workflows.parallel import unwrap  # DDP wraps; FSDP2 keeps the class
         from workflows.preprocess.images import normalize_pixels
-        from workflows.train.parallel import unwrap  # DDP wraps; FSDP2 keeps the class
 
         pixels = batch["pixel_values"]
         if pixels.dtype != torch.uint8 or getattr(unwrap(model), "takes_uint8_pixels", False):

@@ -79,8 +79,8 @@ class TextClassification(Classification):
         return self.options.head_init == "linear_probe"
 
     def prepare_model(self, model, device, probe_batches) -> None:
+        from workflows.parallel import world
         from workflows.train.loop import linear_probe
-        from workflows.train.parallel import world
 
         tc = self.cfg.train
         if tc.freeze_embeddings:
