@@ -82,7 +82,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from workflows.errors import UserError
-from workflows.train.model_spec import ModelSpec
+from workflows.tasks.model_spec import ModelSpec
 
 GiB = 1024**3
 FRAGMENTATION_MARGIN = 0.10  # of the device memory: allocator fragmentation, framework overhead

@@ -1,6 +1,6 @@
 """Memory planner: per-device training memory for DDP and FSDP2, the largest micro-batch that fits,
 and the strategy to use (`workflows plan`). The estimate and its derivation are in
-workflows/train/memory_estimate.py; what it reads from a model, in workflows/train/model_spec.py.
+workflows/train/memory_estimate.py; what it reads from a model, in workflows/tasks/model_spec.py.
 
 Recommendation: DDP when it fits (one all-reduce of the gradients per step; FSDP moves ~1.5x those
 bytes: two all-gathers of the parameters and a reduce-scatter), FSDP otherwise.
@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workflows.errors import UserError
+from workflows.tasks.model_spec import ModelSpec
 from workflows.train.memory_estimate import (
     ATTENTIONS,
     FRAGMENTATION_MARGIN,
@@ -25,7 +26,6 @@ from workflows.train.memory_estimate import (
     max_micro_batch,
     usable_bytes,
 )
-from workflows.train.model_spec import ModelSpec
 
 DEFAULT_DEVICE_MEMORY = "80GiB"
 

@@ -54,8 +54,8 @@ class CausalLM(Task):
         return lambda batch: lm_collate(batch["input_ids"])
 
     def build_model(self, data):
+        from workflows.preprocess.encoding import pad_and_vocab
         from workflows.tasks.causal_lm.model import build_causal_lm
-        from workflows.train.worker_setup import pad_and_vocab
 
         return build_causal_lm(self.cfg.model.lm, pad_and_vocab(data.tokenizer)[1], self.cfg.model.dropout)
 
@@ -64,7 +64,7 @@ class CausalLM(Task):
 
         from workflows.preprocess.encoding import resolve_model_dir
         from workflows.tasks.causal_lm.model import causal_lm_config
-        from workflows.train.model_spec import spec_from_config
+        from workflows.tasks.model_spec import spec_from_config
 
         lm, use_gpu = self.cfg.model.lm, self.cfg.train.use_gpu
         vocab = len(AutoTokenizer.from_pretrained(resolve_model_dir(self.cfg.preprocess.tokenizer)))  # as the trainer

@@ -18,7 +18,7 @@ class TextPredictor(base.Predictor):
     """A registered text classifier loaded once: raw rows in, labels and probabilities out."""
 
     def __init__(self, model_dir: str, threads: int | None = None, precision: str = "fp32"):
-        from workflows.train.models import load_trained_classifier
+        from workflows.tasks.text.model import load_trained_classifier
 
         self.card = ModelCard.load(model_dir)
         if self.card.max_length is None:
