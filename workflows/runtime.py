@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from workflows import console
-from workflows.cluster_scoped import cluster_address
 from workflows.config import WorkflowConfig, dump_config
+from workflows.config.cluster import cluster_address
 from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.net import free_port
 from workflows.storage.atomic import atomic_write

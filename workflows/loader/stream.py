@@ -56,7 +56,7 @@ class StreamLoader:
 
     Images (a `wds-tar`, `raw` or `raw-parquet` index): {"image": uint8 [B, 3, S, S] (what
     `transform` returns, stacked), "label": int64 [B], "sample": int64 [B]} with
-    `transform(bytes, sample_id, epoch)`, e.g. loader.images.ImageTransform (a `raw-parquet`
+    `transform(bytes, sample_id, epoch)`, e.g. preprocess.images.ImageTransform (a `raw-parquet`
     sample's bytes: its row's value in the index's `column`). Parquet (parquet_index): the stored
     `columns` as numpy (what a task's collate takes) plus "sample". `start`: global samples of the
     epoch already consumed (from a checkpoint: `state()["consumed"]`); `set_epoch` moves on without

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from workflows.cluster_scoped import cluster_address
+from workflows.config.cluster import cluster_address
 from workflows.errors import UserError
 from workflows.net import listen_ports
 from workflows.serve.haproxy_guard import OWNER_ENV, owner_alive, start_time

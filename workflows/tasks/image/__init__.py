@@ -8,7 +8,7 @@ training and serving. Training batches stay uint8 until they are on the device (
 
 The wing: this task; `models` (the architectures by name, `pooled_linear` among them) and
 `contract` (the bodies POST /predict accepts). Decoding and the stored dataset are the data layer's
-(workflows.preprocess.images, image_dataset; workflows.loader.images), which the benches and the
+(workflows.preprocess.images, decoding and the loader's ImageTransform; image_dataset), which the benches and the
 loaders share.
 """
 
@@ -135,8 +135,8 @@ class ImageClassification(Classification):
         seeded by (seed, epoch, sample)."""
         if self.cfg.train.image_input != "raw":
             return None
-        from workflows.loader.images import ImageTransform
         from workflows.preprocess.image_dataset import train_sample_index
+        from workflows.preprocess.images import ImageTransform
 
         aug, size = self.options.augment, int(data.info["image_size"])
         transform = ImageTransform(size=size, seed=self.cfg.train.seed, train=aug.enabled, scale=aug.crop_scale,
