@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +38,8 @@ RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 # benchmarks (`workflows --help` and a config check import no torch and no Ray) and a task wing's
 # __init__ (a task class is imported by every command's config check; its model, data and serving
 # modules, which import torch, transformers or Ray Data, are imported when a stage calls it).
-LAZY_ON_PURPOSE = ("workflows/cli/", "workflows/bench/", "workflows/__main__.py")
-MAX_IN_FUNCTION_SHARE = 0.45
+LAZY_ON_PURPOSE = ("workflows/cli/*", "workflows/bench/*", "workflows/__main__.py", "workflows/tasks/*/__init__.py")
+MAX_IN_FUNCTION_SHARE = 0.15
 
 
 def unit_of(path: Path, root: Path) -> str:
@@ -195,7 +196,7 @@ def in_function_share(root: Path) -> tuple[int, int]:
     that import lazily on purpose (LAZY_ON_PURPOSE) aside."""
     inside = total = 0
     for path in (root / "workflows").rglob("*.py"):
-        if str(path.relative_to(root)).startswith(LAZY_ON_PURPOSE):
+        if any(fnmatch(str(path.relative_to(root)), pattern) for pattern in LAZY_ON_PURPOSE):
             continue
         wheres = [where for _, _, where in own_imports(ast.parse(path.read_text())) if where != "type"]
         total += len(wheres)
@@ -204,6 +205,8 @@ def in_function_share(root: Path) -> tuple[int, int]:
 
 
 def test_imports_inside_functions_stay_few():
+    """Under 15% of the package's own imports sit inside functions, where no start-up time asks for it:
+    an import that is not lazy on purpose goes at the top of its module."""
     inside, total = in_function_share(ROOT)
     assert inside / total <= MAX_IN_FUNCTION_SHARE, f"{inside} of {total} own imports sit inside functions"
 

@@ -34,6 +34,7 @@ from workflows.loader.fork import iter_forked
 from workflows.loader.index import DatasetIndex, ParquetRows, TarMembers, read_index, tar_members
 from workflows.loader.order import STAND_IN, epoch_order, rank_batches, step_bounds
 from workflows.loader.samples import Samples
+from workflows.storage.cache import ShardCache
 from workflows.storage.uri import StorageContext
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ class StreamLoader:
                  batch_size: int = 256, num_workers: int = 2, seed: int = 0, epoch: int = 0, rank: int = 0,
                  world_size: int = 1, start: int = 0, shuffle_window: int = 4, prefetch_shards: int = 2,
                  columns: list[str] | None = None, prefetch_factor: int = 2):
-        from workflows.storage.cache import ShardCache
-
         if not isinstance(cache, ShardCache):
             cache = cache.shard_cache(storage)  # a CacheConfig: the cache of this node
         self.cache = cache

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from workflows.tasks.base import Task
+from workflows.tasks.contract import classification_prediction
 
 
 class Classification(Task):
@@ -45,8 +46,6 @@ class Classification(Task):
         return [prediction(data.labels, p) for p in probs]
 
     def prediction_model(self, card):
-        from workflows.tasks.contract import classification_prediction
-
         return classification_prediction(card.labels)
 
     def evaluate_rows(self, y_true: list, y_pred: list, card) -> dict:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from workflows.parallel import transformer_blocks
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -140,8 +142,6 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
                      causal_lm: bool = False) -> ModelSpec:
     """A ModelSpec from a transformers config: the model is built on the meta device (no memory).
     causal_lm: the language model with its LM head (pretraining), not a sequence classifier."""
-    from workflows.parallel import transformer_blocks
-
     model = _build_on_meta(config, causal_lm)
     if freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)

@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from workflows.errors import UserError
 from workflows.loader.order import STAND_IN
 from workflows.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
+from workflows.tasks.base import MetricStates
 
 
 def make_optimizer(
@@ -225,9 +227,6 @@ def validate(task, model, batches, device: torch.device, data, amp: torch.dtype 
     one all-reduce of them stacked, and `task.compute_metrics` called once on the totals. Tasks hold
     no collective: every rank validates the same number of batches (in_step) and so reduces the same
     states. `amp`: each batch's forward autocast to this dtype, as in training."""
-    from workflows.errors import UserError
-    from workflows.tasks.base import MetricStates
-
     check_no_outer_autocast(device)
     model.eval()
     totals: dict[str, torch.Tensor] | None = None

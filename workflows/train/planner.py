@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workflows.errors import UserError
+from workflows.tasks import get_task
 from workflows.tasks.model_spec import ModelSpec
 from workflows.train.memory_estimate import (
     ATTENTIONS,
@@ -249,8 +250,6 @@ def plan_from_config(
     checkpointing: bool = False,
 ) -> Plan:
     """A plan for the model and settings of a WorkflowConfig (the arguments override them)."""
-    from workflows.tasks import get_task
-
     train_cfg = cfg.train
     spec, task_seq = get_task(cfg).memory_spec()
     seq_len = seq_len or task_seq

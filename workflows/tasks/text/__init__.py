@@ -12,7 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workflows.preprocess.encoding import pad_and_vocab, resolve_model_dir
 from workflows.tasks.classify import Classification
+from workflows.tasks.text.contract import text_contract
 
 
 class TextOptions(BaseModel):
@@ -44,7 +46,6 @@ class TextClassification(Classification):
         return preprocess_text(self.cfg, ctx, say)
 
     def dataset_version(self, shards, ctx) -> str:
-        from workflows.preprocess.encoding import resolve_model_dir
         from workflows.preprocess.materialize import dataset_version
 
         return dataset_version(shards, self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer))
@@ -52,15 +53,12 @@ class TextClassification(Classification):
     def collate(self, data, *, train: bool, seed: int | None = None):
         from functools import partial
 
-        from workflows.preprocess.encoding import pad_and_vocab
         from workflows.tasks.text.model import collate
 
         return partial(collate, pad_id=pad_and_vocab(data.tokenizer)[0])
 
     # --- model
     def model_dir(self) -> str:
-        from workflows.preprocess.encoding import resolve_model_dir
-
         return resolve_model_dir(self.cfg.model.name_or_path)
 
     def check(self, data) -> None:
@@ -113,8 +111,6 @@ class TextClassification(Classification):
         return TextPredictor(model_dir, threads, precision)
 
     def http_contract(self, card, max_instances):
-        from workflows.tasks.text.contract import text_contract
-
         return text_contract(card, max_instances)
 
     def input_columns(self, card, available):
