@@ -23,8 +23,8 @@ from benchmarks.image_peers import SIZE, _batch, phase, timed_pass
 
 def main(argv: list[str]) -> None:
     from workflows.loader import StreamLoader
-    from workflows.loader.images import ImageTransform
     from workflows.loader.index import read_index
+    from workflows.preprocess.images import ImageTransform
     from workflows.storage.cache import ShardCache
     from workflows.storage.uri import StorageContext
 

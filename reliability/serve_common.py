@@ -77,7 +77,7 @@ def _register_untrained(rt, workdir: Path, text_columns: tuple[str, ...] = ("tex
 
     from workflows import registry
     from workflows.preprocess.encoding import resolve_model_dir
-    from workflows.train.models import load_classifier
+    from workflows.tasks.text.model import load_classifier
 
     labels = ["alpha", "beta", "gamma"]
     out = workdir / "artifact"

@@ -54,7 +54,7 @@ NOT_AN_IMAGE = re.compile(r"instances\[\d+\]: not an image \(cannot identify ima
 # The statuses that mean "rejected" for a schema-violating request: schemathesis' defaults plus 413,
 # the answer to a body over the server's byte limit, which no JSON schema can state: a
 # schema-violating body (a string over maxLength) is often over it too. A body the schema rejects
-# for its shape or its list length gets 422 (workflows.serve.contract), never 413.
+# for its shape or its list length gets 422 (workflows.tasks.contract), never 413.
 CONFIG = """[checks.negative_data_rejection]
 expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
 """
@@ -70,7 +70,7 @@ def serve_openapi_fuzz(workdir: Path, seed: int = 0) -> dict:
     from workflows.config import load_config
     from workflows.runtime import runtime
     from workflows.serve.app import deploy
-    from workflows.serve.contract import MAX_BODY_BYTES
+    from workflows.tasks.contract import MAX_BODY_BYTES
     from workflows.tasks.image import IMAGE_MAX_BODY_BYTES
 
     workdir = Path(workdir)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from workflows.serve.contract import ERRORS, error_responses
+from workflows.tasks.contract import ERRORS, error_responses
 from workflows.tasks.image.contract import (
     ACCEPTED_TYPES,
     EXAMPLE_REQUEST,

@@ -99,7 +99,7 @@ def test_benchmark_under_torchrun_on_two_cpu_ranks(tmp_path):
 def test_exit_rank_keeps_the_exit_code_and_flushes_output(world_size, code):
     """A torchrun rank ends without interpreter finalization (gloo's threads may abort it there): its
     buffered output still arrives and its exit code is kept; one process exits normally."""
-    script = ("import sys; from workflows.train.parallel import exit_rank; print('done', end=''); "
+    script = ("import sys; from workflows.parallel import exit_rank; print('done', end=''); "
               f"print('warned', file=sys.stderr, end=''); exit_rank({code})")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as under torchrun
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,

@@ -20,8 +20,8 @@ from workflows.loader import (
     read_index,
     step_bounds,
 )
-from workflows.loader.images import ImageTransform
 from workflows.loader.order import STAND_IN
+from workflows.preprocess.images import ImageTransform
 from workflows.storage.cache import ShardCache
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext
@@ -577,7 +577,7 @@ def test_a_warm_epoch_asks_the_store_nothing_and_runs_with_it_stopped(tmp_path):
 _WARM_EPOCH = """
 import json, sys
 from workflows.loader import StreamLoader, parquet_index
-from workflows.loader.images import ImageTransform
+from workflows.preprocess.images import ImageTransform
 from workflows.storage.cache import ShardCache
 from workflows.storage.uri import StorageContext
 

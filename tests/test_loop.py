@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 
 from tests.helpers import free_port
 from workflows.loader.order import STAND_IN
+from workflows.parallel import parallelize
 from workflows.train.loop import make_optimizer, make_scheduler, micro_batch_groups, steps_per_epoch, train_epoch
-from workflows.train.parallel import parallelize
 
 ROWS, SEQ, VOCAB, LABELS = 32, 12, 50, 3
 
@@ -208,7 +208,7 @@ def test_a_rank_with_a_stand_in_takes_the_step_with_the_others(strategy, tmp_pat
 
 
 def _probe(rank: int = 0, world_size: int = 1, l2: float = 1e-2):
-    from workflows.train.loop import linear_probe
+    from workflows.tasks.text.model import linear_probe
 
     model = tiny_bert()
     stats = linear_probe(model, batches(5, rank, world_size), torch.device("cpu"), l2)
@@ -259,7 +259,7 @@ def test_linear_probe_on_two_ranks_fits_one_head_on_all_rows(tmp_path):
 def test_validation_scores_are_sklearns_on_the_rows_of_the_confusion_matrix():
     from sklearn.metrics import accuracy_score, f1_score
 
-    from workflows.train.loop import scores_from_confusion
+    from workflows.tasks.classify import scores_from_confusion
 
     rng = np.random.default_rng(0)
     confusion = rng.integers(0, 20, (5, 5)).astype(np.float64)

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from workflows.train.loop import make_optimizer
-from workflows.train.models import (
+from workflows.tasks.text.model import (
     POOLING_KEY,
     MeanPoolClassifier,
     check_linear_probe_head,
     load_classifier,
     load_trained_classifier,
 )
+from workflows.train.loop import make_optimizer
 
 LABELS = ["a", "b", "c"]
 

@@ -69,7 +69,7 @@ def _sync_ranks(rank: int, world_size: int, port: int, strategy: str, out_dir: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        from workflows.train.parallel import parallelize, sync_buffers
+        from workflows.parallel import parallelize, sync_buffers
 
         torch.manual_seed(0)
         # momentum=None: the running statistics are the cumulative mean of the batches seen

@@ -36,9 +36,10 @@ import torch
 from tests.conftest import QUICKSTART, ROOT
 from tests.helpers import free_port
 from workflows.errors import UserError
+from workflows.tasks.model_spec import ModelSpec, saved_storages, spec_from_config
+from workflows.tasks.text.model import classifier_spec
 from workflows.train import planner
 from workflows.train.memory_estimate import GiB, activation_bytes, estimate, max_micro_batch, usable_bytes
-from workflows.train.model_spec import ModelSpec, model_spec, saved_storages, spec_from_config
 from workflows.train.planner import parse_bytes
 
 ACTIVATION_TOLERANCE = 0.05
@@ -195,9 +196,9 @@ def test_parse_bytes_and_errors():
 # ------------------------------------------------------------------------------- model specs
 def test_spec_counts_the_real_minilm_on_the_meta_device():
     from workflows.preprocess.encoding import packaged_minilm
-    from workflows.train.models import load_classifier
+    from workflows.tasks.text.model import load_classifier
 
-    spec = model_spec(packaged_minilm(), num_labels=3, freeze_embeddings=True)
+    spec = classifier_spec(packaged_minilm(), num_labels=3, freeze_embeddings=True)
     real = load_classifier(packaged_minilm(), ["a", "b", "c"])
     real.get_input_embeddings().requires_grad_(False)
     assert spec.params == sum(p.numel() for p in real.parameters())
@@ -357,7 +358,7 @@ def run(rank, world):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(arg["port"]))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    from workflows.train.parallel import parallelize
+    from workflows.parallel import parallelize
     cpu = torch.device("cpu")
     s, b = arg["s"], arg["b"]
 
@@ -569,7 +570,7 @@ def test_plan_says_what_it_estimated_instead_of_measuring(monkeypatch):
     from typer.testing import CliRunner
 
     from workflows.cli import app
-    from workflows.train import model_spec
+    from workflows.tasks import model_spec
 
     args = ["plan", "--config", str(QUICKSTART), "--device-memory", "16GiB"]
     runner = CliRunner()
@@ -600,7 +601,7 @@ def test_plan_says_what_it_estimated_instead_of_measuring(monkeypatch):
 
 
 def test_a_probe_failing_in_one_precision_or_a_layer_not_found_is_named():
-    from workflows.train.model_spec import _measured
+    from workflows.tasks.model_spec import _measured
 
     class NoBf16(torch.nn.Module):
         def forward(self, x):

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from tests.conftest import QUICKSTART
-from workflows.cluster_scoped import cluster_address
 from workflows.config import load_config
+from workflows.config.cluster import cluster_address
 from workflows.runtime import init_ray
 from workflows.serve import ingress
 

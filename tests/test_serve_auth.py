@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from workflows.model_card import ModelCard
 from workflows.serve import app as serve_app
-from workflows.serve.contract import MAX_BODY_BYTES
+from workflows.tasks.contract import MAX_BODY_BYTES
 from workflows.tasks.text.contract import text_contract
 
 TOKEN = "s3cret-T0ken"

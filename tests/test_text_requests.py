@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from workflows.serve.contract import with_request_body
+from workflows.tasks.contract import with_request_body
 from workflows.tasks.text.contract import text_contract
 
 MAX_INSTANCES = 4

@@ -36,8 +36,6 @@ from workflows.dataset import ProcessedDataset, materialized, split_of, write_ma
 from workflows.errors import UserError
 from workflows.model_card import ModelCard, write_card
 from workflows.preprocess.sources import list_shards, read_dataset
-from workflows.preprocess.table import preprocess_table
-from workflows.serve.contract import JsonInstances, classification_prediction
 from workflows.storage.shards import read_parquet
 from workflows.tasks.base import (
     HttpContract,
@@ -49,6 +47,8 @@ from workflows.tasks.base import (
     card_dataset,
 )
 from workflows.tasks.classify import Classification, add_predictions, prediction
+from workflows.tasks.contract import JsonInstances, classification_prediction
+from workflows.tasks.table import preprocess_table
 
 __all__ = [
     "Classification", "HttpContract", "JsonInstances", "MetricStates", "ModelCard", "ModelOutput", "ModelPredictor",

@@ -13,25 +13,10 @@ actors its last job owned are gone with that job).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from workflows.config import WorkflowConfig
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
-
-
-def cluster_address(cfg: WorkflowConfig) -> str | None:
-    """The running cluster a command joins, or None to start a local cluster of its own: ray.address
-    if set ("local" starts one), else RAY_ADDRESS if set and not "local" (`ray job submit` sets it
-    in a job's driver to the cluster's GCS address; cluster/local/start.sh's env file exports it),
-    joined as ray.address=auto would."""
-    if cfg.ray.address:
-        return None if cfg.ray.address == "local" else cfg.ray.address
-    env = os.environ.get("RAY_ADDRESS", "")
-    return env if env and env != "local" else None
 
 
 def cluster_key() -> tuple[str, str]:

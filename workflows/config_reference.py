@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from workflows.config import WorkflowConfig
+from workflows.tasks import BUILTIN, task_class
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
 REGENERATE = "python -m workflows.config_reference"
@@ -225,8 +226,6 @@ def render() -> str:
 def task_option_sections() -> Iterator[tuple[str, list]]:
     """(task name, its sections) for each built-in task with an `Options` model: the settings a
     built-in takes under `model.options` (a plug-in's Options are its own)."""
-    from workflows.tasks import BUILTIN, task_class
-
     for name in BUILTIN:
         cls = task_class(name)
         if cls.Options is not None:

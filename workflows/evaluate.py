@@ -14,6 +14,8 @@ import pandas as pd
 
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
+from workflows.serve.predictor import BatchPredictor
+from workflows.tasks import task_for_card
 
 
 def evaluate_dataset(
@@ -22,9 +24,6 @@ def evaluate_dataset(
     """Run the model over a Ray Dataset of rows (the model's input columns + label) and score it
     with its task; `card` is the registered version's (registry.model_card)."""
     import ray.data
-
-    from workflows.serve.predictor import BatchPredictor
-    from workflows.tasks import task_for_card
 
     task = task_for_card(cfg, card)
     label_column = label_column or card.label_column

@@ -12,14 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workflows import console
-from workflows.cluster_scoped import cluster_address
+from workflows import console, stop
 from workflows.config import WorkflowConfig, dump_config
+from workflows.config.cluster import cluster_address
 from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.net import free_port
+from workflows.serve import ingress
+from workflows.storage import cache_stats
 from workflows.storage.atomic import atomic_write
 from workflows.storage.embedded import EmbeddedS3
 from workflows.storage.uri import StorageContext, bucket_of, check_bucket
+from workflows.tasks import check_task, plugin_source
 
 log = logging.getLogger("workflows")
 
@@ -41,8 +44,6 @@ class Runtime:
     def cache_counts(self) -> Iterator[dict]:
         """Shard-cache counters of every read task on the cluster while the block runs
         (hits, misses, bytes from the object store / from cache, evictions)."""
-        from workflows.storage import cache_stats
-
         counts: dict[str, int] = {}
         before = cache_stats.snapshot()
         try:
@@ -85,8 +86,6 @@ def plugin_runtime_env(cfg: WorkflowConfig) -> dict | None:
     process's PYTHONPATH: a plug-in task's module (model.task) found here goes to them as a runtime
     env's py_modules. Not in a Ray job that brings its own code (`--working-dir`, py_modules: its
     workers have the job's files), nor for a built-in or installed module (workflows.tasks.plugin_source)."""
-    from workflows.tasks import plugin_source
-
     job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env") or {}
     if job.get("working_dir") or job.get("py_modules"):
         return None
@@ -97,9 +96,6 @@ def plugin_runtime_env(cfg: WorkflowConfig) -> dict | None:
 def init_ray(cfg: WorkflowConfig) -> bool:
     """Start or join Ray; False if this process had already (then it is not ours to shut down)."""
     import ray
-
-    from workflows import stop
-    from workflows.serve import ingress
 
     if ray.is_initialized():
         return False
@@ -194,8 +190,6 @@ def runtime(
     """The object store (embedded endpoint if configured), then Ray. `before_ray(storage)` runs in
     between: checks that need only the store (a model that is not registered, an output that is
     not empty) fail in a second instead of after Ray has started."""
-    from workflows.tasks import check_task
-
     check_task(cfg)  # a plug-in that does not import stops here, before the store or Ray starts
     embedded, started_ray, outside = None, False, None
     if cfg.storage.embedded.enabled:

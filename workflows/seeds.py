@@ -1,7 +1,7 @@
 """The seeds of training's randomness, derived from (train.seed, epoch, rank or sample): the data
 order, the dropout RNG, augmentation. Randomness follows the sample, not the rank: a resume on
 another worker count, or a Tune trial, draws the same crops (the training loop, workflows.train.loop,
-and the image loader, workflows.loader.images, both use them)."""
+and the image loader's transform, workflows.preprocess.images.ImageTransform, both use them)."""
 
 from __future__ import annotations
 

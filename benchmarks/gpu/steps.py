@@ -90,8 +90,7 @@ def step_resnet(smoke: bool, emit: Emit, data: str | None) -> None:
     import torch
 
     from workflows.loader import StreamLoader
-    from workflows.loader.images import ImageTransform
-    from workflows.preprocess.images import to_model_input
+    from workflows.preprocess.images import ImageTransform, to_model_input
     from workflows.preprocess.synth_images import SynthSpec, synth_images
     from workflows.storage.cache import ShardCache
     from workflows.storage.uri import StorageContext

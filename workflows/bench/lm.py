@@ -47,10 +47,9 @@ def worker(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from workflows.config.model import SIZES
+    from workflows.parallel import parallelize, transformer_blocks, world
     from workflows.tasks.causal_lm.model import build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
     from workflows.train.loop import make_optimizer, make_scheduler, train_epoch
-    from workflows.train.models import transformer_blocks
-    from workflows.train.parallel import parallelize, world
     from workflows.train.worker_setup import join_torchrun_group, torchrun_device
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -224,6 +223,6 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    from workflows.train.parallel import exit_rank
+    from workflows.parallel import exit_rank
 
     exit_rank(main())

@@ -88,7 +88,7 @@ def serve(
 def _serve_port_free(cfg) -> None:
     """A cluster this command starts must bind serve.port: free it of a stale HAProxy of ours, or
     name its holder now rather than after Ray started (a cluster joined serves on its own port)."""
-    from workflows.cluster_scoped import cluster_address
+    from workflows.config.cluster import cluster_address
     from workflows.runtime import say
     from workflows.serve.stale_ingress import free_serve_port
 

@@ -1,10 +1,16 @@
-"""The `ray` section: which Ray cluster a command joins or starts."""
+"""The `ray` section: which Ray cluster a command joins or starts (`cluster_address`)."""
 
 from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from workflows.config.base import Strict
+
+if TYPE_CHECKING:
+    from workflows.config.workflow import WorkflowConfig
 
 
 class RayConfig(Strict):
@@ -26,3 +32,13 @@ class RayConfig(Strict):
         "None: $WORKFLOWS_DASHBOARD_PORT where set, else Ray's 8265",
     )
 
+
+def cluster_address(cfg: WorkflowConfig) -> str | None:
+    """The running cluster a command joins, or None to start a local cluster of its own: ray.address
+    if set ("local" starts one), else RAY_ADDRESS if set and not "local" (`ray job submit` sets it
+    in a job's driver to the cluster's GCS address; cluster/local/start.sh's env file exports it),
+    joined as ray.address=auto would."""
+    if cfg.ray.address:
+        return None if cfg.ray.address == "local" else cfg.ray.address
+    env = os.environ.get("RAY_ADDRESS", "")
+    return env if env and env != "local" else None

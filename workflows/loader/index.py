@@ -39,7 +39,7 @@ import numpy as np
 from workflows.errors import StoreUnreachable, UserError
 from workflows.loader.order import shard_offsets
 from workflows.storage.atomic import atomic_write
-from workflows.storage.shards import IMAGE_EXTENSIONS, LABEL_EXTENSIONS
+from workflows.storage.shards import IMAGE_EXTENSIONS, LABEL_EXTENSIONS, _label_of
 from workflows.storage.transfer import object_version
 from workflows.storage.uri import (
     StorageContext,
@@ -172,8 +172,6 @@ def tar_members(path: str, uri: str, labels: list[str] | None = None, strict: bo
     the data). Samples are keys in first-seen order, as storage.shards reads them. Raises a
     UserError naming `uri` for a truncated or corrupt shard, or (`strict`) a sample without exactly one
     image or label (else such a sample is listed with offset -1, label -1: preprocessing's bad record)."""
-    from workflows.storage.shards import _label_of
-
     samples: dict[str, dict[str, tuple[int, int]]] = {}
     size = os.path.getsize(path)
     try:

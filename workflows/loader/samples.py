@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from workflows.errors import UserError
+from workflows.loader.columns import column_values
 
 ROW_GROUPS = 8  # per decode process: parquet row groups kept decoded (a shuffle window's worth)
 FOOTERS = 32  # per decode process: parquet footers kept parsed (metadata only, no open file)
@@ -80,8 +81,6 @@ class Samples:
         return out
 
     def _rows(self, items: list[tuple]) -> dict:
-        from workflows.loader.columns import column_values
-
         table = self._table(items)
         return {c: column_values(table.column(c)) for c in table.column_names}
 

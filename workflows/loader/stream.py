@@ -34,6 +34,7 @@ from workflows.loader.fork import iter_forked
 from workflows.loader.index import DatasetIndex, ParquetRows, TarMembers, read_index, tar_members
 from workflows.loader.order import STAND_IN, epoch_order, rank_batches, step_bounds
 from workflows.loader.samples import Samples
+from workflows.storage.cache import ShardCache
 from workflows.storage.uri import StorageContext
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class StreamLoader:
 
     Images (a `wds-tar`, `raw` or `raw-parquet` index): {"image": uint8 [B, 3, S, S] (what
     `transform` returns, stacked), "label": int64 [B], "sample": int64 [B]} with
-    `transform(bytes, sample_id, epoch)`, e.g. loader.images.ImageTransform (a `raw-parquet`
+    `transform(bytes, sample_id, epoch)`, e.g. preprocess.images.ImageTransform (a `raw-parquet`
     sample's bytes: its row's value in the index's `column`). Parquet (parquet_index): the stored
     `columns` as numpy (what a task's collate takes) plus "sample". `start`: global samples of the
     epoch already consumed (from a checkpoint: `state()["consumed"]`); `set_epoch` moves on without
@@ -68,8 +69,6 @@ class StreamLoader:
                  batch_size: int = 256, num_workers: int = 2, seed: int = 0, epoch: int = 0, rank: int = 0,
                  world_size: int = 1, start: int = 0, shuffle_window: int = 4, prefetch_shards: int = 2,
                  columns: list[str] | None = None, prefetch_factor: int = 2):
-        from workflows.storage.cache import ShardCache
-
         if not isinstance(cache, ShardCache):
             cache = cache.shard_cache(storage)  # a CacheConfig: the cache of this node
         self.cache = cache

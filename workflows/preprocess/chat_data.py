@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime as dt
 import random
 
+from workflows.preprocess.quickstart_data import write_shards as write_jsonl
+
 KINDS = ("arithmetic", "units", "dates", "extraction")
 SEED = 0
 
@@ -91,6 +93,4 @@ def build(rows_per_kind: int, seed: int = SEED) -> list[dict]:
 
 def write_shards(rows: list[dict], uri: str, ctx, num_shards: int = 4) -> list[str]:
     """JSONL shards `part-0000N.jsonl` under `uri` (the quickstart's writer)."""
-    from workflows.preprocess.quickstart_data import write_shards as write_jsonl
-
     return write_jsonl(rows, uri, ctx, num_shards)

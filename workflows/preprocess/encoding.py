@@ -7,6 +7,7 @@ pay for `max_length`).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,16 @@ def resolve_model_dir(name_or_path: str) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UserError(f"not a model directory (no config.json): {name_or_path}")
     return path
+
+
+@functools.cache
+def pad_and_vocab(tokenizer: str) -> tuple[int, int]:
+    """(pad token id, vocabulary size) of the dataset's tokenizer; pad 0 if it has none. Loaded once
+    per process: Tune reuses a one-worker trial's actor for the next trial."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(tokenizer))
+    return tok.pad_token_id or 0, len(tok)
 
 
 def compose_text(values: Sequence[object]) -> str:

@@ -33,8 +33,18 @@ from workflows.dataset import (
     split_of,
 )
 from workflows.errors import UserError
+from workflows.loader.index import (
+    DatasetIndex,
+    ParquetRows,
+    ShardEntry,
+    TarMembers,
+    keep_index,
+    kept_index,
+    sample_index,
+)
+from workflows.preprocess.images import BadImage, decode_image
 from workflows.preprocess.sources import list_shards, read_dataset
-from workflows.storage.uri import exists, filesystem, join, pyarrow_filesystem, with_protocol, write_json
+from workflows.storage.uri import exists, filesystem, join, pyarrow_filesystem, read_json, with_protocol, write_json
 
 FORMAT_VERSION = 2  # bump when the stored layout, decoding or row order changes (2: rows shuffled)
 BAD = "bad"
@@ -64,8 +74,6 @@ class DecodeImages:
         self.keep_fraction, self.seed = keep_fraction, seed
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        from workflows.preprocess.images import BadImage, decode_image
-
         keys, labels, pixels, splits, errors = [], [], [], [], []
         for key, image, label in zip(batch["key"], batch["image"], batch["label"]):
             digest = hashlib.sha256(image).hexdigest() if isinstance(image, bytes | bytearray) else None
@@ -220,8 +228,6 @@ def parquet_sample_index(shards, image_column: str, label_column: str, wanted: d
     the rows have no `key` column, as their keys are the images' hashes)."""
     import pyarrow.parquet as pq
 
-    from workflows.loader.index import DatasetIndex, ParquetRows, ShardEntry, TarMembers
-
     entries: list[ShardEntry] = []
     members: list[TarMembers | ParquetRows] = []
     for shard in shards:
@@ -261,9 +267,6 @@ def train_sample_index(cfg, data: ProcessedDataset, ctx):
     a new version and a new index.
     """
     import pyarrow.parquet as pq
-
-    from workflows.loader.index import DatasetIndex, keep_index, kept_index, sample_index
-    from workflows.storage.uri import read_json, write_json
 
     uri = join(data.uri, TRAIN_SAMPLES)
     cache = cfg.cache.shard_cache(ctx)

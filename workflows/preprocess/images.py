@@ -6,6 +6,8 @@ sees the same pixels for the same bytes in training and in production.
     random_resized_crop_flip(u8, gen)      training augmentation on a uint8 [N, H, W, 3] batch
     to_model_input(u8)                     uint8 [N, H, W, 3] -> normalized float32 [N, 3, H, W]
     normalize_pixels(u8)                   uint8 [N, 3, H, W] -> the same, on the tensor's own device
+    ImageTransform(size, seed, train)      the per-sample transform of the loader's decode processes
+                                           (train.image_input=raw): bytes -> uint8 [3, size, size]
 
 Decoding: Pillow; the declared size is checked against an explicit pixel limit before any pixel is
 decoded; JPEGs much larger than `size` are decoded at 1/2, 1/4 or 1/8 scale by libjpeg (`draft`);
@@ -23,8 +25,11 @@ import logging
 import math
 import re
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
+
+from workflows.seeds import derived_seed
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +249,29 @@ def normalize_pixels(pixels, mean=IMAGENET_MEAN, std=IMAGENET_STD):
     m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(1, 3, 1, 1) * 255
     s = torch.tensor(std, dtype=torch.float32, device=x.device).view(1, 3, 1, 1) * 255
     return x.sub_(m).div_(s)
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """Encoded bytes -> uint8 [3, size, size]: RandomResizedCrop + horizontal flip when `train`
+    (drawn from a generator seeded by (seed, epoch, sample id), so a resumed epoch, on any number
+    of workers, sees the same crops), else the center square (as serving decodes it)."""
+
+    size: int = 224
+    seed: int = 0
+    train: bool = True
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+    max_pixels: int | None = None  # None: MAX_PIXELS
+
+    def __call__(self, data: bytes, sample: int, epoch: int) -> np.ndarray:
+        import torch
+
+        limit = self.max_pixels or MAX_PIXELS
+        if self.train:
+            gen = torch.Generator().manual_seed(derived_seed("crop", self.seed, epoch, sample))
+            hwc = decode_random_resized_crop(data, self.size, gen, self.scale, self.ratio, self.flip, limit)
+        else:
+            hwc = decode_image(data, self.size, limit)
+        return hwc.transpose(2, 0, 1)

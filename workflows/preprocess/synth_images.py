@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from workflows.errors import UserError
 from workflows.preprocess.digits_data import add_member
+from workflows.storage.transfer import object_version
 
 CANVASES = 4
 CANVAS_SIDE = 1024
@@ -168,7 +169,6 @@ _painter: Painter | None = None
 def _write_one(args) -> dict:
     """In a worker process: build shard `index` and write it to `out`."""
     global _painter
-    from workflows.storage.transfer import object_version
     from workflows.storage.uri import filesystem, join, reaching, write_bytes_atomic
 
     spec, ctx, out, index, target = args

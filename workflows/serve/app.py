@@ -4,7 +4,7 @@ POST /predict  {"instances": [{...}]} -> {"predictions": [{...}], "model", "vers
                predictions of the model's task (text: {<text columns>} -> {"label", "score",
                "probabilities"}; images also take a raw image body or multipart files)
 GET  /healthz  GET /v1/models/<name>  (and FastAPI's /docs, /openapi.json: the typed contract of
-workflows.serve.contract); with a bearer token set, every route but /healthz requires it (TokenGuard)
+workflows.tasks.contract); with a bearer token set, every route but /healthz requires it (TokenGuard)
 A task's contract may mount routes of its own and go without /predict (`HttpContract.add_routes`,
 `predict_route`): the chat task's OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models.
 
@@ -28,10 +28,18 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.routing import Match
 
+from workflows import registry
 from workflows.cluster_scoped import per_cluster
-from workflows.config import WorkflowConfig
-from workflows.serve.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path
+from workflows.config import WorkflowConfig, load_config
+from workflows.console import say
+from workflows.errors import UserError
+from workflows.serve import ingress
+from workflows.serve.drain import watch
+from workflows.serve.stale_ingress import free_before_serve_starts
+from workflows.storage.embedded import running_endpoint
 from workflows.storage.uri import StorageContext
+from workflows.tasks import check_task, task_for_card
+from workflows.tasks.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path
 
 # Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on
 # first use inside a replica, so Serve adds its deployment/replica/application tags.
@@ -143,8 +151,6 @@ def build_api(server: "ModelServer") -> FastAPI:
     card, contract = server.card, server.contract
     @asynccontextmanager
     async def lifespan(_):
-        from workflows.serve.drain import watch
-
         task = asyncio.create_task(watch(server, serve.get_replica_context().replica_id.unique_id))
         yield
         task.cancel()
@@ -158,7 +164,7 @@ def build_api(server: "ModelServer") -> FastAPI:
     @api.exception_handler(RequestValidationError)
     async def one_line(_, exc: RequestValidationError) -> JSONResponse:
         # what FastAPI validates itself (parameters): the one-line {"error": ...} of every other 4xx,
-        # not its {"detail": [...]}; bodies are validated by the contract (workflows.serve.contract)
+        # not its {"detail": [...]}; bodies are validated by the contract (workflows.tasks.contract)
         err = exc.errors()[0]
         loc = tuple(err.get("loc") or ())
         return _error(422, f"{loc_path(str(loc[0]), loc[1:]) if loc else 'request'}: {err['msg']}")
@@ -204,9 +210,6 @@ def build_api(server: "ModelServer") -> FastAPI:
 @serve.ingress()
 class ModelServer:
     def __init__(self, cfg: dict, model_spec: str):
-        from workflows import registry
-        from workflows.tasks import task_for_card
-
         self.cfg = WorkflowConfig.model_validate(cfg)
         self.storage = storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
@@ -253,14 +256,10 @@ class ModelServer:
 
     def fetch_model(self, spec: str) -> tuple[str, Any]:
         """Another registered version (a task's adapter): its local directory and card. Blocking."""
-        from workflows import registry
-
         return registry.fetch(self.cfg, self.storage, spec)
 
     def read_card(self, spec: str) -> Any:
         """Another registered version's card alone (one small read, nothing downloaded). Blocking."""
-        from workflows import registry
-
         return registry.read_card(registry.resolve(self.cfg, self.storage, spec), self.storage)
 
     def stopping_response(self) -> JSONResponse:
@@ -337,9 +336,6 @@ def build_app(args: dict) -> serve.Application:
 
     args: config (a workflow YAML path), model (NAME[:VERSION]), set (optional list of overrides).
     """
-    from workflows.config import load_config
-    from workflows.tasks import check_task
-
     cfg = check_task(load_config(args.get("config") or "quickstart", list(args.get("set") or [])))
     return application(_with_store_endpoint(cfg), str(args["model"]))
 
@@ -347,9 +343,6 @@ def build_app(args: dict) -> serve.Application:
 def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
     """A config file names no embedded endpoint (it lives as long as the process that runs it):
     use the one running for the config's data_dir, or say what to start."""
-    from workflows.errors import UserError
-    from workflows.storage.embedded import running_endpoint
-
     st = cfg.storage
     if not st.embedded.enabled or st.endpoint_url:
         return cfg
@@ -365,10 +358,6 @@ def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
 
 def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
     """Deploy the model on the running Ray cluster; returns the base URL."""
-    from workflows.console import say
-    from workflows.serve import ingress
-    from workflows.serve.stale_ingress import free_before_serve_starts
-
     sc = cfg.serve
     free_before_serve_starts(cfg, say)
     ingress.start_serve(cfg, {"host": sc.host, "port": sc.port}, logging_config(sc))

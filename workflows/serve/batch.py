@@ -12,14 +12,15 @@ import time
 
 from workflows import registry
 from workflows.errors import UserError, surface_user_errors
+from workflows.preprocess.sources import list_shards, read_dataset
+from workflows.serve.predictor import BatchPredictor
 from workflows.storage.uri import filesystem, join, pyarrow_filesystem, with_protocol, write_json
+from workflows.tasks import check_card_task, task_for_card
 
 
 def check_predict(cfg, ctx, model_spec: str, output_uri: str) -> str:
     """The model is registered and the output is new (never mixed with an earlier run's files):
     NAME:VERSION of the model."""
-    from workflows.tasks import check_card_task
-
     ref = registry.resolve(cfg, ctx, model_spec)
     check_card_task(cfg, registry.model_card(cfg, ctx, model_spec))
     fs, out_path = filesystem(output_uri, ctx)
@@ -33,15 +34,11 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
     import pyarrow.parquet as pq
     import ray
 
-    from workflows.preprocess.sources import list_shards, read_dataset
-    from workflows.serve.predictor import BatchPredictor
-
     cfg, ctx = rt.cfg, rt.storage
     spec = check_predict(cfg, ctx, model_spec, output_uri)
     card = registry.model_card(cfg, ctx, spec)
     shards, fmt = list_shards(data_uri, ctx)
     ds = read_dataset(shards, fmt, ctx, cfg.cache)
-    from workflows.tasks import task_for_card
 
     names = set(ds.schema().names)
     missing = [c for c in task_for_card(cfg, card).input_columns(card, names) if c not in names]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workflows import registry
-from workflows.config import WorkflowConfig
+from workflows.config import SHIPPED_CONFIGS, WorkflowConfig, resolve_config
 from workflows.errors import UserError
 
 
@@ -38,7 +38,6 @@ def serve_config(cfg: WorkflowConfig, config_path: str, overrides: list[str], sp
     """A Serve deploy config for these models, validated against Ray Serve's schema."""
     from ray.serve.schema import ServeDeploySchema
 
-    from workflows.config import SHIPPED_CONFIGS, resolve_config
     from workflows.serve.app import deployment_options, logging_config
 
     # `serve run` builds the application in a Ray worker whose working directory is not this one

@@ -45,9 +45,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from workflows.cluster_scoped import cluster_address
+from workflows.config.cluster import cluster_address
+from workflows.console import say
 from workflows.errors import UserError
 from workflows.net import listen_ports
+from workflows.serve import haproxy_guard
 from workflows.serve.haproxy_guard import OWNER_ENV, owner_alive, start_time
 
 DEREGISTRATION_WINDOW_S = "2"
@@ -138,8 +140,6 @@ def start_serve(cfg, http_options: dict, logging_config: dict, pick=port_env, at
     UserError. Elsewhere (the Python proxy, a cluster joined, whose ingress is its own) one plain start."""
     from ray import serve
 
-    from workflows.console import say
-
     if cluster_address(cfg) or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         serve.start(http_options=http_options, logging_config=logging_config)
         return 1
@@ -194,8 +194,6 @@ def owner_env() -> dict[str, str]:
 def _guarded_binary(files: str) -> str | None:
     """An executable in `files` that runs the real HAProxy through workflows.serve.haproxy_guard.
     Serve takes an executable path, not a command line: hence a script."""
-    from workflows.serve import haproxy_guard
-
     real = haproxy_binary()
     if real is None:
         return None

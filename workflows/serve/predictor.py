@@ -5,14 +5,13 @@ classifier's own is workflows.tasks.text.predictor.TextPredictor."""
 
 from __future__ import annotations
 
+from workflows.config import WorkflowConfig
 from workflows.model_card import ModelCard
-from workflows.tasks import base
+from workflows.tasks import base, task_for_card
 
 
 def load_predictor(cfg, model_dir: str, threads: int | None = None, precision: str | None = None) -> base.Predictor:
     """The predictor of a registered model directory, built by the task its card names."""
-    from workflows.tasks import task_for_card
-
     card = ModelCard.load(model_dir)
     return task_for_card(cfg, card).predictor(model_dir, card, threads, precision or cfg.serve.precision)
 
@@ -26,7 +25,6 @@ class BatchPredictor:
 
     def __init__(self, cfg: dict, model_spec: str, threads: int = 1, precision: str | None = None):
         from workflows import registry
-        from workflows.config import WorkflowConfig
         from workflows.storage.uri import StorageContext
 
         wcfg = WorkflowConfig.model_validate(cfg)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from workflows.cluster_scoped import cluster_address
+from workflows.config.cluster import cluster_address
 from workflows.errors import UserError
 from workflows.net import port_free
 from workflows.serve.ingress import TEMP_PREFIX

@@ -35,6 +35,7 @@ from pathlib import Path
 from workflows.errors import UserError
 from workflows.net import free_port
 from workflows.storage.atomic import atomic_write
+from workflows.storage.s3_server import TRAFFIC_PATH
 from workflows.storage.uri import EMBEDDED_KEY, StorageContext
 
 log = logging.getLogger(__name__)
@@ -273,8 +274,6 @@ def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
     is LIST for bucket listings, so object bytes served are `bytes_out["GET"]`.
     """
     import requests
-
-    from workflows.storage.s3_server import TRAFFIC_PATH
 
     url = endpoint_url.rstrip("/") + TRAFFIC_PATH + ("/reset" if reset else "")
     r = requests.post(url, timeout=10) if reset else requests.get(url, timeout=10)

@@ -9,12 +9,12 @@ import hashlib
 import os
 
 from workflows.errors import UserError
+from workflows.storage.model_cache import cached_dir
+from workflows.storage.transfer import object_version
 
 
 def fetch_model_dir(name_or_path: str, cfg, what: str = "model.name_or_path") -> str:
     """The directory of `name_or_path` (a local directory or an object-store URI) on this node."""
-    from workflows.storage.model_cache import cached_dir
-    from workflows.storage.transfer import object_version
     from workflows.storage.uri import StorageContext, download_dir, filesystem, protocol_of, reaching
 
     if protocol_of(name_or_path) in ("", "file"):

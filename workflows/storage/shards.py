@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workflows.errors import UserError
+from workflows.storage import cache_stats
 from workflows.storage.transfer import object_version
 from workflows.storage.uri import StorageContext, filesystem, reaching
 
@@ -231,8 +232,6 @@ def _read_shard_batch(batch: dict, fmt: str, ctx: StorageContext, cache, referen
     else:
         tables = [read(*s) for s in shards]
     if shard_cache is not None:
-        from workflows.storage import cache_stats
-
         cache_stats.report(before, shard_cache.stats())
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
@@ -243,8 +242,6 @@ def reference_schema(shard: Shard, fmt: str, ctx: StorageContext, cache=None) ->
     before = shard_cache.stats() if shard_cache is not None else None
     table = _read_one(shard.uri, fmt, ctx, shard_cache, shard.version or None, shard.size if shard.version else None)
     if shard_cache is not None:
-        from workflows.storage import cache_stats
-
         cache_stats.report(before, shard_cache.stats())
     return shard.uri, _column_types(table, fmt)
 

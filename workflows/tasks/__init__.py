@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from workflows.config.model import IMPORT_PATH
 from workflows.errors import UserError
+from workflows.tasks.base import Task
+from workflows.tasks.options import legacy_options
 
 if TYPE_CHECKING:
     from workflows.config import WorkflowConfig
@@ -46,8 +48,6 @@ def check_task(cfg: WorkflowConfig) -> WorkflowConfig:
     command before anything starts, with one line naming the module, class or method. A built-in's
     setting under its old key (`model.pooling` for `model.options.pooling`, ...) is still read, and
     said to be deprecated once per process."""
-    from workflows.tasks.options import legacy_options
-
     check_task_name(cfg.model.task)
     cls = task_class(cfg.model.task)
     for option in legacy_options(cls, cfg):
@@ -77,8 +77,6 @@ def _parameters(fn) -> list[str]:
 def check_task_class(cls: type[Task], name: str) -> None:
     """A UserError naming the class and the method when `cls` lacks a method it must define
     (Task.required_methods) or defines one whose parameters are not the base's (by name, in order)."""
-    from workflows.tasks.base import Task
-
     where = f"model.task {name!r}: {cls.__module__}.{cls.__qualname__}"
     for method in cls.required_methods():
         fn, base = getattr(cls, method), getattr(Task, method)
@@ -91,8 +89,6 @@ def check_task_class(cls: type[Task], name: str) -> None:
 
 
 def task_class(name: str) -> type[Task]:
-    from workflows.tasks.base import Task
-
     name = CARD_ALIASES.get(name, name)
     target = BUILTIN.get(name, name)
     module_name, _, attr = target.partition(":")

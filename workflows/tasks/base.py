@@ -44,7 +44,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from workflows.serve.contract import HttpContract, JsonInstances
+from workflows.errors import UserError
+from workflows.model_card import ModelCard, write_card
+from workflows.tasks.contract import HttpContract, JsonInstances
+from workflows.tasks.options import legacy_options, parse_options
 
 if TYPE_CHECKING:
     import torch
@@ -137,8 +140,6 @@ class Task(abc.ABC):
     def options(self) -> Any:
         """`model.options` validated by the task's `Options` model. On first use, not in __init__:
         serving builds the task from any config and reads what it needs from the model's card."""
-        from workflows.tasks.options import legacy_options, parse_options
-
         return parse_options(type(self), {**legacy_options(type(self), self.cfg), **self.cfg.model.options})
 
     def check_config(self) -> None:
@@ -162,8 +163,6 @@ class Task(abc.ABC):
     def for_card(self, card: ModelCard) -> Task:
         """This task with the options the registered model was trained with (the default export
         writes them into the card): a serving config need not repeat them."""
-        from workflows.tasks.options import parse_options
-
         if getattr(card, "options", None) is None:
             return self
         task = type(self)(self.cfg)
@@ -238,8 +237,6 @@ class Task(abc.ABC):
 
     def memory_spec(self):
         """(ModelSpec, sequence length) for `workflows plan`'s memory estimate of a transformer."""
-        from workflows.errors import UserError
-
         raise UserError(f"workflows plan estimates transformer models; model.task={self.cfg.model.task} has none")
 
     def head_lr(self) -> float | None:
@@ -251,8 +248,6 @@ class Task(abc.ABC):
         dict. Default: the state dict (loaded into `build_model`) as model.safetensors, and a card
         with the labels, label column, dataset `info`, options and the train split's majority label."""
         from safetensors.torch import save_file
-
-        from workflows.model_card import ModelCard, write_card
 
         model = self.build_model(data)
         model.load_state_dict(state, strict=True)

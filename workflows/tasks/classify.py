@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from workflows.tasks.base import Task
+from workflows.tasks.contract import classification_prediction
 
 
 class Classification(Task):
@@ -33,8 +34,6 @@ class Classification(Task):
                 "confusion": torch.bincount(gold * n + pred, minlength=n * n).reshape(n, n)}
 
     def compute_metrics(self, states, data) -> dict:
-        from workflows.train.loop import scores_from_confusion
-
         confusion = np.asarray(states["confusion"], dtype=np.float64)
         val = scores_from_confusion(confusion)
         return {"val_f1": val["f1"], "val_accuracy": val["accuracy"],
@@ -47,8 +46,6 @@ class Classification(Task):
         return [prediction(data.labels, p) for p in probs]
 
     def prediction_model(self, card):
-        from workflows.serve.contract import classification_prediction
-
         return classification_prediction(card.labels)
 
     def evaluate_rows(self, y_true: list, y_pred: list, card) -> dict:
@@ -122,3 +119,26 @@ def format_report(metrics: dict) -> str:
         lines.append(f"{'':<28}" + "".join(f"{lab[:width - 1]:>{width}}" for lab in cm["labels"]))
         lines += [f"{lab:<28}" + "".join(f"{n:>{width}d}" for n in row) for lab, row in zip(cm["labels"], cm["matrix"])]
     return "\n".join(lines)
+
+
+def scores_from_confusion(confusion: np.ndarray) -> dict:
+    """Accuracy and weighted F1 from a confusion matrix (rows: gold, columns: predicted), by
+    scikit-learn as evaluate.py scores a model: one F1 definition. The ranks all-reduce the small
+    matrix rather than their predictions; each cell goes to sklearn as one (gold, predicted) pair
+    weighted by its count, which scores the same as the rows it counts without rebuilding them."""
+    from sklearn.metrics import accuracy_score, precision_recall_fscore_support
+
+    total = confusion.sum()
+    if not total:
+        return {"accuracy": 0.0, "f1": 0.0, "rows": 0}
+    n = confusion.shape[0]
+    gold, pred = np.divmod(np.arange(n * n), n)
+    weight = confusion.reshape(-1)
+    _, _, f1, _ = precision_recall_fscore_support(
+        gold, pred, labels=np.arange(n), average="weighted", sample_weight=weight, zero_division=0
+    )
+    return {
+        "accuracy": float(accuracy_score(gold, pred, sample_weight=weight)),
+        "f1": float(f1),
+        "rows": int(total),
+    }

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from workflows.errors import UserError
+
 if TYPE_CHECKING:
     from workflows.config import WorkflowConfig
     from workflows.tasks.base import Task
@@ -16,8 +18,6 @@ def legacy_options(task: type[Task], cfg: WorkflowConfig) -> dict[str, Any]:
     key, None when unset), as `model.options` entries. Setting one both ways is a UserError unless
     the values agree."""
     from pydantic import BaseModel
-
-    from workflows.errors import UserError
 
     found = {}
     for option, key in task.legacy_keys.items():
@@ -39,8 +39,6 @@ def legacy_options(task: type[Task], cfg: WorkflowConfig) -> dict[str, Any]:
 def parse_options(task: type[Task], options: Mapping[str, Any]) -> Any:
     """`model.options` validated by `task.Options`; any error is a UserError naming the key."""
     from pydantic import ValidationError
-
-    from workflows.errors import UserError
 
     name = task.name or task.__name__
     if task.Options is None:

@@ -11,7 +11,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from workflows.tracking.client import redact_uri, resolve_uri
+from workflows.errors import UserError
+from workflows.tracking.client import _http_defaults, check_reachable, one_line, redact_uri, resolve_uri
 
 # the metrics `runs` shows, in this order, where a run has them
 KEY_METRICS = ("weighted_f1", "best_val_f1", "val_f1", "val_accuracy", "train_loss", "best_val_loss", "rows_train")
@@ -27,9 +28,6 @@ def _duration(start: int | None, end: int | None) -> str:
 def recent_runs(cfg, limit: int = 20) -> list[dict]:
     """The newest `limit` runs of the config's experiment (name, status, key metrics, duration);
     children after their parent."""
-    from workflows.errors import UserError
-    from workflows.tracking.client import _http_defaults, check_reachable, one_line
-
     uri = resolve_uri(cfg)
     if uri.startswith("sqlite:") and not Path(uri.split(":///", 1)[-1]).exists():
         return []  # nothing tracked with this config yet

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from workflows.storage.atomic import atomic_write
 from workflows.tracking.calls import log_metrics, log_params, now_ms, set_tags
 from workflows.tracking.client import (
     GAP_TAG,
@@ -268,7 +269,6 @@ class Tracking:
             what = gap.describe() if gap.lost else f"{len(gaps)} run(s) of this command have gaps"
             self._warn(f"experiment tracking incomplete: {what}; the run(s) are marked FAILED "
                        f"(tag {GAP_TAG}) where the store could be reached")
-        from workflows.storage.atomic import atomic_write
 
         out = Path(self.cfg.output_dir) / self.cfg.name
         out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows.storage.atomic import atomic_write
+from workflows.tracking.client import redact_uri
 from workflows.tracking.session import Run
 
 
@@ -83,8 +84,6 @@ def log_train(run: Run, outcome, curve: Path | None) -> None:
 
 def registry_link(run: Run, uri: str) -> dict[str, Any] | None:
     """What a registered version records of the run that trained it (None when tracking is off)."""
-    from workflows.tracking.client import redact_uri
-
     info = run.info(timeout=60)  # registering waits for the run's creation, at most this long
     if info is None:
         return None

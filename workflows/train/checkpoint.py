@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from workflows.errors import UserError
-from workflows.train.parallel import world
+from workflows.parallel import world
 
 STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"

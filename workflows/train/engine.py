@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
+from workflows.parallel import sync_buffers, world
 from workflows.seeds import dropout_seed
 from workflows.train import checkpoint as ckpt
 from workflows.train.loop import build_training, train_epoch, validate
-from workflows.train.parallel import sync_buffers, world
 from workflows.train.worker_setup import mid_epoch_position, start_point
 
 

@@ -13,24 +13,13 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import numpy as np
 import torch
 import torch.nn as nn
 
+from workflows.errors import UserError
 from workflows.loader.order import STAND_IN
-from workflows.preprocess.encoding import pad_batch
-from workflows.train.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
-
-
-def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """A batch of token id lists -> padded tensors (dynamic padding to the batch's longest row)."""
-    ids, mask = pad_batch(list(batch["input_ids"]), pad_id)
-    return {
-        "input_ids": torch.from_numpy(ids),
-        "attention_mask": torch.from_numpy(mask),
-        "labels": torch.from_numpy(np.array(batch["label_id"], dtype=np.int64)),
-    }
-
+from workflows.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
+from workflows.tasks.base import MetricStates
 
 
 def make_optimizer(
@@ -238,9 +227,6 @@ def validate(task, model, batches, device: torch.device, data, amp: torch.dtype 
     one all-reduce of them stacked, and `task.compute_metrics` called once on the totals. Tasks hold
     no collective: every rank validates the same number of batches (in_step) and so reduces the same
     states. `amp`: each batch's forward autocast to this dtype, as in training."""
-    from workflows.errors import UserError
-    from workflows.tasks.base import MetricStates
-
     check_no_outer_autocast(device)
     model.eval()
     totals: dict[str, torch.Tensor] | None = None
@@ -271,99 +257,9 @@ def validate(task, model, batches, device: torch.device, data, amp: torch.dtype 
     return task.compute_metrics(out, data)
 
 
-def scores_from_confusion(confusion: np.ndarray) -> dict:
-    """Accuracy and weighted F1 from a confusion matrix (rows: gold, columns: predicted), by
-    scikit-learn as evaluate.py scores a model: one F1 definition. The ranks all-reduce the small
-    matrix rather than their predictions; each cell goes to sklearn as one (gold, predicted) pair
-    weighted by its count, which scores the same as the rows it counts without rebuilding them."""
-    from sklearn.metrics import accuracy_score, precision_recall_fscore_support
-
-    total = confusion.sum()
-    if not total:
-        return {"accuracy": 0.0, "f1": 0.0, "rows": 0}
-    n = confusion.shape[0]
-    gold, pred = np.divmod(np.arange(n * n), n)
-    weight = confusion.reshape(-1)
-    _, _, f1, _ = precision_recall_fscore_support(
-        gold, pred, labels=np.arange(n), average="weighted", sample_weight=weight, zero_division=0
-    )
-    return {
-        "accuracy": float(accuracy_score(gold, pred, sample_weight=weight)),
-        "f1": float(f1),
-        "rows": int(total),
-    }
-
-
 def steps_per_epoch(rows: int, world_size: int, batch_size: int, accum_steps: int = 1) -> int:
     """Optimizer steps per epoch."""
     return max(1, math.ceil(math.ceil(rows / world_size / batch_size) / accum_steps))
-
-
-LINEAR_PROBE_MAX_ROWS = 20_000  # all ranks together: plenty for a logistic regression on ~1k features
-
-
-def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device, l2: float) -> dict:
-    """Fit the new linear head (`model.classifier`) on the frozen pretrained features: the first
-    step of LP-FT (Kumar et al., 2022, "Fine-Tuning can Distort Pretrained Features").
-
-    Every rank passes over its own rows (eval mode, no gradients) and keeps the head's inputs;
-    the features of all ranks are gathered, and each rank fits the same multinomial logistic
-    regression (full-batch L-BFGS, `l2` on the weights) on them; rank 0's result is broadcast so
-    the ranks start fine-tuning from identical weights. Runs on the plain model, before FSDP/DDP
-    wrap it. Solved with torch's L-BFGS rather than scikit-learn so the objective is the model's own
-    (its logit scale, no penalty on the bias) and the result needs no translation back.
-    """
-    import torch.distributed as dist
-
-    from workflows.errors import UserError
-    from workflows.train.models import check_linear_head, head_logit_scale
-
-    head = check_linear_head(model)
-    t0 = time.perf_counter()
-    rank, world_size = world()
-    limit = -(-LINEAR_PROBE_MAX_ROWS // world_size)
-    feats: list[torch.Tensor] = []
-    hook = head.register_forward_hook(lambda _m, inputs, _out: feats.append(inputs[0].detach().float().cpu()))
-    labels, rows = [], 0
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in batches:  # each rank on its own: no collective runs inside this pass
-                if rows >= limit:
-                    break
-                model(**{k: v.to(device) for k, v in batch.items()})
-                labels.append(batch["labels"].cpu())
-                rows += batch["labels"].shape[0]
-    finally:
-        hook.remove()
-    x = torch.cat(feats) if feats else torch.zeros(0, head.in_features)
-    y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
-    if world_size > 1:
-        parts: list = [None] * world_size
-        dist.all_gather_object(parts, (x, y))
-        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    if len(y) == 0:
-        raise UserError("model.options.head_init=linear_probe: no training rows to fit the head on")
-    scale = head_logit_scale(model)
-    weight = head.weight.detach().float().cpu().clone().requires_grad_(True)
-    bias = head.bias.detach().float().cpu().clone().requires_grad_(True)
-    solver = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=500, history_size=20, line_search_fn="strong_wolfe")
-
-    def objective():
-        solver.zero_grad()
-        loss = nn.functional.cross_entropy(scale * (x @ weight.T + bias), y) + l2 * weight.pow(2).sum()
-        loss.backward()
-        return loss
-
-    solver.step(objective)
-    with torch.no_grad():
-        head.weight.copy_(weight)
-        head.bias.copy_(bias)
-        if world_size > 1:
-            for p in (head.weight, head.bias):
-                dist.broadcast(p.data, src=0)
-        accuracy = float((scale * (x @ weight.T + bias)).argmax(-1).eq(y).float().mean())
-    return {"rows": int(len(y)), "train_accuracy": accuracy, "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def build_training(cfg, task, data, device: torch.device, train_rows: int,

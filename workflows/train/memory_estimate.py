@@ -14,7 +14,7 @@ longest row, so this is the worst case), b the micro-batch per device (`train.ba
 Precision (bytes per parameter)
   fp32  params 4, grads 4, AdamW state 8 (exp_avg + exp_avg_sq): 16 bytes per trainable parameter;
         activations 4 bytes per element. What this project trains on CPU, and with DDP everywhere
-        (workflows/train/parallel.py adds no autocast to DDP).
+        (workflows/parallel.py adds no autocast to DDP).
   bf16  mixed precision: fp32 master params, fp32 grads and fp32 AdamW state as above (still 16
         bytes/param resident), computation and activations in bf16 (2 bytes). FSDP2
         `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` (what parallel.py applies on
@@ -82,7 +82,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from workflows.errors import UserError
-from workflows.train.model_spec import ModelSpec
+from workflows.tasks.model_spec import ModelSpec
 
 GiB = 1024**3
 FRAGMENTATION_MARGIN = 0.10  # of the device memory: allocator fragmentation, framework overhead

@@ -1,6 +1,6 @@
 """Memory planner: per-device training memory for DDP and FSDP2, the largest micro-batch that fits,
 and the strategy to use (`workflows plan`). The estimate and its derivation are in
-workflows/train/memory_estimate.py; what it reads from a model, in workflows/train/model_spec.py.
+workflows/train/memory_estimate.py; what it reads from a model, in workflows/tasks/model_spec.py.
 
 Recommendation: DDP when it fits (one all-reduce of the gradients per step; FSDP moves ~1.5x those
 bytes: two all-gathers of the parameters and a reduce-scatter), FSDP otherwise.
@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workflows.errors import UserError
+from workflows.tasks import get_task
+from workflows.tasks.model_spec import ModelSpec
 from workflows.train.memory_estimate import (
     ATTENTIONS,
     FRAGMENTATION_MARGIN,
@@ -25,7 +27,6 @@ from workflows.train.memory_estimate import (
     max_micro_batch,
     usable_bytes,
 )
-from workflows.train.model_spec import ModelSpec
 
 DEFAULT_DEVICE_MEMORY = "80GiB"
 
@@ -249,8 +250,6 @@ def plan_from_config(
     checkpointing: bool = False,
 ) -> Plan:
     """A plan for the model and settings of a WorkflowConfig (the arguments override them)."""
-    from workflows.tasks import get_task
-
     train_cfg = cfg.train
     spec, task_seq = get_task(cfg).memory_spec()
     seq_len = seq_len or task_seq

@@ -36,16 +36,19 @@ from workflows.config import WorkflowConfig, load_config
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
 from workflows.loader.columns import column_values
+from workflows.parallel import exit_rank, world
+from workflows.runtime import runtime
 from workflows.seeds import augment_seed, data_seed
 from workflows.storage.atomic import atomic_write
+from workflows.storage.shards import read_parquet
 from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
 from workflows.tasks import get_task
 from workflows.tasks.base import Task
 from workflows.tracking.client import RunLogger
+from workflows.tracking.session import Tracking
 from workflows.train import checkpoint as ckpt
 from workflows.train.engine import Trainer
 from workflows.train.loop import epoch_line
-from workflows.train.parallel import exit_rank, world
 from workflows.train.stream_input import StreamInput, stream_refused
 from workflows.train.worker_setup import (
     join_torchrun_group,
@@ -85,8 +88,6 @@ def read_rows(files: list[str], storage: StorageContext, columns: tuple[str, ...
     (the rows Ray Data's `limit` keeps with preserve_order); through `shard_cache` if given. A
     variable-length tensor column (token ids) becomes a list of arrays, any other a numpy array."""
     import pyarrow as pa
-
-    from workflows.storage.shards import read_parquet
 
     tables, n = [], 0
     for uri in files:
@@ -143,7 +144,6 @@ def storage_for(cfg: WorkflowConfig, rank: int, world_size: int) -> Iterator[Sto
     if not cfg.storage.embedded.enabled:
         yield StorageContext.from_config(cfg.storage)
         return
-    from workflows.runtime import runtime
 
     barrier = dist.barrier if world_size > 1 else (lambda: None)
     if rank != 0:
@@ -285,7 +285,6 @@ def tracked_run(cfg: WorkflowConfig, storage: StorageContext, rank: int) -> Iter
     if rank != 0 or not cfg.tracking.enabled:
         yield None
         return
-    from workflows.tracking.session import Tracking
 
     tracking = Tracking(cfg, storage)
     try:

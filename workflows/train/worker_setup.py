@@ -1,10 +1,9 @@
 """What a training process sets up the same way under Ray Train (ray_worker.py) and torchrun
-(standalone.py, bench/lm.py): threads, the tokenizer's pad id, row caps, the epoch to start from
+(standalone.py, bench/lm.py): threads, row caps, the epoch to start from
 and, under torchrun, the process group and device (Ray Train brings its own)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -17,18 +16,6 @@ from workflows.train import checkpoint as ckpt
 def set_torch_threads(tc) -> None:
     """Intra-op threads: train.torch_threads, else one per CPU the worker is given."""
     torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
-
-
-@functools.cache
-def pad_and_vocab(tokenizer: str) -> tuple[int, int]:
-    """(pad token id, vocabulary size) of the dataset's tokenizer; pad 0 if it has none. Loaded once
-    per process: Tune reuses a one-worker trial's actor for the next trial."""
-    from transformers import AutoTokenizer
-
-    from workflows.preprocess.encoding import resolve_model_dir
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir(tokenizer))
-    return tok.pad_token_id or 0, len(tok)
 
 
 def row_limits(tc, train_rows: int) -> tuple[int | None, int | None]:

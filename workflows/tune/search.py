@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from workflows.config import SearchDim, WorkflowConfig
+from workflows.config.tune import OPTION_PREFIX
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
 from workflows.storage.uri import StorageContext, pyarrow_filesystem
+from workflows.tasks import get_task
 from workflows.tracking.client import TrackingSpec
 
 if TYPE_CHECKING:
@@ -42,8 +44,6 @@ def to_tune_space(space: dict[str, SearchDim]) -> dict[str, Any]:
 
 def trial_config(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
     """The workflow config of one trial: the sampled train.* values, the trial budget."""
-    from workflows.config.tune import OPTION_PREFIX
-
     data = cfg.model_dump(mode="json")
     for key, value in params.items():
         if key.startswith(OPTION_PREFIX):
@@ -60,8 +60,6 @@ def trial_config(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
 
 def with_task_metric(cfg: WorkflowConfig) -> WorkflowConfig:
     """`cfg` with tune.metric and tune.mode set: unset, they are the task's checkpoint metric (Task.score)."""
-    from workflows.tasks import get_task
-
     t = cfg.tune
     if t.metric is not None and t.mode is not None:
         return cfg

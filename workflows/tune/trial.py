@@ -20,20 +20,21 @@ from typing import Any
 
 from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
+from workflows.storage import cache_stats
 from workflows.storage.uri import StorageContext
 from workflows.tasks import get_task
 from workflows.tracking.client import RunLogger, TrackingSpec
+from workflows.tracking.session import config_params
 from workflows.train.checkpoint import private_copy
 from workflows.train.engine import Trainer
+from workflows.train.standalone import local_input, read_rows
+from workflows.train.worker_setup import set_torch_threads
 
 
 def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg: WorkflowConfig,
                limit: int | None) -> dict[str, list]:
     """The first `limit` rows of a split (the rows Ray Data's `limit` keeps with preserve_order),
     through this node's shard cache, counted in the cluster's cache totals like Ray Data reads."""
-    from workflows.storage import cache_stats
-    from workflows.train.standalone import read_rows
-
     shard_cache = cfg.cache.shard_cache(storage) if cfg.cache.enabled else None
     before = shard_cache.stats() if shard_cache is not None else None
     rows = read_rows(data.files[split], storage, get_task(cfg).columns, limit, shard_cache=shard_cache)
@@ -48,8 +49,6 @@ def trial_logger(cfg: WorkflowConfig, tracking: TrackingSpec | None, dataset_ver
     continues, logs on into the run it had (found by its trial id and Tune experiment). A context
     manager (an inert one when not tracked): the run ends FINISHED, or FAILED on an exception."""
     import ray.tune
-
-    from workflows.tracking.session import config_params
 
     if tracking is None:
         return nullcontext()
@@ -94,9 +93,6 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
                      logger: RunLogger | None) -> None:
     import ray.tune
     import torch
-
-    from workflows.train.standalone import local_input
-    from workflows.train.worker_setup import set_torch_threads
 
     tc = cfg.train
     task = get_task(cfg)

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import math
 
+from workflows.preprocess.encoding import pad_and_vocab, resolve_model_dir
 from workflows.tasks.base import Task
+from workflows.tasks.causal_lm.model import (
+    PACK_ROWS,
+    build_causal_lm,
+    causal_lm_config,
+    lm_collate,
+    mfu,
+    model_shape,
+    pack_batch,
+)
 
 
 class CausalLM(Task):
@@ -24,23 +34,18 @@ class CausalLM(Task):
         return preprocess_text(self.cfg, ctx, say)
 
     def dataset_version(self, shards, ctx) -> str:
-        from workflows.preprocess.encoding import resolve_model_dir
         from workflows.preprocess.materialize import dataset_version
 
         return dataset_version(shards, self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer))
 
     def prepare_dataset(self, ds):
         """Token rows -> blocks of seq_len tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
-        from workflows.tasks.causal_lm.model import PACK_ROWS, pack_batch
-
         return ds.map_batches(pack_batch, fn_kwargs={"seq_len": self.cfg.model.lm.seq_len}, batch_format="numpy",
                               batch_size=PACK_ROWS, num_cpus=0)
 
     def prepare_rows(self, rows):
         """The same packing of rows held in memory, as Ray Data's map_batches packs them."""
         import numpy as np
-
-        from workflows.tasks.causal_lm.model import PACK_ROWS, pack_batch
 
         ids, seq_len = rows["input_ids"], self.cfg.model.lm.seq_len
         parts = [pack_batch({"input_ids": ids[i: i + PACK_ROWS]}, seq_len)["input_ids"]
@@ -49,22 +54,15 @@ class CausalLM(Task):
         return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
 
     def collate(self, data, *, train: bool, seed: int | None = None):
-        from workflows.tasks.causal_lm.model import lm_collate
-
         return lambda batch: lm_collate(batch["input_ids"])
 
     def build_model(self, data):
-        from workflows.tasks.causal_lm.model import build_causal_lm
-        from workflows.train.worker_setup import pad_and_vocab
-
         return build_causal_lm(self.cfg.model.lm, pad_and_vocab(data.tokenizer)[1], self.cfg.model.dropout)
 
     def memory_spec(self):
         from transformers import AutoTokenizer
 
-        from workflows.preprocess.encoding import resolve_model_dir
-        from workflows.tasks.causal_lm.model import causal_lm_config
-        from workflows.train.model_spec import spec_from_config
+        from workflows.tasks.model_spec import spec_from_config
 
         lm, use_gpu = self.cfg.model.lm, self.cfg.train.use_gpu
         vocab = len(AutoTokenizer.from_pretrained(resolve_model_dir(self.cfg.preprocess.tokenizer)))  # as the trainer
@@ -86,8 +84,7 @@ class CausalLM(Task):
         """MFU of the epoch on GPU (none elsewhere: no meaningful peak)."""
         if device.type != "cuda":
             return {}
-        from workflows.tasks.causal_lm.model import mfu, model_shape
-        from workflows.train.parallel import world
+        from workflows.parallel import world
 
         params, layers, hidden = model_shape(model)
         return {"mfu": mfu(stats["tokens_per_s"], params, layers, hidden, self.cfg.model.lm.seq_len, world()[1],

@@ -113,7 +113,7 @@ def mfu(tokens_per_s: float, params: int, layers: int, hidden: int, seq_len: int
 def model_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     """(non-embedding-position parameters, layers, hidden) of a GPT-2 model, for flops_per_token.
     Tied input/output embeddings count once (they are one tensor) and do take part in the matmuls."""
-    from workflows.train.parallel import unwrap
+    from workflows.parallel import unwrap
 
     m = unwrap(model)
     params = sum(p.numel() for n, p in m.named_parameters() if "wpe" not in n)

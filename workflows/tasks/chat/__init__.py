@@ -24,6 +24,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.tasks.base import Task
+from workflows.tasks.chat.model import (
+    completion_text,
+    export_chat,
+    greedy_generate,
+    load_causal_lm,
+    load_tokenizer,
+    pad_id,
+    resolve_dir,
+    with_lora,
+)
+from workflows.tasks.chat.smollm2 import NAME, PACKAGE
 
 
 class ChatOptions(BaseModel):
@@ -59,7 +70,6 @@ class ChatTask(Task):
 
     def check_config(self) -> None:
         super().check_config()
-        from workflows.tasks.chat.smollm2 import NAME, PACKAGE
 
         if self.cfg.model.name_or_path == NAME:  # peft is a core dependency; the packaged model's are not
             import importlib.util
@@ -84,7 +94,6 @@ class ChatTask(Task):
 
     def dataset_version(self, shards, ctx) -> str:
         from workflows.tasks.chat.data import dataset_version
-        from workflows.tasks.chat.model import resolve_dir
 
         return dataset_version(self, shards, resolve_dir(self.cfg.model.name_or_path, self.cfg))
 
@@ -97,8 +106,6 @@ class ChatTask(Task):
 
     # --- model
     def build_model(self, data):
-        from workflows.tasks.chat.model import load_causal_lm, resolve_dir, with_lora
-
         model = load_causal_lm(resolve_dir(self.cfg.model.name_or_path, self.cfg), self.cfg.model.dropout)
         return with_lora(model, self.options) if self.options.finetune == "lora" else model
 
@@ -106,16 +113,13 @@ class ChatTask(Task):
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
 
     def export(self, state, data, out_dir, lineage) -> dict:
-        from workflows.tasks.chat.model import export_chat
-
         return export_chat(self, state, data, out_dir, lineage)
 
     # --- metrics
     def metric_states(self, model, batch) -> dict:
         """A validation batch's summed token loss and label count, and its exact greedy answers."""
-        from workflows.tasks.chat.model import completion_text, greedy_generate, pad_id
+        from workflows.parallel import world
         from workflows.tasks.chat.predictor import token_nll
-        from workflows.train.parallel import world
 
         nll, tokens = token_nll(model, batch)
         tok = self._tokenizer(model)
@@ -129,8 +133,6 @@ class ChatTask(Task):
         return {"nll": nll.double().sum(), "tokens": tokens.sum(), "exact": exact, "rows": batch["input_ids"].shape[0]}
 
     def _tokenizer(self, model):
-        from workflows.tasks.chat.model import load_tokenizer, resolve_dir
-
         if "_tok" not in self.__dict__:
             self.__dict__["_tok"] = load_tokenizer(resolve_dir(self.cfg.model.name_or_path, self.cfg))
         return self.__dict__["_tok"]

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from workflows.errors import UserError
+from workflows.tasks.chat.model import load_tokenizer, pad_id, resolve_dir
 
 FORMAT_VERSION = 1  # bump when the stored rows or their encoding change
 ROLES = ("system", "user", "assistant")
@@ -68,8 +69,6 @@ class ChatEncoder:
     """The model's tokenizer and chat template, loaded once per process: conversations -> rows."""
 
     def __init__(self, model_dir: str, max_length: int, system_prompt: str | None = None):
-        from workflows.tasks.chat.model import load_tokenizer
-
         self.tok = load_tokenizer(model_dir)
         self.max_length, self.system_prompt = max_length, system_prompt
         self.eos = self.tok.eos_token
@@ -180,8 +179,6 @@ def dataset_version(task, shards, model_dir: str) -> str:
 
 
 def _encoder_template(model_dir: str) -> str:
-    from workflows.tasks.chat.model import load_tokenizer
-
     return str(load_tokenizer(model_dir).chat_template)
 
 
@@ -191,7 +188,6 @@ def preprocess_chat(task, ctx, say):
 
     from workflows.dataset import SPLITS, ProcessedDataset, materialized, write_manifest, write_splits
     from workflows.preprocess.sources import list_shards, read_dataset
-    from workflows.tasks.chat.model import load_tokenizer, pad_id, resolve_dir
 
     cfg, d = task.cfg, task.cfg.data
     if d.max_rows is not None:

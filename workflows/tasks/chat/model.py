@@ -19,6 +19,9 @@ import os
 from typing import Any
 
 from workflows.errors import UserError
+from workflows.model_card import ModelCard, write_card
+from workflows.storage.model_dir import fetch_model_dir
+from workflows.tasks.chat.smollm2 import NAME, smollm2_dir
 
 REGISTRY_PREFIX = "registry:"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -34,9 +37,6 @@ def attn_implementation() -> str:
 def resolve_dir(name_or_path: str, cfg, whole: bool = False) -> str:
     """A local directory holding `name_or_path` (see the module docstring) on this node; `whole`: a
     registered model must be a whole model (an adapter's base: no chain of adapters)."""
-    from workflows.storage.model_dir import fetch_model_dir
-    from workflows.tasks.chat.smollm2 import NAME, smollm2_dir
-
     if name_or_path == NAME:
         return smollm2_dir(cfg.cache.resolved_dir())
     if name_or_path.startswith(REGISTRY_PREFIX):
@@ -182,8 +182,6 @@ def export_chat(task, state: dict, data, out_dir: str, lineage: dict) -> dict:
     the base's weights sha256; merged: the adapter merged into the base, a whole model (config.json,
     model.safetensors); full fine-tuning: the whole model. The tokenizer (with its chat template)
     goes with each."""
-    from workflows.model_card import ModelCard, write_card
-
     cfg, options = task.cfg, task.options
     base_dir = resolve_dir(cfg.model.name_or_path, cfg)
     model = task.build_model(data)
@@ -204,8 +202,6 @@ def card_base_dir(card, cfg) -> str:
     The card comes from the store, so the name it holds chooses what is read only where it is
     one this config could name too: the packaged model, a registered model, an object-store URI
     under storage.root, or the config's own model.name_or_path."""
-    from workflows.tasks.chat.smollm2 import NAME
-
     base = dict(getattr(card, "base", None) or {})
     name, sha = str(base.get("name_or_path") or ""), str(base.get("sha256") or "")
     root = cfg.storage.root.rstrip("/") + "/"

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import Request  # at module level: FastAPI resolves the routes' string annotations here
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from workflows.serve.contract import MAX_BODY_BYTES, HttpContract, register_schema
 from workflows.tasks.chat.engine import ModelNotFound, QueueFull
 from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.streaming import Completion
+from workflows.tasks.contract import MAX_BODY_BYTES, HttpContract, register_schema
 
 if TYPE_CHECKING:
     from workflows.config.serve import GenerateConfig
@@ -194,8 +195,6 @@ class OpenAIContract(HttpContract):
 
     def add_routes(self, api, server) -> None:
         from ray import serve
-
-        from workflows.tasks.chat.streaming import Completion
 
         predictor = server.predictor
         getattr(predictor, "engine", None)  # loads the model now: the replica is healthy once it can answer

@@ -16,7 +16,17 @@ from typing import Any
 import numpy as np
 
 from workflows.tasks import base
-from workflows.tasks.chat.data import chat_collate
+from workflows.tasks.chat.data import chat_collate, pad_left
+from workflows.tasks.chat.model import (
+    ADAPTER_CONFIG,
+    card_base_dir,
+    completion_text,
+    greedy_generate,
+    load_causal_lm,
+    load_tokenizer,
+    load_trained,
+    pad_id,
+)
 
 PROCESSED = ("input_ids", "labels", "prompt_ids", "answer_ids")  # the columns of a processed row it scores
 
@@ -35,8 +45,6 @@ class ChatScorer(base.Predictor):
     def __init__(self, task, model_dir: str, card, threads: int | None = None, batch_size: int = 16):
         import torch
 
-        from workflows.tasks.chat.model import load_tokenizer, load_trained, pad_id
-
         if threads:
             torch.set_num_threads(threads)
         self.task, self.card, self.cfg, self.options = task, card, task.cfg, task.options
@@ -52,9 +60,6 @@ class ChatScorer(base.Predictor):
     def _answers(self, model, prompts: list) -> list[str]:
         import torch
 
-        from workflows.tasks.chat.data import pad_left
-        from workflows.tasks.chat.model import completion_text, greedy_generate
-
         out = []
         with torch.inference_mode():
             for i in range(0, len(prompts), self.batch_size):
@@ -68,8 +73,6 @@ class ChatScorer(base.Predictor):
     def base_model(self):
         """The base model, for the baseline: the adapter switched off, or the whole model's base."""
         import os
-
-        from workflows.tasks.chat.model import ADAPTER_CONFIG, card_base_dir, load_causal_lm
 
         if os.path.isfile(os.path.join(self.model_dir, ADAPTER_CONFIG)):
             return None  # disable_adapter() on self.model

@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from workflows.tasks.base import Predictor, serving_device
-from workflows.tasks.chat.engine import Engine, Generation, ModelNotFound
+from workflows.tasks.chat.engine import Engine, Generation, ModelNotFound, QueueFull
+from workflows.tasks.chat.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from workflows.model_card import ModelCard
@@ -257,9 +258,6 @@ class ChatPredictor(Predictor):
         """Greedy answers for instances {"prompt": text} or {"messages": [{"role", "content"}]}, up to
         serve.generate.max_tokens each, decoded together by the engine (blocking; no event loop):
         [{"text", "finish_reason", "completion_tokens"}]."""
-        from workflows.tasks.chat.engine import QueueFull
-        from workflows.tasks.chat.sampling import SamplingParams
-
         params = SamplingParams(max_tokens=self.gen.max_tokens, temperature=0)
         engine = self.engine
         order: list[Generation] = []

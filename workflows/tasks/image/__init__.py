@@ -8,7 +8,7 @@ training and serving. Training batches stay uint8 until they are on the device (
 
 The wing: this task; `models` (the architectures by name, `pooled_linear` among them) and
 `contract` (the bodies POST /predict accepts). Decoding and the stored dataset are the data layer's
-(workflows.preprocess.images, image_dataset; workflows.loader.images), which the benches and the
+(workflows.preprocess.images, decoding and the loader's ImageTransform; image_dataset), which the benches and the
 loaders share.
 """
 
@@ -21,9 +21,31 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.config.train import AugmentConfig
+from workflows.errors import UserError
+from workflows.model_card import ModelCard, write_card
+from workflows.preprocess.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MAX_PIXELS,
+    BadImage,
+    ImageTransform,
+    decode_image,
+    normalize_pixels,
+    random_resized_crop_flip,
+    to_model_input,
+)
 from workflows.tasks.base import HttpContract, serving_device
 from workflows.tasks.base import Predictor as BasePredictor
 from workflows.tasks.classify import Classification, add_predictions, prediction
+from workflows.tasks.image.contract import (
+    EXAMPLE_REQUEST,
+    RequestError,
+    image_predict_models,
+    over_pixel_budget,
+    parse_image_request,
+    with_image_request_body,
+)
+from workflows.tasks.image.models import build_image_classifier, image_config
 
 IMAGE_MAX_BODY_BYTES = 16 << 20  # a few photos, base64 included
 
@@ -80,8 +102,6 @@ class ImageClassification(Classification):
         `pixel_values` stay uint8 [N, 3, S, S]: `model_input` normalizes them on the device."""
         import torch
 
-        from workflows.preprocess.images import random_resized_crop_flip
-
         size = int(data.info["image_size"])
         ids = {lab: i for i, lab in enumerate(data.labels)}
         aug = self.options.augment
@@ -111,8 +131,7 @@ class ImageClassification(Classification):
         model that declares `takes_uint8_pixels` (pooled_linear) normalizes after its own pooling."""
         import torch
 
-        from workflows.preprocess.images import normalize_pixels
-        from workflows.train.parallel import unwrap  # DDP wraps; FSDP2 keeps the class
+        from workflows.parallel import unwrap  # DDP wraps; FSDP2 keeps the class
 
         pixels = batch["pixel_values"]
         if pixels.dtype != torch.uint8 or getattr(unwrap(model), "takes_uint8_pixels", False):
@@ -135,7 +154,6 @@ class ImageClassification(Classification):
         seeded by (seed, epoch, sample)."""
         if self.cfg.train.image_input != "raw":
             return None
-        from workflows.loader.images import ImageTransform
         from workflows.preprocess.image_dataset import train_sample_index
 
         aug, size = self.options.augment, int(data.info["image_size"])
@@ -146,14 +164,9 @@ class ImageClassification(Classification):
 
     # --- model
     def build_model(self, data):
-        from workflows.tasks.image.models import build_image_classifier
-
         return build_image_classifier(self.cfg, data.labels, int(data.info["image_size"]))
 
     def check(self, data) -> None:
-        from workflows.errors import UserError
-        from workflows.tasks.image.models import image_config
-
         size = self.options.image_size
         if int(data.info.get("image_size", 0)) != size:
             raise UserError(f"the dataset stores {data.info.get('image_size')}px images; model.options.image_size is "
@@ -162,10 +175,6 @@ class ImageClassification(Classification):
 
     def export(self, state, data, out_dir, lineage) -> dict:
         from transformers import AutoModelForImageClassification
-
-        from workflows.model_card import ModelCard, write_card
-        from workflows.preprocess.images import IMAGENET_MEAN, IMAGENET_STD
-        from workflows.tasks.image.models import image_config
 
         size = int(data.info["image_size"])
         model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels, size))
@@ -223,7 +232,6 @@ class ImagePredictor(BasePredictor):
         from transformers import AutoModelForImageClassification
 
         import workflows.tasks.image.pooled_linear  # noqa: F401 (a registered pooled_linear model loads by its type)
-        from workflows.preprocess.images import MAX_PIXELS
 
         self.card, self.labels = card, list(card.labels)
         if card.image_size is None:
@@ -251,16 +259,12 @@ class ImagePredictor(BasePredictor):
         """Encoded images -> the uint8 tensor [N, size, size, 3] the model reads (as stored in training)."""
         import torch
 
-        from workflows.preprocess.images import decode_image
-
         arrays = [decode_image(bytes(b), self.size, self.max_pixels) for b in images]
         return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, self.size, self.size, 3),
                                                                              dtype=torch.uint8)
 
     def probabilities(self, pixels, batch_size: int = 64) -> np.ndarray:
         import torch
-
-        from workflows.preprocess.images import to_model_input
 
         out = []
         with torch.inference_mode():
@@ -281,9 +285,6 @@ class ImagePredictor(BasePredictor):
     def predict_frame(self, batch):
         """A batch of stored rows (`pixels`) or raw ones (encoded `image` bytes): the tensors are
         dropped from the output, `prediction` and `score` added."""
-        from workflows.errors import UserError
-        from workflows.preprocess.images import BadImage
-
         if "pixels" in batch.columns:
             pixels = stack_pixels(list(batch["pixels"]), self.size)
         else:
@@ -307,16 +308,11 @@ class ImageContract(HttpContract):
     max_body_bytes = IMAGE_MAX_BODY_BYTES
 
     def __init__(self, card, max_instances: int, max_pixels: int, max_request_pixels: int | None = None):
-        from workflows.tasks.image.contract import image_predict_models
-
         self.card, self.max_instances, self.max_pixels = card, max_instances, max_pixels
         self.max_request_pixels = max_request_pixels
         self.request_model, self.response_model = image_predict_models(card, max_instances)
 
     def parse(self, content_type, body):
-        from workflows.preprocess.images import BadImage, decode_image
-        from workflows.tasks.image.contract import RequestError, over_pixel_budget, parse_image_request
-
         images = parse_image_request(content_type, body, self.max_instances, self.max_body_bytes)
         if isinstance(images, RequestError):
             return images.status, images.message
@@ -331,12 +327,8 @@ class ImageContract(HttpContract):
         return instances
 
     def openapi(self, document, path):
-        from workflows.tasks.image.contract import with_image_request_body
-
         return with_image_request_body(document, path, self.request_model, max_body_bytes=self.max_body_bytes,
                                        max_request_pixels=self.max_request_pixels)
 
     def example(self) -> dict:
-        from workflows.tasks.image.contract import EXAMPLE_REQUEST
-
         return EXAMPLE_REQUEST

@@ -70,7 +70,7 @@ from pydantic_core import PydanticCustomError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from workflows.serve.contract import (
+from workflows.tasks.contract import (
     classification_prediction,
     json_kind,
     quote,
@@ -211,7 +211,7 @@ def _json_request_model(max_instances: int) -> type[BaseModel]:
 
 
 def _parse_json(body: bytes, max_instances: int) -> list[bytes] | RequestError:
-    """Validated by the request model the document declares (workflows.serve.contract.rejection)."""
+    """Validated by the request model the document declares (workflows.tasks.contract.rejection)."""
     try:
         request: Any = _json_request_model(max_instances).model_validate_json(body)
     except ValidationError as e:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 
 from workflows.errors import UserError
+from workflows.storage.model_dir import fetch_model_dir
 
 
 def _resnet(depths, hidden, layer_type, embedding=64, downsample_first=True):
@@ -64,7 +65,6 @@ def _with_labels(config, labels: list[str]):
 def local_model_dir(name_or_path: str, cfg) -> str:
     """A from_pretrained directory on this node: a local path as it is, an object-store URI
     downloaded once into the node's model cache (workflows.storage.model_dir)."""
-    from workflows.storage.model_dir import fetch_model_dir
     from workflows.storage.uri import protocol_of
 
     if protocol_of(name_or_path) in ("", "file") and not os.path.isfile(

@@ -1,11 +1,10 @@
 """Text classification: a pretrained encoder (MiniLM by default) fine-tuned with a new head on
 tokenized text columns (workflows/preprocess/encoding.py shares the encoding with serving).
 
-The wing: this task; `predictor` (serving, batch inference, evaluation), `contract` (POST /predict's
-request and response models), `export` (the from_pretrained artifact). Its preprocessing is
-workflows.preprocess.materialize's text tokenization on Ray Data, which the causal LM shares, and its
-model the transformers classifier of workflows.train.models, which the training engine's linear probe
-and memory planner read too."""
+The wing: this task; `model` (the classifier, its collate, its size for the planner, the linear
+probe), `predictor` (serving, batch inference, evaluation), `contract` (POST /predict's request and
+response models), `export` (the from_pretrained artifact). Its preprocessing is
+workflows.preprocess.materialize's text tokenization on Ray Data, which the causal LM shares."""
 
 from __future__ import annotations
 
@@ -13,7 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workflows.preprocess.encoding import pad_and_vocab, resolve_model_dir
 from workflows.tasks.classify import Classification
+from workflows.tasks.text.contract import text_contract
 
 
 class TextOptions(BaseModel):
@@ -45,7 +46,6 @@ class TextClassification(Classification):
         return preprocess_text(self.cfg, ctx, say)
 
     def dataset_version(self, shards, ctx) -> str:
-        from workflows.preprocess.encoding import resolve_model_dir
         from workflows.preprocess.materialize import dataset_version
 
         return dataset_version(shards, self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer))
@@ -53,25 +53,22 @@ class TextClassification(Classification):
     def collate(self, data, *, train: bool, seed: int | None = None):
         from functools import partial
 
-        from workflows.train.loop import collate
-        from workflows.train.worker_setup import pad_and_vocab
+        from workflows.tasks.text.model import collate
 
         return partial(collate, pad_id=pad_and_vocab(data.tokenizer)[0])
 
     # --- model
     def model_dir(self) -> str:
-        from workflows.preprocess.encoding import resolve_model_dir
-
         return resolve_model_dir(self.cfg.model.name_or_path)
 
     def check(self, data) -> None:
-        from workflows.train.models import check_linear_probe_head
+        from workflows.tasks.text.model import check_linear_probe_head
 
         if self.options.head_init == "linear_probe":
             check_linear_probe_head(self.model_dir(), data.labels, self.options.pooling)
 
     def build_model(self, data):
-        from workflows.train.models import load_classifier
+        from workflows.tasks.text.model import load_classifier
 
         return load_classifier(self.model_dir(), data.labels, self.cfg.model.dropout, self.options.pooling)
 
@@ -79,8 +76,8 @@ class TextClassification(Classification):
         return self.options.head_init == "linear_probe"
 
     def prepare_model(self, model, device, probe_batches) -> None:
-        from workflows.train.loop import linear_probe
-        from workflows.train.parallel import world
+        from workflows.parallel import world
+        from workflows.tasks.text.model import linear_probe
 
         tc = self.cfg.train
         if tc.freeze_embeddings:
@@ -92,10 +89,10 @@ class TextClassification(Classification):
                       f"{probe['train_accuracy']:.4f}) in {probe['seconds']:.1f}s", flush=True)
 
     def memory_spec(self):
-        from workflows.train.model_spec import model_spec
+        from workflows.tasks.text.model import classifier_spec
 
         m = self.cfg.model
-        spec = model_spec(self.model_dir(), dropout=m.dropout, freeze_embeddings=self.cfg.train.freeze_embeddings,
+        spec = classifier_spec(self.model_dir(), dropout=m.dropout, freeze_embeddings=self.cfg.train.freeze_embeddings,
                           name=m.name_or_path)
         return spec, self.cfg.preprocess.max_length
 
@@ -114,8 +111,6 @@ class TextClassification(Classification):
         return TextPredictor(model_dir, threads, precision)
 
     def http_contract(self, card, max_instances):
-        from workflows.tasks.text.contract import text_contract
-
         return text_contract(card, max_instances)
 
     def input_columns(self, card, available):

@@ -1,6 +1,6 @@
 """The text classifier's HTTP contract: {"instances": [{text column: string}]}, each instance its
 text columns and nothing else, not all of them blank (in the schema as in the validator), answered
-with the classification prediction (workflows.serve.contract has the shared request/response models)."""
+with the classification prediction (workflows.tasks.contract has the shared request/response models)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from workflows.serve.contract import (
+from workflows.tasks.contract import (
     JsonInstances,
     classification_prediction,
     request_model,

@@ -14,7 +14,7 @@ def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedData
     """safetensors weights, model config and tokenizer of a text classifier (`options`: the task's)."""
     from transformers import AutoTokenizer
 
-    from workflows.train.models import load_classifier
+    from workflows.tasks.text.model import load_classifier
 
     if data.tokenizer is None:
         raise ValueError(f"the processed text dataset at {data.uri} names no tokenizer in its manifest")

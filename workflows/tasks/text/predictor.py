@@ -12,14 +12,13 @@ from workflows.model_card import ModelCard
 from workflows.preprocess.encoding import TextEncoder, compose_texts, pad_batch
 from workflows.tasks import base
 from workflows.tasks.classify import add_predictions, prediction
+from workflows.tasks.text.model import load_trained_classifier
 
 
 class TextPredictor(base.Predictor):
     """A registered text classifier loaded once: raw rows in, labels and probabilities out."""
 
     def __init__(self, model_dir: str, threads: int | None = None, precision: str = "fp32"):
-        from workflows.train.models import load_trained_classifier
-
         self.card = ModelCard.load(model_dir)
         if self.card.max_length is None:
             raise ValueError(f"{model_dir}/workflows.json has no max_length: not a servable model")

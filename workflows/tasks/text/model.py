@@ -1,4 +1,6 @@
-"""Models: a sequence classifier from a local Hugging Face directory (MiniLM by default).
+"""The text classifier's model: a pretrained encoder from a local Hugging Face directory (MiniLM by
+default) with a new head, its collate (token ids padded per batch), its size for the memory planner
+(`classifier_spec`) and the linear probe that can start its head (LP-FT).
 
 Two poolings (the classification task's model.options.pooling):
 - "cls": Hugging Face's sequence-classification model (its pooler on the first token, then a linear head).
@@ -10,12 +12,18 @@ Two poolings (the classification task's model.options.pooling):
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from workflows.errors import UserError
+from workflows.parallel import world
+from workflows.preprocess.encoding import pad_batch
+from workflows.tasks.model_spec import ModelSpec, spec_from_config
 
 POOLING_KEY = "workflows_pooling"  # in the saved config.json: which class loads the artifact
 
@@ -146,16 +154,91 @@ def load_trained_classifier(model_dir: str) -> nn.Module:
     return model
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformer (the largest ModuleList of same-typed modules).
+def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """A batch of token id lists -> padded tensors (dynamic padding to the batch's longest row)."""
+    ids, mask = pad_batch(list(batch["input_ids"]), pad_id)
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(mask),
+        "labels": torch.from_numpy(np.array(batch["label_id"], dtype=np.int64)),
+    }
 
-    FSDP2 shards each block as its own unit, so only one block's full parameters are gathered at a
-    time. Found structurally, so BERT-, GPT- and Llama-style models all work without a table.
+
+def classifier_spec(
+    model_dir: str,
+    *,
+    num_labels: int = 2,
+    dropout: float | None = None,
+    freeze_embeddings: bool = False,
+    name: str | None = None,
+) -> ModelSpec:
+    """The spec of the classifier `load_classifier(model_dir, ...)` would build, without its weights."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    config = classifier_config(model_dir, [f"LABEL_{i}" for i in range(num_labels)], dropout)
+    return spec_from_config(config, name=name or model_dir, freeze_embeddings=freeze_embeddings)
+
+
+LINEAR_PROBE_MAX_ROWS = 20_000  # all ranks together: plenty for a logistic regression on ~1k features
+
+
+def linear_probe(model: nn.Module, batches: Iterable[dict], device: torch.device, l2: float) -> dict:
+    """Fit the new linear head (`model.classifier`) on the frozen pretrained features: the first
+    step of LP-FT (Kumar et al., 2022, "Fine-Tuning can Distort Pretrained Features").
+
+    Every rank passes over its own rows (eval mode, no gradients) and keeps the head's inputs;
+    the features of all ranks are gathered, and each rank fits the same multinomial logistic
+    regression (full-batch L-BFGS, `l2` on the weights) on them; rank 0's result is broadcast so
+    the ranks start fine-tuning from identical weights. Runs on the plain model, before FSDP/DDP
+    wrap it. Solved with torch's L-BFGS rather than scikit-learn so the objective is the model's own
+    (its logit scale, no penalty on the bias) and the result needs no translation back.
     """
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            kinds = {type(m) for m in module}
-            if len(kinds) == 1:
-                best = list(module)
-    return best
+    import torch.distributed as dist
+
+    head = check_linear_head(model)
+    t0 = time.perf_counter()
+    rank, world_size = world()
+    limit = -(-LINEAR_PROBE_MAX_ROWS // world_size)
+    feats: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda _m, inputs, _out: feats.append(inputs[0].detach().float().cpu()))
+    labels, rows = [], 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:  # each rank on its own: no collective runs inside this pass
+                if rows >= limit:
+                    break
+                model(**{k: v.to(device) for k, v in batch.items()})
+                labels.append(batch["labels"].cpu())
+                rows += batch["labels"].shape[0]
+    finally:
+        hook.remove()
+    x = torch.cat(feats) if feats else torch.zeros(0, head.in_features)
+    y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64)
+    if world_size > 1:
+        parts: list = [None] * world_size
+        dist.all_gather_object(parts, (x, y))
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    if len(y) == 0:
+        raise UserError("model.options.head_init=linear_probe: no training rows to fit the head on")
+    scale = head_logit_scale(model)
+    weight = head.weight.detach().float().cpu().clone().requires_grad_(True)
+    bias = head.bias.detach().float().cpu().clone().requires_grad_(True)
+    solver = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=500, history_size=20, line_search_fn="strong_wolfe")
+
+    def objective():
+        solver.zero_grad()
+        loss = nn.functional.cross_entropy(scale * (x @ weight.T + bias), y) + l2 * weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    solver.step(objective)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
+        if world_size > 1:
+            for p in (head.weight, head.bias):
+                dist.broadcast(p.data, src=0)
+        accuracy = float((scale * (x @ weight.T + bias)).argmax(-1).eq(y).float().mean())
+    return {"rows": int(len(y)), "train_accuracy": accuracy, "seconds": round(time.perf_counter() - t0, 2)}

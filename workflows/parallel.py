@@ -1,4 +1,6 @@
-"""Parallelism applied to a plain model, separately from the model code: FSDP2 or DDP."""
+"""Parallelism applied to a plain model, separately from the model code: FSDP2 or DDP, and the
+process group's helpers (rank and world size, all-reduce, a rank's exit). Pure PyTorch, below the
+tasks and the training engine alike: a task reads its rank here, the engine wraps its model."""
 
 from __future__ import annotations
 
@@ -12,7 +14,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from workflows.train.models import transformer_blocks
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a transformer (the largest ModuleList of same-typed modules).
+
+    FSDP2 shards each block as its own unit, so only one block's full parameters are gathered at a
+    time. Found structurally, so BERT-, GPT- and Llama-style models all work without a table.
+    """
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1:
+                best = list(module)
+    return best
 
 
 def world() -> tuple[int, int]:

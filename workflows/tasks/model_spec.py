@@ -1,6 +1,6 @@
 """What the memory estimate knows about a model: parameter counts from the real model class built on the
 meta device, the architecture from its Hugging Face config, and the bytes its norm and activation layers
-save for backward, probed on small real tensors (see workflows/train/memory_estimate.py)."""
+save for backward, probed on small real tensors (see workflows/train/memory_estimate.py, the planner's reader of it)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
+
+from workflows.parallel import transformer_blocks
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,6 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
                      causal_lm: bool = False) -> ModelSpec:
     """A ModelSpec from a transformers config: the model is built on the meta device (no memory).
     causal_lm: the language model with its LM head (pretraining), not a sequence classifier."""
-    from workflows.train.models import transformer_blocks
-
     model = _build_on_meta(config, causal_lm)
     if freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
@@ -197,23 +197,3 @@ def spec_from_config(config, *, name: str | None = None, freeze_embeddings: bool
         act_saves_output=act_out,
         estimated=tuple(estimated),
     )
-
-
-def model_spec(
-    model_dir: str,
-    *,
-    num_labels: int = 2,
-    dropout: float | None = None,
-    freeze_embeddings: bool = False,
-    name: str | None = None,
-) -> ModelSpec:
-    """The spec of the classifier `load_classifier(model_dir, ...)` would build, without its weights."""
-    from transformers.utils import logging as hf_logging
-
-    from workflows.train.models import classifier_config
-
-    hf_logging.set_verbosity_error()
-    config = classifier_config(model_dir, [f"LABEL_{i}" for i in range(num_labels)], dropout)
-    return spec_from_config(config, name=name or model_dir, freeze_embeddings=freeze_embeddings)
-
-
