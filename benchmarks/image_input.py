@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from workflows.config import load_config
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline.stages import stage_preprocess
 from workflows.preprocess.synth_images import SynthSpec, parse_size, synth_images
 from workflows.runtime import runtime
 from workflows.train.trainer import fit

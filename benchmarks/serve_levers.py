@@ -96,7 +96,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.bench.serve_peer import Peer
     from workflows.config import load_config
     from workflows.dataset import ProcessedDataset
-    from workflows.pipeline import demo_rows
+    from workflows.pipeline.stages import demo_rows
     from workflows.runtime import runtime
 
     config = config or "configs/quickstart.yaml"

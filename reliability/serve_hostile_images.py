@@ -63,7 +63,7 @@ def serve_hostile_images(workdir: Path, seed: int = 0) -> dict:
     from reliability import ROOT
     from tests.helpers import free_port
     from workflows.config import load_config
-    from workflows.pipeline import stage_preprocess, stage_train
+    from workflows.pipeline.stages import stage_preprocess, stage_train
     from workflows.runtime import runtime
     from workflows.serve import ingress
     from workflows.serve.app import deploy

@@ -30,7 +30,7 @@ def train_worker_kill(workdir: Path, seed: int = 0) -> dict:
     import torch
 
     from workflows.config import load_config
-    from workflows.pipeline import stage_preprocess
+    from workflows.pipeline.stages import stage_preprocess
     from workflows.runtime import runtime
     from workflows.train.checkpoint import consolidated_model_state, read_state
     from workflows.train.export import download_checkpoint

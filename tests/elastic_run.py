@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.stream_lineage import DIGITS, ROWS, lineage, overrides  # noqa: E402
 from workflows.config import load_config  # noqa: E402
 from workflows.loader import epoch_order, parquet_index  # noqa: E402
-from workflows.pipeline import stage_preprocess  # noqa: E402
+from workflows.pipeline.stages import stage_preprocess  # noqa: E402
 from workflows.runtime import runtime  # noqa: E402
 from workflows.train.stream_input import SampleRecorder, head  # noqa: E402
 from workflows.train.trainer import fit  # noqa: E402

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.conftest import QUICKSTART  # noqa: E402
 from tests.helpers import tiny_overrides  # noqa: E402
 from workflows.config import load_config  # noqa: E402
-from workflows.pipeline import stage_preprocess  # noqa: E402
+from workflows.pipeline.stages import stage_preprocess  # noqa: E402
 from workflows.preprocess.sources import list_shards  # noqa: E402
 from workflows.runtime import runtime  # noqa: E402
 from workflows.storage.shards import read_shards, shard_placement  # noqa: E402

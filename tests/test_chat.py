@@ -130,7 +130,7 @@ def test_exact_match_compares_stripped_answers():
 
 def test_tune_space_takes_task_options(tiny_dir):
     from workflows.config import load_config
-    from workflows.pipeline import apply_params
+    from workflows.pipeline.stages import apply_params
     from workflows.tune.search import trial_config
 
     cfg = load_config(CHAT, [f"model.name_or_path={tiny_dir}"])

@@ -124,7 +124,7 @@ def test_unknown_model_fails_before_ray_starts(tmp_path):
 def test_tuned_params_make_a_new_validated_config():
     from pydantic import ValidationError
 
-    from workflows.pipeline import apply_params
+    from workflows.pipeline.stages import apply_params
 
     cfg = load_config(QUICKSTART)
     tuned = apply_params(cfg, {"train.lr": "3e-5", "train.batch_size": 7})

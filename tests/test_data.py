@@ -79,7 +79,7 @@ def test_builtin_dataset_is_not_written_outside_the_embedded_store(tmp_path):
     """An empty source in a user's own store is an error naming it, not a place to build demo data."""
     from tests.conftest import QUICKSTART
     from workflows.config import load_config
-    from workflows.pipeline import ensure_raw_data
+    from workflows.pipeline.stages import ensure_raw_data
     from workflows.runtime import Runtime
 
     source = f"{tmp_path}/raw/"
@@ -109,7 +109,7 @@ def test_building_the_quickstart_data_reports_skipped_modules(tmp_path, monkeypa
     """The data line of `preprocess`/`pipeline` warns, and the summary (preprocess.json's raw_data) records them."""
     from tests.conftest import QUICKSTART
     from workflows.config import load_config
-    from workflows.pipeline import ensure_raw_data
+    from workflows.pipeline.stages import ensure_raw_data
     from workflows.runtime import Runtime
 
     monkeypatch.setattr(quickstart_data, "LIBRARIES", {"a": ["json", "wf_no_such_module"], "b": ["csv"]})
@@ -133,7 +133,7 @@ def test_building_the_quickstart_data_reports_skipped_modules(tmp_path, monkeypa
 def _ensure_raw_data(*overrides: str):
     from tests.conftest import QUICKSTART
     from workflows.config import load_config
-    from workflows.pipeline import ensure_raw_data
+    from workflows.pipeline.stages import ensure_raw_data
     from workflows.runtime import Runtime
 
     cfg = load_config(QUICKSTART, list(overrides))

@@ -269,7 +269,7 @@ def test_a_bad_record_in_a_training_shard_is_named_and_counted(ray_cluster, tmp_
     from tests.helpers import tiny_overrides
     from workflows.config import load_config
     from workflows.errors import UserError
-    from workflows.pipeline import preprocess
+    from workflows.pipeline.stages import preprocess
     from workflows.storage.uri import StorageContext
 
     src = tmp_path / "train"
@@ -297,7 +297,7 @@ def test_parquet_with_an_image_bytes_column_is_preprocessed(ray_cluster, tmp_pat
 
     from tests.helpers import tiny_overrides
     from workflows.config import load_config
-    from workflows.pipeline import preprocess
+    from workflows.pipeline.stages import preprocess
     from workflows.storage.uri import StorageContext
 
     (tmp_path / "raw").mkdir()

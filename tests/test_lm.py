@@ -56,7 +56,7 @@ def test_heads_must_divide_hidden(tmp_path):
 
 
 def test_pipeline_and_tuning_refuse_a_causal_lm(tiny_cfg):
-    from workflows.pipeline import registering_task_only
+    from workflows.pipeline.stages import registering_task_only
 
     with pytest.raises(UserError, match="workflows train"):
         registering_task_only(tiny_cfg("model.task=causal_lm"), "tuning")
@@ -64,7 +64,7 @@ def test_pipeline_and_tuning_refuse_a_causal_lm(tiny_cfg):
 
 @pytest.mark.integration
 def test_ray_train_pretrains_a_causal_lm_with_fsdp(ray_cluster, tiny_cfg):
-    from workflows.pipeline import stage_preprocess
+    from workflows.pipeline.stages import stage_preprocess
     from workflows.runtime import runtime
     from workflows.train.trainer import fit
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from tests.helpers import free_port
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline.stages import stage_preprocess
 from workflows.runtime import runtime
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from workflows.errors import UserError, surface_user_errors
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline.stages import stage_preprocess
 from workflows.runtime import runtime
 from workflows.storage.uri import read_json
 

@@ -21,7 +21,7 @@ import json, sys
 from pathlib import Path
 from tests.helpers import tiny_overrides
 from workflows.config import load_config
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline.stages import stage_preprocess
 from workflows.runtime import runtime
 
 tmp = Path(sys.argv[1])

@@ -340,7 +340,7 @@ def test_the_embedded_store_serves_its_own_bucket_and_a_users_bucket_stays_where
     from moto.server import ThreadedMotoServer
 
     from workflows.config import load_config
-    from workflows.pipeline import ensure_raw_data
+    from workflows.pipeline.stages import ensure_raw_data
     from workflows.preprocess.sources import list_shards
     from workflows.runtime import runtime
     from workflows.storage.cache import ShardCache

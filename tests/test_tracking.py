@@ -483,7 +483,7 @@ def test_a_two_worker_trial_logs_each_epoch_at_its_step(ray_cluster, mlflow_serv
     from mlflow import MlflowClient
 
     from tests.test_tune import tune_cfg
-    from workflows.pipeline import stage_preprocess, stage_tune
+    from workflows.pipeline.stages import stage_preprocess, stage_tune
     from workflows.runtime import runtime
 
     cfg = tune_cfg(tmp_path, {"train.lr": {"grid": [3e-4]}}, "tune.num_workers=2", "tune.max_epochs=2",

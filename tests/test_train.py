@@ -9,7 +9,7 @@ import torch
 from tests.helpers import free_port
 from workflows import registry
 from workflows.errors import UserError
-from workflows.pipeline import export_artifact, stage_preprocess
+from workflows.pipeline.stages import export_artifact, stage_preprocess
 from workflows.runtime import runtime
 from workflows.tasks.text.predictor import TextPredictor
 from workflows.tracking.client import TrackingSpec

@@ -16,7 +16,7 @@ import pytest
 from tests.stream_lineage import DIGITS, lineage, overrides
 from tests.test_train_stream import crops, run
 from workflows.config import load_config
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline.stages import stage_preprocess
 from workflows.runtime import runtime
 
 pytestmark = pytest.mark.integration

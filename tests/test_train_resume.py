@@ -25,7 +25,7 @@ from tests.helpers import free_port, tiny_overrides
 from tests.test_engine import EPOCH_STATE_KEYS
 from workflows.config import load_config
 from workflows.errors import UserError
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline.stages import stage_preprocess
 from workflows.runtime import runtime
 from workflows.storage.uri import filesystem, pyarrow_filesystem
 from workflows.train.checkpoint import (

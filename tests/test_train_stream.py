@@ -21,7 +21,7 @@ from reliability.faults import TrainFault
 from tests.stream_lineage import DIGITS, ROWS, lineage, overrides
 from workflows.config import load_config
 from workflows.loader import epoch_order, parquet_index
-from workflows.pipeline import stage_preprocess
+from workflows.pipeline.stages import stage_preprocess
 from workflows.runtime import runtime
 from workflows.train.stream_input import SampleRecorder, head
 from workflows.train.trainer import fit

@@ -10,7 +10,7 @@ from tests.conftest import QUICKSTART
 from tests.helpers import tiny_overrides
 from tests.test_engine import EPOCH_STATE_KEYS
 from workflows.config import load_config
-from workflows.pipeline import stage_preprocess, stage_tune
+from workflows.pipeline.stages import stage_preprocess, stage_tune
 from workflows.runtime import runtime
 from workflows.storage.uri import filesystem
 from workflows.train.checkpoint import STATE_FILE

@@ -48,8 +48,8 @@ class ModelCard(BaseModel):
 
 
 def write_card(card: ModelCard, out_dir: str) -> dict:
-    """workflows.json of an artifact; a dict: the pipeline adds the baseline and validation metrics
-    before registering it."""
+    """workflows.json of an artifact; a dict: registering adds the validation metrics and the tracking
+    run that trained it."""
     with open(os.path.join(out_dir, "workflows.json"), "w") as f:
         json.dump(card.to_dict(), f, indent=2)
     return card.to_dict()

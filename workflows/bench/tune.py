@@ -28,7 +28,7 @@ DEFAULTS = ["tune.num_samples=9", "tune.max_epochs=16", "tune.grace_period=1", "
 
 def run(config: str | None, overrides: list[str]) -> dict:
     from workflows.config import load_config
-    from workflows.pipeline import stage_preprocess
+    from workflows.pipeline.stages import stage_preprocess
     from workflows.runtime import runtime, say
     from workflows.tune.search import run_tune, with_task_metric
 

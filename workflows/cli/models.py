@@ -28,7 +28,7 @@ def evaluate(
 ):
     """Weighted and per-class precision/recall/F1 and the confusion matrix of a registered model on
     labelled data: any URI, or a split of the model's own processed dataset (--split test: held out)."""
-    from workflows.pipeline import stage_evaluate
+    from workflows.pipeline.stages import stage_evaluate
     from workflows.preprocess.sources import list_shards, read_dataset
 
     if (data is None) == (split is None):
@@ -40,7 +40,7 @@ def evaluate(
         if split is None:
             _registered(model)(cfg, storage)
         else:
-            from workflows.pipeline import model_split
+            from workflows.pipeline.stages import model_split
 
             found["card"], found["uri"], found["data"] = model_split(cfg, storage, model, split)
 

@@ -32,7 +32,7 @@ def serve(
     verbose: bool = VerboseOpt,
 ):
     """Serve registered models over HTTP with Ray Serve (POST /predict, GET /healthz, /docs)."""
-    from workflows.pipeline import stage_serve
+    from workflows.pipeline.stages import stage_serve
     from workflows.runtime import say
 
     if emit_config is not None:

@@ -10,7 +10,7 @@ from workflows.cli.serving import _serve_port_free
 
 def preprocess(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: bool = VerboseOpt):
     """Read raw shards from object storage, tokenize on Ray Data, materialize processed shards."""
-    from workflows.pipeline import stage_preprocess
+    from workflows.pipeline.stages import stage_preprocess
 
     _in_runtime("preprocess", config, set, stage_preprocess, verbose=verbose,
                 on_load=_task_ready)
@@ -20,7 +20,7 @@ def train(config: str = ConfigOpt, set: list[str] | None = SetOpt,
           resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint of the last run"),
           verbose: bool = VerboseOpt):
     """Fine-tune with Ray Train (FSDP2 or DDP), checkpoint to object storage, register the best model."""
-    from workflows.pipeline import stage_preprocess, stage_train
+    from workflows.pipeline.stages import stage_preprocess, stage_train
 
     _in_runtime("train", config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
                 on_load=_task_ready)
@@ -30,7 +30,7 @@ def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,
          resume: bool = typer.Option(False, "--resume", help="restore an interrupted search"),
          verbose: bool = VerboseOpt):
     """Search hyperparameters with Ray Tune + ASHA; every trial is a Ray Train run."""
-    from workflows.pipeline import stage_preprocess, stage_tune
+    from workflows.pipeline.stages import stage_preprocess, stage_tune
 
     _in_runtime("tune", config, set, lambda rt: stage_tune(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
                 on_load=_task_ready)

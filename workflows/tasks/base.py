@@ -24,7 +24,8 @@ What a task implements, by stage:
   the platform: workflows.train.loop.validate), `evaluate_rows`/`format_report` (the held-out report;
   `evaluate_frame` and `evaluation_columns` to read more of the predictor's output than its prediction);
 - serving: `predictor(model_dir, card)` (shared by HTTP serving, batch inference and evaluation),
-  `http_contract(card, max_instances)` (request and response models, how a body becomes instances).
+  `http_contract(card, max_instances)` (request and response models, how a body becomes instances),
+  `demo_instances`, `describe` and `describe_prediction` (the pipeline's demo requests and their lines).
 
 The abstract methods are what every task writes; the rest have defaults that a small task keeps
 (`ModelPredictor`: the exported state dict loaded into `build_model` and `predict_batch` called on
@@ -252,11 +253,9 @@ class Task(abc.ABC):
         model = self.build_model(data)
         model.load_state_dict(state, strict=True)
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, WEIGHTS))
-        train = data.label_counts.get("train") or {}
-        extra = {"majority_label": max(train, key=train.__getitem__)} if train else {}  # a classifier's baseline
         options = self.options.model_dump(mode="json", by_alias=True) if self.Options else {}
         return write_card(ModelCard(task=self.cfg.model.task, labels=data.labels, label_column=data.label_column,
-                                    lineage=lineage, info=data.info, options=options, **extra), out_dir)
+                                    lineage=lineage, info=data.info, options=options, **baseline(data)), out_dir)
 
     # --- metrics ----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -352,6 +351,17 @@ class Task(abc.ABC):
     def describe(self, instance: Mapping[str, Any]) -> str:
         """A short text of a request instance for the pipeline's demo lines."""
         return " ".join(str(v) for v in instance.values())[:70]
+
+    def describe_prediction(self, prediction: Mapping[str, Any]) -> str:
+        """A short text of one served answer for the pipeline's demo lines. Default: its JSON, cut short."""
+        return json.dumps(prediction)[:60]
+
+
+def baseline(data: ProcessedDataset) -> dict[str, str]:
+    """What a card records for evaluation's baseline: a classifier's `majority_label`, the train split's
+    most common label ({} for a dataset without labels). Every export of a classifier writes it."""
+    train = data.label_counts.get("train") or {}
+    return {"majority_label": max(train, key=train.__getitem__)} if train else {}
 
 
 def card_dataset(card: ModelCard) -> ProcessedDataset:

@@ -65,6 +65,9 @@ class Classification(Task):
     def headline(self, metrics: dict) -> tuple[str, float, str]:
         return "weighted F1", metrics["weighted"]["f1"], f"majority baseline {metrics['baseline']['f1']:.4f}"
 
+    def describe_prediction(self, prediction) -> str:
+        return f"{prediction['label']} ({prediction['score']:.2f})"
+
 
 def prediction(labels: list[str], p: np.ndarray) -> dict:
     """One served prediction of a classifier from a row of probabilities: {"label": the most probable

@@ -1,5 +1,5 @@
-"""A training checkpoint fetched for export (the pipeline's export step, pipeline.export_artifact, has
-the config's task write the serving artifact from its consolidated weights)."""
+"""A training checkpoint fetched for export (the register step, workflows.pipeline.stages.export_artifact,
+has the config's task write the serving artifact from its consolidated weights)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from workflows.preprocess.images import (
     random_resized_crop_flip,
     to_model_input,
 )
-from workflows.tasks.base import HttpContract, serving_device
+from workflows.tasks.base import HttpContract, baseline, serving_device
 from workflows.tasks.base import Predictor as BasePredictor
 from workflows.tasks.classify import Classification, add_predictions, prediction
 from workflows.tasks.image.contract import (
@@ -182,7 +182,8 @@ class ImageClassification(Classification):
         model.save_pretrained(out_dir, safe_serialization=True)
         return write_card(ModelCard(task=self.name, labels=data.labels, label_column="label",
                                     image_size=size, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD),
-                                    lineage=lineage, options=self.options.model_dump(mode="json")), out_dir)
+                                    lineage=lineage, options=self.options.model_dump(mode="json"),
+                                    **baseline(data)), out_dir)
 
     # --- serving
     def predictor(self, model_dir, card, threads=None, precision="fp32"):

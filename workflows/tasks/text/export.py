@@ -7,11 +7,13 @@ from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
 from workflows.model_card import ModelCard, write_card
 from workflows.preprocess.encoding import resolve_model_dir
+from workflows.tasks.base import baseline
 
 
 def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedDataset, out_dir: str,
                            lineage: dict, options) -> dict:
-    """safetensors weights, model config and tokenizer of a text classifier (`options`: the task's)."""
+    """safetensors weights, model config and tokenizer of a text classifier (`options`: the task's), and
+    its card with the majority label (evaluation's baseline)."""
     from transformers import AutoTokenizer
 
     from workflows.tasks.text.model import load_classifier
@@ -25,4 +27,4 @@ def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedData
     AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).save_pretrained(out_dir)
     return write_card(ModelCard(task=cfg.model.task, labels=data.labels, text_columns=data.text_columns,
                                 label_column=data.label_column, max_length=data.max_length, lineage=lineage,
-                                options=options.model_dump(mode="json")), out_dir)
+                                options=options.model_dump(mode="json"), **baseline(data)), out_dir)

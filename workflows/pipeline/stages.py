@@ -1,12 +1,18 @@
-"""The stages, each usable alone (one CLI command each) or chained by `run_pipeline`."""
+"""The stages, each usable alone (one CLI command each) and chained by `workflows.pipeline.run_pipeline`.
+
+A stage takes what the stages before it produced as values and returns what it produces: the
+processed dataset, the search's outcome (its best parameters), the training outcome, the registered
+model's reference, the evaluation's metrics, the served endpoint. Each runs in one `stage` frame,
+which holds what every stage shares: its tracking run, the shard-cache counts of its work on the
+cluster, the store made durable after it, and its summary (<stage>.json)."""
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +23,53 @@ from workflows.dataset import SPLITS, ProcessedDataset
 from workflows.errors import UserError, surface_user_errors
 from workflows.runtime import Runtime, say, warn
 from workflows.storage.uri import StorageContext, protocol_of
-from workflows.tasks import check_card_task, get_task
+from workflows.tasks import check_card_task, get_task, task_for_card
 from workflows.tracking import stages as tracking
 
 
+@dataclass
+class Stage:
+    """A running stage: its runtime (with the config the stage runs with), its tracking run, and the
+    summary it writes when it ends (what the stage puts in `summary`)."""
+
+    rt: Runtime
+    run: Any  # workflows.tracking.session.Run
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> WorkflowConfig:
+        return self.rt.cfg
+
+    @property
+    def out_dir(self) -> Path:
+        """Where the stage's summary and its files (plots, tables) go."""
+        return Path(self.cfg.output_dir) / self.cfg.name
+
+    @contextmanager
+    def work(self) -> Iterator[None]:
+        """The stage's work on the cluster: the shard cache's counts while it runs go into the
+        summary (`shard_cache`), and what it produced is made durable (`Runtime.persist`) after it."""
+        with self.rt.cache_counts() as cache:
+            yield
+        self.summary["shard_cache"] = cache
+        self.rt.persist()
+
+
+@contextmanager
+def stage(rt: Runtime, name: str, cfg: WorkflowConfig | None = None) -> Iterator[Stage]:
+    """The frame of the stage `name`: a tracking run with the stage's config as params and, when the
+    block ends without an error, <name>.json of its `Stage.summary` (none where the block reports
+    nothing: evaluate's command writes its own). `cfg`: the config the stage runs with when it is not
+    the runtime's (tune's with its metric, train's with tuned values); the caller's runtime keeps its own."""
+    rt = rt if cfg is None else replace(rt, cfg=cfg)
+    with tracking.tracked(rt, name) as run:
+        s = Stage(rt, run)
+        yield s
+        if s.summary:
+            rt.write_summary(name, s.summary)
+
+
+# --- preprocess ----------------------------------------------------------------------------------
 def builtin_dataset(name: str, cfg: WorkflowConfig):
     """(what it is, build() -> (rows, {skipped module: why}), write_shards(rows, uri, ctx) -> URIs)
     of a built-in dataset."""
@@ -84,19 +133,20 @@ def preprocess(cfg: WorkflowConfig, ctx, say=print) -> ProcessedDataset:
 
 
 def stage_preprocess(rt: Runtime) -> ProcessedDataset:
-    with tracking.tracked(rt, "preprocess") as run:
+    """The raw shards (the built-in dataset built first, where asked for) -> the processed dataset."""
+    with stage(rt, "preprocess") as s:
         built = ensure_raw_data(rt)
         t0 = time.time()
-        with rt.cache_counts() as cache:
+        with s.work():
             data = preprocess(rt.cfg, rt.storage, say)
-        rt.persist()
-        rt.write_summary("preprocess", {"dataset": asdict(data), "raw_data": built, "seconds": time.time() - t0,
-                                        "shard_cache": cache})
-        tracking.log_preprocess(rt, run, data)
-        run.log_metrics({"seconds": time.time() - t0})
+        seconds = time.time() - t0
+        s.summary.update(dataset=asdict(data), raw_data=built, seconds=seconds)
+        tracking.log_preprocess(rt, s.run, data)
+        s.run.log_metrics({"seconds": seconds})
     return data
 
 
+# --- tune ----------------------------------------------------------------------------------------
 def registering_task_only(cfg: WorkflowConfig, what: str) -> None:
     """Tuning and the pipeline end in a registered model: a task that registers none (causal-LM
     pretraining) is trained with `workflows train` or torchrun."""
@@ -106,28 +156,29 @@ def registering_task_only(cfg: WorkflowConfig, what: str) -> None:
 
 
 def stage_tune(rt: Runtime, data: ProcessedDataset, resume: bool = False):
+    """The hyperparameter search on `data`: its TuneOutcome, whose `best_params` `stage_train` takes."""
     from workflows.tune.search import run_tune, with_task_metric
 
     registering_task_only(rt.cfg, "tuning")
-    rt.cfg = with_task_metric(rt.cfg)
-    t = rt.cfg.tune
+    cfg = with_task_metric(rt.cfg)
+    t = cfg.tune
     how = "ASHA" if t.scheduler == "asha" else "every trial to its end (fifo)"
     say(f"tune: {t.num_samples} trial(s), {how} on {t.metric} ({t.mode}), up to {t.max_epochs} epoch(s) each")
-    if t.num_workers == 1 and rt.cfg.train.checkpoint_every_steps:
+    if t.num_workers == 1 and cfg.train.checkpoint_every_steps:
         warn("tune: train.checkpoint_every_steps applies to Ray Train trials (tune.num_workers > 1); a one-worker "
              "trial restarts from its last epoch")
-    with tracking.tracked(rt, "tune") as run:
-        with rt.cache_counts() as cache:
-            outcome = run_tune(rt.cfg, rt.storage, data, resume=resume, tracking=run.spec())
-        rt.persist()
-        _report_tune(rt, outcome, cache, run)
+    with stage(rt, "tune", cfg) as s:
+        with s.work():
+            outcome = run_tune(cfg, rt.storage, data, resume=resume, tracking=s.run.spec())
+        _report_tune(s, outcome)
     return outcome
 
 
-def _report_tune(rt: Runtime, outcome, cache: dict, run) -> None:
+def _report_tune(s: Stage, outcome) -> None:
+    """Each trial's line, the best, the trials table (best first) and plot, and the tune run's logs."""
     from workflows.tune.report import plot_trials, trials_table
 
-    t = rt.cfg.tune
+    t = s.cfg.tune
     assert t.metric is not None  # set by with_task_metric in stage_tune
     for trial in outcome.trials:
         say(
@@ -142,11 +193,12 @@ def _report_tune(rt: Runtime, outcome, cache: dict, run) -> None:
     )
     table = trials_table(ordered, t.metric, t.max_epochs)
     show(table)
-    summary = rt.write_summary("tune", {**asdict(outcome), "shard_cache": cache})
-    (summary.parent / "tune_trials.md").write_text(table + "\n")
-    plot = plot_trials(outcome.trials, t.metric, summary.parent / "tune_trials.png")
-    say(f"tune: trials table {summary.parent / 'tune_trials.md'}, plot {plot}")
-    tracking.log_tune(run, outcome, rt.cfg, [summary.parent / "tune_trials.md", plot])
+    s.summary.update(asdict(outcome))
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    (s.out_dir / "tune_trials.md").write_text(table + "\n")
+    plot = plot_trials(outcome.trials, t.metric, s.out_dir / "tune_trials.png")
+    say(f"tune: trials table {s.out_dir / 'tune_trials.md'}, plot {plot}")
+    tracking.log_tune(s.run, outcome, s.cfg, [s.out_dir / "tune_trials.md", plot])
 
 
 def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
@@ -165,10 +217,70 @@ def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
     return out
 
 
+# --- train and register --------------------------------------------------------------------------
+def stage_train(rt: Runtime, data: ProcessedDataset, params: dict[str, Any] | None = None, resume: bool = False):
+    """Train on `data` with `params` (tuned values, `stage_tune`'s best) over the config's, then
+    register the chosen checkpoint: (TrainOutcome, ModelRef, or None for a task that registers no
+    model). One tracking run and one summary (train.json) hold both: the registered version links
+    to the run that trained it."""
+    with stage(rt, "train", apply_params(rt.cfg, params) if params else None) as s:
+        outcome = train(s, data, resume)
+        ref = register(s, data, outcome)
+    return outcome, ref
+
+
+def train(s: Stage, data: ProcessedDataset, resume: bool = False):
+    """Fit the model with Ray Train; its epochs, loss curve and outcome go to the stage's summary and run."""
+    from workflows.progress import EpochProgress
+    from workflows.train.loop import epoch_line
+    from workflows.train.report import plot_losses
+    from workflows.train.trainer import fit
+
+    tc = s.cfg.train
+    say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
+        f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
+    with s.work():
+        outcome = fit(s.cfg, s.rt.storage, data, resume=resume,
+                      callbacks=[EpochProgress(tc.epochs, get_task(s.cfg).score[0])], tracking=s.run.spec())
+    for h in outcome.history:
+        say(f"train:   {epoch_line(h)}")
+    s.summary["train"] = asdict(outcome)
+    curve = plot_losses(outcome.history, s.out_dir / "train_loss.png", title=outcome.run_uri.rsplit("/", 1)[-1])
+    if curve is not None:
+        s.summary["loss_curve"] = str(curve)
+        say(f"train: loss curve {curve}")
+    tracking.log_train(s.run, outcome, curve)
+    return outcome
+
+
+def register(s: Stage, data: ProcessedDataset, outcome) -> registry.ModelRef | None:
+    """The trained outcome's chosen checkpoint, exported by the task, as the registry's next version
+    (its card: the task's, the validation metrics of that epoch, the tracking run that trained it)."""
+    t0 = time.time()
+    if not get_task(s.cfg).registers:
+        say(f"train: a {s.cfg.model.task} run registers no model; its checkpoints stay at {outcome.run_uri}")
+        return None
+    rt = s.rt
+    with tempfile.TemporaryDirectory() as tmp:
+        card = export_artifact(s.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
+                               {"run": outcome.run_uri, "train_config": s.cfg.train.model_dump(mode="json")})
+        card["val_metrics"] = val_metrics(outcome.best_metrics)
+        link = tracking.registry_link(s.run, rt.tracking.uri if rt.tracking else "")
+        if link is not None:  # the MLflow run that trained this version
+            card["mlflow"] = link
+        ref = registry.register(s.cfg, rt.storage, tmp, s.cfg.registry.name, card)
+    rt.persist()
+    tracking.log_registered(s.run, ref)
+    say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
+    s.summary["registered"] = asdict(ref)
+    s.summary["register_seconds"] = round(time.time() - t0, 2)  # export + upload to the registry
+    return ref
+
+
 def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDataset, checkpoint_uri: str,
                     out_dir: str, lineage: dict) -> dict:
     """The checkpoint's consolidated weights, written by the config's task as its serving artifact
-    (safetensors weights, what its predictor needs, workflows.json) into `out_dir`."""
+    (safetensors weights, what its predictor needs, workflows.json) into `out_dir`; the card as a dict."""
     from workflows.train.checkpoint import consolidated_model_state
     from workflows.train.export import download_checkpoint
 
@@ -179,72 +291,20 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
     return get_task(cfg).export(state, data, out_dir, lineage)
 
 
-def stage_train(rt: Runtime, data: ProcessedDataset, resume: bool = False, register: bool = True):
-    with tracking.tracked(rt, "train") as run:
-        return _train(rt, data, resume, register, run)
-
-
-def _train(rt: Runtime, data: ProcessedDataset, resume: bool, register: bool, run):
-    from workflows.progress import EpochProgress
-    from workflows.train.loop import epoch_line
-    from workflows.train.report import plot_losses
-    from workflows.train.trainer import fit
-
-    tc = rt.cfg.train
-    say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
-        f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
-    with rt.cache_counts() as cache:
-        outcome = fit(rt.cfg, rt.storage, data, resume=resume,
-                      callbacks=[EpochProgress(tc.epochs, get_task(rt.cfg).score[0])],
-                      tracking=run.spec())
-    rt.persist()
-    for h in outcome.history:
-        say(f"train:   {epoch_line(h)}")
-    summary: dict[str, Any] = {"train": asdict(outcome), "shard_cache": cache}
-    curve = plot_losses(outcome.history, Path(rt.cfg.output_dir) / rt.cfg.name / "train_loss.png",
-                        title=outcome.run_uri.rsplit("/", 1)[-1])
-    if curve is not None:
-        summary["loss_curve"] = str(curve)
-        say(f"train: loss curve {curve}")
-    tracking.log_train(run, outcome, curve)
-    ref = None
-    t_register = time.time()
-    if register and not get_task(rt.cfg).registers:
-        say(f"train: a {rt.cfg.model.task} run registers no model; its checkpoints stay at {outcome.run_uri}")
-    elif register:
-        with tempfile.TemporaryDirectory() as tmp:
-            meta = export_artifact(rt.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
-                                   {"run": outcome.run_uri, "train_config": rt.cfg.train.model_dump(mode="json")})
-            if counts := data.label_counts.get("train"):  # a classifier's evaluation baseline
-                meta["majority_label"] = max(counts, key=counts.__getitem__)
-            meta["val_metrics"] = val_metrics(outcome.best_metrics)
-            link = tracking.registry_link(run, rt.tracking.uri if rt.tracking else "")
-            if link is not None:  # the MLflow run that trained this version
-                meta["mlflow"] = link
-            ref = registry.register(rt.cfg, rt.storage, tmp, rt.cfg.registry.name, meta)
-        rt.persist()
-        tracking.log_registered(run, ref)
-        say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
-        summary["registered"] = asdict(ref)
-        summary["register_seconds"] = round(time.time() - t_register, 2)  # export + upload to the registry
-    rt.write_summary("train", summary)
-    return outcome, ref
-
-
 def val_metrics(metrics: dict) -> dict:
     """The validation metrics of the registered epoch (every val_* number the task reports) for its card."""
     return {**{k: v for k, v in metrics.items() if k.startswith("val_") and k != "val_seconds"},
             "epoch": metrics.get("epoch")}
 
 
+# --- evaluate ------------------------------------------------------------------------------------
 def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | None = None,
                    write_back: bool = False, card=None) -> dict:
     """Evaluate a registered model on a Ray Dataset of raw rows (the held-out split by default).
     `card`: the model's, when the caller has read it already (its version is then the one evaluated)."""
     from workflows.evaluate import evaluate_dataset, plot_confusion
-    from workflows.tasks import task_for_card
 
-    with tracking.tracked(rt, "evaluate") as run:
+    with stage(rt, "evaluate") as s:
         if card is None:
             card = registry.model_card(rt.cfg, rt.storage, model_spec)
         elif card.name and card.version:
@@ -255,13 +315,12 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
         show(task_for_card(rt.cfg, card).format_report(metrics))
         png = None
         if "confusion_matrix" in metrics:
-            png = plot_confusion(metrics, Path(rt.cfg.output_dir) / rt.cfg.name / "confusion_matrix.png")
+            png = plot_confusion(metrics, s.out_dir / "confusion_matrix.png")
             say(f"evaluate: confusion matrix {png}")
         if write_back:
             registry.write_evaluation(rt.cfg, rt.storage, registry.resolve(rt.cfg, rt.storage, model_spec), metrics)
             rt.persist()
-        tracking.log_evaluation(run, f"{card.name}:v{card.version}", metrics,
-                                Path(rt.cfg.output_dir) / rt.cfg.name / "evaluation", png)
+        tracking.log_evaluation(s.run, f"{card.name}:v{card.version}", metrics, s.out_dir / "evaluation", png)
     return metrics
 
 
@@ -290,11 +349,12 @@ def model_split(cfg: WorkflowConfig, storage, model_spec: str, split: str):
     return card, f"{uri}/split={split}/", data
 
 
+# --- serve ---------------------------------------------------------------------------------------
 def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None, route_prefix: str = "/",
                 app_name: str | None = None) -> dict:
+    """Deploy a registered model with Ray Serve and send it `demo_rows`: its URL, ingress and answers."""
     from workflows.serve import ingress
     from workflows.serve.app import bearer_token, deploy
-    from workflows.tasks import task_for_card
 
     ref = registry.resolve(rt.cfg, rt.storage, model_spec)
     spec = f"{ref.name}:{ref.version}"
@@ -313,8 +373,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     sent = []
     for row in demo_rows or []:
         route, pred = contract.demo(url, row, headers)
-        shown = f"{pred['label']} ({pred['score']:.2f})" if "label" in pred else json.dumps(pred)[:60]
-        say(f"serve:   {route} {task.describe(row)!r} -> {shown}")
+        say(f"serve:   {route} {task.describe(row)!r} -> {task.describe_prediction(pred)}")
         sent.append({"instance": row, "prediction": pred})
     return {"url": url, "model": spec, "ingress": front, "requests": sent, "deploy_seconds": round(deploy_seconds, 2)}
 
@@ -322,63 +381,3 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
     """The first `n` held-out rows as request instances (the task reads them)."""
     return get_task(rt.cfg).demo_instances(data, rt.storage, n)
-
-
-def run_pipeline(rt: Runtime) -> dict:
-    registering_task_only(rt.cfg, "the pipeline (train -> evaluate -> register -> serve)")
-    with tracking.pipeline_run(rt) as run:
-        summary = _pipeline(rt)
-        headline = summary["evaluate"]["headline"]
-        run.log_metrics({headline["name"].replace(" ", "_").lower(): headline["value"],
-                         **{f"seconds_{k}": v for k, v in summary["seconds"].items()}})
-        run.set_tags({"registered_model.name": summary["model"]["name"],
-                      "registered_model.version": summary["model"]["version"]})
-    return summary
-
-
-def _pipeline(rt: Runtime) -> dict:
-    cfg = rt.cfg
-    t0 = time.time()
-    timings: dict[str, float] = {}
-    summary: dict[str, Any] = {}
-
-    def timed(name, fn, *a, **kw):
-        s = time.time()
-        out = fn(*a, **kw)
-        timings[name] = round(time.time() - s, 2)
-        return out
-
-    data = timed("preprocess", stage_preprocess, rt)
-    summary["dataset"] = {"version": data.version, "uri": data.uri, "counts": data.counts, "reused": data.reused}
-    if cfg.tune.enabled:
-        tuned = timed("tune", stage_tune, rt, data)
-        rt.cfg = cfg = apply_params(cfg, tuned.best_params)
-        summary["tune"] = {
-            "best_params": tuned.best_params,
-            "best_metric": tuned.best_metric,
-            "trials": len(tuned.trials),
-        }
-    outcome, ref = timed("train", stage_train, rt, data)
-    summary["train"] = {"run": outcome.run_uri, "best_metrics": outcome.best_metrics}
-    spec = f"{ref.name}:{ref.version}"
-    # Serve deploys while the evaluation runs: both wait mostly on process start and model load,
-    # and the replica and the evaluation's actor each hold one CPU, so neither waits for the other.
-    with ThreadPoolExecutor(1, thread_name_prefix="serve") as pool:
-        serving = pool.submit(timed, "serve", stage_serve, rt, spec, demo_rows(data, rt, cfg.serve.demo_requests)) \
-            if cfg.serve.enabled else None
-        metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage, cache=rt.cfg.cache),
-                        write_back=True)
-        name, value, against = get_task(cfg).headline(metrics)
-        summary["evaluate"] = {
-            **{k: metrics[k] for k in ("weighted", "baseline") if k in metrics},
-            "rows": metrics["rows"],
-            "headline": {"name": name, "value": value, "against": against},
-        }
-        summary["model"] = {"name": ref.name, "version": ref.version, "uri": ref.uri}
-        if serving is not None:
-            summary["serve"] = serving.result()
-    timings["total"] = round(time.time() - t0, 2)
-    summary["seconds"] = timings
-    rt.write_summary("pipeline", summary)
-    say(f"pipeline: done in {timings['total']:.0f}s: {ref.name}:v{ref.version} {name} {value:.4f} ({against})")
-    return summary
