@@ -256,3 +256,98 @@ def predict_writes_completions(tmp: Path, overrides: list[str], ray_join) -> Non
     table = pd.concat([pd.read_parquet(f) for f in sorted(out.glob("*.parquet"))])
     assert sorted(table["prompt"]) == sorted(rows)
     assert set(table["finish_reason"]) <= {"stop", "length"} and table["prediction"].map(type).eq(str).all()
+
+
+def prompt_completion_parquet(out: Path, rows_per_kind: int) -> list[dict]:
+    """The synthetic set as a user would bring their own: parquet rows of `prompt` and `completion`
+    (plus a column the task ignores), in two shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": r["messages"][0]["content"], "completion": r["messages"][1]["content"], "kind": r["kind"]}
+            for r in chat_data.build(rows_per_kind)]
+    out.mkdir(parents=True)
+    half = len(rows) // 2
+    for i, part in enumerate((rows[:half], rows[half:])):
+        pq.write_table(pa.Table.from_pylist(part), out / f"part-{i}.parquet")
+    return rows
+
+
+@pytest.mark.integration
+# extended: variants of the gated LoRA pipeline (DDP for FSDP2, tuning, parquet prompt/completion rows)
+@pytest.mark.extended
+def test_chat_pipeline_tunes_lora_rank_under_ddp_on_prompt_completion_parquet(tiny_dir, tmp_path, ray_join):
+    """`workflows pipeline --config chat` on parquet rows of prompt/completion, tuning train.lr and
+    the LoRA rank (2 trials, ASHA), then fine-tuning the best on 2 DDP workers: the rows are read as
+    one user turn and its answer, the registered adapter has the chosen rank (card and adapter), and
+    it is the validated model (card = `evaluate --split val`)."""
+    from safetensors.torch import load_file
+
+    rows = prompt_completion_parquet(tmp_path / "raw" / "pc", 40)
+    space = ('{"train.lr": {"loguniform": [5.0e-3, 2.0e-2]}, '
+             '"model.options.lora_r": {"grid": [2, 4]}}')  # one trial per rank: 2 trials
+    overrides = [*chat_overrides(tmp_path, tiny_dir), f"data.source={tmp_path}/raw/pc/", "data.builtin=null",
+                 "data.write_builtin=false", "train.strategy=ddp", "serve.enabled=false",
+                 "tune.enabled=true", "tune.scheduler=asha", "tune.num_samples=1", f"tune.space={space}",
+                 "tune.max_epochs=2", "tune.grace_period=1"]
+    # in the session's cluster, as the gated pipeline: no second Ray to start on a small machine
+    res = run_cli("pipeline", "--config", str(CHAT), *sets([*overrides, *ray_join.overrides]), env=ray_join.env,
+                  timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
+    summary = json.loads((tmp_path / "runs" / "chat" / "pipeline.json").read_text())
+
+    # the parquet rows, read as prompt -> user turn, completion -> the assistant's answer
+    manifest = json.loads(Path(summary["dataset"]["uri"], "manifest.json").read_text())
+    assert manifest["task"] == "chat" and manifest["format"] == "parquet", manifest
+    assert sum(manifest["counts"].values()) == len(rows) and manifest["info"]["dropped"] == {"too_long": 0,
+                                                                                          "invalid": 0}
+    import pandas as pd
+
+    val = pd.concat([pd.read_parquet(f.removeprefix("file://")) for f in manifest["files"]["val"]])
+    by_prompt = {r["prompt"]: r["completion"] for r in rows}
+    assert len(val) == manifest["counts"]["val"]
+    for prompt, answer in zip(val["prompt"], val["answer"]):
+        assert json.loads(prompt)[0]["role"] == "user" and by_prompt[json.loads(prompt)[0]["content"]] == answer
+
+    # tuning ran 2 trials (ASHA, on val_loss), and the pipeline trained the best one's values
+    tune = json.loads((tmp_path / "runs" / "chat" / "tune.json").read_text())
+    assert len(tune["trials"]) == 2 and sorted(t["params"]["model.options.lora_r"] for t in tune["trials"]) == [2, 4]
+    assert tune["config"]["tune"]["scheduler"] == "asha" and tune["config"]["tune"]["metric"] == "val_loss"
+    assert all(1 <= t["epochs"] <= 2 and t["error"] is None for t in tune["trials"])
+    best = summary["tune"]["best_params"]
+    assert best == tune["best_params"] and summary["tune"]["trials"] == 2
+    chosen = best["model.options.lora_r"]
+    finished = [t for t in tune["trials"] if t["value"] is not None]
+    assert min(finished, key=lambda t: t["value"])["params"] == best
+
+    # trained on 2 DDP workers with the tuned values
+    trained = json.loads((tmp_path / "runs" / "chat" / "train.json").read_text())["config"]
+    assert trained["train"]["strategy"] == "ddp" and trained["train"]["num_workers"] == 2
+    assert trained["train"]["lr"] == best["train.lr"] and trained["model"]["options"]["lora_r"] == chosen
+
+    # the registered adapter has the chosen rank, in its card and in its weights
+    model_dir = Path(summary["model"]["uri"])
+    card = json.loads((model_dir / "workflows.json").read_text())
+    assert card["export"] == "adapter" and card["options"]["lora_r"] == chosen
+    assert json.loads((model_dir / "adapter_config.json").read_text())["r"] == chosen
+    weights = load_file(model_dir / "adapter_model.safetensors")
+    lora_a = [v for k, v in weights.items() if "lora_A" in k]
+    assert lora_a and all(v.shape[0] == chosen for v in lora_a)
+    # no DDP wrapper's name in what was saved
+    assert not any(".module." in k or k.startswith("module.") for k in weights)
+
+    # fine-tuning under DDP lowered the held-out loss below the base model's
+    held_out = json.loads((model_dir / "evaluation.json").read_text())
+    assert held_out["rows"] == manifest["counts"]["test"]
+    assert held_out["loss"] < held_out["baseline"]["loss"] - 0.02, held_out
+
+    # and the registered model is the one validated on 2 DDP ranks
+    val_out = tmp_path / "val.json"
+    res = run_cli("evaluate", "--config", str(CHAT), "--model", "chat", "--split", "val", "--output", str(val_out),
+                  *sets([*overrides, *ray_join.overrides]), env=ray_join.env, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    figures = json.loads(val_out.read_text())
+    assert figures["rows"] == manifest["counts"]["val"]
+    for key in ("loss", "perplexity", "exact_match"):
+        assert figures[key] == pytest.approx(card["val_metrics"][f"val_{key}"], abs=0.005), (key, figures, card)
+
