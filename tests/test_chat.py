@@ -7,6 +7,7 @@ pipeline through the real CLI on a tiny random Llama (LoRA on 2 workers, registe
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -351,3 +352,72 @@ def test_chat_pipeline_tunes_lora_rank_under_ddp_on_prompt_completion_parquet(ti
     for key in ("loss", "perplexity", "exact_match"):
         assert figures[key] == pytest.approx(card["val_metrics"][f"val_{key}"], abs=0.005), (key, figures, card)
 
+
+@pytest.mark.integration
+# extended: a variant of the gated LoRA resume (`train --resume` under FSDP2), here a killed DDP worker
+@pytest.mark.extended
+def test_a_killed_chat_worker_resumes_its_lora_adapter_from_the_last_checkpoint(tiny_dir, tmp_path, ray_cluster):
+    """LoRA on 2 DDP workers, worker rank 1 SIGKILLed in the middle of epoch 1 (as test_train_resume
+    does for the text task): Ray Train restarts the group from epoch 0's checkpoint, which must load
+    that checkpoint's adapter (and optimizer) into the new adapters, not train on from their fresh
+    initial weights. The run then reproduces an uninterrupted one, step losses and adapter alike."""
+    import torch
+    from safetensors.torch import load_file
+
+    from reliability.faults import TrainFault
+    from workflows.config import load_config
+    from workflows.pipeline import export_artifact, stage_preprocess
+    from workflows.runtime import runtime
+    from workflows.train.checkpoint import consolidated_model_state, read_state
+    from workflows.train.export import download_checkpoint
+    from workflows.train.trainer import fit, latest_checkpoint
+
+    cfg = load_config(CHAT, [*chat_overrides(tmp_path, tiny_dir), "train.strategy=ddp", "train.epochs=2",
+                             "train.max_train_rows=48", "train.num_to_keep=2", "serve.enabled=false"])
+    assert cfg.train.max_failures >= 1 and cfg.model.options["finetune"] == "lora"
+    marker = tmp_path / "killed-once"
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        reference = fit(cfg, rt.storage, data, run_prefix="reference")
+        # SIGKILL worker rank 1 before its second step of epoch 1, once
+        killed = fit(cfg, rt.storage, data, run_prefix="killed",
+                     on_step=TrainFault(epoch=1, step=1, rank=1, action="kill", once=str(marker)))
+        assert marker.exists(), "the fault never fired"
+
+        def losses(outcome, epoch):
+            (row,) = [h for h in outcome.history if h["epoch"] == epoch]
+            return row["step_losses"]
+
+        # each epoch once, the restarted group from epoch 0's checkpoint
+        assert [h["epoch"] for h in killed.history] == [0, 1]
+        assert [h["resumed_from_epoch"] for h in killed.history] == [None, 0]
+        assert [len(h["step_losses"]) for h in reference.history] == [3, 3]  # 48 rows / 2 workers / batch 8
+        # epoch 1, trained again after the restart, is the uninterrupted run's: the adapter and the
+        # optimizer were restored (fresh adapters would start epoch 1 at the base model's loss)
+        for epoch in (0, 1):
+            np.testing.assert_allclose(losses(killed, epoch), losses(reference, epoch), rtol=1e-4, atol=1e-5)
+        assert losses(killed, 1)[0] < losses(killed, 0)[0] - 0.05
+
+        # the last checkpoint holds epoch 1's adapter, the same as the uninterrupted run's
+        states = {}
+        for name in ("reference", "killed"):
+            with tempfile.TemporaryDirectory() as d:
+                local = download_checkpoint(latest_checkpoint(cfg, rt.storage, name), rt.storage, d)
+                assert read_state(local)["epoch"] == 1
+                states[name] = consolidated_model_state(local)
+        lora = sorted(k for k in states["reference"] if "lora_" in k)
+        assert lora and states["killed"].keys() == states["reference"].keys()
+        for k in lora:
+            torch.testing.assert_close(states["killed"][k], states["reference"][k], rtol=1e-4, atol=1e-5)
+        assert any(states["killed"][k].abs().max() > 0 for k in lora if "lora_B" in k)  # B starts at zero
+
+        # and the adapter it exports (what `workflows train` registers) is that adapter
+        exported = {}
+        for name, outcome in (("reference", reference), ("killed", killed)):
+            out = tmp_path / "export" / name
+            out.mkdir(parents=True)
+            export_artifact(cfg, rt.storage, data, outcome.best_checkpoint_uri, str(out), {})
+            exported[name] = load_file(out / "adapter_model.safetensors")
+        assert exported["killed"].keys() == exported["reference"].keys() and exported["killed"]
+        for k in exported["killed"]:
+            torch.testing.assert_close(exported["killed"][k], exported["reference"][k], rtol=1e-4, atol=1e-5)
