@@ -2,7 +2,9 @@
 attention mask (pad = eos), the seeded synthetic instruction set, exact-match scoring, and one
 pipeline through the real CLI on a tiny random Llama (LoRA on 2 workers, registered adapter, card =
 `evaluate --split val`, the adapter served OpenAI-compatible and streamed from with the `openai` client,
-`workflows predict` on a prompts file)."""
+`workflows predict` on a prompts file). In `make test-all` only: full fine-tuning, the pipeline on
+parquet prompt/completion rows with Tune over lr and the LoRA rank and 2 DDP workers, and a killed
+DDP worker resuming its LoRA adapter."""
 
 from __future__ import annotations
 
