@@ -2,11 +2,14 @@
 attention mask (pad = eos), the seeded synthetic instruction set, exact-match scoring, and one
 pipeline through the real CLI on a tiny random Llama (LoRA on 2 workers, registered adapter, card =
 `evaluate --split val`, the adapter served OpenAI-compatible and streamed from with the `openai` client,
-`workflows predict` on a prompts file)."""
+`workflows predict` on a prompts file). In `make test-all` only: full fine-tuning, the pipeline on
+parquet prompt/completion rows with Tune over lr and the LoRA rank and 2 DDP workers, and a killed
+DDP worker resuming its LoRA adapter."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -256,3 +259,167 @@ def predict_writes_completions(tmp: Path, overrides: list[str], ray_join) -> Non
     table = pd.concat([pd.read_parquet(f) for f in sorted(out.glob("*.parquet"))])
     assert sorted(table["prompt"]) == sorted(rows)
     assert set(table["finish_reason"]) <= {"stop", "length"} and table["prediction"].map(type).eq(str).all()
+
+
+def prompt_completion_parquet(out: Path, rows_per_kind: int) -> list[dict]:
+    """The synthetic set as a user would bring their own: parquet rows of `prompt` and `completion`
+    (plus a column the task ignores), in two shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": r["messages"][0]["content"], "completion": r["messages"][1]["content"], "kind": r["kind"]}
+            for r in chat_data.build(rows_per_kind)]
+    out.mkdir(parents=True)
+    half = len(rows) // 2
+    for i, part in enumerate((rows[:half], rows[half:])):
+        pq.write_table(pa.Table.from_pylist(part), out / f"part-{i}.parquet")
+    return rows
+
+
+@pytest.mark.integration
+# extended: variants of the gated LoRA pipeline (DDP for FSDP2, tuning, parquet prompt/completion rows)
+@pytest.mark.extended
+def test_chat_pipeline_tunes_lora_rank_under_ddp_on_prompt_completion_parquet(tiny_dir, tmp_path, ray_join):
+    """`workflows pipeline --config chat` on parquet rows of prompt/completion, tuning train.lr and
+    the LoRA rank (2 trials, ASHA), then fine-tuning the best on 2 DDP workers: the rows are read as
+    one user turn and its answer, the registered adapter has the chosen rank (card and adapter), and
+    it is the validated model (card = `evaluate --split val`)."""
+    from safetensors.torch import load_file
+
+    rows = prompt_completion_parquet(tmp_path / "raw" / "pc", 40)
+    space = ('{"train.lr": {"loguniform": [5.0e-3, 2.0e-2]}, '
+             '"model.options.lora_r": {"grid": [2, 4]}}')  # one trial per rank: 2 trials
+    overrides = [*chat_overrides(tmp_path, tiny_dir), f"data.source={tmp_path}/raw/pc/", "data.builtin=null",
+                 "data.write_builtin=false", "train.strategy=ddp", "serve.enabled=false",
+                 "tune.enabled=true", "tune.scheduler=asha", "tune.num_samples=1", f"tune.space={space}",
+                 "tune.max_epochs=2", "tune.grace_period=1"]
+    # in the session's cluster, as the gated pipeline: no second Ray to start on a small machine
+    res = run_cli("pipeline", "--config", str(CHAT), *sets([*overrides, *ray_join.overrides]), env=ray_join.env,
+                  timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
+    summary = json.loads((tmp_path / "runs" / "chat" / "pipeline.json").read_text())
+
+    # the parquet rows, read as prompt -> user turn, completion -> the assistant's answer
+    manifest = json.loads(Path(summary["dataset"]["uri"], "manifest.json").read_text())
+    assert manifest["task"] == "chat" and manifest["format"] == "parquet", manifest
+    assert sum(manifest["counts"].values()) == len(rows) and manifest["info"]["dropped"] == {"too_long": 0,
+                                                                                          "invalid": 0}
+    import pandas as pd
+
+    val = pd.concat([pd.read_parquet(f.removeprefix("file://")) for f in manifest["files"]["val"]])
+    by_prompt = {r["prompt"]: r["completion"] for r in rows}
+    assert len(val) == manifest["counts"]["val"]
+    for prompt, answer in zip(val["prompt"], val["answer"]):
+        assert json.loads(prompt)[0]["role"] == "user" and by_prompt[json.loads(prompt)[0]["content"]] == answer
+
+    # tuning ran 2 trials (ASHA, on val_loss), and the pipeline trained the best one's values
+    tune = json.loads((tmp_path / "runs" / "chat" / "tune.json").read_text())
+    assert len(tune["trials"]) == 2 and sorted(t["params"]["model.options.lora_r"] for t in tune["trials"]) == [2, 4]
+    assert tune["config"]["tune"]["scheduler"] == "asha" and tune["config"]["tune"]["metric"] == "val_loss"
+    assert all(1 <= t["epochs"] <= 2 and t["error"] is None for t in tune["trials"])
+    best = summary["tune"]["best_params"]
+    assert best == tune["best_params"] and summary["tune"]["trials"] == 2
+    chosen = best["model.options.lora_r"]
+    finished = [t for t in tune["trials"] if t["value"] is not None]
+    assert min(finished, key=lambda t: t["value"])["params"] == best
+
+    # trained on 2 DDP workers with the tuned values
+    trained = json.loads((tmp_path / "runs" / "chat" / "train.json").read_text())["config"]
+    assert trained["train"]["strategy"] == "ddp" and trained["train"]["num_workers"] == 2
+    assert trained["train"]["lr"] == best["train.lr"] and trained["model"]["options"]["lora_r"] == chosen
+
+    # the registered adapter has the chosen rank, in its card and in its weights
+    model_dir = Path(summary["model"]["uri"])
+    card = json.loads((model_dir / "workflows.json").read_text())
+    assert card["export"] == "adapter" and card["options"]["lora_r"] == chosen
+    assert json.loads((model_dir / "adapter_config.json").read_text())["r"] == chosen
+    weights = load_file(model_dir / "adapter_model.safetensors")
+    lora_a = [v for k, v in weights.items() if "lora_A" in k]
+    assert lora_a and all(v.shape[0] == chosen for v in lora_a)
+    # no DDP wrapper's name in what was saved
+    assert not any(".module." in k or k.startswith("module.") for k in weights)
+
+    # fine-tuning under DDP lowered the held-out loss below the base model's
+    held_out = json.loads((model_dir / "evaluation.json").read_text())
+    assert held_out["rows"] == manifest["counts"]["test"]
+    assert held_out["loss"] < held_out["baseline"]["loss"] - 0.02, held_out
+
+    # and the registered model is the one validated on 2 DDP ranks
+    val_out = tmp_path / "val.json"
+    res = run_cli("evaluate", "--config", str(CHAT), "--model", "chat", "--split", "val", "--output", str(val_out),
+                  *sets([*overrides, *ray_join.overrides]), env=ray_join.env, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    figures = json.loads(val_out.read_text())
+    assert figures["rows"] == manifest["counts"]["val"]
+    for key in ("loss", "perplexity", "exact_match"):
+        assert figures[key] == pytest.approx(card["val_metrics"][f"val_{key}"], abs=0.005), (key, figures, card)
+
+
+@pytest.mark.integration
+# extended: a variant of the gated LoRA resume (`train --resume` under FSDP2), here a killed DDP worker
+@pytest.mark.extended
+def test_a_killed_chat_worker_resumes_its_lora_adapter_from_the_last_checkpoint(tiny_dir, tmp_path, ray_cluster):
+    """LoRA on 2 DDP workers, worker rank 1 SIGKILLed in the middle of epoch 1 (as test_train_resume
+    does for the text task): Ray Train restarts the group from epoch 0's checkpoint, which must load
+    that checkpoint's adapter (and optimizer) into the new adapters, not train on from their fresh
+    initial weights. The run then reproduces an uninterrupted one, step losses and adapter alike."""
+    import torch
+    from safetensors.torch import load_file
+
+    from reliability.faults import TrainFault
+    from workflows.config import load_config
+    from workflows.pipeline import export_artifact, stage_preprocess
+    from workflows.runtime import runtime
+    from workflows.train.checkpoint import consolidated_model_state, read_state
+    from workflows.train.export import download_checkpoint
+    from workflows.train.trainer import fit, latest_checkpoint
+
+    cfg = load_config(CHAT, [*chat_overrides(tmp_path, tiny_dir), "train.strategy=ddp", "train.epochs=2",
+                             "train.max_train_rows=48", "train.num_to_keep=2", "serve.enabled=false"])
+    assert cfg.train.max_failures >= 1 and cfg.model.options["finetune"] == "lora"
+    marker = tmp_path / "killed-once"
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        reference = fit(cfg, rt.storage, data, run_prefix="reference")
+        # SIGKILL worker rank 1 before its second step of epoch 1, once
+        killed = fit(cfg, rt.storage, data, run_prefix="killed",
+                     on_step=TrainFault(epoch=1, step=1, rank=1, action="kill", once=str(marker)))
+        assert marker.exists(), "the fault never fired"
+
+        def losses(outcome, epoch):
+            (row,) = [h for h in outcome.history if h["epoch"] == epoch]
+            return row["step_losses"]
+
+        # each epoch once, the restarted group from epoch 0's checkpoint
+        assert [h["epoch"] for h in killed.history] == [0, 1]
+        assert [h["resumed_from_epoch"] for h in killed.history] == [None, 0]
+        assert [len(h["step_losses"]) for h in reference.history] == [3, 3]  # 48 rows / 2 workers / batch 8
+        # epoch 1, trained again after the restart, is the uninterrupted run's: the adapter and the
+        # optimizer were restored (fresh adapters would start epoch 1 at the base model's loss)
+        for epoch in (0, 1):
+            np.testing.assert_allclose(losses(killed, epoch), losses(reference, epoch), rtol=1e-4, atol=1e-5)
+        assert losses(killed, 1)[0] < losses(killed, 0)[0] - 0.05
+
+        # the last checkpoint holds epoch 1's adapter, the same as the uninterrupted run's
+        states = {}
+        for name in ("reference", "killed"):
+            with tempfile.TemporaryDirectory() as d:
+                local = download_checkpoint(latest_checkpoint(cfg, rt.storage, name), rt.storage, d)
+                assert read_state(local)["epoch"] == 1
+                states[name] = consolidated_model_state(local)
+        lora = sorted(k for k in states["reference"] if "lora_" in k)
+        assert lora and states["killed"].keys() == states["reference"].keys()
+        for k in lora:
+            torch.testing.assert_close(states["killed"][k], states["reference"][k], rtol=1e-4, atol=1e-5)
+        assert any(states["killed"][k].abs().max() > 0 for k in lora if "lora_B" in k)  # B starts at zero
+
+        # and the adapter it exports (what `workflows train` registers) is that adapter
+        exported = {}
+        for name, outcome in (("reference", reference), ("killed", killed)):
+            out = tmp_path / "export" / name
+            out.mkdir(parents=True)
+            export_artifact(cfg, rt.storage, data, outcome.best_checkpoint_uri, str(out), {})
+            exported[name] = load_file(out / "adapter_model.safetensors")
+        assert exported["killed"].keys() == exported["reference"].keys() and exported["killed"]
+        for k in exported["killed"]:
+            torch.testing.assert_close(exported["killed"][k], exported["reference"][k], rtol=1e-4, atol=1e-5)
