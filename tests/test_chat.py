@@ -199,19 +199,7 @@ def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_d
 
     # training lowered the loss below the random base model's, which evaluation reports beside it
     assert summary["evaluate"]["headline"]["name"] == "exact match"
-    held_out = json.loads((model_dir / "evaluation.json").read_text())
-    assert held_out["rows"] == manifest["counts"]["test"]
-    assert held_out["loss"] < held_out["baseline"]["loss"] - 0.02, held_out
-
-    # the registered model is the validated one
-    val_out = tmp_path / "val.json"
-    res = run_cli("evaluate", "--config", str(CHAT), "--model", "chat", "--split", "val", "--output", str(val_out),
-                  *sets(overrides), timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    val = json.loads(val_out.read_text())
-    assert val["rows"] == manifest["counts"]["val"]
-    for key in ("loss", "perplexity", "exact_match"):
-        assert val[key] == pytest.approx(card["val_metrics"][f"val_{key}"], abs=0.005), (key, val, card)
+    held_out_beats_the_base_and_val_is_the_card(tmp_path, model_dir, manifest, card, overrides)
 
     if finetune == "lora":
         # resuming the finished run loads its last checkpoint into new LoRA adapters on 2 workers and
@@ -223,6 +211,24 @@ def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_d
         again = model_dir.parent / "v2"
         first, second = (load_file(d / "adapter_model.safetensors") for d in (model_dir, again))
         assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first)
+
+
+def held_out_beats_the_base_and_val_is_the_card(tmp: Path, model_dir: Path, manifest: dict, card: dict,
+                                                overrides: list[str], ray_join=None) -> None:
+    """The held-out loss is below the base model's (evaluation reports both), and `workflows evaluate
+    --split val` (in the session's cluster when `ray_join` is given) gives the card's val figures."""
+    held_out = json.loads((model_dir / "evaluation.json").read_text())
+    assert held_out["rows"] == manifest["counts"]["test"]
+    assert held_out["loss"] < held_out["baseline"]["loss"] - 0.02, held_out
+    val_out = tmp / "val.json"
+    joined = ray_join.overrides if ray_join else []
+    res = run_cli("evaluate", "--config", str(CHAT), "--model", "chat", "--split", "val", "--output", str(val_out),
+                  *sets([*overrides, *joined]), env=ray_join.env if ray_join else None, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    val = json.loads(val_out.read_text())
+    assert val["rows"] == manifest["counts"]["val"]
+    for key in ("loss", "perplexity", "exact_match"):
+        assert val[key] == pytest.approx(card["val_metrics"][f"val_{key}"], abs=0.005), (key, val, card)
 
 
 def served_answers_stream(tmp: Path) -> None:
@@ -339,20 +345,9 @@ def test_chat_pipeline_tunes_lora_rank_under_ddp_on_prompt_completion_parquet(ti
     # no DDP wrapper's name in what was saved
     assert not any(".module." in k or k.startswith("module.") for k in weights)
 
-    # fine-tuning under DDP lowered the held-out loss below the base model's
-    held_out = json.loads((model_dir / "evaluation.json").read_text())
-    assert held_out["rows"] == manifest["counts"]["test"]
-    assert held_out["loss"] < held_out["baseline"]["loss"] - 0.02, held_out
-
-    # and the registered model is the one validated on 2 DDP ranks
-    val_out = tmp_path / "val.json"
-    res = run_cli("evaluate", "--config", str(CHAT), "--model", "chat", "--split", "val", "--output", str(val_out),
-                  *sets([*overrides, *ray_join.overrides]), env=ray_join.env, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    figures = json.loads(val_out.read_text())
-    assert figures["rows"] == manifest["counts"]["val"]
-    for key in ("loss", "perplexity", "exact_match"):
-        assert figures[key] == pytest.approx(card["val_metrics"][f"val_{key}"], abs=0.005), (key, figures, card)
+    # fine-tuning under DDP lowered the held-out loss below the base model's, and the registered
+    # model is the one validated on 2 DDP ranks
+    held_out_beats_the_base_and_val_is_the_card(tmp_path, model_dir, manifest, card, overrides, ray_join)
 
 
 @pytest.mark.integration

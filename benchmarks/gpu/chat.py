@@ -28,7 +28,6 @@ Llama, a byte-level BPE tokenizer with a ChatML template and a few dozen rows, m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -399,23 +398,13 @@ def prepare(out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.chat")
-    ap.add_argument("command", choices=["prepare"])
-    ap.add_argument("--out", default=".gpu-prep", help="the folder to carry to the device")
-    a = ap.parse_args(argv)
-    try:
-        info = prepare(Path(a.out))
-    except UserError as e:
-        print(f"bench gpu prepare chat: {e}", file=sys.stderr)
-        return 2
-    except subprocess.CalledProcessError as e:  # its own output, above, says why
-        print(f"bench gpu prepare chat: {' '.join(e.cmd[1:5])} ... failed (exit {e.returncode}); nothing written to "
-              f"{a.out}", file=sys.stderr)
-        return 1
-    print(f"bench gpu prepare chat: {Path(a.out) / CHAT_PREP} written: rows {info['counts']}, dropped "
-          f"{info['dropped']}; the carried tokenizer re-encodes {info['check']['identical']}/{info['check']['rows']} "
-          "rows identically")
-    return 0
+    from benchmarks.gpu.classify import prepare_main
+
+    def done(out: Path, info: dict) -> str:
+        return (f"{out / CHAT_PREP} written: rows {info['counts']}, dropped {info['dropped']}; the carried tokenizer "
+                f"re-encodes {info['check']['identical']}/{info['check']['rows']} rows identically")
+
+    return prepare_main("benchmarks.gpu.chat", "bench gpu prepare chat", prepare, done, argv)
 
 
 if __name__ == "__main__":

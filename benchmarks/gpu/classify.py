@@ -271,22 +271,29 @@ def prepare(out: Path) -> dict:
     return cpu
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.classify")
+def prepare_main(module: str, what: str, prepare_into, done, argv: list[str] | None = None) -> int:
+    """`python -m MODULE prepare [--out DIR]`: run `prepare_into(DIR)`, print `done(DIR, its result)`;
+    a user error or a failed command is one line naming `what` was being prepared."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}")
     ap.add_argument("command", choices=["prepare"])
     ap.add_argument("--out", default=".gpu-prep", help="the folder to carry to the device")
     a = ap.parse_args(argv)
     try:
-        cpu = prepare(Path(a.out))
+        info = prepare_into(Path(a.out))
     except UserError as e:
-        print(f"bench gpu prepare: {e}", file=sys.stderr)
+        print(f"{what}: {e}", file=sys.stderr)
         return 2
     except subprocess.CalledProcessError as e:  # its own output, above, says why
-        print(f"bench gpu prepare: {' '.join(e.cmd[1:5])} ... failed (exit {e.returncode}); nothing written to "
+        print(f"{what}: {' '.join(e.cmd[1:5])} ... failed (exit {e.returncode}); nothing written to "
               f"{a.out}", file=sys.stderr)
         return 1
-    print(f"bench gpu prepare: {a.out} written; CPU held-out F1 {cpu['f1']} ({cpu['source']})")
+    print(f"{what}: {done(Path(a.out), info)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return prepare_main("benchmarks.gpu.classify", "bench gpu prepare", prepare,
+                        lambda out, cpu: f"{out} written; CPU held-out F1 {cpu['f1']} ({cpu['source']})", argv)
 
 
 if __name__ == "__main__":
