@@ -61,13 +61,15 @@ def markdown(r: dict) -> str:
     def met(key: str) -> str:
         return "met" if r["goals_met"][key] else "**not met**"
 
+    la = r["load_average"]
     epochs = "\n".join("| " + " | ".join(f"{h[k]:.4f}" if k != "epoch" else str(h[k]) for k in EPOCH_KEYS) + " |"
                        for h in r["epochs"])
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in r["stage_seconds"].items() if k != "total")
     served = "; ".join(f"{s['prompt']!r} -> {s['text']!r} ({s['finish_reason']})" for s in r["served"])
     return f"""## Chat: the demo pipeline, LoRA on SmolLM2-135M-Instruct
 
-`{r["command"]}` ({r["measured_at"]}, {r["cpus"]} CPUs, load {r["load_average"]}): `workflows pipeline
+`{r["command"]}` ({r["measured_at"]}, {r["cpus"]} CPUs, load average {la["before"]} before, {la["mean"]} mean and
+{la["max"]} at most during the run): `workflows pipeline
 --config chat` in a fresh process from an empty store and an empty model cache (the GGUF conversion
 included), {r["train_rows"]} training conversations, {r["test_rows"]} held out. Stages: {stages}.
 
