@@ -101,8 +101,8 @@ def _preprocess_seconds(results: dict) -> list[float]:
                   for f in ("images-train", "images-train-1worker"))
 
 
-# Every figure the README cites from a benchmark's results: the README's words with `{}` where the
-# figure stands, the results file(s), and the figure as read from them.
+# Every figure the README and its guides cite from a benchmark's results: their words with `{}` where
+# the figure stands, the results file(s), and the figure as read from them.
 README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("warm epoch is {}x the best peer's", ("images-cold",), lambda r: f"{r['images-cold']['warm_vs_best_peer']:.2f}"),
     ("runs at {}x WebDataset's steady rate", ("images-cold",), lambda r: "{:.2f}".format(
@@ -143,6 +143,15 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("held-out weighted F1 {} (", ("digits",), lambda r: f"{r['digits']['weighted_f1']:.3f}"),
     ("0 of {} at concurrency", ("serve",), lambda r: f"{r['serve']['rolling_update']['requests']:,}"),
     ("at concurrency {}", ("serve",), lambda r: str(r["serve"]["rolling_update"]["concurrency"])),
+    ("`workflows pipeline --config chat` takes {} s on 2 cores", ("chat",),
+     lambda r: f"{r['chat']['wall_seconds']:.0f}"),
+    ("exact match from {} for the base model", ("chat",), lambda r: f"{r['chat']['base_exact_match']:.3f}"),
+    ("for the base model to {} (", ("chat",), lambda r: f"{r['chat']['exact_match']:.3f}"),
+    ("at concurrency 16 the engine gives {}x the tokens/s", ("generate",),
+     lambda r: f"{r['generate']['tokens_per_s_vs_one_at_a_time']:.2f}"),
+    ("the first token at concurrency 1 in {}x the peer's time", ("generate",),
+     lambda r: f"{r['generate']['ttft_p50_vs_peer']:.2f}"),
+    ("decodes at {}x the FLOP limit", ("generate",), lambda r: f"{r['generate']['decode_vs_flop_limit']:.2f}"),
 ]
 # figures written as `N.Nx` in the README that no benchmark measured: goals, and this machine's RAM
 NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
@@ -153,7 +162,8 @@ CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09
 
 
 def _readme() -> str:
-    return (ROOT / "README.md").read_text()
+    """The user docs that cite figures: the README and its guides (docs/guides/*.md), one text."""
+    return "\n\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))])
 
 
 def test_the_readme_cites_each_benchmark_figure_from_its_latest_run():
@@ -200,7 +210,7 @@ def test_the_readmes_links_into_benchmarks_md_reach_current_sections():
     doc = DOC.read_text()
     headings = {anchor(ln): n for n, ln in enumerate(doc.splitlines()) if ln.startswith("## ")}
     lines = doc.splitlines()
-    links = re.findall(r"docs/BENCHMARKS\.md#([\w-]+)", _readme())
+    links = re.findall(r"(?:docs/|\.\./)BENCHMARKS\.md#([\w-]+)", _readme())
     assert links
     for link in links:
         assert link in headings, f"README links to docs/BENCHMARKS.md#{link}: no such section"
