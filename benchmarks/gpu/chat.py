@@ -362,29 +362,15 @@ def smoke_prepare(dst: Path) -> Path:
 def prepare(out: Path) -> dict:
     """`out`/chat-processed: the real `workflows preprocess --config chat` (Ray, a fresh embedded store and
     model cache in a temp folder), checked against `out`/smollm2's tokenizer (written first if absent)."""
+    from benchmarks.gpu.classify import preprocessed_copy
     from benchmarks.gpu.generate import prepare as prepare_generate
-    from benchmarks.pipeline_run import fresh_overrides
-    from workflows.config import load_config
-    from workflows.runtime import runtime
-    from workflows.storage.uri import filesystem
 
     out = out.resolve()
     if not (out / SMOLLM2 / "tokenizer.json").exists():
         prepare_generate(out / SMOLLM2)
     with tempfile.TemporaryDirectory(prefix="gpu-prepare-chat-") as tmp:
-        work = Path(tmp)
-        sets = fresh_overrides(tmp)
-        cmd = [sys.executable, "-m", "workflows", "preprocess", "--config", "chat"]
-        for attempt in range(3):  # Ray's node start gives up after 30 s, which a loaded machine can exceed
-            done = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=attempt == 2)
-            if done.returncode == 0:
-                break
-        cfg = load_config("chat", sets)
-        stage = json.loads((work / "runs" / cfg.name / "preprocess.json").read_text())
-        staged = work / CHAT_PREP
-        with runtime(cfg, ray_needed=False) as rt:
-            fs, path = filesystem(stage["dataset"]["uri"], rt.storage)
-            fs.get(path.rstrip("/") + "/", str(staged) + "/", recursive=True)
+        staged = Path(tmp) / CHAT_PREP
+        preprocessed_copy("chat", Path(tmp), staged)
         check = tokenizer_check(staged, out / SMOLLM2)
         if check["identical"] != check["rows"]:
             raise UserError(f"{out / SMOLLM2}'s tokenizer encodes {check['rows'] - check['identical']} of "

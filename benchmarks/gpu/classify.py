@@ -222,29 +222,36 @@ def smoke_prepare(dst: Path) -> Path:
     return dst
 
 
-def prepare(out: Path) -> dict:
-    """The carried folder: processed split (the real `workflows preprocess`), bf16 MiniLM, CPU F1."""
+def preprocessed_copy(config: str, work: Path, dst: Path) -> None:
+    """The real `workflows preprocess --config CONFIG` against a fresh embedded store under `work`
+    (Ray runs here, not on the device), its processed dataset copied to the local folder `dst`."""
     from benchmarks.pipeline_run import fresh_overrides
     from workflows.config import load_config
-    from workflows.preprocess.encoding import packaged_minilm
     from workflows.runtime import runtime
     from workflows.storage.uri import filesystem
+
+    sets = fresh_overrides(work)
+    cmd = [sys.executable, "-m", "workflows", "preprocess", "--config", config]
+    for attempt in range(3):  # Ray's node start gives up after 30 s, which a loaded machine can exceed
+        done = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=attempt == 2)
+        if done.returncode == 0:
+            break
+    cfg = load_config(config, sets)
+    stage = json.loads((work / "runs" / cfg.name / "preprocess.json").read_text())
+    with runtime(cfg, ray_needed=False) as rt:
+        fs, path = filesystem(stage["dataset"]["uri"], rt.storage)
+        fs.get(path.rstrip("/") + "/", str(dst) + "/", recursive=True)
+
+
+def prepare(out: Path) -> dict:
+    """The carried folder: processed split (the real `workflows preprocess`), bf16 MiniLM, CPU F1."""
+    from workflows.preprocess.encoding import packaged_minilm
 
     out = out.resolve()
     with tempfile.TemporaryDirectory(prefix="gpu-prepare-") as tmp:
         work = Path(tmp)
-        sets = fresh_overrides(tmp)
-        cmd = [sys.executable, "-m", "workflows", "preprocess", "--config", "quickstart"]
-        for attempt in range(3):  # Ray's node start gives up after 30 s, which a loaded machine can exceed
-            done = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=attempt == 2)
-            if done.returncode == 0:
-                break
-        cfg = load_config("quickstart", sets)
-        stage = json.loads((work / "runs" / cfg.name / "preprocess.json").read_text())
         staged = work / "prep"
-        with runtime(cfg, ray_needed=False) as rt:
-            fs, path = filesystem(stage["dataset"]["uri"], rt.storage)
-            fs.get(path.rstrip("/") + "/", str(staged / "processed") + "/", recursive=True)
+        preprocessed_copy("quickstart", work, staged / "processed")
         convert_model(packaged_minilm(), staged / "minilm-bf16", "bfloat16")
         # the generate step's: SmolLM2-135M-Instruct's tokenizer and config, from the packaged GGUF
         from benchmarks.gpu.generate import PREPARED as SMOLLM2
