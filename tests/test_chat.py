@@ -363,7 +363,7 @@ def test_a_killed_chat_worker_resumes_its_lora_adapter_from_the_last_checkpoint(
 
     from reliability.faults import TrainFault
     from workflows.config import load_config
-    from workflows.pipeline import export_artifact, stage_preprocess
+    from workflows.pipeline.stages import export_artifact, stage_preprocess
     from workflows.runtime import runtime
     from workflows.train.checkpoint import consolidated_model_state, read_state
     from workflows.train.export import download_checkpoint
