@@ -366,8 +366,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
     deploy_seconds = time.time() - t0
     front = ingress.describe(rt.cfg)
-    first = "/predict" if contract.predict_route else "/v1/chat/completions"
-    say(f"serve: {url}{first} is up behind {front} (docs at {url}/docs)")
+    say(f"serve: {url}{contract.main_route} is up behind {front} (docs at {url}/docs)")
     token = bearer_token(rt.cfg.serve)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     sent = []

@@ -155,6 +155,7 @@ class OpenAIContract(HttpContract):
     """OpenAI's chat and text completions; no /predict (`predict_route`)."""
 
     predict_route = False
+    main_route = "/v1/chat/completions"
     request_model = ChatRequest
     response_model = None
 
