@@ -46,9 +46,9 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workflows.config.model import SIZES
     from workflows.parallel import parallelize, transformer_blocks, world
     from workflows.tasks.causal_lm.model import build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
+    from workflows.tasks.causal_lm.options import SIZES
     from workflows.train.loop import make_optimizer, make_scheduler, train_epoch
     from workflows.train.worker_setup import join_torchrun_group, torchrun_device
 
@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    from workflows.config.model import SIZES
+    from workflows.tasks.causal_lm.options import SIZES
 
     d = GPU_DEFAULTS
     p = argparse.ArgumentParser(prog="python -m workflows.bench.lm", description=__doc__.split("\n\n")[0])
@@ -175,8 +175,8 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
     gpus = torch.cuda.device_count()
     defaults = dict(GPU_DEFAULTS if gpus else CPU_DEFAULTS)
-    from workflows.config.model import SIZES
     from workflows.errors import UserError
+    from workflows.tasks.causal_lm.options import SIZES
 
     for item in overrides:
         key, _, value = item.partition("=")

@@ -14,9 +14,6 @@ class DataConfig(Strict):
     format: Literal["auto", "csv", "jsonl", "parquet", "tar", "image"] = "auto"
     text_columns: list[str] = Field(["text"], min_length=1, description="text tasks: the columns joined into the input")
     label_column: str = "label"
-    image_column: str = Field(
-        "image", description="image tasks, parquet shards: the column of encoded image bytes (tar shards and "
-        "class-per-folder files carry their images themselves)")
     max_bad_records: int = Field(
         0, ge=0, description="records that cannot be decoded (an image that is truncated, empty, not an image, a "
         "decompression bomb) skipped and named in the preprocessing summary; one more fails preprocessing, "
@@ -41,9 +38,6 @@ class DataConfig(Strict):
 class PreprocessConfig(Strict):
     tokenizer: str = Field("minilm", description="'minilm' (the packaged all-MiniLM-L6-v2) or a local HF directory")
     max_length: int = Field(128, ge=8, le=4096)
-    image_size: int | None = Field(
-        None, ge=8, le=1024,
-        description="deprecated: the image_classification task's model.options.image_size (still read)")
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="image tasks: an image declaring more pixels is refused undecoded "
         "(decompression bombs), in preprocessing and serving alike")

@@ -1,4 +1,4 @@
-"""The `model` section: the task, its model, and a causal LM's shape.
+"""The `model` section: the task, its model, and the task's own settings (`model.options`).
 
 This module imports no task: `model.task` is checked here for its form only (a built-in's name, or
 `module.path:ClassName`); the plug-in's import and its class are checked once the config has loaded,
@@ -8,9 +8,9 @@ before anything starts (workflows.tasks.check_task: the CLI's config load, workf
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from workflows.config.base import Strict
 
@@ -18,38 +18,11 @@ from workflows.config.base import Strict
 BUILTIN_TASKS = ("classification", "causal_lm", "image_classification", "chat")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
-# GPT-2 family shapes (n_layer, n_embd, n_head) of the causal LM's size presets; "1b" is a GPT-2-style
-# 1.2B (24 x 2048)
-SIZES: dict[str, tuple[int, int, int]] = {
-    "tiny": (2, 64, 2),
-    "small": (4, 256, 4),
-    "gpt2-124m": (12, 768, 12),
-    "gpt2-350m": (24, 1024, 16),
-    "gpt2-774m": (36, 1280, 20),
-    "1b": (24, 2048, 16),
-}
-
-
-def shape(lm_cfg: CausalLMConfig) -> tuple[int, int, int]:
-    """(layers, hidden size, heads) of `model.lm`: its preset with the overrides applied."""
-    layers, hidden, heads = SIZES[lm_cfg.size]
-    return lm_cfg.n_layer or layers, lm_cfg.n_embd or hidden, lm_cfg.n_head or heads
-
-
-class CausalLMConfig(Strict):
-    """A GPT-2-style model built from a size preset, randomly initialized (model.task: causal_lm)."""
-
-    size: Literal["tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m", "1b"] = "gpt2-124m"
-    n_layer: int | None = Field(None, ge=1, description="overrides the preset's layers")
-    n_embd: int | None = Field(None, ge=8, description="overrides the preset's hidden size")
-    n_head: int | None = Field(None, ge=1, description="overrides the preset's attention heads")
-    seq_len: int = Field(1024, ge=8, description="tokens per training block (rows are packed into blocks)")
-
-
 class ModelConfig(Strict):
     task: str = Field(
         "classification",
-        description="classification (fine-tune a text classifier), causal_lm (pretrain a causal LM from model.lm), "
+        description="classification (fine-tune a text classifier), causal_lm (pretrain a GPT-2-style causal LM, "
+        "its size in model.options), "
         "image_classification, chat (fine-tune a pretrained causal LM on conversations), or a plug-in task by "
         "import path, module.path:ClassName (a workflows.tasks.base.Task)",
     )
@@ -70,9 +43,6 @@ class ModelConfig(Strict):
         "may import for a registered model whose card names them; model.task is always trusted. A card naming "
         "any other plug-in is refused: the card comes from the store, and must not choose the code that runs")
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
-    pooling: Literal["cls", "mean"] | None = Field(
-        None, description="deprecated: the classification task's model.options.pooling (still read)")
-    lm: CausalLMConfig = CausalLMConfig()
 
     @field_validator("task")
     @classmethod
@@ -81,11 +51,3 @@ class ModelConfig(Strict):
             return v
         raise ValueError(f"unknown task {v!r}: use one of {', '.join(BUILTIN_TASKS)}, or a plug-in as "
                          "module.path:ClassName")
-
-    @model_validator(mode="after")
-    def _heads_divide_hidden(self):
-        _, hidden, heads = shape(self.lm)
-        if hidden % heads:
-            raise ValueError(f"lm: hidden size {hidden} is not divisible by {heads} heads")
-        return self
-

@@ -1,4 +1,4 @@
-"""The `train` section: the training run, its input and its augmentation."""
+"""The `train` section: the training run and its input."""
 
 from __future__ import annotations
 
@@ -7,26 +7,6 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from workflows.config.base import Strict
-
-
-class AugmentConfig(Strict):
-    """On-the-fly augmentation of training images (the image_classification task's
-    `model.options.augment`), seeded per (seed, epoch, sample), never by rank, so a resumed epoch
-    sees the same crops."""
-
-    enabled: bool = True
-    crop_scale: tuple[float, float] = Field(
-        (0.08, 1.0), description="RandomResizedCrop: the range of the crop's area as a fraction of the image")
-    crop_ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="RandomResizedCrop: aspect ratio range")
-    flip: bool = Field(True, description="horizontal flip with probability 0.5 (off for digits, text, ...)")
-
-    @model_validator(mode="after")
-    def _ranges(self):
-        for name in ("crop_scale", "crop_ratio"):
-            lo, hi = getattr(self, name)
-            if not 0 < lo <= hi or (name == "crop_scale" and hi > 1):
-                raise ValueError(f"{name} must be 0 < low <= high{' <= 1' if name == 'crop_scale' else ''}")
-        return self
 
 
 class TrainConfig(Strict):
@@ -41,13 +21,6 @@ class TrainConfig(Strict):
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(32, ge=1, description="per worker")
     lr: float = Field(1e-4, gt=0)
-    head_lr: float | None = Field(
-        None, gt=0, description="classification: learning rate of the new head (random weights); None: train.lr"
-    )
-    head_init: Literal["random", "linear_probe"] | None = Field(
-        None, description="deprecated: the classification task's model.options.head_init (still read)")
-    linear_probe_l2: float | None = Field(
-        None, ge=0, description="deprecated: the classification task's model.options.linear_probe_l2 (still read)")
     weight_decay: float = Field(0.01, ge=0)
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     grad_clip: float | None = Field(1.0, gt=0)
@@ -56,12 +29,6 @@ class TrainConfig(Strict):
     )
     activation_checkpointing: bool = Field(
         False, description="recompute each block's activations in backward: less memory, ~1/3 more compute"
-    )
-    freeze_embeddings: bool = Field(
-        False,
-        description="classification fine-tuning: keep the pretrained input embeddings fixed (half of MiniLM's "
-        "weights): less compute and communication; ignored by causal-LM pretraining (random embeddings, tied to "
-        "the LM head)",
     )
     seed: int = 0
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
@@ -75,8 +42,6 @@ class TrainConfig(Strict):
     num_to_keep: int = Field(1, ge=1)
     max_failures: int = Field(1, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="threads per worker; default = cpus_per_worker")
-    augment: AugmentConfig | None = Field(
-        None, description="deprecated: the image_classification task's model.options.augment (still read)")
     loader: Literal["ray_data", "stream"] = Field(
         "ray_data",
         description="training input: 'ray_data' (Ray Data shards, resumable at epoch ends), or 'stream' "
@@ -93,14 +58,6 @@ class TrainConfig(Strict):
         None, ge=0,
         description="loader=stream: decode processes per training worker (0: inline); None: the worker's CPUs "
         "minus the one it trains on, at least 1 (docs/guides/train.md measures it)",
-    )
-    image_input: Literal["raw", "pixels"] = Field(
-        "pixels",
-        description="loader=stream, image tasks: 'raw' trains from the source's tar shards, parquet rows (image "
-        "bytes in data.image_column) or image files (decode, "
-        "RandomResizedCrop of the original image and flip in the loader's processes; val/test stay the "
-        "preprocessed pixels), 'pixels' from the preprocessed fixed-size pixels (cropped in the collate; "
-        "small images such as digits). docs/guides/train.md compares them",
     )
     shuffle_window: int = Field(
         4, ge=1, description="loader=stream: shards whose samples are shuffled together (the shuffle buffer)"

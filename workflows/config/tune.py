@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from workflows.config.base import Strict
+from workflows.config.moved import MOVED, moved_message
 from workflows.config.train import TrainConfig
 
 OPTION_PREFIX = "model.options."  # a search dimension over one of the task's options
@@ -66,6 +67,8 @@ class TuneConfig(Strict):
             option = key.removeprefix(OPTION_PREFIX)
             if key.startswith(OPTION_PREFIX) and option and "." not in option:
                 continue
+            if key in MOVED:
+                raise ValueError(f"search dimension {moved_message(key)}")
             field = key.removeprefix("train.")
             if not key.startswith("train.") or field not in TrainConfig.model_fields:
                 raise ValueError(f"search dimension {key!r} must name a train.* field or a model.options.* key")

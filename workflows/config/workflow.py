@@ -12,6 +12,7 @@ from workflows.config.base import Strict, check_name
 from workflows.config.cluster import RayConfig
 from workflows.config.data import DataConfig, PreprocessConfig
 from workflows.config.model import ModelConfig
+from workflows.config.moved import moved_error
 from workflows.config.registry import EvaluateConfig, RegistryConfig
 from workflows.config.serve import ServeConfig
 from workflows.config.storage import CacheConfig, StorageConfig
@@ -87,7 +88,8 @@ def resolve_config(path: str | os.PathLike) -> Path:
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> WorkflowConfig:
     """Read YAML at `path` (a file or a shipped config's name; None = defaults only), apply
-    overrides, validate."""
+    overrides, validate. A key that moved to a task's `model.options` (workflows.config.moved) is
+    an error naming its new place, in the file or in a `--set`."""
     data: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -102,9 +104,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise UserError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded
+    if error := moved_error(data, source):
+        raise UserError(error)
     if overrides:
         source = f"{source} (with --set)"
         data = apply_overrides(data, overrides, source)
+        if error := moved_error(data, source):
+            raise UserError(error)
     try:
         return WorkflowConfig.model_validate(data)
     except ValidationError as e:

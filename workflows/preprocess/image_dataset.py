@@ -51,12 +51,12 @@ BAD = "bad"
 TRAIN_SAMPLES = "train-samples.json"  # the train split's raw samples (train_sample_index)
 
 
-def dataset_version(shards, fmt: str, cfg, image_size: int) -> str:
+def dataset_version(shards, fmt: str, cfg, image_size: int, image_column: str) -> str:
     d, p = cfg.data, cfg.preprocess
     key = {
         "task": "image", "format_version": FORMAT_VERSION, "format": fmt,
         "shards": [(s.uri, s.version, s.size) for s in shards],
-        "image_column": d.image_column if fmt == "parquet" else None, "label_column": d.label_column,
+        "image_column": image_column if fmt == "parquet" else None, "label_column": d.label_column,
         "val": d.val_fraction, "test": d.test_fraction, "split_seed": d.split_seed, "max_rows": d.max_rows,
         "image_size": image_size, "max_image_pixels": p.max_image_pixels,
     }
@@ -134,13 +134,13 @@ def _as_records(batch: pd.DataFrame, image_column: str, label_column: str) -> pd
                          "label": list(batch[label_column])})
 
 
-def preprocess_images(cfg, image_size: int, ctx, say=print) -> ProcessedDataset:
+def preprocess_images(cfg, image_size: int, image_column: str, ctx, say=print) -> ProcessedDataset:
     import pyarrow.parquet as pq
     import ray.data
 
     d, p = cfg.data, cfg.preprocess
     shards, fmt = list_shards(d.source, ctx, d.format)
-    version = dataset_version(shards, fmt, cfg, image_size)
+    version = dataset_version(shards, fmt, cfg, image_size, image_column)
     out_uri = cfg.uri("processed", version)
     if exists(join(out_uri, "manifest.json"), ctx):
         ds = ProcessedDataset.load(out_uri, ctx)
@@ -152,8 +152,8 @@ def preprocess_images(cfg, image_size: int, ctx, say=print) -> ProcessedDataset:
     say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri} "
         f"({image_size}x{image_size} uint8, {p.concurrency} decoding task(s) at a time)")
     if fmt == "parquet":
-        raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=[d.image_column, d.label_column])
-        raw = raw.map_batches(_as_records, batch_format="pandas", fn_args=(d.image_column, d.label_column))
+        raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=[image_column, d.label_column])
+        raw = raw.map_batches(_as_records, batch_format="pandas", fn_args=(image_column, d.label_column))
     elif fmt in ("tar", "image"):
         raw = read_dataset(shards, fmt, ctx, cfg.cache)
     else:
@@ -234,7 +234,7 @@ def parquet_sample_index(shards, image_column: str, label_column: str, wanted: d
         with cache.open_local(shard.uri, shard.version, shard.size) as local:
             pf = pq.ParquetFile(local)
             names = pf.schema_arrow.names
-            for column, field in ((image_column, "data.image_column"), (label_column, "data.label_column")):
+            for column, field in ((image_column, "model.options.image_column"), (label_column, "data.label_column")):
                 if column not in names:
                     raise UserError(f"{shard.uri}: no column {column!r} ({field}); its columns: {sorted(names)}")
             read = list(dict.fromkeys(["key" if "key" in names else image_column, label_column]))
@@ -254,8 +254,9 @@ def parquet_sample_index(shards, image_column: str, label_column: str, wanted: d
     return DatasetIndex(prefix="", shards=entries, format="raw-parquet", members=members, column=image_column)
 
 
-def train_sample_index(cfg, data: ProcessedDataset, ctx):
-    """The processed train split's samples where the source holds them (train.image_input=raw): a
+def train_sample_index(cfg, data: ProcessedDataset, ctx, image_column: str):
+    """The processed train split's samples where the source holds them (the image task's
+    `model.options.image_input=raw`; `image_column`: its parquet column of image bytes): a
     loader.index "raw" index (shard, byte range, class id per sample) of tars or image files, or a
     "raw-parquet" one (file, row, class id) of parquet shards, so training crops the original image
     while val/test (and serving) read the stored center crops.
@@ -285,13 +286,13 @@ def train_sample_index(cfg, data: ProcessedDataset, ctx):
         rows += t.num_rows
     shards, fmt = list_shards(cfg.data.source, ctx, cfg.data.format)
     if fmt not in ("tar", "image", "parquet"):
-        raise UserError(f"train.image_input=raw reads tar shards, parquet shards or image files; {cfg.data.source} "
-                        f"holds {fmt} shards: set train.image_input=pixels")
-    if dataset_version(shards, fmt, cfg, int(data.info["image_size"])) != data.version:
+        raise UserError(f"model.options.image_input=raw reads tar shards, parquet shards or image files; "
+                        f"{cfg.data.source} holds {fmt} shards: set model.options.image_input=pixels")
+    if dataset_version(shards, fmt, cfg, int(data.info["image_size"]), image_column) != data.version:
         raise UserError(f"{cfg.data.source} changed since dataset version {data.version} was preprocessed: "
                         "run preprocess again")
     if fmt == "parquet":
-        index = parquet_sample_index(shards, cfg.data.image_column, cfg.data.label_column, wanted, cache)
+        index = parquet_sample_index(shards, image_column, cfg.data.label_column, wanted, cache)
     else:
         index = sample_index(shards, fmt, wanted, ctx, cache)
     if len(index) != rows:

@@ -7,7 +7,7 @@ sees the same pixels for the same bytes in training and in production.
     to_model_input(u8)                     uint8 [N, H, W, 3] -> normalized float32 [N, 3, H, W]
     normalize_pixels(u8)                   uint8 [N, 3, H, W] -> the same, on the tensor's own device
     ImageTransform(size, seed, train)      the per-sample transform of the loader's decode processes
-                                           (train.image_input=raw): bytes -> uint8 [3, size, size]
+                                           (model.options.image_input=raw): bytes -> uint8 [3, size, size]
 
 Decoding: Pillow; the declared size is checked against an explicit pixel limit before any pixel is
 decoded; JPEGs much larger than `size` are decoded at 1/2, 1/4 or 1/8 scale by libjpeg (`draft`);

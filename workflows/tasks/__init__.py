@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from workflows.config.model import IMPORT_PATH
 from workflows.errors import UserError
 from workflows.tasks.base import Task
-from workflows.tasks.options import legacy_options
 
 if TYPE_CHECKING:
     from workflows.config import WorkflowConfig
@@ -40,22 +39,10 @@ BUILTIN = {
 CARD_ALIASES = {"sequence-classification": "classification"}
 
 
-_DEPRECATION_SAID: set[str] = set()
-
-
 def check_task(cfg: WorkflowConfig) -> WorkflowConfig:
     """The loaded config, once its `model.task` is checked (`check_task_name`): a mistake stops the
-    command before anything starts, with one line naming the module, class or method. A built-in's
-    setting under its old key (`model.pooling` for `model.options.pooling`, ...) is still read, and
-    said to be deprecated once per process."""
+    command before anything starts, with one line naming the module, class or method."""
     check_task_name(cfg.model.task)
-    cls = task_class(cfg.model.task)
-    for option in legacy_options(cls, cfg):
-        key = cls.legacy_keys[option]
-        if key not in _DEPRECATION_SAID:
-            _DEPRECATION_SAID.add(key)
-            print(f"workflows: {key} is deprecated: it is the {cls.name} task's model.options.{option} "
-                  "(read as that now; write it there)", file=sys.stderr, flush=True)
     return cfg
 
 

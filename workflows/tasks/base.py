@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from workflows.errors import UserError
 from workflows.model_card import ModelCard, write_card
 from workflows.tasks.contract import HttpContract, JsonInstances
-from workflows.tasks.options import legacy_options, parse_options
+from workflows.tasks.options import parse_options
 
 if TYPE_CHECKING:
     import torch
@@ -124,8 +124,6 @@ class Task(abc.ABC):
     registers: ClassVar[bool] = True  # the trained model goes to the registry and can be served
     score: ClassVar[tuple[str, str]] = ("val_f1", "max")  # checkpoint ranking: (metric, max|min)
     Options: ClassVar[type[BaseModel] | None] = None  # model.options' model; None: the task takes none
-    # built-ins: option -> the config key that held it before tasks had options (still read, deprecated)
-    legacy_keys: ClassVar[Mapping[str, str]] = {}
     data_version: ClassVar[int] = 1  # part of the default `dataset_version`: bump when `preprocess` changes
     # options that shape the model alone, never what `preprocess` writes: left out of the default
     # `dataset_version` (every other option enters it), so changing one reuses the processed dataset
@@ -141,7 +139,7 @@ class Task(abc.ABC):
     def options(self) -> Any:
         """`model.options` validated by the task's `Options` model. On first use, not in __init__:
         serving builds the task from any config and reads what it needs from the model's card."""
-        return parse_options(type(self), {**legacy_options(type(self), self.cfg), **self.cfg.model.options})
+        return parse_options(type(self), self.cfg.model.options)
 
     def check_config(self) -> None:
         """Fail fast, before Ray starts, on a config this task cannot run (default: its options)."""

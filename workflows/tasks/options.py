@@ -1,5 +1,5 @@
-"""A task's `model.options`: validated by its `Options` model, with the keys that held an option
-before tasks had options (`Task.legacy_keys`) still read."""
+"""A task's `model.options`: validated by its `Options` model. (A built-in's setting under a key it
+had before tasks had options is refused when the config loads: workflows.config.moved.)"""
 
 from __future__ import annotations
 
@@ -9,31 +9,7 @@ from typing import TYPE_CHECKING, Any
 from workflows.errors import UserError
 
 if TYPE_CHECKING:
-    from workflows.config import WorkflowConfig
     from workflows.tasks.base import Task
-
-
-def legacy_options(task: type[Task], cfg: WorkflowConfig) -> dict[str, Any]:
-    """The options a config still sets under their old keys (`task.legacy_keys`: option -> dotted
-    key, None when unset), as `model.options` entries. Setting one both ways is a UserError unless
-    the values agree."""
-    from pydantic import BaseModel
-
-    found = {}
-    for option, key in task.legacy_keys.items():
-        value: Any = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        if value is None:
-            continue
-        if isinstance(value, BaseModel):
-            value = value.model_dump(mode="json")
-        given = cfg.model.options.get(option)
-        if given is not None and given != value:
-            raise UserError(f"model.options.{option} and {key} (its deprecated name) are both set, to {given!r} "
-                            f"and {value!r}: keep model.options.{option}")
-        found[option] = value
-    return found
 
 
 def parse_options(task: type[Task], options: Mapping[str, Any]) -> Any:

@@ -7,9 +7,10 @@ Inputs. Parameter counts come from the real model class built on the meta device
 architecture from its Hugging Face config: hidden size h, layers L, heads a, vocabulary V, MLP width
 i (`hidden_size`, `num_hidden_layers`, `num_attention_heads`, `vocab_size`, `intermediate_size`, or
 GPT-2's `n_embd`/`n_layer`/`n_head`/`n_inner`). P is the parameter count, P_t its trainable part
-(`train.freeze_embeddings` freezes the input embeddings, as the trainer does), d the devices
-(data-parallel ranks), s the sequence length (`preprocess.max_length`: batches are padded to their
-longest row, so this is the worst case), b the micro-batch per device (`train.batch_size`).
+(the text task's `model.options.freeze_embeddings` freezes the input embeddings, as training does),
+d the devices (data-parallel ranks), s the sequence length (`preprocess.max_length`: batches are
+padded to their longest row, so this is the worst case), b the micro-batch per device
+(`train.batch_size`).
 
 Precision (bytes per parameter)
   fp32  params 4, grads 4, AdamW state 8 (exp_avg + exp_avg_sq): 16 bytes per trainable parameter;

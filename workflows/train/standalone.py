@@ -189,9 +189,9 @@ def local_input(cfg: WorkflowConfig, task, data: ProcessedDataset, storage: Stor
                 read: Callable[[str, int | None], dict[str, Any]], rank: int = 0,
                 world_size: int = 1) -> tuple[RowsInput, int]:
     """This rank's input under torchrun or in a one-worker Tune trial, the one a Ray Train worker
-    reads with the same settings: train.loader=stream (train.image_input included) through
-    StreamInput, else the training rows read into memory (`read(split, limit)`), this rank's
-    contiguous equal share. Returns it and the training examples per epoch over all ranks."""
+    reads with the same settings: train.loader=stream (the image task's model.options.image_input
+    included) through StreamInput, else the training rows read into memory (`read(split, limit)`),
+    this rank's contiguous equal share. Returns it and the training examples per epoch over all ranks."""
     tc = cfg.train
     train_limit, val_limit = row_limits(tc, data.counts["train"])
     val_rows = task.prepare_rows(read("val", val_limit))

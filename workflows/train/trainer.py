@@ -193,7 +193,7 @@ def fit(
         train_rows = train_ds.count()
     if train_rows < tc.max_workers:
         raise UserError(f"{train_rows} training example(s) ({task.name}) for {tc.max_workers} workers; lower "
-                        "train.num_workers, bring more data, or (a causal LM) lower model.lm.seq_len")
+                        "train.num_workers, bring more data, or (a causal LM) lower model.options.seq_len")
     datasets = {"train": mixed_block_order(train_ds, tc.seed), "val": val_ds} if tc.loader == "ray_data" \
         else {"val": val_ds}
 

@@ -99,7 +99,7 @@ def _run_local_trial(cfg: WorkflowConfig, storage: StorageContext, data: Process
     t_start = time.perf_counter()
     set_torch_threads(tc)
     device = torch.device("cuda", 0) if tc.use_gpu and torch.cuda.is_available() else torch.device("cpu")
-    # the input a Ray Train run of this config reads (train.loader, train.image_input)
+    # the input a Ray Train run of this config reads (train.loader, an image task's model.options.image_input)
     source, train_rows = local_input(cfg, task, data, storage,
                                      lambda split, limit: read_split(data, split, storage, cfg, limit))
     read_seconds = time.perf_counter() - t_start

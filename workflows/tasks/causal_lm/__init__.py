@@ -1,8 +1,9 @@
-"""Causal-LM pretraining: a GPT-2-style model built from model.lm, trained on the tokenized text
-packed into blocks of model.lm.seq_len tokens. Its checkpoints stay with the run: the registry
-and serving take the tasks that predict (registers = False).
+"""Causal-LM pretraining: a GPT-2-style model built from its options' size preset, trained on the
+tokenized text packed into blocks of `model.options.seq_len` tokens. Its checkpoints stay with the
+run: the registry and serving take the tasks that predict (registers = False).
 
-The wing: this task and `model` (the GPT-2 model, block packing, FLOPs and MFU). Its preprocessing
+The wing: this task, `options` (its `model.options`: size preset, overrides, seq_len) and `model`
+(the GPT-2 model, block packing, FLOPs and MFU). Its preprocessing
 is workflows.preprocess.materialize's text tokenization, which the text classifier shares."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from workflows.tasks.causal_lm.model import (
     model_shape,
     pack_batch,
 )
+from workflows.tasks.causal_lm.options import CausalLMOptions
 
 
 class CausalLM(Task):
@@ -27,6 +29,7 @@ class CausalLM(Task):
     columns = ("input_ids", "label_id")  # label_id only keeps the row count of in-memory rows
     registers = False
     score = ("val_loss", "min")
+    Options = CausalLMOptions
 
     def preprocess(self, ctx, say):
         from workflows.preprocess.materialize import preprocess_text
@@ -40,14 +43,14 @@ class CausalLM(Task):
 
     def prepare_dataset(self, ds):
         """Token rows -> blocks of seq_len tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
-        return ds.map_batches(pack_batch, fn_kwargs={"seq_len": self.cfg.model.lm.seq_len}, batch_format="numpy",
+        return ds.map_batches(pack_batch, fn_kwargs={"seq_len": self.options.seq_len}, batch_format="numpy",
                               batch_size=PACK_ROWS, num_cpus=0)
 
     def prepare_rows(self, rows):
         """The same packing of rows held in memory, as Ray Data's map_batches packs them."""
         import numpy as np
 
-        ids, seq_len = rows["input_ids"], self.cfg.model.lm.seq_len
+        ids, seq_len = rows["input_ids"], self.options.seq_len
         parts = [pack_batch({"input_ids": ids[i: i + PACK_ROWS]}, seq_len)["input_ids"]
                  for i in range(0, len(ids), PACK_ROWS)]
         blocks = np.concatenate(parts) if parts else np.zeros((0, seq_len), np.int64)
@@ -57,14 +60,14 @@ class CausalLM(Task):
         return lambda batch: lm_collate(batch["input_ids"])
 
     def build_model(self, data):
-        return build_causal_lm(self.cfg.model.lm, pad_and_vocab(data.tokenizer)[1], self.cfg.model.dropout)
+        return build_causal_lm(self.options, pad_and_vocab(data.tokenizer)[1], self.cfg.model.dropout)
 
     def memory_spec(self):
         from transformers import AutoTokenizer
 
         from workflows.tasks.model_spec import spec_from_config
 
-        lm, use_gpu = self.cfg.model.lm, self.cfg.train.use_gpu
+        lm, use_gpu = self.options, self.cfg.train.use_gpu
         vocab = len(AutoTokenizer.from_pretrained(resolve_model_dir(self.cfg.preprocess.tokenizer)))  # as the trainer
         # the trainer uses SDPA on GPUs, eager on CPU
         config = causal_lm_config(lm, vocab, self.cfg.model.dropout, attn="sdpa" if use_gpu else "eager")
@@ -87,6 +90,6 @@ class CausalLM(Task):
         from workflows.parallel import world
 
         params, layers, hidden = model_shape(model)
-        return {"mfu": mfu(stats["tokens_per_s"], params, layers, hidden, self.cfg.model.lm.seq_len, world()[1],
+        return {"mfu": mfu(stats["tokens_per_s"], params, layers, hidden, self.options.seq_len, world()[1],
                            device)}
 

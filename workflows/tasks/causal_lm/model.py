@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from workflows.config.model import shape
+from workflows.tasks.causal_lm.options import shape
 
 if TYPE_CHECKING:  # torch is imported inside the functions: the planner reads a shape without it
     import torch

@@ -15,12 +15,12 @@ loaders share.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workflows.config.train import AugmentConfig
+from workflows.config.base import Strict
 from workflows.errors import UserError
 from workflows.model_card import ModelCard, write_card
 from workflows.preprocess.images import (
@@ -64,6 +64,25 @@ def sample_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") >> 1
 
 
+class AugmentConfig(Strict):
+    """On-the-fly augmentation of training images (`model.options.augment`), seeded per (seed, epoch,
+    sample), never by rank, so a resumed epoch sees the same crops."""
+
+    enabled: bool = True
+    crop_scale: tuple[float, float] = Field(
+        (0.08, 1.0), description="RandomResizedCrop: the range of the crop's area as a fraction of the image")
+    crop_ratio: tuple[float, float] = Field((3 / 4, 4 / 3), description="RandomResizedCrop: aspect ratio range")
+    flip: bool = Field(True, description="horizontal flip with probability 0.5 (off for digits, text, ...)")
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        for name in ("crop_scale", "crop_ratio"):
+            lo, hi = getattr(self, name)
+            if not 0 < lo <= hi or (name == "crop_scale" and hi > 1):
+                raise ValueError(f"{name} must be 0 < low <= high{' <= 1' if name == 'crop_scale' else ''}")
+        return self
+
+
 class ImageOptions(BaseModel):
     """The image_classification task's `model.options`."""
 
@@ -75,26 +94,36 @@ class ImageOptions(BaseModel):
         "raw training crops to it; serving decodes requests the same way")
     augment: AugmentConfig = Field(
         AugmentConfig(), description="on-the-fly augmentation of training images (RandomResizedCrop and flip)")
+    image_input: Literal["raw", "pixels"] = Field(
+        "pixels",
+        description="train.loader=stream: 'raw' trains from the source's tar shards, parquet rows (image "
+        "bytes in image_column) or image files (decode, "
+        "RandomResizedCrop of the original image and flip in the loader's processes; val/test stay the "
+        "preprocessed pixels), 'pixels' from the preprocessed fixed-size pixels (cropped in the collate; "
+        "small images such as digits). docs/guides/train.md compares them",
+    )
+    image_column: str = Field(
+        "image", description="parquet shards: the column of encoded image bytes (tar shards and "
+        "class-per-folder files carry their images themselves)")
 
 
 class ImageClassification(Classification):
     name = "image_classification"
     columns = ("pixels", "label", "key")
     Options = ImageOptions
-    legacy_keys = {"image_size": "preprocess.image_size", "augment": "train.augment"}
 
     # --- data
     def preprocess(self, ctx, say):
         from workflows.preprocess.image_dataset import preprocess_images
 
-        return preprocess_images(self.cfg, self.options.image_size, ctx, say)
+        return preprocess_images(self.cfg, self.options.image_size, self.options.image_column, ctx, say)
 
     def dataset_version(self, shards, ctx) -> str:
         from workflows.preprocess.image_dataset import dataset_version
         from workflows.preprocess.sources import list_shards
 
         _, fmt = list_shards(self.cfg.data.source, ctx, self.cfg.data.format)
-        return dataset_version(shards, fmt, self.cfg, self.options.image_size)
+        return dataset_version(shards, fmt, self.cfg, self.options.image_size, self.options.image_column)
 
     def collate(self, data, *, train: bool, seed: int | None = None):
         """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
@@ -148,11 +177,11 @@ class ImageClassification(Classification):
         return super().predict_batch(model, self.model_input(model, batch), data)
 
     def stream_source(self, data, storage):
-        """train.image_input=raw: the training split's samples in the source's tar shards, parquet
-        rows (image bytes in data.image_column) or image files (preprocess.image_dataset.
-        train_sample_index), decoded and cropped from the original image in the loader's processes,
-        seeded by (seed, epoch, sample)."""
-        if self.cfg.train.image_input != "raw":
+        """model.options.image_input=raw: the training split's samples in the source's tar shards,
+        parquet rows (image bytes in model.options.image_column) or image files (preprocess.
+        image_dataset.train_sample_index), decoded and cropped from the original image in the
+        loader's processes, seeded by (seed, epoch, sample)."""
+        if self.options.image_input != "raw":
             return None
         from workflows.preprocess.image_dataset import train_sample_index
 
@@ -160,7 +189,7 @@ class ImageClassification(Classification):
         transform = ImageTransform(size=size, seed=self.cfg.train.seed, train=aug.enabled, scale=aug.crop_scale,
                                    ratio=aug.crop_ratio, flip=aug.flip,
                                    max_pixels=self.cfg.preprocess.max_image_pixels)
-        return train_sample_index(self.cfg, data, storage), transform
+        return train_sample_index(self.cfg, data, storage, self.options.image_column), transform
 
     # --- model
     def build_model(self, data):

@@ -30,14 +30,17 @@ class TextOptions(BaseModel):
         "on the frozen pretrained features, a logistic regression over all workers' training rows, then everything "
         "is fine-tuned, so early steps do not pull the pretrained features toward a random head)")
     linear_probe_l2: float = Field(1e-3, ge=0, description="head_init=linear_probe: L2 penalty on the head's weights")
+    head_lr: float | None = Field(
+        None, gt=0, description="learning rate of the new head (random weights); None: train.lr")
+    freeze_embeddings: bool = Field(
+        False, description="keep the pretrained input embeddings fixed (half of MiniLM's weights): less compute "
+        "and communication")
 
 
 class TextClassification(Classification):
     name = "classification"
     columns = ("input_ids", "label_id")
     Options = TextOptions
-    legacy_keys = {"pooling": "model.pooling", "head_init": "train.head_init",
-                   "linear_probe_l2": "train.linear_probe_l2"}
 
     # --- data
     def preprocess(self, ctx, say):
@@ -79,8 +82,7 @@ class TextClassification(Classification):
         from workflows.parallel import world
         from workflows.tasks.text.model import linear_probe
 
-        tc = self.cfg.train
-        if tc.freeze_embeddings:
+        if self.options.freeze_embeddings:
             model.get_input_embeddings().requires_grad_(False)
         if self.needs_probe_batches() and probe_batches is not None:
             probe = linear_probe(model.to(device), probe_batches, device, self.options.linear_probe_l2)
@@ -92,12 +94,12 @@ class TextClassification(Classification):
         from workflows.tasks.text.model import classifier_spec
 
         m = self.cfg.model
-        spec = classifier_spec(self.model_dir(), dropout=m.dropout, freeze_embeddings=self.cfg.train.freeze_embeddings,
+        spec = classifier_spec(self.model_dir(), dropout=m.dropout, freeze_embeddings=self.options.freeze_embeddings,
                           name=m.name_or_path)
         return spec, self.cfg.preprocess.max_length
 
     def head_lr(self) -> float | None:
-        return self.cfg.train.head_lr
+        return self.options.head_lr
 
     def export(self, state, data, out_dir, lineage) -> dict:
         from workflows.tasks.text.export import export_text_classifier
