@@ -1,5 +1,5 @@
-"""train.image_input raw vs pixels under train.loader=stream (Ray Train, the config's workers):
-images/s of training and val F1 per run, on digits and on a small photo-like set written by
+"""The image task's model.options.image_input raw vs pixels under train.loader=stream (Ray Train, the
+config's workers): images/s of training and val F1 per run, on digits and on a small photo-like set written by
 synth-images; runs in the order given (interleave them, A B A, so that the shared machine's drift
 hits both alike). Usage:
     python benchmarks/image_input.py WORKDIR EPOCHS SETS RUNS
@@ -44,7 +44,7 @@ def main(work: Path, epochs: int, sets: list[str], runs: list[str]) -> None:
             data = stage_preprocess(rt)
             for k, run in enumerate(runs):
                 image_input, workers = run.rstrip("0"), (0 if run.endswith("0") else None)
-                sets = [*base, *extra, f"train.image_input={image_input}"]
+                sets = [*base, *extra, f"model.options.image_input={image_input}"]
                 if workers is not None:
                     sets.append(f"train.loader_workers={workers}")
                 run_cfg = load_config(ROOT / "configs" / "digits.yaml", sets)

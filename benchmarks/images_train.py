@@ -5,10 +5,10 @@ runs it (workflows.bench.train's child), with `model.name_or_path: pooled_linear
 classifier over pooled pixels; batches reach the step as uint8 and it pools before it normalizes:
 next to no compute), so that the input pipeline sets the rate.
 
-- train_stream: `train.loader: stream`, `train.image_input: raw`: the tars read through the shard
+- train_stream: `train.loader: stream`, `model.options.image_input: raw`: the tars read through the shard
   cache, decoded and cropped in `bench.workers` loader processes (as the "ours" loader rows).
 - train_ray_data: the defaults, `train.loader: ray_data` over the preprocessed 224 px pixels
-  (`train.image_input: pixels`, crop and flip in the training collate); the preprocessing that
+  (`model.options.image_input: pixels`, crop and flip in the training collate); the preprocessing that
   makes those pixels, timed each repetition, is the row's conversion.
 
 Two epochs per run, one Ray Train worker: the first fills the cache (and builds the raw set's
@@ -43,6 +43,7 @@ LABELS = {
 }
 SETTINGS = {"train_stream": {"loader": "stream", "image_input": "raw"},
             "train_ray_data": {"loader": "ray_data", "image_input": "pixels"}}
+KEYS = {"loader": "train.loader", "image_input": "model.options.image_input"}  # SETTINGS' config keys
 
 
 def config_file(rt, scratch: Path, opts: dict, prefix: str) -> Path:
@@ -111,7 +112,7 @@ def train_row(row: str, rep: int, path: Path, opts: dict, env: dict, rt, scratch
                 _preprocess(path, env, rt, logs / f"{name}-preprocess.log")
         shutil.rmtree(scratch / "cache-train", ignore_errors=True)
         result = scratch / f"{name}.json"
-        sets = [a for k, v in SETTINGS[row].items() for a in ("--set", f"train.{k}={v}")]
+        sets = [a for k, v in SETTINGS[row].items() for a in ("--set", f"{KEYS[k]}={v}")]
         cmd = [sys.executable, "-m", "workflows.bench.train", "--config", str(path), *sets, "--output", str(result)]
         _say(f"bench images: {row} (a training run) ...")
         wall, mem = _child(cmd, env, logs / f"{name}.log", rt)

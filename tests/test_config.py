@@ -91,6 +91,17 @@ def test_cli_reports_config_errors_in_one_line(tmp_path):
     assert "train.epochz" in res.stderr and str(p) in res.stderr and "Traceback" not in res.stderr
 
 
+def test_cli_reports_a_moved_key_in_one_line_naming_its_new_place(tmp_path):
+    p = write(tmp_path, "data: {source: x}\ntrain: {head_lr: 1.0e-3}\n")
+    res = run_cli("train", "--config", str(p), timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert f"{p}: train.head_lr moved to model.options.head_lr (the classification task's options)" in res.stderr
+    res = run_cli("plan", "--set", "model.task=causal_lm", "--set", "model.lm.seq_len=256", timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert "quickstart (with --set): model.lm.seq_len moved to model.options.seq_len (the causal_lm task's " \
+           "options)" in res.stderr
+
+
 def test_cli_help_on_every_command():
     for cmd in ["preprocess", "train", "tune", "evaluate", "serve", "predict", "pipeline", "bench", "models", "plan",
                 "store"]:

@@ -27,8 +27,7 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
         sub = ref._model_of(field.annotation)
-        moved = (field.description or "").startswith("deprecated")  # a section that moved: one row
-        keys += _all_keys(sub, f"{prefix}{name}.") if sub and not moved else [f"{prefix}{name}"]
+        keys += _all_keys(sub, f"{prefix}{name}.") if sub else [f"{prefix}{name}"]
     return keys
 
 
@@ -48,16 +47,19 @@ def test_every_section_and_field_is_in_the_reference():
     assert "| `data.source` | `str` | *required* |" in text
     assert "URI of a raw shard, a directory of shards or a glob" in text
     assert '`"fsdp" \\| "ddp"`' in text
-    # the built-in tasks' options, and their old keys marked deprecated
+    # the built-in tasks' options, and the keys that moved to them
+    from workflows.tasks.causal_lm.options import CausalLMOptions
     from workflows.tasks.image import ImageOptions
     from workflows.tasks.text import TextOptions
 
-    for options in (TextOptions, ImageOptions):
+    for options in (TextOptions, ImageOptions, CausalLMOptions):
         for key in _all_keys(options, "model.options."):
             assert f"| `{key}` |" in text, key
     assert "## Task `image_classification`: `model.options.augment`" in text
-    assert "| `model.pooling` | `\"cls\" \\| \"mean\" \\| null` | `null` |  | deprecated: the classification task's " \
-           "model.options.pooling (still read) |" in text
+    assert "| `model.pooling` | `model.options.pooling` | `classification` |" in text
+    assert "| `train.head_lr` | `model.options.head_lr` | `classification` |" in text
+    assert "| `model.lm.seq_len` | `model.options.seq_len` | `causal_lm` |" in text
+    assert "| `model.pooling` | `" not in text.split("## Keys that moved")[0]  # no longer a key of the config
 
 
 class _Documented(BaseModel):

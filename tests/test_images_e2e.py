@@ -291,7 +291,7 @@ def test_a_bad_record_in_a_training_shard_is_named_and_counted(ray_cluster, tmp_
 
 
 def test_parquet_with_an_image_bytes_column_is_preprocessed(ray_cluster, tmp_path):
-    """Parquet shards with encoded images in `data.image_column` and a label column."""
+    """Parquet shards with encoded images in `model.options.image_column` and a label column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -307,7 +307,8 @@ def test_parquet_with_an_image_bytes_column_is_preprocessed(ray_cluster, tmp_pat
                        tmp_path / "raw" / f"part-{shard}.parquet")
     cfg = load_config(DIGITS, [*tiny_overrides(tmp_path), "storage.embedded.enabled=false",
                                f"storage.root={tmp_path}/store", f"data.source={tmp_path}/raw", "data.builtin=null",
-                               "data.image_column=png", "data.label_column=digit", "model.options.image_size=16"])
+                               "model.options.image_column=png", "data.label_column=digit",
+                               "model.options.image_size=16"])
     os.makedirs(tmp_path / "store", exist_ok=True)
     data = preprocess(cfg, StorageContext())
     assert sum(data.counts.values()) == 40 and data.labels == [str(i) for i in range(10)]

@@ -50,9 +50,12 @@ def test_peak_table_knows_the_datacenter_gpus():
 
 def test_heads_must_divide_hidden(tmp_path):
     from workflows.config import load_config
+    from workflows.tasks import get_task
 
+    cfg = load_config(None, ["data.source=x", "model.task=causal_lm", "model.options.size=tiny",
+                             "model.options.n_head=3"])
     with pytest.raises(UserError, match="hidden size 64 is not divisible by 3 heads"):
-        load_config(None, ["data.source=x", "model.lm.size=tiny", "model.lm.n_head=3"])
+        get_task(cfg).check_config()
 
 
 def test_pipeline_and_tuning_refuse_a_causal_lm(tiny_cfg):
@@ -68,7 +71,7 @@ def test_ray_train_pretrains_a_causal_lm_with_fsdp(ray_cluster, tiny_cfg):
     from workflows.runtime import runtime
     from workflows.train.trainer import fit
 
-    cfg = tiny_cfg("model.task=causal_lm", "model.lm.size=tiny", "model.lm.seq_len=32", "train.strategy=fsdp",
+    cfg = tiny_cfg("model.task=causal_lm", "model.options={size: tiny, seq_len: 32}", "train.strategy=fsdp",
                    "train.epochs=3", "train.lr=3e-3", "train.max_train_rows=1000", "train.warmup_fraction=0")
     with runtime(cfg) as rt:
         data = stage_preprocess(rt)
@@ -108,8 +111,9 @@ def test_exit_rank_keeps_the_exit_code_and_flushes_output(world_size, code):
 
 
 def test_freeze_embeddings_applies_to_fine_tuning_only():
-    """quickstart.yaml freezes MiniLM's pretrained embeddings; the same config pretraining an LM must
-    not freeze its random ones (tied to the LM head)."""
+    """quickstart.yaml freezes MiniLM's pretrained embeddings (the classification task's
+    model.options.freeze_embeddings); the same config pretraining an LM, with the LM's options, does
+    not freeze its random ones (tied to the LM head), and the LM takes no such option."""
     from tests.conftest import QUICKSTART
     from workflows.config import load_config
     from workflows.dataset import ProcessedDataset
@@ -118,10 +122,13 @@ def test_freeze_embeddings_applies_to_fine_tuning_only():
 
     data = ProcessedDataset(uri="", version="", labels=["a", "b"], label_column="label", files={}, counts={},
                             label_counts={}, source="", tokenizer="minilm")
-    common = ["train.strategy=ddp", "train.freeze_embeddings=true"]
-    lm_cfg = load_config(QUICKSTART, [*common, "model.task=causal_lm", "model.lm.size=tiny", "model.lm.seq_len=32"])
+    common = ["train.strategy=ddp"]
+    lm_cfg = load_config(QUICKSTART, [*common, "model.task=causal_lm", "model.options={size: tiny, seq_len: 32}"])
     model, _, _ = build_training(lm_cfg, get_task(lm_cfg), data, torch.device("cpu"), 8)
     assert model.get_input_embeddings().weight.requires_grad
+    with pytest.raises(UserError, match="task causal_lm: model.options.freeze_embeddings: unknown option"):
+        get_task(load_config(QUICKSTART, [*common, "model.task=causal_lm", "model.options.size=tiny"])).check_config()
     cls_cfg = load_config(QUICKSTART, common)
+    assert get_task(cls_cfg).options.freeze_embeddings
     model, _, _ = build_training(cls_cfg, get_task(cls_cfg), data, torch.device("cpu"), 8)
     assert not model.get_input_embeddings().weight.requires_grad

@@ -684,7 +684,7 @@ def _parquet_images(root, with_key: bool, counts=(13, 9, 11)) -> tuple[list, dic
 
 @pytest.mark.parametrize("with_key", [False, True])
 def test_a_raw_parquet_index_reads_the_training_rows_original_images(tmp_path, with_key):
-    """train.image_input=raw over parquet (image bytes in a column): the rows whose keys the train
+    """model.options.image_input=raw over parquet (image bytes in a column): the rows whose keys the train
     split names (the `key` column, else the image's hash, as preprocessing keys them), each exactly
     once per epoch with the train split's class ids and its original bytes; crops of the original
     image that follow (seed, epoch, sample): the same on 2 ranks with 2 decode processes, on 1 rank
@@ -733,7 +733,7 @@ def test_a_raw_parquet_index_names_a_missing_column_and_its_file(tmp_path):
     shards, where = _parquet_images(tmp_path, with_key=True)
     wanted = {key: 0 for _, _, key in where.values()}
     cache = ShardCache(str(tmp_path / "cache"), LOCAL)
-    with pytest.raises(UserError, match=r"part-0\.parquet: no column 'image' \(data\.image_column\)"):
+    with pytest.raises(UserError, match=r"part-0\.parquet: no column 'image' \(model\.options\.image_column\)"):
         parquet_sample_index(shards, "image", "digit", wanted, cache)
     with pytest.raises(UserError, match=r"part-0\.parquet: no column 'label' \(data\.label_column\)"):
         parquet_sample_index(shards, "png", "label", wanted, cache)

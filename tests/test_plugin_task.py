@@ -86,14 +86,26 @@ def test_a_bad_option_is_a_user_error_naming_it(tmp_path, plugin_path):
         with pytest.raises(UserError, match="model.options") as err:
             get_task(wcfg).check_config()
         assert named in str(err.value) and "its options: features, target, hidden, layers" in str(err.value)
-    # a built-in's options are checked the same way; a task without options takes none
+    # a built-in's options are checked the same way
     wcfg = load_config(write_config(tmp_path / "c.yaml", {**cfg, "model": {"options": {"hidden": 8}}}))
     with pytest.raises(UserError, match=r"task classification: model.options.hidden: unknown option \(its options: "
-                                        r"pooling, head_init, linear_probe_l2\)"):
+                                        r"pooling, head_init, linear_probe_l2, head_lr, freeze_embeddings\)"):
         get_task(wcfg).check_config()
     wcfg = load_config(write_config(tmp_path / "c.yaml", {**cfg, "model": {"task": "causal_lm", "options": {"x": 1}}}))
-    with pytest.raises(UserError, match="task causal_lm takes no options"):
+    with pytest.raises(UserError, match=r"task causal_lm: model.options.x: unknown option \(its options: size, "):
         get_task(wcfg).check_config()
+
+
+def test_a_task_without_options_takes_none():
+    from workflows.tasks.base import Task
+    from workflows.tasks.options import parse_options
+
+    class NoOptions(Task):
+        name = "no_options"
+
+    assert parse_options(NoOptions, {}) is None
+    with pytest.raises(UserError, match="model.options: task no_options takes no options \\(got x\\)"):
+        parse_options(NoOptions, {"x": 1})
 
 
 def test_a_task_that_does_not_import_is_a_clear_user_error(plugin_path):

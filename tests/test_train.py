@@ -28,7 +28,7 @@ FSDP_EXTRA = ["train.grad_accum_steps=2", "train.activation_checkpointing=true",
 
 
 @pytest.mark.parametrize("strategy,extra", [pytest.param("fsdp", FSDP_EXTRA, marks=pytest.mark.extended),
-                                            ("ddp", ["model.options.pooling=mean", "train.head_lr=1e-3",
+                                            ("ddp", ["model.options.pooling=mean", "model.options.head_lr=1e-3",
                                                      "model.options.head_init=linear_probe"])])
 @pytest.mark.integration
 def test_two_workers_train_checkpoint_and_export(ray_cluster, tiny_cfg, strategy, extra):

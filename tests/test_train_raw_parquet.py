@@ -1,7 +1,8 @@
-"""train.image_input=raw over a parquet source (encoded images in `data.image_column`, labels in
-`data.label_column`) under Ray Train: the training split's rows read from the source's parquet
-files through the shard cache, each exactly once per epoch and no val/test row, cropped from the
-original image the same way on 2 workers, on 1 and after a resume mid-epoch.
+"""model.options.image_input=raw over a parquet source (encoded images in
+`model.options.image_column`, labels in `data.label_column`) under Ray Train: the training split's
+rows read from the source's parquet files through the shard cache, each exactly once per epoch and
+no val/test row, cropped from the original image the same way on 2 workers, on 1 and after a
+resume mid-epoch.
 
 Real parts: the session's 2-CPU Ray cluster, scikit-learn's digits written as parquet into the
 embedded S3 endpoint and preprocessed on it, the small CNN under FSDP2."""
@@ -21,7 +22,8 @@ from workflows.runtime import runtime
 
 pytestmark = pytest.mark.integration
 SOURCE = "s3://workflows/raw/digits-parquet/"
-DATA = [f"data.source={SOURCE}", "data.builtin=null", "data.image_column=png", "data.label_column=digit"]
+DATA = [f"data.source={SOURCE}", "data.builtin=null", "model.options.image_column=png",
+        "data.label_column=digit"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_raw_parquet_trains_on_each_training_row_once_and_no_held_out_row(parque
     from workflows.storage.uri import exists, join, read_json
 
     ns = parquet_digits
-    out = run(ns, "raw", 2, "train.image_input=raw", "train.loader_workers=1", *DATA)
+    out = run(ns, "raw", 2, "model.options.image_input=raw", "train.loader_workers=1", *DATA)
     saved = join(ns.data.uri, TRAIN_SAMPLES)
     assert exists(saved, ns.rt.storage)  # beside the processed version: later runs read it back
     index = DatasetIndex.from_json("", read_json(saved, ns.rt.storage))
@@ -79,8 +81,9 @@ def test_raw_parquet_trains_on_each_training_row_once_and_no_held_out_row(parque
 def test_raw_parquet_crops_follow_the_sample_not_the_rank(parquet_digits):
     """2 workers against 1 resumed at position 32: the same samples get the same crops."""
     ns = parquet_digits
-    two, one = crops(ns, 2, 32, "train.image_input=raw", *DATA), crops(ns, 1, 32, "train.image_input=raw", *DATA)
+    raw = "model.options.image_input=raw"
+    two, one = crops(ns, 2, 32, raw, *DATA), crops(ns, 1, 32, raw, *DATA)
     assert sorted(two) == sorted(one) and len(one) == ns.data.counts["train"] - 32
     assert all(two[i] == one[i] for i in one)
-    other_seed = crops(ns, 1, 0, "train.image_input=raw", "train.seed=1", *DATA)
+    other_seed = crops(ns, 1, 0, "model.options.image_input=raw", "train.seed=1", *DATA)
     assert sum(other_seed[i] != one[i] for i in one) > len(one) // 2  # the crops are drawn, not fixed

@@ -105,17 +105,17 @@ def crops(digits, workers: int, start: int, *extra: str) -> dict[int, bytes]:
 def test_training_crops_follow_the_sample_not_the_rank(digits, image_input):
     """An elastic 2 -> 1 resume mid-epoch: the samples the one worker trains on get the crops the
     two would have given them (augmentation seeded by seed, epoch and sample, never the rank)."""
-    two, one = crops(digits, 2, 64, f"train.image_input={image_input}"), \
-        crops(digits, 1, 64, f"train.image_input={image_input}")
+    two, one = crops(digits, 2, 64, f"model.options.image_input={image_input}"), \
+        crops(digits, 1, 64, f"model.options.image_input={image_input}")
     assert sorted(two) == sorted(one) and len(one) == ROWS - 64
     assert all(two[i] == one[i] for i in one)
-    other_seed = crops(digits, 1, 0, f"train.image_input={image_input}", "train.seed=1")  # the whole epoch
+    other_seed = crops(digits, 1, 0, f"model.options.image_input={image_input}", "train.seed=1")  # the whole epoch
     assert sum(other_seed[i] != one[i] for i in one) > len(one) // 2  # the crops are drawn, not fixed
 
 
 @pytest.mark.integration
 def test_torchrun_trains_on_the_raw_images_a_ray_train_worker_reads(digits, monkeypatch):
-    """train.image_input=raw under torchrun (one process, workflows.train.standalone): the epoch's
+    """model.options.image_input=raw under torchrun (one process, workflows.train.standalone): the epoch's
     crops of the source's images, batch by batch those of a Ray Train worker (StreamInput), not
     the stored pixels (tests/test_local_input.py checks the parquet stream and Tune trials)."""
     from tests.test_local_input import trained_batches
@@ -123,7 +123,7 @@ def test_torchrun_trains_on_the_raw_images_a_ray_train_worker_reads(digits, monk
     from workflows.train.standalone import train
     from workflows.train.stream_input import StreamInput
 
-    cfg = load_config(DIGITS, overrides(digits.tmp, "train.image_input=raw", "train.loader_workers=0"))
+    cfg = load_config(DIGITS, overrides(digits.tmp, "model.options.image_input=raw", "train.loader_workers=0"))
     epochs = trained_batches(monkeypatch, lambda b: b["pixel_values"].numpy().tobytes())
     train(cfg, digits.rt.storage, digits.data)
     worker = StreamInput(cfg, digits.data, digits.rt.storage, 0, 1, ROWS, task=get_task(cfg))
@@ -132,12 +132,12 @@ def test_torchrun_trains_on_the_raw_images_a_ray_train_worker_reads(digits, monk
 
 @pytest.mark.integration
 def test_raw_images_train_from_the_tars_each_sample_once(digits):
-    """train.image_input=raw under Ray Train (2 workers, a decode process each): the train split's
+    """model.options.image_input=raw under Ray Train (2 workers, a decode process each): the train split's
     samples read from the source's tars by the saved index, each exactly once in the epoch."""
     from workflows.preprocess.image_dataset import TRAIN_SAMPLES
     from workflows.storage.uri import exists, join
 
-    out = run(digits, "raw", 2, "train.image_input=raw", "train.loader_workers=1")
+    out = run(digits, "raw", 2, "model.options.image_input=raw", "train.loader_workers=1")
     ids = lineage(digits.tmp / "raw")
     assert sorted(ids) == list(range(ROWS))
     assert exists(join(digits.data.uri, TRAIN_SAMPLES), digits.rt.storage)  # saved: the next run reuses it

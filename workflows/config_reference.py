@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from workflows.config import WorkflowConfig
+from workflows.config.moved import MOVED
 from workflows.tasks import BUILTIN, task_class
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
@@ -42,7 +43,9 @@ Every command reads one YAML file (`--config FILE`: a path, or a shipped config 
 `quickstart`, the package's copy of `configs/quickstart.yaml`) and any
 number of `--set key=value` overrides, where `key` is a dotted path below (`--set train.lr=3e-5`;
 values are YAML: `--set 'data.text_columns=[subject, body]'`, `--set data.builtin=null`). Unknown
-keys, wrong types and values outside the constraints are rejected with the key and the file named.
+keys, wrong types and values outside the constraints are rejected with the key and the file named;
+a key that moved to a task's `model.options` ([the table at the end](#keys-that-moved)) with its new
+place.
 """
 
 
@@ -179,7 +182,7 @@ def sections(
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         sub = _model_of(field.annotation)
-        if sub is not None and not (field.description or "").startswith("deprecated"):  # a moved section: one row
+        if sub is not None:
             nested.append((key, sub))
             continue
         rows.append((key, name, field))
@@ -220,6 +223,11 @@ def render() -> str:
     for name, task_sections in tasks:
         for path, model, rows in task_sections:
             _section(out, f"Task `{name}`: `{path}`", model, rows)
+    out.append("## Keys that moved\n")
+    out.append("Settings of one task are that task's `model.options`. A config file or `--set` that sets one "
+               "under its old key is refused, in one line naming the file, the key and its new place.\n")
+    out.append("| old key | now | task |\n| --- | --- | --- |")
+    out.extend(f"| `{old}` | `{new}` | `{task}` |" for old, (new, task) in MOVED.items())
     return "\n".join(out).rstrip() + "\n"
 
 
