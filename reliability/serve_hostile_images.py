@@ -63,7 +63,7 @@ def serve_hostile_images(workdir: Path, seed: int = 0) -> dict:
     from reliability import ROOT
     from tests.helpers import free_port
     from workflows.config import load_config
-    from workflows.pipeline.stages import stage_preprocess, stage_train
+    from workflows.pipeline.stages import stage_preprocess, stage_register, stage_train
     from workflows.runtime import runtime
     from workflows.serve import ingress
     from workflows.serve.app import deploy
@@ -84,7 +84,8 @@ def serve_hostile_images(workdir: Path, seed: int = 0) -> dict:
     cases = hostile_cases()
     with runtime(cfg) as rt:
         data = stage_preprocess(rt)
-        _, ref = stage_train(rt, data)
+        ref = stage_register(rt, data, stage_train(rt, data))
+        assert ref is not None
         spec = f"{ref.name}:{ref.version}"
         trained_s = time.time() - t_start
         url = deploy(rt.cfg, spec, name=APP)

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime",),
     ("train", "progress", "tune"),
     ("pipeline",),
-    ("cli", "bench", "__main__"),
+    ("cli", "bench", "__main__", "workflow"),
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

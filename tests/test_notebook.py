@@ -1,8 +1,10 @@
-"""notebooks/quickstart.ipynb runs top to bottom in a real Jupyter kernel of this environment
-(nbclient + ipykernel), shrunk by WORKFLOWS_NOTEBOOK_TINY=1, with its bucket, summaries and shard
-cache in a temp dir, joined to the session's Ray cluster; the HTTP cell gets predictions from the
-served model."""
+"""The notebooks: committed with the outputs of a run (tables, plots, no errors), importing nothing of
+workflows but the notebook API (workflows.workflow); and each runs top to bottom in a real Jupyter
+kernel of this environment (nbclient + ipykernel), shrunk (WORKFLOWS_NOTEBOOK_TINY=1, overrides),
+with its bucket, summaries and shard cache in a temp dir, joined to the session's Ray cluster: the
+served model answers over HTTP."""
 
+import ast
 import asyncio
 import json
 import os
@@ -23,14 +25,52 @@ def _text(output) -> str:
     return str(output.get("data", {}).get("text/plain", ""))
 
 
+def _code(nb) -> list:
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def _imports(source: str) -> set[str]:
+    """The modules a code cell imports (IPython's %magics and !commands aside)."""
+    lines = [line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))]
+    found = set()
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names if node.module == "workflows"}
+    return found
+
+
 @pytest.mark.parametrize("path", [NOTEBOOK, DIGITS_NOTEBOOK], ids=lambda p: p.name)
-def test_committed_notebook_has_no_outputs(path):
+def test_committed_notebook_has_its_outputs(path):
+    """A notebook is committed as run: every code cell executed, no error, at least one table and one
+    image (PNG)."""
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(not c.outputs and c.execution_count is None for c in code)
+    code = _code(nb)
+    assert code and all(c.execution_count is not None for c in code), "a code cell was not run"
+    outputs = [o for c in code for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("<table" in str(o.get("data", {}).get("text/html", "")) for o in outputs), "no table"
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no image"
+
+
+@pytest.mark.parametrize("path", [NOTEBOOK, DIGITS_NOTEBOOK], ids=lambda p: p.name)
+def test_notebook_imports_only_the_public_api(path):
+    """Of workflows, a notebook imports the notebook API (workflows.workflow) only."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    ours = {m for c in _code(nb) for m in _imports(c.source) if m.split(".")[0] == "workflows"}
+    assert ours == {"workflows.workflow"}, ours
+
+
+def test_imports_of_a_cell_are_seen():
+    assert _imports("%matplotlib inline\nimport os\nfrom workflows import registry\n"
+                    "from workflows.pipeline.stages import stage_train") == \
+        {"os", "workflows", "workflows.registry", "workflows.pipeline.stages"}
 
 
 @pytest.mark.integration
@@ -81,18 +121,17 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
     for cell in code:
         assert not [o for o in cell.outputs if o.output_type == "error"], cell.source
     texts = ["".join(_text(o) for o in c.outputs) for c in code]
-    assert f"python: {sys.executable}" in texts[0]
-    http = next(t for c, t in zip(code, texts) if '/predict"' in c.source)
+    http = next(t for c, t in zip(code, texts) if "endpoint.predict(" in c.source)
     # the cell prints the response as indented JSON (Ray's worker logs may share the stream)
     body, _ = json.JSONDecoder().raw_decode(http[http.index('{\n  "predictions"'):])
     preds = body["predictions"]
     assert len(preds) == 4 and all(p["label"] in p["probabilities"] for p in preds)
     assert body["model"] == "notebook" and body["version"] == 1
     # the Serve metrics of those requests, scraped from the node (docs/OBSERVABILITY.md)
-    scraped = next(t for c, t in zip(code, texts) if "MetricsExportPort" in c.source)
+    scraped = next(t for c, t in zip(code, texts) if "wf.metrics(" in c.source)
     assert "ray_workflows_serve_requests_total" in scraped and "ray_workflows_serve_batch_size_bucket" in scraped
     plots = [o for c in code for o in c.outputs if "image/png" in o.get("data", {})]
-    assert len(plots) >= 2  # tuning curves, training curves
+    assert len(plots) >= 3  # tuning curves, training curves, the confusion matrix
     runs = tmp_path / "runs" / "notebook"
     assert all((runs / f"{s}.json").exists() for s in ("preprocess", "tune", "train"))
 
@@ -131,6 +170,11 @@ def test_digits_notebook_runs_top_to_bottom(tmp_path, ray_join):
         shutdown_serve()
     code = [c for c in nb.cells if c.cell_type == "code"]
     texts = ["".join(_text(o) for o in c.outputs) for c in code]
-    assert any(o.get("output_type") == "display_data" for c in code for o in c.outputs)  # the image grid
-    assert "accuracy" in texts[5] and "weighted F1" in texts[5]
-    assert "200 " in texts[6] and "(the scan is a 7)" in texts[6], texts[6]
+    for cell in code:
+        assert not [o for o in cell.outputs if o.output_type == "error"], cell.source
+    grid = next(c for c in code if "wf.rows(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in grid.outputs)  # the image grid
+    evaluated = next(t for c, t in zip(code, texts) if "wf.evaluate(" in c.source)
+    assert "accuracy" in evaluated and "weighted F1" in evaluated
+    served = next(t for c, t in zip(code, texts) if "wf.serve(" in c.source)
+    assert "200 " in served and "(the scan is a 7)" in served, served

@@ -57,7 +57,9 @@ class Runtime:
                     f"{counts['bytes_from_cache']:,} from cache"
                 )
 
-    def write_summary(self, stage: str, summary: dict[str, Any]) -> Path:
+    def write_summary(self, stage: str, summary: dict[str, Any], announce: bool = True) -> Path:
+        """<output_dir>/<name>/<stage>.json; `announce`: say where (once per summary: a stage that
+        adds to one written already, as register to train's, rewrites it quietly)."""
         out_dir = Path(self.cfg.output_dir) / self.cfg.name
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{stage}.json"
@@ -69,7 +71,8 @@ class Runtime:
             "config": dump_config(self.cfg),
         }
         atomic_write(path, json.dumps(body, indent=2, sort_keys=True, default=str))
-        say(f"{stage} summary written to {path}")
+        if announce:
+            say(f"{stage} summary written to {path}")
         return path
 
 

@@ -20,10 +20,13 @@ def train(config: str = ConfigOpt, set: list[str] | None = SetOpt,
           resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint of the last run"),
           verbose: bool = VerboseOpt):
     """Fine-tune with Ray Train (FSDP2 or DDP), checkpoint to object storage, register the best model."""
-    from workflows.pipeline.stages import stage_preprocess, stage_train
+    from workflows.pipeline.stages import stage_preprocess, stage_register, stage_train
 
-    _in_runtime("train", config, set, lambda rt: stage_train(rt, stage_preprocess(rt), resume=resume), verbose=verbose,
-                on_load=_task_ready)
+    def body(rt):
+        data = stage_preprocess(rt)
+        stage_register(rt, data, stage_train(rt, data, resume=resume))
+
+    _in_runtime("train", config, set, body, verbose=verbose, on_load=_task_ready)
 
 
 def tune(config: str = ConfigOpt, set: list[str] | None = SetOpt,

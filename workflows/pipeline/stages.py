@@ -1,7 +1,7 @@
 """The stages, each usable alone (one CLI command each) and chained by `workflows.pipeline.run_pipeline`.
 
 A stage takes what the stages before it produced as values and returns what it produces: the
-processed dataset, the search's outcome (its best parameters), the training outcome, the registered
+processed dataset, the search's outcome (its best parameters), the training's outcome, the registered
 model's reference, the evaluation's metrics, the served endpoint. Each runs in one `stage` frame,
 which holds what every stage shares: its tracking run, the shard-cache counts of its work on the
 cluster, the store made durable after it, and its summary (<stage>.json)."""
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workflows import registry
 from workflows.config import WorkflowConfig
@@ -25,6 +25,9 @@ from workflows.runtime import Runtime, say, warn
 from workflows.storage.uri import StorageContext, protocol_of
 from workflows.tasks import check_card_task, get_task, task_for_card
 from workflows.tracking import stages as tracking
+
+if TYPE_CHECKING:
+    from workflows.train.trainer import TrainOutcome
 
 
 @dataclass
@@ -217,16 +220,28 @@ def apply_params(cfg: WorkflowConfig, params: dict[str, Any]) -> WorkflowConfig:
     return out
 
 
-# --- train and register --------------------------------------------------------------------------
-def stage_train(rt: Runtime, data: ProcessedDataset, params: dict[str, Any] | None = None, resume: bool = False):
-    """Train on `data` with `params` (tuned values, `stage_tune`'s best) over the config's, then
-    register the chosen checkpoint: (TrainOutcome, ModelRef, or None for a task that registers no
-    model). One tracking run and one summary (train.json) hold both: the registered version links
-    to the run that trained it."""
+# --- train ---------------------------------------------------------------------------------------
+@dataclass
+class Trained:
+    """What the train stage produced: the fit's outcome, and the stage that produced it (the config it
+    trained with, tuned values applied; its tracking run; its summary, train.json), in which the
+    register stage records the version it registers."""
+
+    outcome: TrainOutcome
+    stage: Stage
+
+    @property
+    def cfg(self) -> WorkflowConfig:
+        return self.stage.cfg
+
+
+def stage_train(rt: Runtime, data: ProcessedDataset, params: dict[str, Any] | None = None,
+                resume: bool = False) -> Trained:
+    """Train on `data` with `params` (tuned values, `stage_tune`'s best) over the config's: what
+    `stage_register` takes."""
     with stage(rt, "train", apply_params(rt.cfg, params) if params else None) as s:
         outcome = train(s, data, resume)
-        ref = register(s, data, outcome)
-    return outcome, ref
+    return Trained(outcome, s)
 
 
 def train(s: Stage, data: ProcessedDataset, resume: bool = False):
@@ -253,18 +268,21 @@ def train(s: Stage, data: ProcessedDataset, resume: bool = False):
     return outcome
 
 
-def register(s: Stage, data: ProcessedDataset, outcome) -> registry.ModelRef | None:
-    """The trained outcome's chosen checkpoint, exported by the task, as the registry's next version
-    (its card: the task's, the validation metrics of that epoch, the tracking run that trained it)."""
+# --- register ------------------------------------------------------------------------------------
+def stage_register(rt: Runtime, data: ProcessedDataset, trained: Trained) -> registry.ModelRef | None:
+    """The trained outcome's chosen checkpoint, exported by the task, as the registry's next version;
+    None for a task that registers no model. Its card holds the task's, the validation metrics of that
+    epoch and the tracking run that trained it; that run gets the version's tags and the training's
+    summary (train.json) its `registered` and `register_seconds`."""
+    s = trained.stage
     t0 = time.time()
     if not get_task(s.cfg).registers:
-        say(f"train: a {s.cfg.model.task} run registers no model; its checkpoints stay at {outcome.run_uri}")
+        say(f"train: a {s.cfg.model.task} run registers no model; its checkpoints stay at {trained.outcome.run_uri}")
         return None
-    rt = s.rt
     with tempfile.TemporaryDirectory() as tmp:
-        card = export_artifact(s.cfg, rt.storage, data, outcome.best_checkpoint_uri, tmp,
-                               {"run": outcome.run_uri, "train_config": s.cfg.train.model_dump(mode="json")})
-        card["val_metrics"] = val_metrics(outcome.best_metrics)
+        card = export_artifact(s.cfg, rt.storage, data, trained.outcome.best_checkpoint_uri, tmp,
+                               {"run": trained.outcome.run_uri, "train_config": s.cfg.train.model_dump(mode="json")})
+        card["val_metrics"] = val_metrics(trained.outcome.best_metrics)
         link = tracking.registry_link(s.run, rt.tracking.uri if rt.tracking else "")
         if link is not None:  # the MLflow run that trained this version
             card["mlflow"] = link
@@ -274,6 +292,7 @@ def register(s: Stage, data: ProcessedDataset, outcome) -> registry.ModelRef | N
     say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
     s.summary["registered"] = asdict(ref)
     s.summary["register_seconds"] = round(time.time() - t0, 2)  # export + upload to the registry
+    s.rt.write_summary("train", s.summary, announce=False)
     return ref
 
 
