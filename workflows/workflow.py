@@ -330,10 +330,8 @@ class Workflow:
         """Deploy a registered model (default: the one registered here) on Ray Serve at `serve.host:serve.port`."""
         rt = self.runtime
         served = stage_serve(rt, self._spec(model))
-        card = registry.model_card(rt.cfg, rt.storage, served["model"])
-        route = task_for_card(rt.cfg, card).http_contract(card, rt.cfg.serve.max_instances).main_route
         token = bearer_token(rt.cfg.serve)
-        self.endpoint = Endpoint(served["url"], served["model"], route,
+        self.endpoint = Endpoint(served["url"], served["model"], served["route"],
                                  {"Authorization": f"Bearer {token}"} if token else {})
         return self.endpoint
 

@@ -371,7 +371,8 @@ def model_split(cfg: WorkflowConfig, storage, model_spec: str, split: str):
 # --- serve ---------------------------------------------------------------------------------------
 def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = None, route_prefix: str = "/",
                 app_name: str | None = None) -> dict:
-    """Deploy a registered model with Ray Serve and send it `demo_rows`: its URL, ingress and answers."""
+    """Deploy a registered model with Ray Serve and send it `demo_rows`: its URL, main route (the task's
+    HTTP contract's), ingress and answers."""
     from workflows.serve import ingress
     from workflows.serve.app import bearer_token, deploy
 
@@ -393,7 +394,8 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
         route, pred = contract.demo(url, row, headers)
         say(f"serve:   {route} {task.describe(row)!r} -> {task.describe_prediction(pred)}")
         sent.append({"instance": row, "prediction": pred})
-    return {"url": url, "model": spec, "ingress": front, "requests": sent, "deploy_seconds": round(deploy_seconds, 2)}
+    return {"url": url, "model": spec, "route": contract.main_route, "ingress": front, "requests": sent,
+            "deploy_seconds": round(deploy_seconds, 2)}
 
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
