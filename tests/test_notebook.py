@@ -73,8 +73,15 @@ def test_imports_of_a_cell_are_seen():
         {"os", "workflows", "workflows.registry", "workflows.pipeline.stages"}
 
 
-@pytest.mark.integration
-def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
+PYTHON_CHECK = 'import sys\nprint("python:", sys.executable)'
+
+
+def run_notebook(path, tmp_path, ray_join, overrides: list[str], **env_extra: str) -> list:
+    """`path` executed top to bottom in a real kernel of this interpreter, its bucket, summaries and
+    shard cache under `tmp_path`, joined to the session's cluster, with `overrides`
+    (WORKFLOWS_NOTEBOOK_SET) after the temp dirs and a free serve port. A first cell, added here and
+    not committed, prints the kernel's interpreter, which must be this one. Returns the notebook's
+    own code cells, none with an error."""
     import nbformat
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
@@ -91,35 +98,42 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
     km = AsyncKernelManager(kernel_name="workflows-test",
                             kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]))
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(PYTHON_CHECK))
     client = NotebookClient(nb, km=km, timeout=900, allow_errors=False,
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+                            resources={"metadata": {"path": str(path.parent)}})
     # The kernel joins the session's cluster (it needs no fresh one), with the state API pointed at
     # that cluster's dashboard, so that Ray's helpers in it (Train's placement-group cleaner) find it
     # beside other clusters on the machine.
-    overrides = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
-                 f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", *ray_join.overrides,
-                 # smaller than the notebook's own tiny sizes: the cells, tables and plots are the
-                 # same with one trial of one epoch (no trial checkpoint) and one training epoch
-                 # (tuning and training themselves are tested in test_tune, test_train, test_jobs
-                 # and on the shared pipeline run)
-                 "tune.num_samples=1", "tune.max_epochs=1", "tune.checkpoint=false", "train.epochs=1"]
+    sets = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
+            f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", *ray_join.overrides, *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MPLBACKEND")}
     # (no MPLBACKEND: the kernel's own inline backend, not one set for this shell)
-    env.update(ray_join.env, WORKFLOWS_NOTEBOOK_TINY="1", WORKFLOWS_NOTEBOOK_SET="\n".join(overrides),
-               RAY_TRAIN_V2_ENABLED="1")
+    env.update(ray_join.env, WORKFLOWS_NOTEBOOK_SET="\n".join(sets), RAY_TRAIN_V2_ENABLED="1", **env_extra)
     shutdown_serve()  # the notebook deploys on the session's cluster: no Serve left there by another test
     try:
         client.execute(env=env)  # raises CellExecutionError, naming the cell, if a cell fails
     finally:
-        nbformat.write(nb, tmp_path / "quickstart.executed.ipynb")  # for a look after a failure
+        nbformat.write(nb, tmp_path / f"{path.stem}.executed.ipynb")  # for a look after a failure
         if km.has_kernel:  # nbclient leaves a kernel manager it was given running
             asyncio.run(km.shutdown_kernel(now=True))
         shutdown_serve()  # the last cell does, unless a cell before it failed
 
-    code = [c for c in nb.cells if c.cell_type == "code"]
+    check, *code = _code(nb)
+    assert f"python: {sys.executable}" in "".join(_text(o) for o in check.outputs)
     for cell in code:
         assert not [o for o in cell.outputs if o.output_type == "error"], cell.source
+    return code
+
+
+@pytest.mark.integration
+def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
+    code = run_notebook(NOTEBOOK, tmp_path, ray_join, [
+        # smaller than the notebook's own tiny sizes: the cells, tables and plots are the same with
+        # one trial of one epoch (no trial checkpoint) and one training epoch (tuning and training
+        # themselves are tested in test_tune, test_train, test_jobs and on the shared pipeline run)
+        "tune.num_samples=1", "tune.max_epochs=1", "tune.checkpoint=false", "train.epochs=1",
+    ], WORKFLOWS_NOTEBOOK_TINY="1")
     texts = ["".join(_text(o) for o in c.outputs) for c in code]
     http = next(t for c, t in zip(code, texts) if "endpoint.predict(" in c.source)
     # the cell prints the response as indented JSON (Ray's worker logs may share the stream)
@@ -139,39 +153,9 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, ray_join):
 @pytest.mark.integration
 def test_digits_notebook_runs_top_to_bottom(tmp_path, ray_join):
     """notebooks/digits.ipynb in a real kernel: one short epoch on one worker, its PNG answered."""
-    import nbformat
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import AsyncKernelManager
-    from nbclient import NotebookClient
-
-    spec_dir = tmp_path / "kernels" / "workflows-test"
-    spec_dir.mkdir(parents=True)
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "workflows (test)", "language": "python",
-    }))
-    km = AsyncKernelManager(kernel_name="workflows-test",
-                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]))
-    nb = nbformat.read(DIGITS_NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, km=km, timeout=900, allow_errors=False,
-                            resources={"metadata": {"path": str(DIGITS_NOTEBOOK.parent)}})
-    overrides = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",
-                 f"cache.dir={tmp_path}/cache", f"serve.port={free_port()}", *ray_join.overrides,
-                 "train.epochs=1", "train.num_workers=1", "preprocess.concurrency=1", "tracking.enabled=false"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MPLBACKEND")}
-    env.update(ray_join.env, WORKFLOWS_NOTEBOOK_SET="\n".join(overrides), RAY_TRAIN_V2_ENABLED="1")
-    shutdown_serve()
-    try:
-        client.execute(env=env)
-    finally:
-        nbformat.write(nb, tmp_path / "digits.executed.ipynb")
-        if km.has_kernel:
-            asyncio.run(km.shutdown_kernel(now=True))
-        shutdown_serve()
-    code = [c for c in nb.cells if c.cell_type == "code"]
+    code = run_notebook(DIGITS_NOTEBOOK, tmp_path, ray_join, [
+        "train.epochs=1", "train.num_workers=1", "preprocess.concurrency=1", "tracking.enabled=false"])
     texts = ["".join(_text(o) for o in c.outputs) for c in code]
-    for cell in code:
-        assert not [o for o in cell.outputs if o.output_type == "error"], cell.source
     grid = next(c for c in code if "wf.rows(" in c.source)
     assert any("image/png" in o.get("data", {}) for o in grid.outputs)  # the image grid
     evaluated = next(t for c, t in zip(code, texts) if "wf.evaluate(" in c.source)
