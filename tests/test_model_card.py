@@ -119,7 +119,7 @@ def test_a_key_that_is_no_file_name_is_not_downloaded(tmp_path, monkeypatch):
 
     class Listing:
         def ls(self, path, detail=False):
-            return [f"{path}/model.safetensors", f"{path}/.."]
+            return [{"name": f"{path}/{n}", "type": "file"} for n in ("model.safetensors", "..")]
 
         def get_file(self, remote, local):
             raise AssertionError(f"downloaded {remote} to {local}")

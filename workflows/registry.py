@@ -21,10 +21,10 @@ from typing import Any
 from workflows.config import WorkflowConfig, check_name
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
+from workflows.storage.create_only import create_once
 from workflows.storage.model_cache import cached_dir
 from workflows.storage.uri import (
     StorageContext,
-    create_once,
     download_dir,
     exists,
     filesystem,
