@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from workflows.config import WorkflowConfig, check_name
+from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
+from workflows.storage.confine import relative_under, shown
 from workflows.storage.create_only import create_once
 from workflows.storage.model_cache import cached_dir
 from workflows.storage.uri import (
@@ -150,6 +152,30 @@ def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
         raise UserError(f"{uri} names model {card.name!r} version {card.version!r}, not the {ref.name!r} "
                         f"v{ref.version} it is stored as; the card was edited in the store: register the model again")
     return card
+
+
+def card_uri(cfg: WorkflowConfig, card: ModelCard) -> str:
+    """Where a version's card is stored (as an error message names it)."""
+    return join(_models_root(cfg), str(card.name), f"v{card.version}", META_FILE)
+
+
+def lineage_dataset(cfg: WorkflowConfig, ctx: StorageContext, card: ModelCard) -> ProcessedDataset:
+    """The processed dataset a version was trained on, as its card's lineage.dataset_uri names it. The
+    card is the bucket's: the dataset is read only from under storage.root (plain-name segments), as
+    every processed dataset is written; anything else is refused in one line."""
+    uri = (card.lineage or {}).get("dataset_uri")
+    if not uri:
+        raise UserError(f"model {card.name}:v{card.version} records no processed dataset in its lineage; "
+                        "evaluate it with --data URI")
+    if relative_under(cfg.storage.root, uri) is None:
+        raise UserError(f"{card_uri(cfg, card)}: lineage.dataset_uri {shown(uri)} is not under storage.root "
+                        f"({cfg.storage.root}): refused (the card was edited in the store; evaluate it with "
+                        "--data URI)")
+    try:
+        return ProcessedDataset.load(uri, ctx)
+    except FileNotFoundError:
+        raise UserError(f"model {card.name}:v{card.version} was trained on the processed dataset {uri}, which is "
+                        "gone (no manifest.json there); evaluate it with --data URI") from None
 
 
 def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, ModelCard]:

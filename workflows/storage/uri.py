@@ -216,10 +216,15 @@ def write_json(uri: str, obj: Any, ctx: StorageContext) -> None:
     write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True).encode(), ctx)
 
 
-def read_json(uri: str, ctx: StorageContext) -> Any:
+def read_json(uri: str, ctx: StorageContext, max_bytes: int | None = None) -> Any:
+    """The JSON object at `uri`; `max_bytes`: one over it is refused in one line, unread (an object the
+    store holds is as large as its writer made it)."""
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx), fs.open(path, "rb") as f:
-        return json.loads(f.read())
+        raw = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise UserError(f"{uri} is over {max_bytes} bytes: refused")
+    return json.loads(raw)
 
 
 def check_bucket(uri: str, ctx: StorageContext) -> None:
