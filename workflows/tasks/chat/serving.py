@@ -71,6 +71,7 @@ class ChatPredictor(Predictor):
         self._base_sha: str | None = None
         self._tokenize = ThreadPoolExecutor(1, "tokenize")
         self.adapters: dict[str, str] = {}  # model id -> peft adapter name, loaded (or loading)
+        self._loaded: set[str] = set()  # peft names whose weights are all in (decode thread only)
         self._using: Counter[str] = Counter()  # model id -> requests using it (event loop only)
         self._retiring: set[str] = set()  # unloaded by Serve, deleted once unused
         self._lock = threading.RLock()
@@ -193,24 +194,28 @@ class ChatPredictor(Predictor):
                                 f"served by {self.base_id} ({self.base_sha256()[:12]}...)")
 
     def add_adapter(self, model_id: str, model_dir: str):
-        """Load an adapter in the decode thread, between steps (a Future of its peft name)."""
+        """Load an adapter in the decode thread, between steps (a Future of its peft name), through
+        `load_adapter` (its config rebuilt from an allow-list, its weights from safetensors only). One
+        that fails to load leaves nothing: neither a listed model id nor a half-loaded adapter."""
         with self._lock:
             self._count += 1
             name = self.adapters.setdefault(model_id, f"adapter{self._count}")
         self._retiring.discard(model_id)
 
         def load():
-            from peft import PeftModel
+            from workflows.tasks.chat.model import load_adapter
 
-            model = self.engine.model
-            if name in getattr(model, "peft_config", {}):
-                return name
-            if isinstance(model, PeftModel):
-                model.load_adapter(model_dir, adapter_name=name, is_trainable=False, use_safetensors=True)
-            else:
-                self.engine.model = PeftModel.from_pretrained(model, model_dir, adapter_name=name,
-                                                              is_trainable=False, use_safetensors=True)
-            self.engine.model.eval()
+            if name not in self._loaded:
+                try:
+                    self.engine.model = load_adapter(self.engine.model, model_dir, name).eval()
+                except BaseException:
+                    with self._lock:
+                        if self.adapters.get(model_id) == name:
+                            del self.adapters[model_id]
+                    raise
+                self._loaded.add(name)
+            with self._lock:  # a load of the same id that failed first took it off
+                self.adapters[model_id] = name
             return name
 
         return self.engine.call(load)
@@ -240,16 +245,12 @@ class ChatPredictor(Predictor):
             name = self.adapters.pop(model_id, None)
 
         def delete():
+            from workflows.tasks.chat.model import remove_adapter
+
             model = self.engine.model
-            if name not in getattr(model, "peft_config", {}):
-                return
-            if self.served_adapter is None and set(model.peft_config) == {name}:
-                # the last adapter of a whole model: unwrap it (peft would keep the deleted name active)
-                self.engine.model = model.unload().eval()
-                return
-            model.delete_adapter(name)
-            if model.active_adapter not in model.peft_config:  # peft leaves the deleted one active
-                model.set_adapter(next(iter(model.peft_config)))
+            self._loaded.discard(name)
+            if name in getattr(model, "peft_config", {}):  # the last adapter of a whole model: unwrapped
+                self.engine.model = remove_adapter(model, name, unwrap=self.served_adapter is None)
 
         self.engine.call(delete)
 
