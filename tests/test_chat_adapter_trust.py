@@ -196,3 +196,60 @@ def test_an_adapter_the_chat_task_exports_passes_the_allow_list(tiny, tmp_path, 
     ids = torch.tensor([prompt(tokenizer)])
     with torch.no_grad():
         assert torch.allclose(loaded.eval()(input_ids=ids).logits, trained.eval()(input_ids=ids).logits, atol=1e-5)
+
+
+def test_error_bodies_name_the_model_never_a_storage_uri_or_local_path(tiny, tmp_path, monkeypatch):
+    """A 404 for a model the replica cannot serve carried the registry's message (the storage root URI,
+    a card's URI, an adapter base's path) and a library ValueError passed through as a 400. Now each
+    answer names the model, and what lies where stays in the replica's log."""
+    import asyncio
+    import json as jsonlib
+    from types import SimpleNamespace
+
+    from tests.conftest import ROOT
+    from workflows import registry
+    from workflows.config import load_config
+    from workflows.serve.app import ModelServer
+    from workflows.storage.uri import StorageContext
+    from workflows.tasks.chat.engine import ModelNotFound
+    from workflows.tasks.chat.model import weights_sha256
+    from workflows.tasks.chat.openai_api import Adapters
+
+    model_dir, _, good = tiny
+    root = tmp_path / "store"
+    cfg = load_config(ROOT / "configs" / "chat.yaml", [f"storage.root={root}", "storage.embedded.enabled=false",
+                                                      f"cache.dir={tmp_path / 'c'}"])
+    ctx = StorageContext()
+    base = {"name_or_path": f"{root}/secret/base", "sha256": weights_sha256(model_dir)}
+    adapter_card = {"task": "chat", "export": "adapter", "base": base}
+    registry.register(cfg, ctx, str(good), "good", adapter_card)
+    registry.register(cfg, ctx, str(_edited(tmp_path, good, modules_to_save=["lm_head"])), "hostile", adapter_card)
+    registry.register(cfg, ctx, str(good), "otherbase", {**adapter_card, "base": {**base, "sha256": "0" * 64}})
+    edited = registry.register(cfg, ctx, str(good), "edited", adapter_card)
+    card_file = root / "models" / "edited" / "v1" / registry.META_FILE
+    card_file.write_text(jsonlib.dumps({**jsonlib.loads(card_file.read_text()), "artifact_id": "../../x"}))
+    server_class = ModelServer.func_or_class
+    fake = SimpleNamespace(cfg=cfg, storage=ctx)
+    predictor = served(model_dir)
+    try:
+        predictor.card.name = "tiny"
+        adapters = Adapters(SimpleNamespace(predictor=predictor,
+                                            read_card=lambda spec: server_class.read_card(fake, spec),
+                                            fetch_model=lambda spec: server_class.fetch_model(fake, spec)))
+        for spec in ("nope:1", "good:7", "edited:1", "otherbase:1", "hostile:1"):
+            with pytest.raises(ModelNotFound) as e:
+                asyncio.run(adapters.load(spec))
+            message = str(e.value)
+            assert spec.split(":")[0] in message and str(tmp_path) not in message and "store" not in message, \
+                (spec, message)
+        assert edited.version == 1 and asyncio.run(adapters.load("good:1")).name in predictor.adapters.values()
+
+        def broken(*a, **k):
+            raise ValueError(f"cannot read {tmp_path}/secret/tokenizer.json")
+
+        monkeypatch.setattr(predictor.tokenizer, "apply_chat_template", broken)
+        with pytest.raises(ValueError) as e:
+            asyncio.run(predictor.encode(predictor.chat_ids, [{"role": "user", "content": "hi"}]))
+        assert "tiny:1" in str(e.value) and str(tmp_path) not in str(e.value), str(e.value)
+    finally:
+        predictor.close()

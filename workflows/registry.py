@@ -41,6 +41,14 @@ CLAIM_FILE = "claim.json"  # a version's first object: which registration writes
 _VERSION = re.compile(r"^v(\d+)$")
 
 
+class NotRegistered(UserError):
+    """No such model or version; `public`: the same said without where the registry is (an HTTP answer)."""
+
+    def __init__(self, message: str, public: str):
+        super().__init__(message)
+        self.public = public
+
+
 @dataclass(frozen=True)
 class ModelRef:
     name: str
@@ -97,11 +105,13 @@ def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
     name, version = parse_spec(spec)
     available = versions(cfg, ctx, name)
     if not available:
-        raise UserError(f"model {name!r} not found in the registry at {_models_root(cfg)}")
+        raise NotRegistered(f"model {name!r} not found in the registry at {_models_root(cfg)}",
+                            f"model {name!r} is not registered")
     if version is None:
         version = available[-1]
     elif version not in available:
-        raise UserError(f"model {name!r} has no version {version} (available: {', '.join(f'v{v}' for v in available)})")
+        message = f"model {name!r} has no version {version} (available: {', '.join(f'v{v}' for v in available)})"
+        raise NotRegistered(message, message)
     return ModelRef(name, version, join(_models_root(cfg), name, f"v{version}"))
 
 

@@ -26,6 +26,7 @@ uses them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import threading
@@ -42,8 +43,13 @@ if TYPE_CHECKING:
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 SERVED_ADAPTER = "default"  # peft's name for the adapter a served adapter version loads as
+log = logging.getLogger(__name__)
 # a registered version as a request names it (registry names: workflows.config.check_name)
 MODEL_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})(?::v?(\d{1,9}))?$")
+
+
+class PromptError(ValueError):
+    """A prompt this model cannot take, said in the platform's words (an HTTP 400's message)."""
 
 
 def is_adapter(model_dir: str) -> bool:
@@ -136,7 +142,7 @@ class ChatPredictor(Predictor):
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """A conversation rendered by the model's chat template, ending where the assistant answers."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: use /v1/completions")
+            raise PromptError("this model has no chat template: use /v1/completions")
         from jinja2 import TemplateError
 
         system = getattr(self.task.options, "system_prompt", None)
@@ -146,15 +152,22 @@ class ChatPredictor(Predictor):
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
         except TemplateError as e:  # the template's own check (e.g. roles out of order)
-            raise ValueError(f"messages: {e}") from None
+            raise PromptError(f"messages: {str(e)[:500]}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
 
     async def encode(self, fn, arg) -> list[int]:
-        """`fn(arg)` (chat_ids or prompt_ids) in the tokenizing thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, arg)
+        """`fn(arg)` (chat_ids or prompt_ids) in the tokenizing thread. A ValueError of the tokenizer or
+        its template library (whose message may name a file) is answered naming the model only."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, arg)
+        except PromptError:
+            raise
+        except ValueError as e:
+            log.warning("model %s: the prompt could not be tokenized: %s", self.base_id, e)
+            raise PromptError(f"model {self.base_id} could not tokenize this prompt") from None
 
     # --- adapters ------------------------------------------------------------------------------------
     def resolve(self, model: str) -> str | None:
@@ -188,10 +201,10 @@ class ChatPredictor(Predictor):
 
     def _check_base(self, model_id: str, card: Any) -> None:
         base = dict(getattr(card, "base", None) or {})
-        if not base.get("sha256") or base["sha256"] != self.base_sha256():
-            raise ModelNotFound(f"model {model_id} is an adapter of {base.get('name_or_path') or 'an unnamed base'} "
-                                f"(weights sha256 {str(base.get('sha256') or '?')[:12]}...), not of the base "
-                                f"served by {self.base_id} ({self.base_sha256()[:12]}...)")
+        if not base.get("sha256") or base["sha256"] != self.base_sha256():  # its base's name is a place: unsaid
+            raise ModelNotFound(f"model {model_id} is an adapter of another base (weights sha256 "
+                                f"{str(base.get('sha256') or '?')[:12]}...), not of the base served by {self.base_id} "
+                                f"({self.base_sha256()[:12]}...)")
 
     def add_adapter(self, model_id: str, model_dir: str):
         """Load an adapter in the decode thread, between steps (a Future of its peft name), through
