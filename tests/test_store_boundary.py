@@ -154,3 +154,58 @@ def test_the_tokenizer_a_manifest_names_must_be_the_configs(tmp_path):
     _one_line(e, str(manifest), "tokenizer", "preprocess.tokenizer")
     data.tokenizer = "minilm"
     assert data.tokenizer_of(cfg) == "minilm"
+
+
+@pytest.mark.parametrize("entry", [("vocab_file", "/etc/hostname"), ("tokenizer_file", "../../tokenizer.json"),
+                                   ("merges_file", "sub/merges.txt"), ("spm_file", "absent.model"),
+                                   ("vocab_file", 5), ("tokenizer_file", "x" * 5000),
+                                   ("vocab_files", ["vocab.txt", "/etc/hostname"])])
+def test_a_registered_tokenizers_file_keys_name_files_inside_its_folder(tmp_path, entry):
+    """A registered version's tokenizer_config.json is the bucket's: keys such as vocab_file or
+    tokenizer_file naming a local path made the tokenizer read it (transformers versions before 5
+    opened them as given). registry.fetch refuses them in one line naming the file and key, and
+    caches nothing."""
+    key, value = entry
+    cfg = _cfg(tmp_path)
+    art = tmp_path / "artifact"
+    art.mkdir()
+    (art / "model.safetensors").write_bytes(b"w")
+    (art / "vocab.txt").write_text("a\n")
+    (art / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", key: value}))
+    registry.register(cfg, CTX, str(art), "m", {"task": "classification", "labels": ["a", "b"]})
+    with pytest.raises(UserError) as e:
+        registry.fetch(cfg, CTX, "m")
+    _one_line(e, "tokenizer_config.json", key)
+    cached = tmp_path / "cache" / "models"
+    assert not cached.exists() or not any(cached.iterdir())
+
+
+def test_a_registered_tokenizers_own_file_names_are_kept(tmp_path):
+    cfg = _cfg(tmp_path)
+    art = tmp_path / "artifact"
+    art.mkdir()
+    (art / "model.safetensors").write_bytes(b"w")
+    (art / "vocab.txt").write_text("a\n")
+    (art / "tokenizer_config.json").write_text(json.dumps({"vocab_file": "vocab.txt", "tokenizer_file": None}))
+    registry.register(cfg, CTX, str(art), "m", {"task": "classification", "labels": ["a", "b"]})
+    local, _ = registry.fetch(cfg, CTX, "m")
+    assert (Path(local) / "vocab.txt").read_text() == "a\n"
+
+
+def test_the_template_engine_has_a_floor_without_its_known_sandbox_escapes():
+    """Chat templates from the store render in transformers' Jinja sandbox; Jinja2 before 3.1.6 has
+    sandbox escapes (CVE-2024-56201, CVE-2024-56326, CVE-2025-27516): the package declares the floor."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from tests.conftest import ROOT
+
+    declared = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    jinja = [r for r in declared if r.name.lower() == "jinja2"]
+    assert jinja and not jinja[0].specifier.contains("3.1.5") and jinja[0].specifier.contains("3.1.6")
+    assert Version(importlib.metadata.version("jinja2")) >= Version("3.1.6")
+    pinned = [ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln.lower().startswith("jinja2==")]
+    assert pinned and Version(pinned[0].split("==")[1]) >= Version("3.1.6")

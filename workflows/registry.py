@@ -25,6 +25,7 @@ from workflows.model_card import ModelCard
 from workflows.storage.confine import relative_under, shown
 from workflows.storage.create_only import create_once
 from workflows.storage.model_cache import cached_dir
+from workflows.storage.model_dir import check_tokenizer_files
 from workflows.storage.uri import (
     StorageContext,
     download_dir,
@@ -194,11 +195,15 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
     card = read_card(ref, ctx)
     assert card.artifact_id is not None  # read_card refuses a card without one
 
+    what = f"model {ref.name}:v{ref.version}"
+
     def fill(tmp: str) -> None:
         download_dir(ref.uri, ctx, tmp, skip=(META_FILE, EVAL_FILE, CLAIM_FILE))
+        check_tokenizer_files(tmp, what)  # nothing refused enters the cache
         (Path(tmp) / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
 
-    return cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill), card
+    return check_tokenizer_files(cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill),
+                                 what), card
 
 
 EVAL_FILE = "evaluation.json"
