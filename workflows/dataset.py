@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from workflows.errors import UserError
-from workflows.storage.confine import MAX_NAME_CHARS, plain_segments, relative_under, shown
+from workflows.storage.confine import MAX_NAME_CHARS, first_error, plain_segments, relative_under, shown
 from workflows.storage.shards import read_shards
 from workflows.storage.uri import (
     StorageContext,
@@ -70,10 +70,8 @@ class ProcessedDataset:
         try:
             checked = _Manifest.model_validate(read_json(where, ctx, max_bytes=MAX_MANIFEST_BYTES))
         except ValidationError as e:  # before json's ValueError: a subclass
-            err = e.errors()[0]
-            key = ".".join(str(p) for p in err["loc"]) or "(the whole object)"
-            raise UserError(f"{where}: {key}: {err['msg']} (got {shown(err.get('input'))}); the manifest was edited "
-                            "in the store: preprocess again") from None
+            raise UserError(f"{where}: {first_error(e)}; the manifest was edited in the store: preprocess "
+                            "again") from None
         except ValueError as e:  # not JSON
             raise UserError(f"{where} is not JSON: {str(e).splitlines()[0]}") from None
         data = cls.from_manifest(checked.model_dump(exclude_unset=True))

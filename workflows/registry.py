@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from workflows.config import WorkflowConfig, check_name
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
-from workflows.model_card import ModelCard
-from workflows.storage.confine import relative_under, shown
+from workflows.model_card import MAX_CARD_BYTES, ModelCard
+from workflows.storage.confine import first_error, relative_under, shown
 from workflows.storage.create_only import create_once
 from workflows.storage.model_cache import cached_dir
 from workflows.storage.model_dir import check_tokenizer_files
@@ -150,8 +152,10 @@ def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
     the bucket can edit the card, and must not choose where a fetch writes."""
     uri = join(ref.uri, META_FILE)
     try:
-        card = ModelCard.model_validate(read_json(uri, ctx))
-    except ValueError as e:  # not JSON, or a field of the wrong type
+        card = ModelCard.model_validate(read_json(uri, ctx, max_bytes=MAX_CARD_BYTES))
+    except ValidationError as e:  # a field of the wrong type or size (before json's ValueError: a subclass)
+        raise UserError(f"{uri} is not a valid model card: {first_error(e)}") from None
+    except ValueError as e:  # not JSON
         raise UserError(f"{uri} is not a valid model card: {str(e).splitlines()[0]}") from None
     if card.artifact_id is None:  # written by every register(); a hand-made version lacks it
         raise UserError(f"{uri} has no artifact_id: register the model again")

@@ -53,3 +53,11 @@ def shown(value: object, limit: int = 120) -> str:
     """A value read from the store as an error message shows it: its repr, cut to `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def first_error(e) -> str:
+    """A pydantic ValidationError of an object read from the store, in one line: the key, what is
+    wrong, and the value (cut)."""
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "(the whole object)"
+    return f"{key}: {err['msg']} (got {shown(err.get('input'))})"
