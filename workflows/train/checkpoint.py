@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from workflows.errors import UserError
 from workflows.parallel import world
-from workflows.storage.confine import shown
+from workflows.storage.confine import plain_segments, shown
 
 STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"
@@ -175,8 +175,8 @@ def read_metadata(f: IO[bytes]) -> Metadata:
 
 
 def _plain_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name \
-        and "\\" not in name
+    """A file name of the checkpoint's own folder: one plain segment (workflows.storage.confine)."""
+    return isinstance(name, str) and plain_segments(name) and "/" not in name
 
 
 def _read_local_metadata(directory: str | os.PathLike) -> Metadata:
@@ -290,7 +290,7 @@ def parse_state(raw: bytes, where: str) -> dict:
         raise UserError(f"checkpoint {where}: {STATE_FILE} is not JSON ({str(e)[:120]}): refused") from None
     files = state.get("files") if isinstance(state, dict) else None
     if not isinstance(state, dict) or files is not None and not (
-            isinstance(files, dict) and all(_plain_name(k) and len(k) <= 255 and type(v) is int and v >= 0
+            isinstance(files, dict) and all(_plain_name(k) and type(v) is int and v >= 0
                                             for k, v in files.items())):
         what = f"files {shown(files)}" if isinstance(state, dict) else f"a {type(state).__name__}"
         raise UserError(f"checkpoint {where}: {STATE_FILE}: {what} is not a map of the checkpoint's file names "

@@ -270,6 +270,8 @@ def adapter_config(model_dir: str):
     for key, value in doc.items():
         if key not in LORA_FIELDS and key not in LORA_NOTES and value not in (None, False, {}, [], ""):
             refuse(key, f"set to {shown(value, 60)}")
+    if doc.get("megatron_core") not in (None, "megatron.core"):  # peft's default: a module it may import
+        refuse("megatron_core", f"{shown(doc['megatron_core'], 60)}, not peft's 'megatron.core'")
     get = doc.get
     if get("peft_type") != "LORA":
         refuse("peft_type", f"{shown(get('peft_type'), 60)}, not 'LORA'")
