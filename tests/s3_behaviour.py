@@ -60,9 +60,12 @@ class BehaviourStore:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> BehaviourStore:
+        import logging
+
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
         from werkzeug.serving import make_server
 
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
         self.behaviour = S3Behaviour(DomainDispatcherApplication(create_backend_app))
         self._server = make_server("127.0.0.1", 0, self.behaviour, threaded=True, request_handler=MotoRequestHandler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
