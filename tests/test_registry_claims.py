@@ -1,11 +1,10 @@
 """The registry's create-only write (workflows.storage.create_only.create_once) against a second S3
 endpoint whose answers the test sets (tests/s3_behaviour.py): AWS's 409 ConditionalRequestConflict
-is retried, and a store that ignores If-None-Match is found by one probe and never gets two
-registrations in one version."""
+is retried, and a store that ignores If-None-Match is found by one probe (registrations racing on
+one: tests/test_model_card.py)."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from pathlib import Path
 
@@ -79,49 +78,3 @@ def test_the_probe_tells_a_store_that_honours_if_none_match_from_one_that_ignore
     assert client.get_object(Bucket=bucket, Key="b")["Body"].read() == b"1"
     listed = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert not [k for k in listed if "probe" in k], listed  # the probe's object is removed
-
-
-def test_registrations_racing_on_a_store_that_ignores_if_none_match_get_distinct_versions(tmp_path, store,
-                                                                                         monkeypatch, capsys):
-    """With If-None-Match ignored, every conditional PUT of a version's claim succeeded: four
-    registrations that listed the same versions all wrote into v1. Now the store is probed once, the
-    registration says so in one line, and claims beside the object decide: four versions, each with
-    the weights and card of one writer."""
-    cfg, ctx = _cfg(tmp_path, f"s3://{_bucket(store)}/store"), store.context()
-    store.behaviour.ignore_if_none_match = True
-    writers = 4
-    listed = threading.Barrier(writers)
-    real_versions = registry.versions
-
-    def versions_then_wait(*args):
-        found = real_versions(*args)
-        listed.wait(timeout=60)
-        return found
-
-    monkeypatch.setattr(registry, "versions", versions_then_wait)
-    errors: list[BaseException] = []
-
-    def register(i: int) -> None:
-        try:
-            registry.register(cfg, ctx, _artifact(tmp_path, i), "m", {**META, "writer": i})
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=register, args=(i,)) for i in range(writers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    monkeypatch.setattr(registry, "versions", real_versions)
-    assert not errors, errors
-    versions = registry.versions(cfg, ctx, "m")
-    assert len(versions) == writers, versions
-    seen = []
-    for v in versions:
-        local, card = registry.fetch(cfg, ctx, f"m:{v}")
-        writer = card.model_extra["writer"]
-        assert (Path(local) / "model.safetensors").read_bytes() == f"weights of writer {writer}".encode() * 100
-        seen.append(writer)
-    assert sorted(seen) == list(range(writers))
-    said = [ln for ln in capsys.readouterr().err.splitlines() if "If-None-Match" in ln]
-    assert len(said) == 1, said
