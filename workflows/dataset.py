@@ -81,16 +81,19 @@ class ProcessedDataset:
         return data
 
     def tokenizer_of(self, cfg) -> str:
-        """The tokenizer this text dataset was written with, which must be the config's
-        preprocess.tokenizer: a manifest is the bucket's, and a bucket writer does not choose what is
-        read (and copied into a registered model) as a tokenizer."""
-        where = join(self.uri, MANIFEST)
+        """The tokenizer this text dataset was written with, which must be the one the config's task
+        writes (Task.dataset_tokenizer: preprocess.tokenizer, a chat model's base): a manifest is the
+        bucket's, and a bucket writer does not choose what is read (and copied into a registered
+        model) as a tokenizer."""
+        from workflows.tasks import get_task
+
+        where, expected = join(self.uri, MANIFEST), get_task(cfg).dataset_tokenizer()
         if not self.tokenizer:
             raise UserError(f"{where}: tokenizer: the processed dataset {self.version} ({self.task}) names none")
-        if self.tokenizer != cfg.preprocess.tokenizer:
-            raise UserError(f"{where}: tokenizer {shown(self.tokenizer)} is not this config's preprocess.tokenizer "
-                            f"({cfg.preprocess.tokenizer!r}): set preprocess.tokenizer to the one the dataset was "
-                            "made with, or preprocess again")
+        if self.tokenizer != expected:
+            raise UserError(f"{where}: tokenizer {shown(self.tokenizer)} is not the one this config's task reads "
+                            f"({expected!r}, from preprocess.tokenizer or model.name_or_path): set it to the one the "
+                            "dataset was made with, or preprocess again")
         return self.tokenizer
 
     def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None, cache=None):
