@@ -43,6 +43,17 @@ def _edited(tmp_path, good, **changes):
     return out
 
 
+@pytest.fixture(scope="module")
+def replica(tiny):
+    """One serving predictor for the refusals, as one replica takes request after request: (it, the
+    base's answer, its modules), checked unchanged after each."""
+    predictor = served(tiny[0])
+    try:
+        yield predictor, _answer(predictor), [n for n, _ in predictor.engine.model.named_modules()]
+    finally:
+        predictor.close()
+
+
 def _answer(predictor, adapter=None):
     gen = predictor.engine.submit(prompt(predictor.tokenizer), GREEDY, adapter)
     gen.result(60)
@@ -71,37 +82,33 @@ HOSTILE_CONFIGS = [
 
 
 @pytest.mark.parametrize(("key", "value"), HOSTILE_CONFIGS)
-def test_an_adapters_config_is_rebuilt_from_an_allow_list(tiny, tmp_path, monkeypatch, key, value):
+def test_an_adapters_config_is_rebuilt_from_an_allow_list(tiny, replica, tmp_path, monkeypatch, key, value):
     """peft applied every key of a served adapter's config: megatron_core names a module it imports,
     layer_replication and modules_to_save change the base every client of the replica shares (and stay
     after the adapter is deleted). Each is refused in one line naming the key, and the replica's base
     answers as before, its modules unchanged."""
-    model_dir, _, good = tiny
+    _, _, good = tiny
+    predictor, base, modules = replica
     marker = tmp_path / "imported"
     (tmp_path / "planted_megatron.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     extra = {"megatron_core": "planted_megatron"} if key == "megatron_config" else {}
     adapter = _edited(tmp_path, good, **{key: value}, **extra)
-    predictor = served(model_dir)
-    try:
-        base = _answer(predictor)
-        modules = [n for n, _ in predictor.engine.model.named_modules()]
-        with pytest.raises(UserError) as e:
-            predictor.add_adapter("hostile:1", str(adapter)).result(60)
-        assert len(str(e.value).splitlines()) == 1 and key in str(e.value), str(e.value)
-        assert str(tmp_path) not in str(e.value)  # names the file, not where it lies
-        assert not marker.exists() and "planted_megatron" not in sys.modules
-        assert [n for n, _ in predictor.engine.model.named_modules()] == modules
-        assert _answer(predictor) == base and predictor.adapters == {}
-    finally:
-        predictor.close()
+    with pytest.raises(UserError) as e:
+        predictor.add_adapter("hostile:1", str(adapter)).result(60)
+    assert len(str(e.value).splitlines()) == 1 and key in str(e.value), str(e.value)
+    assert str(tmp_path) not in str(e.value)  # names the file, not where it lies
+    assert not marker.exists() and "planted_megatron" not in sys.modules
+    assert [n for n, _ in predictor.engine.model.named_modules()] == modules
+    assert _answer(predictor) == base and predictor.adapters == {}
 
 
-def test_an_adapter_loads_from_safetensors_only(tiny, tmp_path, monkeypatch):
+def test_an_adapter_loads_from_safetensors_only(tiny, replica, tmp_path, monkeypatch):
     """With no adapter_model.safetensors, peft fell back to adapter_model.bin (a pickle)."""
     from safetensors.torch import load_file
 
-    model_dir, _, good = tiny
+    _, _, good = tiny
+    predictor, base, _ = replica
     adapter = _edited(tmp_path, good)
     weights = load_file(adapter / "adapter_model.safetensors")
     (adapter / "adapter_model.safetensors").unlink()
@@ -109,14 +116,9 @@ def test_an_adapter_loads_from_safetensors_only(tiny, tmp_path, monkeypatch):
     loads = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    predictor = served(model_dir)
-    try:
-        base = _answer(predictor)
-        with pytest.raises(UserError, match="safetensors only"):
-            predictor.add_adapter("pickled:1", str(adapter)).result(60)
-        assert loads == [] and _answer(predictor) == base and predictor.adapters == {}
-    finally:
-        predictor.close()
+    with pytest.raises(UserError, match="safetensors only"):
+        predictor.add_adapter("pickled:1", str(adapter)).result(60)
+    assert loads == [] and _answer(predictor) == base and predictor.adapters == {}
 
 
 def test_a_good_adapter_answers_as_peft_loads_it(tiny):
