@@ -30,6 +30,7 @@ from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from reliability import ROOT, make_row
 from reliability.store_hostile_cases import ALL, CANARY_BUCKET, FAST, Case
@@ -66,6 +67,21 @@ def watching(*under: Path):
         yield _WATCH["seen"]
     finally:
         _WATCH["on"] = False
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    """`values` in os.environ while the block runs, what was there before restored after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -242,7 +258,8 @@ class Env:
         card = {"task": "chat", "export": "adapter", "base": {"name_or_path": "registry:tiny:1",
                                                               "sha256": weights_sha256(self.tiny)}}
         ref = registry.register(self.chat_cfg, self.ctx, str(folder), "hostile", card)
-        server = ModelServer.func_or_class
+        deployment: Any = ModelServer  # a serve.Deployment: its class is func_or_class
+        server = deployment.func_or_class
         fake = SimpleNamespace(cfg=self.chat_cfg, storage=self.ctx)
         adapters = Adapters(SimpleNamespace(predictor=self.predictor,
                                             read_card=lambda spec: server.read_card(fake, spec),
@@ -274,10 +291,7 @@ def store_hostile_objects(workdir: Path, seed: int = 0, full: bool = False) -> d
         stack.callback(http.shutdown)
         env_vars = {"AWS_ENDPOINT_URL": canary_s3.url, "AWS_ACCESS_KEY_ID": "canary", "AWS_SECRET_ACCESS_KEY": "canary",
                     "AWS_REGION": "us-east-1"}
-        before_env = {k: os.environ.get(k) for k in env_vars}
-        os.environ.update(env_vars)
-        stack.callback(lambda: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-                                for k, v in before_env.items()])
+        stack.enter_context(_environment(env_vars))
         client = canary_s3.context().boto3_client()
         client.create_bucket(Bucket=CANARY_BUCKET)
         for name in ("secret.parquet", "tokenizer/config.json", "vocab.txt", "dataset/manifest.json",

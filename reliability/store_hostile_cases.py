@@ -17,6 +17,7 @@ import pickle
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -198,13 +199,13 @@ def adapter_cases(env) -> list[Case]:
     for variant in PLACE_VARIANTS[:-1]:  # a weight's name: a key of the safetensors header, always a string
         key = place(variant, env, "x", env.tiny, uri=False) + ".lora_A.weight"
         cases.append(Case("LoRA adapter (adapter_model.safetensors)", "a weight's name", variant,
-                          lambda key=key: env.load_adapter(weights_key=key), serving=True))
+                          partial(env.load_adapter, weights_key=key), serving=True))
     return cases
 
 
 def _adapter_case(env, field: str, variant: str, value: Any) -> Case:
-    return Case("LoRA adapter (adapter_config.json)", field, variant,
-                lambda: env.load_adapter(config={field: value}), serving=True)
+    return Case("LoRA adapter (adapter_config.json)", field, variant, partial(env.load_adapter, config={field: value}),
+                serving=True)
 
 
 def checkpoint_cases(env) -> list[Case]:
@@ -234,10 +235,9 @@ def checkpoint_cases(env) -> list[Case]:
     cases = []
     for variant in PLACE_VARIANTS:
         value = place(variant, env, "shard.distcp", str(env.checkpoint), uri=False)
-        cases.append(Case("training checkpoint (.metadata)", "storage entry's file", variant,
-                          lambda value=value: metadata(value)))
+        cases.append(Case("training checkpoint (.metadata)", "storage entry's file", variant, partial(metadata, value)))
         names = {"wrong type": ["a", "list"], "huge value": {"a" * HUGE: 1}}.get(variant, {value: 1})
-        cases.append(Case("training checkpoint (train_state.json)", "files", variant, lambda names=names: state(names)))
+        cases.append(Case("training checkpoint (train_state.json)", "files", variant, partial(state, names)))
     return cases
 
 

@@ -331,7 +331,7 @@ def load_adapter(model, model_dir: str, name: str):
     else:
         model.add_adapter(name, config)
     try:
-        loaded = set_peft_model_state_dict(model, weights, adapter_name=name)
+        loaded: Any = set_peft_model_state_dict(model, weights, adapter_name=name)  # missing and unexpected keys
         missing = [k for k in loaded.missing_keys if f".{name}." in k and ".lora_" in k]
         if loaded.unexpected_keys or missing:
             what = loaded.unexpected_keys[:1] or missing[:1]
