@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 from reliability import ROOT, make_row
 from reliability.store_hostile_cases import ALL, CANARY_BUCKET, FAST, Case
@@ -67,21 +68,6 @@ def watching(*under: Path):
         yield _WATCH["seen"]
     finally:
         _WATCH["on"] = False
-
-
-@contextmanager
-def _environment(values: dict[str, str]):
-    """`values` in os.environ while the block runs, what was there before restored after."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -291,7 +277,7 @@ def store_hostile_objects(workdir: Path, seed: int = 0, full: bool = False) -> d
         stack.callback(http.shutdown)
         env_vars = {"AWS_ENDPOINT_URL": canary_s3.url, "AWS_ACCESS_KEY_ID": "canary", "AWS_SECRET_ACCESS_KEY": "canary",
                     "AWS_REGION": "us-east-1"}
-        stack.enter_context(_environment(env_vars))
+        stack.enter_context(mock.patch.dict(os.environ, env_vars))  # restored after
         client = canary_s3.context().boto3_client()
         client.create_bucket(Bucket=CANARY_BUCKET)
         for name in ("secret.parquet", "tokenizer/config.json", "vocab.txt", "dataset/manifest.json",
