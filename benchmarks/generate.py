@@ -1,67 +1,108 @@
-"""`workflows bench generate` for docs/BENCHMARKS.md's generation section (`python -m benchmarks.generate`)."""
+"""`workflows bench generate` with the project's peers, for docs/BENCHMARKS.md's generation section
+(`python -m benchmarks.generate`, `make bench-generate`).
+
+The user command (workflows.bench.generate) measures what a user's install has: ours through `workflows
+serve`, the engine called directly, static batching and the one-at-a-time peer. The peers that need a
+build of their own live here, in the project's harness, as the image peers do: llama.cpp's batching
+server and vLLM's CPU build (benchmarks/generate_peers.py), built and cached by `make bench-peers-generate`
+outside the gate; a peer that is not built is left out of the run, and the section says so.
+"""
 
 from __future__ import annotations
 
-from workflows.bench.generate import run as run
+from benchmarks.generate_peers import available_peers
+from workflows.bench import generate
+
+FIGURES = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
+           "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16")
+TEXT = {
+    "http_vs_static_c16": "output tokens/s at 16 over HTTP against static batching, fixed lengths",
+    "http_vs_static_natural_c16": "the same with natural stopping (eos honoured)",
+    "itl_p99_over_p50_c16": "inter-token latency p99 over p50 at 16, over HTTP",
+    "itl_p99_over_p50_c8": "inter-token latency p99 over p50 at 8, over HTTP",
+    "itl_p99_over_p50_poisson": "inter-token latency p99 over p50, Poisson arrivals near capacity",
+    "ttft_c16_over_c1": "time to first token p50 at 16 over that at 1, over HTTP",
+    "decode_vs_roofline": "a decode step at the top concurrency against its roofline",
+    "sampled_vs_greedy": "tokens/s sampled (temperature 0.7, top_p 0.9) over greedy at 16, over HTTP",
+    "http_vs_engine_c16": "tokens/s at 16 over HTTP with SSE against the engine called directly",
+    "overload_rejected_within_100ms": "overload row: refused requests answered within 100 ms (share)",
+    "overload_itl_p99_vs_poisson": "overload row: the admitted ones' inter-token p99 against near capacity",
+    "tokens_per_s_vs_one_at_a_time": "tokens/s at 16 over HTTP against the one-at-a-time peer",
+    "ttft_p50_vs_peer": "time to first token p50 at 1 over HTTP against the one-at-a-time peer",
+    "vs_llama_cpp_c1": "tokens/s at 1 over HTTP against llama.cpp's server",
+    "vs_llama_cpp_c16": "tokens/s at 16 over HTTP against llama.cpp's server",
+}
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    peers, missing = available_peers(overrides)
+    result = generate.run(config, [o for o in overrides if not o.startswith("peers=")], peers=peers)
+    return {**result, "peers_missing": missing}
 
 
 def markdown(r: dict) -> str:
     def ms(v: float) -> str:
-        return f"{1000 * v:.1f}"
+        return f"{1000 * v:.0f}"
 
-    lines = "\n".join(f"| {x['path']} | {x['concurrency']} | {x['tokens_per_s']:.1f} | {ms(x['ttft_s_p50'])} / "
-                      f"{ms(x['ttft_s_p99'])} | {ms(x['itl_s_p50'])} / {ms(x['itl_s_p99'])} |" for x in r["rows"])
+    def rate(x: dict) -> str:
+        return x["arrivals"].replace("poisson x", "Poisson, ").replace(" capacity", "x capacity")
 
-    def goal(key: str, text: str) -> str:
-        v = r[key]
-        shown = "n/a" if v is None else f"**{v:.2f}x**"
-        return f"| {text} | {shown} | {'met' if r['meets_goals'][key] else '**not met**'} |"
+    rows = "\n".join(
+        f"| {x['row'].split('_c')[0].split('_')[0]} | {x['path']} | {rate(x)}, {x['concurrency']} | "
+        f"{x['sampling'].split(',')[0]} | {x['lengths'].split(' ')[0]} | {x['tokens_per_s']:.1f} | "
+        f"{ms(x['ttft_s_p50'])} / {ms(x['ttft_s_p99'])} | {ms(x['itl_s_p50'])} / {ms(x['itl_s_p99'])} |"
+        + (f" {x['refused']} refused, slowest answer {ms(x['refused_answer_s_max'])} ms |" if "refused" in x else " |")
+        for x in r["rows"])
 
-    return f"""## Generation: continuous batching against one request at a time
+    def goal(key: str) -> str:
+        v, g, met = r.get(key), r["goals"].get(key), r["meets_goals"].get(key)
+        shown = "n/a" if v is None else f"**{v:.2f}**"
+        verdict = "reported" if g is None else ("met" if met else "**not met**")
+        return f"| {key} | {TEXT.get(key, key)} | {shown} | {g or ''} | {verdict} |"
 
-`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} torch threads, load
-{r["machine"]["load_average"]["before"]}). {r["model"]} ({r["params"] / 1e6:.1f}M params, {r["precision"]},
-attention {r["attn_implementation"]}); {r["requests"]} chat-templated prompts (mean {r["prompt_tokens_mean"]} tokens),
-{r["max_tokens"]} greedy tokens each (EOS ignored), the same model object for every row; rows interleaved, {r["repeats"]}
-repeats after a warm-up. Ours is the engine called directly (no HTTP); the peer is reached over HTTP on 127.0.0.1.
+    goals = "\n".join(goal(k) for k in [*FIGURES, *sorted(set(r["goals"]) - set(FIGURES))])
+    step = r["decode_step"]
+    missing = "".join(f"\n- {name}: {why}" for name, why in (r.get("peers_missing") or {}).items())
+    servers = "\n".join(f"- {name}: `{cmd}`" for name, cmd in r["servers"].items())
+    took = "n/a" if step.get("measured_s") is None else f"{1000 * step['measured_s']:.0f} ms"
+    roof = (f"A decode step of {step['rows']} rows at a mean context of {step['context']} tokens does "
+            f"{step['flops'] / 1e9:.1f} GFLOP and reads {step['bytes'] / 1e6:.0f} MB ({step['weight_bytes'] / 1e6:.0f} "
+            f"MB of weights, {step['cache_bytes'] / 1e6:.0f} MB of KV cache); at {r['matmul_flops_per_s'] / 1e9:.1f} "
+            f"GFLOP/s (fp32 matmul, 1024^3) and {r['memory_bytes_per_s'] / 1e9:.1f} GB/s (reads), both measured after "
+            f"each repeat's rows, it takes at least {1000 * step['step_s']:.0f} ms ({step['bound']}-bound: compute "
+            f"{1000 * step['compute_s']:.0f} ms, memory {1000 * step['memory_s']:.0f} ms), "
+            f"{step['tokens_per_s']:.0f} tokens/s; the engine's step (inter-token p50 at {step['rows']}) took "
+            f"{took}.") if "step_s" in step else ""
+    return f"""## Generation: ours over HTTP beside the engine, static batching and peers
 
-| path | concurrency | output tokens/s | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) |
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load
+{r["machine"]["load_average"]["before"]}). {r["model"]} ({r["base"]}, {r["params"] / 1e6:.1f}M params, {r["precision"]},
+attention {r["attn_implementation"]}), served with a batch of {r["max_batch"]} and a queue of {r["max_queue"]};
+{r["requests"]} chat questions (mean {r["prompt_tokens_mean"]} prompt tokens; {r["serial_requests"]} in rows at
+concurrency 1), at most {r["max_tokens"]} new tokens each: exactly that many with fixed lengths (`ignore_eos`),
+the answers' own lengths with natural stopping. Rows interleaved, {r["repeats"]} repeats after a warm-up of each
+path; tokens/s is the median over repeats, latencies the percentiles over every request. Over HTTP, the
+official `openai` client streams (SSE) from a process of its own and times the chunks as they arrive; the
+in-process paths time tokens as they are sampled. Poisson rows send requests at a multiple of the capacity
+measured in the same repeat (requests/s at the top concurrency over HTTP).
+
+| path | what runs | arrivals, concurrency | sampling | lengths | output tokens/s | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | refused |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+{rows}
+
+| key | figure | measured | goal | |
 | --- | --- | --- | --- | --- |
-{lines}
+{goals}
 
-| figure | measured | goal |
-| --- | --- | --- |
-{goal("tokens_per_s_vs_one_at_a_time", f"tokens/s, ours at 16 against the peer (goal >= {r['goals']['tokens_per_s_vs_one_at_a_time']}x)")}
-{goal("ttft_p50_vs_peer", f"TTFT p50, ours at 1 against the peer (goal <= {r['goals']['ttft_p50_vs_peer']}x)")}
-{goal("decode_vs_flop_limit", f"tokens/s at 32 against the FLOP limit, {r['flop_limit_tokens_per_s']:.0f} tokens/s (goal >= {r['goals']['decode_vs_flop_limit']}x)")}
+{roof}
 
-The FLOP limit is {r["matmul_flops_per_s"] / 1e9:.1f} GFLOP/s (fp32 matmuls at the decode shape, {r["rows"][-1]["concurrency"]}
-rows, measured after each repeat's rows; the best of {", ".join(f"{f / 1e9:.1f}" for f in r.get("matmul_flops_per_s_runs", []))})
-over 2 x params FLOPs per token.{where_the_limit_goes(r)}
+Servers, each a process of its own:
+{servers}
+{("Peers not in this run:" + missing) if missing else ""}
 """  # noqa: E501 (markdown table rows: one line each)
+
 
 if __name__ == "__main__":
     from benchmarks.record import main
 
     main("generate")
-
-
-def where_the_limit_goes(r: dict) -> str:
-    """What the FLOP-limit ratio is made of at the top concurrency, from the stored rows: the decode
-    steps alone (rows / inter-token p50), the prompts' prefill that the output-token figure also pays,
-    and static batching's ratio measured the same way."""
-    top = max((x for x in r["rows"] if x["row"].startswith("ours_c")), key=lambda x: x["concurrency"])
-    static = next((x for x in r["rows"] if x["row"] == "static"), None)
-    limit = r["flop_limit_tokens_per_s"]
-    if not limit or not top["itl_s_p50"]:
-        return ""
-    step = top["concurrency"] / top["itl_s_p50"]
-    processed = top["tokens_per_s"] * (r["prompt_tokens_mean"] + r["max_tokens"]) / r["max_tokens"]
-    static_text = (f" Static batching ({static['concurrency']} a batch) reaches "
-                   f"{static['tokens_per_s'] / limit:.2f}x the limit counted the same way." if static else "")
-    return (f"\n\nWhere the limit goes at concurrency {top['concurrency']}: a decode step of {top['concurrency']} rows "
-            f"takes {1000 * top['itl_s_p50']:.0f} ms (inter-token p50), {step:.0f} tokens/s or {step / limit:.2f}x the "
-            f"limit; the output-token figure also pays each prompt's prefill ({r['prompt_tokens_mean']} prompt tokens "
-            f"for {r['max_tokens']} output tokens): counting every token the model processes, "
-            f"{processed:.0f} tokens/s, {processed / limit:.2f}x.{static_text}")
-
