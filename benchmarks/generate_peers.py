@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from workflows.bench.generate import HttpPeer
 from workflows.bench.generate_servers import Server
@@ -85,3 +86,40 @@ def available_peers(overrides: list[str]) -> tuple[list[HttpPeer], dict[str, str
         else:
             missing["vllm"] = status
     return peers, missing
+
+
+def check_vllm() -> str:
+    """`ok` when vLLM's server starts on the chat config's base model and answers a request; else why not
+    (the error its log ends with): `make bench-peers-generate` stores it in .peers-gen/vllm/status.txt."""
+    import tempfile
+
+    import requests
+
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.tasks.chat.model import resolve_dir
+
+    cfg = load_config("chat", [])
+    model_dir = resolve_dir(cfg.model.name_or_path, cfg)
+    with tempfile.TemporaryDirectory() as logs:
+        server = vllm(os.cpu_count() or 1).start(Path(logs), model_dir)
+        try:
+            server.start()
+            body: dict[str, Any] = {"model": "peer", "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+                                    "max_tokens": 8, "temperature": 0}
+            r = requests.post(f"{server.url}/chat/completions", json=body, timeout=600)
+            r.raise_for_status()
+            return "ok"
+        except (UserError, requests.RequestException) as e:
+            lines = [ln for ln in (server.tail(400) or str(e)).splitlines() if "Error" in ln or "error" in ln]
+            return "vLLM CPU does not run here: " + " / ".join(lines[-3:] or [str(e).splitlines()[0]])
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["check-vllm"]:
+        sys.exit("usage: python -m benchmarks.generate_peers check-vllm")
+    print(check_vllm())

@@ -38,11 +38,12 @@ def bench(tmp_path, *settings: str) -> tuple[dict, str]:
 def check_rows(stored: dict, expected: list[str]) -> None:
     assert [r["row"] for r in stored["rows"]] == expected
     for row in stored["rows"]:
-        n = 2 if row["concurrency"] == 1 and row["arrivals"] == "closed loop" else 8
-        if row["lengths"].startswith("fixed") and not row.get("refused"):
-            assert row["tokens"] == n * 3, row  # every request produced max_tokens: eos ignored
+        if row["arrivals"] == "closed loop":  # every request answered: 2 at concurrency 1, else 8
+            assert row["requests"] == (2 if row["concurrency"] == 1 else 8), row
+        if row["lengths"].startswith("fixed"):
+            assert row["tokens"] == row["requests"] * 3, row  # every request produced max_tokens: eos ignored
         else:
-            assert 0 < row["tokens"] <= n * 3, row
+            assert 0 < row["tokens"] <= row["requests"] * 3, row
         for key in ("tokens_per_s", "ttft_s_p50", "ttft_s_p99", "itl_s_p50", "itl_s_p99"):
             assert row[key] > 0, (row["row"], key)
 
@@ -58,7 +59,8 @@ def test_bench_generate_writes_every_row_and_key(tmp_path):
     assert stored["decode_vs_roofline"] > 0 and stored["matmul_flops_per_s"] > 0 and stored["memory_bytes_per_s"] > 0
     assert "## Generation: ours over HTTP beside the engine, static batching and peers" in text
     assert "| engine_c16 |" not in text and "| engine | ours: the engine called directly" in text
-    assert text.index("| http_vs_static_c16 |") < text.index("| vs_llama_cpp_c16 |") < text.index("| ttft_p50_vs_peer |")
+    order = [text.index(f"| {k} |") for k in ("http_vs_static_c16", "vs_llama_cpp_c16", "ttft_p50_vs_peer")]
+    assert order == sorted(order)  # the keys first
 
 
 @pytest.mark.extended  # `workflows serve` in its own process: a Ray cluster and Serve (a minute or more)
@@ -69,4 +71,6 @@ def test_bench_generate_through_workflows_serve(tmp_path):
     for key in ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
                 "sampled_vs_greedy", "http_vs_engine_c16"):
         assert stored[key] > 0, key
+    overload = stored["rows"][5]
+    assert overload["requests"] + overload["refused"] == 12 and stored["overload_requests"] == 12
     assert stored["model"] == "bench-base:1" and "workflows serve --model bench-base:1" in stored["servers"]["http"]

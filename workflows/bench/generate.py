@@ -176,11 +176,13 @@ def client_run(url: str, model: str, messages: list[list[dict]], row: Row, max_t
     return result
 
 
-def engine_run(engine, prompts: list[list[int]], row: Row, max_tokens: int) -> dict:
-    """Closed-loop clients on threads of this process, each submitting its next prompt as the last ends."""
+def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, sampled: bool = False,
+               natural: bool = False) -> dict:
+    """`concurrency` closed-loop clients on threads of this process, each submitting its next prompt as its
+    last one ends; fixed lengths (ignore_eos) unless `natural`."""
     from workflows.tasks.chat.sampling import SamplingParams
 
-    sampling = SAMPLED if row.sampled else GREEDY
+    sampling = SAMPLED if sampled else GREEDY
     todo, timed, tokens, lock = list(range(len(prompts))), [], [0], threading.Lock()
 
     def client():
@@ -189,8 +191,8 @@ def engine_run(engine, prompts: list[list[int]], row: Row, max_tokens: int) -> d
                 if not todo:
                     return
                 i = todo.pop(0)
-            params = SamplingParams(max_tokens=max_tokens, seed=i if row.sampled else None,
-                                    ignore_eos=not row.natural, **sampling)
+            params = SamplingParams(max_tokens=max_tokens, seed=i if sampled else None, ignore_eos=not natural,
+                                    **sampling)
             gen = engine.submit(prompts[i], params)
             gen.result(timeout=3600)
             with lock:
@@ -198,7 +200,7 @@ def engine_run(engine, prompts: list[list[int]], row: Row, max_tokens: int) -> d
                 tokens[0] += gen.completion_tokens
 
     t0 = time.perf_counter()
-    clients = [threading.Thread(target=client) for _ in range(min(row.concurrency, len(prompts)))]
+    clients = [threading.Thread(target=client) for _ in range(min(concurrency, len(prompts)))]
     for c in clients:
         c.start()
     for c in clients:
@@ -206,9 +208,10 @@ def engine_run(engine, prompts: list[list[int]], row: Row, max_tokens: int) -> d
     return figures(timed, tokens[0], time.perf_counter() - t0)
 
 
-def static_run(model, pad: int, eos: set[int], prompts: list[list[int]], row: Row, max_tokens: int) -> dict:
-    """`row.concurrency` prompts at a time, left-padded, all waiting at the start; a batch decodes until
-    its every row ended (natural) or made max_tokens (fixed)."""
+def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch: int, sampled: bool = False,
+               eos: set[int] | None = None) -> dict:
+    """`batch` prompts at a time, left-padded, all waiting at the start; a batch decodes until its every
+    row ended at one of the `eos` ids (natural stopping), or, without `eos`, made max_tokens (fixed)."""
     import torch
 
     class Steps:  # a timestamp per generated step (the first put is the prompt)
@@ -224,20 +227,20 @@ def static_run(model, pad: int, eos: set[int], prompts: list[list[int]], row: Ro
         def end(self):
             pass
 
-    sampling = {"do_sample": True, **SAMPLED} if row.sampled else {"do_sample": False}
+    sampling = {"do_sample": True, **SAMPLED} if sampled else {"do_sample": False}
     timed, tokens, t0 = [], 0, time.perf_counter()
-    for i in range(0, len(prompts), row.concurrency):
-        part = prompts[i:i + row.concurrency]
+    for i in range(0, len(prompts), batch):
+        part = prompts[i:i + batch]
         width = max(len(p) for p in part)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in part], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=model.device)
         steps = Steps()
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                 min_new_tokens=0 if row.natural else max_tokens, use_cache=True, pad_token_id=pad,
+                                 min_new_tokens=0 if eos else max_tokens, use_cache=True, pad_token_id=pad,
                                  streamer=steps, **sampling)
         for seq in out[:, width:].tolist():
-            n = next((k + 1 for k, t in enumerate(seq) if t in eos), len(seq)) if row.natural else len(seq)
+            n = next((k + 1 for k, t in enumerate(seq) if t in eos), len(seq)) if eos else len(seq)
             tokens += n
             timed.append((0.0, steps.times[:n]))  # every request was waiting at the start
     return figures(timed, tokens, time.perf_counter() - t0)
@@ -324,10 +327,11 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     max_tokens = opts["max_tokens"]
     scratch = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     logs = Path(cfg.cache.resolved_dir()) / "bench-generate"
+    model_dir = None
     try:
         spec, store, model_dir, card = served_model(cfg, config, config_overrides, opts, scratch)
         task = task_for_card(cfg, card)
-        predictor = task.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
+        predictor: Any = task.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
         engine = predictor.engine  # built as the replica builds it
         model, tok = engine.model, predictor.tokenizer
         convs = questions(max(opts["requests"], opts["overload_requests"]))
@@ -359,9 +363,10 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
 
         def measure(row: Row, n: int, tokens: int) -> dict:
             if row.path == "engine":
-                return engine_run(engine, prompts[:n], row, tokens)
+                return engine_run(engine, prompts[:n], tokens, row.concurrency, row.sampled, row.natural)
             if row.path == "static":
-                return static_run(model, pad, eos, prompts[:n], row, tokens)
+                return static_run(model, pad, prompts[:n], tokens, row.concurrency, row.sampled,
+                                  eos if row.natural else None)
             rate = row.rate * capacity["http"] if row.rate else None
             return client_run(servers[row.path].url, names[row.path], convs[:n], row, tokens, rate,
                               api_key if row.path == "http" else None, extras.get(row.path))
@@ -394,6 +399,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                       {name: s.command for name, s in servers.items()})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if model_dir and not opts["model"]:  # the scratch version's copy in the model cache, new each run
+            shutil.rmtree(model_dir, ignore_errors=True)
 
 
 def summary(row: Row) -> dict:
