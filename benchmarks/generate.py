@@ -35,9 +35,28 @@ TEXT = {
 
 
 def run(config: str | None, overrides: list[str]) -> dict:
+    import os
+
+    from benchmarks.generate_peers import gguf_file
+
     peers, missing = available_peers(overrides)
     result = generate.run(config, [o for o in overrides if not o.startswith("peers=")], peers=peers)
-    return {**result, "peers_missing": missing}
+    return {**result, "peers_missing": missing, "llama_cpp_gguf_bytes": os.path.getsize(gguf_file())}
+
+
+def llama_gap(r: dict) -> str:
+    """What the bytes read per token say of the gap to llama.cpp, from the stored run."""
+    c1, c16, gguf = r.get("vs_llama_cpp_c1"), r.get("vs_llama_cpp_c16"), r.get("llama_cpp_gguf_bytes")
+    if not (c1 and gguf):
+        return ""
+    weights = r["decode_step"]["weight_bytes"]
+    at16 = f" and {1 / c16:.2f}x ours at 16" if c16 else ""
+    return (f"\n\nBeside llama.cpp: its server gives {1 / c1:.2f}x our tokens/s at concurrency 1{at16}. At 1, a "
+            f"step decodes one token and reads every weight once: ours {weights / 1e6:.0f} MB in fp32, llama.cpp "
+            f"{gguf / 1e6:.0f} MB of Q4_1 (4-bit weights with a scale and a minimum per block of 32, about 5 bits a "
+            f"weight; the GGUF file's size), {weights / gguf:.1f}x fewer bytes per token, read by kernels that "
+            f"multiply the 4-bit blocks as they are. At 16 the weights are read once for 16 tokens, so bytes "
+            f"matter less and the arithmetic more: its quantized dot products against our fp32 matmuls.")
 
 
 def markdown(r: dict) -> str:
@@ -96,9 +115,11 @@ measured in the same repeat (requests/s at the top concurrency over HTTP).
 
 {roof}
 
-Servers, each a process of its own:
+Servers, each a process of its own (llama.cpp's `llama-server` and vLLM from `make bench-peers-generate`, in
+.peers-gen/, pinned by benchmarks/generate-peers-constraints.txt; llama.cpp runs the GGUF file the base model
+is converted from, 4-bit weights, and caches no prompt, `cache_prompt: false`, nor does vLLM, prefix caching off):
 {servers}
-{("Peers not in this run:" + missing) if missing else ""}
+{("Peers not in this run:" + missing) if missing else ""}{llama_gap(r)}
 """  # noqa: E501 (markdown table rows: one line each)
 
 

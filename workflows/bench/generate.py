@@ -386,6 +386,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                         continue
                     result = measure(row, n_of(row), max_tokens)
                     row.runs.append(result)
+                    print(f"bench generate: {row.key} (repeat {len(row.runs)}): {result['tokens_per_s']:.1f} tokens/s, "
+                          f"{len(result.get('refused', []))} refused", file=sys.stderr, flush=True)
                     if row.key == f"http_c{max(levels)}":
                         capacity["http"] = result["requests_per_s"]
                 capacity.pop("http", None)
