@@ -1,6 +1,6 @@
 """The servers the generation bench measures, each a process of its own: started from a command line,
-ready once its health URL answers 200, stopped as a user stops it (SIGINT: `workflows serve` drains and
-shuts Ray down), its output in a log file that a failure to start quotes.
+ready once its health URL answers 200, stopped as a service manager stops it (SIGTERM: `workflows serve`
+drains and shuts Ray down), its output in a log file that a failure to start quotes.
 
 - `workflows serve` on a registered chat model (`serve_command`), what users run;
 - the one-at-a-time peer (workflows.bench.generate_peer);
@@ -65,16 +65,18 @@ class Server:
             return ""
 
     def stop(self, timeout_s: float = 60) -> None:
-        """SIGINT to the server (Ctrl-C: `workflows serve` drains and stops Ray), then SIGTERM and SIGKILL
-        to the process group it started in; what of that group is left once it exited is killed too."""
+        """SIGTERM to the server (`workflows serve` drains and stops Ray, as on Ctrl-C; SIGINT would be ignored
+        by a server started from a background job), then SIGTERM and SIGKILL to the process group it started
+        in; what of that group is left once it exited is killed too."""
         if self.proc is None:
             return
         pid = self.proc.pid
-        for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        for sig, wait, group in ((signal.SIGTERM, timeout_s, False), (signal.SIGTERM, 15, True),
+                                 (signal.SIGKILL, 10, True)):
             if self.proc.poll() is not None:
                 break
             try:
-                os.kill(pid, sig) if sig == signal.SIGINT else os.killpg(pid, sig)
+                os.killpg(pid, sig) if group else os.kill(pid, sig)
                 self.proc.wait(wait)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 continue
