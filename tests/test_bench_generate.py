@@ -24,7 +24,8 @@ def bench(tmp_path, *settings: str) -> tuple[dict, str]:
     build_tiny_chat(model)
     overrides = [f"model.name_or_path={model}", f"cache.dir={tmp_path}/cache", "storage.embedded.enabled=false",
                  f"storage.root={tmp_path}/store", "requests=8", "serial_requests=2", "max_tokens=3", "repeats=1",
-                 "threads=1", "static_batch=4", "concurrency=1,16", "serve.generate.max_batch=16", *settings]
+                 "threads=1", "static_batch=4", "concurrency=1,16", "serve.generate.max_batch=16",
+                 "peers=", *settings]  # no harness peer (llama.cpp, vLLM), even where they are built
     doc = tmp_path / "BENCHMARKS.md"
     result = record("generate", str(ROOT / "configs" / "chat.yaml"), overrides, "python -m benchmarks.generate",
                     results_dir=tmp_path, doc=doc)

@@ -317,6 +317,10 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     from workflows.tasks.chat.model import pad_id
 
     opts, config_overrides = settings(overrides)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM: stop the servers and clean up, as Ctrl-C
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     config = config or "chat"
     cfg = load_config(config, config_overrides)
     threads = opts["threads"] or os.cpu_count() or 1
