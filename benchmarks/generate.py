@@ -1,11 +1,132 @@
-"""`workflows bench generate` for docs/BENCHMARKS.md's generation section (`python -m benchmarks.generate`)."""
+"""`workflows bench generate` with the project's peers, for docs/BENCHMARKS.md's generation section
+(`python -m benchmarks.generate`, `make bench-generate`).
+
+The user command (workflows.bench.generate) measures what a user's install has: ours through `workflows
+serve`, the engine called directly, static batching and the one-at-a-time peer. The peers that need a
+build of their own live here, in the project's harness, as the image peers do: llama.cpp's batching
+server and vLLM's CPU build (benchmarks/generate_peers.py), built and cached by `make bench-peers-generate`
+outside the gate; a peer that is not built is left out of the run, and the section says so.
+"""
 
 from __future__ import annotations
 
-from workflows.bench.generate import run as run
+from benchmarks.generate_peers import available_peers
+from workflows.bench import generate
+
+FIGURES = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
+           "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16")
+TEXT = {
+    "http_vs_static_c16": "output tokens/s at 16 over HTTP against static batching, fixed lengths",
+    "http_vs_static_natural_c16": "the same with natural stopping (eos honoured)",
+    "itl_p99_over_p50_c16": "inter-token latency p99 over p50 at 16, over HTTP",
+    "itl_p99_over_p50_c8": "inter-token latency p99 over p50 at 8, over HTTP",
+    "itl_p99_over_p50_poisson": "inter-token latency p99 over p50, Poisson arrivals near capacity",
+    "ttft_c16_over_c1": "time to first token p50 at 16 over that at 1, over HTTP",
+    "decode_vs_roofline": "a decode step at the top concurrency against its roofline",
+    "sampled_vs_greedy": "tokens/s sampled (temperature 0.7, top_p 0.9) over greedy at 16, over HTTP",
+    "http_vs_engine_c16": "tokens/s at 16 over HTTP with SSE against the engine called directly",
+    "overload_rejected_within_100ms": "overload row: refused requests answered within 100 ms (share)",
+    "overload_itl_p99_vs_poisson": "overload row: the admitted ones' inter-token p99 against near capacity",
+    "tokens_per_s_vs_one_at_a_time": "tokens/s at 16 over HTTP against the one-at-a-time peer",
+    "ttft_p50_vs_peer": "time to first token p50 at 1 over HTTP against the one-at-a-time peer",
+    "vs_llama_cpp_c1": "tokens/s at 1 over HTTP against llama.cpp's server",
+    "vs_llama_cpp_c16": "tokens/s at 16 over HTTP against llama.cpp's server",
+}
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    import os
+
+    from benchmarks.generate_peers import gguf_file
+
+    peers, missing = available_peers(overrides)
+    result = generate.run(config, [o for o in overrides if not o.startswith("peers=")], peers=peers)
+    return {**result, "peers_missing": missing, "llama_cpp_gguf_bytes": os.path.getsize(gguf_file())}
+
+
+def llama_gap(r: dict) -> str:
+    """What the bytes read per token say of the gap to llama.cpp, from the stored run."""
+    c1, c16, gguf = r.get("vs_llama_cpp_c1"), r.get("vs_llama_cpp_c16"), r.get("llama_cpp_gguf_bytes")
+    if not (c1 and gguf):
+        return ""
+    weights = r["decode_step"]["weight_bytes"]
+    at16 = f" and {1 / c16:.2f}x ours at 16" if c16 else ""
+    return (f"\n\nBeside llama.cpp: its server gives {1 / c1:.2f}x our tokens/s at concurrency 1{at16}. At 1, a "
+            f"step decodes one token and reads every weight once: ours {weights / 1e6:.0f} MB in fp32, llama.cpp "
+            f"{gguf / 1e6:.0f} MB of Q4_1 (4-bit weights with a scale and a minimum per block of 32, about 5 bits a "
+            f"weight; the GGUF file's size), {weights / gguf:.1f}x fewer bytes per token, read by kernels that "
+            f"multiply the 4-bit blocks as they are. At 16 the weights are read once for 16 tokens, so bytes "
+            f"matter less and the arithmetic more: its quantized dot products against our fp32 matmuls.")
 
 
 def markdown(r: dict) -> str:
+    if "decode_step" not in r:  # stored by the harness before HTTP rows and the roofline (no rerun yet)
+        return markdown_v1(r)
+
+    def ms(v: float) -> str:
+        return f"{1000 * v:.0f}"
+
+    def rate(x: dict) -> str:
+        return x["arrivals"].replace("poisson x", "Poisson, ").replace(" capacity", "x capacity")
+
+    rows = "\n".join(
+        f"| {x['row'].split('_c')[0].split('_')[0]} | {x['path']} | {rate(x)}, {x['concurrency']} | "
+        f"{x['sampling'].split(',')[0]} | {x['lengths'].split(' ')[0]} | {x['tokens_per_s']:.1f} | "
+        f"{ms(x['ttft_s_p50'])} / {ms(x['ttft_s_p99'])} | {ms(x['itl_s_p50'])} / {ms(x['itl_s_p99'])} |"
+        + (f" {x['refused']} refused, slowest answer {ms(x['refused_answer_s_max'])} ms |" if "refused" in x else " |")
+        for x in r["rows"])
+
+    def goal(key: str) -> str:
+        v, g, met = r.get(key), r["goals"].get(key), r["meets_goals"].get(key)
+        shown = "n/a" if v is None else f"**{v:.2f}**"
+        verdict = "reported" if g is None else ("met" if met else "**not met**")
+        return f"| {key} | {TEXT.get(key, key)} | {shown} | {g or ''} | {verdict} |"
+
+    goals = "\n".join(goal(k) for k in [*FIGURES, *sorted(set(r["goals"]) - set(FIGURES))])
+    step = r["decode_step"]
+    missing = "".join(f"\n- {name}: {why}" for name, why in (r.get("peers_missing") or {}).items())
+    servers = "\n".join(f"- {name}: `{cmd}`" for name, cmd in r["servers"].items())
+    took = "n/a" if step.get("measured_s") is None else f"{1000 * step['measured_s']:.0f} ms"
+    roof = (f"A decode step of {step['rows']} rows at a mean context of {step['context']} tokens does "
+            f"{step['flops'] / 1e9:.1f} GFLOP and reads {step['bytes'] / 1e6:.0f} MB ({step['weight_bytes'] / 1e6:.0f} "
+            f"MB of weights, {step['cache_bytes'] / 1e6:.0f} MB of KV cache); at {r['matmul_flops_per_s'] / 1e9:.1f} "
+            f"GFLOP/s (fp32 matmul, 1024^3) and {r['memory_bytes_per_s'] / 1e9:.1f} GB/s (reads), both measured after "
+            f"each repeat's rows, it takes at least {1000 * step['step_s']:.0f} ms ({step['bound']}-bound: compute "
+            f"{1000 * step['compute_s']:.0f} ms, memory {1000 * step['memory_s']:.0f} ms), "
+            f"{step['tokens_per_s']:.0f} tokens/s; the engine's step (inter-token p50 at {step['rows']}) took "
+            f"{took}.") if "step_s" in step else ""
+    return f"""## Generation: ours over HTTP beside the engine, static batching and peers
+
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load
+{r["machine"]["load_average"]["before"]}). {r["model"]} ({r["base"]}, {r["params"] / 1e6:.1f}M params, {r["precision"]},
+attention {r["attn_implementation"]}), served with a batch of {r["max_batch"]} and a queue of {r["max_queue"]};
+{r["requests"]} chat questions (mean {r["prompt_tokens_mean"]} prompt tokens; {r["serial_requests"]} in rows at
+concurrency 1), at most {r["max_tokens"]} new tokens each: exactly that many with fixed lengths (`ignore_eos`),
+the answers' own lengths with natural stopping. Rows interleaved, {r["repeats"]} repeats after a warm-up of each
+path; tokens/s is the median over repeats, latencies the percentiles over every request. Over HTTP, the
+official `openai` client streams (SSE) from a process of its own and times the chunks as they arrive; the
+in-process paths time tokens as they are sampled. Poisson rows send requests at a multiple of the capacity
+measured in the same repeat (requests/s at the top concurrency over HTTP).
+
+| path | what runs | arrivals, concurrency | sampling | lengths | output tokens/s | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | refused |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+{rows}
+
+| key | figure | measured | goal | |
+| --- | --- | --- | --- | --- |
+{goals}
+
+{roof}
+
+Servers, each a process of its own (llama.cpp's `llama-server` and vLLM from `make bench-peers-generate`, in
+.peers-gen/, pinned by benchmarks/generate-peers-constraints.txt; llama.cpp runs the GGUF file the base model
+is converted from, 4-bit weights, and caches no prompt, `cache_prompt: false`, nor does vLLM, prefix caching off):
+{servers}
+{("Peers not in this run:" + missing) if missing else ""}{llama_gap(r)}
+"""  # noqa: E501 (markdown table rows: one line each)
+
+
+def markdown_v1(r: dict) -> str:
     def ms(v: float) -> str:
         return f"{1000 * v:.1f}"
 
@@ -40,11 +161,6 @@ rows, measured after each repeat's rows; the best of {", ".join(f"{f / 1e9:.1f}"
 over 2 x params FLOPs per token.{where_the_limit_goes(r)}
 """  # noqa: E501 (markdown table rows: one line each)
 
-if __name__ == "__main__":
-    from benchmarks.record import main
-
-    main("generate")
-
 
 def where_the_limit_goes(r: dict) -> str:
     """What the FLOP-limit ratio is made of at the top concurrency, from the stored rows: the decode
@@ -65,3 +181,8 @@ def where_the_limit_goes(r: dict) -> str:
             f"for {r['max_tokens']} output tokens): counting every token the model processes, "
             f"{processed:.0f} tokens/s, {processed / limit:.2f}x.{static_text}")
 
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("generate")

@@ -1,5 +1,8 @@
-"""`workflows bench generate` (#50) on the tiny chat model with tiny settings: every row and key is in
-the JSON and the doc section (the figures themselves are the lead's run, on SmolLM2, on a quiet machine)."""
+"""`workflows bench generate` (#50, #60) on the tiny chat model with tiny settings: the in-process paths
+(the engine, static batching) and the one-at-a-time peer, a server process reached by the bench's client
+process over HTTP with SSE: every row and key is in the JSON and the doc section (the figures themselves
+are the lead's run, on SmolLM2, on a quiet machine). The path through `workflows serve` (Ray) is the
+extended test below."""
 
 from __future__ import annotations
 
@@ -10,27 +13,65 @@ import pytest
 from tests.chat_serve_task import build_tiny_chat
 from tests.conftest import ROOT
 
+TOP_KEYS = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
+            "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16")
 
-@pytest.mark.integration  # a real HTTP server (the peer) on 127.0.0.1
-def test_bench_generate_writes_every_row_and_key(tmp_path):
+
+def bench(tmp_path, *settings: str) -> tuple[dict, str]:
     from benchmarks.record import record
 
     model = tmp_path / "tiny"
     build_tiny_chat(model)
     overrides = [f"model.name_or_path={model}", f"cache.dir={tmp_path}/cache", "storage.embedded.enabled=false",
-                 f"storage.root={tmp_path}/store", "requests=32", "max_tokens=3", "repeats=1", "threads=1"]
+                 f"storage.root={tmp_path}/store", "requests=8", "serial_requests=2", "max_tokens=3", "repeats=1",
+                 "threads=1", "static_batch=4", "concurrency=1,16", "serve.generate.max_batch=16",
+                 "peers=", *settings]  # no harness peer (llama.cpp, vLLM), even where they are built
     doc = tmp_path / "BENCHMARKS.md"
     result = record("generate", str(ROOT / "configs" / "chat.yaml"), overrides, "python -m benchmarks.generate",
                     results_dir=tmp_path, doc=doc)
     stored = json.loads((tmp_path / "generate.json").read_text())
     assert stored == result
-    assert [r["row"] for r in stored["rows"]] == ["peer", "static", "ours_c1", "ours_c8", "ours_c16", "ours_c32"]
+    for key in TOP_KEYS:
+        assert key in stored and key in stored["goals"] and key in stored["meets_goals"], key
+    return stored, doc.read_text()
+
+
+def check_rows(stored: dict, expected: list[str]) -> None:
+    assert [r["row"] for r in stored["rows"]] == expected
     for row in stored["rows"]:
-        assert row["tokens"] == 32 * 3, row  # every request produced max_tokens, EOS ignored
+        if row["arrivals"] == "closed loop":  # every request answered: 2 at concurrency 1, else 8
+            assert row["requests"] == (2 if row["concurrency"] == 1 else 8), row
+        if row["lengths"].startswith("fixed"):
+            assert row["tokens"] == row["requests"] * 3, row  # every request produced max_tokens: eos ignored
+        else:
+            assert 0 < row["tokens"] <= row["requests"] * 3, row
         for key in ("tokens_per_s", "ttft_s_p50", "ttft_s_p99", "itl_s_p50", "itl_s_p99"):
             assert row[key] > 0, (row["row"], key)
-    for key in ("tokens_per_s_vs_one_at_a_time", "ttft_p50_vs_peer", "decode_vs_flop_limit"):
-        assert stored[key] > 0 and key in stored["meets_goals"], key
-    assert stored["flop_limit_tokens_per_s"] > 0
-    text = doc.read_text()
-    assert "## Generation: continuous batching against one request at a time" in text and "ours_c" not in text
+
+
+@pytest.mark.integration  # a server process (the peer) on 127.0.0.1, the client in another
+def test_bench_generate_writes_every_row_and_key(tmp_path):
+    stored, text = bench(tmp_path, "paths=engine,static,peer")
+    check_rows(stored, ["engine_c16", "static", "static_natural", "peer"])
+    assert stored["rows"][-1]["prompt_tokens_mean"] > 0  # as the server counted them
+    assert stored["http_vs_static_c16"] is None and stored["meets_goals"]["http_vs_static_c16"] is False
+    step = stored["decode_step"]
+    assert step["flops"] > 0 and step["bytes"] > step["weight_bytes"] > 0 and step["bound"] in ("memory", "compute")
+    assert stored["decode_vs_roofline"] > 0 and stored["matmul_flops_per_s"] > 0 and stored["memory_bytes_per_s"] > 0
+    assert "## Generation: ours over HTTP beside the engine, static batching and peers" in text
+    assert "| engine_c16 |" not in text and "| engine | ours: the engine called directly" in text
+    order = [text.index(f"| {k} |") for k in ("http_vs_static_c16", "vs_llama_cpp_c16", "ttft_p50_vs_peer")]
+    assert order == sorted(order)  # the issue's keys first
+
+
+@pytest.mark.extended  # `workflows serve` in its own process: a Ray cluster and Serve (a minute or more)
+def test_bench_generate_through_workflows_serve(tmp_path):
+    stored, _ = bench(tmp_path, "paths=http,engine,static", "load=0.9", "overload=4", "overload_requests=12")
+    check_rows(stored, ["http_c1", "http_c16", "http_sampled_c16", "http_natural_c16", "http_poisson",
+                        "http_overload", "engine_c16", "static", "static_natural"])
+    for key in ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
+                "sampled_vs_greedy", "http_vs_engine_c16"):
+        assert stored[key] > 0, key
+    overload = stored["rows"][5]
+    assert overload["requests"] + overload["refused"] == 12 and stored["overload_requests"] == 12
+    assert stored["model"] == "bench-base:1" and "workflows serve --model bench-base:1" in stored["servers"]["http"]

@@ -195,6 +195,22 @@ def test_a_prompt_over_the_context_is_refused(tiny, engine):
     assert g.finish_reason in ("length", "stop") and len(g.tokens) <= 6
 
 
+def test_ignore_eos_runs_past_the_end_of_sequence_to_max_tokens(tiny, engine):
+    """With the first token it says taken as its end of sequence, a request ends there ("stop"); with
+    ignore_eos it runs on to max_tokens ("length"), as the bench's fixed lengths need."""
+    _, _, tokenizer = tiny
+    e = engine()
+    p = prompts(tokenizer, 1)[0]
+    first = e.submit(p, greedy(8))
+    first.result(60)
+    e.eos = {first.tokens[0]}
+    stopped, running = e.submit(p, greedy(8)), e.submit(p, SamplingParams(max_tokens=8, temperature=0,
+                                                                            ignore_eos=True))
+    stopped.result(60), running.result(60)
+    assert (stopped.finish_reason, len(stopped.tokens)) == ("stop", 1)
+    assert (running.finish_reason, running.tokens) == ("length", first.tokens[:8])
+
+
 def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str, ...] = (), **generate):
     """The chat task's predictor of a registered directory, by default a whole model registered as
     tiny:1 (nothing loaded yet); `base`: the config's model.name_or_path; `extra`: config overrides."""
@@ -533,6 +549,9 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
     seeded = [client.completions.create(model="tinychat:1", prompt="the dog", max_tokens=10, seed=5).choices[0].text
               for _ in range(2)]
     assert seeded[0] == seeded[1]
+    fixed = client.completions.create(model="tinychat:1", prompt="the dog", max_tokens=9, temperature=0,
+                                      extra_body={"ignore_eos": True})  # vLLM's and llama.cpp's field
+    assert fixed.usage.completion_tokens == 9 and fixed.choices[0].finish_reason == "length"
 
     # 4xx in OpenAI's error shape
     def post(body):

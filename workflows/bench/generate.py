@@ -1,34 +1,104 @@
-"""Generation: the chat task's continuous-batching engine against one request at a time and static batching.
+"""Generation: the chat model served by `workflows serve`, measured over HTTP as clients reach it, beside
+the engine called directly, static batching and a one-at-a-time peer.
 
-    workflows bench generate --config chat                # the chat config's base model (SmolLM2-135M)
+    workflows bench generate --config chat                  # the chat config's base model (SmolLM2-135M)
+    workflows bench generate --config chat --set model=chat # a registered chat model, from the config's store
     workflows bench generate --config chat --set requests=64 --set max_tokens=128 --set repeats=3
 
-Every row decodes the same prompts (chat-templated questions of the synthetic instruction set) with the
-same model object, greedy, with a KV cache, EOS ignored, so that each request produces exactly `max_tokens`:
-- the peer: plain Hugging Face `generate` behind a minimal FastAPI server (uvicorn, in a thread, on
-  127.0.0.1), streaming each token as a line, sent one request at a time over real HTTP;
-- static batching: left-padded `generate`, `static_batch` prompts at a time, all waiting at the start;
-- ours: the engine (workflows.tasks.chat.engine) called directly, without HTTP, with `concurrency`
-  clients each sending its next request once its previous one has ended (closed loop).
-Rows run interleaved (one of each, then again) `repeats` times, after one warm-up of each path.
+What runs where (each a process of its own but the in-process paths):
+- `http`: `workflows serve` (workflows.bench.generate_servers) on the served model, reached by the official
+  `openai` client, streamed (SSE), from a client process (workflows.bench.generate_client). Without
+  `--set model=...` the config's base model is registered as `bench-base` in a scratch store and served.
+- `engine`: the same model's continuous-batching engine built as a replica builds it (the chat task's
+  predictor), called in this process with no HTTP;
+- `static`: left-padded `generate` of `static_batch` prompts at a time, all waiting at the start, in this
+  process on the engine's model;
+- `peer`: plain `generate` behind a minimal OpenAI-compatible server (workflows.bench.generate_peer), one
+  request at a time, reached by the same client;
+- the project's harness (benchmarks/generate.py) adds llama.cpp's server and vLLM the same way (`peers`).
 
-Figures: output tokens/s (the median over repeats), time to first token and inter-token latency
-(p50/p99 over every request of every repeat; the peer's as its client sees the streamed lines, the
-others' as the tokens are sampled). The FLOP limit of decoding is 2 x params FLOPs per token against the
-matmul FLOP/s measured in this run at the decode shape (rows = the largest concurrency, times the model's
-hidden and MLP widths).
+A row is a path and its settings (workflows.bench.generate.Row): closed-loop concurrency (each client sends
+its next request when its previous one ended) or Poisson arrivals at a rate; greedy or sampled
+(temperature 0.7, top_p 0.9); fixed lengths (`ignore_eos`: every request makes max_tokens tokens) or
+natural stopping (EOS honoured, up to max_tokens). Rows run interleaved (each row once, then again)
+`repeats` times, after a warm-up of each path that is not counted. The Poisson rates come from the
+capacity measured in the same repeat (requests/s over HTTP at the top concurrency): `load` times it near
+capacity, `overload` times it for the overload row (rejected requests: how fast their answer came).
+
+Figures per row: output tokens/s (the median over repeats; tokens as the server's usage counts them),
+time to first token and inter-token latency (p50/p99 over every request of every repeat: as the client
+sees the streamed chunks, or as the engine samples the tokens for in-process paths). The roofline of a
+decode step at the top concurrency (workflows.bench.roofline) uses the matmul rate and the memory
+bandwidth measured between the rows of every repeat (the best of those readings).
 """
 
-# No `from __future__ import annotations`: the peer's FastAPI route must see the real `Request` annotation.
+from __future__ import annotations
+
+import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-GOALS = {"tokens_per_s_vs_one_at_a_time": 4.0, "ttft_p50_vs_peer": 1.2, "decode_vs_flop_limit": 0.5}
-DEFAULTS: dict[str, Any] = {"requests": 32, "max_tokens": 64, "repeats": 2, "static_batch": 16,
-                            "concurrency": "1,8,16,32", "threads": 0}
+from workflows.bench.generate_servers import Server, peer_command, serve_command
+from workflows.bench.roofline import decode_step, matmul_rate, memory_bandwidth, roofline
+
+SAMPLED = {"temperature": 0.7, "top_p": 0.9}
+GREEDY = {"temperature": 0.0, "top_p": 1.0}
+# (direction, value): the figure meets its goal when >= (or <=) the value; None: reported, no goal
+GOALS: dict[str, tuple[str, float] | None] = {
+    "http_vs_static_c16": (">=", 1.0), "http_vs_static_natural_c16": (">=", 1.3),
+    "itl_p99_over_p50_c16": ("<=", 2.0), "itl_p99_over_p50_c8": ("<=", 2.0), "itl_p99_over_p50_poisson": ("<=", 2.0),
+    "ttft_c16_over_c1": ("<=", 4.0), "decode_vs_roofline": (">=", 0.7), "sampled_vs_greedy": (">=", 0.9),
+    "http_vs_engine_c16": (">=", 0.9), "overload_rejected_within_100ms": (">=", 1.0),
+    "overload_itl_p99_vs_poisson": ("<=", 1.2), "tokens_per_s_vs_one_at_a_time": (">=", 4.0),
+    "ttft_p50_vs_peer": ("<=", 1.2), "vs_llama_cpp_c1": None, "vs_llama_cpp_c16": None}
+DEFAULTS: dict[str, Any] = {"requests": 32, "serial_requests": 8, "max_tokens": 64, "repeats": 2, "static_batch": 16,
+                            "concurrency": "1,8,16,32", "threads": 0, "paths": "http,engine,static,peer", "model": "",
+                            "load": "0.9", "overload": "4", "overload_requests": 96}
+PATHS = ("http", "engine", "static", "peer")
+TEXT_SETTINGS = ("model", "paths", "concurrency")
+FLOAT_SETTINGS = ("load", "overload")
+
+
+@dataclass
+class Row:
+    """One measured configuration: a path (how the tokens are reached) and its settings."""
+
+    key: str
+    path: str  # http | engine | static | peer | a peer of the harness (llama_cpp, vllm)
+    label: str  # the path in words, for the doc
+    concurrency: int = 1  # closed loop (static: the batch)
+    rate: float | None = None  # Poisson arrivals, as a multiple of the measured capacity (open loop)
+    sampled: bool = False
+    natural: bool = False  # EOS honoured (else ignore_eos: fixed lengths)
+    requests: int = 0  # 0: the bench's `requests`
+    runs: list[dict] = field(default_factory=list)
+
+    def settings(self) -> dict:
+        return {"concurrency": self.concurrency, "arrivals": f"poisson x{self.rate} capacity" if self.rate else
+                "closed loop", "sampling": "temperature 0.7, top_p 0.9" if self.sampled else "greedy",
+                "lengths": "natural (eos honoured)" if self.natural else "fixed (eos ignored)"}
+
+
+@dataclass
+class HttpPeer:
+    """A server of the harness reached over HTTP like ours: what starts it and how it is described."""
+
+    name: str  # row key prefix: llama_cpp, vllm
+    label: str
+    start: Callable[[Path, str], Server]  # (log directory, the served version's folder) -> its server, not started
+    model: str = "peer"  # the "model" its requests name
+    levels: tuple[int, ...] = (1, 16)
+    extra: dict = field(default_factory=dict)  # fields its requests add (e.g. llama.cpp's cache_prompt)
 
 
 def settings(overrides: list[str]) -> tuple[dict, list[str]]:
@@ -46,6 +116,20 @@ def settings(overrides: list[str]) -> tuple[dict, list[str]]:
             if not all(v.isdigit() and int(v) > 0 for v in value.split(",")):
                 raise UserError(f"bench generate: concurrency is a list such as 1,8,16,32, got {value!r}")
             out[key] = value
+        elif key == "paths":
+            unknown = sorted(set(value.split(",")) - set(PATHS))
+            if unknown:
+                raise UserError(f"bench generate: paths are a list of {', '.join(PATHS)}, got {', '.join(unknown)}")
+            out[key] = value
+        elif key in TEXT_SETTINGS:
+            out[key] = value
+        elif key in FLOAT_SETTINGS:
+            try:
+                if float(value) < 0:
+                    raise ValueError
+            except ValueError:
+                raise UserError(f"bench generate: {key} is a number >= 0, got {value!r}") from None
+            out[key] = value
         elif not value.isdigit() or (int(value) == 0 and key != "threads"):
             raise UserError(f"bench generate: {key} must be a positive integer, got {value!r}")
         else:
@@ -58,94 +142,76 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def prompts_of(tokenizer, n: int) -> list[list[int]]:
+def questions(n: int) -> list[list[dict]]:
+    """n conversations of one user turn: the questions of the chat config's synthetic instruction set."""
     from workflows.preprocess import chat_data
 
     rows = chat_data.build(max(1, -(-n // len(chat_data.KINDS))))[:n]
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": r["messages"][0]["content"]}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=False))
-            for r in rows]
+    return [[{"role": "user", "content": r["messages"][0]["content"]}] for r in rows]
 
 
-# --- the peer: plain generate behind FastAPI, one request at a time ------------------------------------
-class Peer:
-    """uvicorn in a thread serving POST /generate {"ids", "max_tokens"}: a line per generated token."""
-
-    def __init__(self, model, pad: int):
-        import queue
-
-        import torch
-        import uvicorn
-        from fastapi import FastAPI, Request
-        from fastapi.responses import StreamingResponse
-
-        from workflows.net import free_port
-
-        app, lock = FastAPI(), threading.Lock()
-
-        class Lines:  # transformers' streamer protocol: put(prompt ids) first, then each new token
-            def __init__(self):
-                self.q: queue.SimpleQueue = queue.SimpleQueue()
-                self.started = False
-
-            def put(self, value):
-                if self.started:
-                    self.q.put(f"{int(value.reshape(-1)[0])}\n")
-                self.started = True
-
-            def end(self):
-                self.q.put(None)
-
-        @app.post("/generate")
-        async def generate(request: Request):
-            body = await request.json()
-            lines, ids = Lines(), torch.tensor([body["ids"]])
-
-            def work():
-                with lock, torch.inference_mode():
-                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
-                                   max_new_tokens=body["max_tokens"], min_new_tokens=body["max_tokens"],
-                                   pad_token_id=pad, streamer=lines)
-
-            threading.Thread(target=work, daemon=True).start()
-
-            def stream():
-                while (line := lines.q.get()) is not None:
-                    yield line
-
-            return StreamingResponse(stream(), media_type="text/plain")
-
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-
-    def request(self, session, ids: list[int], max_tokens: int) -> tuple[float, list[float]]:
-        """(sent at, each token's arrival), perf_counter() seconds, as the client sees them."""
-        sent = time.perf_counter()
-        with session.post(f"http://127.0.0.1:{self.port}/generate", json={"ids": ids, "max_tokens": max_tokens},
-                          stream=True, timeout=600) as r:
-            r.raise_for_status()
-            times = [time.perf_counter() for line in r.iter_lines() if line]
-        return sent, times
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+# --- how each path is driven: a run's result is {tokens, seconds, ttft, itl, rejected...} ----------------
+def client_run(url: str, model: str, messages: list[list[dict]], row: Row, max_tokens: int, rate: float | None,
+               api_key: str | None = None, extra: dict | None = None) -> dict:
+    """The row's requests from a client process (workflows.bench.generate_client)."""
+    job = {"base_url": url, "model": model, "api_key": api_key, "messages": messages, "requests": len(messages),
+           "extra_body": extra or {},
+           "max_tokens": max_tokens, "ignore_eos": not row.natural, "concurrency": row.concurrency, "rate": rate,
+           "seed": 0 if row.sampled else None, **(SAMPLED if row.sampled else GREEDY)}
+    done = subprocess.run([sys.executable, "-m", "workflows.bench.generate_client"], input=json.dumps(job),
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the bench's client failed ({done.returncode}): {done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    answered = [r for r in out["requests"] if r["status"] == 200]
+    refused = [r for r in out["requests"] if r["status"] != 200]
+    if refused and not rate:  # a closed loop sends no more than the server takes: a refusal is a failure
+        raise RuntimeError(f"bench generate: {len(refused)} of {len(out['requests'])} requests to {url} failed, "
+                           f"e.g. {refused[0].get('error')}")
+    timed = [(r["sent"], r["chunks"]) for r in answered]
+    result = figures(timed, sum(r["tokens"] for r in answered), out["seconds"])
+    result["prompt_tokens"] = [r.get("prompt_tokens", 0) for r in answered]
+    result["finish"] = [r["finish_reason"] for r in answered]
+    result["refused"] = [{"status": r["status"], "answer_s": r["ended"] - r["sent"]} for r in refused]
+    return result
 
 
-def peer_run(peer: Peer, prompts: list[list[int]], max_tokens: int) -> dict:
-    import requests
+def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, sampled: bool = False,
+               natural: bool = False) -> dict:
+    """`concurrency` closed-loop clients on threads of this process, each submitting its next prompt as its
+    last one ends; fixed lengths (ignore_eos) unless `natural`."""
+    from workflows.tasks.chat.sampling import SamplingParams
 
-    with requests.Session() as session:
-        t0 = time.perf_counter()
-        timed = [peer.request(session, p, max_tokens) for p in prompts]
-        return figures(timed, time.perf_counter() - t0)
+    sampling = SAMPLED if sampled else GREEDY
+    todo, timed, tokens, lock = list(range(len(prompts))), [], [0], threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            params = SamplingParams(max_tokens=max_tokens, seed=i if sampled else None, ignore_eos=not natural,
+                                    **sampling)
+            gen = engine.submit(prompts[i], params)
+            gen.result(timeout=3600)
+            with lock:
+                timed.append((gen.times["submitted"] - t0, [t - t0 for t in gen.token_times]))
+                tokens[0] += gen.completion_tokens
+
+    t0 = time.perf_counter()
+    clients = [threading.Thread(target=client) for _ in range(min(concurrency, len(prompts)))]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    return figures(timed, tokens[0], time.perf_counter() - t0)
 
 
-def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
+def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch: int, sampled: bool = False,
+               eos: set[int] | None = None) -> dict:
+    """`batch` prompts at a time, left-padded, all waiting at the start; a batch decodes until its every
+    row ended at one of the `eos` ids (natural stopping), or, without `eos`, made max_tokens (fixed)."""
     import torch
 
     class Steps:  # a timestamp per generated step (the first put is the prompt)
@@ -155,13 +221,14 @@ def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch
 
         def put(self, value):
             if self.started:
-                self.times.append(time.perf_counter())
+                self.times.append(time.perf_counter() - t0)
             self.started = True
 
         def end(self):
             pass
 
-    timed, t0 = [], time.perf_counter()
+    sampling = {"do_sample": True, **SAMPLED} if sampled else {"do_sample": False}
+    timed, tokens, t0 = [], 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
         part = prompts[i:i + batch]
         width = max(len(p) for p in part)
@@ -169,135 +236,260 @@ def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=model.device)
         steps = Steps()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                           do_sample=False, use_cache=True, pad_token_id=pad, streamer=steps)
-        timed += [(t0, steps.times)] * len(part)  # every request was waiting at the start
-    return figures(timed, time.perf_counter() - t0)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                 min_new_tokens=0 if eos else max_tokens, use_cache=True, pad_token_id=pad,
+                                 streamer=steps, **sampling)
+        for seq in out[:, width:].tolist():
+            n = next((k + 1 for k, t in enumerate(seq) if t in eos), len(seq)) if eos else len(seq)
+            tokens += n
+            timed.append((0.0, steps.times[:n]))  # every request was waiting at the start
+    return figures(timed, tokens, time.perf_counter() - t0)
 
 
-def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    from workflows.tasks.chat.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    todo, timed, lock = list(reversed(prompts)), [], threading.Lock()
-
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                p = todo.pop()
-            gen = engine.submit(p, params)
-            gen.result(timeout=3600)
-            with lock:
-                timed.append((gen.times["submitted"], list(gen.token_times)))
-
-    eos, engine.eos = engine.eos, set()
-    try:
-        t0 = time.perf_counter()
-        clients = [threading.Thread(target=client) for _ in range(min(concurrency, len(prompts)))]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
-        return figures(timed, time.perf_counter() - t0)
-    finally:
-        engine.eos = eos
-
-
-def figures(timed: list[tuple[float, list[float]]], seconds: float) -> dict:
+def figures(timed: list[tuple[float, list[float]]], tokens: int, seconds: float) -> dict:
     """Per run: tokens/s, and each request's time to first token and gaps between its tokens."""
-    tokens = sum(len(t) for _, t in timed)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "requests_per_s": len(timed) / seconds,
             "ttft": [t[0] - sent for sent, t in timed if t],
             "itl": [b - a for _, t in timed for a, b in zip(t, t[1:])]}
 
 
-def matmul_flops(rows: int, hidden: int, mlp: int, seconds: float = 1.0) -> float:
-    """FLOP/s of fp32 matmuls at the decode shape: [rows, hidden] x [hidden, mlp] and [rows, hidden] x
-    [hidden, hidden], alternated for about `seconds`."""
-    import torch
+# --- the served model ---------------------------------------------------------------------------------
+def served_model(cfg, config: str, config_overrides: list[str], opts: dict,
+                 scratch: Path) -> tuple[str, list[str], str, Any]:
+    """(the model spec `workflows serve` serves, the config overrides that reach its store, the version's
+    local directory, its card): a registered chat model named by `model`, or the config's base model
+    registered into a scratch store (a local directory) as bench-base."""
+    from workflows import registry
+    from workflows.runtime import runtime
+    from workflows.tasks.chat.model import resolve_dir
 
-    x, w1, w2 = torch.randn(rows, hidden), torch.randn(hidden, mlp), torch.randn(hidden, hidden)
-    for _ in range(5):
-        torch.matmul(x, w1), torch.matmul(x, w2)
-    n, flops, t0 = 0, 0.0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n < 10:
-        torch.matmul(x, w1)
-        torch.matmul(x, w2)
-        flops += 2.0 * rows * hidden * (mlp + hidden)
-        n += 1
-    return flops / (time.perf_counter() - t0)
+    if opts["model"]:
+        with runtime(cfg, ray_needed=False) as rt:
+            model_dir, card = registry.fetch(rt.cfg, rt.storage, opts["model"])
+        return f"{card.name}:{card.version}", [], model_dir, card
+    from workflows.config import load_config
+    from workflows.storage.uri import StorageContext
+
+    store = [f"storage.root={scratch / 'store'}", "storage.embedded.enabled=false"]
+    local = load_config(config, [*config_overrides, *store])
+    base = resolve_dir(cfg.model.name_or_path, cfg)
+    ref = registry.register(local, StorageContext.from_config(local.storage), base, "bench-base",
+                            {"task": cfg.model.task})
+    model_dir, card = registry.fetch(local, StorageContext.from_config(local.storage), f"{ref.name}:{ref.version}")
+    return f"{ref.name}:{ref.version}", store, model_dir, card
 
 
-def run(config: str | None, overrides: list[str]) -> dict:
+def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict) -> list[Row]:
+    """The rows of one repeat, in the order they run."""
+    mid = 16 if 16 in levels else max(levels)
+    top = max(levels)
+    rows: list[Row] = []
+    if "http" in paths:
+        rows += [Row(f"http_c{c}", "http", "ours: workflows serve, HTTP + SSE", c) for c in levels]
+        rows += [Row(f"http_sampled_c{mid}", "http", "ours: workflows serve, HTTP + SSE", mid, sampled=True),
+                 Row(f"http_natural_c{mid}", "http", "ours: workflows serve, HTTP + SSE", mid, natural=True)]
+        if float(opts["load"]):
+            rows.append(Row("http_poisson", "http", "ours: workflows serve, HTTP + SSE", top, rate=float(opts["load"])))
+        if float(opts["overload"]):
+            rows.append(Row("http_overload", "http", "ours: workflows serve, HTTP + SSE", top,
+                            rate=float(opts["overload"]), requests=opts["overload_requests"]))
+    if "engine" in paths:
+        rows += [Row(f"engine_c{c}", "engine", "ours: the engine called directly, no HTTP", c)
+                 for c in sorted({mid, top})]
+    if "static" in paths:
+        label = f"static batching: left-padded generate, {opts['static_batch']} at a time"
+        rows += [Row("static", "static", label, opts["static_batch"]),
+                 Row("static_natural", "static", label, opts["static_batch"], natural=True)]
+    if "peer" in paths:
+        rows.append(Row("peer", "peer", "peer: generate behind FastAPI, HTTP + SSE, one request at a time", 1))
+    for p in peers:
+        rows += [Row(f"{p.name}_c{c}", p.name, p.label, c) for c in p.levels]
+    return rows
+
+
+def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None = None) -> dict:
     import torch
 
     from workflows.config import load_config
-    from workflows.tasks.chat.engine import Engine
-    from workflows.tasks.chat.model import load_causal_lm, load_tokenizer, pad_id, resolve_dir
+    from workflows.net import free_port
+    from workflows.tasks import task_for_card
+    from workflows.tasks.chat.model import pad_id
 
     opts, config_overrides = settings(overrides)
-    cfg = load_config(config or "chat", config_overrides)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM: stop the servers and clean up, as Ctrl-C
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    config = config or "chat"
+    cfg = load_config(config, config_overrides)
     threads = opts["threads"] or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    model_dir = resolve_dir(cfg.model.name_or_path, cfg)
-    model, tok = load_causal_lm(model_dir).eval(), load_tokenizer(model_dir)
-    pad = pad_id(tok)
     levels = [int(c) for c in str(opts["concurrency"]).split(",")]
-    prompts, max_tokens = prompts_of(tok, opts["requests"]), opts["max_tokens"]
-    engine = Engine(model, tok, max_batch=max(levels), max_queue=len(prompts))
-    peer = Peer(model, pad)
-    rows: dict[str, Any] = {"peer": lambda ps, n: peer_run(peer, ps, n),
-                            "static": lambda ps, n: static_run(model, pad, ps, n, opts["static_batch"])}
-    for c in levels:
-        rows[f"ours_c{c}"] = lambda ps, n, c=c: engine_run(engine, ps, n, c)
-    runs: dict[str, list[dict]] = {k: [] for k in rows}
-    config_ = model.config
-    # the decode-shape matmul rate is measured between the rows of every repeat, as they are, and the
-    # best of those is the limit: one reading taken at a noisy moment would move every ratio against it
-    matmuls: list[float] = []
+    paths, peers = set(str(opts["paths"]).split(",")), list(peers or [])
+    rows = plan(levels, paths, peers, opts)
+    max_tokens = opts["max_tokens"]
+    scratch = Path(tempfile.mkdtemp(prefix="bench-generate-"))
+    logs = Path(cfg.cache.resolved_dir()) / "bench-generate"
+    model_dir = None
     try:
-        for fn in rows.values():  # warm-up: first calls allocate, load kernels
-            fn(prompts[:2], 2)
-        for _ in range(opts["repeats"]):
-            for key, fn in rows.items():
-                runs[key].append(fn(prompts, max_tokens))
-            matmuls.append(matmul_flops(max(levels), config_.hidden_size, config_.intermediate_size))
+        spec, store, model_dir, card = served_model(cfg, config, config_overrides, opts, scratch)
+        task = task_for_card(cfg, card)
+        predictor: Any = task.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
+        engine = predictor.engine  # built as the replica builds it
+        model, tok = engine.model, predictor.tokenizer
+        convs = questions(max(opts["requests"], opts["overload_requests"]))
+        prompts = [predictor.chat_ids(m) for m in convs]
+        pad, eos = pad_id(tok), set(engine.eos)
+        port = free_port()
+        api_key = os.environ.get(cfg.serve.auth_token_env) if cfg.serve.auth_token_env else None
+        serve_sets = [*config_overrides, *store, "serve.enabled=true", f"serve.port={port}",
+                      f"serve.cpus_per_replica={threads}"]
+        servers: dict[str, Server] = {}
+        if "http" in paths:
+            servers["http"] = Server("workflows serve", serve_command(config, serve_sets, spec), port,
+                                     logs / "serve.log", health="/healthz")
+        if "peer" in paths:
+            peer_port = free_port()
+            servers["peer"] = Server("the one-at-a-time peer", peer_command(model_dir, peer_port, threads), peer_port,
+                                     logs / "peer.log")
+        for p in peers:
+            servers[p.name] = p.start(logs, model_dir)
+        names = {"http": spec, **{p.name: p.model for p in peers}, "peer": "peer"}
+        extras = {p.name: p.extra for p in peers}
+
+        def n_of(row: Row) -> int:
+            if row.requests:
+                return row.requests
+            return opts["serial_requests"] if row.concurrency == 1 and not row.rate else opts["requests"]
+
+        capacity: dict[str, float] = {}  # requests/s over HTTP at the top concurrency, this repeat
+
+        def measure(row: Row, n: int, tokens: int) -> dict:
+            if row.path == "engine":
+                return engine_run(engine, prompts[:n], tokens, row.concurrency, row.sampled, row.natural)
+            if row.path == "static":
+                return static_run(model, pad, prompts[:n], tokens, row.concurrency, row.sampled,
+                                  eos if row.natural else None)
+            rate = row.rate * capacity["http"] if row.rate else None
+            return client_run(servers[row.path].url, names[row.path], convs[:n], row, tokens, rate,
+                              api_key if row.path == "http" else None, extras.get(row.path))
+
+        flops: list[float] = []
+        bandwidth: list[float] = []
+        started = []
+        try:
+            for server in servers.values():
+                server.start()
+                started.append(server)
+            for path in dict.fromkeys(r.path for r in rows):  # warm-up: first calls allocate, load kernels
+                measure(next(r for r in rows if r.path == path and not r.rate), 2, 4)
+            for _ in range(opts["repeats"]):
+                for row in rows:
+                    if row.rate and "http" not in capacity:
+                        continue
+                    result = measure(row, n_of(row), max_tokens)
+                    row.runs.append(result)
+                    print(f"bench generate: {row.key} (repeat {len(row.runs)}): {result['tokens_per_s']:.1f} tokens/s, "
+                          f"{len(result.get('refused', []))} refused", file=sys.stderr, flush=True)
+                    if row.key == f"http_c{max(levels)}":
+                        capacity["http"] = result["requests_per_s"]
+                capacity.pop("http", None)
+                flops.append(matmul_rate())
+                bandwidth.append(memory_bandwidth())
+        finally:
+            for server in reversed(started):
+                server.stop()
+            engine.close()
+        return report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth,
+                      {name: s.command for name, s in servers.items()})
     finally:
-        peer.close()
-        engine.close()
-    params = sum(p.numel() for p in model.parameters())
-    flops = max(matmuls)
-    limit = flops / (2.0 * params)
-    table = []
-    for key, measured in runs.items():
-        ttft = [x for r in measured for x in r["ttft"]]
-        itl = [x for r in measured for x in r["itl"]]
-        table.append({
-            "row": key, "path": ("peer: generate behind FastAPI, one request at a time" if key == "peer" else
-                                 f"static batching: left-padded generate, {opts['static_batch']} at a time"
-                                 if key == "static" else "ours: the engine (continuous batching), no HTTP"),
-            "concurrency": 1 if key == "peer" else opts["static_batch"] if key == "static" else int(key[6:]),
-            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in measured), 2),
-            "tokens_per_s_runs": [round(r["tokens_per_s"], 2) for r in measured],
-            "ttft_s_p50": round(percentile(ttft, 0.5), 4), "ttft_s_p99": round(percentile(ttft, 0.99), 4),
-            "itl_s_p50": round(percentile(itl, 0.5), 4), "itl_s_p99": round(percentile(itl, 0.99), 4),
-            "tokens": sum(r["tokens"] for r in measured)})
+        shutil.rmtree(scratch, ignore_errors=True)
+        if model_dir and not opts["model"]:  # the scratch version's copy in the model cache, new each run
+            shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def summary(row: Row) -> dict:
+    ttft = [x for r in row.runs for x in r["ttft"]]
+    itl = [x for r in row.runs for x in r["itl"]]
+    refused = [x for r in row.runs for x in r.get("refused", [])]
+    out = {"row": row.key, "path": row.label, **row.settings(),
+           "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in row.runs), 2),
+           "tokens_per_s_runs": [round(r["tokens_per_s"], 2) for r in row.runs],
+           "ttft_s_p50": round(percentile(ttft, 0.5), 4), "ttft_s_p99": round(percentile(ttft, 0.99), 4),
+           "itl_s_p50": round(percentile(itl, 0.5), 4), "itl_s_p99": round(percentile(itl, 0.99), 4),
+           "tokens": sum(r["tokens"] for r in row.runs), "requests": sum(len(r["ttft"]) for r in row.runs)}
+    if row.rate:
+        out["refused"] = len(refused)
+        out["refused_answer_s_max"] = round(max((x["answer_s"] for x in refused), default=0.0), 4)
+        out["refused_within_100ms"] = sum(x["answer_s"] <= 0.1 for x in refused)
+        out["refused_status"] = sorted({x["status"] for x in refused})
+    prompt = [x for r in row.runs for x in r.get("prompt_tokens", [])]
+    if prompt:
+        out["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1)
+    return out
+
+
+def meets_goal(value: float | None, goal: tuple[str, float] | None) -> bool | None:
+    """None without a goal; False when the figure is missing (its row did not run or measured nothing)."""
+    if goal is None:
+        return None
+    return value is not None and (value >= goal[1] if goal[0] == ">=" else value <= goal[1])
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec: str, cfg, threads: int,
+           flops: list[float], bandwidth: list[float], commands: dict) -> dict:
+    table = [summary(r) for r in rows if r.runs]
     by = {r["row"]: r for r in table}
-    top = f"ours_c{max(levels)}"
-    ratios = {
-        "tokens_per_s_vs_one_at_a_time": round(by["ours_c16"]["tokens_per_s"] / by["peer"]["tokens_per_s"], 3)
-        if "ours_c16" in by else None,
-        "ttft_p50_vs_peer": round(by["ours_c1"]["ttft_s_p50"] / by["peer"]["ttft_s_p50"], 3)
-        if "ours_c1" in by else None,
-        "decode_vs_flop_limit": round(by[top]["tokens_per_s"] / limit, 3) if top == "ours_c32" else None}
-    meets = {k: v is not None and (v <= GOALS[k] if k == "ttft_p50_vs_peer" else v >= GOALS[k])
-             for k, v in ratios.items()}
-    return {"model": cfg.model.name_or_path, "params": params, "threads": threads, "precision": "fp32",
+    mid, top, max_tokens = (16 if 16 in levels else max(levels)), max(levels), opts["max_tokens"]
+
+    def get(key: str, figure: str) -> float | None:
+        return by[key][figure] if key in by else None
+
+    prompt_mean = sum(map(len, prompts[:opts["requests"]])) / opts["requests"]
+    step = decode_step(model, top, prompt_mean + max_tokens / 2)  # the mean context over a generation
+    best_flops, best_bw = max(flops, default=0.0), max(bandwidth, default=0.0)
+    limit = roofline(step, best_flops, best_bw) if best_flops and best_bw else None
+    measured_step = get(f"engine_c{top}", "itl_s_p50")
+    overload = by.get("http_overload")
+    keys: dict[str, float | None] = {
+        f"http_vs_static_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get("static", "tokens_per_s")),
+        f"http_vs_static_natural_c{mid}": ratio(get(f"http_natural_c{mid}", "tokens_per_s"),
+                                                get("static_natural", "tokens_per_s")),
+        f"itl_p99_over_p50_c{mid}": ratio(get(f"http_c{mid}", "itl_s_p99"), get(f"http_c{mid}", "itl_s_p50")),
+        "itl_p99_over_p50_c8": ratio(get("http_c8", "itl_s_p99"), get("http_c8", "itl_s_p50")),
+        "itl_p99_over_p50_poisson": ratio(get("http_poisson", "itl_s_p99"), get("http_poisson", "itl_s_p50")),
+        f"ttft_c{mid}_over_c1": ratio(get(f"http_c{mid}", "ttft_s_p50"), get("http_c1", "ttft_s_p50")),
+        "decode_vs_roofline": ratio(limit["step_s"], measured_step) if limit and measured_step else None,
+        "sampled_vs_greedy": ratio(get(f"http_sampled_c{mid}", "tokens_per_s"), get(f"http_c{mid}", "tokens_per_s")),
+        f"http_vs_engine_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"engine_c{mid}", "tokens_per_s")),
+        "overload_rejected_within_100ms": (round(overload["refused_within_100ms"] / overload["refused"], 3)
+                                           if overload and overload["refused"] else None),
+        "overload_itl_p99_vs_poisson": ratio(get("http_overload", "itl_s_p99"), get("http_poisson", "itl_s_p99")),
+        "tokens_per_s_vs_one_at_a_time": ratio(get(f"http_c{mid}", "tokens_per_s"), get("peer", "tokens_per_s")),
+        "ttft_p50_vs_peer": ratio(get("http_c1", "ttft_s_p50"), get("peer", "ttft_s_p50")),
+        "vs_llama_cpp_c1": ratio(get("http_c1", "tokens_per_s"), get("llama_cpp_c1", "tokens_per_s")),
+        "vs_llama_cpp_c16": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"llama_cpp_c{mid}", "tokens_per_s")),
+    }
+    goals = {k: GOALS.get(k) for k in keys}
+    meets = {k: meets_goal(v, goals[k]) for k, v in keys.items()}
+    config_ = model.config
+    return {"model": spec, "base": cfg.model.name_or_path, "params": sum(p.numel() for p in model.parameters()),
+            "threads": threads, "precision": cfg.serve.precision,
             "attn_implementation": getattr(config_, "_attn_implementation", None),
-            "requests": len(prompts), "max_tokens": max_tokens, "repeats": opts["repeats"],
-            "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
-            "matmul_flops_per_s": round(flops), "matmul_flops_per_s_runs": [round(f) for f in matmuls],
-            "flop_limit_tokens_per_s": round(limit, 1),
-            "rows": table, **ratios, "goals": GOALS, "meets_goals": meets}
+            "requests": opts["requests"], "serial_requests": opts["serial_requests"], "max_tokens": max_tokens,
+            "repeats": opts["repeats"], "static_batch": opts["static_batch"], "load": float(opts["load"]),
+            "overload": float(opts["overload"]), "overload_requests": opts["overload_requests"],
+            "max_batch": cfg.serve.generate.max_batch, "max_queue": cfg.serve.generate.max_queue,
+            "prompt_tokens_mean": round(prompt_mean, 1),
+            "matmul_flops_per_s": round(best_flops), "matmul_flops_per_s_runs": [round(f) for f in flops],
+            "memory_bytes_per_s": round(best_bw), "memory_bytes_per_s_runs": [round(b) for b in bandwidth],
+            "decode_step": {**step, **({k: (round(v, 5) if isinstance(v, float) else v) for k, v in limit.items()}
+                                       if limit else {}), "measured_s": measured_step},
+            "servers": {k: " ".join(v) for k, v in commands.items()},
+            "rows": table, **keys, "goals": {k: (f"{g[0]} {g[1]}" if g else None) for k, g in goals.items()},
+            "meets_goals": meets}

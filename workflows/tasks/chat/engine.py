@@ -368,7 +368,7 @@ class Engine:
             r.gen.tokens.append(r.last)
             r.gen.token_times.append(now)
             self.stats["tokens"] += 1
-            if r.last in self.eos:
+            if r.last in self.eos and not r.gen.params.ignore_eos:
                 ended[i] = "stop"
                 continue
             r.state.add(r.last, self.tokenizer)

@@ -3,7 +3,7 @@
 
 GET  /v1/models             the served model (NAME:VERSION) and the adapters this replica holds
 POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p",
-                            "seed", "stop", "stream", "stream_options": {"include_usage"}}
+                            "seed", "stop", "stream", "stream_options": {"include_usage"}, "ignore_eos"}
 POST /v1/completions        the same with "prompt" (a string, or a list of one) instead of "messages"
 
 `"stream": true` answers Server-Sent Events, one `data: {chunk}` per delta in OpenAI's chunk format,
@@ -69,6 +69,8 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+    ignore_eos: bool = Field(False, description="not OpenAI's (vLLM's and llama.cpp's): generate past the "
+                             "end-of-sequence token, up to max_tokens or a stop string (fixed lengths, for benchmarks)")
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -231,7 +233,7 @@ class OpenAIContract(HttpContract):
                                      f"model ({req.model[:80]})", "model")
                 params = SamplingParams(max_tokens=min(self.max_tokens(req), self.gen.max_tokens),
                                         temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                        stop=req.stops())
+                                        stop=req.stops(), ignore_eos=req.ignore_eos)
                 if kind == "chat":
                     ids = await predictor.encode(predictor.chat_ids, [m.as_template_input() for m in req.messages])
                 else:

@@ -18,13 +18,16 @@ class SamplingParams:
     """One request's generation settings (OpenAI's meaning): `temperature` 0 (or below MIN_TEMPERATURE)
     is greedy; `top_p` keeps the smallest set of most probable tokens whose probabilities reach it;
     `seed` makes sampling repeatable (the same seed, prompt and settings give the same tokens, alone or
-    beside other requests); `stop`: strings that end the text (not included in it)."""
+    beside other requests); `stop`: strings that end the text (not included in it); `ignore_eos`: the
+    end-of-sequence token does not end it (it runs to max_tokens or a stop string: fixed lengths, for
+    benchmarks, as vLLM's and llama.cpp's servers take the same field)."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if self.max_tokens < 1:

