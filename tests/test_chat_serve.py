@@ -52,12 +52,14 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0)
 
 
-def test_greedy_tokens_are_the_same_alone_and_beside_requests_that_come_and_go(tiny, engine):
+@pytest.mark.parametrize("chunk", [32, 3])
+def test_greedy_tokens_are_the_same_alone_and_beside_requests_that_come_and_go(tiny, engine, chunk):
     """Six requests with staggered arrivals share steps of a batch of up to 4 (one joins as another
-    ends): each gets, token for token, what it gets alone, which is what `generate` gives."""
+    ends), their prompts prefilled whole or 3 tokens a step beside the decoding rows: each gets, token
+    for token, what it gets alone, which is what `generate` gives."""
     _, model, tokenizer = tiny
     ps = prompts(tokenizer, 6)
-    e = engine(max_batch=4)
+    e = engine(max_batch=4, prefill_chunk=chunk)
     e.eos = set()  # run every request to its max_tokens: the lengths differ by design
     alone = []
     for p in ps:
@@ -144,19 +146,22 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(tiny, engine):
     assert all(d.finish_reason is None for d in deltas[:-1])
 
 
-def test_tokens_are_chosen_as_next_token_chooses_them_greedy_or_sampled():
-    """The engine picks a step's tokens together (choose_tokens: the greedy rows' argmax in one transfer
-    from a GPU, the sampled rows on the CPU with their own generators): each the token next_token gives
-    that row alone, with logits in float32 or bf16 (a GPU replica's serve.precision=bf16)."""
-    from workflows.tasks.chat.engine import choose_tokens, model_device
-    from workflows.tasks.chat.sampling import generator, next_token
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it():
+    """The sampler picks a step's tokens together on the model's device (greedy rows by argmax, sampled
+    rows with one uniform each from their own seeded generator): each row gets the token it gets alone,
+    with logits in float32 or bf16 (a GPU replica's serve.precision=bf16)."""
+    from workflows.tasks.chat.engine import model_device
+    from workflows.tasks.chat.engine.sampler import Sampler
 
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 4
     params = [greedy(4), SamplingParams(4, temperature=0.7, seed=1), greedy(4),
               SamplingParams(4, temperature=1.0, top_p=0.5, seed=2), SamplingParams(4, temperature=1.5, seed=3)]
     for x in (logits, logits.bfloat16()):
-        want = [next_token(x[i], p, generator(p.seed)) for i, p in enumerate(params)]
-        assert choose_tokens(x, params, [generator(p.seed) for p in params]) == want
+        sampler = Sampler(64, 5, torch.device("cpu"))
+        alone = [sampler.choose(x[i:i + 1], [sampler.row(p, i)])[0] for i, p in enumerate(params)]
+        together = sampler.choose(x, [sampler.row(p, i) for i, p in enumerate(params)])
+        assert together == alone
+        assert [together[i][0] for i in (0, 2)] == x[[0, 2]].float().argmax(-1).tolist()
     assert model_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
     assert model_device(SimpleNamespace()) == torch.device("cpu")  # nothing to tell: the CPU
 
@@ -244,12 +249,13 @@ def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_bas
 
 
 def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
-    """Two LoRA adapters of one base and the base itself in one batch (peft's mixed-adapter forward):
-    each row decodes what it decodes alone, and an adapter unused once unloaded leaves the model."""
+    """Two LoRA adapters of one base and the base itself in one batch (peft's mixed-adapter forward, an
+    adapter per token of the step, prompts prefilled 2 tokens a step beside decoding rows): each row
+    decodes what it decodes alone, and an adapter unused once unloaded leaves the model."""
     model_dir, _, tokenizer = tiny
     for i in (1, 2):
         build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
-    predictor = served(model_dir, max_batch=3)
+    predictor = served(model_dir, max_batch=3, prefill_chunk=2)
     try:
         e = predictor.engine
         e.eos = set()
@@ -425,7 +431,7 @@ def chat_server(ray_cluster, tmp_path_factory):
     registry.register(cfg, ctx, str(tmp / "support"), "stranger",
                       {"task": TASK, "export": "adapter", "base": {**same, "sha256": "0" * 64}})
     drainer = drain.create()  # as `workflows serve` does: replicas find it and drain on stop
-    opts = deployment_options(cfg.serve)
+    opts = deployment_options(cfg)
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"CHAT_TOKEN": TOKEN}}
     deployment: Any = ModelServer
     serve.start(http_options={"host": "127.0.0.1", "port": port})
