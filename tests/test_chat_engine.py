@@ -303,3 +303,21 @@ def test_logprobs_are_those_of_the_distribution_drawn_from():
     assert p_tok in (0, 1, 2) and p_lp.logprob == pytest.approx(float(want[p_tok]), abs=1e-5)
     assert [t for t, _ in p_lp.top] == [0, 1, 2]  # outside the nucleus: probability 0, left out
     assert math.fsum(math.exp(v) for _, v in p_lp.top) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_grafana_dashboard_reads_the_metrics_the_engine_exports():
+    """cluster/grafana/generate.json: every series it queries is one workflows.tasks.chat.metrics defines,
+    with the suffix Prometheus gives its kind, and every metric has a panel."""
+    import json
+    import re
+
+    from tests.conftest import ROOT
+    from workflows.tasks.chat.metrics import METRICS
+
+    suffixes = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",), "gauge": ("",)}
+    exported = {f"ray_{name}{suffix}": key for key, (kind, name, _, _) in METRICS.items() for suffix in suffixes[kind]}
+    dashboard = json.loads((ROOT / "cluster" / "grafana" / "generate.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queried = {m for e in exprs for m in re.findall(r"ray_workflows_generate_\w+", e)}
+    assert queried and queried <= set(exported), queried - set(exported)
+    assert {exported[m] for m in queried} == set(METRICS)

@@ -420,7 +420,8 @@ def chat_server(ray_cluster, tmp_path_factory):
         "storage.embedded.enabled=false", "serve.enabled=true", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache",
         f"model.task={TASK}", f"model.options.step_delay_s={STEP_S}", f"model.options.finish_log={tmp}/finished.jsonl",
         f"serve.port={port}", "serve.auth_token_env=CHAT_TOKEN", "serve.generate.max_batch=2",
-        "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2"])
+        "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2",
+        "serve.generate.max_prompt_tokens=64", "serve.generate.max_stop_chars=16", "serve.generate.timeout_s=6"])
     ctx = StorageContext.from_config(cfg.storage)
     registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
     # adapters' cards as the chat task's export writes them: export=adapter, and the base by its name and
@@ -451,6 +452,25 @@ def _healthy(url: str) -> bool:
         return requests.get(f"{url}/healthz", timeout=5).status_code == 200
     except requests.RequestException:
         return False
+
+
+def _generate_metrics(pick) -> dict:
+    """{sample name: [(labels, value)]} of every `ray_workflows_generate_*` sample on the session's node(s),
+    or None if `pick` of it is falsy."""
+    import ray
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            text = requests.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                timeout=10).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name.startswith("ray_workflows_generate_"):
+                        out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out if pick(out) else None
 
 
 def _finished(tmp) -> list[dict]:
@@ -524,12 +544,18 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
         (chat, {"json": {"model": "stranger:1", "messages": messages}}, 404, "model"),
         (text_path, {"json": {"model": "tinychat:1", "prompt": ["a", "b"]}}, 400, "prompt"),
         (text_path, {"json": {"model": "tinychat:1", "prompt": "the " * 300}}, 400, "prompt"),  # over the context
+        (chat, {"json": {"model": "tinychat:1", "messages": [{"role": "user", "content": "the " * 70}]}}, 400,
+         "messages"),  # over max_prompt_tokens
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "stop": ["a", "b", "c", "d", "e"]}}, 400, "stop"),
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "stop": "x" * 17}}, 400, "stop"),
         (chat, {"data": b" " * ((1 << 20) + 1), "headers": {**auth, "content-type": "application/json"}}, 413, None),
     ]:
         r = requests.post(f"{url}{path}", **{"headers": auth, "timeout": 60, **kwargs})
         err = r.json()["error"]
         assert r.status_code == status and err["param"] == param, (r.status_code, err)
         assert err["type"] == "invalid_request_error" and err["message"] and "code" in err
+        if param in ("prompt", "messages") and status == 400 and "the " in str(kwargs["json"]):
+            assert err["code"] == "context_length_exceeded", err
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -559,25 +585,47 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
     assert ended[0]["finish_reason"] == "cancelled" and ended[0]["tokens"] < 200, ended
     assert rest[-1] in ("stop", "length")
 
-    # a full queue: 2 running, 1 waiting, the next is a 503 with Retry-After
+    # a full queue: 2 running, 1 waiting, the next is a 429 with Retry-After, answered at once (while the
+    # running ones still run); the running ones end at their deadline (timeout_s) with the text so far
     running = [client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=200, temperature=0,
                                               stream=True) for _ in range(2)]
     for s in running:  # past the role chunk, which comes before the request has a place in the batch
         next(c for c in s if c.choices[0].delta.content or c.choices[0].finish_reason)
     answers: list = []
     body = {"model": "tinychat:1", "messages": messages, "max_tokens": 2}
-    threads = [threading.Thread(target=lambda: answers.append(post(body))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: answers.append((post(body), time.monotonic()))) for _ in range(2)]
     for t in threads:
         t.start()
     wait_until(lambda: answers, 60, "a refused request")
-    refused = answers[0]
-    assert refused.status_code == 503 and refused.headers["Retry-After"] == "2", refused.text
-    assert refused.json()["error"]["code"] == "server_busy"
+    refused, refused_at = answers[0]
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "2", refused.text
+    assert refused.json()["error"]["code"] == "server_busy" and refused.json()["error"]["type"] == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):  # what the openai client raises for it (no retries here)
+        client.chat.completions.create(**body)
+    ends = []
     for s in running:
-        s.close()
+        chunks = list(s)
+        ends.append((chunks[-1].choices[0].finish_reason, time.monotonic()))
+    assert [reason for reason, _ in ends] == ["timeout", "timeout"] and refused_at < min(t for _, t in ends)
     for t in threads:
         t.join(60)
-    assert sorted(a.status_code for a in answers) == [200, 503]
+    assert sorted(a.status_code for a, _ in answers) == [200, 429]
+
+    # the engine's metrics, per model, on the node's Prometheus endpoint (Ray exports them every few seconds)
+    def seen(m: dict) -> bool:
+        def labels(name: str, key: str) -> set:
+            return {lab[key] for lab, _ in m.get(f"ray_workflows_generate_{name}", [])}
+
+        return ({"queue_full", "context_length_exceeded", "invalid_request"} <= labels("rejections_total", "reason")
+                and {"tinychat:1", "support:1", "pirate:1"} <= labels("time_to_first_token_s_count", "model")
+                and {"length", "timeout", "cancelled"} <= labels("request_latency_s_count", "finish_reason"))
+
+    scraped = wait_until(lambda: _generate_metrics(seen), 120, "the engine's metrics of this traffic")
+    assert sum(v for _, v in scraped["ray_workflows_generate_inter_token_latency_s_count"]) > 50
+    assert sum(v for _, v in scraped["ray_workflows_generate_prefill_tokens_total"]) > 50
+    assert sum(v for _, v in scraped["ray_workflows_generate_decode_tokens_total"]) > 50
+    for gauge in ("running", "waiting", "cache_tokens", "cache_capacity_tokens"):
+        assert f"ray_workflows_generate_{gauge}" in scraped, gauge
 
     # stopping: a stream in flight finishes whole, a new request is refused (OpenAI's shape), the drain waits
     from workflows.serve import drain

@@ -18,37 +18,42 @@ from workflows.tasks.chat.engine import EngineMetrics, Generation, StepReport
 SECONDS_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 
 
+# key: (kind, name, description, tag keys); exported as ray_<name>, counters with _total, histograms with
+# _bucket, _count and _sum (cluster/grafana/generate.json reads them)
+METRICS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "ttft": ("histogram", "workflows_generate_time_to_first_token_s",
+             "from a request's arrival at the engine to its first token (s)", ("model",)),
+    "itl": ("histogram", "workflows_generate_inter_token_latency_s", "between two tokens of a request (s)",
+            ("model",)),
+    "latency": ("histogram", "workflows_generate_request_latency_s",
+                "from a request's arrival at the engine to its end (s), by finish reason", ("model", "finish_reason")),
+    "running": ("gauge", "workflows_generate_running", "requests in the batch", ("model",)),
+    "waiting": ("gauge", "workflows_generate_waiting", "requests waiting for a place in the batch", ("model",)),
+    "cache_tokens": ("gauge", "workflows_generate_cache_tokens",
+                     "positions of the KV cache in use (the requests' tokens)", ("model",)),
+    "cache_capacity": ("gauge", "workflows_generate_cache_capacity_tokens",
+                       "positions of the KV cache allocated (slots x their length)", ("model",)),
+    "prefill_tokens": ("counter", "workflows_generate_prefill_tokens", "prompt tokens through the model", ("model",)),
+    "decode_tokens": ("counter", "workflows_generate_decode_tokens", "generated tokens through the model",
+                      ("model",)),
+    "rejected": ("counter", "workflows_generate_rejections", "requests refused before they ran, by reason",
+                 ("model", "reason")),
+}
+
+
 @per_cluster  # a replica lives in one cluster; an in-process app (tests) may see two
 def generate_metrics() -> dict:
     from ray.serve import metrics
 
-    model, reason = ("model",), ("model", "reason")
-    return {
-        "ttft": metrics.Histogram("workflows_generate_time_to_first_token_s", boundaries=SECONDS_BOUNDARIES,
-                                  description="from a request's arrival at the engine to its first token (s)",
-                                  tag_keys=model),
-        "itl": metrics.Histogram("workflows_generate_inter_token_latency_s", boundaries=SECONDS_BOUNDARIES,
-                                 description="between two tokens of a request (s)", tag_keys=model),
-        "latency": metrics.Histogram("workflows_generate_request_latency_s", boundaries=SECONDS_BOUNDARIES,
-                                     description="from a request's arrival at the engine to its end (s)",
-                                     tag_keys=("model", "finish_reason")),
-        "running": metrics.Gauge("workflows_generate_running", description="requests in the batch",
-                                 tag_keys=model),
-        "waiting": metrics.Gauge("workflows_generate_waiting", description="requests waiting for a place",
-                                 tag_keys=model),
-        "cache_tokens": metrics.Gauge("workflows_generate_cache_tokens",
-                                      description="positions of the KV cache in use (all requests' tokens)",
-                                      tag_keys=model),
-        "cache_capacity": metrics.Gauge("workflows_generate_cache_capacity_tokens",
-                                        description="positions of the KV cache allocated (slots x their length)",
-                                        tag_keys=model),
-        "prefill_tokens": metrics.Counter("workflows_generate_prefill_tokens",
-                                          description="prompt tokens through the model", tag_keys=model),
-        "decode_tokens": metrics.Counter("workflows_generate_decode_tokens",
-                                         description="generated tokens through the model", tag_keys=model),
-        "rejected": metrics.Counter("workflows_generate_rejections",
-                                    description="requests refused before they ran, by reason", tag_keys=reason),
-    }
+    made: dict = {}
+    for key, (kind, name, description, tags) in METRICS.items():
+        if kind == "histogram":
+            made[key] = metrics.Histogram(name, description=description, boundaries=SECONDS_BOUNDARIES,
+                                          tag_keys=tags)
+        else:
+            made[key] = (metrics.Gauge if kind == "gauge" else metrics.Counter)(name, description=description,
+                                                                                tag_keys=tags)
+    return made
 
 
 class ServeMetrics(EngineMetrics):

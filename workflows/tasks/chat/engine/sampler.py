@@ -90,9 +90,15 @@ class Sampler:
                     r.params.constraint.mask(logits[i])
                 except Exception as e:  # that row's alone
                     failed[i] = e
-        if failed:  # a failed row's logits may be anything now: give it a harmless row
-            logits[list(failed)] = 0.0
-        allowed = torch.isfinite(logits).any(-1)
+        # a row that a bias or its constraint may have left without any token (-inf everywhere)
+        masked = [i for i, r in enumerate(rows) if i not in failed and (r.bias_ids is not None
+                                                                         or r.params.constraint is not None)]
+        empty: list[int] = []
+        if masked:
+            m = torch.tensor(masked, device=self.device)
+            empty = [i for i, ok in zip(masked, torch.isfinite(logits.index_select(0, m)).any(-1).tolist()) if not ok]
+        if failed or empty:  # such a row's logits may be anything: sample a harmless row, answer its error
+            logits[list(failed) + empty] = 0.0
 
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -109,13 +115,12 @@ class Sampler:
             self._sample(logits, sampled, rows, tokens, logprob_rows)
 
         host = tokens.tolist()
-        ok = allowed.tolist()
         chosen_lp = self._gather_logprobs(logprob_rows, host, rows)
         out: list[TokenChoiceOrError] = []
         for i in range(n):
             if i in failed:
                 out.append(failed[i])
-            elif not ok[i]:
+            elif i in empty:
                 out.append(RuntimeError("no token is allowed: every logit is -inf after logit_bias and the constraint"))
             else:
                 out.append((host[i], chosen_lp.get(i)))
