@@ -110,6 +110,25 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(tiny, engine):
     assert chunked.stats["steps"] > whole.stats["steps"] / len(ps)
 
 
+def test_a_long_request_beside_short_ones_decodes_as_alone(tiny, engine):
+    """A row far longer than the others attends over its own slot alone (the others' attention reads
+    their own lengths only): every row still gets the tokens it gets alone."""
+    tok = tiny[1]
+    e = engine(max_batch=4)
+    ps = [words(tok, 150), words(tok, 4), words(tok, 6), words(tok, 5)]
+    alone = []
+    for p in ps:
+        g = e.submit(p, greedy(10))
+        g.result(60)
+        alone.append(g.tokens)
+    release = hold(e)
+    gens = [e.submit(p, greedy(10)) for p in ps]
+    release.set()
+    assert [g.result(60) and g.tokens for g in gens] == alone
+    plan = e.cache.plan([0, 1, 2, 3], [150, 4, 6, 5], [0, 1, 2, 3], [])
+    assert [slot for _, slot, _ in plan.alone] == [0] and plan.decode_len == 7
+
+
 def test_the_cache_is_written_in_place(tiny, engine):
     """A request keeps its slot; another joining writes its own slot only, and one leaving copies
     nothing: the first request's keys are where they were, the storage the same tensors."""
@@ -321,3 +340,26 @@ def test_the_grafana_dashboard_reads_the_metrics_the_engine_exports():
     queried = {m for e in exprs for m in re.findall(r"ray_workflows_generate_\w+", e)}
     assert queried and queried <= set(exported), queried - set(exported)
     assert {exported[m] for m in queried} == set(METRICS)
+
+
+def test_serves_admission_agrees_with_the_engines():
+    """A chat model's deployment (and the Serve config file written for it): a replica takes the batch,
+    the queue and as many again (its engine answers those 429 at once), Serve keeps a batch's worth more
+    waiting, then answers 429 with the engine's Retry-After itself; valid for Serve's schema."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from tests.conftest import ROOT
+    from workflows.config import load_config
+    from workflows.serve.app import deployment_options
+    from workflows.serve.deploy_config import serve_config
+
+    cfg = load_config(ROOT / "configs" / "chat.yaml", ["serve.generate.max_batch=16", "serve.generate.max_queue=64",
+                                                       "serve.generate.retry_after_s=3"])
+    opts = deployment_options(cfg)
+    assert opts["max_ongoing_requests"] == 2 * 16 + 64 and opts["max_queued_requests"] == 16
+    assert opts["backpressure_config"] == {"status_code": 429, "retry_after_s": 3}
+    doc = serve_config(cfg, str(ROOT / "configs" / "chat.yaml"), [], ["chat:1"])
+    ServeDeploySchema.model_validate(doc)
+    assert doc["applications"][0]["deployments"][0]["backpressure_config"]["status_code"] == 429
+    quickstart = deployment_options(load_config(ROOT / "configs" / "quickstart.yaml", []))
+    assert "max_queued_requests" not in quickstart and quickstart["max_ongoing_requests"] >= 32

@@ -17,7 +17,8 @@ keyword the model forwards to every attention call, writes the step's keys and v
 slots, then runs torch's scaled_dot_product_attention:
 - decode tokens together: their queries against the slots' first L positions (a view, no gather),
   masked to each row's own length; a slot without a decode token this step attends to position 0
-  only, and its output is dropped;
+  only, and its output is dropped; a row more than twice as long as the median (plus 64) attends
+  alone, over its own length, so that one long request does not make every row read its length;
 - each prefill chunk: its queries against its own slot up to the chunk's end, causal by position.
 Query heads are folded onto their key/value head (GQA without repeating keys), as transformers' own
 SDPA path does for decoding. Without a `slot_plan` (e.g. `generate` on the same model) the function
@@ -121,6 +122,12 @@ class SlotCache:
         write_pos = torch.tensor(positions, device=device)
         plan = StepPlan(self, write_slot, write_pos)
         if decode:
+            # a row much longer than the others attends alone, so that it does not widen what they all read
+            ordered = sorted(positions[i] for i in decode)
+            cut = 2 * ordered[len(ordered) // 2] + 64
+            plan.alone = [(i, slots[i], positions[i] + 1) for i in decode if positions[i] >= cut]
+            decode = [i for i in decode if positions[i] < cut]
+        if decode:
             rows = max(slots[i] for i in decode) + 1
             length = max(positions[i] for i in decode) + 1
             lengths = [1] * rows  # a slot without a decode token attends to position 0 (its output is dropped)
@@ -156,10 +163,11 @@ class StepPlan:
     decode_len: int = 0  # positions 0..decode_len-1 are read
     decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends
     prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
+    alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
 
     def __post_init__(self):
-        if self.prefills is None:
-            self.prefills = []
+        self.prefills = self.prefills or []
+        self.alone = self.alone or []
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout=0.0,
@@ -192,6 +200,11 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         if not plan.dense:
             o = o.index_select(0, plan.decode_slots)
         out.index_copy_(0, plan.decode_tokens, o.reshape(n, heads, dim))
+    for index, slot, length in plan.alone:
+        q = query[index, :, 0].reshape(1, kv_heads, group, dim)
+        o = F.scaled_dot_product_attention(q, keys[slot:slot + 1, :, :length], values[slot:slot + 1, :, :length],
+                                           scale=scaling)
+        out[index] = o.reshape(heads, dim)
     for start, count, slot, end, mask in plan.prefills:
         q = query[start:start + count, :, 0].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
         o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, group * count, dim), keys[slot:slot + 1, :, :end],
