@@ -49,10 +49,11 @@ class GenerateConfig(Strict):
     timeout_s: float | None = Field(300.0, gt=0, description="each request's deadline from its arrival at the "
                                     "engine: past it, waiting or generating, it ends with finish_reason \"timeout\" "
                                     "and the text so far; null: no deadline")
-    prefill_chunk: int = Field(32, ge=1, description="prompt tokens prefilled in a step while other requests "
-                               "decode: a long prompt is prefilled in chunks of this many tokens between decode "
-                               "steps, so it delays the others by one chunk's compute at most; smaller keeps "
-                               "inter-token latency even, larger fills a prompt in fewer steps")
+    prefill_chunk: int = Field(8, ge=1, description="while other requests decode, a step prefills at most "
+                               "max(prefill_chunk, the number of decoding requests) prompt tokens: a long prompt "
+                               "is prefilled in chunks between decode steps, and a step costs at most about twice "
+                               "a decode-only step where compute bounds it (a CPU); raise it (e.g. 512) where "
+                               "prompt tokens are nearly free beside decoding (a GPU)")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled in a step when no request is "
                                     "decoding: requests that arrive together are prefilled together, in one forward")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
