@@ -164,6 +164,7 @@ class StepPlan:
     decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends
     prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
     alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
+    layers_seen: int = 0  # attention calls that used this plan: every layer's, or the model is not one we serve
 
     def __post_init__(self):
         self.prefills = self.prefills or []
@@ -183,6 +184,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"attention with {unsupported}: the engine's cache serves full attention only")
     plan, layer = slot_plan, module.layer_idx
+    plan.layers_seen += 1
     cache = plan.cache
     keys, values = cache.keys[layer], cache.values[layer]
     keys[plan.write_slot, :, plan.write_pos] = key[:, :, 0]
@@ -225,3 +227,15 @@ def use(model) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(base.config, "_attn_implementation", None) != ATTENTION:
         base.set_attn_implementation(ATTENTION)
+        if getattr(base.config, "_attn_implementation", None) != ATTENTION:
+            raise NotImplementedError(f"{type(base).__name__} does not take an attention implementation of "
+                                      "transformers' AttentionInterface: the engine cannot serve it")
+
+
+def check_plan_used(plan: StepPlan) -> None:
+    """After a forward: every attention layer ran the slot attention with the step's plan (a model whose
+    layers drop the keyword would have attended each token to itself alone)."""
+    if plan.layers_seen != plan.cache.layers:
+        raise NotImplementedError(f"{plan.layers_seen} of the model's {plan.cache.layers} attention layers used the "
+                                  "engine's cache: the model does not pass its keyword arguments to its attention "
+                                  "functions, and the engine cannot serve it")

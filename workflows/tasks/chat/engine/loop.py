@@ -286,6 +286,7 @@ class Engine:
         out = self.model(input_ids=torch.tensor(step.ids, device=device)[:, None],
                          position_ids=torch.tensor(step.positions, device=device)[:, None], use_cache=False,
                          logits_to_keep=keep, slot_plan=plan, **kwargs)
+        slot_cache.check_plan_used(plan)
         logits = out.logits
         if logits.dim() == 3:  # a model that slices its logits itself: [tokens, 1, vocab]
             logits = logits[:, -1][keep[:, 0]]
