@@ -178,7 +178,8 @@ class ChatPredictor(Predictor):
         the base (or a served adapter), else the adapter's."""
         if adapter is None or adapter == self.served_adapter:
             return self.base_id
-        return next((m for m, name in self.adapters.items() if name == adapter), adapter)
+        # a copy in one step (the event loop may add or remove adapters meanwhile; the engine thread asks)
+        return next((m for m, name in list(self.adapters.items()) if name == adapter), adapter)
 
     def check_card(self, model_id: str, card: Any) -> None:
         """Before anything is downloaded: the card of a chat task's adapter export of the served base

@@ -140,7 +140,7 @@ class Sampler:
         nucleus = [j for j, i in enumerate(sampled) if rows[i].params.top_p < 1]
         if whole:
             w = torch.tensor(whole, device=dev)
-            cdf = probs.index_select(0, w).double().cumsum(-1)
+            cdf = probs.index_select(0, w).cumsum(-1, dtype=torch.float64)
             pick = torch.searchsorted(cdf, (u[w] * cdf[:, -1])[:, None], right=True).clamp_(max=self.vocab_size - 1)
             tokens.index_copy_(0, s[w], pick[:, 0])
             asked = [j for j in whole if rows[sampled[j]].params.logprobs is not None]
@@ -167,7 +167,7 @@ class Sampler:
                 values, ids, before = values[r], ids[r], before[r]
                 # the nucleus: candidates with less than top_p before them (so the most probable stays)
                 kept = torch.where(before < top_p[r], values, torch.zeros_like(values)).double()
-                cdf = kept.cumsum(-1)
+                cdf = kept.cumsum(-1)  # k candidates only
                 mass = cdf[:, -1:]
                 pick = torch.searchsorted(cdf, u[torch.tensor(keep, device=dev)][:, None] * mass, right=True)
                 pick = torch.minimum(pick, (kept > 0).sum(-1, keepdim=True) - 1)
