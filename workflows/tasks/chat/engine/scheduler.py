@@ -6,13 +6,15 @@ beyond it `submit` raises QueueFull at once) and joins the batch at the next ste
 running, ends with "timeout"; a cancelled one with "cancelled".
 
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
-prefilling, in order of arrival, up to a budget. While rows decode, the budget is the larger of
-`prefill_chunk` and the number of decoding rows: a step then carries at most as many prompt tokens as
-decode tokens (beyond the floor), so it costs at most about twice a decode-only step where compute
-bounds the step (a CPU), and a long prompt is prefilled in chunks between decode steps, delaying the
-others by one chunk's compute at most. With no row decoding, the budget is `max_prefill_tokens`:
-requests that arrive together are prefilled together. Every token of a step goes through the model
-in one forward.
+prefilling, in order of arrival, up to a budget. While rows decode, the budget is `prefill_chunk` per
+prefilling row, or the number of decoding rows if that is more (at most `max_prefill_tokens`): with
+few requests joining, a step carries about as many prompt tokens as decode tokens, so it costs at
+most about twice a decode-only step where compute bounds the step (a CPU), and a long prompt is
+prefilled in chunks between decode steps, delaying the others by one chunk's compute at most; when
+many join at once beside few decoding rows, those few wait longer for a step rather than the many
+waiting many steps for their first token. With no row decoding, the budget is `max_prefill_tokens`.
+Requests that join together are prefilled together, and every token of a step goes through the
+model in one forward.
 """
 
 from __future__ import annotations
@@ -100,8 +102,10 @@ class Scheduler:
         """The tokens of the next step of `rows` (in the order they joined); `base`: peft's name for no adapter."""
         step = StepTokens()
         step.decoding = decoding = [r for r in rows if not r.prefilling]
-        budget = min(max(self.prefill_chunk, len(decoding)), self.max_prefill_tokens) if decoding \
-            else self.max_prefill_tokens
+        prefilling = len(rows) - len(decoding)
+        budget = self.max_prefill_tokens
+        if decoding:
+            budget = min(budget, max(self.prefill_chunk * prefilling, len(decoding)))
         for row in rows:
             if budget <= 0:
                 break
