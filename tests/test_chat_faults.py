@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tests.chat_serve_task import build_tiny_chat
-from workflows.tasks.chat import engine as engine_mod
 from workflows.tasks.chat.engine import Engine
 from workflows.tasks.chat.sampling import SamplingParams
 
@@ -59,30 +58,46 @@ def test_a_tiny_temperature_samples_safely_beside_a_greedy_request(tiny, engine)
     assert all(g.finish_reason == "length" for g in gens)
 
 
-def test_one_requests_failure_to_sample_fails_it_alone(tiny, engine, monkeypatch):
-    """An error choosing one row's token (at its prefill or at a later step) fails that request only:
-    the others in the batch go on with their usual tokens and the engine keeps serving."""
-    real = engine_mod.next_token
-    calls: dict[int, int] = {}
+class _Failing:
+    """A TokenConstraint whose mask raises at its `at`-th call (1: at the request's prefill), or, with
+    `at` 0, allows no token at all."""
 
-    def flaky(logits, params, gen):
-        if params.seed in (13, 14):
-            calls[params.seed] = calls.get(params.seed, 0) + 1
-            if params.seed == 13 or calls[params.seed] == 3:  # 13 at its prefill, 14 at its third token
-                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, gen)
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
 
-    monkeypatch.setattr(engine_mod, "next_token", flaky)
+    def mask(self, logits):
+        self.calls += 1
+        if self.at == 0:
+            logits.fill_(float("-inf"))
+        elif self.calls == self.at:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    def accept(self, token):
+        pass
+
+    def done(self):
+        return False
+
+
+def test_one_requests_failure_to_sample_fails_it_alone(tiny, engine):
+    """An error choosing one row's token (at its prefill or at a later step: here its constraint raises,
+    or allows no token) fails that request only: the others in the batch go on with their usual tokens
+    and the engine keeps serving."""
     e = engine(max_batch=4)
     p = prompt(tiny[2])
     alone = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
     alone.result(60)
     ok = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
-    bad = [e.submit(p, SamplingParams(max_tokens=8, seed=s)) for s in (13, 14)]
+    bad = [e.submit(p, SamplingParams(max_tokens=8, seed=s, constraint=_Failing(at)))
+           for s, at in ((13, 1), (14, 3))]
+    nothing = e.submit(p, SamplingParams(max_tokens=8, temperature=0, constraint=_Failing(0)))
     for g in bad:
         with pytest.raises(RuntimeError, match="inf, nan"):
             g.result(60)
         assert g.finish_reason == "error"
+    with pytest.raises(RuntimeError, match="no token is allowed"):
+        nothing.result(60)
+    assert len(bad[1].tokens) == 2 and not bad[0].tokens
     ok.result(60)
     assert ok.tokens == alone.tokens and ok.finish_reason == "length"
     again = e.submit(p, SamplingParams(max_tokens=8, temperature=0))

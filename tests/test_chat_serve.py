@@ -52,12 +52,14 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0)
 
 
-def test_greedy_tokens_are_the_same_alone_and_beside_requests_that_come_and_go(tiny, engine):
+@pytest.mark.parametrize("chunk", [32, 3])
+def test_greedy_tokens_are_the_same_alone_and_beside_requests_that_come_and_go(tiny, engine, chunk):
     """Six requests with staggered arrivals share steps of a batch of up to 4 (one joins as another
-    ends): each gets, token for token, what it gets alone, which is what `generate` gives."""
+    ends), their prompts prefilled whole or 3 tokens a step beside the decoding rows: each gets, token
+    for token, what it gets alone, which is what `generate` gives."""
     _, model, tokenizer = tiny
     ps = prompts(tokenizer, 6)
-    e = engine(max_batch=4)
+    e = engine(max_batch=4, prefill_chunk=chunk)
     e.eos = set()  # run every request to its max_tokens: the lengths differ by design
     alone = []
     for p in ps:
@@ -144,19 +146,22 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(tiny, engine):
     assert all(d.finish_reason is None for d in deltas[:-1])
 
 
-def test_tokens_are_chosen_as_next_token_chooses_them_greedy_or_sampled():
-    """The engine picks a step's tokens together (choose_tokens: the greedy rows' argmax in one transfer
-    from a GPU, the sampled rows on the CPU with their own generators): each the token next_token gives
-    that row alone, with logits in float32 or bf16 (a GPU replica's serve.precision=bf16)."""
-    from workflows.tasks.chat.engine import choose_tokens, model_device
-    from workflows.tasks.chat.sampling import generator, next_token
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it():
+    """The sampler picks a step's tokens together on the model's device (greedy rows by argmax, sampled
+    rows with one uniform each from their own seeded generator): each row gets the token it gets alone,
+    with logits in float32 or bf16 (a GPU replica's serve.precision=bf16)."""
+    from workflows.tasks.chat.engine import model_device
+    from workflows.tasks.chat.engine.sampler import Sampler
 
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 4
     params = [greedy(4), SamplingParams(4, temperature=0.7, seed=1), greedy(4),
               SamplingParams(4, temperature=1.0, top_p=0.5, seed=2), SamplingParams(4, temperature=1.5, seed=3)]
     for x in (logits, logits.bfloat16()):
-        want = [next_token(x[i], p, generator(p.seed)) for i, p in enumerate(params)]
-        assert choose_tokens(x, params, [generator(p.seed) for p in params]) == want
+        sampler = Sampler(64, 5, torch.device("cpu"))
+        alone = [sampler.choose(x[i:i + 1], [sampler.row(p, i)])[0] for i, p in enumerate(params)]
+        together = sampler.choose(x, [sampler.row(p, i) for i, p in enumerate(params)])
+        assert together == alone
+        assert [together[i][0] for i in (0, 2)] == x[[0, 2]].float().argmax(-1).tolist()
     assert model_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
     assert model_device(SimpleNamespace()) == torch.device("cpu")  # nothing to tell: the CPU
 
@@ -260,12 +265,13 @@ def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_bas
 
 
 def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
-    """Two LoRA adapters of one base and the base itself in one batch (peft's mixed-adapter forward):
-    each row decodes what it decodes alone, and an adapter unused once unloaded leaves the model."""
+    """Two LoRA adapters of one base and the base itself in one batch (peft's mixed-adapter forward, an
+    adapter per token of the step, prompts prefilled 2 tokens a step beside decoding rows): each row
+    decodes what it decodes alone, and an adapter unused once unloaded leaves the model."""
     model_dir, _, tokenizer = tiny
     for i in (1, 2):
         build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
-    predictor = served(model_dir, max_batch=3)
+    predictor = served(model_dir, max_batch=3, prefill_chunk=2)
     try:
         e = predictor.engine
         e.eos = set()
@@ -430,7 +436,8 @@ def chat_server(ray_cluster, tmp_path_factory):
         "storage.embedded.enabled=false", "serve.enabled=true", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache",
         f"model.task={TASK}", f"model.options.step_delay_s={STEP_S}", f"model.options.finish_log={tmp}/finished.jsonl",
         f"serve.port={port}", "serve.auth_token_env=CHAT_TOKEN", "serve.generate.max_batch=2",
-        "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2"])
+        "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2",
+        "serve.generate.max_prompt_tokens=64", "serve.generate.max_stop_chars=16", "serve.generate.timeout_s=6"])
     ctx = StorageContext.from_config(cfg.storage)
     registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
     # adapters' cards as the chat task's export writes them: export=adapter, and the base by its name and
@@ -441,7 +448,7 @@ def chat_server(ray_cluster, tmp_path_factory):
     registry.register(cfg, ctx, str(tmp / "support"), "stranger",
                       {"task": TASK, "export": "adapter", "base": {**same, "sha256": "0" * 64}})
     drainer = drain.create()  # as `workflows serve` does: replicas find it and drain on stop
-    opts = deployment_options(cfg.serve)
+    opts = deployment_options(cfg)
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"CHAT_TOKEN": TOKEN}}
     deployment: Any = ModelServer
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -491,6 +498,25 @@ def _healthy(url: str) -> bool:
         return requests.get(f"{url}/healthz", timeout=5).status_code == 200
     except requests.RequestException:
         return False
+
+
+def _generate_metrics(pick) -> dict:
+    """{sample name: [(labels, value)]} of every `ray_workflows_generate_*` sample on the session's node(s),
+    or None if `pick` of it is falsy."""
+    import ray
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            text = requests.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                timeout=10).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name.startswith("ray_workflows_generate_"):
+                        out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out if pick(out) else None
 
 
 def _finished(tmp) -> list[dict]:
@@ -567,12 +593,18 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
         (chat, {"json": {"model": "stranger:1", "messages": messages}}, 404, "model"),
         (text_path, {"json": {"model": "tinychat:1", "prompt": ["a", "b"]}}, 400, "prompt"),
         (text_path, {"json": {"model": "tinychat:1", "prompt": "the " * 300}}, 400, "prompt"),  # over the context
+        (chat, {"json": {"model": "tinychat:1", "messages": [{"role": "user", "content": "the " * 70}]}}, 400,
+         "messages"),  # over max_prompt_tokens
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "stop": ["a", "b", "c", "d", "e"]}}, 400, "stop"),
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "stop": "x" * 17}}, 400, "stop"),
         (chat, {"data": b" " * ((1 << 20) + 1), "headers": {**auth, "content-type": "application/json"}}, 413, None),
     ]:
         r = requests.post(f"{url}{path}", **{"headers": auth, "timeout": 60, **kwargs})
         err = r.json()["error"]
         assert r.status_code == status and err["param"] == param, (r.status_code, err)
         assert err["type"] == "invalid_request_error" and err["message"] and "code" in err
+        if param in ("prompt", "messages") and status == 400 and "the " in str(kwargs["json"]):
+            assert err["code"] == "context_length_exceeded", err
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -614,25 +646,47 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
     assert ended[0]["finish_reason"] == "cancelled" and ended[0]["tokens"] < 200, ended
     assert rest[-1] in ("stop", "length")
 
-    # a full queue: 2 running, 1 waiting, the next is a 503 with Retry-After
+    # a full queue: 2 running, 1 waiting, the next is a 429 with Retry-After, answered at once (while the
+    # running ones still run); the running ones end at their deadline (timeout_s) with the text so far
     running = [client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=200, temperature=0,
                                               stream=True) for _ in range(2)]
     for s in running:  # past the role chunk, which comes before the request has a place in the batch
         next(c for c in s if c.choices[0].delta.content or c.choices[0].finish_reason)
     answers: list = []
     body = {"model": "tinychat:1", "messages": messages, "max_tokens": 2}
-    threads = [threading.Thread(target=lambda: answers.append(post(body))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: answers.append((post(body), time.monotonic()))) for _ in range(2)]
     for t in threads:
         t.start()
     wait_until(lambda: answers, 60, "a refused request")
-    refused = answers[0]
-    assert refused.status_code == 503 and refused.headers["Retry-After"] == "2", refused.text
-    assert refused.json()["error"]["code"] == "server_busy"
+    refused, refused_at = answers[0]
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "2", refused.text
+    assert refused.json()["error"]["code"] == "server_busy" and refused.json()["error"]["type"] == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):  # what the openai client raises for it (no retries here)
+        client.chat.completions.create(**body)
+    ends = []
     for s in running:
-        s.close()
+        chunks = list(s)
+        ends.append((chunks[-1].choices[0].finish_reason, time.monotonic()))
+    assert [reason for reason, _ in ends] == ["timeout", "timeout"] and refused_at < min(t for _, t in ends)
     for t in threads:
         t.join(60)
-    assert sorted(a.status_code for a in answers) == [200, 503]
+    assert sorted(a.status_code for a, _ in answers) == [200, 429]
+
+    # the engine's metrics, per model, on the node's Prometheus endpoint (Ray exports them every few seconds)
+    def seen(m: dict) -> bool:
+        def labels(name: str, key: str) -> set:
+            return {lab[key] for lab, _ in m.get(f"ray_workflows_generate_{name}", [])}
+
+        return ({"queue_full", "context_length_exceeded", "invalid_request"} <= labels("rejections_total", "reason")
+                and {"tinychat:1", "support:1", "pirate:1"} <= labels("time_to_first_token_s_count", "model")
+                and {"length", "timeout", "cancelled"} <= labels("request_latency_s_count", "finish_reason"))
+
+    scraped = wait_until(lambda: _generate_metrics(seen), 120, "the engine's metrics of this traffic")
+    assert sum(v for _, v in scraped["ray_workflows_generate_inter_token_latency_s_count"]) > 50
+    assert sum(v for _, v in scraped["ray_workflows_generate_prefill_tokens_total"]) > 50
+    assert sum(v for _, v in scraped["ray_workflows_generate_decode_tokens_total"]) > 50
+    for gauge in ("running", "waiting", "cache_tokens", "cache_capacity_tokens"):
+        assert f"ray_workflows_generate_{gauge}" in scraped, gauge
 
     # stopping: a stream in flight finishes whole, a new request is refused (OpenAI's shape), the drain waits
     from workflows.serve import drain

@@ -35,13 +35,38 @@ class GenerateConfig(Strict):
 
     max_tokens: int = Field(512, ge=1, description="the most new tokens one request may ask for (max_tokens above "
                             "it is capped to it); also what a request that names none gets")
-    max_batch: int = Field(8, ge=1, description="requests decoded together in each step of a replica")
+    max_prompt_tokens: int = Field(2048, ge=1, description="the longest prompt (in tokens, after the chat template) "
+                                   "a request may send: a longer one is a 400 with OpenAI's code "
+                                   "context_length_exceeded, before any compute; with max_tokens it bounds the KV "
+                                   "cache of a replica (max_batch x (max_prompt_tokens + max_tokens) positions)")
+    max_stop_chars: int = Field(128, ge=1, description="the longest stop string a request may send (at most 4 of "
+                                "them): a longer one is a 400 naming `stop` (matching costs grow with their length)")
+    max_batch: int = Field(8, ge=1, description="requests decoded together in each step of a replica (the KV "
+                           "cache's slots)")
     max_queue: int = Field(32, ge=0, description="requests waiting for a place in a full batch; one more is "
-                           "answered 503 with Retry-After (never queued without bound)")
-    retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 503 for a full queue")
+                           "answered 429 with Retry-After at once (never queued without bound)")
+    retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 for a full queue")
+    timeout_s: float | None = Field(300.0, gt=0, description="each request's deadline from its arrival at the "
+                                    "engine: past it, waiting or generating, it ends with finish_reason \"timeout\" "
+                                    "and the text so far; null: no deadline")
+    prefill_chunk: int = Field(8, ge=1, description="while other requests decode, a step prefills at most "
+                               "prefill_chunk prompt tokens per joining request, or as many as there are decoding "
+                               "requests if more: a long prompt is prefilled in chunks between decode steps, and "
+                               "a step with one request joining costs at most about twice a decode-only step where "
+                               "compute bounds it (a CPU); raise it (e.g. 512) where prompt tokens are nearly free "
+                               "beside decoding (a GPU)")
+    max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled in a step when no request is "
+                                    "decoding: requests that arrive together are prefilled together, in one forward")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
                               "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "
                               "recently used unloaded)")
+
+    @model_validator(mode="after")
+    def _chunks(self):
+        if self.max_prefill_tokens < self.prefill_chunk:
+            raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) is below prefill_chunk "
+                             f"({self.prefill_chunk})")
+        return self
 
 
 class ServeConfig(Strict):

@@ -323,8 +323,12 @@ async def read_body(request: Request, limit: int) -> bytes | JSONResponse:
     return b"".join(chunks)
 
 
-def deployment_options(sc) -> dict:
-    """Replica count or autoscaling, resources, and how many requests a replica takes at once."""
+def deployment_options(cfg: WorkflowConfig) -> dict:
+    """Replica count or autoscaling, resources, how many requests a replica takes at once, and what its
+    task adds (`Task.serve_options`: a generative model's admission)."""
+    from workflows.tasks import task_class
+
+    sc = cfg.serve
     opts: dict[str, Any] = {
         "ray_actor_options": {
             "num_cpus": sc.cpus_per_replica,
@@ -338,6 +342,7 @@ def deployment_options(sc) -> dict:
         opts["autoscaling_config"] = sc.autoscaling.model_dump()
     else:
         opts["num_replicas"] = sc.num_replicas
+    opts.update(task_class(cfg.model.task)(cfg).serve_options())
     return opts
 
 
@@ -348,7 +353,7 @@ def logging_config(sc) -> dict:
 
 def application(cfg: WorkflowConfig, model_spec: str) -> serve.Application:
     deployment: Any = ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
-    return deployment.options(**deployment_options(cfg.serve)).bind(cfg.model_dump(mode="json"), model_spec)
+    return deployment.options(**deployment_options(cfg)).bind(cfg.model_dump(mode="json"), model_spec)
 
 
 def build_app(args: dict) -> serve.Application:

@@ -53,7 +53,7 @@ def serve_config(cfg: WorkflowConfig, config_path: str, overrides: list[str], sp
             "route_prefix": prefix,
             "import_path": "workflows.serve.app:build_app",
             "args": {"config": config_path, "model": spec, "set": list(overrides)},
-            "deployments": [{"name": "ModelServer", **deployment_options(cfg.serve)}],
+            "deployments": [{"name": "ModelServer", **deployment_options(cfg)}],
         })
     doc = {"proxy_location": "EveryNode", "http_options": {"host": cfg.serve.host, "port": cfg.serve.port},
            "logging_config": logging_config(cfg.serve), "applications": apps}

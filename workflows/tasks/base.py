@@ -336,6 +336,12 @@ class Task(abc.ABC):
         example = {c: 1.0 if t is float else t() for c, t in inputs.items()}
         return JsonInstances(instance, self.prediction_model(card), card, max_instances, example)
 
+    def serve_options(self) -> dict[str, Any]:
+        """Ray Serve deployment options this task's replicas need beyond the app's defaults
+        (workflows.serve.app.deployment_options), e.g. how many requests one replica takes at once and
+        how Serve refuses more. Default: none."""
+        return {}
+
     def input_columns(self, card: ModelCard, available: set[str]) -> list[str]:
         """The columns of a dataset's rows that the predictor reads (`available`: the dataset's)."""
         return list(self.for_card(card).inputs())

@@ -189,6 +189,15 @@ class ChatTask(Task):
 
         return chat_http_contract(card, self.cfg)
 
+    def serve_options(self):
+        """Serve's admission agrees with the engine's: a replica takes the batch, the engine's queue and as
+        many more again as the batch (those the engine answers 429 at once, rather than Serve holding
+        them); beyond that Serve keeps at most a batch's worth waiting per caller, and refuses the rest
+        with 429 and the same Retry-After. So no request waits without bound."""
+        gen = self.cfg.serve.generate
+        return {"max_ongoing_requests": 2 * gen.max_batch + gen.max_queue, "max_queued_requests": gen.max_batch,
+                "backpressure_config": {"status_code": 429, "retry_after_s": gen.retry_after_s}}
+
     def input_columns(self, card, available):
         from workflows.tasks.chat.predictor import PROCESSED
 

@@ -8,12 +8,16 @@ POST /v1/completions        the same with "prompt" (a string, or a list of one) 
 
 `"stream": true` answers Server-Sent Events, one `data: {chunk}` per delta in OpenAI's chunk format,
 then `data: [DONE]`. Every answer carries `finish_reason` ("stop": end of sequence or a stop string;
-"length": max_tokens or the model's context) and `usage`. A bad request gets a 4xx with OpenAI's error
-body, {"error": {"message", "type", "param", "code"}}; a full queue a 503 with Retry-After, as does an
-adapter unloaded under the request; a generation the engine failed a 500 (a stream sends the error as
-its last event before `data: [DONE]`); a failure to prefill or sample one request fails it alone. A client
-that disconnects ends its own generation only. The bearer token, the drain on shutdown (503 once
-stopping, open streams finish) and the request metrics apply as to every route of the app.
+"length": max_tokens or the model's context; "timeout": serve.generate.timeout_s passed, with the text
+so far) and `usage`. A bad request gets a 4xx with OpenAI's error body, {"error": {"message", "type",
+"param", "code"}}: a prompt over serve.generate.max_prompt_tokens (or the model's context) a 400 with
+code context_length_exceeded, before any compute; more than 4 stop strings, or one over
+serve.generate.max_stop_chars, a 400 naming `stop`. A full engine queue is a 429 with Retry-After, at
+once; an adapter unloaded under the request a 503 with Retry-After; a generation the engine failed a
+500 (a stream sends the error as its last event before `data: [DONE]`); a failure to prefill or sample
+one request fails it alone. A client that disconnects ends its own generation only. The bearer token,
+the drain on shutdown (503 once stopping, open streams finish) and the request metrics apply as to
+every route of the app; the engine's own metrics are workflows.tasks.chat.metrics'.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from fastapi import Request  # at module level: FastAPI resolves the routes' str
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from workflows.errors import UserError
-from workflows.tasks.chat.engine import ModelNotFound, QueueFull
+from workflows.tasks.chat.engine import ModelNotFound, PromptTooLong, QueueFull
 from workflows.tasks.chat.sampling import SamplingParams
 from workflows.tasks.chat.streaming import Completion
 from workflows.tasks.contract import MAX_BODY_BYTES, HttpContract, register_schema
@@ -72,10 +76,10 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = Field(False, description="not OpenAI's (vLLM's and llama.cpp's): generate past the "
                              "end-of-sequence token, up to max_tokens or a stop string (fixed lengths, for benchmarks)")
 
-    def stops(self) -> tuple[str, ...]:
+    def stops(self, max_chars: int) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise BadRequest("stop: up to 4 non-empty strings", "stop")
+        if len(stops) > 4 or any(not s or len(s) > max_chars for s in stops):
+            raise BadRequest(f"stop: up to 4 non-empty strings of at most {max_chars} characters each", "stop")
         return tuple(stops)
 
 
@@ -105,7 +109,7 @@ class BadRequest(ValueError):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 503: "server_error"}
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -201,7 +205,11 @@ class OpenAIContract(HttpContract):
         from ray import serve
 
         predictor = server.predictor
-        getattr(predictor, "engine", None)  # loads the model now: the replica is healthy once it can answer
+        engine = getattr(predictor, "engine", None)  # loads the model now: the replica is healthy once it can answer
+        if engine is not None:  # its figures on Prometheus, per model
+            from workflows.tasks.chat.metrics import ServeMetrics
+
+            engine.metrics = ServeMetrics(predictor.base_id, predictor.model_id)
         adapters = Adapters(server)
 
         async def load_adapter(model_id: str) -> AdapterRef:  # a function: Serve keeps its cache on it
@@ -233,7 +241,7 @@ class OpenAIContract(HttpContract):
                                      f"model ({req.model[:80]})", "model")
                 params = SamplingParams(max_tokens=min(self.max_tokens(req), self.gen.max_tokens),
                                         temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                        stop=req.stops(), ignore_eos=req.ignore_eos)
+                                        stop=req.stops(self.gen.max_stop_chars), ignore_eos=req.ignore_eos)
                 if kind == "chat":
                     ids = await predictor.encode(predictor.chat_ids, [m.as_template_input() for m in req.messages])
                 else:
@@ -251,14 +259,17 @@ class OpenAIContract(HttpContract):
                                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
                 handed = True
             except BadRequest as e:
+                if engine is not None:
+                    engine.metrics.rejected("invalid_request")
                 return error(e.status, str(e), e.param, e.code)
             except ModelNotFound as e:
                 return error(404, str(e), "model", "model_not_found")
             except QueueFull as e:
-                return error(503, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after_s)})
-            except ValueError as e:  # a prompt longer than the context, no chat template
-                code = "context_length_exceeded" if "context" in str(e) else None
-                return error(400, str(e), "messages" if kind == "chat" else "prompt", code)
+                return error(429, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after_s)})
+            except PromptTooLong as e:
+                return error(400, str(e), "messages" if kind == "chat" else "prompt", "context_length_exceeded")
+            except ValueError as e:  # no chat template, a logit_bias outside the vocabulary
+                return error(400, str(e), "messages" if kind == "chat" else "prompt")
             finally:
                 if not handed:
                     server.in_flight -= 1

@@ -1,16 +1,40 @@
-"""What one generated sequence needs besides the model: its sampling settings, the choice of its next
-token (greedy, or temperature and top-p with its own seeded generator), and its text as tokens come
-(incremental detokenization, stop strings, the text held back while it may still become a stop string).
+"""What one generated sequence needs besides the model: its sampling settings (`SamplingParams`, with the
+per-request hooks of structured output, `TokenConstraint`), its own seeded generator, and its text as
+tokens come (incremental detokenization, stop strings, the text held back while it may still become a
+stop string).
 
-Pure torch and a tokenizer: the engine (workflows.tasks.chat.engine) calls these from its decode thread.
+The engine (workflows.tasks.chat.engine) applies the settings of every row of a step together, on the
+model's device (workflows.tasks.chat.engine.sampler); this module is plain Python and a tokenizer.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy: dividing by less overflows the logits
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """A request's constraint on its tokens (a grammar, a tool call's JSON schema), one object per request,
+    stateful. The engine calls, for that request's row only, at each step: `mask(logits)` on the row's
+    logits [vocab] (on the model's device, after logit_bias and the penalties) to set the tokens it does
+    not allow to -inf in place; then, with the token chosen, `accept(token)`; then `done()`, and ends the
+    request with finish reason "stop" once it is True. An exception from any of them fails that request
+    alone (the others in the batch go on)."""
+
+    def mask(self, logits: torch.Tensor) -> None: ...
+
+    def accept(self, token: int) -> None: ...
+
+    def done(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -20,7 +44,14 @@ class SamplingParams:
     `seed` makes sampling repeatable (the same seed, prompt and settings give the same tokens, alone or
     beside other requests); `stop`: strings that end the text (not included in it); `ignore_eos`: the
     end-of-sequence token does not end it (it runs to max_tokens or a stop string: fixed lengths, for
-    benchmarks, as vLLM's and llama.cpp's servers take the same field)."""
+    benchmarks, as vLLM's and llama.cpp's servers take the same field).
+
+    `logprobs`: None for none; 0..20 for the chosen token's log probability and that many most probable
+    alternatives, from the distribution the token was drawn from. `presence_penalty`,
+    `frequency_penalty` (-2..2): subtracted from a token's logit once if it was generated before, and
+    per time it was (the generated tokens only, not the prompt). `logit_bias`: token id -> -100..100,
+    added to that token's logit. `constraint`: a TokenConstraint, or None. Order per row: logit_bias,
+    penalties, the constraint's mask, then temperature, top_p and the draw."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -28,6 +59,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -38,32 +74,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be above 0 and at most 1, not {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("a stop string must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, not {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be between -2 and 2, not {getattr(self, name)}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias: a token id is an integer of at least 0, not {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: a bias is between -100 and 100, not {bias} (token {token})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
-def generator(seed: int | None) -> torch.Generator:
+def generator(seed: int | None):
     """A CPU generator of its own per request: its draws do not depend on what else is in the batch."""
+    import torch
+
     g = torch.Generator()
     g.manual_seed(seed if seed is not None else random.SystemRandom().randrange(2**63))
     return g
-
-
-MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy: dividing by less overflows the logits
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """The next token from one row of logits [vocab]. Numerically safe for any valid temperature: the
-    logits less their maximum, in float64, so no division overflows and softmax has no NaN; a
-    temperature below MIN_TEMPERATURE is greedy (what such a temperature means in the limit)."""
-    if params.temperature < MIN_TEMPERATURE:
-        return int(torch.argmax(logits))
-    scaled = (logits.double() - logits.max().double()) / params.temperature
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more probable tokens
-        sorted_probs[before >= params.top_p] = 0  # the most probable token always stays
-        return int(order[torch.multinomial(sorted_probs, 1, generator=gen)])
-    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 @dataclass
@@ -71,7 +108,11 @@ class TextState:
     """A sequence's generated text, built token by token. Detokenizing the new tokens alone can split a
     character made of several tokens (a byte-level BPE's UTF-8 pieces), so each step decodes a short
     window (from `prefix` to the end) and keeps its new characters once they no longer end in U+FFFD.
-    `emitted` counts the characters handed out: text that may still be the start of a stop string waits."""
+    `emitted` counts the characters handed out: text that may still be the start of a stop string waits.
+
+    Bounded per token: the window is a few tokens, a stop string is searched for only where it could end
+    in the new text, and the text held back is at most the longest stop string (whose length the server
+    caps: serve.generate.max_stop_chars)."""
 
     stop: tuple[str, ...]
     ids: list[int] = field(default_factory=list)
@@ -104,7 +145,7 @@ class TextState:
     def held_back(self) -> int:
         """Characters at the end of the text that are a proper prefix of a stop string."""
         longest = 0
-        for s in self.stop:
+        for s in self.stop:  # O(len(s)²) characters compared at most: bounded by the cap on stop strings
             for n in range(min(len(s) - 1, len(self.text)), longest, -1):
                 if self.text.endswith(s[:n]):
                     longest = n

@@ -115,8 +115,12 @@ class ChatPredictor(Predictor):
                 if self.precision == "bf16":
                     model = model.to(torch.bfloat16)
                 model = model.to(serving_device())
-                self._engine = Engine(model, self.tokenizer, max_batch=self.gen.max_batch,
-                                      max_queue=self.gen.max_queue, retry_after_s=self.gen.retry_after_s)
+                gen = self.gen
+                self._engine = Engine(model, self.tokenizer, max_batch=gen.max_batch, max_queue=gen.max_queue,
+                                      retry_after_s=gen.retry_after_s, max_prompt_tokens=gen.max_prompt_tokens,
+                                      max_context=gen.max_prompt_tokens + gen.max_tokens,
+                                      prefill_chunk=gen.prefill_chunk, max_prefill_tokens=gen.max_prefill_tokens,
+                                      timeout_s=gen.timeout_s)
             return self._engine
 
     def scorer(self):
@@ -182,6 +186,14 @@ class ChatPredictor(Predictor):
         if version is None:
             raise ModelNotFound(f"model {name!r}: name an adapter with its version, {name}:VERSION")
         return f"{name}:{int(version)}"
+
+    def model_id(self, adapter: str | None) -> str:
+        """The model id (NAME:VERSION) a request with this peft adapter name asked for: the served one for
+        the base (or a served adapter), else the adapter's."""
+        if adapter is None or adapter == self.served_adapter:
+            return self.base_id
+        # a copy in one step (the event loop may add or remove adapters meanwhile; the engine thread asks)
+        return next((m for m, name in list(self.adapters.items()) if name == adapter), adapter)
 
     def check_card(self, model_id: str, card: Any) -> None:
         """Before anything is downloaded: the card of a chat task's adapter export of the served base
@@ -281,7 +293,7 @@ class ChatPredictor(Predictor):
             ids = self.chat_ids(list(inst["messages"])) if "messages" in inst else self.prompt_ids(inst["prompt"])
             while True:
                 try:
-                    gen = engine.submit(ids, params, self.served_adapter)
+                    gen = engine.submit(ids, params, self.served_adapter, deadline=False)  # rows wait their turn
                     break
                 except QueueFull:  # as many in flight as the engine takes: wait for the oldest
                     oldest = in_flight.pop(0)

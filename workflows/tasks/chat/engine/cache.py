@@ -1,0 +1,241 @@
+"""The KV cache the engine writes in place, and the attention that reads it.
+
+Storage: per layer, keys and values of shape [slots, kv_heads, capacity, head_dim], allocated once
+(zeros) and grown (doubling, up to `max_tokens` per slot) only when a longer row needs it. A request
+holds one slot from its admission to its end; its token at position p lives at [slot, :, p]. A step
+writes one position per decoding row and a chunk of positions per prefilling row (an index_put, no
+copy of the rest); a request that joins writes its own slot only; one that leaves frees its slot and
+copies nothing. The memory is bounded by slots x max_tokens x `bytes_per_token`, and admission
+counts slots: the engine admits a request only into a free slot.
+
+Attention: one forward per step carries every token of the step (decode tokens and prefill chunks of
+several requests) as a batch of length-1 sequences, [tokens, 1] (see workflows.tasks.chat.engine.loop
+for why). The model's attention modules compute q, k, v and rotary embeddings as usual and call the
+attention function registered here with transformers' `AttentionInterface` (ATTENTION, set as the
+model's attention implementation by `use`); it receives the step's `StepPlan` as the `slot_plan`
+keyword the model forwards to every attention call, writes the step's keys and values into their
+slots, then runs torch's scaled_dot_product_attention:
+- decode tokens together: their queries against the slots' first L positions (a view, no gather),
+  masked to each row's own length; a slot without a decode token this step attends to position 0
+  only, and its output is dropped; a row more than twice as long as the median (plus 64) attends
+  alone, over its own length, so that one long request does not make every row read its length;
+- each prefill chunk: its queries against its own slot up to the chunk's end, causal by position.
+Query heads are folded onto their key/value head (GQA without repeating keys), as transformers' own
+SDPA path does for decoding. Without a `slot_plan` (e.g. `generate` on the same model) the function
+is transformers' SDPA attention, and its mask is SDPA's.
+
+Why not transformers' own caches (5.23): `StaticCache` writes every row at one shared position
+(cache_position), so rows cannot have lengths of their own; the continuous-batching module's
+`PagedAttentionCache` flattens the batch into one sequence (batch 1, which breaks peft's per-row
+`adapter_names`) and, with SDPA, gathers every cached key of every request into that sequence at every
+layer and step, with a mask over all of them (measured at half the tokens/s of static batching on
+CPU, workflows/tasks/chat/engine/loop.py). Slots let SDPA read each row's keys where they lie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION = "workflows_slots"  # the attention implementation name registered with transformers
+
+
+def attention_shape(config) -> tuple[int, int, int, int]:
+    """(layers, attention heads, key/value heads, head dim) of a decoder's config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, kv_heads, head_dim
+
+
+def check_full_attention(config) -> None:
+    """The engine's cache holds full-attention layers only: refuse sliding windows and other layer kinds."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if kinds != {"full_attention"} or (window and not getattr(config, "layer_types", None)):
+        raise NotImplementedError(f"{type(config).__name__}: layers {sorted(kinds)}, sliding_window {window}: the "
+                                  "engine's cache serves full-attention layers only")
+
+
+class SlotCache:
+    """Keys and values of up to `slots` requests, `max_tokens` positions each at most, on `device`."""
+
+    def __init__(self, config, slots: int, max_tokens: int, device: torch.device, dtype: torch.dtype):
+        self.layers, self.heads, self.kv_heads, self.head_dim = attention_shape(config)
+        self.group = self.heads // self.kv_heads
+        self.slots, self.max_tokens, self.device, self.dtype = slots, max_tokens, device, dtype
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._free = list(range(slots))  # lowest first: rows stay packed at the start, so views stay short
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_bound(self) -> int:
+        """The most memory the cache can ever take: every slot at max_tokens."""
+        return self.slots * self.max_tokens * self.bytes_per_token
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.slots * self.capacity * self.bytes_per_token
+
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        self._free.sort()
+        return self._free.pop(0)
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` positions per slot (growing the storage, copying it once, if needed)."""
+        if positions <= self.capacity:
+            return
+        if positions > self.max_tokens:
+            raise ValueError(f"{positions} positions in a slot: the cache holds {self.max_tokens}")
+        capacity = min(self.max_tokens, max(positions, 2 * self.capacity, 128))
+        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
+        for store in (self.keys, self.values):
+            grown = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+            for old, new in zip(store, grown):
+                new[:, :, :self.capacity] = old
+            store[:] = grown
+        self.capacity = capacity
+
+    def plan(self, slots: list[int], positions: list[int], decode: list[int],
+             prefills: list[tuple[int, int]]) -> StepPlan:
+        """The attention plan of a step whose token i goes to (slots[i], positions[i]): `decode` lists the
+        indices of decode tokens (one per row), `prefills` the (first index, count) of each prefill chunk
+        (consecutive tokens of one row at consecutive positions)."""
+        device = self.device
+        self.reserve(max(positions) + 1)
+        write_slot = torch.tensor(slots, device=device)
+        write_pos = torch.tensor(positions, device=device)
+        plan = StepPlan(self, write_slot, write_pos)
+        if decode:
+            # a row much longer than the others attends alone, so that it does not widen what they all read
+            ordered = sorted(positions[i] for i in decode)
+            cut = 2 * ordered[len(ordered) // 2] + 64
+            plan.alone = [(i, slots[i], positions[i] + 1) for i in decode if positions[i] >= cut]
+            decode = [i for i in decode if positions[i] < cut]
+        if decode:
+            rows = max(slots[i] for i in decode) + 1
+            length = max(positions[i] for i in decode) + 1
+            lengths = [1] * rows  # a slot without a decode token attends to position 0 (its output is dropped)
+            for i in decode:
+                lengths[slots[i]] = positions[i] + 1
+            dec_slots = [slots[i] for i in decode]
+            plan.decode_tokens = torch.tensor(decode, device=device)
+            plan.dense = dec_slots == list(range(rows))
+            plan.decode_slots = None if plan.dense else torch.tensor(dec_slots, device=device)
+            plan.decode_rows, plan.decode_len = rows, length
+            span = torch.arange(length, device=device)
+            plan.decode_mask = (span[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
+        for start, count in prefills:
+            first = positions[start]
+            end = first + count
+            span = torch.arange(end, device=device)
+            causal = span[None, :] <= (first + torch.arange(count, device=device))[:, None]  # [count, end]
+            plan.prefills.append((start, count, slots[start], end, causal.repeat(self.group, 1)[None, None]))
+        return plan
+
+
+@dataclass
+class StepPlan:
+    """Where a step's tokens write their keys and values, and what each attends to (SlotCache.plan)."""
+
+    cache: SlotCache
+    write_slot: torch.Tensor  # [tokens]
+    write_pos: torch.Tensor  # [tokens]
+    decode_tokens: torch.Tensor | None = None  # [n]: the decode tokens' indices in the step
+    decode_slots: torch.Tensor | None = None  # [n]: their slots, None when they are slots 0..n-1 in order
+    dense: bool = False
+    decode_rows: int = 0  # slots 0..decode_rows-1 take part in the decode attention
+    decode_len: int = 0  # positions 0..decode_len-1 are read
+    decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends
+    prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
+    alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
+    layers_seen: int = 0  # attention calls that used this plan: every layer's, or the model is not one we serve
+
+    def __post_init__(self):
+        self.prefills = self.prefills or []
+        self.alone = self.alone or []
+
+
+def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout=0.0,
+                   scaling=None, slot_plan: StepPlan | None = None, **kwargs):
+    """transformers' attention function signature: query [tokens, heads, 1, dim], key and value
+    [tokens, kv_heads, 1, dim] of the step's tokens; returns ([tokens, 1, heads, dim], None)."""
+    if slot_plan is None:  # any other caller of the model (generate): transformers' SDPA attention
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"attention with {unsupported}: the engine's cache serves full attention only")
+    plan, layer = slot_plan, module.layer_idx
+    plan.layers_seen += 1
+    cache = plan.cache
+    keys, values = cache.keys[layer], cache.values[layer]
+    keys[plan.write_slot, :, plan.write_pos] = key[:, :, 0]
+    values[plan.write_slot, :, plan.write_pos] = value[:, :, 0]
+    tokens, heads, _, dim = query.shape
+    kv_heads, group = cache.kv_heads, cache.group
+    out = query.new_empty(tokens, heads, dim)
+    if plan.decode_tokens is not None:
+        n, rows, length = plan.decode_tokens.shape[0], plan.decode_rows, plan.decode_len
+        q = query.index_select(0, plan.decode_tokens).view(n, kv_heads, group, dim)
+        if not plan.dense:
+            q = q.new_zeros(rows, kv_heads, group, dim).index_copy_(0, plan.decode_slots, q)
+        o = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length],
+                                           attn_mask=plan.decode_mask, scale=scaling)
+        if not plan.dense:
+            o = o.index_select(0, plan.decode_slots)
+        out.index_copy_(0, plan.decode_tokens, o.reshape(n, heads, dim))
+    for index, slot, length in plan.alone:
+        q = query[index, :, 0].reshape(1, kv_heads, group, dim)
+        o = F.scaled_dot_product_attention(q, keys[slot:slot + 1, :, :length], values[slot:slot + 1, :, :length],
+                                           scale=scaling)
+        out[index] = o.reshape(heads, dim)
+    for start, count, slot, end, mask in plan.prefills:
+        q = query[start:start + count, :, 0].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, group * count, dim), keys[slot:slot + 1, :, :end],
+                                           values[slot:slot + 1, :, :end], attn_mask=mask, scale=scaling)
+        out[start:start + count] = o.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
+    return out.unsqueeze(1), None
+
+
+def use(model) -> None:
+    """Register the slot attention with transformers (once) and make it `model`'s attention (a peft
+    model's base model's); other callers of the model get transformers' SDPA attention."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION, slot_attention)
+        AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "_attn_implementation", None) != ATTENTION:
+        base.set_attn_implementation(ATTENTION)
+        if getattr(base.config, "_attn_implementation", None) != ATTENTION:
+            raise NotImplementedError(f"{type(base).__name__} does not take an attention implementation of "
+                                      "transformers' AttentionInterface: the engine cannot serve it")
+
+
+def check_plan_used(plan: StepPlan) -> None:
+    """After a forward: every attention layer ran the slot attention with the step's plan (a model whose
+    layers drop the keyword would have attended each token to itself alone)."""
+    if plan.layers_seen != plan.cache.layers:
+        raise NotImplementedError(f"{plan.layers_seen} of the model's {plan.cache.layers} attention layers used the "
+                                  "engine's cache: the model does not pass its keyword arguments to its attention "
+                                  "functions, and the engine cannot serve it")

@@ -1,0 +1,123 @@
+"""Which requests run, and which of their tokens go into each step.
+
+Admission: a request waits in a bounded queue (`room`: `max_queue` beyond the batch's free slots;
+beyond it `submit` raises QueueFull at once) and joins the batch at the next step that has a free slot
+(a slot of the cache: workflows.tasks.chat.engine.cache). A request past its deadline, waiting or
+running, ends with "timeout"; a cancelled one with "cancelled".
+
+A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
+prefilling, in order of arrival, up to a budget. While rows decode, the budget is `prefill_chunk` per
+prefilling row, or the number of decoding rows if that is more (at most `max_prefill_tokens`): with
+few requests joining, a step carries about as many prompt tokens as decode tokens, so it costs at
+most about twice a decode-only step where compute bounds the step (a CPU), and a long prompt is
+prefilled in chunks between decode steps, delaying the others by one chunk's compute at most; when
+many join at once beside few decoding rows, those few wait longer for a step rather than the many
+waiting many steps for their first token. With no row decoding, the budget is `max_prefill_tokens`.
+Requests that join together are prefilled together, and every token of a step goes through the
+model in one forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from workflows.tasks.chat.engine.requests import Generation
+from workflows.tasks.chat.engine.sampler import RowSampling
+from workflows.tasks.chat.sampling import TextState
+
+
+@dataclass
+class Row:
+    """A request in the batch: its slot, how much of its prompt is in the cache (`done`), its position
+    count in the cache (`pos`) and its last sampled token, not yet in the cache (`last`, -1 before the
+    first)."""
+
+    gen: Generation
+    slot: int
+    sampling: RowSampling
+    text: TextState
+    limit: int  # max new tokens: the request's, within the model's context
+    done: int = 0
+    pos: int = 0
+    last: int = -1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < len(self.gen.prompt)
+
+
+@dataclass
+class StepTokens:
+    """A step's tokens in the order they enter the model: prefill chunks first (`prefills`: row, first
+    index, count), then decode tokens (`decode`: their indices); `keep` marks the tokens whose logits
+    are needed (a decode token, a prompt's last token), `sampled` their rows in that order."""
+
+    ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)
+    keep: list[bool] = field(default_factory=list)
+    prefills: list[tuple[Row, int, int]] = field(default_factory=list)
+    decode: list[int] = field(default_factory=list)
+    decoding: list[Row] = field(default_factory=list)
+    sampled: list[Row] = field(default_factory=list)
+
+    def add(self, row: Row, ids: list[int], start: int, adapter: str, keep_last: bool) -> None:
+        n = len(ids)
+        self.ids += ids
+        self.slots += [row.slot] * n
+        self.positions += range(start, start + n)
+        self.adapters += [adapter] * n
+        self.keep += [False] * (n - 1) + [keep_last]
+        if keep_last:
+            self.sampled.append(row)
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int):
+        if prefill_chunk < 1 or max_prefill_tokens < prefill_chunk:
+            raise ValueError(f"prefill_chunk ({prefill_chunk}) must be at least 1 and at most max_prefill_tokens "
+                             f"({max_prefill_tokens})")
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
+        self.waiting: deque[Generation] = deque()
+
+    def room(self, running: int) -> bool:
+        """Whether one more request may wait: a request the batch can take at its next step does not
+        count against max_queue."""
+        return len(self.waiting) < self.max_queue + max(0, self.max_batch - running)
+
+    def take(self, free_slots: int, now: float) -> tuple[list[Generation], list[Generation], list[Generation]]:
+        """(cancelled, expired, joining) among the waiting: the cancelled and those past their deadline
+        leave the queue; up to `free_slots` of the rest join, oldest first."""
+        cancelled = [g for g in self.waiting if g.cancelled]
+        expired = [g for g in self.waiting if not g.cancelled and g.deadline is not None and g.deadline <= now]
+        for g in cancelled + expired:
+            self.waiting.remove(g)
+        joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), free_slots))]
+        return cancelled, expired, joining
+
+    def plan(self, rows: list[Row], base: str) -> StepTokens:
+        """The tokens of the next step of `rows` (in the order they joined); `base`: peft's name for no adapter."""
+        step = StepTokens()
+        step.decoding = decoding = [r for r in rows if not r.prefilling]
+        prefilling = len(rows) - len(decoding)
+        budget = self.max_prefill_tokens
+        if decoding:
+            budget = min(budget, max(self.prefill_chunk * prefilling, len(decoding)))
+        for row in rows:
+            if budget <= 0:
+                break
+            if not row.prefilling:
+                continue
+            prompt = row.gen.prompt
+            n = min(budget, len(prompt) - row.done)
+            first = len(step.ids)
+            step.add(row, prompt[row.done:row.done + n], row.done, row.gen.adapter or base, row.done + n == len(prompt))
+            step.prefills.append((row, first, n))
+            budget -= n
+        for row in decoding:
+            step.decode.append(len(step.ids))
+            step.add(row, [row.last], row.pos, row.gen.adapter or base, True)
+        return step
