@@ -288,7 +288,7 @@ def stage_register(rt: Runtime, data: ProcessedDataset, trained: Trained) -> reg
             card["mlflow"] = link
         ref = registry.register(s.cfg, rt.storage, tmp, s.cfg.registry.name, card)
     rt.persist()
-    tracking.log_registered(s.run, ref)
+    tracking.log_registered(s.run, ref, card)
     say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
     s.summary["registered"] = asdict(ref)
     s.summary["register_seconds"] = round(time.time() - t0, 2)  # export + upload to the registry
@@ -305,8 +305,11 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
 
     with tempfile.TemporaryDirectory() as tmp:
         state = consolidated_model_state(download_checkpoint(checkpoint_uri, ctx, tmp))
+    from workflows.lineage import code_commit, config_digest, dataset_lineage
+
     lineage = {"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
-               "checkpoint": checkpoint_uri, **lineage}
+               "checkpoint": checkpoint_uri, "data": dataset_lineage(data, ctx), "config_digest": config_digest(cfg),
+               "code_commit": code_commit(), **lineage}
     return get_task(cfg).export(state, data, out_dir, lineage)
 
 
