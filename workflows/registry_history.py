@@ -43,7 +43,7 @@ def format_history(events: list[dict[str, Any]]) -> str:
     for e in events:
         when = e["at"][:19].replace("T", " ")
         if e["kind"] == "registered":
-            rows = "/".join(str(n) for n in (e["rows"] or {}).values()) if e.get("rows") else "?"
+            rows = "/".join(str((e["rows"] or {}).get(split, "?")) for split in ("train", "val", "test"))
             lines.append(f"{when}  v{e['version']} registered: data {e['data_version'] or '?'} (digest "
                          f"{e['digest'] or '?'}, rows train/val/test {rows}), config {e['config_digest'] or '?'}, "
                          f"commit {(e['commit'] or '?')[:12]}" + (f", MLflow run {e['run']}" if e["run"] else ""))

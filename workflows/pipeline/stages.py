@@ -384,9 +384,10 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     card = registry.model_card(rt.cfg, rt.storage, spec)
     task = task_for_card(rt.cfg, card)
     contract = task.http_contract(card, rt.cfg.serve.max_instances)
-    say(f"serve: deploying {spec} with Ray Serve")
+    served_as = model_spec if registry.split_alias(model_spec)[1] else None  # NAME@ALIAS: its holder now
+    say(f"serve: deploying {spec}{f' ({served_as})' if served_as else ''} with Ray Serve")
     t0 = time.time()
-    url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
+    url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix, served_as=served_as)
     deploy_seconds = time.time() - t0
     front = ingress.describe(rt.cfg)
     say(f"serve: {url}{contract.main_route} is up behind {front} (docs at {url}/docs)")
@@ -398,7 +399,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
         say(f"serve:   {route} {task.describe(row)!r} -> {task.describe_prediction(pred)}")
         sent.append({"instance": row, "prediction": pred})
     return {"url": url, "model": spec, "route": contract.main_route, "ingress": front, "requests": sent,
-            "deploy_seconds": round(deploy_seconds, 2)}
+            "deploy_seconds": round(deploy_seconds, 2), **({"served_as": served_as} if served_as else {})}
 
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
