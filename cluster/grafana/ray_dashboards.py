@@ -16,8 +16,8 @@ def generate() -> dict[str, dict]:
     """{file name: dashboard} of the installed Ray."""
     from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
 
-    return {f"ray-{kind.replace('_', '-')}.json": json.loads(getattr(factory, f"generate_{kind}_grafana_dashboard")()[0])
-            for kind in KINDS}
+    return {f"ray-{kind.replace('_', '-')}.json":
+            json.loads(getattr(factory, f"generate_{kind}_grafana_dashboard")()[0]) for kind in KINDS}
 
 
 if __name__ == "__main__":
