@@ -93,24 +93,23 @@ def stage_promote(rt: Runtime, ref: registry.ModelRef, test_ds, candidate_test: 
 
 def _decide(ref, held: int | None, scores: dict, metric: str, mode: str, margin: float) -> dict:
     if held is None:
-        return {"promoted": True, "reason": "first version: the alias was not set"}
+        return {"promoted": True, "reason": f"the first version to take it ({metric} {scores['candidate']:.4f} on "
+                                            f"{scores['rows']} rows"}
     cand, hold = scores["candidate"], scores["holder"]
+    gain = cand - hold if mode == "max" else hold - cand
     better = "higher" if mode == "max" else "lower"
-    if wins(cand, hold, mode, margin):
-        return {"promoted": True, "reason": f"{metric} {cand:.4f} beats v{held}'s {hold:.4f} by more than "
-                                            f"{margin:g} ({better} is better) on {scores['rows']} rows"}
-    return {"promoted": False, "reason": f"{metric} {cand:.4f} does not beat v{held}'s {hold:.4f} by more than "
-                                         f"{margin:g} ({better} is better) on {scores['rows']} rows"}
+    verdict = "beats" if wins(cand, hold, mode, margin) else "does not beat"
+    return {"promoted": verdict == "beats",
+            "reason": f"{metric} {cand:.4f} {verdict} v{held}'s {hold:.4f} by more than the margin {margin:g} "
+                      f"({better} is better: {gain:+.4f}) on the same {scores['rows']} rows"}
 
 
 def line(ref, d: dict) -> str:
     """The one printed line of a decision."""
-    s = d["scores"][d["decided_on"]]
-    scores = f"v{ref.version} {d['metric']} {s['candidate']:.4f}" + (
-        f" vs v{d['holder']} {s['holder']:.4f}" if "holder" in s else "") + f" on {s['rows']} {d['decided_on']} rows"
     verdict = f"{ref.name}@{d['alias']} -> v{ref.version}" if d["promoted"] else \
         f"{ref.name}@{d['alias']} stays at {'nothing' if d['holder'] is None else 'v' + str(d['holder'])}"
-    return f"promote: {verdict} ({scores}; {d['reason']})"
+    where = {"test": "of the held-out split", "gate": "of the gate set"}[d["decided_on"]]
+    return f"promote: {verdict}: {d['reason']} {where}" + (")" if d["holder"] is None else "")
 
 
 def _gate_rows(rt: Runtime):
