@@ -219,3 +219,37 @@ def test_models_alias_and_history_commands(tmp_path, monkeypatch):
     assert lines[0].split("  ", 1)[1].startswith("v1 registered: data d1") and " registered" in lines[1]
     assert "@production: nothing -> v1 by workflows models alias" in lines[2] and lines[2].endswith(": first")
     assert "@production: v1 -> v2" in out and "@staging: v1 -> nothing" in lines[5]
+
+
+def test_the_serving_follower_rolls_over_when_the_alias_moves_and_keeps_serving_when_it_goes(tmp_path, monkeypatch):
+    """AliasFollower.check (what `workflows serve --model NAME@ALIAS` runs every serve.alias_poll_s):
+    nothing while the alias stays; on a move, the new version deployed to the same application (Serve's
+    rolling update; the real one is measured by `workflows bench serve` and tests/test_lifecycle.py);
+    an alias removed leaves the served version in place, said once."""
+    from types import SimpleNamespace
+
+    import workflows.serve.app
+    from workflows.serve.follow import AliasFollower, Followed
+
+    deployed: list[tuple] = []
+    monkeypatch.setattr(workflows.serve.app, "deploy",
+                        lambda cfg, spec, name=None, route_prefix="/", served_as=None:
+                        deployed.append((spec, name, route_prefix, served_as)))
+    with store(tmp_path, "local") as (cfg, ctx):
+        register(cfg, ctx, tmp_path, 2)
+        registry_aliases.move(cfg, ctx, "m", "production", 1, by="test")
+        said: list[str] = []
+        served = Followed("m@production", 1, "model-m", "/")
+        follower = AliasFollower(SimpleNamespace(cfg=cfg, storage=ctx), [served], said.append)
+        assert follower.check(served) is None and not deployed
+        registry_aliases.move(cfg, ctx, "m", "production", 2, by="the gate")
+        done = follower.check(served)
+        assert deployed == [("m:2", "model-m", "/", "m@production")] and served.version == 2
+        assert done["from"] == 1 and done["to"] == 2 and done["move"] == 2 and served.rollovers == [done]
+        assert said[0].startswith("serve: m@production moved v1 -> v2 (") and "by the gate): rolling over" in said[0]
+        registry_aliases.move(cfg, ctx, "m", "production", 1, by="rollback")  # a rollback is a move back
+        follower.check(served)
+        assert deployed[-1][0] == "m:1" and served.version == 1
+        registry_aliases.move(cfg, ctx, "m", "production", None, by="test")
+        assert follower.check(served) is None and follower.check(served) is None and served.version == 1
+        assert said[-1] == "serve: m@production is not set any more; still serving v1" and said.count(said[-1]) == 1
