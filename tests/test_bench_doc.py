@@ -158,7 +158,9 @@ NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
 # changes after which an older run's figures are no longer what the command gives: a figure from a
 # run before one of these must say the run's date in its paragraph
 CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09766c)", {"madewithml", "digits",
-                                                                                         "quickstart"})]
+                                                                                         "quickstart"}),
+           ("2026-11-28T17:00:00Z", "the rolling update driven by an alias move at concurrency 32 (issue 64)",
+            {"serve"})]
 
 
 def _readme() -> str:
