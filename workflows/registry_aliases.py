@@ -76,14 +76,19 @@ def _record_uri(cfg: WorkflowConfig, name: str, alias: str, seq: int) -> str:
     return join(_alias_dir(cfg, name, alias), f"{seq:08d}.json")
 
 
-def _seqs(cfg: WorkflowConfig, ctx: StorageContext, uri: str) -> list[int]:
+def _names_under(uri: str, ctx: StorageContext) -> list[str]:
+    """The names of the objects and prefixes directly under `uri`; none where there is nothing."""
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
         try:
             entries = fs.ls(path, detail=False)
         except FileNotFoundError:
             return []
-    return sorted(int(m.group(1)) for e in entries if (m := _RECORD.match(e.rstrip("/").rsplit("/", 1)[-1])))
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+
+def _seqs(cfg: WorkflowConfig, ctx: StorageContext, uri: str) -> list[int]:
+    return sorted(int(m.group(1)) for n in _names_under(uri, ctx) if (m := _RECORD.match(n)))
 
 
 def _read(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, seq: int) -> AliasRecord:
@@ -107,14 +112,7 @@ def holder(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str) -> i
 
 
 def alias_names(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[str]:
-    uri = join(cfg.uri("models"), name, ALIASES)
-    fs, path = filesystem(uri, ctx)
-    with reaching(uri, ctx):
-        try:
-            entries = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+    return _names_under(join(cfg.uri("models"), name, ALIASES), ctx)
 
 
 def aliases(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> dict[str, int]:

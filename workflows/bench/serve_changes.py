@@ -167,7 +167,10 @@ def scale_to_zero(rt, spec: str, rows: list[dict], cycles: int = 8, warm_request
 
     url = deploy(cfg, spec, name="bench")
     text_cols = [c for c in rows[0] if c != "label"]
-    cold, warm, failed, zero_s = [], [], 0, []
+    cold: list[float] = []
+    warm: list[float] = []
+    zero_s: list[float] = []
+    failed = 0
     session = requests.Session()
     for i in range(cycles):
         t0 = time.perf_counter()
