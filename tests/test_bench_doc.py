@@ -142,7 +142,7 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("--config digits      # {} s on 2 cores", ("digits",), lambda r: f"{r['digits']['wall_seconds']:.0f}"),
     ("held-out weighted F1 {} (", ("digits",), lambda r: f"{r['digits']['weighted_f1']:.3f}"),
     ("0 of {} at concurrency", ("serve",), lambda r: f"{r['serve']['rolling_update']['requests']:,}"),
-    ("at concurrency {}", ("serve",), lambda r: str(r["serve"]["rolling_update"]["concurrency"])),
+    ("at concurrency {}); it rolls over", ("serve",), lambda r: str(r["serve"]["rolling_update"]["concurrency"])),
     ("`workflows pipeline --config chat` takes {} s on 2 cores", ("chat",),
      lambda r: f"{r['chat']['wall_seconds']:.0f}"),
     ("exact match from {} for the base model", ("chat",), lambda r: f"{r['chat']['base_exact_match']:.3f}"),
