@@ -34,7 +34,7 @@ def tracked(quickstart_run, mlflow_server):
 
 def test_run_tree_tags_and_params(tracked, quickstart_run):
     client, exp, pipeline, stages, trials = tracked
-    assert set(stages) == {"preprocess", "tune", "train", "evaluate"}
+    assert set(stages) == {"preprocess", "tune", "train", "evaluate", "promote"}
     assert exp.artifact_location == "s3://workflows/mlflow/quickstart"
     assert {r.info.status for r in [pipeline, *stages.values()]} == {"FINISHED"}
     version = quickstart_run.summary("preprocess")["dataset"]["version"]
