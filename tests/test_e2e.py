@@ -72,7 +72,7 @@ def test_pipeline_runs_every_stage_registers_and_serves(quickstart_run):
     assert promotion["metric"] == "f1"
     assert promotion["scores"]["test"]["candidate"] == summary["evaluate"]["weighted"]["f1"]
     assert promotion["scores"]["test"]["rows"] == summary["evaluate"]["rows"] and promotion["seq"] == 1
-    assert "workflows promote: quickstart@production -> v1: the first version to take it (f1 " in log
+    assert "workflows promote: quickstart@production -> v1: the first version to take it: f1 " in log
     # per-stage summaries
     for stage in ["preprocess", "tune", "train", "pipeline"]:
         assert (quickstart_run.runs / f"{stage}.json").exists(), stage

@@ -93,7 +93,7 @@ def stage_promote(rt: Runtime, ref: registry.ModelRef, test_ds, candidate_test: 
 
 def _decide(ref, held: int | None, scores: dict, metric: str, mode: str, margin: float) -> dict:
     if held is None:
-        return {"promoted": True, "reason": f"the first version to take it ({metric} {scores['candidate']:.4f} on "
+        return {"promoted": True, "reason": f"the first version to take it: {metric} {scores['candidate']:.4f} on "
                                             f"{scores['rows']} rows"}
     cand, hold = scores["candidate"], scores["holder"]
     gain = cand - hold if mode == "max" else hold - cand
@@ -109,7 +109,7 @@ def line(ref, d: dict) -> str:
     verdict = f"{ref.name}@{d['alias']} -> v{ref.version}" if d["promoted"] else \
         f"{ref.name}@{d['alias']} stays at {'nothing' if d['holder'] is None else 'v' + str(d['holder'])}"
     where = {"test": "of the held-out split", "gate": "of the gate set"}[d["decided_on"]]
-    return f"promote: {verdict}: {d['reason']} {where}" + (")" if d["holder"] is None else "")
+    return f"promote: {verdict}: {d['reason']} {where}"
 
 
 def _gate_rows(rt: Runtime):
