@@ -10,6 +10,7 @@ from typing import Any
 
 from workflows.dataset import ProcessedDataset
 from workflows.storage.uri import StorageContext, join, read_json
+from workflows.tracking.session import git_commit
 
 
 def dataset_digest(data: ProcessedDataset, ctx: StorageContext) -> str:
@@ -35,8 +36,6 @@ def config_digest(cfg) -> str:
 
 
 def code_commit() -> str | None:
-    from workflows.tracking.session import git_commit
-
     return git_commit()
 
 

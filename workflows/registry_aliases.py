@@ -21,7 +21,7 @@ from typing import Any
 from workflows.config import WorkflowConfig
 from workflows.config.base import check_alias_name
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, create_once, filesystem, join, reaching, read_json
+from workflows.storage.uri import StorageContext, create_once, exists, filesystem, join, reaching, read_json
 
 ALIASES = "aliases"
 _RECORD = re.compile(r"^(\d{8})\.json$")
@@ -140,10 +140,9 @@ def move(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, versio
     `expect`: move only if the alias holds this version now (None: is not set); another mover that
     got there first raises AliasMovedMeanwhile, naming its move. Without it, a lost race is retried
     on the new newest record, so the recorded `from` is always the version really replaced."""
-    from workflows import registry
-
     check_alias(alias)
-    if version is not None and version not in registry.versions(cfg, ctx, name):
+    # a complete version: its card (registry.META_FILE) is written last
+    if version is not None and not exists(join(cfg.uri("models"), name, f"v{version}", "workflows.json"), ctx):
         raise UserError(f"model {name!r} has no version {version} to alias as {alias!r}")
     for _ in range(attempts):
         current = newest(cfg, ctx, name, alias)

@@ -19,9 +19,13 @@ from typing import Any
 
 from workflows import registry, registry_aliases
 from workflows.config import WorkflowConfig
+from workflows.evaluate import evaluate_dataset
+from workflows.pipeline.stages import stage
+from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.runtime import Runtime, say
 from workflows.storage.uri import join, write_json
 from workflows.tasks import get_task, task_for_card
+from workflows.tracking import stages as tracking
 
 PROMOTION_FILE = registry.PROMOTION_FILE
 
@@ -43,8 +47,6 @@ def wins(candidate: float, holder: float, mode: str, margin: float) -> bool:
 def stage_promote(rt: Runtime, ref: registry.ModelRef, test_ds, candidate_test: dict, by: str) -> dict:
     """Decide whether `ref` takes the alias; returns the decision (what promote.json holds).
     `test_ds`: the candidate's held-out rows, `candidate_test`: its evaluation on them."""
-    from workflows.pipeline.stages import stage
-
     cfg = rt.cfg
     promote = cfg.registry.promote
     assert promote is not None
@@ -85,8 +87,6 @@ def stage_promote(rt: Runtime, ref: registry.ModelRef, test_ds, candidate_test: 
         rt.persist()
         say(line(ref, decision))
         s.summary.update(decision)
-        from workflows.tracking import stages as tracking
-
         tracking.log_promotion(s.run, rt, ref, decision)
     return decision
 
@@ -113,8 +113,6 @@ def line(ref, d: dict) -> str:
 
 
 def _gate_rows(rt: Runtime):
-    from workflows.preprocess.sources import list_shards, read_dataset
-
     uri = rt.cfg.registry.gate_data
     assert uri is not None
     shards, fmt = list_shards(uri, rt.storage)
@@ -122,8 +120,6 @@ def _gate_rows(rt: Runtime):
 
 
 def _score(rt: Runtime, spec: str, ds, card=None) -> dict:
-    from workflows.evaluate import evaluate_dataset
-
     card = card if card is not None else registry.model_card(rt.cfg, rt.storage, spec)
     return evaluate_dataset(rt.cfg, spec, card, ds)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from workflows import registry, registry_aliases
 from workflows.errors import UserError
+from workflows.serve import app
 
 
 @dataclass
@@ -55,8 +56,6 @@ class AliasFollower:
 
     def check(self, f: Followed) -> dict[str, Any] | None:
         """Roll `f` over if its alias moved; the rollover's record, or None."""
-        from workflows.serve.app import deploy
-
         name, alias = f.spec.split("@", 1)
         record = registry_aliases.newest(self.rt.cfg, self.rt.storage, name, alias)
         if record is None or record.version is None:
@@ -72,7 +71,7 @@ class AliasFollower:
         self.say(f"serve: {f.spec} moved v{old} -> v{record.version} ({registry_aliases.when(record)}, by "
                  f"{record.by}): rolling over")
         t0 = time.perf_counter()
-        deploy(self.rt.cfg, f"{name}:{record.version}", name=f.app_name, route_prefix=f.route_prefix,
+        app.deploy(self.rt.cfg, f"{name}:{record.version}", name=f.app_name, route_prefix=f.route_prefix,
                served_as=f.spec)
         f.version = record.version
         done = {"from": old, "to": record.version, "move": record.seq, "seen_at": seen,

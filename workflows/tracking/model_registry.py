@@ -8,7 +8,10 @@ goes through the fail-soft Tracker: an MLflow outage never fails a registration 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from workflows.tracking.client import Tracker, _http_defaults, resolve_uri
 
 VERSION_TAG = "workflows.version"
 
@@ -61,10 +64,6 @@ def sync_alias(cfg, name: str, alias: str, version: int | None, uri: str | None,
     """For a command without a tracking session (`workflows models alias`): the alias set in the
     config's MLflow store, where tracking is on and the store exists; True once done, None when
     there is nothing to mirror to."""
-    from pathlib import Path
-
-    from workflows.tracking.client import Tracker, _http_defaults, resolve_uri
-
     if not cfg.tracking.enabled:
         return None
     store = resolve_uri(cfg)

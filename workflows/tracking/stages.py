@@ -10,7 +10,8 @@ from typing import Any
 
 from workflows.storage.atomic import atomic_write
 from workflows.tracking.client import redact_uri
-from workflows.tracking.session import Run
+from workflows.tracking.model_registry import ensure_version, set_alias
+from workflows.tracking.session import Run, ray_job_id
 
 
 def tracked(rt, name: str):
@@ -94,8 +95,6 @@ def log_registered(run: Run, ref, card: dict) -> None:
     """The training run's tags of the version it registered, the dataset it trained on as the run's
     input (MLflow's datasets: the card's `lineage.data`), and the version's twin in MLflow's model
     registry (workflows.tracking.model_registry)."""
-    from workflows.tracking.model_registry import ensure_version
-
     lineage = card.get("lineage") or {}
     run.set_tags({"registered_model.name": ref.name, "registered_model.version": ref.version,
                   "registered_model.uri": ref.uri, "workflows.config_digest": lineage.get("config_digest"),
@@ -125,8 +124,6 @@ def log_dataset(run: Run, data: dict, context: str) -> None:
 def log_promotion(run: Run, rt, ref, decision: dict) -> None:
     """The gate's decision on its run (both scores per set of rows, the verdict as tags) and, when it
     moved the alias, the alias in MLflow's model registry."""
-    from workflows.tracking.model_registry import set_alias
-
     scores = {f"{name}_{who}": value for name, s in decision["scores"].items()
               for who, value in s.items() if who in ("candidate", "holder")}
     run.log_metrics({**scores, **{f"{name}_rows": s["rows"] for name, s in decision["scores"].items()}})
@@ -141,8 +138,6 @@ def log_promotion(run: Run, rt, ref, decision: dict) -> None:
 def performed_by(rt, command: str) -> str:
     """Who moves an alias, for its history: the command, the config, the pipeline's MLflow run (when
     tracked) and the Ray job."""
-    from workflows.tracking.session import ray_job_id
-
     parts = [f"config {rt.cfg.name}"]
     t = getattr(rt, "tracking", None)
     parent = t.parent if t is not None and not t.tracker.off else None
