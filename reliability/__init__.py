@@ -58,6 +58,15 @@ ROWS: list[RowSpec] = [
         "safe weight loading; path-safe names; bearer-token checks; Ray token auth for job submission (full run)",
     ),
     RowSpec(
+        "store_hostile_objects",
+        "reliability.store_hostile",
+        True,
+        "the hostile-store corpus: every object the platform reads back from the store (cards, manifests, LoRA "
+        "adapters, tokenizer configs, checkpoints, search state), each field it reads set to an escaping path, a "
+        "foreign URI, an absolute path, a huge value and a wrong type: each refused in one line, nothing read, "
+        "written or requested outside what the config allows, the serving predictor answering as before",
+    ),
+    RowSpec(
         "serve_hostile_inputs",
         "reliability.serve_hostile",
         False,

@@ -438,6 +438,36 @@ def chat_server(ray_cluster, tmp_path_factory):
     serve.shutdown()
 
 
+def _hostile_adapters(chat_server) -> list[str]:
+    """Copies of the support adapter registered with what a bucket writer could change: its config's
+    modules_to_save (the shared head) or megatron_core (a module peft imports), its weights as a
+    pickle only; their names."""
+    import json
+    import shutil
+
+    from workflows import registry
+    from workflows.config import load_config
+    from workflows.storage.uri import StorageContext
+    from workflows.tasks.chat.model import weights_sha256
+
+    tmp = chat_server.tmp
+    cfg = load_config(CHAT, ["storage.embedded.enabled=false", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache"])
+    same = {"name_or_path": "registry:tinychat:1", "sha256": weights_sha256(str(chat_server.base))}
+    changes = {"headcopy": {"modules_to_save": ["lm_head"]}, "megatron": {"megatron_config": {"x": 1},
+                                                                          "megatron_core": "os"},
+               "pickled": None}
+    for name, change in changes.items():
+        folder = tmp / f"hostile-{name}"
+        shutil.copytree(tmp / "support", folder)
+        if change is None:
+            (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
+        elif change:
+            doc = json.loads((folder / "adapter_config.json").read_text())
+            (folder / "adapter_config.json").write_text(json.dumps({**doc, **change}))
+        registry.register(cfg, StorageContext(), str(folder), name, {"task": TASK, "export": "adapter", "base": same})
+    return list(changes)
+
+
 def _healthy(url: str) -> bool:
     import requests
 
@@ -537,6 +567,18 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
                                            extra_headers={"serve_multiplexed_model_id": "support:1"})
     assert again.choices[0].message.content == said["support:1"]
     assert sorted(m.id for m in client.models.list()) == ["pirate:1", "support:1", "tinychat:1"]
+
+    # adapters edited in the store (#63): each a 404 that names the model and no place, none listed after,
+    # the base and the adapters loaded before answering as before
+    for name in _hostile_adapters(chat_server):
+        r = post({"model": f"{name}:1", "messages": messages, "max_tokens": 10, "temperature": 0})
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["param"] == "model" and len(err["message"].splitlines()) == 1, err
+        assert name in err["message"] and str(chat_server.tmp) not in err["message"], err
+    assert sorted(m.id for m in client.models.list()) == ["pirate:1", "support:1", "tinychat:1"]
+    for m in ("support:1", "tinychat:1"):
+        assert client.chat.completions.create(model=m, messages=messages, max_tokens=10, temperature=0) \
+            .choices[0].message.content == said[m]
 
     # a client that leaves mid-stream ends its own generation only
     before = len(_finished(chat_server.tmp))

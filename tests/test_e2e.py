@@ -306,6 +306,12 @@ def test_serve_listens_through_haproxy_on_linux(serving):
         # cluster on the machine listens on that port (Serve's default, 8500, every cluster shares)
         (args,) = cmdlines
         config = Path(args[args.index("-f") + 1]).read_text()
+        # every port it binds (the model's frontend, the stats and Prometheus pages, which take no token)
+        # listens on serve.host, 127.0.0.1 here: Ray's template put the pages on every interface
+        ports = {int(p) for p in re.findall(r"^\s*bind \S*:(\d+)", config, re.MULTILINE)}
+        addresses = {c.laddr.ip for c in psutil.net_connections("tcp")
+                     if c.status == "LISTEN" and c.laddr.port in ports}
+        assert len(ports) >= 3 and addresses == {"127.0.0.1"}, (ports, addresses)
         backups = re.findall(r"^\s*server \S+ \S+:(\d+) .*\bbackup$", config, re.MULTILINE)
         assert len(backups) == 1, config
         backup = int(backups[0])

@@ -56,6 +56,10 @@ def _sanity(row: dict) -> None:
         assert max(op["seconds"] for op in row["ops"]) < 60
         warm = next(op for op in row["ops"] if op["op"] == "ShardCache.fetch (warm, version known)")
         assert warm["outcome"] == "ok"  # a cached shard whose version is known needs no store
+    elif name == "store_hostile_objects":  # every object and variant of the fast subset was tried
+        assert row["injected"] >= 100 and row["lost"] == 0, row["detail"]
+        assert len(row["objects"]) >= 6 and set(row["variants"]) >= {
+            "escaping path", "foreign URI (s3)", "foreign URI (http)", "absolute path", "huge value", "wrong type"}
     elif name == "secrets_hygiene":
         assert not any(f.startswith("stage:") for f in row["failures"]), row["detail"]
         assert "requests signed with the fake key id" in row["detail"]

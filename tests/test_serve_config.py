@@ -137,3 +137,44 @@ def test_the_private_directories_of_killed_commands_are_swept(tmp_path):
     env = ingress.cluster_env(True)  # marks its own directory
     files = os.path.dirname(env["RAY_SERVE_HAPROXY_SOCKET_PATH"])
     assert open(os.path.join(files, ingress.OWNER_FILE)).read() == ingress.owner_env()[ingress.OWNER_ENV]
+
+
+def _ray_haproxy_config(host: str) -> str:
+    """The HAProxy configuration Ray Serve 2.60 writes (its own template, rendered as its
+    HAProxyManager renders it) for an app on `host`:8123, stats page on 8124, Prometheus on 8125."""
+    from jinja2 import Environment
+    from ray.serve._private import haproxy as hp
+    from ray.serve._private.haproxy_templates import HAPROXY_CONFIG_TEMPLATE, HAPROXY_HEALTHZ_RULES_TEMPLATE
+    from ray.serve.config import HTTPOptions
+
+    cfg = hp.HAProxyConfig(http_options=HTTPOptions(host=host, port=8123), stats_port=8124, metrics_port=8125)
+    env = Environment()
+    env.filters["haproxy_fmt"] = hp._haproxy_fmt_literal
+    info = cfg.build_health_route_info([])
+    rules = env.from_string(HAPROXY_HEALTHZ_RULES_TEMPLATE).render(config=cfg, backends=[], health_info=info)
+    return env.from_string(HAPROXY_CONFIG_TEMPLATE).render(
+        config=cfg, backends=[], grpc_backends=[], backends_with_health_config=[],
+        grpc_backends_with_health_config=[], healthz_rules=rules, grpc_healthz_rules="", route_info=info)
+
+
+@pytest.mark.parametrize(("host", "frontend"), [("127.0.0.1", "127.0.0.1:8123"), ("0.0.0.0", "*:8123")])
+def test_haproxys_stats_and_metrics_pages_listen_on_127_0_0_1_only(tmp_path, host, frontend):
+    """Ray's template binds HAProxy's stats and Prometheus pages (no bearer token there) on every
+    interface, whatever serve.host says. The guard HAProxy runs through rewrites them to 127.0.0.1
+    and keeps the model's frontend where serve.host put it (tests/test_e2e.py: the HAProxy of a served
+    model listens on 127.0.0.1 only)."""
+    import re
+
+    from workflows.serve.haproxy_guard import _local_config, local_pages
+
+    config = _ray_haproxy_config(host)
+    assert re.search(r"^\s*bind \*?:8124$", config, re.M) and re.search(r"^\s*bind \*?:8125$", config, re.M)
+    local = local_pages(config)
+    binds = {port: addr for addr, port in re.findall(r"^\s*bind (\S+):(\d+)", local, re.M)}
+    assert binds == {"8123": frontend.split(":")[0], "8124": "127.0.0.1", "8125": "127.0.0.1"}, binds
+    assert local_pages(local) == local
+    given = tmp_path / "haproxy.cfg"
+    given.write_text(config)
+    args = _local_config(["-db", "-f", str(given), "-sf", "1"])
+    assert args[:2] == ["-db", "-f"] and args[3:] == ["-sf", "1"] and open(args[2]).read() == local
+    assert given.read_text() == config  # Serve's own file stays as Serve wrote it

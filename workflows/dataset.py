@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from workflows.errors import UserError
+from workflows.storage.confine import MAX_NAME_CHARS, first_error, plain_segments, relative_under, shown
 from workflows.storage.shards import read_shards
 from workflows.storage.uri import (
     StorageContext,
@@ -54,11 +57,44 @@ class ProcessedDataset:
 
     @classmethod
     def from_manifest(cls, m: dict) -> ProcessedDataset:
+        """The dataset a manifest describes, as written (no check: a manifest of this process's own)."""
         return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
 
     @classmethod
     def load(cls, uri: str, ctx: StorageContext) -> ProcessedDataset:
-        return cls.from_manifest(read_json(join(uri, "manifest.json"), ctx))
+        """The dataset whose manifest is at `uri`, read back from the store and checked: each field of
+        its type and within its bounds, and its files under `uri` (by plain-name segments, relative or
+        below the folder it was written to), found where it is read from now; its own `uri` is not
+        followed. Anything else is refused in one line naming the manifest and the key."""
+        where = join(uri, MANIFEST)
+        try:
+            checked = _Manifest.model_validate(read_json(where, ctx, max_bytes=MAX_MANIFEST_BYTES))
+        except ValidationError as e:  # before json's ValueError: a subclass
+            raise UserError(f"{where}: {first_error(e)}; the manifest was edited in the store: preprocess "
+                            "again") from None
+        except ValueError as e:  # not JSON
+            raise UserError(f"{where} is not JSON: {str(e).splitlines()[0]}") from None
+        data = cls.from_manifest(checked.model_dump(exclude_unset=True))
+        data.files = {split: [_under_dataset(uri, checked.uri, f, f"{where}: files.{split}[{i}]")
+                              for i, f in enumerate(names)] for split, names in checked.files.items()}
+        data.uri = uri
+        return data
+
+    def tokenizer_of(self, cfg) -> str:
+        """The tokenizer this text dataset was written with, which must be the one the config's task
+        writes (Task.dataset_tokenizer: preprocess.tokenizer, a chat model's base): a manifest is the
+        bucket's, and a bucket writer does not choose what is read (and copied into a registered
+        model) as a tokenizer."""
+        from workflows.tasks import get_task
+
+        where, expected = join(self.uri, MANIFEST), get_task(cfg).dataset_tokenizer()
+        if not self.tokenizer:
+            raise UserError(f"{where}: tokenizer: the processed dataset {self.version} ({self.task}) names none")
+        if self.tokenizer != expected:
+            raise UserError(f"{where}: tokenizer {shown(self.tokenizer)} is not the one this config's task reads "
+                            f"({expected!r}, from preprocess.tokenizer or model.name_or_path): set it to the one the "
+                            "dataset was made with, or preprocess again")
+        return self.tokenizer
 
     def read(self, split: str, ctx: StorageContext, num_cpus: float | None = None, cache=None):
         """A Ray Dataset of one split, read from exactly the files the manifest lists.
@@ -70,6 +106,44 @@ class ProcessedDataset:
         if not files:
             raise UserError(f"processed dataset {self.version} has no rows in split {split!r}")
         return read_shards(files, "parquet", ctx, cache, num_cpus=num_cpus, check_schemas=False)  # written by us
+
+
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # about half a million file entries
+_Text = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+_Count = Annotated[int, Field(ge=0, le=2**53)]
+
+
+class _Manifest(BaseModel):
+    """The fields of a manifest.json the platform reads, with their types and bounds; other keys (the
+    shards, the format, the seconds it took) are kept as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    uri: _Text
+    version: _Text
+    labels: list[_Text] = []
+    label_column: _Text
+    files: dict[Literal["train", "val", "test"], list[Any]]
+    counts: dict[_Text, _Count]
+    label_counts: dict[_Text, dict[_Text, _Count]] = {}
+    source: _Text
+    task: _Text = "classification"
+    text_columns: list[_Text] = []
+    tokenizer: _Text | None = None
+    max_length: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    info: dict[_Text, Any] = {}
+
+
+def _under_dataset(read_from: str, written_to: str, name: object, what: str) -> str:
+    """A manifest's file entry as a URI under `read_from`: a relative name, or one below the folder the
+    manifest was written to or is read from (preprocessing writes full URIs), by plain-name segments."""
+    rel = name if isinstance(name, str) and "://" not in name and not name.startswith("/") and plain_segments(name) \
+        else relative_under(read_from, name) or relative_under(written_to, name)
+    if rel is None:
+        raise UserError(f"{what}: {shown(name)} is not a file below the dataset's folder {read_from}: refused (the "
+                        "manifest was edited in the store: preprocess again)")
+    return join(read_from, rel)
 
 
 def _unit_hash(key: str) -> float:
@@ -93,7 +167,7 @@ def _keep_fraction(text: str, seed: int) -> float:
 
 def materialized(out_uri: str, ctx: StorageContext, say=print) -> ProcessedDataset | None:
     """The processed dataset already written at `out_uri` (its manifest is there), marked reused; or None."""
-    if not exists(join(out_uri, "manifest.json"), ctx):
+    if not exists(join(out_uri, MANIFEST), ctx):
         return None
     ds = ProcessedDataset.load(out_uri, ctx)
     ds.reused = True
@@ -128,4 +202,4 @@ def write_manifest(data: ProcessedDataset, ctx: StorageContext, **extra: Any) ->
     manifest = asdict(data)
     manifest.pop("reused")
     manifest.update(extra)
-    write_json(join(data.uri, "manifest.json"), manifest, ctx)
+    write_json(join(data.uri, MANIFEST), manifest, ctx)

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StringConstraints
+
+from workflows.storage.confine import MAX_NAME_CHARS
+
+MAX_CARD_BYTES = 16 << 20  # a card read back from the store: labels, columns, metrics, lineage
+Text = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]  # each name or label a card holds
 
 
 class ModelCard(BaseModel):
@@ -17,22 +22,22 @@ class ModelCard(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    task: str | None = None
-    labels: list[str] = []  # a classifier's: index i is the model's output i (none for a regression)
-    text_columns: list[str] = []  # text tasks: joined into the model's input, in this order
+    task: Text | None = None
+    labels: list[Text] = []  # a classifier's: index i is the model's output i (none for a regression)
+    text_columns: list[Text] = []  # text tasks: joined into the model's input, in this order
     image_size: int | None = None  # image tasks: the side of the square uint8 tensor the model reads
     image_mean: list[float] | None = None  # image tasks: per-channel normalization of that tensor
     image_std: list[float] | None = None
-    label_column: str | None = None
+    label_column: Text | None = None
     max_length: int | None = None  # tokens; required to serve a text model (TextPredictor)
     lineage: dict[str, Any] | None = None  # dataset, source, checkpoint, run
-    majority_label: str | None = None  # the train split's most common label (evaluation baseline)
+    majority_label: Text | None = None  # the train split's most common label (evaluation baseline)
     val_metrics: dict[str, Any] | None = None
     # set by registry.register
-    name: str | None = None
+    name: Text | None = None
     version: int | None = None
-    artifact_id: str | None = None  # unique per upload: names the node-local cache entry
-    registered_at: str | None = None
+    artifact_id: Text | None = None  # unique per upload: names the node-local cache entry
+    registered_at: Text | None = None
     # not in workflows.json: registry.card attaches the evaluation stored beside the version
     metrics: dict[str, Any] | None = None
     # not in workflows.json either: the promotion gate's decision stored beside the version (promotion.json)

@@ -18,14 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from workflows import registry_aliases
 from workflows.config import WorkflowConfig, check_name
+from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
-from workflows.model_card import ModelCard
+from workflows.model_card import MAX_CARD_BYTES, ModelCard
+from workflows.storage.confine import first_error, relative_under, shown
+from workflows.storage.create_only import create_once
 from workflows.storage.model_cache import cached_dir
+from workflows.storage.model_dir import check_tokenizer_files
 from workflows.storage.uri import (
     StorageContext,
-    create_once,
     download_dir,
     exists,
     filesystem,
@@ -38,6 +43,14 @@ from workflows.storage.uri import (
 META_FILE = "workflows.json"
 CLAIM_FILE = "claim.json"  # a version's first object: which registration writes into it
 _VERSION = re.compile(r"^v(\d+)$")
+
+
+class NotRegistered(UserError):
+    """No such model or version; `public`: the same said without where the registry is (an HTTP answer)."""
+
+    def __init__(self, message: str, public: str):
+        super().__init__(message)
+        self.public = public
 
 
 @dataclass(frozen=True)
@@ -110,18 +123,21 @@ def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
     name, version = parse_spec(spec)
     available = versions(cfg, ctx, name)
     if not available:
-        raise UserError(f"model {name!r} not found in the registry at {_models_root(cfg)}")
+        raise NotRegistered(f"model {name!r} not found in the registry at {_models_root(cfg)}",
+                            f"model {name!r} is not registered")
     alias = split_alias(spec)[1]
     if alias is not None:
         version = registry_aliases.holder(cfg, ctx, name, alias)
         if version is None:
             held = registry_aliases.aliases(cfg, ctx, name)
-            raise UserError(f"model {name!r} has no alias {alias!r} (aliases: "
-                            f"{', '.join(f'{a}=v{v}' for a, v in held.items()) or 'none'})")
+            listed = ", ".join(f"{a}=v{v}" for a, v in held.items()) or "none"
+            raise NotRegistered(f"model {name!r} has no alias {alias!r} (aliases: {listed})",
+                                f"model {name!r} has no alias {alias!r}")
     if version is None:
         version = available[-1]
     elif version not in available:
-        raise UserError(f"model {name!r} has no version {version} (available: {', '.join(f'v{v}' for v in available)})")
+        message = f"model {name!r} has no version {version} (available: {', '.join(f'v{v}' for v in available)})"
+        raise NotRegistered(message, message)
     return ModelRef(name, version, join(_models_root(cfg), name, f"v{version}"))
 
 
@@ -159,8 +175,10 @@ def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
     the bucket can edit the card, and must not choose where a fetch writes."""
     uri = join(ref.uri, META_FILE)
     try:
-        card = ModelCard.model_validate(read_json(uri, ctx))
-    except ValueError as e:  # not JSON, or a field of the wrong type
+        card = ModelCard.model_validate(read_json(uri, ctx, max_bytes=MAX_CARD_BYTES))
+    except ValidationError as e:  # a field of the wrong type or size (before json's ValueError: a subclass)
+        raise UserError(f"{uri} is not a valid model card: {first_error(e)}") from None
+    except ValueError as e:  # not JSON
         raise UserError(f"{uri} is not a valid model card: {str(e).splitlines()[0]}") from None
     if card.artifact_id is None:  # written by every register(); a hand-made version lacks it
         raise UserError(f"{uri} has no artifact_id: register the model again")
@@ -174,17 +192,45 @@ def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
     return card
 
 
+def card_uri(cfg: WorkflowConfig, card: ModelCard) -> str:
+    """Where a version's card is stored (as an error message names it)."""
+    return join(_models_root(cfg), str(card.name), f"v{card.version}", META_FILE)
+
+
+def lineage_dataset(cfg: WorkflowConfig, ctx: StorageContext, card: ModelCard) -> ProcessedDataset:
+    """The processed dataset a version was trained on, as its card's lineage.dataset_uri names it. The
+    card is the bucket's: the dataset is read only from under storage.root (plain-name segments), as
+    every processed dataset is written; anything else is refused in one line."""
+    uri = (card.lineage or {}).get("dataset_uri")
+    if not uri:
+        raise UserError(f"model {card.name}:v{card.version} records no processed dataset in its lineage; "
+                        "evaluate it with --data URI")
+    if relative_under(cfg.storage.root, uri) is None:
+        raise UserError(f"{card_uri(cfg, card)}: lineage.dataset_uri {shown(uri)} is not under storage.root "
+                        f"({cfg.storage.root}): refused (the card was edited in the store; evaluate it with "
+                        "--data URI)")
+    try:
+        return ProcessedDataset.load(uri, ctx)
+    except FileNotFoundError:
+        raise UserError(f"model {card.name}:v{card.version} was trained on the processed dataset {uri}, which is "
+                        "gone (no manifest.json there); evaluate it with --data URI") from None
+
+
 def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, ModelCard]:
     """Local directory holding the model version (downloaded once per node), and its card."""
     ref = resolve(cfg, ctx, spec)
     card = read_card(ref, ctx)
     assert card.artifact_id is not None  # read_card refuses a card without one
 
+    what = f"model {ref.name}:v{ref.version}"
+
     def fill(tmp: str) -> None:
         download_dir(ref.uri, ctx, tmp, skip=(META_FILE, EVAL_FILE, CLAIM_FILE, PROMOTION_FILE))
+        check_tokenizer_files(tmp, what)  # nothing refused enters the cache
         (Path(tmp) / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
 
-    return cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill), card
+    return check_tokenizer_files(cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill),
+                                 what), card
 
 
 EVAL_FILE = "evaluation.json"

@@ -2,7 +2,7 @@
 the registry's bucket: `<storage.root>/models/<name>/aliases/<alias>/<seq>.json`.
 
 Each move of an alias is a new record with the next sequence number, written with the registry's
-create-only write (`create_once`: S3's conditional PUT, a local file's O_EXCL). The alias's holder
+create-only write (workflows.storage.create_only.create_once). The alias's holder
 is its newest record. Two movers racing contend for the same key: one creates it, the other reads
 the new newest record and writes the next one (its `from` is then the winner's version), or,
 when it moved on the condition that the holder is still the one it saw (`expect`, the promotion
@@ -21,7 +21,8 @@ from typing import Any
 from workflows.config import WorkflowConfig
 from workflows.config.base import check_alias_name
 from workflows.errors import UserError
-from workflows.storage.uri import StorageContext, create_once, exists, filesystem, join, reaching, read_json
+from workflows.storage.create_only import create_once
+from workflows.storage.uri import StorageContext, exists, filesystem, join, reaching, read_json
 
 ALIASES = "aliases"
 _RECORD = re.compile(r"^(\d{8})\.json$")

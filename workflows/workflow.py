@@ -275,10 +275,7 @@ class Workflow:
         """The processed dataset's tokenizer (a text task's), to read stored token ids."""
         from transformers import AutoTokenizer
 
-        data = self._data()
-        if not data.tokenizer:
-            raise UserError(f"processed dataset {data.version} ({data.task}) has no tokenizer")
-        return AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer))
+        return AutoTokenizer.from_pretrained(resolve_model_dir(self._data().tokenizer_of(self.cfg)))
 
     # --- tune, train, register -------------------------------------------------------------------
     def tune(self, resume: bool = False) -> TuneResult:

@@ -248,15 +248,17 @@ def _image_rows(rt, spec: str, n: int) -> list[dict]:
     import base64
 
     from workflows import registry
-    from workflows.dataset import ProcessedDataset
     from workflows.preprocess.sources import list_shards
     from workflows.storage.shards import _read_local, read_parquet
     from workflows.storage.uri import filesystem
 
     card = registry.model_card(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage)
+    data = registry.lineage_dataset(rt.cfg, rt.storage, card)
     keys = [k for f in data.files["test"] for k in read_parquet(f, rt.storage, ["key"]).column("key").to_pylist()]
-    shards, fmt = list_shards(data.source, rt.storage)
+    if data.source != rt.cfg.data.source:  # the manifest's word, which chooses no place to read
+        raise UserError(f"bench serve's image row reads the raw shards of data.source ({rt.cfg.data.source}); the "
+                        f"model's dataset was made from {data.source}: set data.source to it")
+    shards, fmt = list_shards(rt.cfg.data.source, rt.storage)
     if fmt not in ("tar", "image"):
         raise UserError(f"bench serve's image row reads tar or image-file raw shards; {data.source} holds {fmt}")
     wanted, found = set(keys[:n]), {}
@@ -273,10 +275,9 @@ def _image_rows(rt, spec: str, n: int) -> list[dict]:
 
 def _test_rows(rt, spec: str, n: int) -> list[dict]:
     from workflows import registry
-    from workflows.dataset import ProcessedDataset
 
     card = registry.model_card(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage)
+    data = registry.lineage_dataset(rt.cfg, rt.storage, card)
     cols = [*data.text_columns, data.label_column]
     got = data.read("test", rt.storage, cache=rt.cfg.cache).select_columns(cols).take(n)
     return [{c: str(r[c]) for c in cols} for r in got]
@@ -326,7 +327,6 @@ def _inprocess_batching(rt, spec: str, rows: list[dict]) -> dict:
 
 def _precisions(rt, spec: str, rows: list[dict]) -> dict:
     from workflows import registry
-    from workflows.dataset import ProcessedDataset
     from workflows.evaluate import evaluate_dataset
 
     out = {}
@@ -338,7 +338,7 @@ def _precisions(rt, spec: str, rows: list[dict]) -> dict:
         pred.probabilities(columns, batch_size=32)
         out[f"{precision}_rows_per_s"] = round(len(rows) / (time.perf_counter() - t0), 1)
     card = registry.model_card(rt.cfg, rt.storage, spec)
-    data = ProcessedDataset.load((card.lineage or {})["dataset_uri"], rt.storage)
+    data = registry.lineage_dataset(rt.cfg, rt.storage, card)
     f1 = {}
     for precision in PRECISIONS:
         cfg = rt.cfg.model_copy(deep=True)

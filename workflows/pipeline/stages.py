@@ -359,16 +359,8 @@ def model_split(cfg: WorkflowConfig, storage, model_spec: str, split: str):
     check_split(split)
     card = registry.model_card(cfg, storage, model_spec)
     check_card_task(cfg, card)
-    spec = f"{card.name}:v{card.version}"
-    uri = (card.lineage or {}).get("dataset_uri")
-    if not uri:
-        raise UserError(f"model {spec} records no processed dataset in its lineage; evaluate it with --data URI")
-    try:
-        data = ProcessedDataset.load(uri, storage)
-    except FileNotFoundError:
-        raise UserError(f"model {spec} was trained on the processed dataset {uri}, which is gone "
-                        "(no manifest.json there); evaluate it with --data URI") from None
-    return card, f"{uri}/split={split}/", data
+    data = registry.lineage_dataset(cfg, storage, card)
+    return card, f"{data.uri}/split={split}/", data
 
 
 # --- serve ---------------------------------------------------------------------------------------

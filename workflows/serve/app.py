@@ -15,10 +15,11 @@ OpenAPI document declares that model's request and response models.
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` annotation.
 import asyncio
 import hmac
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +41,8 @@ from workflows.storage.embedded import running_endpoint
 from workflows.storage.uri import StorageContext
 from workflows.tasks import check_task, task_for_card
 from workflows.tasks.contract import MAX_BODY_BYTES, ErrorResponse, error_responses, loc_path
+
+log = logging.getLogger(__name__)
 
 # Ray Serve metrics (Prometheus, through Ray's metrics agent; docs/OBSERVABILITY.md). Created on
 # first use inside a replica, so Serve adds its deployment/replica/application tags.
@@ -259,12 +262,16 @@ class ModelServer:
         return self.stopping_response() if self.stopping else self._denied(request)
 
     def fetch_model(self, spec: str) -> tuple[str, Any]:
-        """Another registered version (a task's adapter): its local directory and card. Blocking."""
-        return registry.fetch(self.cfg, self.storage, spec)
+        """Another registered version (a task's adapter): its local directory and card. Blocking;
+        a UserError that names the model only (`_unseen`)."""
+        with _unseen(spec):
+            return registry.fetch(self.cfg, self.storage, spec)
 
     def read_card(self, spec: str) -> Any:
-        """Another registered version's card alone (one small read, nothing downloaded). Blocking."""
-        return registry.read_card(registry.resolve(self.cfg, self.storage, spec), self.storage)
+        """Another registered version's card alone (one small read, nothing downloaded). Blocking;
+        a UserError that names the model only (`_unseen`)."""
+        with _unseen(spec):
+            return registry.read_card(registry.resolve(self.cfg, self.storage, spec), self.storage)
 
     async def pin(self, model: str) -> str:
         """A request's model NAME@ALIAS as the NAME:VERSION the alias holds (read from the registry at
@@ -307,6 +314,19 @@ class ModelServer:
             return JSONResponse({"predictions": predictions, "model": self.card.name, "version": self.card.version})
         finally:
             self.in_flight -= 1
+
+
+@contextmanager
+def _unseen(spec: str):
+    """A failure to read a registered version, as a client is told of it: the model named, never where
+    the registry or the node's cache is (the registry's own message goes to the replica's log)."""
+    try:
+        yield
+    except registry.NotRegistered as e:
+        raise UserError(e.public) from None
+    except Exception as e:  # the registry's UserError, or the store's or the disk's own error
+        log.warning("model %s cannot be read from the registry: %s: %s", spec[:200], type(e).__name__, e)
+        raise UserError(f"model {spec[:200]} cannot be read from the registry") from None
 
 
 async def read_body(request: Request, limit: int) -> bytes | JSONResponse:

@@ -13,7 +13,10 @@ the admin socket, so exec, never a child):
 2. leaves a watchdog that kills this HAProxy once the command (WORKFLOWS_INGRESS_OWNER=pid:start
    time) is gone, for where the actor outlives it (stuck in its exit); the watchdog exits with
    HAProxy;
-3. execs the real binary with Serve's arguments.
+3. execs the real binary with Serve's arguments, its configuration (`-f`) first given its pages'
+   own address (`local_pages`): Ray's template binds HAProxy's stats and Prometheus pages, which
+   answer without the bearer token, on every interface; here they listen on 127.0.0.1 only, and
+   the frontends that serve the model keep the address serve.host gave them.
 
 Run by path with `python -S -E` (stdlib only: no site-packages, no workflows import), so that
 every HAProxy start or reload costs a few milliseconds, not a package import.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import select
 import signal
 import sys
@@ -99,6 +103,60 @@ def watch(me: int, boss: int, owner: str) -> None:
             return
 
 
+SERVING = ("http_frontend", "grpc_frontend")  # Ray's frontends of the model: bound where serve.host says
+_SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|resolvers|peers|userlist|program|cache)\b\s*(\S*)")
+_ANY_ADDRESS = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|::|\[::\])?:(\d+)\b")
+
+
+def local_pages(config: str) -> str:
+    """`config` with every `bind` on all interfaces (`:PORT`, `*:PORT`, `0.0.0.0:PORT`) outside the
+    serving frontends bound to 127.0.0.1: the stats and Prometheus pages are for this machine."""
+    out, section = [], ""
+    for line in config.splitlines(keepends=True):
+        if m := _SECTION.match(line):
+            section = m.group(2)
+        elif section not in SERVING:
+            line = _ANY_ADDRESS.sub(r"\g<1>127.0.0.1:\2", line)
+        out.append(line)
+    return "".join(out)
+
+
+def _local_config(args: list[str]) -> list[str]:
+    """Serve's arguments, `-f CFG` replaced by CFG rewritten by `local_pages`, written beside it under
+    this process's pid (HAProxy's once exec'd: Serve writes CFG again for each reload, while this
+    HAProxy keeps running); the files of HAProxies that are gone are removed."""
+    if "-f" not in args or args.index("-f") + 1 >= len(args):
+        return args
+    i = args.index("-f") + 1
+    with open(args[i]) as f:
+        config = f.read()
+    rewritten = local_pages(config)
+    if rewritten == config:
+        return args
+    folder = os.path.dirname(os.path.abspath(args[i]))
+    for name in os.listdir(folder):
+        if (m := re.fullmatch(r"haproxy-local-(\d+)\.cfg", name)) and not _alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+    path = os.path.join(folder, f"haproxy-local-{os.getpid()}.cfg")
+    with open(f"{path}.tmp", "w") as f:
+        f.write(rewritten)
+    os.replace(f"{path}.tmp", path)
+    return [*args[:i], path, *args[i + 1:]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(argv: list[str]) -> None:
     if argv[1] == "--watch":
         watch(int(argv[2]), int(argv[3]), argv[4])
@@ -108,7 +166,7 @@ def main(argv: list[str]) -> None:
     owner = os.environ.get(OWNER_ENV)
     if owner:
         _leave_watchdog(owner)
-    os.execv(real, [real, *args])
+    os.execv(real, [real, *_local_config(args)])
 
 
 if __name__ == "__main__":

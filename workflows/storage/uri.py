@@ -177,11 +177,13 @@ def join(uri: str, *parts: str) -> str:
 
 
 def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str, ...] = ()) -> None:
-    """Copy the files directly under `uri` (a flat "directory" of objects) into `local_dir`. A key's
-    name comes from the store: one that is not a plain file name (`..`, `.`) is refused."""
+    """Copy the files directly under `uri` (a flat "directory" of objects; prefixes below it, such
+    as create-only claims, are not files) into `local_dir`. A key's name comes from the store: one
+    that is not a plain file name (`..`, `.`) is refused."""
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
-        found = {remote: remote.rstrip("/").rsplit("/", 1)[-1] for remote in fs.ls(path, detail=False)}
+        found = {e["name"]: e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=True)
+                 if e.get("type") != "directory"}
         for base in found.values():
             if base in ("", ".", "..") or os.sep in base:
                 raise UserError(f"{uri} holds an object named {base!r}, which is no file name: not downloaded")
@@ -210,37 +212,19 @@ def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
             f.write(data)
 
 
-def create_once(uri: str, data: bytes, ctx: StorageContext) -> bool:
-    """Write `data` at `uri` unless something is there already; True where this call created it.
-    Of writers racing for one name exactly one wins: a local file is created with O_EXCL, an object
-    with S3's conditional PUT (If-None-Match: *; AWS S3 and MinIO honour it, as does the embedded
-    endpoint: workflows.storage.s3_server)."""
-    fs, path = filesystem(uri, ctx)
-    if protocol_of(uri) == "file":
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
-    with reaching(uri, ctx):
-        try:
-            fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            return False
-    return True
-
-
 def write_json(uri: str, obj: Any, ctx: StorageContext) -> None:
     write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True).encode(), ctx)
 
 
-def read_json(uri: str, ctx: StorageContext) -> Any:
+def read_json(uri: str, ctx: StorageContext, max_bytes: int | None = None) -> Any:
+    """The JSON object at `uri`; `max_bytes`: one over it is refused in one line, unread (an object the
+    store holds is as large as its writer made it)."""
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx), fs.open(path, "rb") as f:
-        return json.loads(f.read())
+        raw = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise UserError(f"{uri} is over {max_bytes} bytes: refused")
+    return json.loads(raw)
 
 
 def check_bucket(uri: str, ctx: StorageContext) -> None:

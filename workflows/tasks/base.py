@@ -188,6 +188,11 @@ class Task(abc.ABC):
                "rows_per_shard": self.cfg.preprocess.rows_per_shard}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
+    def dataset_tokenizer(self) -> str | None:
+        """The tokenizer `preprocess` writes into a text dataset's manifest, which a dataset read back
+        must name (ProcessedDataset.tokenizer_of). Default: preprocess.tokenizer."""
+        return self.cfg.preprocess.tokenizer
+
     def prepare_dataset(self, ds):
         """A last step on a split's Ray Dataset before training reads it (default: none)."""
         return ds

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from workflows.errors import UserError
 from workflows.parallel import world
+from workflows.storage.confine import plain_segments, shown
 
 STATE_FILE = "train_state.json"
 METADATA_FILE = ".metadata"
@@ -174,8 +175,8 @@ def read_metadata(f: IO[bytes]) -> Metadata:
 
 
 def _plain_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name \
-        and "\\" not in name
+    """A file name of the checkpoint's own folder: one plain segment (workflows.storage.confine)."""
+    return isinstance(name, str) and plain_segments(name) and "/" not in name
 
 
 def _read_local_metadata(directory: str | os.PathLike) -> Metadata:
@@ -265,6 +266,33 @@ def private_copy(checkpoint) -> Iterator[str]:
         yield checkpoint.to_directory(tmp)
 
 
+MAX_STATE_BYTES = 64 << 20
+
+
 def read_state(directory: str) -> dict:
-    with open(os.path.join(directory, STATE_FILE)) as f:
-        return json.load(f)
+    """train_state.json of a local checkpoint directory, checked (`parse_state`)."""
+    path = os.path.join(directory, STATE_FILE)
+    if os.path.getsize(path) > MAX_STATE_BYTES:
+        raise UserError(f"checkpoint {directory}: {STATE_FILE} is over {MAX_STATE_BYTES} bytes: refused")
+    with open(path, "rb") as f:
+        return parse_state(f.read(), directory)
+
+
+def parse_state(raw: bytes, where: str) -> dict:
+    """A checkpoint's train_state.json, refused in one line unless it is a JSON object whose `files`
+    (when there) maps plain file names to sizes: a replaced file may hold other numbers, not other
+    shapes."""
+    if len(raw) > MAX_STATE_BYTES:
+        raise UserError(f"checkpoint {where}: {STATE_FILE} is over {MAX_STATE_BYTES} bytes: refused")
+    try:
+        state = json.loads(raw)
+    except ValueError as e:
+        raise UserError(f"checkpoint {where}: {STATE_FILE} is not JSON ({str(e)[:120]}): refused") from None
+    files = state.get("files") if isinstance(state, dict) else None
+    if not isinstance(state, dict) or files is not None and not (
+            isinstance(files, dict) and all(_plain_name(k) and type(v) is int and v >= 0
+                                            for k, v in files.items())):
+        what = f"files {shown(files)}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise UserError(f"checkpoint {where}: {STATE_FILE}: {what} is not a map of the checkpoint's file names "
+                        "to their sizes: refused (its files were replaced)")
+    return state

@@ -41,7 +41,7 @@ from workflows.runtime import runtime
 from workflows.seeds import augment_seed, data_seed
 from workflows.storage.atomic import atomic_write
 from workflows.storage.shards import read_parquet
-from workflows.storage.uri import StorageContext, exists, filesystem, join, read_json, with_protocol
+from workflows.storage.uri import StorageContext, exists, join
 from workflows.tasks import get_task
 from workflows.tasks.base import Task
 from workflows.tracking.client import RunLogger
@@ -74,12 +74,7 @@ def find_dataset(cfg: WorkflowConfig, storage: StorageContext, uri: str | None =
         return ProcessedDataset.load(uri, storage)
     if not exists(join(uri, "manifest.json"), storage):
         raise UserError(f"{uri}: not a processed dataset (no manifest.json)")
-    data = ProcessedDataset.from_manifest(read_json(join(uri, "manifest.json"), storage))
-    data.uri = uri
-    fs, path = filesystem(uri, storage)  # a copy: its files are where it is, not where it was written
-    data.files = {s: [with_protocol(uri, p) for p in sorted(fs.glob(f"{path.rstrip('/')}/split={s}/*.parquet"))]
-                  for s in data.files}
-    return data
+    return ProcessedDataset.load(uri, storage)  # a copy too: its files are found where it is
 
 
 def read_rows(files: list[str], storage: StorageContext, columns: tuple[str, ...] | list[str],

@@ -9,7 +9,6 @@ are the Trainer's (engine.py).
 from __future__ import annotations
 
 import io
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -135,7 +134,8 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
         )
         for c in checkpoints:
             listing = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(c, detail=True) if e["type"] == "file"}
-            state = json.loads(fs.cat_file(f"{c}/{ckpt.STATE_FILE}")) if ckpt.STATE_FILE in listing else None
+            state = (ckpt.parse_state(fs.cat_file(f"{c}/{ckpt.STATE_FILE}", end=ckpt.MAX_STATE_BYTES + 1), c)
+                     if ckpt.STATE_FILE in listing else None)
             if not ckpt.missing(listing, state):
                 return with_protocol(cfg.storage.root, c)
     return None

@@ -21,6 +21,7 @@ from workflows.errors import UserError
 from workflows.storage.uri import StorageContext, pyarrow_filesystem
 from workflows.tasks import get_task
 from workflows.tracking.client import TrackingSpec
+from workflows.tune.state import check_tuner_state, remember_tuner_state
 
 if TYPE_CHECKING:
     from ray.tune import Result
@@ -205,6 +206,10 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
 
     from workflows.progress import TrialProgress
 
+    experiment = f"{cfg.name}-tune"
+    runs_uri = cfg.uri("tune")
+    if resume:  # before anything of it is read: Tuner.restore unpickles it
+        check_tuner_state(cfg, f"{runs_uri}/{experiment}", storage)
     cfg = with_task_metric(cfg)
     t = cfg.tune
     metric, mode = t.metric, t.mode
@@ -212,8 +217,6 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
     if not t.space:
         raise UserError("tune.space is empty: add at least one train.* dimension")
     concurrency = max_concurrent_trials(cfg)
-    experiment = f"{cfg.name}-tune"
-    runs_uri = cfg.uri("tune")
     pa_fs, runs_path = pyarrow_filesystem(runs_uri, storage)
     trainable = tune.with_resources(tune.with_parameters(_trial, cfg=cfg, storage=storage, data=data,
                                                          tracking=tracking),
@@ -250,6 +253,7 @@ def run_tune(cfg: WorkflowConfig, storage: StorageContext, data: ProcessedDatase
                 callbacks=[TrialProgress(metric, mode, trial_count(cfg), t.max_epochs)],
             ),
         )
+        remember_tuner_state(cfg, f"{runs_uri}/{experiment}", storage)  # the tuner.pkl it just wrote
     grid = tuner.fit()
     best = grid.get_best_result(metric=t.metric, mode=t.mode)
     trials = []

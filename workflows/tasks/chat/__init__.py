@@ -92,6 +92,9 @@ class ChatTask(Task):
 
         return preprocess_chat(self, ctx, say)
 
+    def dataset_tokenizer(self) -> str | None:
+        return self.cfg.model.name_or_path  # the base model's own (workflows.tasks.chat.data)
+
     def dataset_version(self, shards, ctx) -> str:
         from workflows.tasks.chat.data import dataset_version
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import Request  # at module level: FastAPI resolves the routes' string annotations here
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from workflows.errors import UserError
 from workflows.tasks.chat.engine import ModelNotFound, QueueFull
 from workflows.tasks.chat.sampling import SamplingParams
 from workflows.tasks.chat.streaming import Completion
@@ -307,7 +308,10 @@ class Adapters:
         except Exception as e:
             raise ModelNotFound(str(e).splitlines()[0]) from None
         await loop.run_in_executor(None, predictor.check_adapter, model_id, model_dir, card)
-        name = await asyncio.wrap_future(predictor.add_adapter(model_id, model_dir))
+        try:
+            name = await asyncio.wrap_future(predictor.add_adapter(model_id, model_dir))
+        except UserError as e:  # load_adapter's refusal: the file and key, never where it lies
+            raise ModelNotFound(f"model {model_id} cannot be served as a LoRA adapter: {e}") from None
         return AdapterRef(model_id, name, predictor, loop)
 
 

@@ -26,6 +26,7 @@ uses them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import threading
@@ -42,8 +43,13 @@ if TYPE_CHECKING:
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 SERVED_ADAPTER = "default"  # peft's name for the adapter a served adapter version loads as
+log = logging.getLogger(__name__)
 # a registered version as a request names it (registry names: workflows.config.check_name)
 MODEL_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})(?::v?(\d{1,9}))?$")
+
+
+class PromptError(ValueError):
+    """A prompt this model cannot take, said in the platform's words (an HTTP 400's message)."""
 
 
 def is_adapter(model_dir: str) -> bool:
@@ -71,6 +77,7 @@ class ChatPredictor(Predictor):
         self._base_sha: str | None = None
         self._tokenize = ThreadPoolExecutor(1, "tokenize")
         self.adapters: dict[str, str] = {}  # model id -> peft adapter name, loaded (or loading)
+        self._loaded: set[str] = set()  # peft names whose weights are all in (decode thread only)
         self._using: Counter[str] = Counter()  # model id -> requests using it (event loop only)
         self._retiring: set[str] = set()  # unloaded by Serve, deleted once unused
         self._lock = threading.RLock()
@@ -135,7 +142,7 @@ class ChatPredictor(Predictor):
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """A conversation rendered by the model's chat template, ending where the assistant answers."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: use /v1/completions")
+            raise PromptError("this model has no chat template: use /v1/completions")
         from jinja2 import TemplateError
 
         system = getattr(self.task.options, "system_prompt", None)
@@ -145,15 +152,22 @@ class ChatPredictor(Predictor):
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
         except TemplateError as e:  # the template's own check (e.g. roles out of order)
-            raise ValueError(f"messages: {e}") from None
+            raise PromptError(f"messages: {str(e)[:500]}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
 
     async def encode(self, fn, arg) -> list[int]:
-        """`fn(arg)` (chat_ids or prompt_ids) in the tokenizing thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, arg)
+        """`fn(arg)` (chat_ids or prompt_ids) in the tokenizing thread. A ValueError of the tokenizer or
+        its template library (whose message may name a file) is answered naming the model only."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, arg)
+        except PromptError:
+            raise
+        except ValueError as e:
+            log.warning("model %s: the prompt could not be tokenized: %s", self.base_id, e)
+            raise PromptError(f"model {self.base_id} could not tokenize this prompt") from None
 
     # --- adapters ------------------------------------------------------------------------------------
     def resolve(self, model: str) -> str | None:
@@ -187,30 +201,34 @@ class ChatPredictor(Predictor):
 
     def _check_base(self, model_id: str, card: Any) -> None:
         base = dict(getattr(card, "base", None) or {})
-        if not base.get("sha256") or base["sha256"] != self.base_sha256():
-            raise ModelNotFound(f"model {model_id} is an adapter of {base.get('name_or_path') or 'an unnamed base'} "
-                                f"(weights sha256 {str(base.get('sha256') or '?')[:12]}...), not of the base "
-                                f"served by {self.base_id} ({self.base_sha256()[:12]}...)")
+        if not base.get("sha256") or base["sha256"] != self.base_sha256():  # its base's name is a place: unsaid
+            raise ModelNotFound(f"model {model_id} is an adapter of another base (weights sha256 "
+                                f"{str(base.get('sha256') or '?')[:12]}...), not of the base served by {self.base_id} "
+                                f"({self.base_sha256()[:12]}...)")
 
     def add_adapter(self, model_id: str, model_dir: str):
-        """Load an adapter in the decode thread, between steps (a Future of its peft name)."""
+        """Load an adapter in the decode thread, between steps (a Future of its peft name), through
+        `load_adapter` (its config rebuilt from an allow-list, its weights from safetensors only). One
+        that fails to load leaves nothing: neither a listed model id nor a half-loaded adapter."""
         with self._lock:
             self._count += 1
             name = self.adapters.setdefault(model_id, f"adapter{self._count}")
         self._retiring.discard(model_id)
 
         def load():
-            from peft import PeftModel
+            from workflows.tasks.chat.model import load_adapter
 
-            model = self.engine.model
-            if name in getattr(model, "peft_config", {}):
-                return name
-            if isinstance(model, PeftModel):
-                model.load_adapter(model_dir, adapter_name=name, is_trainable=False, use_safetensors=True)
-            else:
-                self.engine.model = PeftModel.from_pretrained(model, model_dir, adapter_name=name,
-                                                              is_trainable=False, use_safetensors=True)
-            self.engine.model.eval()
+            if name not in self._loaded:
+                try:
+                    self.engine.model = load_adapter(self.engine.model, model_dir, name).eval()
+                except BaseException:
+                    with self._lock:
+                        if self.adapters.get(model_id) == name:
+                            del self.adapters[model_id]
+                    raise
+                self._loaded.add(name)
+            with self._lock:  # a load of the same id that failed first took it off
+                self.adapters[model_id] = name
             return name
 
         return self.engine.call(load)
@@ -240,16 +258,12 @@ class ChatPredictor(Predictor):
             name = self.adapters.pop(model_id, None)
 
         def delete():
+            from workflows.tasks.chat.model import remove_adapter
+
             model = self.engine.model
-            if name not in getattr(model, "peft_config", {}):
-                return
-            if self.served_adapter is None and set(model.peft_config) == {name}:
-                # the last adapter of a whole model: unwrap it (peft would keep the deleted name active)
-                self.engine.model = model.unload().eval()
-                return
-            model.delete_adapter(name)
-            if model.active_adapter not in model.peft_config:  # peft leaves the deleted one active
-                model.set_adapter(next(iter(model.peft_config)))
+            self._loaded.discard(name)
+            if name in getattr(model, "peft_config", {}):  # the last adapter of a whole model: unwrapped
+                self.engine.model = remove_adapter(model, name, unwrap=self.served_adapter is None)
 
         self.engine.call(delete)
 

@@ -58,7 +58,7 @@ class TextClassification(Classification):
 
         from workflows.tasks.text.model import collate
 
-        return partial(collate, pad_id=pad_and_vocab(data.tokenizer)[0])
+        return partial(collate, pad_id=pad_and_vocab(data.tokenizer_of(self.cfg))[0])
 
     # --- model
     def model_dir(self) -> str:

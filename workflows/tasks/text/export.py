@@ -18,13 +18,12 @@ def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedData
 
     from workflows.tasks.text.model import load_classifier
 
-    if data.tokenizer is None:
-        raise ValueError(f"the processed text dataset at {data.uri} names no tokenizer in its manifest")
+    tokenizer = resolve_model_dir(data.tokenizer_of(cfg))
     model = load_classifier(resolve_model_dir(cfg.model.name_or_path), data.labels, cfg.model.dropout,
                             options.pooling)
     model.load_state_dict(state, strict=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(resolve_model_dir(data.tokenizer)).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
     return write_card(ModelCard(task=cfg.model.task, labels=data.labels, text_columns=data.text_columns,
                                 label_column=data.label_column, max_length=data.max_length, lineage=lineage,
                                 options=options.model_dump(mode="json"), **baseline(data)), out_dir)
