@@ -43,11 +43,33 @@ def _rollout_row(r: dict) -> str:
     if not u:
         return "| new version rolled out under load | not measured in this run | 0 failed |"
     met = _mark(r, "rolling_update_failed")
+    if "moved_by" not in u:  # a run from before the rollover was driven by an alias move
+        return (
+            f"| new version rolled out under load (2 replicas, concurrency {u['concurrency']}): failed requests | "
+            f"{u['failed']} of {u['requests']}; answered by {u['answered_by']}; first v2 answer after "
+            f"{u['first_new_version_s']} s, last v1 answer {u['last_old_version_s']} s, deploy returned after "
+            f"{u['deploy_returned_s']} s | 0 ({met}) |"
+        )
+    bound = _mark(r, "rolling_update_bound_s")
     return (
-        f"| new version rolled out under load (2 replicas, concurrency {u['concurrency']}): failed requests | "
-        f"{u['failed']} of {u['requests']}; answered by {u['answered_by']}; first v2 answer after "
-        f"{u['first_new_version_s']} s, last v1 answer {u['last_old_version_s']} s, deploy returned after "
-        f"{u['deploy_returned_s']} s | 0 ({met}) |"
+        f"| an alias move rolls serving over under load (2 replicas, concurrency {u['concurrency']}): failed "
+        f"requests; only the new version answering | {u['failed']} of {u['requests']}; answered by "
+        f"{u['answered_by']}; first v2 answer {u['first_new_version_s']} s after the move, last v1 answer "
+        f"{u['last_old_version_s']} s (the new version deployed in {u['deploy_s']} s) | 0 ({met}); within "
+        f"{u['bound_s']:g} s ({bound}) |"
+    )
+
+
+def _scale_to_zero_row(r: dict) -> str:
+    z = r.get("scale_to_zero")
+    if not z:
+        return "| scale to zero and back | not measured in this run | 0 failed |"
+    return (
+        f"| scale to zero (`min_replicas: 0`, idle {z['downscale_delay_s']:g} s) and back, {z['cycles']} "
+        f"cycles: failed requests; the cold start | {z['failed']} of {z['requests']}; cold start p50 "
+        f"{z['cold_p50_ms'] / 1000:.1f} s, p99 {z['cold_p99_ms'] / 1000:.1f} s; warm p50 {z['warm_p50_ms']} ms, "
+        f"p99 {z['warm_p99_ms']} ms; zero replicas {z['to_zero_s_median']} s after the last request | "
+        f"0 ({_mark(r, 'scale_to_zero_failed')}) |"
     )
 
 
@@ -226,6 +248,7 @@ servers point by point so that both see the same load; absolute req/s and ms mov
 | replica replaced after | {k["recovery_s"]} s | < 30 s ({mark("replica_kill_recovery_s")}) |
 {_rollout_row(r)}
 {_autoscaling_row(r)}
+{_scale_to_zero_row(r)}
 
 Batched deployment, by concurrency:
 

@@ -142,7 +142,7 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("--config digits      # {} s on 2 cores", ("digits",), lambda r: f"{r['digits']['wall_seconds']:.0f}"),
     ("held-out weighted F1 {} (", ("digits",), lambda r: f"{r['digits']['weighted_f1']:.3f}"),
     ("0 of {} at concurrency", ("serve",), lambda r: f"{r['serve']['rolling_update']['requests']:,}"),
-    ("at concurrency {}", ("serve",), lambda r: str(r["serve"]["rolling_update"]["concurrency"])),
+    ("at concurrency {}); it rolls over", ("serve",), lambda r: str(r["serve"]["rolling_update"]["concurrency"])),
     ("`workflows pipeline --config chat` takes {} s on 2 cores", ("chat",),
      lambda r: f"{r['chat']['wall_seconds']:.0f}"),
     ("exact match from {} for the base model", ("chat",), lambda r: f"{r['chat']['base_exact_match']:.3f}"),
@@ -158,7 +158,9 @@ NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
 # changes after which an older run's figures are no longer what the command gives: a figure from a
 # run before one of these must say the run's date in its paragraph
 CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09766c)", {"madewithml", "digits",
-                                                                                         "quickstart"})]
+                                                                                         "quickstart"}),
+           ("2026-11-28T17:00:00Z", "the rolling update driven by an alias move at concurrency 32 (issue 64)",
+            {"serve"})]
 
 
 def _readme() -> str:

@@ -688,6 +688,8 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
     for gauge in ("running", "waiting", "cache_tokens", "cache_capacity_tokens"):
         assert f"ray_workflows_generate_{gauge}" in scraped, gauge
 
+    _an_adapters_alias_is_followed(chat_server, client, messages, said)
+
     # stopping: a stream in flight finishes whole, a new request is refused (OpenAI's shape), the drain waits
     from workflows.serve import drain
 
@@ -704,3 +706,30 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
     stopper.join(60)
     assert rest_chunks[-1].usage is not None and rest_chunks[-1].usage.completion_tokens >= 1
     assert report["drained"] == 1 and report["in_flight_answered"] >= 1, report
+
+
+def _an_adapters_alias_is_followed(chat_server, client, messages, said: dict) -> None:
+    """A request whose model is an adapter's NAME@ALIAS is answered by the version the alias holds;
+    when the alias moves, requests are answered by the new one (the replica reads the alias again
+    after serve.alias_poll_s), with no restart. support:2 is pirate's adapter registered as support."""
+    import openai
+
+    from workflows import registry, registry_aliases
+    from workflows.config import load_config
+    from workflows.storage.uri import StorageContext
+    from workflows.tasks.chat.model import weights_sha256
+
+    cfg = load_config(CHAT, ["storage.embedded.enabled=false", f"storage.root={chat_server.tmp}/store",
+                             f"cache.dir={chat_server.tmp}/cache"])
+    ctx = StorageContext.from_config(cfg.storage)
+    same = {"name_or_path": "registry:tinychat:1", "sha256": weights_sha256(str(chat_server.base))}
+    registry.register(cfg, ctx, str(chat_server.tmp / "pirate"), "support", {"task": TASK, "export": "adapter",
+                                                                            "base": same})
+    ask = {"messages": messages, "max_tokens": 10, "temperature": 0}
+    with pytest.raises(openai.NotFoundError, match="no alias 'live'"):
+        client.chat.completions.create(model="support@live", **ask)
+    registry_aliases.move(cfg, ctx, "support", "live", 1, by="test")
+    assert client.chat.completions.create(model="support@live", **ask).choices[0].message.content == said["support:1"]
+    registry_aliases.move(cfg, ctx, "support", "live", 2, by="test")
+    wait_until(lambda: client.chat.completions.create(model="support@live", **ask).choices[0].message.content
+               == said["pirate:v1"], 60, "the alias's new adapter to answer")

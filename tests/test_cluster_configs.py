@@ -2,7 +2,9 @@
 
 - every KubeRay manifest validates against the RayCluster / RayJob / RayService CRD schemas
   (KubeRay's openAPIV3Schema, made strict the way the API server's structural schemas are: an
-  unknown field is an error, so a misspelt field name fails here rather than being dropped);
+  unknown field is an error, so a misspelt field name fails here rather than being dropped), the
+  RayJob the retraining CronJob creates (held in its ConfigMap) included; the CronJob's pod
+  template validates against the same CRDs' PodTemplateSpec, its own fields against batch/v1's;
 - the RayService's serveConfigV2 is a valid Ray Serve config whose application args and the
   RayJobs' `python -m workflows ... --config ... --set ...` entrypoints are valid workflow configs;
 - every Ray pod has the NVMe cache/spill mount, S3 credentials from a Secret, token auth and
@@ -58,10 +60,11 @@ def load_docs(path: Path) -> list[dict]:
 # validates it as ObjectMeta. The part of ObjectMeta that manifests here use, strictly.
 OBJECT_META = {
     "type": "object",
-    "required": ["name"],
+    "anyOf": [{"required": ["name"]}, {"required": ["generateName"]}],  # `kubectl create` takes either
     "additionalProperties": False,
     "properties": {
         "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "generateName": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[-a-z0-9])?$", "maxLength": 58},
         "namespace": {"type": "string"},
         "labels": {"type": "object", "additionalProperties": {"type": "string"}},
         "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -159,8 +162,24 @@ def manifest(name: str) -> list[dict]:
     return load_docs(KUBERAY / name)
 
 
+RAY_KINDS = tuple(CRD_FILES)
+
+
+def ray_docs(name: str) -> list[dict]:
+    """The Ray resources of a manifest file: its RayCluster/RayJob/RayService documents, and those a
+    ConfigMap of it holds for something else to create (the retraining CronJob's RayJob)."""
+    out = []
+    for doc in manifest(name):
+        if doc["kind"] in RAY_KINDS:
+            out.append(doc)
+        elif doc["kind"] == "ConfigMap":
+            out += [d for text in doc.get("data", {}).values() for d in yaml.safe_load_all(text)
+                    if isinstance(d, dict) and d.get("kind") in RAY_KINDS]
+    return out
+
+
 def all_docs():
-    return [(path.name, i, doc) for path in MANIFESTS for i, doc in enumerate(manifest(path.name))]
+    return [(path.name, i, doc) for path in MANIFESTS for i, doc in enumerate(ray_docs(path.name))]
 
 
 def cluster_spec(doc: dict) -> dict:
@@ -182,14 +201,15 @@ def test_the_manifests_exist():
         "rayjob-pipeline.yaml",
         "rayjob-train.yaml",
         "rayservice.yaml",
+        "cronjob-retrain.yaml",
     }
     kinds = sorted(doc["kind"] for _, _, doc in all_docs())
-    assert kinds == ["RayCluster", "RayJob", "RayJob", "RayService"]
+    assert kinds == ["RayCluster", "RayJob", "RayJob", "RayJob", "RayService"]
 
 
 @pytest.mark.parametrize("name", [p.name for p in MANIFESTS])
 def test_manifest_validates_against_the_kuberay_crd(name):
-    for i, doc in enumerate(manifest(name)):
+    for i, doc in enumerate(ray_docs(name)):
         errors = crd_errors(doc)
         assert not errors, f"{name} (document {i}) does not match the KubeRay CRD:\n  " + "\n  ".join(errors)
 
@@ -255,7 +275,7 @@ def env_of(container: dict) -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", [p.name for p in MANIFESTS])
 def test_every_ray_pod_has_nvme_cache_spilling_secrets_auth_and_metrics(name):
-    for doc in manifest(name):
+    for doc in ray_docs(name):
         spec = cluster_spec(doc)
         assert spec.get("authOptions", {}).get("mode") == "token", f"{name}: Ray token authentication is off"
         assert spec.get("rayVersion") == "2.60.0", f"{name}: rayVersion must match the Ray the project pins"
@@ -296,9 +316,10 @@ def test_every_ray_pod_has_nvme_cache_spilling_secrets_auth_and_metrics(name):
             )
 
 
-@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob-pipeline.yaml", "rayjob-train.yaml"])
+@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob-pipeline.yaml", "rayjob-train.yaml",
+                                  "cronjob-retrain.yaml"])
 def test_training_clusters_have_a_gpu_worker_group(name):
-    doc = manifest(name)[0]
+    doc = ray_docs(name)[0]
     gpu_groups = [
         g
         for _, g in groups(doc)[1:]
@@ -353,6 +374,117 @@ def test_rayjob_entrypoint_runs_the_stage_with_a_valid_config(name, stage):
     assert cfg.ray.address == "auto" and cfg.train.use_gpu
     if stage == "pipeline":
         assert not cfg.serve.enabled, "serving is the RayService's job, not the pipeline's"
+
+
+# --- the scheduled retraining: a CronJob that creates the gated pipeline's RayJob ------------------
+
+def _strict(properties: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "additionalProperties": False, "properties": properties, "required": list(required)}
+
+
+_INT = {"type": "integer", "minimum": 0}
+_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+_SMALL_META = _strict({"labels": _LABELS, "annotations": _LABELS})
+
+
+def cronjob_schema() -> dict:
+    """batch/v1 CronJob, strict: its own fields and the Job's (as the Kubernetes API reference lists
+    them), and the pod template as the KubeRay CRDs define a PodTemplateSpec (the RayJob's
+    submitterPodTemplate: the core/v1 schema the API server uses, embedded in the CRD)."""
+    pod_template = crd_schema("RayJob")[0]["properties"]["spec"]["properties"]["submitterPodTemplate"]
+    job_spec = _strict({"backoffLimit": _INT, "activeDeadlineSeconds": _INT, "ttlSecondsAfterFinished": _INT,
+                        "completions": _INT, "parallelism": _INT, "template": pod_template}, ("template",))
+    spec = _strict({
+        "schedule": {"type": "string"}, "timeZone": {"type": "string"},
+        "concurrencyPolicy": {"enum": ["Allow", "Forbid", "Replace"]}, "startingDeadlineSeconds": _INT,
+        "successfulJobsHistoryLimit": _INT, "failedJobsHistoryLimit": _INT, "suspend": {"type": "boolean"},
+        "jobTemplate": _strict({"metadata": _SMALL_META, "spec": job_spec}, ("spec",)),
+    }, ("schedule", "jobTemplate"))
+    return _strict({"apiVersion": {"const": "batch/v1"}, "kind": {"const": "CronJob"}, "metadata": OBJECT_META,
+                    "spec": spec}, ("apiVersion", "kind", "metadata", "spec"))
+
+
+SIDE_SCHEMAS = {  # the other kinds the CronJob's file holds, strict in the fields they use
+    "ServiceAccount": _strict({"apiVersion": {"const": "v1"}, "kind": {}, "metadata": OBJECT_META}),
+    "ConfigMap": _strict({"apiVersion": {"const": "v1"}, "kind": {}, "metadata": OBJECT_META,
+                          "data": {"type": "object", "additionalProperties": {"type": "string"}}}),
+    "Role": _strict({"apiVersion": {"const": "rbac.authorization.k8s.io/v1"}, "kind": {}, "metadata": OBJECT_META,
+                     "rules": {"type": "array", "items": _strict({
+                         "apiGroups": {"type": "array", "items": {"type": "string"}},
+                         "resources": {"type": "array", "items": {"type": "string"}},
+                         "verbs": {"type": "array", "items": {"enum": ["get", "list", "watch", "create", "update",
+                                                                        "patch", "delete", "deletecollection"]}}},
+                         ("apiGroups", "resources", "verbs"))}}),
+    "RoleBinding": _strict({"apiVersion": {"const": "rbac.authorization.k8s.io/v1"}, "kind": {},
+                            "metadata": OBJECT_META,
+                            "roleRef": _strict({"apiGroup": {"const": "rbac.authorization.k8s.io"},
+                                                "kind": {"enum": ["Role", "ClusterRole"]},
+                                                "name": {"type": "string"}}, ("apiGroup", "kind", "name")),
+                            "subjects": {"type": "array", "items": _strict({
+                                "kind": {"enum": ["ServiceAccount", "User", "Group"]}, "name": {"type": "string"},
+                                "namespace": {"type": "string"}}, ("kind", "name"))}}, ("roleRef", "subjects")),
+}
+
+CRON_FIELD = re.compile(r"^(\*|\d+(-\d+)?)(/\d+)?(,(\*|\d+(-\d+)?)(/\d+)?)*$")
+
+
+def retrain_docs() -> dict[str, dict]:
+    docs = manifest("cronjob-retrain.yaml")
+    by_kind = {d["kind"]: d for d in docs}
+    assert len(by_kind) == len(docs), "one document of each kind"
+    return by_kind
+
+
+def kind_errors(doc: dict) -> list[str]:
+    schema = cronjob_schema() if doc["kind"] == "CronJob" else SIDE_SCHEMAS[doc["kind"]]
+    return [f"{'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}"
+            for e in jsonschema.Draft4Validator(schema).iter_errors(doc)]
+
+
+def test_the_retrain_cronjobs_documents_validate():
+    docs = retrain_docs()
+    assert set(docs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "CronJob"}
+    for kind, doc in docs.items():
+        assert not kind_errors(doc), f"{kind}: {kind_errors(doc)}"
+    bad = copy.deepcopy(docs["CronJob"])
+    bad["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    bad["spec"]["concurrencyPolicy"] = "Never"
+    errors = " ".join(kind_errors(bad))
+    assert "volumeMount" in errors and "Never" in errors  # strict: a typo or a wrong enum fails
+
+
+def test_the_retrain_cronjob_creates_the_gated_pipeline_rayjob_on_its_schedule():
+    docs = retrain_docs()
+    cron = docs["CronJob"]["spec"]
+    fields = cron["schedule"].split()
+    assert len(fields) == 5 and all(CRON_FIELD.match(f) for f in fields), cron["schedule"]
+    assert cron["concurrencyPolicy"] == "Forbid"  # never two retrains at once
+    pod = cron["jobTemplate"]["spec"]["template"]["spec"]
+    # the pod's identity may create RayJobs, and nothing else
+    account = docs["ServiceAccount"]["metadata"]["name"]
+    assert pod["serviceAccountName"] == account
+    binding = docs["RoleBinding"]
+    assert {"kind": "ServiceAccount", "name": account} in binding["subjects"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": docs["Role"]["metadata"]["name"]}
+    assert docs["Role"]["rules"] == [{"apiGroups": ["ray.io"], "resources": ["rayjobs"],
+                                      "verbs": ["create", "get", "list"]}]
+    # its one command creates the RayJob that the ConfigMap it mounts holds
+    (container,) = pod["containers"]
+    (mount,) = container["volumeMounts"]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
+    assert container["command"][:3] == ["kubectl", "create", "-f"]
+    key = container["command"][3].removeprefix(mount["mountPath"].rstrip("/") + "/")
+    (job,) = list(yaml.safe_load_all(docs["ConfigMap"]["data"][key]))
+    assert job["kind"] == "RayJob" and "generateName" in job["metadata"] and "name" not in job["metadata"]
+    assert not crd_errors(job)
+    stage, config, overrides = parse_workflows_command(shlex.split(job["spec"]["entrypoint"]))
+    cfg = check_cluster_config(config, overrides)
+    assert stage == "pipeline" and cfg.ray.address == "auto" and cfg.train.use_gpu and not cfg.serve.enabled
+    assert cfg.registry.promote is not None and cfg.registry.promote.alias == "production"  # the gate is on
+    assert not cfg.data.write_builtin, "a scheduled retrain reads the data that landed, never builds demo data"
+    assert job["spec"]["shutdownAfterJobFinishes"] is True
 
 
 def serve_config() -> dict:

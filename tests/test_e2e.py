@@ -66,6 +66,13 @@ def test_pipeline_runs_every_stage_registers_and_serves(quickstart_run):
     assert summary["model"] == {"name": "quickstart", "version": 1, "uri": "s3://workflows/models/quickstart/v1"}
     assert len(summary["serve"]["requests"]) == 2
     assert summary["tune"]["trials"] == 2
+    # the quickstart's promotion gate: the first version takes `production`, its score on the held-out rows
+    promotion = summary["promotion"]
+    assert promotion["promoted"] and promotion["holder"] is None and promotion["alias"] == "production"
+    assert promotion["metric"] == "f1"
+    assert promotion["scores"]["test"]["candidate"] == summary["evaluate"]["weighted"]["f1"]
+    assert promotion["scores"]["test"]["rows"] == summary["evaluate"]["rows"] and promotion["seq"] == 1
+    assert "workflows promote: quickstart@production -> v1: the first version to take it: f1 " in log
     # per-stage summaries
     for stage in ["preprocess", "tune", "train", "pipeline"]:
         assert (quickstart_run.runs / f"{stage}.json").exists(), stage
@@ -182,7 +189,8 @@ class Serving:
 
 @pytest.fixture(scope="module")
 def serving(quickstart_run):
-    """`workflows serve` in a new process, bearer-token auth on, once /healthz answers.
+    """`workflows serve --model quickstart@production` in a new process (the version the pipeline's gate
+    gave the alias, followed), bearer-token auth on, once /healthz answers.
     It starts its own local Ray, as a user's does: the token reaches the replicas through the
     environment of the cluster's processes, which the session's cluster cannot get afterwards."""
     port = free_port()
@@ -190,8 +198,8 @@ def serving(quickstart_run):
     overrides = [*quickstart_run.overrides, f"serve.port={port}", "serve.auth_token_env=WORKFLOWS_TEST_TOKEN"]
     with open(out, "w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "workflows", "serve", "--model", "quickstart:1", "--config", str(QUICKSTART),
-             *sets(overrides)],
+            [sys.executable, "-m", "workflows", "serve", "--model", "quickstart@production", "--config",
+             str(QUICKSTART), *sets(overrides)],
             cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, "WORKFLOWS_TEST_TOKEN": TOKEN},
         )
@@ -451,6 +459,7 @@ def test_sigterm_drains_and_stops_cleanly(serving):
     assert stopped_s < 30, (stopped_s, log[-3000:])
     kinds = {s for _, s in outcomes}
     assert kinds <= {200, 503, "refused"}, outcomes
-    after = log.split("serving; Ctrl-C to stop (SIGTERM too)\n", 1)[1]
+    assert "serving; Ctrl-C to stop (SIGTERM too); following quickstart@production\n" in log
+    after = log.split("following quickstart@production\n", 1)[1]
     assert after.count("\n") == 1 and after.startswith("workflows serve: stopped by SIGTERM in "), after
     assert "Traceback" not in log

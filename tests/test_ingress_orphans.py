@@ -175,7 +175,7 @@ def test_a_serve_port_taken_after_the_commands_check_is_refused_in_one_line_befo
     started: list = []
     monkeypatch.setattr(ray.serve, "start", lambda **kw: started.append("start"))
     monkeypatch.setattr(ray.serve, "run", lambda *a, **kw: started.append("run"))
-    monkeypatch.setattr(app, "application", lambda cfg, spec: None)
+    monkeypatch.setattr(app, "application", lambda cfg, spec, served_as=None: None)
     monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda **kw: None)  # no Serve in the cluster yet
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", haproxy)
     port = free_port()

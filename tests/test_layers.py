@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("workflows", "errors", "seeds", "net", "console", "stop", "overrides", "cluster_scoped", "model_card", "parallel"),
     ("storage",),
     ("config",),
-    ("dataset", "loader", "plots", "tracking", "registry"),
+    ("dataset", "loader", "plots", "tracking", "registry", "registry_aliases", "registry_history", "lineage"),
     ("preprocess",),
     ("tasks", "api", "config_reference"),
     ("serve", "evaluate"),

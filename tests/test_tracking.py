@@ -34,7 +34,7 @@ def tracked(quickstart_run, mlflow_server):
 
 def test_run_tree_tags_and_params(tracked, quickstart_run):
     client, exp, pipeline, stages, trials = tracked
-    assert set(stages) == {"preprocess", "tune", "train", "evaluate"}
+    assert set(stages) == {"preprocess", "tune", "train", "evaluate", "promote"}
     assert exp.artifact_location == "s3://workflows/mlflow/quickstart"
     assert {r.info.status for r in [pipeline, *stages.values()]} == {"FINISHED"}
     version = quickstart_run.summary("preprocess")["dataset"]["version"]
@@ -139,6 +139,53 @@ def test_registry_links_both_ways(tracked, quickstart_run, mlflow_server):
         card = json.loads(fs.cat_file(path))
     assert card["mlflow"] == {"run_id": train.info.run_id, "experiment_id": exp.experiment_id,
                               "tracking_uri": mlflow_server.url}
+
+
+def test_lineage_and_the_alias_agree_in_the_card_mlflow_and_the_history(tracked, quickstart_run):
+    """Each version's data (version, content digest, rows), config digest and code commit: the card's
+    lineage, the training run's MLflow dataset input and tags, MLflow's model version, and
+    `workflows models history` say the same; the gate's alias is MLflow's registered model alias."""
+    import json
+
+    from workflows.config import load_config
+    from workflows.storage.embedded import EmbeddedS3
+    from workflows.storage.uri import StorageContext, filesystem
+
+    client, _, pipeline, stages, _ = tracked
+    registered = quickstart_run.summary("train")["registered"]
+    cfg = load_config(QUICKSTART, quickstart_run.overrides)
+    with EmbeddedS3(cfg.storage.embedded.data_dir) as s3:
+        ctx = StorageContext(endpoint_url=s3.endpoint_url, region="us-east-1", embedded=True)
+        fs, path = filesystem(f"{registered['uri']}/workflows.json", ctx)
+        lineage = json.loads(fs.cat_file(path))["lineage"]
+    data, train = lineage["data"], stages["train"]
+    dataset = quickstart_run.summary("preprocess")["dataset"]
+    assert data["version"] == dataset["version"] and data["rows"] == dataset["counts"] and len(data["digest"]) == 16
+    (logged,) = client.get_run(train.info.run_id).inputs.dataset_inputs
+    assert logged.dataset.digest == data["digest"] and logged.dataset.name == f"processed-{data['version']}"
+    assert json.loads(logged.dataset.source) == {"uri": data["uri"], "raw": data["source"]}
+    assert json.loads(logged.dataset.profile)["rows"] == data["rows"]
+    assert {t.key: t.value for t in logged.tags} == {"mlflow.data.context": "training"}
+    assert train.data.tags["dataset.digest"] == data["digest"]
+    assert train.data.tags["workflows.config_digest"] == lineage["config_digest"]
+    assert train.data.tags.get("mlflow.source.git.commit") == lineage["code_commit"]
+    # MLflow's registry: the version's twin, and the alias the gate set on it
+    model = client.get_registered_model("quickstart")
+    (twin,) = [v for v in client.search_model_versions("name='quickstart'") if v.tags["workflows.version"] == "1"]
+    assert model.aliases == {"production": twin.version} and twin.run_id == train.info.run_id
+    assert twin.source == registered["uri"] and twin.tags["dataset.digest"] == data["digest"]
+    promote = stages["promote"]
+    assert promote.data.tags["promotion.promoted"] == "true" and promote.data.tags["promotion.alias"] == "production"
+    assert promote.data.metrics["test_candidate"] == quickstart_run.summary("pipeline")["evaluate"]["weighted"]["f1"]
+    res = quickstart_run.cli("models", "history", "quickstart")
+    assert res.returncode == 0, res.stderr[-2000:]
+    first, moved = res.stdout.splitlines()[:2]
+    rows = "/".join(str(data["rows"][s]) for s in ("train", "val", "test"))
+    assert f"v1 registered: data {data['version']} (digest {data['digest']}, rows train/val/test {rows}), " \
+           f"config {lineage['config_digest']}, commit {(lineage['code_commit'] or '?')[:12]}, " \
+           f"MLflow run {train.info.run_id}" in first
+    assert f"@production: nothing -> v1 by workflows pipeline (config quickstart, MLflow run {pipeline.info.run_id}" \
+        in moved and "the first version to take it" in moved
 
 
 def test_runs_command_lists_the_pipeline_and_its_stages(quickstart_run):

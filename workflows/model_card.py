@@ -40,6 +40,8 @@ class ModelCard(BaseModel):
     registered_at: Text | None = None
     # not in workflows.json: registry.card attaches the evaluation stored beside the version
     metrics: dict[str, Any] | None = None
+    # not in workflows.json either: the promotion gate's decision stored beside the version (promotion.json)
+    promotion: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, model_dir: str) -> ModelCard:

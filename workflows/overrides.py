@@ -53,4 +53,4 @@ def named_after_model(overrides: list[str] | None, ctx, model: str) -> list[str]
     if ctx.get_parameter_source("config").name != "DEFAULT" or any(o.split("=", 1)[0].strip() == "name"
                                                                     for o in overrides):
         return overrides
-    return [*overrides, f"name={model.split(':', 1)[0]}"]
+    return [*overrides, f"name={re.split(r'[:@]', model, maxsplit=1)[0]}"]

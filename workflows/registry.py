@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from workflows import registry_aliases
 from workflows.config import WorkflowConfig, check_name
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
@@ -59,13 +60,26 @@ class ModelRef:
     uri: str
 
 
+def split_alias(spec: str) -> tuple[str, str | None]:
+    """'NAME@ALIAS' -> (NAME, ALIAS); anything else -> (spec, None)."""
+    base, at, alias = spec.partition("@")
+    return (base, alias) if at else (spec, None)
+
+
 def parse_spec(spec: str) -> tuple[str, int | None]:
-    """'NAME' or 'NAME:VERSION' (VERSION as 3 or v3); names are validated before becoming paths."""
-    name, _, version = spec.partition(":")
+    """'NAME', 'NAME:VERSION' (VERSION as 3 or v3) or 'NAME@ALIAS' (the version an alias holds, read by
+    `resolve`: None here); names are validated before becoming paths."""
+    base, alias = split_alias(spec)
+    name, _, version = base.partition(":")
     try:
         check_name(name, "model name")
     except ValueError as e:
         raise UserError(str(e)) from None
+    if alias is not None:
+        if version:
+            raise UserError(f"{spec!r}: name a version (NAME:3) or an alias (NAME@production), not both")
+        registry_aliases.check_alias(alias)
+        return name, None
     if not version or version == "latest":
         return name, None
     m = re.fullmatch(r"v?(\d+)", version)
@@ -105,11 +119,20 @@ def list_models(cfg: WorkflowConfig, ctx: StorageContext) -> dict[str, list[int]
 
 
 def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
+    """The version `spec` names: NAME (the newest), NAME:VERSION, or NAME@ALIAS (the alias's holder now)."""
     name, version = parse_spec(spec)
     available = versions(cfg, ctx, name)
     if not available:
         raise NotRegistered(f"model {name!r} not found in the registry at {_models_root(cfg)}",
                             f"model {name!r} is not registered")
+    alias = split_alias(spec)[1]
+    if alias is not None:
+        version = registry_aliases.holder(cfg, ctx, name, alias)
+        if version is None:
+            held = registry_aliases.aliases(cfg, ctx, name)
+            listed = ", ".join(f"{a}=v{v}" for a, v in held.items()) or "none"
+            raise NotRegistered(f"model {name!r} has no alias {alias!r} (aliases: {listed})",
+                                f"model {name!r} has no alias {alias!r}")
     if version is None:
         version = available[-1]
     elif version not in available:
@@ -202,7 +225,7 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
     what = f"model {ref.name}:v{ref.version}"
 
     def fill(tmp: str) -> None:
-        download_dir(ref.uri, ctx, tmp, skip=(META_FILE, EVAL_FILE, CLAIM_FILE))
+        download_dir(ref.uri, ctx, tmp, skip=(META_FILE, EVAL_FILE, CLAIM_FILE, PROMOTION_FILE))
         check_tokenizer_files(tmp, what)  # nothing refused enters the cache
         (Path(tmp) / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
 
@@ -211,6 +234,7 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
 
 
 EVAL_FILE = "evaluation.json"
+PROMOTION_FILE = "promotion.json"  # the promotion gate's decision for the version (workflows.pipeline.promote)
 
 
 def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, metrics: dict) -> None:
@@ -220,12 +244,13 @@ def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, me
 
 
 def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard:
-    """The card of a version, with its evaluation metrics when there are any."""
+    """The card of a version, with its evaluation metrics and the promotion gate's decision when there are any."""
     ref = resolve(cfg, ctx, spec)
     found = read_card(ref, ctx)
-    eval_uri = join(ref.uri, EVAL_FILE)
-    if exists(eval_uri, ctx):
-        found = found.model_copy(update={"metrics": read_json(eval_uri, ctx)})
+    for key, file in (("metrics", EVAL_FILE), ("promotion", PROMOTION_FILE)):
+        uri = join(ref.uri, file)
+        if exists(uri, ctx):
+            found = found.model_copy(update={key: read_json(uri, ctx)})
     return found
 
 

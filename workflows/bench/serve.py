@@ -28,11 +28,16 @@ every deployment (1 replica x `serve.cpus_per_replica`, 2 replicas for the repli
   machine's CPU, whose bf16 speed says nothing of a GPU's, while the F1 delta is the same numerics).
 - load_10k: 10,000 requests at concurrency 64 (goal: 0 errors); replica_kill: one of 2 replicas
   SIGKILLed mid-load (goals: < 1% failed, recovery < 30 s).
-- rolling_update: 2 replicas serve v1 of a model under load, v2 is deployed to the same
-  application; Serve starts v2's replicas, then drains v1's (goal: 0 failed requests). v1 and v2
-  are two registrations of the measured model's artifact under a scratch prefix of the store
-  (removed afterwards): the rollout path is the real one (new artifact id, new replicas fetch and
-  load it), only the weights are the same.
+- rolling_update: 2 replicas serve `rollout@production` (v1) under load at concurrency 32, as
+  `workflows serve --model rollout@production` does; the alias is moved to v2 and the serving
+  command's alias follower deploys v2 to the same application: Serve starts v2's replicas, then
+  drains v1's (goals: 0 failed requests; only v2 answers within ROLLOVER_BOUND_S of the move). v1
+  and v2 are two registrations of the measured model's artifact under a scratch prefix of the
+  store (removed afterwards): the rollout path is the real one (new artifact id, new replicas fetch
+  and load it), only the weights are the same.
+- scale_to_zero: `serve.autoscaling.min_replicas: 0` (downscale after 2 s idle): each cycle waits
+  for zero replicas, then sends one request, which waits for a replica to start and load the model
+  (the cold start, p50 and p99), then 20 warm ones one after another (goal: every request answered).
 - autoscaling: `serve.autoscaling` from 1 to 2 replicas (target 8 ongoing requests each, shortened
   delays) under load at concurrency 32, back to 1 when the load stops: seconds to scale up and
   down, throughput on 1 and on 2 replicas, errors while replicas come and go (goal: 0).
@@ -45,7 +50,7 @@ import statistics
 import time
 from pathlib import Path
 
-from workflows.bench.serve_changes import autoscaling, replica_kill, rolling_update
+from workflows.bench.serve_changes import ROLLOVER_BOUND_S, autoscaling, replica_kill, rolling_update, scale_to_zero
 from workflows.bench.serve_cpu import cpu_per_request
 from workflows.bench.serve_load import LOAD_REQUESTS, get_p50_ms, load
 from workflows.errors import UserError
@@ -62,6 +67,8 @@ GOALS = {
     "replica_kill_failed_fraction": 0.01,
     "replica_kill_recovery_s": 30.0,
     "rolling_update_failed": 0,
+    "rolling_update_bound_s": ROLLOVER_BOUND_S,
+    "scale_to_zero_failed": 0,
     "autoscaling_errors": 0,
     "image_serve_vs_peer_throughput": 0.95,
     "image_p50_over_peer_ms": 3.0,
@@ -138,6 +145,8 @@ def _measure(rt) -> dict:
     serve.delete("bench")
     out["autoscaling"] = autoscaling(rt, spec, rows)
     serve.delete("bench")
+    out["scale_to_zero"] = scale_to_zero(rt, spec, rows)
+    serve.delete("bench")
     out["goals"] = GOALS
     out["goals_met"] = {
         "serve_vs_peer_throughput": (out["serve_vs_peer_throughput"] or 0) >= GOALS["serve_vs_peer_throughput"],
@@ -148,6 +157,9 @@ def _measure(rt) -> dict:
         "replica_kill_recovery_s": (out["replica_kill"]["recovery_s"] or 1e9) < GOALS["replica_kill_recovery_s"],
         "rolling_update_failed": out["rolling_update"]["failed"] == GOALS["rolling_update_failed"]
         and out["rolling_update"]["switched"],
+        "rolling_update_bound_s": (out["rolling_update"]["last_old_version_s"] or 0) <= ROLLOVER_BOUND_S
+        and out["rolling_update"]["switched"],
+        "scale_to_zero_failed": out["scale_to_zero"]["failed"] == GOALS["scale_to_zero_failed"],
         "autoscaling_errors": out["autoscaling"]["errors"] == 0
         and out["autoscaling"]["scaled_up_s"] is not None
         and out["autoscaling"]["scaled_down_s"] is not None,

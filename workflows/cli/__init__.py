@@ -16,8 +16,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Ray-based ML workflows: object storage -> Ray Data -> Ray Train/Tune -> Ray Serve.")
 
 for command in (stages.preprocess, stages.train, stages.tune, models.evaluate, models.predict, serving.serve,
-                serving.store, stages.pipeline, models.models, tools.runs, tools.ui, tools.plan):
+                serving.store, stages.pipeline, tools.runs, tools.ui, tools.plan):
     app.command()(command)
+app.add_typer(models.models_app, name="models")
 app.add_typer(data_app, name="data")
 app.command()(tools.bench)
 

@@ -90,16 +90,93 @@ def predict(
     )
 
 
-def models(config: str = ConfigOpt, set: list[str] | None = SetOpt):
-    """List registered models and their versions."""
-    from workflows import registry
+models_app = typer.Typer(help="Registered models: their versions and aliases (no subcommand: the list), alias "
+                          "moves and history.", invoke_without_command=True)
+
+
+@models_app.callback()
+def models(ctx: typer.Context, config: str = ConfigOpt, set: list[str] | None = SetOpt):
+    """List registered models, their versions and the aliases each version holds."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from workflows import registry, registry_aliases
 
     def body(rt):
         found = registry.list_models(rt.cfg, rt.storage)
         if not found:
             typer.echo(f"no models registered under {rt.cfg.uri('models')}")
         for name, versions in found.items():
-            typer.echo(f"{name}: {', '.join(f'v{v}' for v in versions)}")
+            held: dict[int, list[str]] = {}
+            for alias, version in registry_aliases.aliases(rt.cfg, rt.storage, name).items():
+                held.setdefault(version, []).append(f"@{alias}")
+            typer.echo(f"{name}: {', '.join(' '.join([f'v{v}', *held.get(v, [])]) for v in versions)}")
 
     _in_runtime("models", config, set, body, ray_needed=False)
 
+
+@models_app.command("alias")
+def alias(
+    model: str = typer.Argument(..., help="NAME:VERSION the alias is to point at (with --delete: NAME, or "
+                                "NAME:VERSION to delete it only while it points there)"),
+    alias_name: str = typer.Argument(..., metavar="ALIAS", help="production, staging, any valid name"),
+    delete: bool = typer.Option(False, "--delete", help="remove the alias instead"),
+    reason: str = typer.Option("", "--reason", help="why, for the history"),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+):
+    """Point ALIAS of a model at a version (a rollback is the same: point it back), or remove it; the move
+    is recorded in the history, and `serve --model NAME@ALIAS` follows it."""
+    from workflows import registry, registry_aliases
+    from workflows.errors import UserError
+
+    def body(rt):
+        name, version = registry.parse_spec(model)
+        if "@" in model:
+            raise UserError(f"{model!r}: give the version as NAME:VERSION")
+        if version is None and not delete:
+            raise UserError(f"{model!r}: name the version the alias is to point at, NAME:VERSION")
+        registry_aliases.check_alias(alias_name)
+        by = f"workflows models alias ({_who()})"
+        expect = version if delete and version is not None else registry_aliases.UNSET
+        record = registry_aliases.move(rt.cfg, rt.storage, name, alias_name, None if delete else version, by=by,
+                                       reason=reason, expect=expect)
+        uri = registry.resolve(rt.cfg, rt.storage, f"{name}:{record.version}").uri if record.version else None
+        typer.echo(f"{name}@{alias_name}: {_v(record.previous)} -> {_v(record.version)} (move {record.seq})")
+        from workflows.tracking.model_registry import sync_alias
+
+        if sync_alias(rt.cfg, name, alias_name, record.version, uri, warn=console.echo) is False:
+            console.echo(f"warning: MLflow's registry could not be updated; `workflows models alias {model} "
+                         f"{alias_name}{' --delete' if delete else ''}` again sets it there")
+
+    _in_runtime("models", config, set, body, ray_needed=False)
+
+
+@models_app.command("history")
+def history(
+    name: str = typer.Argument(..., help="the model's NAME"),
+    config: str = ConfigOpt,
+    set: list[str] | None = SetOpt,
+):
+    """The versions of a model with the data, config and code commit that produced each, and every alias
+    move (from, to, when, by which run or command, why), in time order."""
+    from workflows.registry_history import format_history, model_history
+
+    def body(rt):
+        typer.echo(format_history(model_history(rt.cfg, rt.storage, name)))
+
+    _in_runtime("models", config, set, body, ray_needed=False)
+
+
+def _v(version: int | None) -> str:
+    return "nothing" if version is None else f"v{version}"
+
+
+def _who() -> str:
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"

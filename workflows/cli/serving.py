@@ -18,8 +18,9 @@ def serve(
         ...,
         "--model",
         "-m",
-        help="NAME[:VERSION] in the registry (latest by default); "
-        "repeat to serve several side by side at /NAME, or /NAME/vN for versions of one name",
+        help="NAME[:VERSION] in the registry (latest by default), or NAME@ALIAS: the version the alias holds, "
+        "rolled over (Serve's rolling update) whenever the alias moves; "
+        "repeat to serve several side by side at /NAME, or /NAME/vN (/NAME/ALIAS) for versions of one name",
     ),
     config: str = ConfigOpt,
     set: list[str] | None = SetOpt,
@@ -65,17 +66,28 @@ def serve(
 
         # before the replicas start, so that each finds it (workflows.serve.drain)
         drainer = drain.create() if block else None
+        from workflows.serve.follow import follow_aliases
+
         served = [
-            stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec))
+            {**stage_serve(rt, spec, route_prefix=prefix, app_name=app_name(spec)), "app_name": app_name(spec),
+             "route_prefix": prefix}
             for spec, prefix in route_prefixes(model).items()
         ]
+
+        def summary():
+            rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served}, announce=False)
+
         rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
-            say("serve: serving; Ctrl-C to stop (SIGTERM too)")
+            follower = follow_aliases(rt, served, say, on_change=lambda: _rolled_over(served, follower, summary))
+            say("serve: serving; Ctrl-C to stop (SIGTERM too)"
+                + (f"; following {', '.join(f.spec for f in follower.served)}" if follower else ""))
             try:
                 while True:
                     time.sleep(3600)
             except KeyboardInterrupt as e:
+                if follower is not None:
+                    follower.stop()
                 _stop_serving(drainer, e)
 
     def check(cfg, storage):
@@ -83,6 +95,13 @@ def serve(
         _serve_port_free(cfg)
 
     _in_runtime("serve", config, set, body, before_ray=check, verbose=verbose)
+
+
+def _rolled_over(served: list[dict], follower, summary) -> None:
+    """serve.json again after a rollover: each followed application's version now and its rollovers."""
+    for s, f in zip([s for s in served if s.get("served_as")], follower.served):
+        s.update(model=f"{f.spec.split('@', 1)[0]}:{f.version}", rollovers=list(f.rollovers))
+    summary()
 
 
 def _serve_port_free(cfg) -> None:

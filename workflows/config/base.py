@@ -22,3 +22,15 @@ def check_name(value: str, what: str = "name") -> str:
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
+
+
+# what would read as a version (3, v3) or the newest version in NAME@ALIAS: never an alias
+_VERSION_LIKE = re.compile(r"^(v?\d+|latest)$", re.IGNORECASE)
+
+
+def check_alias_name(value: str) -> str:
+    """A registry alias (`production`): a valid name that cannot read as a version."""
+    check_name(value, "alias")
+    if _VERSION_LIKE.match(value):
+        raise ValueError(f"invalid alias {value!r}: it would read as a version; use a name such as production")
+    return value

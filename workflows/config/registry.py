@@ -1,10 +1,11 @@
-"""The `evaluate` and `registry` sections: scoring a model and the name it is registered under."""
+"""The `evaluate` and `registry` sections: scoring a model, the name it is registered under and the
+promotion gate that moves an alias (`production`) to a new version only when it scores better."""
 
 from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from workflows.config.base import Strict, check_name
+from workflows.config.base import Strict, check_alias_name, check_name
 
 
 class EvaluateConfig(Strict):
@@ -15,8 +16,29 @@ class EvaluateConfig(Strict):
         "0: always the pool")
 
 
+class PromoteConfig(Strict):
+    """The pipeline's promotion gate: after evaluation, the new version and the alias's holder are scored
+    on the same rows, and the alias moves only when the new one wins by `margin`."""
+
+    alias: str = Field("production", description="the alias the gate moves (`serve --model NAME@ALIAS` follows it)")
+    metric: str | None = Field(None, description="the evaluation metric compared; None: the task's headline "
+                               "(a classifier's weighted F1); one the task can compare (Task.comparable_metrics)")
+    margin: float = Field(0.0, ge=0, description="how much better (in the metric's direction) the new version "
+                          "must score than the holder to take the alias; a tie never moves it")
+
+    @field_validator("alias")
+    @classmethod
+    def valid_alias(cls, v: str) -> str:
+        return check_alias_name(v)
+
+
 class RegistryConfig(Strict):
     name: str = Field("quickstart", description="the trained model is registered under this name")
+    promote: PromoteConfig | None = Field(
+        None, description="the promotion gate (off when unset): `registry.promote.alias=production` turns it on")
+    gate_data: str | None = Field(
+        None, description="URI of labelled rows in the model's columns (CSV/JSONL/parquet) that the gate scores "
+        "both versions on too, and decides on: common ground for runs on different data")
 
     @field_validator("name")
     @classmethod

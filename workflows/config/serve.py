@@ -117,5 +117,8 @@ class ServeConfig(Strict):
         "decoding one request costs, about 0.75 s for 100 Mpx of PNG on one core; a request over it is a 422",
     )
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
+    alias_poll_s: float = Field(
+        2.0, gt=0, description="how often `serve --model NAME@ALIAS` reads the alias, rolling the application over "
+        "to the version it moved to; and how long a replica keeps a request's NAME@ALIAS adapter resolved")
     generate: GenerateConfig = GenerateConfig()
 

@@ -1,4 +1,5 @@
-"""The pipeline: preprocess -> tune -> train -> register -> evaluate, with serve beside it. Each stage
+"""The pipeline: preprocess -> tune -> train -> register -> evaluate (-> the promotion gate, when
+`registry.promote` is set), with serve beside it. Each stage
 (workflows.pipeline.stages, one CLI command each) takes what the ones before it produced as values:
 the processed dataset, the search's best parameters, the registered model."""
 
@@ -8,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from workflows.pipeline.promote import stage_promote
 from workflows.pipeline.stages import (
     demo_rows,
     registering_task_only,
@@ -69,14 +71,17 @@ def _pipeline(rt: Runtime) -> dict:
     with ThreadPoolExecutor(1, thread_name_prefix="serve") as pool:
         serving = pool.submit(timed, "serve", stage_serve, rt, spec, demo_rows(data, rt, cfg.serve.demo_requests)) \
             if cfg.serve.enabled else None
-        metrics = timed("evaluate", stage_evaluate, rt, spec, data.read("test", rt.storage, cache=cfg.cache),
-                        write_back=True)
+        test_ds = data.read("test", rt.storage, cache=cfg.cache)
+        metrics = timed("evaluate", stage_evaluate, rt, spec, test_ds, write_back=True)
         name, value, against = get_task(cfg).headline(metrics)
         summary["evaluate"] = {
             **{k: metrics[k] for k in ("weighted", "baseline") if k in metrics},
             "rows": metrics["rows"],
             "headline": {"name": name, "value": value, "against": against},
         }
+        if cfg.registry.promote is not None:  # the gate: the new version against the alias's holder
+            summary["promotion"] = timed("promote", stage_promote, rt, ref, test_ds, metrics,
+                                         tracking.performed_by(rt, "workflows pipeline"))
         if serving is not None:
             summary["serve"] = serving.result()
     seconds["total"] = round(time.time() - t0, 2)

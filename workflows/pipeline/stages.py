@@ -288,7 +288,7 @@ def stage_register(rt: Runtime, data: ProcessedDataset, trained: Trained) -> reg
             card["mlflow"] = link
         ref = registry.register(s.cfg, rt.storage, tmp, s.cfg.registry.name, card)
     rt.persist()
-    tracking.log_registered(s.run, ref)
+    tracking.log_registered(s.run, ref, card)
     say(f"train: registered {ref.name}:v{ref.version} at {ref.uri}")
     s.summary["registered"] = asdict(ref)
     s.summary["register_seconds"] = round(time.time() - t0, 2)  # export + upload to the registry
@@ -305,8 +305,11 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
 
     with tempfile.TemporaryDirectory() as tmp:
         state = consolidated_model_state(download_checkpoint(checkpoint_uri, ctx, tmp))
+    from workflows.lineage import code_commit, config_digest, dataset_lineage
+
     lineage = {"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
-               "checkpoint": checkpoint_uri, **lineage}
+               "checkpoint": checkpoint_uri, "data": dataset_lineage(data, ctx), "config_digest": config_digest(cfg),
+               "code_commit": code_commit(), **lineage}
     return get_task(cfg).export(state, data, out_dir, lineage)
 
 
@@ -373,9 +376,10 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     card = registry.model_card(rt.cfg, rt.storage, spec)
     task = task_for_card(rt.cfg, card)
     contract = task.http_contract(card, rt.cfg.serve.max_instances)
-    say(f"serve: deploying {spec} with Ray Serve")
+    served_as = model_spec if registry.split_alias(model_spec)[1] else None  # NAME@ALIAS: its holder now
+    say(f"serve: deploying {spec}{f' ({served_as})' if served_as else ''} with Ray Serve")
     t0 = time.time()
-    url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix)
+    url = deploy(rt.cfg, spec, name=app_name, route_prefix=route_prefix, served_as=served_as)
     deploy_seconds = time.time() - t0
     front = ingress.describe(rt.cfg)
     say(f"serve: {url}{contract.main_route} is up behind {front} (docs at {url}/docs)")
@@ -387,7 +391,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
         say(f"serve:   {route} {task.describe(row)!r} -> {task.describe_prediction(pred)}")
         sent.append({"instance": row, "prediction": pred})
     return {"url": url, "model": spec, "route": contract.main_route, "ingress": front, "requests": sent,
-            "deploy_seconds": round(deploy_seconds, 2)}
+            "deploy_seconds": round(deploy_seconds, 2), **({"served_as": served_as} if served_as else {})}
 
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:

@@ -212,8 +212,12 @@ def build_api(server: "ModelServer") -> FastAPI:
 @serve.deployment
 @serve.ingress()
 class ModelServer:
-    def __init__(self, cfg: dict, model_spec: str):
+    def __init__(self, cfg: dict, model_spec: str, served_as: str | None = None):
+        """`model_spec`: the version to load (NAME:VERSION); `served_as`: the NAME@ALIAS it is served
+        for, when an alias chose it (`workflows serve` rolls the application over when the alias moves)."""
         self.cfg = WorkflowConfig.model_validate(cfg)
+        self.served_as = served_as
+        self._pins: dict[str, tuple[str, float]] = {}  # NAME@ALIAS -> (NAME:VERSION, when read): `pin`
         self.storage = storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
         self.card = registry.model_card(self.cfg, storage, model_spec)  # with evaluation metrics
@@ -268,6 +272,23 @@ class ModelServer:
         a UserError that names the model only (`_unseen`)."""
         with _unseen(spec):
             return registry.read_card(registry.resolve(self.cfg, self.storage, spec), self.storage)
+
+    async def pin(self, model: str) -> str:
+        """A request's model NAME@ALIAS as the NAME:VERSION the alias holds (read from the registry at
+        most once per serve.alias_poll_s; a task's adapter follows its alias so); the alias this
+        replica was deployed for is its own version until the rollover replaces it; anything else as
+        it is. UserError for an alias that is not set."""
+        if "@" not in model:
+            return model
+        if model == self.served_as:
+            return f"{self.card.name}:{self.card.version}"
+        hit = self._pins.get(model)
+        if hit is not None and time.monotonic() - hit[1] < self.cfg.serve.alias_poll_s:
+            return hit[0]
+        ref = await asyncio.get_running_loop().run_in_executor(None, registry.resolve, self.cfg, self.storage, model)
+        pinned = f"{ref.name}:{ref.version}"
+        self._pins[model] = (pinned, time.monotonic())
+        return pinned
 
     def stopping_response(self) -> JSONResponse:
         # Connection: close makes the client drop its keep-alive connection before the proxy goes.
@@ -351,18 +372,23 @@ def logging_config(sc) -> dict:
     return {"enable_access_log": sc.access_log}
 
 
-def application(cfg: WorkflowConfig, model_spec: str) -> serve.Application:
+def application(cfg: WorkflowConfig, model_spec: str, served_as: str | None = None) -> serve.Application:
     deployment: Any = ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
-    return deployment.options(**deployment_options(cfg)).bind(cfg.model_dump(mode="json"), model_spec)
+    return deployment.options(**deployment_options(cfg)).bind(cfg.model_dump(mode="json"), model_spec, served_as)
 
 
 def build_app(args: dict) -> serve.Application:
     """Application builder for Serve config files (`serve run`, RayService `import_path`).
 
-    args: config (a workflow YAML path), model (NAME[:VERSION]), set (optional list of overrides).
+    args: config (a workflow YAML path), model (NAME[:VERSION] or NAME@ALIAS: the version the alias
+    holds when the application is built), set (optional list of overrides).
     """
-    cfg = check_task(load_config(args.get("config") or "quickstart", list(args.get("set") or [])))
-    return application(_with_store_endpoint(cfg), str(args["model"]))
+    cfg = _with_store_endpoint(check_task(load_config(args.get("config") or "quickstart", list(args.get("set") or []))))
+    spec = str(args["model"])
+    if "@" not in spec:
+        return application(cfg, spec)
+    ref = registry.resolve(cfg, StorageContext.from_config(cfg.storage), spec)
+    return application(cfg, f"{ref.name}:{ref.version}", served_as=spec)
 
 
 def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
@@ -381,13 +407,15 @@ def _with_store_endpoint(cfg: WorkflowConfig) -> WorkflowConfig:
     return cfg.model_copy(update={"storage": st.model_copy(update={"endpoint_url": url})})
 
 
-def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/") -> str:
-    """Deploy the model on the running Ray cluster; returns the base URL."""
+def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_prefix: str = "/",
+           served_as: str | None = None) -> str:
+    """Deploy the model on the running Ray cluster; returns the base URL. Deploying another version to
+    the same application `name` is Serve's rolling update: the new replicas start, then the old drain."""
     sc = cfg.serve
     free_before_serve_starts(cfg, say)
     ingress.start_serve(cfg, {"host": sc.host, "port": sc.port}, logging_config(sc))
     serve.run(
-        application(cfg, model_spec),
+        application(cfg, model_spec, served_as),
         name=name or f"model-{model_spec.split(':')[0]}",
         route_prefix=route_prefix,
         blocking=False,

@@ -17,13 +17,15 @@ from workflows.errors import UserError
 
 
 def route_prefixes(specs: list[str]) -> dict[str, str]:
-    """One model is served at /; several side by side at /NAME, or /NAME/vN for versions of one name."""
+    """One model is served at /; several side by side at /NAME, or /NAME/vN for versions of one name
+    (/NAME/ALIAS for its aliases)."""
     parsed = [registry.parse_spec(s) for s in specs]
     if len(specs) == 1:
         return {specs[0]: "/"}
     out = {}
     for spec, (name, version) in zip(specs, parsed):
-        out[spec] = f"/{name}" + (f"/v{version}" if version is not None else "")
+        alias = registry.split_alias(spec)[1]
+        out[spec] = f"/{name}" + (f"/v{version}" if version is not None else f"/{alias}" if alias else "")
     if len(set(out.values())) != len(out):
         raise UserError(f"models {specs} would share a route; name distinct versions (NAME:1 NAME:2)")
     return out
@@ -31,7 +33,8 @@ def route_prefixes(specs: list[str]) -> dict[str, str]:
 
 def app_name(spec: str) -> str:
     name, version = registry.parse_spec(spec)
-    return f"model-{name}" + (f"-v{version}" if version is not None else "")
+    alias = registry.split_alias(spec)[1]
+    return f"model-{name}" + (f"-v{version}" if version is not None else f"-{alias}" if alias else "")
 
 
 def serve_config(cfg: WorkflowConfig, config_path: str, overrides: list[str], specs: list[str]) -> dict:

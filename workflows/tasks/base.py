@@ -300,6 +300,18 @@ class Task(abc.ABC):
         base = (metrics.get("baseline") or {}).get(key)
         return key, float(metrics[key]), f"baseline {base:.4f}" if isinstance(base, float) else ""
 
+    @classmethod
+    def comparable_metrics(cls) -> dict[str, str]:
+        """The evaluation's numbers the promotion gate (`registry.promote`) may compare two versions by,
+        {name: "max" | "min"} (the direction that is better), the headline's first: its default metric.
+        Default: the number named as `score` without its val_ prefix; none for a task that registers
+        no model (a config that turns the gate on for such a task is refused when it loads)."""
+        return {cls.score[0].removeprefix("val_"): cls.score[1]} if cls.registers else {}
+
+    def metric_value(self, metrics: dict, name: str) -> float:
+        """The value of `name` (one of `comparable_metrics`) in an evaluation's metrics."""
+        return float(metrics[name])
+
     # --- serving ----------------------------------------------------------------------------
     def inputs(self) -> dict[str, type]:
         """The columns a served instance holds and their JSON types (float, int, str, bool): the

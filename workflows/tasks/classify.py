@@ -65,6 +65,14 @@ class Classification(Task):
     def headline(self, metrics: dict) -> tuple[str, float, str]:
         return "weighted F1", metrics["weighted"]["f1"], f"majority baseline {metrics['baseline']['f1']:.4f}"
 
+    @classmethod
+    def comparable_metrics(cls) -> dict[str, str]:
+        """Weighted F1 (the headline), precision and recall, and accuracy."""
+        return {"f1": "max", "precision": "max", "recall": "max", "accuracy": "max"}
+
+    def metric_value(self, metrics: dict, name: str) -> float:
+        return float(metrics["accuracy"] if name == "accuracy" else metrics["weighted"][name])
+
     def describe_prediction(self, prediction) -> str:
         return f"{prediction['label']} ({prediction['score']:.2f})"
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from workflows.storage.atomic import atomic_write
 from workflows.tracking.client import redact_uri
-from workflows.tracking.session import Run
+from workflows.tracking.model_registry import ensure_version, set_alias
+from workflows.tracking.session import Run, ray_job_id
 
 
 def tracked(rt, name: str):
@@ -90,9 +91,62 @@ def registry_link(run: Run, uri: str) -> dict[str, Any] | None:
     return {"run_id": info.run_id, "experiment_id": info.experiment_id, "tracking_uri": redact_uri(uri)}
 
 
-def log_registered(run: Run, ref) -> None:
+def log_registered(run: Run, ref, card: dict) -> None:
+    """The training run's tags of the version it registered, the dataset it trained on as the run's
+    input (MLflow's datasets: the card's `lineage.data`), and the version's twin in MLflow's model
+    registry (workflows.tracking.model_registry)."""
+    lineage = card.get("lineage") or {}
     run.set_tags({"registered_model.name": ref.name, "registered_model.version": ref.version,
-                  "registered_model.uri": ref.uri})
+                  "registered_model.uri": ref.uri, "workflows.config_digest": lineage.get("config_digest"),
+                  "dataset.digest": (lineage.get("data") or {}).get("digest")})
+    if lineage.get("data"):
+        log_dataset(run, lineage["data"], "training")
+    run._call(lambda client, info: ensure_version(
+        client, ref.name, ref.version, ref.uri, info.run_id,
+        tags={"dataset.digest": (lineage.get("data") or {}).get("digest"),
+              "workflows.config_digest": lineage.get("config_digest"), "code_commit": lineage.get("code_commit")}))
+
+
+def log_dataset(run: Run, data: dict, context: str) -> None:
+    """`data` (workflows.lineage.dataset_lineage) as an MLflow dataset input of the run: its name the
+    dataset version, its digest the content digest, its source the raw and processed URIs, its
+    profile the rows per split (what `mlflow.log_input` logs, through the fail-soft client)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = Dataset(name=f"processed-{data['version']}", digest=str(data["digest"]),
+                      source_type="s3" if str(data["uri"]).startswith("s3") else "local",
+                      source=json.dumps({"uri": data["uri"], "raw": data["source"]}),
+                      profile=json.dumps({"num_rows": sum(data["rows"].values()), "rows": data["rows"]}))
+    entry = DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
+    run._call(lambda client, info: client.log_inputs(info.run_id, datasets=[entry]))
+
+
+def log_promotion(run: Run, rt, ref, decision: dict) -> None:
+    """The gate's decision on its run (both scores per set of rows, the verdict as tags) and, when it
+    moved the alias, the alias in MLflow's model registry."""
+    scores = {f"{name}_{who}": value for name, s in decision["scores"].items()
+              for who, value in s.items() if who in ("candidate", "holder")}
+    run.log_metrics({**scores, **{f"{name}_rows": s["rows"] for name, s in decision["scores"].items()}})
+    run.set_tags({"promotion.alias": decision["alias"], "promotion.metric": decision["metric"],
+                  "promotion.promoted": str(decision["promoted"]).lower(), "promotion.reason": decision["reason"],
+                  "promotion.candidate": ref.version, "promotion.holder": decision["holder"],
+                  "registered_model.name": ref.name, "registered_model.version": ref.version})
+    if decision["promoted"]:
+        run._call(lambda client, info: set_alias(client, ref.name, decision["alias"], ref.version, ref.uri))
+
+
+def performed_by(rt, command: str) -> str:
+    """Who moves an alias, for its history: the command, the config, the pipeline's MLflow run (when
+    tracked) and the Ray job."""
+    parts = [f"config {rt.cfg.name}"]
+    t = getattr(rt, "tracking", None)
+    parent = t.parent if t is not None and not t.tracker.off else None
+    info = parent.info(timeout=60) if parent is not None else None
+    if info is not None:
+        parts.append(f"MLflow run {info.run_id}")
+    if (job := ray_job_id()) is not None:
+        parts.append(f"Ray job {job}")
+    return f"{command} ({', '.join(parts)})"
 
 
 def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path, confusion_png: Path | None = None) -> None:

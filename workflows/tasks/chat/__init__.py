@@ -168,6 +168,11 @@ class ChatTask(Task):
         return ("exact match", float(metrics["exact_match"]),
                 f"base model {metrics['baseline']['exact_match']:.4f}")
 
+    @classmethod
+    def comparable_metrics(cls) -> dict[str, str]:
+        """Exact match (the headline), and the held-out loss and perplexity."""
+        return {"exact_match": "max", "loss": "min", "perplexity": "min"}
+
     # --- serving
     def inputs(self) -> dict[str, type]:
         return {"prompt": str}

@@ -64,7 +64,8 @@ class GenerateRequest(BaseModel):
     """What both routes read; other fields OpenAI clients send (user, logprobs: false, ...) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str = Field(..., min_length=1, description="the served NAME:VERSION (or NAME), or an adapter's")
+    model: str = Field(..., min_length=1, description="the served NAME:VERSION (or NAME), or an adapter's "
+                       "(NAME:VERSION, or NAME@ALIAS: the version the alias holds now)")
     max_tokens: int | None = Field(None, ge=1, description="capped at serve.generate.max_tokens")
     temperature: float = Field(1.0, ge=0, le=2, description="0 (or below 1e-5) is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -234,7 +235,7 @@ class OpenAIContract(HttpContract):
             handed = False
             try:
                 req = await read_json(request, ChatRequest if kind == "chat" else CompletionRequest)
-                model_id = predictor.resolve(req.model)
+                model_id = predictor.resolve(await pinned(server, req.model))
                 header = serve.get_multiplexed_model_id()
                 if header and header != (model_id or predictor.base_id) and header != req.model:
                     raise BadRequest(f"the serve_multiplexed_model_id header ({header[:80]}) is not the body's "
@@ -287,6 +288,14 @@ class OpenAIContract(HttpContract):
     def max_tokens(req: GenerateRequest) -> int:
         asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
         return asked if asked is not None else 2**31
+
+
+async def pinned(server, model: str) -> str:
+    """A request's NAME@ALIAS as the NAME:VERSION the alias holds (an adapter follows its alias)."""
+    try:
+        return await server.pin(model)
+    except Exception as e:  # the registry's UserError: no such model or alias
+        raise ModelNotFound(str(e).splitlines()[0]) from None
 
 
 class Adapters:

@@ -1,0 +1,183 @@
+"""Aliases of registered versions (`production`, `staging`, any valid name) and their history, in
+the registry's bucket: `<storage.root>/models/<name>/aliases/<alias>/<seq>.json`.
+
+Each move of an alias is a new record with the next sequence number, written with the registry's
+create-only write (workflows.storage.create_only.create_once). The alias's holder
+is its newest record. Two movers racing contend for the same key: one creates it, the other reads
+the new newest record and writes the next one (its `from` is then the winner's version), or,
+when it moved on the condition that the holder is still the one it saw (`expect`, the promotion
+gate's compare-and-set), reports the move it lost to. No move is lost, and none is recorded twice.
+The records are the history: from, to, when, by which command or run, why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from workflows.config import WorkflowConfig
+from workflows.config.base import check_alias_name
+from workflows.errors import UserError
+from workflows.storage.create_only import create_once
+from workflows.storage.uri import StorageContext, exists, filesystem, join, reaching, read_json
+
+ALIASES = "aliases"
+_RECORD = re.compile(r"^(\d{8})\.json$")
+UNSET = object()  # `expect` not given: move whatever holds the alias now
+
+
+class AliasMovedMeanwhile(UserError):
+    """A conditional move (`expect`) found another move first: the decision it was based on is stale."""
+
+
+@dataclass(frozen=True)
+class AliasRecord:
+    """One move of an alias: `version` None removes it. `seq` orders the moves of one alias."""
+
+    alias: str
+    seq: int
+    version: int | None
+    previous: int | None
+    at: str
+    by: str
+    reason: str
+    details: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alias": self.alias, "seq": self.seq, "version": self.version, "from": self.previous, "at": self.at,
+                "by": self.by, "reason": self.reason, **({"details": self.details} if self.details else {})}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AliasRecord:
+        return cls(alias=str(d["alias"]), seq=int(d["seq"]), version=_version_or_none(d.get("version")),
+                   previous=_version_or_none(d.get("from")), at=str(d.get("at", "")), by=str(d.get("by", "")),
+                   reason=str(d.get("reason", "")), details=dict(d.get("details") or {}))
+
+
+def _version_or_none(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def check_alias(alias: str) -> str:
+    """An alias becomes part of a path and of `NAME@ALIAS`: a valid name that cannot read as a version."""
+    try:
+        return check_alias_name(alias)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _alias_dir(cfg: WorkflowConfig, name: str, alias: str) -> str:
+    return join(cfg.uri("models"), name, ALIASES, alias)
+
+
+def _record_uri(cfg: WorkflowConfig, name: str, alias: str, seq: int) -> str:
+    return join(_alias_dir(cfg, name, alias), f"{seq:08d}.json")
+
+
+def _names_under(uri: str, ctx: StorageContext) -> list[str]:
+    """The names of the objects and prefixes directly under `uri`; none where there is nothing."""
+    fs, path = filesystem(uri, ctx)
+    with reaching(uri, ctx):
+        try:
+            entries = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+
+def _seqs(cfg: WorkflowConfig, ctx: StorageContext, uri: str) -> list[int]:
+    return sorted(int(m.group(1)) for n in _names_under(uri, ctx) if (m := _RECORD.match(n)))
+
+
+def _read(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, seq: int) -> AliasRecord:
+    uri = _record_uri(cfg, name, alias, seq)
+    try:
+        return AliasRecord.from_dict(read_json(uri, ctx))
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{uri} is not a valid alias record ({type(e).__name__}: {e})".splitlines()[0]) from None
+
+
+def newest(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str) -> AliasRecord | None:
+    """The alias's newest record (its holder is `.version`), or None if it was never set."""
+    seqs = _seqs(cfg, ctx, _alias_dir(cfg, name, alias))
+    return _read(cfg, ctx, name, alias, seqs[-1]) if seqs else None
+
+
+def holder(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str) -> int | None:
+    """The version the alias points at now; None when it is not set (never, or removed)."""
+    record = newest(cfg, ctx, name, alias)
+    return record.version if record is not None else None
+
+
+def alias_names(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[str]:
+    return _names_under(join(cfg.uri("models"), name, ALIASES), ctx)
+
+
+def aliases(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> dict[str, int]:
+    """{alias: version} of the aliases of `name` that are set now."""
+    out = {}
+    for alias in alias_names(cfg, ctx, name):
+        version = holder(cfg, ctx, name, alias)
+        if version is not None:
+            out[alias] = version
+    return out
+
+
+def history(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[AliasRecord]:
+    """Every move of every alias of `name`, oldest first."""
+    records = [_read(cfg, ctx, name, alias, seq) for alias in alias_names(cfg, ctx, name)
+               for seq in _seqs(cfg, ctx, _alias_dir(cfg, name, alias))]
+    return sorted(records, key=lambda r: (r.at, r.alias, r.seq))
+
+
+def move(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, version: int | None, *, by: str,
+         reason: str = "", expect: Any = UNSET, details: dict[str, Any] | None = None,
+         attempts: int = 100) -> AliasRecord:
+    """Point `alias` of model `name` at `version` (None: remove it), as a new record after the newest.
+
+    `expect`: move only if the alias holds this version now (None: is not set); another mover that
+    got there first raises AliasMovedMeanwhile, naming its move. Without it, a lost race is retried
+    on the new newest record, so the recorded `from` is always the version really replaced."""
+    check_alias(alias)
+    # a complete version: its card (registry.META_FILE) is written last
+    if version is not None and not exists(join(cfg.uri("models"), name, f"v{version}", "workflows.json"), ctx):
+        raise UserError(f"model {name!r} has no version {version} to alias as {alias!r}")
+    for _ in range(attempts):
+        current = newest(cfg, ctx, name, alias)
+        held = current.version if current is not None else None
+        if expect is not UNSET and held != expect:
+            raise AliasMovedMeanwhile(f"{name}@{alias} moved meanwhile: {_describe(current)}; "
+                                      f"expected it at {_v(expect)}")
+        if version is None and held is None:
+            raise UserError(f"model {name!r} has no alias {alias!r} to delete")
+        seq = (current.seq if current is not None else 0) + 1
+        record = AliasRecord(alias=alias, seq=seq, version=version, previous=held,
+                             at=now(),
+                             by=by, reason=reason, details=details or {})
+        if create_once(_record_uri(cfg, name, alias, seq), json.dumps(record.to_dict(), indent=2).encode(), ctx):
+            return record
+        # another move took this sequence number: read it and go after it
+    raise UserError(f"could not move {name}@{alias} after {attempts} attempts: too many concurrent moves")
+
+
+def _v(version: int | None) -> str:
+    return "nothing" if version is None else f"v{version}"
+
+
+def _describe(record: AliasRecord | None) -> str:
+    if record is None:
+        return "never set"
+    return f"{_v(record.previous)} -> {_v(record.version)} at {when(record)} by {record.by}"
+
+
+def now() -> str:
+    """UTC, to the microsecond: records of different aliases sort by it (within one alias, `seq`)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def when(record: AliasRecord) -> str:
+    """The record's time to the second, for people."""
+    return record.at.split(".", 1)[0] + "Z" if "." in record.at else record.at
