@@ -123,12 +123,13 @@ def manifest_cases(env) -> list[Case]:
     """A processed dataset's manifest.json: its files (training, evaluation, Workflow.rows), its
     tokenizer (which must be the config's), the fields read as data."""
     from workflows.dataset import ProcessedDataset
+    from workflows.tasks import get_task
 
     def load(uri):
         ProcessedDataset.load(uri, env.ctx)
 
     def tokenizer(uri):
-        ProcessedDataset.load(uri, env.ctx).tokenizer_of(env.cfg)
+        get_task(env.cfg).tokenizer_of(ProcessedDataset.load(uri, env.ctx))
 
     fields: list[tuple[str, tuple[str, ...], Callable, Callable[[str, str], Any]]] = [
         ("files.train.0", PLACE_VARIANTS, load, lambda v, uri: place(v, env, "secret.parquet", uri)),

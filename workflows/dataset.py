@@ -80,14 +80,12 @@ class ProcessedDataset:
         data.uri = uri
         return data
 
-    def tokenizer_of(self, cfg) -> str:
-        """The tokenizer this text dataset was written with, which must be the one the config's task
-        writes (Task.dataset_tokenizer: preprocess.tokenizer, a chat model's base): a manifest is the
-        bucket's, and a bucket writer does not choose what is read (and copied into a registered
-        model) as a tokenizer."""
-        from workflows.tasks import get_task
-
-        where, expected = join(self.uri, MANIFEST), get_task(cfg).dataset_tokenizer()
+    def tokenizer_of(self, expected: str | None) -> str:
+        """The tokenizer this text dataset was written with, which must be `expected`, the one the
+        config's task writes (Task.dataset_tokenizer: preprocess.tokenizer, a chat model's base): a
+        manifest is the bucket's, and a bucket writer does not choose what is read (and copied into a
+        registered model) as a tokenizer."""
+        where = join(self.uri, MANIFEST)
         if not self.tokenizer:
             raise UserError(f"{where}: tokenizer: the processed dataset {self.version} ({self.task}) names none")
         if self.tokenizer != expected:

@@ -9,10 +9,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
-from workflows.storage.confine import MAX_NAME_CHARS
-
 MAX_CARD_BYTES = 16 << 20  # a card read back from the store: labels, columns, metrics, lineage
-Text = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]  # each name or label a card holds
+# each name or label a card holds: PATH_MAX, as for the names storage.confine resolves (a layer above)
+MAX_TEXT_CHARS = 4096
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT_CHARS)]
 
 
 class ModelCard(BaseModel):

@@ -50,7 +50,7 @@ from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.runtime import Runtime, runtime
 from workflows.serve.app import bearer_token
 from workflows.storage.shards import read_parquet
-from workflows.tasks import task_for_card
+from workflows.tasks import get_task, task_for_card
 from workflows.tune.search import TuneOutcome
 
 __all__ = ["Endpoint", "Evaluation", "TrainResult", "TuneResult", "Workflow"]
@@ -275,7 +275,7 @@ class Workflow:
         """The processed dataset's tokenizer (a text task's), to read stored token ids."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(resolve_model_dir(self._data().tokenizer_of(self.cfg)))
+        return AutoTokenizer.from_pretrained(resolve_model_dir(get_task(self.cfg).tokenizer_of(self._data())))
 
     # --- tune, train, register -------------------------------------------------------------------
     def tune(self, resume: bool = False) -> TuneResult:

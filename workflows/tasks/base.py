@@ -193,6 +193,11 @@ class Task(abc.ABC):
         must name (ProcessedDataset.tokenizer_of). Default: preprocess.tokenizer."""
         return self.cfg.preprocess.tokenizer
 
+    def tokenizer_of(self, data) -> str:
+        """The tokenizer a processed text dataset was written with, checked against this config's
+        (ProcessedDataset.tokenizer_of)."""
+        return data.tokenizer_of(self.dataset_tokenizer())
+
     def prepare_dataset(self, ds):
         """A last step on a split's Ray Dataset before training reads it (default: none)."""
         return ds

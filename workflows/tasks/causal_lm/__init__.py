@@ -60,7 +60,7 @@ class CausalLM(Task):
         return lambda batch: lm_collate(batch["input_ids"])
 
     def build_model(self, data):
-        return build_causal_lm(self.options, pad_and_vocab(data.tokenizer_of(self.cfg))[1], self.cfg.model.dropout)
+        return build_causal_lm(self.options, pad_and_vocab(self.tokenizer_of(data))[1], self.cfg.model.dropout)
 
     def memory_spec(self):
         from transformers import AutoTokenizer

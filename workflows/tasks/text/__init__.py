@@ -58,7 +58,7 @@ class TextClassification(Classification):
 
         from workflows.tasks.text.model import collate
 
-        return partial(collate, pad_id=pad_and_vocab(data.tokenizer_of(self.cfg))[0])
+        return partial(collate, pad_id=pad_and_vocab(self.tokenizer_of(data))[0])
 
     # --- model
     def model_dir(self) -> str:
@@ -104,7 +104,7 @@ class TextClassification(Classification):
     def export(self, state, data, out_dir, lineage) -> dict:
         from workflows.tasks.text.export import export_text_classifier
 
-        return export_text_classifier(self.cfg, state, data, out_dir, lineage, self.options)
+        return export_text_classifier(self.cfg, state, data, out_dir, lineage, self.options, self.tokenizer_of(data))
 
     # --- serving
     def predictor(self, model_dir, card, threads=None, precision="fp32"):

@@ -11,14 +11,15 @@ from workflows.tasks.base import baseline
 
 
 def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedDataset, out_dir: str,
-                           lineage: dict, options) -> dict:
-    """safetensors weights, model config and tokenizer of a text classifier (`options`: the task's), and
-    its card with the majority label (evaluation's baseline)."""
+                           lineage: dict, options, tokenizer: str) -> dict:
+    """safetensors weights, model config and tokenizer (`tokenizer`: the dataset's, checked against the
+    config's) of a text classifier (`options`: the task's), and its card with the majority label
+    (evaluation's baseline)."""
     from transformers import AutoTokenizer
 
     from workflows.tasks.text.model import load_classifier
 
-    tokenizer = resolve_model_dir(data.tokenizer_of(cfg))
+    tokenizer = resolve_model_dir(tokenizer)
     model = load_classifier(resolve_model_dir(cfg.model.name_or_path), data.labels, cfg.model.dropout,
                             options.pooling)
     model.load_state_dict(state, strict=True)

@@ -215,7 +215,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     return out.unsqueeze(1), None
 
 
-def use(model) -> None:
+def use_slot_attention(model) -> None:
     """Register the slot attention with transformers (once) and make it `model`'s attention (a peft
     model's base model's); other callers of the model get transformers' SDPA attention."""
     from transformers import AttentionInterface

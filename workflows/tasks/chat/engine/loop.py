@@ -41,8 +41,7 @@ from typing import Any
 
 import torch
 
-from workflows.tasks.chat.engine import cache as slot_cache
-from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention
+from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, check_plan_used, use_slot_attention
 from workflows.tasks.chat.engine.metrics import EngineMetrics, StepReport
 from workflows.tasks.chat.engine.requests import Delta, Generation, PromptTooLong, QueueFull, TokenLogprob
 from workflows.tasks.chat.engine.sampler import Sampler
@@ -91,7 +90,7 @@ class Engine:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = model_device(model)  # where every tensor the engine makes goes
         check_full_attention(model.config)
-        slot_cache.use(model)
+        use_slot_attention(model)
         self.max_batch, self.max_queue, self.retry_after_s = max_batch, max_queue, retry_after_s
         context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.max_context = min(max_context or context, context)
@@ -254,7 +253,7 @@ class Engine:
         self._join(joining, report)
         if not self._rows:
             return
-        slot_cache.use(self.model)  # a command may have wrapped the model (peft) or unwrapped it
+        use_slot_attention(self.model)  # a command may have wrapped the model (peft) or unwrapped it
         step = self.scheduler.plan(self._rows, BASE)
         plan = self.cache.plan(step.slots, step.positions, step.decode, [(first, n) for _, first, n in step.prefills])
         logits = self._forward(step, plan)
@@ -286,7 +285,7 @@ class Engine:
         out = self.model(input_ids=torch.tensor(step.ids, device=device)[:, None],
                          position_ids=torch.tensor(step.positions, device=device)[:, None], use_cache=False,
                          logits_to_keep=keep, slot_plan=plan, **kwargs)
-        slot_cache.check_plan_used(plan)
+        check_plan_used(plan)
         logits = out.logits
         if logits.dim() == 3:  # a model that slices its logits itself: [tokens, 1, vocab]
             logits = logits[:, -1][keep[:, 0]]
