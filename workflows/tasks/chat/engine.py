@@ -38,12 +38,20 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from workflows.tasks.chat.sampling import MIN_TEMPERATURE, SamplingParams, TextState, generator, next_token
+from workflows.tasks.chat.sampling import (
+    MIN_TEMPERATURE,
+    SamplingParams,
+    TextState,
+    generator,
+    next_token,
+    process,
+    token_logprobs,
+)
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
@@ -61,24 +69,38 @@ def model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], rngs: list[torch.Generator]) -> list:
+def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], rngs: list[torch.Generator],
+                  generated: list[list[int]] | None = None, logprobs: list | None = None) -> list:
     """Each row's next token (an int), or the exception choosing it raised, from the logits [rows, vocab]
     wherever they are: the greedy rows' argmax in one transfer; a sampled row by `next_token` on the CPU
-    (its generator is a CPU one), in float32 where the model ran in lower precision."""
+    (its generator is a CPU one), in float32 where the model ran in lower precision. A row whose params
+    ask for more (logit_bias, penalties over its `generated` tokens, a constraint, logprobs) is processed
+    alone (sampling.process); `logprobs`, when given, receives each row's (token, logprob, top) or None."""
     greedy = [p.temperature < MIN_TEMPERATURE for p in params]
-    picked = logits.argmax(-1).tolist() if any(greedy) else []
+    picked = logits.argmax(-1).tolist() if any(g and not p.processed for g, p in zip(greedy, params)) else []
     host = None
     out: list = []
     for i, (p, rng) in enumerate(zip(params, rngs)):
-        if greedy[i]:
-            out.append(int(picked[i]))
-            continue
+        details = None
         try:
-            if host is None:
-                host = logits if logits.device.type == "cpu" else logits.float().cpu()
-            out.append(next_token(host[i], p, rng))
+            if p.processed:
+                row = process(logits[i], p, generated[i] if generated else [])
+                token = int(torch.argmax(row)) if greedy[i] else next_token(row.cpu(), p, rng)
+                if p.logprobs is not None:
+                    details = token_logprobs(row, p, token)
+                if p.constraint is not None:
+                    p.constraint.accept(token)
+            elif greedy[i]:
+                token = int(picked[i])
+            else:
+                if host is None:
+                    host = logits if logits.device.type == "cpu" else logits.float().cpu()
+                token = next_token(host[i], p, rng)
+            out.append(token)
         except Exception as e:  # that row's alone
             out.append(e)
+        if logprobs is not None:
+            logprobs.append(details)
     return out
 
 
@@ -100,6 +122,9 @@ class Delta:
 
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" at the end, else None
+    token_ids: list[int] = field(default_factory=list)  # the tokens sampled since the last delta
+    # with params.logprobs: per token of token_ids, (id, logprob, [(top id, top logprob), ...])
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class Generation:
@@ -177,6 +202,15 @@ class _Row:
     last: int
     pos: int
     limit: int  # max new tokens: the request's, within the model's context
+    pending: list[int] = field(default_factory=list)  # tokens sampled, not yet in a delta
+    pending_logprobs: list = field(default_factory=list)
+    last_logprobs: Any = None  # the logprob details of `last`
+
+    def delta(self, text: str, reason: str | None = None) -> Delta:
+        """A delta of `text` carrying the tokens sampled since the last one (and their logprobs)."""
+        d = Delta(text, reason, self.pending, self.pending_logprobs if self.gen.params.logprobs is not None else None)
+        self.pending, self.pending_logprobs = [], []
+        return d
 
 
 class Engine:
@@ -321,10 +355,11 @@ class Engine:
                 limit = min(gen.params.max_tokens, self.max_context - n)
                 row = _Row(gen, TextState(gen.params.stop), generator(gen.params.seed), -1, n, limit)
                 gen.steps = (self.stats["steps"], -1)
-                first = choose_tokens(logits, [gen.params], [row.rng])[0]
+                details: list = []
+                first = choose_tokens(logits, [gen.params], [row.rng], [[]], details)[0]
                 if isinstance(first, Exception):
                     raise first
-                row.last = first
+                row.last, row.last_logprobs = first, details[0]
             except Exception as e:
                 self._fail(gen, e)
                 continue
@@ -343,14 +378,16 @@ class Engine:
                                             [r.gen.adapter or BASE for r in self._rows])
         self._mask = mask
         failed = []
-        chosen = choose_tokens(logits, [r.gen.params for r in self._rows], [r.rng for r in self._rows])
+        details: list = []
+        chosen = choose_tokens(logits, [r.gen.params for r in self._rows], [r.rng for r in self._rows],
+                               [r.gen.tokens for r in self._rows], details)
         for i, (r, token) in enumerate(zip(self._rows, chosen)):
             r.pos += 1
             if isinstance(token, Exception):  # one row's failure to choose its token fails that request only
                 self._fail(r.gen, token)
                 failed.append(i)
             else:
-                r.last = token
+                r.last, r.last_logprobs = token, details[i]
         self._drop(failed, None)
         self.stats["steps"] += 1
         self.stats["row_steps"] += len(self._rows)
@@ -368,18 +405,23 @@ class Engine:
             r.gen.tokens.append(r.last)
             r.gen.token_times.append(now)
             self.stats["tokens"] += 1
+            r.pending.append(r.last)
+            if r.last_logprobs is not None:
+                r.pending_logprobs.append(r.last_logprobs)
             if r.last in self.eos:
                 ended[i] = "stop"
                 continue
             r.state.add(r.last, self.tokenizer)
-            if r.state.stopped:
+            constraint = r.gen.params.constraint
+            if r.state.stopped or (constraint is not None and constraint.done()):
                 ended[i] = "stop"
             elif r.gen.completion_tokens >= r.limit:
                 ended[i] = "length"
             elif text := r.state.delta(final=False):
-                r.gen._push(Delta(text))
+                r.gen._push(r.delta(text))
         for i, reason in ended.items():
-            self._finish_gen(self._rows[i].gen, reason, self._rows[i].state.delta(final=True))
+            row = self._rows[i]
+            self._finish_gen(row.gen, reason, row.state.delta(final=True), row)
         self._drop(sorted(ended), None)
 
     def _fail(self, gen: Generation, e: Exception) -> None:
@@ -388,11 +430,11 @@ class Engine:
         gen.times["finished"] = time.perf_counter()
         gen._push(e)
 
-    def _finish_gen(self, gen: Generation, reason: str, text: str) -> None:
+    def _finish_gen(self, gen: Generation, reason: str, text: str, row: _Row | None = None) -> None:
         gen.finish_reason = reason
         gen.steps = (gen.steps[0], self.stats["steps"])
         gen.times["finished"] = time.perf_counter()
-        gen._push(Delta(text, reason))
+        gen._push(row.delta(text, reason) if row is not None else Delta(text, reason))
         if self.on_finish is not None:
             try:
                 self.on_finish(gen)

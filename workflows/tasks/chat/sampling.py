@@ -8,9 +8,27 @@ Pure torch and a tokenizer: the engine (workflows.tasks.chat.engine) calls these
 from __future__ import annotations
 
 import random
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for with each token (OpenAI's top_logprobs limit)
+
+
+class TokenConstraint(Protocol):
+    """A request's own grammar state (workflows.tasks.chat.grammar): which tokens may come next."""
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set the disallowed tokens of this request's logits row [vocab] to -inf, in place."""
+
+    def accept(self, token: int) -> None:
+        """Advance past the chosen token."""
+
+    def done(self) -> bool:
+        """Complete: nothing more may follow (the request ends with finish reason "stop")."""
 
 
 @dataclass(frozen=True)
@@ -18,13 +36,22 @@ class SamplingParams:
     """One request's generation settings (OpenAI's meaning): `temperature` 0 (or below MIN_TEMPERATURE)
     is greedy; `top_p` keeps the smallest set of most probable tokens whose probabilities reach it;
     `seed` makes sampling repeatable (the same seed, prompt and settings give the same tokens, alone or
-    beside other requests); `stop`: strings that end the text (not included in it)."""
+    beside other requests); `stop`: strings that end the text (not included in it); `logprobs`: None, or
+    0..MAX_LOGPROBS (each chosen token's logprob and that many most likely alternatives); the penalties
+    and `logit_bias` as OpenAI defines them (over the generated tokens); `constraint`: this request's
+    grammar state, if any. A row's logits go through logit_bias, the penalties, the constraint's mask,
+    then temperature and top-p."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    constraint: TokenConstraint | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -35,6 +62,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be above 0 and at most 1, not {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("a stop string must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, not {self.logprobs}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether a row's logits need more than temperature and top-p (they are then handled alone)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.constraint is not None or self.logprobs is not None)
 
 
 def generator(seed: int | None) -> torch.Generator:
@@ -61,6 +96,37 @@ def next_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
         sorted_probs[before >= params.top_p] = 0  # the most probable token always stays
         return int(order[torch.multinomial(sorted_probs, 1, generator=gen)])
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def process(logits: torch.Tensor, params: SamplingParams, generated: list[int]) -> torch.Tensor:
+    """One row's logits [vocab] in float32, a copy: logit_bias added, the presence and frequency penalties
+    subtracted for the tokens generated so far (OpenAI's formula: count * frequency + (count > 0) *
+    presence), then the constraint's mask."""
+    out = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=out.device)
+        out[ids] += torch.tensor(list(params.logit_bias.values()), device=out.device)
+    if (params.presence_penalty or params.frequency_penalty) and generated:
+        counts = Counter(generated)
+        ids = torch.tensor(list(counts), device=out.device)
+        n = torch.tensor(list(counts.values()), dtype=out.dtype, device=out.device)
+        out[ids] -= n * params.frequency_penalty + params.presence_penalty
+    if params.constraint is not None:
+        params.constraint.mask(out)
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token: int) -> tuple[int, float, list]:
+    """(token, its logprob, [(id, logprob)] of the `params.logprobs` most likely) under the distribution
+    the token was drawn from: the processed logits at the request's temperature (1 when greedy), before
+    top-p."""
+    t = params.temperature if params.temperature >= MIN_TEMPERATURE else 1.0
+    lp = torch.log_softmax(logits.double() / t, dim=-1)
+    top: list = []
+    if params.logprobs:
+        values, ids = torch.topk(lp, min(params.logprobs, lp.shape[-1]))
+        top = list(zip(ids.tolist(), values.tolist()))
+    return token, float(lp[token]), top
 
 
 @dataclass
