@@ -34,7 +34,9 @@ class GenerateConfig(Strict):
     each replica and the limits of a request."""
 
     max_tokens: int = Field(512, ge=1, description="the most new tokens one request may ask for (max_tokens above "
-                            "it is capped to it); also what a request that names none gets")
+                            "it is a 400 naming the field); also what a request that names none gets")
+    max_n: int = Field(8, ge=1, description="the most choices one request may ask for (n, times the prompts of a "
+                       "text completion), each a row of the batch")
     max_batch: int = Field(8, ge=1, description="requests decoded together in each step of a replica")
     max_queue: int = Field(32, ge=0, description="requests waiting for a place in a full batch; one more is "
                            "answered 503 with Retry-After (never queued without bound)")

@@ -355,11 +355,11 @@ class Engine:
                 limit = min(gen.params.max_tokens, self.max_context - n)
                 row = _Row(gen, TextState(gen.params.stop), generator(gen.params.seed), -1, n, limit)
                 gen.steps = (self.stats["steps"], -1)
-                details: list = []
-                first = choose_tokens(logits, [gen.params], [row.rng], [[]], details)[0]
+                first_details: list = []
+                first = choose_tokens(logits, [gen.params], [row.rng], [[]], first_details)[0]
                 if isinstance(first, Exception):
                     raise first
-                row.last, row.last_logprobs = first, details[0]
+                row.last, row.last_logprobs = first, first_details[0]
             except Exception as e:
                 self._fail(gen, e)
                 continue

@@ -2,104 +2,44 @@
 `OpenAIContract.add_routes` (workflows.serve.app calls it for any task's contract; this one has no /predict).
 
 GET  /v1/models             the served model (NAME:VERSION) and the adapters this replica holds
-POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p",
-                            "seed", "stop", "stream", "stream_options": {"include_usage"}}
-POST /v1/completions        the same with "prompt" (a string, or a list of one) instead of "messages"
+GET  /v1/models/{id}        one of those (NAME or NAME:VERSION of the served model), OpenAI's Model object
+POST /v1/chat/completions   OpenAI's chat request (workflows.tasks.chat.protocol: every field honoured or a 400)
+POST /v1/completions        OpenAI's text completion request ("prompt": text or token ids, one or several)
 
 `"stream": true` answers Server-Sent Events, one `data: {chunk}` per delta in OpenAI's chunk format,
-then `data: [DONE]`. Every answer carries `finish_reason` ("stop": end of sequence or a stop string;
-"length": max_tokens or the model's context) and `usage`. A bad request gets a 4xx with OpenAI's error
-body, {"error": {"message", "type", "param", "code"}}; a full queue a 503 with Retry-After, as does an
-adapter unloaded under the request; a generation the engine failed a 500 (a stream sends the error as
-its last event before `data: [DONE]`); a failure to prefill or sample one request fails it alone. A client
-that disconnects ends its own generation only. The bearer token, the drain on shutdown (503 once
-stopping, open streams finish) and the request metrics apply as to every route of the app.
+then `data: [DONE]`. Every answer carries `finish_reason` ("stop": end of sequence, a stop string or a
+complete grammar; "length": max_tokens or the model's context; "tool_calls") and `usage`. A bad request
+gets a 4xx with OpenAI's error body, {"error": {"message", "type", "param", "code"}}; a full queue a 503
+with Retry-After, as does an adapter unloaded under the request; a generation the engine failed a 500 (a
+stream sends the error as its last event before `data: [DONE]`); a failure to prefill or sample one
+request fails it alone. A client that disconnects ends its own generations only. The bearer token, the
+drain on shutdown (503 once stopping, open streams finish) and the request metrics apply as to every
+route of the app.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request  # at module level: FastAPI resolves the routes' string annotations here
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from workflows.tasks.chat.engine import ModelNotFound, QueueFull
-from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.grammar import GrammarError
+from workflows.tasks.chat.plan import chat_plan, text_plan
+from workflows.tasks.chat.protocol import BadRequest, ChatRequest, CompletionRequest, Message
 from workflows.tasks.chat.streaming import Completion
 from workflows.tasks.contract import MAX_BODY_BYTES, HttpContract, register_schema
+
+__all__ = ["BadRequest", "ChatRequest", "CompletionRequest", "Message", "OpenAIContract", "Adapters"]
 
 if TYPE_CHECKING:
     from workflows.config.serve import GenerateConfig
 
-# --- request models ---------------------------------------------------------------------------------
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(..., description="text, or text parts (images are not read)")
-
-    def as_template_input(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class GenerateRequest(BaseModel):
-    """What both routes read; other fields OpenAI clients send (user, logprobs: false, ...) are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str = Field(..., min_length=1, description="the served NAME:VERSION (or NAME), or an adapter's")
-    max_tokens: int | None = Field(None, ge=1, description="capped at serve.generate.max_tokens")
-    temperature: float = Field(1.0, ge=0, le=2, description="0 (or below 1e-5) is greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-
-    def stops(self) -> tuple[str, ...]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise BadRequest("stop: up to 4 non-empty strings", "stop")
-        return tuple(stops)
-
-
-class ChatRequest(GenerateRequest):
-    messages: list[Message] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name")
-
-
-class CompletionRequest(GenerateRequest):
-    prompt: str | list[str]
-
-    def text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise BadRequest("prompt: one prompt per request (a string or a list of one)", "prompt")
-        return self.prompt[0]
-
-
 # --- errors -------------------------------------------------------------------------------------------
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 503: "server_error"}
@@ -122,14 +62,31 @@ def as_openai_error(response):
     return error(response.status_code, message, headers=headers)
 
 
+FIELD_PREFIX = re.compile(r"^([a-z_][a-z_0-9.]*): (.*)$", re.S)  # a validator's "field: message"
+
+
 def validation_error(e: ValidationError) -> BadRequest:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
+    """Pydantic's first error as a 400 naming the field: the path into the body (union members' type
+    tags left out), extended by a validator's own "field: message". Of a union's errors (one per member)
+    the deepest: the member the body came closest to (a list of parts whose second is an image)."""
+    errors = e.errors()
+    err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
+    loc = ".".join(str(p) for p in err["loc"] if not _type_tag(p))
+    msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "json_invalid":
         return BadRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if err["type"] == "extra_forbidden":
+        return BadRequest(f"{loc}: not a field of OpenAI's API that this server reads", loc)
+    if err["type"] == "value_error" and (m := FIELD_PREFIX.match(msg)):
+        loc, msg = (f"{loc}.{m[1]}" if loc else m[1]), m[2]
     if not loc:
-        return BadRequest(f"the body must be a JSON object: {err['msg']}")
-    return BadRequest(f"{loc}: {err['msg']}", loc)
+        return BadRequest(f"the body must be a JSON object: {msg}")
+    return BadRequest(f"{loc}: {msg}", loc)
+
+
+def _type_tag(part) -> bool:
+    """A union member's tag in pydantic's error location (str, list[...], function-after[...])."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
 
 
 async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES) -> Any:
@@ -155,6 +112,7 @@ class OpenAIContract(HttpContract):
     """OpenAI's chat and text completions; no /predict (`predict_route`)."""
 
     predict_route = False
+    card_route = False  # GET /v1/models/{id} is OpenAI's Model object here
     main_route = "/v1/chat/completions"
     request_model = ChatRequest
     response_model = None
@@ -216,6 +174,18 @@ class OpenAIContract(HttpContract):
                 return as_openai_error(refused)
             return {"object": "list", "data": [entry(predictor.base_id)] + [entry(m) for m in predictor.adapters]}
 
+        @api.get("/v1/models/{model_id}", summary="One served model: NAME or NAME:VERSION (OpenAI's Model object)")
+        async def get_model(model_id: str, request: Request):
+            if (refused := server.guard(request)) is not None:
+                return as_openai_error(refused)
+            try:
+                found = predictor.resolve(model_id)
+            except ModelNotFound as e:
+                return error(404, str(e), "model", "model_not_found")
+            if found is not None and found not in predictor.adapters:
+                return error(404, f"model {model_id[:80]!r} is not served by this replica", "model", "model_not_found")
+            return entry(model_id)
+
         async def generate(request: Request, kind: str):
             if (refused := server.guard(request)) is not None:
                 return as_openai_error(refused)
@@ -228,27 +198,29 @@ class OpenAIContract(HttpContract):
                 if header and header != (model_id or predictor.base_id) and header != req.model:
                     raise BadRequest(f"the serve_multiplexed_model_id header ({header[:80]}) is not the body's "
                                      f"model ({req.model[:80]})", "model")
-                params = SamplingParams(max_tokens=min(self.max_tokens(req), self.gen.max_tokens),
-                                        temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                        stop=req.stops())
-                if kind == "chat":
-                    ids = await predictor.encode(predictor.chat_ids, [m.as_template_input() for m in req.messages])
-                else:
-                    ids = await predictor.encode(predictor.prompt_ids, req.text())
+                planner = chat_plan if kind == "chat" else text_plan
+                plan = await predictor.encode(lambda r: planner(predictor, r, self.gen), req)
                 adapter = None
                 if model_id is not None:
                     adapter = await loader(model_id)  # multiplexed: loaded once, least recently used unloaded
                     predictor.using(model_id, +1)
+                gens: list = []
                 try:
-                    gen = predictor.engine.submit(ids, params, adapter.name if adapter else predictor.served_adapter)
+                    n = plan.shape.choices_per_prompt
+                    for i, params in enumerate(plan.params):
+                        gens.append(predictor.engine.submit(plan.prompts[i // n], params,
+                                                            adapter.name if adapter else predictor.served_adapter))
                 except BaseException:
+                    for g in gens:
+                        g.cancel()
                     predictor.using(model_id, -1)
                     raise
-                completion = Completion(kind, req.model, gen, server, lambda: predictor.using(model_id, -1),
-                                        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                completion = Completion(kind, req.model, gens, server, lambda: predictor.using(model_id, -1),
+                                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                                        shape=plan.shape)
                 handed = True
-            except BadRequest as e:
-                return error(e.status, str(e), e.param, e.code)
+            except (BadRequest, GrammarError) as e:
+                return error(getattr(e, "status", 400), str(e), e.param, getattr(e, "code", None))
             except ModelNotFound as e:
                 return error(404, str(e), "model", "model_not_found")
             except QueueFull as e:
@@ -268,11 +240,6 @@ class OpenAIContract(HttpContract):
         @api.post("/v1/completions", summary="Text completion (OpenAI's legacy API; streams with \"stream\": true)")
         async def completions(request: Request):
             return await generate(request, "text")
-
-    @staticmethod
-    def max_tokens(req: GenerateRequest) -> int:
-        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        return asked if asked is not None else 2**31
 
 
 class Adapters:
