@@ -71,7 +71,7 @@ def validation_error(e: ValidationError) -> BadRequest:
     the deepest: the member the body came closest to (a list of parts whose second is an image)."""
     errors = e.errors()
     err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
-    loc = ".".join(str(p) for p in err["loc"] if not _type_tag(p))
+    loc = ".".join(str(p) for i, p in enumerate(err["loc"]) if not _type_tag(p, err["loc"][i - 1] if i else None))
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "json_invalid":
         return BadRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
@@ -84,9 +84,14 @@ def validation_error(e: ValidationError) -> BadRequest:
     return BadRequest(f"{loc}: {msg}", loc)
 
 
-def _type_tag(part) -> bool:
-    """A union member's tag in pydantic's error location (str, list[...], function-after[...])."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+def _type_tag(part, before) -> bool:
+    """A union member's tag in pydantic's error location, not a field: a type (str, list[...], a model's
+    class name) or a discriminated union's tag (response_format's type, a content part's type)."""
+    if not isinstance(part, str):
+        return False
+    return part in ("str", "int", "float", "bool", "none") or "[" in part or part[:1].isupper() or (
+        before == "response_format" or isinstance(before, int)) and part in ("text", "refusal", "json_object",
+                                                                            "json_schema")
 
 
 async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES) -> Any:

@@ -156,14 +156,16 @@ def parse_call(body: str, names: set[str]) -> dict | None:
 @dataclass
 class ToolCallReader:
     """Reads tool calls out of an answer's text as it comes: `feed(text)` and, at the end, `finish()`
-    return (text to show, [calls completed]); text that may begin a <tool_call> block waits. With
-    `parallel` False only the first call is kept. Whitespace between and after calls is dropped."""
+    return (text to show, [calls completed]); text that may begin a <tool_call> block waits, and so does
+    whitespace after a call (dropped if another call or the end follows). With `parallel` False only the
+    first call is kept."""
 
     names: set[str]
     parallel: bool = True
     calls: list[dict] = field(default_factory=list)
     _buf: str = ""
     _in_call: bool = False
+    _gap: str | None = None  # whitespace after a call, held (None: not after a call)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self._buf += text
@@ -175,10 +177,10 @@ class ToolCallReader:
                 if i < 0:
                     keep = next((n for n in range(min(len(OPEN) - 1, len(self._buf)), 0, -1)
                                  if self._buf.endswith(OPEN[:n])), 0)
-                    shown.append(self._buf[:len(self._buf) - keep])
+                    self._show(self._buf[:len(self._buf) - keep], shown)
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
-                shown.append(self._buf[:i])
+                self._show(self._buf[:i], shown)
                 self._buf, self._in_call = self._buf[i + len(OPEN):], True
             else:
                 i = self._buf.find(CLOSE)
@@ -186,7 +188,7 @@ class ToolCallReader:
                     break
                 body, self._buf, self._in_call = self._buf[:i], self._buf[i + len(CLOSE):], False
                 self._take(body, shown, new)
-        return self._show(shown), new
+        return "".join(shown), new
 
     def finish(self) -> tuple[str, list[dict]]:
         """The rest: an unclosed last block is a call if its JSON is complete (a model that ended there)."""
@@ -195,19 +197,26 @@ class ToolCallReader:
         if self._in_call:
             self._take(self._buf, shown, new, closed=False)
         else:
-            shown.append(self._buf)
+            self._show(self._buf, shown)
         self._buf, self._in_call = "", False
-        return self._show(shown), new
+        return "".join(shown), new
 
     def _take(self, body: str, shown: list[str], new: list[dict], closed: bool = True) -> None:
         call = parse_call(body, self.names)
         if call is None:
-            shown.append(OPEN + body + (CLOSE if closed else ""))
-        elif self.parallel or not self.calls:
+            self._show(OPEN + body + (CLOSE if closed else ""), shown)
+            return
+        self._gap = ""
+        if self.parallel or not self.calls:
             call = {"id": new_call_id(), "type": "function", "function": call}
             self.calls.append(call)
             new.append(call)
 
-    def _show(self, parts: list[str]) -> str:
-        text = "".join(parts)
-        return text if not self.calls or text.strip() else ""
+    def _show(self, text: str, shown: list[str]) -> None:
+        if self._gap is not None:
+            text = self._gap + text
+            if not text.strip():
+                self._gap = text
+                return
+            text, self._gap = text.lstrip(), None
+        shown.append(text)
