@@ -675,3 +675,39 @@ def test_the_openai_client_parses_calls_tools_and_reads_logprobs(chat_server):
             "id": name, "object": "model", "owned_by": "workflows"}
     missing = requests.get(f"{url}/v1/models/nope:1", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def clients_python() -> str:
+    """The python of the clients' own venv (`make clients`: the latest openai and langchain-openai as a
+    user installs them), built first if it is not there."""
+    import subprocess
+
+    python = ROOT / ".venv-clients" / "bin" / "python"
+    if not python.exists():
+        made = subprocess.run(["make", "clients"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    return str(python)
+
+
+@pytest.mark.integration
+# extended: the clients' own venv is a pip install of openai and langchain-openai (about a minute), and
+# the openai client's calls repeat the gated test above
+@pytest.mark.extended
+def test_agent_frameworks_from_their_own_venv(chat_server):
+    """An agent framework (langchain-openai's ChatOpenAI: with_structured_output, bind_tools with a named
+    tool, the tool's answer sent back) and the openai client's parse, tool calls (streamed through its
+    stream helper) and logprobs, from a venv of their own, against the served tiny model."""
+    import subprocess
+
+    res = subprocess.run([clients_python(), str(ROOT / "tests" / "clients" / "agent_clients.py"), chat_server.url,
+                          TOKEN, "tinychat:1"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["parse"]["finish_reason"] == "stop" and Answer.model_validate(out["parse"]["parsed"])
+    assert out["tools"]["name"] == "add" and set(out["tools"]["arguments"]) == {"a", "b"}
+    assert out["tools"]["finish_reason"] == "tool_calls" and out["tools"]["after"] in ("stop", "length")
+    assert out["stream"]["calls"] and out["stream"]["finish_reason"] == "tool_calls"
+    assert "".join(out["logprobs"]["tokens"]) == out["logprobs"]["content"]
+    lc = out["langchain"]
+    assert Answer.model_validate(lc["structured"]) and lc["after"] in ("stop", "length")
+    assert [name for name, _ in lc["calls"]] == ["add"] and all(0 <= v <= 9 for v in lc["calls"][0][1].values())

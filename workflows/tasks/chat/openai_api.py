@@ -113,6 +113,13 @@ async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES
 # --- the contract -------------------------------------------------------------------------------------
 
 
+# the pipeline's demo asks for this too: what `client.chat.completions.parse(response_format=Answer)` sends
+# for `class Answer(BaseModel): answer: str`
+DEMO_FORMAT = {"name": "Answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string", "title": "Answer"}}, "required": ["answer"],
+    "title": "Answer", "additionalProperties": False}}
+
+
 class OpenAIContract(HttpContract):
     """OpenAI's chat and text completions; no /predict (`predict_route`)."""
 
@@ -137,12 +144,23 @@ class OpenAIContract(HttpContract):
         return {"model": f"{self.card.name}:{self.card.version}", "messages": [{"role": "user", "content": "Hi"}]}
 
     def demo(self, url: str, instance: dict, headers: dict) -> tuple[str, dict]:
-        """A streamed chat completion of the instance's `messages`, greedy: {"text", "finish_reason",
-        "chunks"} (the pipeline's requests once it has deployed the model)."""
+        """A streamed chat completion of the instance's `messages`, greedy, and the same asked for as
+        JSON in DEMO_SCHEMA (what `chat.completions.parse` sends for a pydantic model with one `answer`
+        string): {"text", "finish_reason", "chunks", "json" (the parsed object, or None if the answer was
+        cut short), "json_finish_reason"} (the pipeline's requests once it has deployed the model)."""
         import requests
 
-        body = {"model": f"{self.card.name}:{self.card.version}", "messages": instance["messages"],
-                "temperature": 0, "stream": True}
+        model = f"{self.card.name}:{self.card.version}"
+        structured = requests.post(f"{url}/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": model, "messages": instance["messages"], "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": DEMO_FORMAT}})
+        structured.raise_for_status()
+        answer = structured.json()["choices"][0]
+        try:
+            parsed = json.loads(answer["message"]["content"])
+        except json.JSONDecodeError:  # cut by max_tokens
+            parsed = None
+        body = {"model": model, "messages": instance["messages"], "temperature": 0, "stream": True}
         text, reason, chunks = [], None, 0
         with requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=True, timeout=60) as r:
             r.raise_for_status()
@@ -154,8 +172,9 @@ class OpenAIContract(HttpContract):
                 for choice in json.loads(line.removeprefix("data: ")).get("choices", []):
                     text.append(choice["delta"].get("content") or "")
                     reason = choice.get("finish_reason") or reason
-        return "POST /v1/chat/completions (stream)", {"text": "".join(text), "finish_reason": reason,
-                                                      "chunks": chunks}
+        return "POST /v1/chat/completions (stream; json_schema)", {
+            "text": "".join(text), "finish_reason": reason, "chunks": chunks, "json": parsed,
+            "json_finish_reason": answer["finish_reason"]}
 
     def add_routes(self, api, server) -> None:
         from ray import serve
