@@ -380,3 +380,128 @@ def test_null_means_the_default_and_legal_bodies_pass():
         "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}) is None
     for prompt_ in ("x", ["x", "y"], [1, 2, 3], [[1, 2], [3]]):
         assert _refusal({"prompt": prompt_, "echo": True, "best_of": 2, "n": 2}, "text") is None
+
+
+# --- the answer's shapes -------------------------------------------------------------------------------------------
+
+
+class _Gen:
+    """A finished generation's deltas, replayed (as the engine would push them)."""
+
+    def __init__(self, deltas, prompt_tokens: int = 5):
+        self.deltas, self.finish_reason, self.cancelled = deltas, None, False
+        tokens = sum(len(d.token_ids) for d in deltas)
+        self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                      "total_tokens": prompt_tokens + tokens}
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def __aiter__(self):
+        for d in self.deltas:
+            if d.finish_reason is not None:
+                self.finish_reason = d.finish_reason
+            yield d
+
+
+def _answer(kind: str, gens, shape, stream: bool):
+    import asyncio
+    from types import SimpleNamespace
+
+    from workflows.tasks.chat.streaming import Completion
+
+    server = SimpleNamespace(in_flight=1)
+    completion = Completion(kind, "tiny:1", gens, server, lambda: None, include_usage=stream, shape=shape)
+
+    async def run():
+        if stream:
+            return [json.loads(e.removeprefix("data: ")) for e in [e async for e in completion.events()]
+                    if e != "data: [DONE]\n\n"]
+        return json.loads((await completion.json_response()).body)
+
+    out = asyncio.run(run())
+    assert server.in_flight == 0
+    return out
+
+
+def test_choices_carry_tool_calls_logprobs_and_usage_in_openais_shapes(tiny):
+    """Two choices of one prompt: one calls a tool across three deltas, one answers text; logprobs per
+    token (a token a grammar ruled out as -9999.0, the end of sequence left out), the prompt's tokens
+    counted once, and the same streamed (each call one delta, OpenAI's last chunk without content, the
+    obfuscation field when asked)."""
+    from workflows.tasks.chat.choices import AnswerShape
+    from workflows.tasks.chat.engine import Delta
+    from workflows.tasks.chat.token_text import TokenText
+
+    _, tokenizer, _ = tiny
+    eos, a, b = tokenizer.eos_token_id, *tokenizer.encode("hello world")[:2]
+    lp = [(a, -0.5, [(a, -0.5), (b, float("-inf"))])]
+
+    def gens():
+        return [_Gen([Delta("Sure. <tool_", None, [a], lp), Delta('call>{"name": "add", "arguments": {"a": 1, ', None,
+                                                                [b], [(b, -1.0, [(b, -1.0)])]),
+                      Delta('"b": 2}}</tool_call>', "stop", [eos], [(eos, -0.1, [])])]),
+                _Gen([Delta("hel", None, [a], lp), Delta("lo", "length", [b], [(b, -2.0, [])])])]
+
+    shape = AnswerShape(logprobs=True, tools={"add"}, token_text=TokenText(tokenizer), eos=frozenset({eos}),
+                        choices_per_prompt=2, obfuscation=True)
+    whole = _answer("chat", gens(), shape, stream=False)
+    first, second = whole["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] == "Sure."
+    (call,) = first["message"]["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'} and call["type"] == "function"
+    assert [t["logprob"] for t in first["logprobs"]["content"]] == [-0.5, -1.0]  # no eos
+    assert first["logprobs"]["content"][0]["top_logprobs"][1]["logprob"] == -9999.0
+    assert first["logprobs"]["content"][0]["bytes"] == list(first["logprobs"]["content"][0]["token"].encode())
+    assert second == {"index": 1, "message": {"role": "assistant", "content": "hello", "refusal": None},
+                      "logprobs": second["logprobs"], "finish_reason": "length"}
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+
+    chunks = _answer("chat", gens(), shape, stream=True)
+    assert all("obfuscation" in c for c in chunks[:-1]) and chunks[-1]["usage"] == whole["usage"]
+    by_choice = {0: [], 1: []}
+    for c in chunks[:-1]:
+        by_choice[c["choices"][0]["index"]].append(c["choices"][0])
+    calls = [d["delta"]["tool_calls"] for d in by_choice[0] if "tool_calls" in d["delta"]]
+    assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["id"] == calls[0][0]["id"]
+    assert json.loads(calls[0][0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert "".join(d["delta"].get("content") or "" for d in by_choice[0]) == "Sure. "
+    assert by_choice[0][-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+    assert "".join(d["delta"].get("content") or "" for d in by_choice[1]) == "hello"
+    assert [t["token"] for d in by_choice[1] if d["logprobs"] for t in d["logprobs"]["content"]] == [
+        t["token"] for t in second["logprobs"]["content"]]
+
+
+def test_text_choices_echo_their_prompt_and_carry_legacy_logprobs(tiny):
+    from workflows.tasks.chat.choices import AnswerShape
+    from workflows.tasks.chat.engine import Delta
+    from workflows.tasks.chat.token_text import TokenText
+
+    _, tokenizer, _ = tiny
+    a, b = tokenizer.encode("hello world")[:2]
+    ta, tb = tokenizer.decode([a]), tokenizer.decode([b])
+    shape = AnswerShape(logprobs=True, token_text=TokenText(tokenizer), echo=["P1 ", "P2 "])
+    gens = [_Gen([Delta(ta, None, [a], [(a, -0.5, [(a, -0.5)])]), Delta(tb, "length", [b], [(b, -1.5, [])])]),
+            _Gen([Delta(tb, "stop", [b], [(b, -1.0, [(a, -0.2)])])], prompt_tokens=7)]
+    whole = _answer("text", gens, shape, stream=False)
+    first, second = whole["choices"]
+    assert first["text"] == "P1 " + ta + tb and second["text"] == "P2 " + tb
+    assert first["logprobs"] == {"tokens": [ta, tb], "token_logprobs": [-0.5, -1.5], "top_logprobs": [{ta: -0.5}, {}],
+                                 "text_offset": [3, 3 + len(ta)]}
+    assert whole["usage"]["prompt_tokens"] == 12  # each prompt's own
+    chunks = _answer("text", gens, shape, stream=True)
+    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["P1 ", "P2 "]
+
+
+def test_a_tokens_text_and_bytes_are_exact_even_inside_a_character(tiny):
+    """A byte-level BPE tokenizer spells "é" (not in its training text) as two byte tokens: each token's
+    bytes are its own, its text the \\x escape of an incomplete character."""
+    from workflows.tasks.chat.token_text import TokenText
+
+    _, tokenizer, _ = tiny
+    words = TokenText(tokenizer)
+    ids = tokenizer.encode("é", add_special_tokens=False)
+    assert [words.get(i) for i in ids] == [("\\xc3", b"\xc3"), ("\\xa9", b"\xa9")]
+    hello = tokenizer.encode(" hello", add_special_tokens=False)
+    assert b"".join(words.get(i)[1] for i in hello) == b" hello"
+    assert words.get(tokenizer.eos_token_id) == ("<|im_end|>", b"<|im_end|>")

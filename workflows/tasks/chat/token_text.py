@@ -11,6 +11,15 @@ from __future__ import annotations
 from functools import lru_cache
 
 
+def byte_characters() -> dict[int, str]:
+    """GPT-2's byte-level BPE map of each byte to a printable character: printable Latin-1 bytes stand for
+    themselves, the others for the characters from U+0100 on, in order. Written here because transformers
+    keeps it in no stable public place (its GPT-2 tokenizer module lost it in 5.x)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
 class TokenText:
     """A token id's (text, bytes) for logprobs, from the tokenizer (cached per id)."""
 
@@ -19,9 +28,7 @@ class TokenText:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._bytes_of = None
         if type(decoder).__name__ == "ByteLevel":  # GPT-2's byte-to-character map, inverted
-            from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-            self._bytes_of = {c: b for b, c in bytes_to_unicode().items()}
+            self._bytes_of = {c: b for b, c in byte_characters().items()}
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.get = lru_cache(maxsize=1 << 16)(self._get)
 
