@@ -115,7 +115,7 @@ async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES
 
 # the pipeline's demo asks for this too: what `client.chat.completions.parse(response_format=Answer)` sends
 # for `class Answer(BaseModel): answer: str`
-DEMO_FORMAT = {"name": "Answer", "strict": True, "schema": {
+DEMO_FORMAT: dict[str, Any] = {"name": "Answer", "strict": True, "schema": {
     "type": "object", "properties": {"answer": {"type": "string", "title": "Answer"}}, "required": ["answer"],
     "title": "Answer", "additionalProperties": False}}
 
