@@ -13,7 +13,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workflows.tasks.chat.sampling import MAX_LOGPROBS
 
@@ -127,19 +127,21 @@ class Message(Strict):
 # --- tools and structured output -----------------------------------------------------------------------------
 
 
+def _name(v: str) -> str:
+    if not NAME.match(v):
+        raise ValueError("letters, digits, _ and -, at most 64")
+    return v
+
+
+Name = Annotated[str, AfterValidator(_name), Field(description="^[a-zA-Z0-9_-]{1,64}$")]
+
+
 class FunctionDef(Strict):
-    name: str = Field(..., description="^[a-zA-Z0-9_-]{1,64}$")
+    name: Name
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
     strict: bool | None = Field(None, description="compile the parameters schema exactly (else unknown keywords "
                                 "are ignored)")
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME.match(v):
-            raise ValueError("letters, digits, _ and -, at most 64")
-        return v
 
 
 class Tool(Strict):
@@ -170,19 +172,12 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedTool
 
 
 class JsonSchemaSpec(Strict):
-    name: str = Field(..., description="^[a-zA-Z0-9_-]{1,64}$")
+    name: Name
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema (absent: any JSON)")
     strict: bool | None = Field(None, description="compile the schema exactly (else unknown keywords are ignored)")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME.match(v):
-            raise ValueError("letters, digits, _ and -, at most 64")
-        return v
 
 
 class TextFormat(Strict):
