@@ -181,6 +181,8 @@ class OpenAIContract(HttpContract):
 
         predictor = server.predictor
         getattr(predictor, "engine", None)  # loads the model now: the replica is healthy once it can answer
+        if predictor is not None:  # llguidance's view of the vocabulary (about a second), in the background
+            predictor.warm_grammars()
         adapters = Adapters(server)
 
         async def load_adapter(model_id: str) -> AdapterRef:  # a function: Serve keeps its cache on it

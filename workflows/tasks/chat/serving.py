@@ -175,6 +175,10 @@ class ChatPredictor(Predictor):
                 self._grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos))
             return self._grammars
 
+    def warm_grammars(self) -> None:
+        """Build `grammars()` in the tokenizing thread now, so the first structured request need not."""
+        self._tokenize.submit(self.grammars)
+
     @property
     def token_text(self):
         with self._lock:
