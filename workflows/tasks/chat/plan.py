@@ -74,7 +74,8 @@ def rows(req: GenerateRequest, gen: GenerateConfig, prompts: int) -> int:
 
 
 def seeded(params: SamplingParams, j: int) -> SamplingParams:
-    return params if params.seed is None or j == 0 else replace(params, seed=(params.seed + j) % 2**64)
+    """Choice j's settings: seeded with seed + j, as an unsigned 64-bit generator seed."""
+    return params if params.seed is None else replace(params, seed=(params.seed + j) % 2**64)
 
 
 def chat_plan(predictor, req: ChatRequest, gen: GenerateConfig) -> Plan:
