@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-peers-generate bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability
+.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-peers-generate bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability clients
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -106,6 +106,18 @@ $(GEN_PEERS)/vllm/status.txt: $(GEN_PEERS_PINS) $(STAMP)
 
 bench-peers-generate: $(GEN_PEERS)/llama.cpp-build/bin/llama-server $(GEN_PEERS)/vllm/status.txt
 	@echo "generation peers: $(GEN_PEERS)"
+
+# The OpenAI clients agents use, in a venv of their own as a user has them (the `openai` client and
+# langchain-openai, pinned in tests/clients/constraints.txt, not the project's pins): the `extended`
+# test of tests/test_chat_serve.py runs tests/clients/agent_clients.py with it against a served model.
+CLIENTS_VENV ?= .venv-clients
+$(CLIENTS_VENV)/.installed: tests/clients/constraints.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q -c tests/clients/constraints.txt openai langchain-openai
+	touch $@
+
+clients: $(CLIENTS_VENV)/.installed
+	@echo "clients venv: $(CLIENTS_VENV)"
 
 # The GPU measurement without Ray (benchmarks/gpu/README.md): GPT-2 124M MFU, FSDP2 against plain,
 # ResNet-50 images/s (compute only and loader-fed), classification, chat generation and fine-tuning;

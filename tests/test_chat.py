@@ -240,6 +240,9 @@ def served_answers_stream(tmp: Path) -> None:
     assert serve["model"] == "chat:1" and len(serve["requests"]) == 2
     for sent in serve["requests"]:
         assert sent["prediction"]["chunks"] >= 2 and sent["prediction"]["finish_reason"] in ("stop", "length")
+        # the same asked for as JSON (a schema of one string): an answer that ended parses to it
+        structured, reason = sent["prediction"]["json"], sent["prediction"]["json_finish_reason"]
+        assert reason in ("stop", "length") and (reason == "stop") == (set(structured or {}) == {"answer"})
     client = openai.OpenAI(base_url=f"{serve['url']}/v1", api_key="none", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list()] == ["chat:1"]
     question = [{"role": "user", "content": "What is 2 + 2?"}]

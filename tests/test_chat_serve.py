@@ -1,16 +1,18 @@
 """Serving a chat model (#50): the continuous-batching engine (workflows.tasks.chat.engine) on a tiny
 random Llama without Ray, then the OpenAI-compatible app on Ray Serve over real HTTP, driven by the
-official `openai` client (one slow test)."""
+official `openai` client (two slow tests on one served app)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from tests.chat_serve_task import build_lora, build_tiny_chat
 from tests.conftest import ROOT
@@ -384,7 +386,7 @@ def test_the_measurements_count_what_ran(tiny, engine):
     run = engine_run(e, ps, 6, arrivals_s=[0, 0, 0.01, 0.02])
     assert run["tokens"] == 24 and run["requests"] == 4 and 1 <= run["mean_batch"] <= 2
     assert 0 < run["ttft_s_p50"] <= run["latency_s_p50"] and run["tokens_per_s"] > 0
-    assert e.eos  # restored after the run
+    assert e.eos  # untouched: the run asks for ignore_eos
     static = static_run(model, tokenizer, ps, 6, batch_size=2)
     assert static["tokens"] == 24 and static["tokens_per_s"] > 0
 
@@ -526,6 +528,124 @@ def _finished(tmp) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+class Answer(BaseModel):
+    """What `chat.completions.parse` asks for: a bounded answer, so the random model's JSON ends."""
+
+    verdict: Literal["yes", "no"]
+    score: int = Field(ge=0, le=9)
+
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two digits", "strict": True,
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                    "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+
+
+@pytest.mark.integration
+def test_the_openai_client_parses_calls_tools_and_reads_logprobs(chat_server):
+    """What agents and extractors do through the official client, against the served tiny model: a
+    parsed pydantic object (json_schema, strict), a tools round trip (a named call, the tool's answer in
+    a `tool` message, the model goes on), a streamed tool call, logprobs, n choices, a null temperature,
+    and OpenAI's Model object for NAME and NAME:VERSION. (Before the test that ends by stopping the server.)"""
+    import openai
+    import requests
+
+    url = chat_server.url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "is the cat big"}]
+
+    parsed = client.chat.completions.parse(model="tinychat:1", messages=messages, response_format=Answer,
+                                           temperature=0, max_tokens=60)
+    choice = parsed.choices[0]
+    assert isinstance(choice.message.parsed, Answer) and choice.finish_reason == "stop", choice
+
+    # a tools round trip: the call the request names, its arguments valid for the function's schema
+    asked = client.chat.completions.create(model="tinychat:1", messages=messages, tools=[ADD_TOOL],
+                                           tool_choice={"type": "function", "function": {"name": "add"}},
+                                           temperature=0, max_tokens=120)
+    choice = asked.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(args) == {"a", "b"} and call.id.startswith("call_")
+    history = [*messages, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    went_on = client.chat.completions.create(model="tinychat:1", messages=history, tools=[ADD_TOOL], temperature=0,
+                                             max_tokens=6)
+    assert went_on.choices[0].finish_reason in ("stop", "length") and went_on.usage.prompt_tokens > \
+        asked.usage.prompt_tokens  # the call and its result are in the prompt
+
+    # the same call streamed: one delta with the call, then finish_reason tool_calls
+    chunks = list(client.chat.completions.create(model="tinychat:1", messages=messages, tools=[ADD_TOOL],
+                                                 tool_choice="required", temperature=0, max_tokens=120, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.id, d.function.name) for d in deltas] == [(0, deltas[0].id, "add")]
+    assert json.loads(deltas[0].function.arguments) == args  # greedy: what the call above said
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # logprobs, n choices and a null temperature (the default, 1)
+    seen = client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = seen.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == seen.choices[0].message.content and len(content) >= 1
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-9 for t in content)
+    streamed = list(client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=5,
+                                                   temperature=0, logprobs=True, stream=True))
+    assert [t.token for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content] \
+        == [t.token for t in content]
+    several = client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=6, n=2, seed=3,
+                                             extra_body={"temperature": None})
+    assert [c.index for c in several.choices] == [0, 1] and several.choices[0].message != several.choices[1].message
+    again = client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=6, n=2, seed=3)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in several.choices]
+    text = client.completions.create(model="tinychat:1", prompt=["the cat", "a dog"], max_tokens=3, temperature=0,
+                                     logprobs=2)
+    assert [c.index for c in text.choices] == [0, 1] and len(text.choices[1].logprobs.tokens) >= 1
+
+    for name in ("tinychat", "tinychat:1"):
+        assert client.models.retrieve(name).model_dump(include={"id", "object", "owned_by"}) == {
+            "id": name, "object": "model", "owned_by": "workflows"}
+    missing = requests.get(f"{url}/v1/models/nope:1", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def clients_python() -> str:
+    """The python of the clients' own venv (`make clients`: the latest openai and langchain-openai as a
+    user installs them), built first if it is not there."""
+    import subprocess
+
+    python = ROOT / ".venv-clients" / "bin" / "python"
+    if not python.exists():
+        made = subprocess.run(["make", "clients"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    return str(python)
+
+
+@pytest.mark.integration
+# extended: the clients' own venv is a pip install of openai and langchain-openai (about a minute), and
+# the openai client's calls repeat the gated test above
+@pytest.mark.extended
+def test_agent_frameworks_from_their_own_venv(chat_server):
+    """An agent framework (langchain-openai's ChatOpenAI: with_structured_output, bind_tools with a named
+    tool, the tool's answer sent back) and the openai client's parse, tool calls (streamed through its
+    stream helper) and logprobs, from a venv of their own, against the served tiny model."""
+    import subprocess
+
+    res = subprocess.run([clients_python(), str(ROOT / "tests" / "clients" / "agent_clients.py"), chat_server.url,
+                          TOKEN, "tinychat:1"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["parse"]["finish_reason"] == "stop" and Answer.model_validate(out["parse"]["parsed"])
+    assert out["tools"]["name"] == "add" and set(out["tools"]["arguments"]) == {"a", "b"}
+    assert out["tools"]["finish_reason"] == "tool_calls" and out["tools"]["after"] in ("stop", "length")
+    assert out["stream"]["calls"] and out["stream"]["finish_reason"] == "tool_calls"
+    assert "".join(out["logprobs"]["tokens"]) == out["logprobs"]["content"]
+    lc = out["langchain"]
+    assert Answer.model_validate(lc["structured"]) and lc["after"] in ("stop", "length")
+    assert [name for name, _ in lc["calls"]] == ["add"] and all(0 <= v <= 9 for v in lc["calls"][0][1].values())
+
+
 @pytest.mark.integration
 def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
     import threading
@@ -587,11 +707,13 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
     for path, kwargs, status, param in [
         (chat, {"json": {"model": "tinychat:1", "messages": messages, "temperature": 3}}, 400, "temperature"),
         (chat, {"json": {"model": "tinychat:1", "messages": []}}, 400, "messages"),
-        (chat, {"json": {"model": "tinychat:1", "messages": messages, "n": 2}}, 400, "n"),
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "n": 9}}, 400, "n"),  # over max_n
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "max_tokens": 201}}, 400, "max_tokens"),
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "echo": True}}, 400, "echo"),  # not chat's
         (chat, {"data": b"{not json", "headers": {**auth, "content-type": "application/json"}}, 400, None),
         (chat, {"json": {"model": "nope:1", "messages": messages}}, 404, "model"),
         (chat, {"json": {"model": "stranger:1", "messages": messages}}, 404, "model"),
-        (text_path, {"json": {"model": "tinychat:1", "prompt": ["a", "b"]}}, 400, "prompt"),
+        (text_path, {"json": {"model": "tinychat:1", "prompt": ["a"] * 5, "n": 2}}, 400, "prompt"),  # 10 > max_n
         (text_path, {"json": {"model": "tinychat:1", "prompt": "the " * 300}}, 400, "prompt"),  # over the context
         (chat, {"json": {"model": "tinychat:1", "messages": [{"role": "user", "content": "the " * 70}]}}, 400,
          "messages"),  # over max_prompt_tokens

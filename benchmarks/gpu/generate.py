@@ -160,7 +160,7 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
         for c in levels:
             before = dict(engine.stats)
             measured = engine_run(engine, prompts[:requests[c]], p["max_tokens"], c)
-            steps = engine.stats["steps"] - before["steps"]
+            steps = engine.stats["decode_steps"] - before["decode_steps"]
             mean_batch = (engine.stats["row_steps"] - before["row_steps"]) / max(steps, 1)
             extra = {"path": "engine (continuous batching)", "mean_batch": round(mean_batch, 2)}
             out["rows"].append(row_figures(f"engine_c{c}", c, measured, extra))

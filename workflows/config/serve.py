@@ -34,13 +34,15 @@ class GenerateConfig(Strict):
     each replica and the limits of a request."""
 
     max_tokens: int = Field(512, ge=1, description="the most new tokens one request may ask for (max_tokens above "
-                            "it is capped to it); also what a request that names none gets")
+                            "it is a 400 naming the field); also what a request that names none gets")
     max_prompt_tokens: int = Field(2048, ge=1, description="the longest prompt (in tokens, after the chat template) "
                                    "a request may send: a longer one is a 400 with OpenAI's code "
                                    "context_length_exceeded, before any compute; with max_tokens it bounds the KV "
                                    "cache of a replica (max_batch x (max_prompt_tokens + max_tokens) positions)")
     max_stop_chars: int = Field(128, ge=1, description="the longest stop string a request may send (at most 4 of "
                                 "them): a longer one is a 400 naming `stop` (matching costs grow with their length)")
+    max_n: int = Field(8, ge=1, description="the most choices one request may ask for (n, times the prompts of a "
+                       "text completion), each a row of the batch")
     max_batch: int = Field(8, ge=1, description="requests decoded together in each step of a replica (the KV "
                            "cache's slots)")
     max_queue: int = Field(32, ge=0, description="requests waiting for a place in a full batch; one more is "

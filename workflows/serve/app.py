@@ -186,16 +186,17 @@ def build_api(server: "ModelServer") -> FastAPI:
             return server.stopping_response()
         return {"status": "ok", "model": card.name, "version": card.version}
 
-    @api.get("/v1/models/{name}", summary="The served model's card: labels, columns, metrics, lineage",
-             responses={404: {"model": ErrorResponse, "description": "another model's name"},
-                        **error_responses(401, 431)})
-    async def model_info(name: str = PathParam(
-            description="the served model's name (any other is a 404)", json_schema_extra={"enum": [card.name]})):
-        if name != card.name:
-            return _error(404, f"model {name!r} is not served here")
-        keep = ("name", "version", "task", "labels", "text_columns", "image_size", "metrics", "lineage",
-                "registered_at")
-        return {k: getattr(card, k) for k in keep}
+    if contract.card_route:
+        @api.get("/v1/models/{name}", summary="The served model's card: labels, columns, metrics, lineage",
+                 responses={404: {"model": ErrorResponse, "description": "another model's name"},
+                            **error_responses(401, 431)})
+        async def model_info(name: str = PathParam(
+                description="the served model's name (any other is a 404)", json_schema_extra={"enum": [card.name]})):
+            if name != card.name:
+                return _error(404, f"model {name!r} is not served here")
+            keep = ("name", "version", "task", "labels", "text_columns", "image_size", "metrics", "lineage",
+                    "registered_at")
+            return {k: getattr(card, k) for k in keep}
 
     contract.add_routes(api, server)  # a task's own routes (the chat task's OpenAI API)
     generated = api.openapi

@@ -34,6 +34,7 @@ class HttpContract:
     response_model: Any
     errors: tuple[int, ...] = (400, 401, 413, 422, 431, 503)  # the statuses POST /predict can answer
     predict_route: bool = True  # whether the app serves POST /predict with this contract
+    card_route: bool = True  # whether the app serves GET /v1/models/NAME (the card) or the contract its own
     main_route: str = "/predict"  # the route a user calls first (the pipeline prints its URL)
 
     def add_routes(self, api, server) -> None:

@@ -8,6 +8,10 @@ batches), `model` (the base model, LoRA, greedy decoding, the artifact), `predic
 scorer: greedy answers, token loss, the base model's figures beside them), `serving` (the predictor of
 every use: the continuous-batching `engine` behind the OpenAI-compatible routes of `openai_api`, batch
 generation, the scorer for evaluation), `smollm2` (the packaged base model, converted once per node).
+The OpenAI API's rooms: `protocol` (the request bodies, every field honoured or refused), `plan` (a
+request as the engine's rows), `streaming` and `choices` (the answer's shapes), `tools` (function
+calling through the chat template, calls read back), `grammar` (structured output: llguidance
+grammars enforced token by token), `token_text` (a token's text and bytes).
 
 Validation and evaluation report the same three numbers on a split: the token-weighted loss of the
 assistant tokens (`loss`), its perplexity, and `exact_match`, the share of greedy answers that equal
@@ -218,6 +222,13 @@ class ChatTask(Task):
             return []
         rows = read_parquet(files[0], ctx, ["prompt"]).slice(0, n).to_pylist()
         return [{"messages": json.loads(row["prompt"])} for row in rows]  # the conversation before the answer
+
+    def describe_prediction(self, prediction) -> str:
+        """The demo's answer (openai_api.OpenAIContract.demo): its text and finish reason, then its JSON."""
+        text = f"{str(prediction.get('text', ''))[:50]!r} ({prediction.get('finish_reason')})"
+        if "json" in prediction:
+            text += f"; as JSON {json.dumps(prediction['json'])[:60]} ({prediction.get('json_finish_reason')})"
+        return text
 
     def describe(self, instance) -> str:
         if instance.get("messages"):

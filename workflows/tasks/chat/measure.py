@@ -26,22 +26,18 @@ def percentile(values: Sequence[float], q: float) -> float:
 def engine_run(engine: Engine, prompts: list[list[int]], max_tokens: int,
                arrivals_s: Sequence[float] | None = None) -> dict:
     """Every prompt through `engine`, each submitted at its arrival time (seconds from the start; default:
-    all at once), greedy; EOS ignored for the run."""
-    eos, engine.eos = engine.eos, set()
+    all at once), greedy, EOS ignored (`ignore_eos`)."""
     before = dict(engine.stats)
-    try:
-        t0 = time.perf_counter()
-        gens = []
-        for i, p in enumerate(prompts):
-            if arrivals_s is not None:
-                time.sleep(max(0.0, t0 + arrivals_s[i] - time.perf_counter()))
-            gens.append(engine.submit(p, SamplingParams(max_tokens=max_tokens, temperature=0)))
-        for g in gens:
-            g.result(timeout=3600)
-        seconds = time.perf_counter() - t0
-    finally:
-        engine.eos = eos
-    steps = engine.stats["steps"] - before["steps"]
+    t0 = time.perf_counter()
+    gens = []
+    for i, p in enumerate(prompts):
+        if arrivals_s is not None:
+            time.sleep(max(0.0, t0 + arrivals_s[i] - time.perf_counter()))
+        gens.append(engine.submit(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)))
+    for g in gens:
+        g.result(timeout=3600)
+    seconds = time.perf_counter() - t0
+    steps = engine.stats["decode_steps"] - before["decode_steps"]
     tokens = sum(g.completion_tokens for g in gens)
     ttft = [g.times["first_token"] - g.times["submitted"] for g in gens]
     latency = [g.times["finished"] - g.times["submitted"] for g in gens]

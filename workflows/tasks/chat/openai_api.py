@@ -2,112 +2,49 @@
 `OpenAIContract.add_routes` (workflows.serve.app calls it for any task's contract; this one has no /predict).
 
 GET  /v1/models             the served model (NAME:VERSION) and the adapters this replica holds
-POST /v1/chat/completions   {"model", "messages": [{"role", "content"}], "max_tokens", "temperature", "top_p",
-                            "seed", "stop", "stream", "stream_options": {"include_usage"}, "ignore_eos"}
-POST /v1/completions        the same with "prompt" (a string, or a list of one) instead of "messages"
+GET  /v1/models/{id}        one of those (NAME or NAME:VERSION of the served model), OpenAI's Model object
+POST /v1/chat/completions   OpenAI's chat request (workflows.tasks.chat.protocol: every field honoured or a 400)
+POST /v1/completions        OpenAI's text completion request ("prompt": text or token ids, one or several)
 
 `"stream": true` answers Server-Sent Events, one `data: {chunk}` per delta in OpenAI's chunk format,
-then `data: [DONE]`. Every answer carries `finish_reason` ("stop": end of sequence or a stop string;
-"length": max_tokens or the model's context; "timeout": serve.generate.timeout_s passed, with the text
-so far) and `usage`. A bad request gets a 4xx with OpenAI's error body, {"error": {"message", "type",
-"param", "code"}}: a prompt over serve.generate.max_prompt_tokens (or the model's context) a 400 with
-code context_length_exceeded, before any compute; more than 4 stop strings, or one over
-serve.generate.max_stop_chars, a 400 naming `stop`. A full engine queue is a 429 with Retry-After, at
-once; an adapter unloaded under the request a 503 with Retry-After; a generation the engine failed a
-500 (a stream sends the error as its last event before `data: [DONE]`); a failure to prefill or sample
-one request fails it alone. A client that disconnects ends its own generation only. The bearer token,
-the drain on shutdown (503 once stopping, open streams finish) and the request metrics apply as to
-every route of the app; the engine's own metrics are workflows.tasks.chat.metrics'.
+then `data: [DONE]`. Every answer carries `finish_reason` ("stop": end of sequence, a stop string or a
+complete grammar; "length": max_tokens or the model's context; "tool_calls"; "timeout":
+serve.generate.timeout_s passed, with the text so far) and `usage`. A bad request gets a 4xx with
+OpenAI's error body, {"error": {"message", "type", "param", "code"}}: a prompt over
+serve.generate.max_prompt_tokens (or the model's context) a 400 with code context_length_exceeded,
+before any compute; more than 4 stop strings, or one over serve.generate.max_stop_chars, a 400 naming
+`stop`. A full engine queue is a 429 with Retry-After, at once; an adapter unloaded under the request a
+503 with Retry-After; a generation the engine failed a 500 (a stream sends the error as its last event
+before `data: [DONE]`); a failure to prefill or sample one request fails it alone. A client that
+disconnects ends its own generations only. The bearer token, the drain on shutdown (503 once stopping,
+open streams finish) and the request metrics apply as to every route of the app; the engine's own
+metrics are workflows.tasks.chat.metrics'.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request  # at module level: FastAPI resolves the routes' string annotations here
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from workflows.errors import UserError
 from workflows.tasks.chat.engine import ModelNotFound, PromptTooLong, QueueFull
-from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.grammar import GrammarError
+from workflows.tasks.chat.plan import chat_plan, text_plan
+from workflows.tasks.chat.protocol import BadRequest, ChatRequest, CompletionRequest, Message
 from workflows.tasks.chat.streaming import Completion
 from workflows.tasks.contract import MAX_BODY_BYTES, HttpContract, register_schema
+
+__all__ = ["BadRequest", "ChatRequest", "CompletionRequest", "Message", "OpenAIContract", "Adapters"]
 
 if TYPE_CHECKING:
     from workflows.config.serve import GenerateConfig
 
-# --- request models ---------------------------------------------------------------------------------
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(..., description="text, or text parts (images are not read)")
-
-    def as_template_input(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class GenerateRequest(BaseModel):
-    """What both routes read; other fields OpenAI clients send (user, logprobs: false, ...) are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str = Field(..., min_length=1, description="the served NAME:VERSION (or NAME), or an adapter's "
-                       "(NAME:VERSION, or NAME@ALIAS: the version the alias holds now)")
-    max_tokens: int | None = Field(None, ge=1, description="capped at serve.generate.max_tokens")
-    temperature: float = Field(1.0, ge=0, le=2, description="0 (or below 1e-5) is greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    ignore_eos: bool = Field(False, description="not OpenAI's (vLLM's and llama.cpp's): generate past the "
-                             "end-of-sequence token, up to max_tokens or a stop string (fixed lengths, for benchmarks)")
-
-    def stops(self, max_chars: int) -> tuple[str, ...]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s or len(s) > max_chars for s in stops):
-            raise BadRequest(f"stop: up to 4 non-empty strings of at most {max_chars} characters each", "stop")
-        return tuple(stops)
-
-
-class ChatRequest(GenerateRequest):
-    messages: list[Message] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name")
-
-
-class CompletionRequest(GenerateRequest):
-    prompt: str | list[str]
-
-    def text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise BadRequest("prompt: one prompt per request (a string or a list of one)", "prompt")
-        return self.prompt[0]
-
-
 # --- errors -------------------------------------------------------------------------------------------
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
@@ -130,14 +67,36 @@ def as_openai_error(response):
     return error(response.status_code, message, headers=headers)
 
 
+FIELD_PREFIX = re.compile(r"^([a-z_][a-z_0-9.]*): (.*)$", re.S)  # a validator's "field: message"
+
+
 def validation_error(e: ValidationError) -> BadRequest:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
+    """Pydantic's first error as a 400 naming the field: the path into the body (union members' type
+    tags left out), extended by a validator's own "field: message". Of a union's errors (one per member)
+    the deepest: the member the body came closest to (a list of parts whose second is an image)."""
+    errors = e.errors()
+    err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
+    loc = ".".join(str(p) for i, p in enumerate(err["loc"]) if not _type_tag(p, err["loc"][i - 1] if i else None))
+    msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "json_invalid":
         return BadRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if err["type"] == "extra_forbidden":
+        return BadRequest(f"{loc}: not a field of OpenAI's API that this server reads", loc)
+    if err["type"] == "value_error" and (m := FIELD_PREFIX.match(msg)):
+        loc, msg = (f"{loc}.{m[1]}" if loc else m[1]), m[2]
     if not loc:
-        return BadRequest(f"the body must be a JSON object: {err['msg']}")
-    return BadRequest(f"{loc}: {err['msg']}", loc)
+        return BadRequest(f"the body must be a JSON object: {msg}")
+    return BadRequest(f"{loc}: {msg}", loc)
+
+
+def _type_tag(part, before) -> bool:
+    """A union member's tag in pydantic's error location, not a field: a type (str, list[...], a model's
+    class name) or a discriminated union's tag (response_format's type, a content part's type)."""
+    if not isinstance(part, str):
+        return False
+    return part in ("str", "int", "float", "bool", "none") or "[" in part or part[:1].isupper() or (
+        before == "response_format" or isinstance(before, int)) and part in ("text", "refusal", "json_object",
+                                                                            "json_schema")
 
 
 async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES) -> Any:
@@ -159,10 +118,18 @@ async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES
 # --- the contract -------------------------------------------------------------------------------------
 
 
+# the pipeline's demo asks for this too: what `client.chat.completions.parse(response_format=Answer)` sends
+# for `class Answer(BaseModel): answer: str`
+DEMO_FORMAT: dict[str, Any] = {"name": "Answer", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string", "title": "Answer"}}, "required": ["answer"],
+    "title": "Answer", "additionalProperties": False}}
+
+
 class OpenAIContract(HttpContract):
     """OpenAI's chat and text completions; no /predict (`predict_route`)."""
 
     predict_route = False
+    card_route = False  # GET /v1/models/{id} is OpenAI's Model object here
     main_route = "/v1/chat/completions"
     request_model = ChatRequest
     response_model = None
@@ -182,12 +149,23 @@ class OpenAIContract(HttpContract):
         return {"model": f"{self.card.name}:{self.card.version}", "messages": [{"role": "user", "content": "Hi"}]}
 
     def demo(self, url: str, instance: dict, headers: dict) -> tuple[str, dict]:
-        """A streamed chat completion of the instance's `messages`, greedy: {"text", "finish_reason",
-        "chunks"} (the pipeline's requests once it has deployed the model)."""
+        """A streamed chat completion of the instance's `messages`, greedy, and the same asked for as
+        JSON in DEMO_SCHEMA (what `chat.completions.parse` sends for a pydantic model with one `answer`
+        string): {"text", "finish_reason", "chunks", "json" (the parsed object, or None if the answer was
+        cut short), "json_finish_reason"} (the pipeline's requests once it has deployed the model)."""
         import requests
 
-        body = {"model": f"{self.card.name}:{self.card.version}", "messages": instance["messages"],
-                "temperature": 0, "stream": True}
+        model = f"{self.card.name}:{self.card.version}"
+        structured = requests.post(f"{url}/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": model, "messages": instance["messages"], "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": DEMO_FORMAT}})
+        structured.raise_for_status()
+        answer = structured.json()["choices"][0]
+        try:
+            parsed = json.loads(answer["message"]["content"])
+        except json.JSONDecodeError:  # cut by max_tokens
+            parsed = None
+        body = {"model": model, "messages": instance["messages"], "temperature": 0, "stream": True}
         text, reason, chunks = [], None, 0
         with requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=True, timeout=60) as r:
             r.raise_for_status()
@@ -199,8 +177,9 @@ class OpenAIContract(HttpContract):
                 for choice in json.loads(line.removeprefix("data: ")).get("choices", []):
                     text.append(choice["delta"].get("content") or "")
                     reason = choice.get("finish_reason") or reason
-        return "POST /v1/chat/completions (stream)", {"text": "".join(text), "finish_reason": reason,
-                                                      "chunks": chunks}
+        return "POST /v1/chat/completions (stream; json_schema)", {
+            "text": "".join(text), "finish_reason": reason, "chunks": chunks, "json": parsed,
+            "json_finish_reason": answer["finish_reason"]}
 
     def add_routes(self, api, server) -> None:
         from ray import serve
@@ -211,6 +190,8 @@ class OpenAIContract(HttpContract):
             from workflows.tasks.chat.metrics import ServeMetrics
 
             engine.metrics = ServeMetrics(predictor.base_id, predictor.model_id)
+        if predictor is not None:  # llguidance's view of the vocabulary (about a second), in the background
+            predictor.warm_grammars()
         adapters = Adapters(server)
 
         async def load_adapter(model_id: str) -> AdapterRef:  # a function: Serve keeps its cache on it
@@ -228,6 +209,18 @@ class OpenAIContract(HttpContract):
                 return as_openai_error(refused)
             return {"object": "list", "data": [entry(predictor.base_id)] + [entry(m) for m in predictor.adapters]}
 
+        @api.get("/v1/models/{model_id}", summary="One served model: NAME or NAME:VERSION (OpenAI's Model object)")
+        async def get_model(model_id: str, request: Request):
+            if (refused := server.guard(request)) is not None:
+                return as_openai_error(refused)
+            try:
+                found = predictor.resolve(model_id)
+            except ModelNotFound as e:
+                return error(404, str(e), "model", "model_not_found")
+            if found is not None and found not in predictor.adapters:
+                return error(404, f"model {model_id[:80]!r} is not served by this replica", "model", "model_not_found")
+            return entry(model_id)
+
         async def generate(request: Request, kind: str):
             if (refused := server.guard(request)) is not None:
                 return as_openai_error(refused)
@@ -240,29 +233,31 @@ class OpenAIContract(HttpContract):
                 if header and header != (model_id or predictor.base_id) and header != req.model:
                     raise BadRequest(f"the serve_multiplexed_model_id header ({header[:80]}) is not the body's "
                                      f"model ({req.model[:80]})", "model")
-                params = SamplingParams(max_tokens=min(self.max_tokens(req), self.gen.max_tokens),
-                                        temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                        stop=req.stops(self.gen.max_stop_chars), ignore_eos=req.ignore_eos)
-                if kind == "chat":
-                    ids = await predictor.encode(predictor.chat_ids, [m.as_template_input() for m in req.messages])
-                else:
-                    ids = await predictor.encode(predictor.prompt_ids, req.text())
+                planner = chat_plan if kind == "chat" else text_plan
+                plan = await predictor.encode(lambda r: planner(predictor, r, self.gen), req)
                 adapter = None
                 if model_id is not None:
                     adapter = await loader(model_id)  # multiplexed: loaded once, least recently used unloaded
                     predictor.using(model_id, +1)
+                gens: list = []
                 try:
-                    gen = predictor.engine.submit(ids, params, adapter.name if adapter else predictor.served_adapter)
+                    n = plan.shape.choices_per_prompt
+                    for i, params in enumerate(plan.params):
+                        gens.append(predictor.engine.submit(plan.prompts[i // n], params,
+                                                            adapter.name if adapter else predictor.served_adapter))
                 except BaseException:
+                    for g in gens:
+                        g.cancel()
                     predictor.using(model_id, -1)
                     raise
-                completion = Completion(kind, req.model, gen, server, lambda: predictor.using(model_id, -1),
-                                        include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                completion = Completion(kind, req.model, gens, server, lambda: predictor.using(model_id, -1),
+                                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                                        shape=plan.shape)
                 handed = True
-            except BadRequest as e:
+            except (BadRequest, GrammarError) as e:
                 if engine is not None:
                     engine.metrics.rejected("invalid_request")
-                return error(e.status, str(e), e.param, e.code)
+                return error(getattr(e, "status", 400), str(e), e.param, getattr(e, "code", None))
             except ModelNotFound as e:
                 return error(404, str(e), "model", "model_not_found")
             except QueueFull as e:
@@ -283,11 +278,6 @@ class OpenAIContract(HttpContract):
         @api.post("/v1/completions", summary="Text completion (OpenAI's legacy API; streams with \"stream\": true)")
         async def completions(request: Request):
             return await generate(request, "text")
-
-    @staticmethod
-    def max_tokens(req: GenerateRequest) -> int:
-        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        return asked if asked is not None else 2**31
 
 
 async def pinned(server, model: str) -> str:

@@ -74,6 +74,8 @@ class ChatPredictor(Predictor):
         self._engine: Engine | None = None
         self._tokenizer: Any = None
         self._scorer: Any = None
+        self._grammars: Any = None
+        self._token_text: Any = None
         self._base_sha: str | None = None
         self._tokenize = ThreadPoolExecutor(1, "tokenize")
         self.adapters: dict[str, str] = {}  # model id -> peft adapter name, loaded (or loading)
@@ -143,21 +145,59 @@ class ChatPredictor(Predictor):
         return self._base_sha
 
     # --- prompts -------------------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """A conversation rendered by the model's chat template, ending where the assistant answers."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A conversation rendered by the model's chat template, ending where the assistant answers; with
+        `tools` (OpenAI's), and tool calls in the history, as workflows.tasks.chat.tools renders them."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise PromptError("this model has no chat template: use /v1/completions")
         from jinja2 import TemplateError
+
+        from workflows.tasks.chat.tools import render, template_reads_tools
 
         system = getattr(self.task.options, "system_prompt", None)
         if system and (not messages or messages[0].get("role") != "system"):  # as preprocessing puts it
             messages = [{"role": "system", "content": system}, *messages]
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages, tools = render(messages, tools, template_reads_tools(template))
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
         except TemplateError as e:  # the template's own check (e.g. roles out of order)
             raise PromptError(f"messages: {str(e)[:500]}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    # --- what structured output and logprobs need (built on first use, in the tokenizing thread) -----
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits (its config's vocab_size)."""
+        return int(self.engine.model.config.vocab_size)
+
+    @property
+    def eos(self) -> set[int]:
+        return set(self.engine.eos)
+
+    def grammars(self):
+        """The grammars of this model's tokenizer (workflows.tasks.chat.grammar), built on first use."""
+        with self._lock:
+            if self._grammars is None:
+                from workflows.tasks.chat.grammar import Grammars
+
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos))
+            return self._grammars
+
+    def warm_grammars(self) -> None:
+        """Build `grammars()` in the tokenizing thread now, so the first structured request need not."""
+        self._tokenize.submit(self.grammars)
+
+    @property
+    def token_text(self):
+        with self._lock:
+            if self._token_text is None:
+                from workflows.tasks.chat.choices import TokenText
+
+                self._token_text = TokenText(self.tokenizer)
+            return self._token_text
 
     def prompt_ids(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)

@@ -106,8 +106,9 @@ class Engine:
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens)
         # for benchmarks and tests: steps run, tokens sampled, decoding rows summed over steps, prompts
         # prefilled, the most rows in a step, prompt and decode tokens through the model
-        self.stats = {"steps": 0, "tokens": 0, "row_steps": 0, "prefills": 0, "max_rows": 0, "prefill_tokens": 0,
-                      "decode_tokens": 0}
+        # row_steps / decode_steps: the mean batch of the steps that decoded (a step may only prefill)
+        self.stats = {"steps": 0, "tokens": 0, "row_steps": 0, "decode_steps": 0, "prefills": 0, "max_rows": 0,
+                      "prefill_tokens": 0, "decode_tokens": 0}
         self.metrics = metrics or EngineMetrics()
         self.on_finish: Callable[[Generation], None] | None = None  # called in the decode thread as one ends
         self._ids = itertools.count()
@@ -270,6 +271,7 @@ class Engine:
         self._sample(step, logits, report)
         self._rows = [r for r in self._rows if r.gen.finish_reason is None]
         stats["row_steps"] += len(step.decoding)
+        stats["decode_steps"] += bool(step.decoding)
         stats["prefill_tokens"] += report.prefill_tokens
         stats["decode_tokens"] += report.decode_tokens
         log.debug("step: %d decoding, %d prompt tokens, %.1f ms", len(step.decoding), report.prefill_tokens,

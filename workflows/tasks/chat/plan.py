@@ -1,0 +1,141 @@
+"""What one request asks of the engine: its prompts' token ids, each choice's SamplingParams (a grammar
+constraint of its own included), and how its answer is shaped. Built off the event loop (the predictor's
+tokenizing thread): rendering a template, tokenizing and compiling a grammar take milliseconds to a
+second.
+
+Choices: n per prompt, each a row of its own (prompt-major: prompt p's choice j is choice p * n + j),
+choice j seeded with seed + j (modulo 2^64), so one seed gives n different samples and the same n again.
+A request's rows are at most serve.generate.max_n.
+
+Constraints (workflows.tasks.chat.grammar), in order:
+- tool_choice "required", a named function, or allowed_tools in mode "required": the Hermes tool calls
+  of those functions (one call for a named function or parallel_tool_calls false, else one or more);
+- response_format json_schema or json_object: that JSON, or, with tools the model may call (tool_choice
+  auto), that JSON or tool calls;
+- otherwise none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from workflows.tasks.chat import grammar, tools
+from workflows.tasks.chat.choices import AnswerShape
+from workflows.tasks.chat.protocol import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+)
+from workflows.tasks.chat.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from workflows.config.serve import GenerateConfig
+
+
+@dataclass
+class Plan:
+    prompts: list[list[int]]  # token ids, one list per prompt
+    params: list[SamplingParams]  # one per choice (row), prompt-major
+    shape: AnswerShape
+
+
+def base_params(req: GenerateRequest, gen: GenerateConfig, vocab: int, logprobs: int | None) -> SamplingParams:
+    """A choice's settings from the request (null: the default), checked against the server's limits."""
+    asked, field = req.asked_tokens()
+    if asked is not None and asked > gen.max_tokens:
+        raise BadRequest(f"{field}: {asked} is over this server's limit of {gen.max_tokens} "
+                         "(serve.generate.max_tokens)", field)
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if int(key) >= vocab:
+            raise BadRequest(f"logit_bias: token {key} is not in this model's vocabulary of {vocab}", "logit_bias")
+        bias[int(key)] = value
+    top_p = 1.0 if req.top_p is None else req.top_p
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if top_p == 0:  # only the most probable token: greedy
+        top_p, temperature = 1.0, 0.0
+    return SamplingParams(max_tokens=asked or gen.max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
+                          stop=req.stops(gen.max_stop_chars), logprobs=logprobs,
+                          presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                          logit_bias=bias, ignore_eos=bool(req.ignore_eos))
+
+
+def rows(req: GenerateRequest, gen: GenerateConfig, prompts: int) -> int:
+    n = req.choices()
+    if prompts * n > gen.max_n:
+        param, what = ("n", f"n={n}") if prompts == 1 else ("prompt", f"{prompts} prompts, n={n} each")
+        raise BadRequest(f"{param}: {prompts * n} choices ({what}); this server's limit is {gen.max_n} "
+                         "(serve.generate.max_n)", param)
+    return n
+
+
+def seeded(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j's settings: seeded with seed + j, as an unsigned 64-bit generator seed."""
+    return params if params.seed is None else replace(params, seed=(params.seed + j) % 2**64)
+
+
+def chat_plan(predictor, req: ChatRequest, gen: GenerateConfig) -> Plan:
+    n = rows(req, gen, 1)
+    mode, callable_ = req.tool_mode()
+    shown = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode != "none" else []
+    ids = predictor.chat_ids([m.as_template_input() for m in req.messages], shown or None)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = base_params(req, gen, predictor.vocab_size, logprobs)
+    text = constraint_grammar(req, mode, callable_)
+    choices = []
+    for j in range(n):
+        p = seeded(params, j)
+        if text is not None:
+            p = replace(p, constraint=predictor.grammars().constraint(*text))
+        choices.append(p)
+    shape = AnswerShape(logprobs=logprobs is not None, token_text=predictor.token_text if logprobs is not None
+                        else None, eos=frozenset(predictor.eos), choices_per_prompt=n,
+                        tools={t.function.name for t in callable_} if mode != "none" else None,
+                        parallel_tool_calls=req.parallel_tool_calls is not False,
+                        obfuscation=bool(req.stream_options and req.stream_options.include_obfuscation))
+    return Plan([ids], choices, shape)
+
+
+def constraint_grammar(req: ChatRequest, mode: str, callable_: list) -> tuple[str, str] | None:
+    """(the llguidance grammar, the request field it comes from) of a chat request, or None."""
+    fmt = req.response_format
+    answer: tuple[dict, bool] | None = None
+    if isinstance(fmt, JsonSchemaFormat):
+        answer = (fmt.json_schema.schema_ or {}, bool(fmt.json_schema.strict))
+    elif isinstance(fmt, JsonObjectFormat):
+        answer = ({"type": "object"}, True)
+    funcs = [t.model_dump(exclude_none=True) for t in callable_]
+    if mode == "required":
+        parallel = req.parallel_tool_calls is not False and not isinstance(req.tool_choice, NamedToolChoice)
+        return tools.call_grammar(funcs, parallel), "tools"
+    if answer is None:
+        return None
+    param = "response_format.json_schema.schema" if isinstance(fmt, JsonSchemaFormat) else "response_format"
+    if mode == "auto":
+        return tools.call_grammar(funcs, req.parallel_tool_calls is not False, answer), param
+    return grammar.schema_grammar(*answer), param
+
+
+def text_plan(predictor, req: CompletionRequest, gen: GenerateConfig) -> Plan:
+    prompts = req.prompts()
+    n = rows(req, gen, len(prompts))
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids.append(predictor.prompt_ids(p))
+        else:
+            if any(not 0 <= t < predictor.vocab_size for t in p):
+                raise BadRequest(f"prompt: token ids are between 0 and {predictor.vocab_size - 1}", "prompt")
+            ids.append(list(p))
+    params = base_params(req, gen, predictor.vocab_size, req.logprobs)
+    echo = [p if isinstance(p, str) else predictor.tokenizer.decode(p) for p in prompts] if req.echo else None
+    shape = AnswerShape(logprobs=req.logprobs is not None,
+                        token_text=predictor.token_text if req.logprobs is not None else None,
+                        eos=frozenset(predictor.eos), choices_per_prompt=n, echo=echo,
+                        obfuscation=bool(req.stream_options and req.stream_options.include_obfuscation))
+    return Plan(ids, [seeded(params, j) for _ in prompts for j in range(n)], shape)
