@@ -159,7 +159,7 @@ def count_sdpa(model, batch) -> int:
     F.scaled_dot_product_attention = counting
     try:
         with torch.no_grad():
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
     finally:
         F.scaled_dot_product_attention = orig
     return calls
