@@ -1,0 +1,167 @@
+"""Training at the hardware's speed, guarded on the CPU (issue #62) with tiny models:
+- train.compile: the regions compiled (repeated blocks, or the whole model), the same losses as
+  eager, and one compile per region through a loader-fed epoch whose last batch is short (recompiles
+  made errors), channels_last image batches included;
+- no host sync in a training step (the profiler's aten::_local_scalar_dense, which .item(), bool()
+  and every read of a device value go through), against a budget per model;
+- LoRA's frozen base in bf16: a step casts the adapters only, never a base weight, and computes the
+  same losses as autocast over the fp32 base.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from workflows.train.compile import compile_model, compile_regions, fixed_rows
+from workflows.train.loop import make_optimizer, make_scheduler, train_epoch, validate
+
+CPU = torch.device("cpu")
+SYNCS = "aten::_local_scalar_dense"  # .item(), bool(tensor), tolist(): a device value read by the host
+
+
+def tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def tiny_gpt2():
+    from workflows.tasks.causal_lm.model import build_causal_lm
+
+    torch.manual_seed(0)
+    return build_causal_lm(SimpleNamespace(size="tiny", n_layer=None, n_embd=None, n_head=None, seq_len=16), 100)
+
+
+def text_batches(rows: int, size: int, padded: bool = True, seed: int = 1):
+    from workflows.tasks.text.model import collate
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 13, (rows,), generator=g) if padded else torch.full((rows,), 12)
+    ids = [torch.randint(1, 50, (int(n),), generator=g).numpy() for n in lengths]
+    labels = torch.randint(0, 3, (rows,), generator=g).numpy()
+    for i in range(0, rows, size):
+        # one width, as the text task's collate pads a compiled model's training batches
+        yield collate({"input_ids": ids[i:i + size], "label_id": labels[i:i + size]}, width=12)
+
+
+def losses(model, batches, pad_to=None, epochs=2, between=lambda: None):
+    opt = make_optimizer(model, 1e-2, 0.0)
+    sched = make_scheduler(opt, 100, 0.0)
+    out = []
+    for _ in range(epochs):
+        out += train_epoch(model, batches(), opt, sched, CPU, 1.0, pad_to=pad_to)["step_losses"]
+        between()
+    return out
+
+
+def test_regions_are_the_repeated_blocks_or_the_whole_model():
+    bert = tiny_bert()
+    assert compile_regions(bert) == list(bert.bert.encoder.layer)
+    from workflows.tasks.image.models import ARCHITECTURES
+
+    from transformers import AutoModelForImageClassification
+
+    cnn = AutoModelForImageClassification.from_config(ARCHITECTURES["small_cnn"](16))
+    assert compile_regions(cnn) == [cnn]  # its stages differ in shape: one graph for the whole model
+
+
+def test_a_short_batch_is_padded_with_ignored_labels_and_a_long_one_split():
+    batch = {"input_ids": torch.arange(10).reshape(5, 2), "labels": torch.arange(5)}
+    pieces = list(fixed_rows(batch, 4, -100))
+    assert [real for _, real in pieces] == [4, 1]
+    assert pieces[1][0]["labels"].tolist() == [4, -100, -100, -100]
+    assert pieces[1][0]["input_ids"].shape == (4, 2)
+    images = torch.zeros(3, 4, 4, 3).permute(0, 3, 1, 2)  # channels_last
+    (piece, real), = fixed_rows({"pixel_values": images, "labels": torch.zeros(3, dtype=torch.long)}, 4, -100)
+    assert real == 3 and piece["pixel_values"].is_contiguous(memory_format=torch.channels_last)
+    regression = {"x": torch.zeros(3, 2), "labels": torch.zeros(3)}
+    assert [real for _, real in fixed_rows(regression, 4, -100)] == [3]  # a real-valued target: as it is
+
+
+def test_compiled_training_trains_as_eager_and_compiles_once():
+    """aot_eager (dynamo's graphs and autograd's, no code generation): the step losses of eager training,
+    over 2 epochs of 3 batches of which the last is short (padded), with validation between the epochs
+    (eager), and not one recompile."""
+    import torch._dynamo
+
+    batches = lambda: text_batches(20, 8)  # noqa: E731  8, 8, 4
+    eager = losses(tiny_bert(), batches)
+    torch._dynamo.reset()
+    model = tiny_bert()
+    assert len(compile_model(model, "aot_eager")) == 2
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    task = SimpleNamespace(metric_states=lambda m, b: {"loss": m(**b).loss.detach()},
+                           compute_metrics=lambda states, data: dict(states))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        # validation after each epoch: another shape and eval mode, run eagerly
+        compiled = losses(model, batches, pad_to=8, between=lambda: validate(task, model, text_batches(5, 5), CPU, None))
+    assert compiled == pytest.approx(eager, abs=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1  # two blocks, one graph
+
+
+def count_ops(fn, name: str) -> list:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        fn()
+    return [e for e in prof.events() if e.name == name]
+
+
+def origin(event) -> str:
+    """Where a sync came from: the nearest caller the profiler recorded that names its file."""
+    chain, parent = [], event.cpu_parent
+    while parent is not None:
+        chain.append(parent.name)
+        parent = parent.cpu_parent
+    if any("_fused_adamw_" in name for name in chain):
+        return "fused adamw (CPU)"
+    return next((name for name in chain if ".py(" in name), "?")
+
+
+def step_syncs(model, batch, steps: int = 2) -> list[str]:
+    """The host syncs of `steps` training steps (forward, backward, clipping, fused AdamW, schedule, the
+    loop's bookkeeping; its one read of the epoch's totals at the end is a tolist(), which the profiler
+    does not see), by origin. Fused AdamW's CPU
+    kernel reads its step counts on the host; on a GPU they are device tensors its kernel reads there, so
+    those are left out."""
+    opt = make_optimizer(model, 1e-3, 0.0, fused=True)
+    sched = make_scheduler(opt, 100, 0.0)
+    train_epoch(model, iter([dict(batch)]), opt, sched, CPU, 1.0)  # warm-up: lazy state
+    epoch = lambda: train_epoch(model, iter([dict(batch) for _ in range(steps)]), opt, sched, CPU, 1.0)  # noqa: E731
+    return [o for o in map(origin, count_ops(epoch, SYNCS)) if o != "fused adamw (CPU)"]
+
+
+def per_step(syncs: list[str], steps: int = 2) -> float:
+    return len(syncs) / steps
+
+
+def test_a_causal_lm_step_syncs_once_in_transformers_and_never_in_the_loop():
+    """Budget 1 a step, and that one in transformers: the loss, label count and tokens add up on the
+    device (the loop read each with .item() every step). transformers (5.x) asks the device once a
+    forward while preparing a causal mask: mask.all() on a given mask, or a packed-sequence check of the
+    position ids without one; the collate gives no mask (all ones, it would only add its transfer)."""
+    from workflows.tasks.causal_lm.model import lm_collate
+
+    g = torch.Generator().manual_seed(0)
+    batch = lm_collate(list(torch.randint(0, 100, (4, 16), generator=g).numpy()))
+    assert "attention_mask" not in batch
+    syncs = step_syncs(tiny_gpt2(), batch)
+    assert per_step(syncs) <= 1
+    assert all("masking_utils" in s for s in syncs), syncs
+
+
+def test_a_text_classifier_step_syncs_only_for_padding():
+    """Budget 0 for a batch without padding (the collate leaves out its mask), 1 with padding:
+    transformers asks the device whether a given mask is all ones (its bidirectional mask's check)."""
+    full = next(text_batches(8, 8, padded=False))
+    assert "attention_mask" not in full
+    assert per_step(step_syncs(tiny_bert(), full)) == 0
+    padded = step_syncs(tiny_bert(), next(text_batches(8, 8)))
+    assert per_step(padded) <= 1 and all("masking_utils" in s for s in padded), padded
