@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.test_loader import write_shards
 from workflows.train.compile import compile_model, compile_regions, fixed_rows
 from workflows.train.loop import make_optimizer, make_scheduler, train_epoch, validate
 
@@ -165,3 +166,49 @@ def test_a_text_classifier_step_syncs_only_for_padding():
     assert per_step(step_syncs(tiny_bert(), full)) == 0
     padded = step_syncs(tiny_bert(), next(text_batches(8, 8)))
     assert per_step(padded) <= 1 and all("masking_utils" in s for s in padded), padded
+
+
+def test_a_compiled_image_model_trains_through_loader_epochs_without_a_recompile(tmp_path):
+    """The platform's StreamLoader over JPEG shards hands channels_last batches, as the collate of stored
+    pixels does (the GPU benchmark's synthetic batch was channels_last and the loader's contiguous: a
+    recompile), and the epoch's short last batch is padded: a stored-pixels batch, then two loader epochs
+    through one compiled CNN (backend eager: dynamo's guards, strides among them, without code
+    generation), with recompiles made errors."""
+    import torch._dynamo
+    from transformers import AutoModelForImageClassification
+
+    from workflows.loader import StreamLoader
+    from workflows.preprocess.images import ImageTransform
+    from workflows.storage.cache import ShardCache
+    from workflows.storage.uri import StorageContext
+    from workflows.tasks.image import ImageClassification
+    from workflows.tasks.image.models import ARCHITECTURES, _with_labels
+
+    ctx, images = StorageContext(), 9  # batches of 4, 4 and 1 (padded)
+    (tmp_path / "shards").mkdir()
+    write_shards(lambda name, data: (tmp_path / "shards" / name).write_bytes(data), counts=[5, 4])
+    loader = StreamLoader(str(tmp_path / "shards"), ctx, ShardCache(str(tmp_path / "cache"), ctx),
+                          ImageTransform(16, seed=0), batch_size=4, num_workers=0, seed=0)
+    first = next(iter(loader))["image"]
+    assert first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
+
+    torch.manual_seed(0)
+    model = AutoModelForImageClassification.from_config(_with_labels(ARCHITECTURES["small_cnn"](16), list("0123456789")))
+    torch._dynamo.reset()
+    assert compile_model(model, "eager") == [model]
+
+    def fed(epoch: int):
+        loader.set_epoch(epoch)
+        return ({"pixel_values": b["image"], "labels": b["label"]} for b in loader)
+
+    opt = make_optimizer(model, 1e-3, 0.0)
+    sched = make_scheduler(opt, 100, 0.0)
+    loss = lambda m, b: m(**ImageClassification.model_input(m, b)).loss  # noqa: E731
+    # stored pixels as the task's collate hands them: uint8 [N, S, S, 3] permuted, a channels_last view
+    pixels = torch.randint(0, 255, (4, 16, 16, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    stored = [{"pixel_values": pixels, "labels": torch.arange(4)}]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        train_epoch(model, stored, opt, sched, CPU, pad_to=4, loss_fn=loss)
+        stats = [train_epoch(model, fed(e), opt, sched, CPU, pad_to=4, loss_fn=loss) for e in range(2)]
+    loader.close()
+    assert [s["samples"] for s in stats] == [images, images] and stats[0]["steps"] == 3  # padding is not counted

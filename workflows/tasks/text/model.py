@@ -120,6 +120,9 @@ def classifier_config(model_dir: str, labels: list[str], dropout: float | None):
         )
     except (OSError, ValueError) as e:
         raise UserError(f"not a model directory: {model_dir} ({e})".splitlines()[0]) from None
+    # what transformers' loss would infer (and write into the config) at its first call: set up front, a
+    # compiled model's graph does not see the config change under it (a recompile)
+    config.problem_type = "single_label_classification"
     if dropout is not None:
         for attr in ("hidden_dropout_prob", "classifier_dropout", "dropout"):
             if hasattr(config, attr):
