@@ -64,9 +64,9 @@ def losses(model, batches, pad_to=None, epochs=2, between=lambda: None):
 def test_regions_are_the_repeated_blocks_or_the_whole_model():
     bert = tiny_bert()
     assert compile_regions(bert) == list(bert.bert.encoder.layer)
-    from workflows.tasks.image.models import ARCHITECTURES
-
     from transformers import AutoModelForImageClassification
+
+    from workflows.tasks.image.models import ARCHITECTURES
 
     cnn = AutoModelForImageClassification.from_config(ARCHITECTURES["small_cnn"](16))
     assert compile_regions(cnn) == [cnn]  # its stages differ in shape: one graph for the whole model
@@ -102,15 +102,16 @@ def test_compiled_training_trains_as_eager_and_compiles_once():
                            compute_metrics=lambda states, data: dict(states))
     with torch._dynamo.config.patch(error_on_recompile=True):
         # validation after each epoch: another shape and eval mode, run eagerly
-        compiled = losses(model, batches, pad_to=8, between=lambda: validate(task, model, text_batches(5, 5), CPU, None))
+        compiled = losses(model, batches, pad_to=8,
+                          between=lambda: validate(task, model, text_batches(5, 5), CPU, None))
     assert compiled == pytest.approx(eager, abs=1e-4)
     assert counters["stats"]["unique_graphs"] == 1  # two blocks, one graph
 
 
-def count_ops(fn, name: str) -> list:
+def count_ops(fn, name: str, stack: bool = False) -> list:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=not stack, with_stack=stack) as prof:
         fn()
     return [e for e in prof.events() if e.name == name]
 
@@ -136,7 +137,7 @@ def step_syncs(model, batch, steps: int = 2) -> list[str]:
     sched = make_scheduler(opt, 100, 0.0)
     train_epoch(model, iter([dict(batch)]), opt, sched, CPU, 1.0)  # warm-up: lazy state
     epoch = lambda: train_epoch(model, iter([dict(batch) for _ in range(steps)]), opt, sched, CPU, 1.0)  # noqa: E731
-    return [o for o in map(origin, count_ops(epoch, SYNCS)) if o != "fused adamw (CPU)"]
+    return [o for o in map(origin, count_ops(epoch, SYNCS, stack=True)) if o != "fused adamw (CPU)"]
 
 
 def per_step(syncs: list[str], steps: int = 2) -> float:
@@ -193,7 +194,8 @@ def test_a_compiled_image_model_trains_through_loader_epochs_without_a_recompile
     assert first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
 
     torch.manual_seed(0)
-    model = AutoModelForImageClassification.from_config(_with_labels(ARCHITECTURES["small_cnn"](16), list("0123456789")))
+    labels = [str(i) for i in range(10)]
+    model = AutoModelForImageClassification.from_config(_with_labels(ARCHITECTURES["small_cnn"](16), labels))
     torch._dynamo.reset()
     assert compile_model(model, "eager") == [model]
 
@@ -212,3 +214,52 @@ def test_a_compiled_image_model_trains_through_loader_epochs_without_a_recompile
         stats = [train_epoch(model, fed(e), opt, sched, CPU, pad_to=4, loss_fn=loss) for e in range(2)]
     loader.close()
     assert [s["samples"] for s in stats] == [images, images] and stats[0]["steps"] == 3  # padding is not counted
+
+
+def tiny_lora(bf16_base: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workflows.tasks.chat import ChatOptions
+    from workflows.tasks.chat.model import frozen_linears_to, with_lora
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model = with_lora(base, ChatOptions(lora_r=4, lora_dropout=0.0))
+    changed = frozen_linears_to(model, torch.bfloat16) if bf16_base else 0
+    return model, changed
+
+
+def weight_casts(model, batch) -> tuple[list[tuple], list[float]]:
+    """The 2-D casts (weights; activations are 3-D) of two bf16-autocast training steps after a warm-up,
+    by input shape, and the steps' losses."""
+    opt = make_optimizer(model, 1e-2, 0.0)
+    sched = make_scheduler(opt, 100, 0.0)
+    train_epoch(model, [dict(batch)], opt, sched, CPU, amp=torch.bfloat16)
+    out: dict = {}
+    casts = count_ops(lambda: out.update(train_epoch(model, [dict(batch), dict(batch)], opt, sched, CPU,
+                                                     amp=torch.bfloat16)), "aten::_to_copy")
+    return [tuple(e.input_shapes[0]) for e in casts if e.input_shapes and len(e.input_shapes[0]) == 2], \
+        out["step_losses"]
+
+
+def test_lora_keeps_the_frozen_base_in_bf16_and_casts_only_the_adapters():
+    """Budget: no cast of a base weight, at most two per adapter tensor a step (its bf16 copy for the
+    forward, its gradient back to fp32); autocast over an fp32 base casts every base weight every step.
+    The losses are autocast's over the fp32 base: it rounds those weights to bf16 for the same matmuls."""
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 96, (3, 7), generator=g)}  # 21 rows: no weight's dimension
+    batch["labels"] = batch["input_ids"].clone()
+    fp32_model, _ = tiny_lora(bf16_base=False)
+    model, changed = tiny_lora(bf16_base=True)
+    base = {tuple(m.base_layer.weight.shape) for m in model.modules() if hasattr(m, "base_layer")}
+    adapters = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert changed == 2 * 7 and all(p.dtype == torch.float32 for p in adapters)  # 7 linears a layer, the head tied
+    assert model.get_output_embeddings().weight.dtype == torch.float32  # the tied head: the embedding, left fp32
+    before, fp32_losses = weight_casts(fp32_model, batch)
+    after, losses = weight_casts(model, batch)
+    assert not [s for s in after if s in base]
+    shapes = {tuple(p.shape) for p in adapters}
+    assert len([s for s in after if s in shapes]) <= 2 * 2 * len(adapters)  # two steps
+    assert len([s for s in before if s in base]) >= 2 * changed  # what bf16 storage saves: each base weight a step
+    assert losses == pytest.approx(fp32_losses, abs=2e-3)
