@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurement in one call, without Ray (benchmarks/gpu/README.md):
+# The GPU measurement in one call (benchmarks/gpu/README.md):
 #   OUT=DIR bash benchmarks/gpu/run.sh            # a CUDA machine: GPT-2 124M MFU, ResNet-50 images/s,
 #                                                 # classification (after make bench-gpu-prepare here),
 #                                                 # chat generation (the engine against static batching),
@@ -25,6 +25,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "${missing[@]}" || exit
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# Ray and what the product path needs beside it (pydantic, FastAPI, ...) travel packed in .gpu-ray/ (make
+# bench-gpu-ray): unpacked where python3 has no Ray, behind the machine's own packages on PYTHONPATH
+if [ -f .gpu-ray/site.tar.xz ] && ! "$PY" -c 'import ray' 2>/dev/null; then
+  mkdir -p /tmp/ray-site && tar -xJf .gpu-ray/site.tar.xz -C /tmp/ray-site || exit
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ray-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

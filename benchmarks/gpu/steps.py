@@ -186,7 +186,16 @@ def step_chat(smoke: bool, emit: Emit, data: str | None) -> None:
     run(smoke, emit, data)
 
 
-STEPS: dict[str, Callable[[bool, Emit, str | None], None]] = {"lm": step_lm, "resnet": step_resnet,
+def step_pipeline(smoke: bool, emit: Emit, data: str | None) -> None:
+    """`workflows pipeline` through Ray Train for the quickstart, digits and chat configs, against the CPU
+    figures and the torchrun path (benchmarks.gpu.pipeline)."""
+    from benchmarks.gpu.pipeline import step_pipeline as run
+
+    run(smoke, emit, data)
+
+
+STEPS: dict[str, Callable[[bool, Emit, str | None], None]] = {"pipeline": step_pipeline, "lm": step_lm,
+                                                               "resnet": step_resnet,
                                                                "classify": step_classify, "generate": step_generate,
                                                                "chat": step_chat}
 
