@@ -11,26 +11,11 @@ set -u
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 : "${OUT:?set OUT to the folder the results go to}"
-# packages the GPU machine lacks (pydantic; peft and accelerate, the chat step's LoRA) travel as wheels in
-# .whl/ (carried; see the README); each installed only where its module is missing: here they would shadow
-# the venv's with another Python's build
-missing=()
-if compgen -G ".whl/*.whl" >/dev/null; then
-  mapfile -t missing < <("$PY" -c 'import importlib.util as u, os, sys
-for w in sys.argv[1:]:
-    if u.find_spec(os.path.basename(w).split("-")[0]) is None:
-        print(w)' .whl/*.whl)
-fi
-if [ ${#missing[@]} -gt 0 ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "${missing[@]}" || exit
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-# Ray and what the product path needs beside it (pydantic, FastAPI, ...) travel packed in .gpu-ray/ (make
-# bench-gpu-ray): unpacked where python3 has no Ray, behind the machine's own packages on PYTHONPATH
-if [ -f .gpu-ray/site.tar.xz ] && ! "$PY" -c 'import ray' 2>/dev/null; then
-  mkdir -p /tmp/ray-site && tar -xJf .gpu-ray/site.tar.xz -C /tmp/ray-site || exit
-  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ray-site
+# what one call carries (make bench-gpu-carry): the prepared folder, and Ray with what the product path needs
+# beside it (pydantic, FastAPI, ...), unpacked where python3 has no Ray, behind the machine's own packages
+if [ -d .gpu-carry ]; then
+  "$PY" -m benchmarks.gpu.carry unpack || exit
+  "$PY" -c 'import ray' 2>/dev/null || export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ray-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
