@@ -85,8 +85,9 @@ def command(args: list[str], sets: list[str], log: Path) -> None:
         done = subprocess.run([sys.executable, "-m", *args, *[a for s in sets for a in ("--set", s)]],
                               stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        raise UserError(f"{' '.join(args[:4])}: exit {done.returncode}: " + " | ".join(tail))
+        lines = log.read_text(errors="replace").strip().splitlines()
+        said = [ln for ln in lines if ln.startswith("error:")]  # a UserError's one line, else the end
+        raise UserError(f"{' '.join(args[:4])}: exit {done.returncode}: " + " | ".join(said or lines[-5:]))
 
 
 def epoch_rate(history: list[dict]) -> dict:
@@ -117,6 +118,9 @@ def run_config(config: str, prep: Path, work: Path, gpu: bool, runs: dict[str, l
                  "model": f"{summary['model']['name']}:v{summary['model']['version']}",
                  "ray_train": {**epoch_rate(history), "epochs": len(history)}, "pipeline_seconds": round(wall, 1),
                  "stage_seconds": summary.get("seconds", {})}
+    if config == "quickstart":  # the registered model's Predictor (serving's and evaluation's), fp32 and bf16
+        out["predictor"] = predictor_rates(Path(summary["model"]["uri"].removeprefix("file://")),
+                                           Path(summary["dataset"]["uri"].removeprefix("file://")))
     if config == "chat":
         out["val_exact_match"] = round(float(best.get("val_exact_match", 0.0)), 4)
         out["val_loss"] = round(float(best["val_loss"]), 4)
@@ -132,6 +136,29 @@ def run_config(config: str, prep: Path, work: Path, gpu: bool, runs: dict[str, l
     rate = out["torchrun"][key]
     out["ray_vs_torchrun"] = round(out["ray_train"][key] / rate, 3) if rate else None
     return out
+
+
+PREDICTOR_ROWS = 8192  # the test split repeated to this many rows: a pass of a few seconds on a GPU, not 0.1
+GOAL_PREDICTOR_BF16 = 1.0
+
+
+def predictor_rates(model_dir: Path, dataset: Path) -> dict:
+    """Rows/s of the text Predictor over the held-out split (repeated to PREDICTOR_ROWS), fp32 then bf16
+    (weights converted once, when it loads), and the F1 of each."""
+    import pandas as pd
+
+    from benchmarks.gpu.classify import score_predictor
+
+    test = pd.concat(pd.read_parquet(f) for f in sorted((dataset / "split=test").glob("*.parquet")))
+    test = pd.concat([test] * -(-PREDICTOR_ROWS // max(len(test), 1)), ignore_index=True)
+    rates = {}
+    for precision in ("fp32", "bf16"):
+        r = score_predictor(model_dir, test, precision)
+        r.pop("predictor")
+        rates[precision] = r
+    fp32, bf16 = rates["fp32"]["rows_per_s"], rates["bf16"]["rows_per_s"]
+    return {**rates, "bf16_vs_fp32": round(bf16 / fp32, 3) if fp32 else None, "goal_bf16_vs_fp32": GOAL_PREDICTOR_BF16,
+            "bf16_f1_delta": round(rates["bf16"]["f1"] - rates["fp32"]["f1"], 4)}
 
 
 def compare(run: dict, cpu: dict | None) -> dict:
