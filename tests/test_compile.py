@@ -72,6 +72,25 @@ def test_regions_are_the_repeated_blocks_or_the_whole_model():
     assert compile_regions(cnn) == [cnn]  # its stages differ in shape: one graph for the whole model
 
 
+def test_a_causal_lm_compiles_its_blocks_and_its_loss_and_trains_as_eager():
+    """The head's loss (a vocabulary-wide cross-entropy) is compiled too, on the model that owns the head;
+    a short last batch is padded (labels ignored), and the steps' losses are eager's."""
+    import torch._dynamo
+
+    from workflows.tasks.causal_lm.model import lm_collate
+
+    g = torch.Generator().manual_seed(0)
+    blocks = list(torch.randint(0, 100, (6, 16), generator=g).numpy())
+    batches = lambda: (lm_collate(blocks[i:i + 4]) for i in range(0, 6, 4))  # noqa: E731  4, then 2 (padded)
+    eager = losses(tiny_gpt2(), batches, epochs=1)
+    torch._dynamo.reset()
+    model = tiny_gpt2()
+    regions = compile_model(model, "eager")
+    assert regions == list(model.transformer.h) and hasattr(model.loss_function, "_torchdynamo_orig_callable")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert losses(model, batches, pad_to=4, epochs=1) == pytest.approx(eager, abs=1e-4)
+
+
 def test_a_short_batch_is_padded_with_ignored_labels_and_a_long_one_split():
     batch = {"input_ids": torch.arange(10).reshape(5, 2), "labels": torch.arange(5)}
     pieces = list(fixed_rows(batch, 4, -100))

@@ -40,8 +40,8 @@ def compile_model(model: nn.Module, backend: str = "inductor") -> list[nn.Module
     regions = compile_regions(model)
     for region in regions:
         region.compile(backend=backend)
-    for module in model.modules():
-        if hasattr(module, "lm_head") and callable(getattr(module, "loss_function", None)):
+    for module in model.modules():  # the model that owns the head (not a wrapper that forwards attributes)
+        if "lm_head" in module._modules and callable(getattr(module, "loss_function", None)):
             module.loss_function = torch.compile(module.loss_function, backend=backend)
     return regions
 
