@@ -125,8 +125,9 @@ def run_config(config: str, prep: Path, work: Path, gpu: bool, runs: dict[str, l
         out["val_exact_match"] = round(float(best.get("val_exact_match", 0.0)), 4)
         out["val_loss"] = round(float(best["val_loss"]), 4)
     t0 = time.time()
+    # the same settings: standalone finds the processed dataset the pipeline made (its version, under the root)
     torchrun = ["torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "workflows.train.standalone",
-                "--config", config, "--data", summary["dataset"]["uri"], "--output", str(work / "standalone.json")]
+                "--config", config, "--output", str(work / "standalone.json")]
     command(torchrun, sets, work / "torchrun.log")
     standalone = json.loads((work / "standalone.json").read_text())
     out["torchrun"] = {**epoch_rate(standalone["history"]), "epochs": len(standalone["history"]),

@@ -247,8 +247,9 @@ def smoke_recipe(work: Path) -> dict:
 
 
 def find_python312() -> str | None:
-    for candidate in (shutil.which("python3.12"), *sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))):
-        if candidate and Path(candidate).exists():
+    """A Python 3.12 that runs (pyenv's own before a PATH entry, which may be a shim that refuses)."""
+    for candidate in (*sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")), shutil.which("python3.12")):
+        if candidate and subprocess.run([str(candidate), "-c", "pass"], capture_output=True).returncode == 0:
             return str(candidate)
     return None
 

@@ -75,10 +75,16 @@ def find_dataset(cfg: WorkflowConfig, storage: StorageContext, uri: str | None =
     if not exists(join(uri, "manifest.json"), storage):
         raise UserError(f"{uri}: not a processed dataset (no manifest.json)")
     data = ProcessedDataset.from_manifest(read_json(join(uri, "manifest.json"), storage))
-    data.uri = uri
-    fs, path = filesystem(uri, storage)  # a copy: its files are where it is, not where it was written
-    data.files = {s: [with_protocol(uri, p) for p in sorted(fs.glob(f"{path.rstrip('/')}/split={s}/*.parquet"))]
-                  for s in data.files}
+    written, data.uri = data.uri.rstrip("/"), uri
+    # a copy: its files are where it is, not where it was written; each at its path under the dataset's
+    # folder (split=NAME/, or an attempt's folder above it), else found by its split folder
+    fs, path = filesystem(uri, storage)
+    files = {}
+    for split, listed in data.files.items():
+        moved = [join(uri, f[len(written) + 1:]) for f in listed if written and f.startswith(written + "/")]
+        files[split] = moved if moved and len(moved) == len(listed) else \
+            [with_protocol(uri, p) for p in sorted(fs.glob(f"{path.rstrip('/')}/**/split={split}/*.parquet"))]
+    data.files = files
     return data
 
 
