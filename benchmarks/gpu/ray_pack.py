@@ -20,8 +20,10 @@ machine's own packages.
    (Ray Data, Ray Train with two workers, a checkpoint, registration);
 2. the 3.12 pack itself, where a Python 3.12 is found: `import ray` from it with the 3.12 wheels of
    Ray's required dependencies that the device has (`CORE_DEVICE`, fetched for this check only),
-   `ray.init()` (its raylet and GCS binaries start), a remote task, and imports of ray.train, ray.tune
-   and ray.serve.
+   `ray.init()` (its stripped raylet and GCS binaries start), a remote task, and imports of the packed
+   packages with compiled parts or new pins (pydantic-core, rpds-py through jsonschema, FastAPI, Starlette,
+   uvicorn, python-multipart, grpcio-reflection). ray.train, ray.tune and ray.serve need the device's
+   numpy, pandas and pyarrow, not fetched for 3.12 here: part 1 imports and runs them on 3.11.
 It cannot prove that the 3.12 pack trains with the device's torch 2.11 and transformers 5.17 (this
 machine has no torch for 3.12), nor anything about CUDA: the GPU script's first step does that there.
 """
@@ -59,7 +61,8 @@ PACK = [
 # Ray's required dependencies that the device has: fetched for the 3.12 check only, never packed
 CORE_DEVICE = ["click", "filelock", "msgpack", "packaging", "protobuf", "pyyaml", "requests", "urllib3", "idna",
                "certifi", "charset-normalizer", "attrs", "typing-extensions", "aiohttp", "aiosignal", "frozenlist",
-               "multidict", "yarl", "propcache", "aiohappyeyeballs", "anyio", "sniffio", "h11", "grpcio"]
+               "multidict", "yarl", "propcache", "aiohappyeyeballs", "anyio", "sniffio", "h11", "grpcio", "fsspec",
+               "annotated-doc"]
 TRIM = ["ray/jars", "ray/rllib", "ray/llm", "ray/dashboard/client", "bin"]
 # The device's Python packages (the device tool's notes, KINDS.md, read on 2026-11-17)
 DEVICE = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
@@ -262,10 +265,12 @@ def smoke_312(work: Path, archive: Path) -> dict:
     t0 = time.time()
     site = unpack(archive, work / "pack312")
     core = work / "core312"
-    install(CORE_DEVICE, core, "3.12", work / "wheels312")
+    if not core.exists():
+        install(CORE_DEVICE, core, "3.12", work / "wheels312")
     code = ("import ray, sys; ray.init(num_cpus=1, include_dashboard=False); "
             "print('task', ray.get(ray.remote(lambda: sys.version.split()[0]).remote())); "
-            "import ray.train, ray.tune, ray.serve, fastapi, pydantic; print('imports ok'); ray.shutdown()")
+            "import fastapi, pydantic, starlette, uvicorn, jsonschema, multipart, grpc_reflection; "
+            "print('imports ok'); ray.shutdown()")
     done = subprocess.run([python, "-S", "-c", code], env=isolated_env([site, core]), capture_output=True, text=True,
                           timeout=300)
     if done.returncode:
