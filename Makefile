@@ -77,10 +77,11 @@ $(PEERS_VENV)/.installed: benchmarks/peers-constraints.txt
 bench-peers: $(PEERS_VENV)/.installed
 	@echo "peers venv: $(PEERS_VENV)"
 
-# The GPU measurement without Ray (benchmarks/gpu/README.md): GPT-2 124M MFU, FSDP2 against plain,
-# ResNet-50 images/s (compute only and loader-fed), classification, chat generation and fine-tuning;
-# each step's JSON lands in OUT as it completes.
-# No install step: the GPU machine runs it with its own python3. SMOKE=1: toy sizes on the CPU.
+# The GPU measurement (benchmarks/gpu/README.md): the product path through Ray Train (quickstart, digits, chat)
+# against the CPU figures and torchrun, GPT-2 124M MFU, FSDP2 against plain, ResNet-50 images/s (compute only and
+# loader-fed), classification, chat fine-tuning (and chat generation, with --steps); each step's JSON lands in OUT
+# as it completes. No install step: the GPU machine runs it with its own python3 and the Ray that .gpu-carry/
+# brings. SMOKE=1: toy sizes on the CPU.
 SMOKE ?= 0
 OUT ?= .workflows/bench-gpu
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
