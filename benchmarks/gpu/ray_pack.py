@@ -95,14 +95,14 @@ def norm(name: str) -> str:
 
 def pins(names: list[str]) -> list[str]:
     """name==version for each of `names`, as constraints.txt pins it (else as installed here)."""
-    pinned = {}
+    pinned: dict[str, str] = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
-        name, sep, version = line.strip().partition("==")
+        name, sep, pin = line.strip().partition("==")
         if sep:
-            pinned[norm(name)] = version.strip()
+            pinned[norm(name)] = pin.strip()
     out = []
     for name in names:
-        version = pinned.get(norm(name))
+        version: str | None = pinned.get(norm(name))
         if version is None:
             try:
                 version = metadata.version(name)
