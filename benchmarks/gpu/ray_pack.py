@@ -9,9 +9,9 @@ FastAPI or the rest of `PACK`. `build` downloads `PACK` at the versions constrai
 CPython 3.12 on x86-64 Linux, installs them into one folder (no dependencies resolved: `PACK` is the
 list), drops what neither training nor serving imports (`TRIM`: Ray's Java jars, RLlib, its LLM
 library, the dashboard's web pages, test folders), strips the symbol tables of Ray's binaries and
-writes `.gpu-ray/site.tar.xz` (gitignored; the device call carries it) and `.gpu-ray/manifest.json`.
-On the device, benchmarks/gpu/run.sh unpacks it into /tmp/ray-site and puts it on PYTHONPATH behind the
-machine's own packages.
+writes `.gpu-ray/site.tar.xz` and `.gpu-ray/manifest.json` (gitignored; benchmarks/gpu/carry.py puts the
+archive into the folder a device call carries). On the device, benchmarks/gpu/run.sh unpacks it into
+/tmp/ray-site and puts it on PYTHONPATH (none of `PACK` is among the device's packages, so it shadows none).
 
 `smoke` proves what can be proven here, on a machine with Python 3.11 and (through pyenv) a bare 3.12:
 1. the recipe, on 3.11: the same `PACK` and `TRIM` for CPython 3.11, unpacked beside a site folder that

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 : "${OUT:?set OUT to the folder the results go to}"
 # what one call carries (make bench-gpu-carry): the prepared folder, and Ray with what the product path needs
-# beside it (pydantic, FastAPI, ...), unpacked where python3 has no Ray, behind the machine's own packages
+# beside it (pydantic, FastAPI, ...; none of them is on the machine), on PYTHONPATH where python3 has no Ray
 if [ -d .gpu-carry ]; then
   "$PY" -m benchmarks.gpu.carry unpack || exit
   "$PY" -c 'import ray' 2>/dev/null || export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ray-site
