@@ -166,3 +166,23 @@ def test_real_mode_refuses_without_cuda(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_the_carried_folder_restores_the_prepared_one_byte_for_byte(tmp_path):
+    """benchmarks.gpu.carry: a safetensors file travels as its byte planes (bf16 weights' high bytes
+    compress to a third) and comes back identical, beside the other files."""
+    from benchmarks.gpu.carry import as_planes, from_planes, to_planes, unpack, xz_tar
+
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}}).encode()
+    weights = len(header).to_bytes(8, "little") + header + bytes([1, 2, 3, 4, 5, 6])
+    assert to_planes(weights).endswith(bytes([2, 4, 6, 1, 3, 5])) and from_planes(to_planes(weights)) == weights
+    prep = tmp_path / "prep"
+    (prep / "model").mkdir(parents=True)
+    (prep / "model" / "model.safetensors").write_bytes(weights)
+    (prep / "cpu.json").write_text("{}")
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    xz_tar(prep, carry / "prep.tar.xz", as_planes)
+    unpack(carry, tmp_path / "back", tmp_path / "site")
+    assert (tmp_path / "back" / "model" / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (tmp_path / "back").rglob("*") if p.is_file()) == ["cpu.json", "model.safetensors"]

@@ -59,6 +59,11 @@ def from_planes(blob: bytes) -> bytes:
     return blob[:start] + out.tobytes()
 
 
+def as_planes(name: str, data: bytes) -> tuple[str, bytes]:
+    """xz_tar's transform: a safetensors file as its byte planes (named with PLANES), any other as it is."""
+    return (name + PLANES, to_planes(data)) if name.endswith(".safetensors") else (name, data)
+
+
 def xz_tar(source: Path, archive: Path, transform=None) -> None:
     """`source`'s files into `archive` (tar, xz -6 on every core); `transform(path, bytes)` -> (name, bytes)."""
     partial = archive.with_name(archive.name + ".tmp")
@@ -92,10 +97,7 @@ def pack(prep: Path = PREP, ray: Path = RAY, out: Path = CARRY) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(ray / "site.tar.xz", out / "site.tar.xz")
 
-    def planes(name: str, data: bytes) -> tuple[str, bytes]:
-        return (name + PLANES, to_planes(data)) if name.endswith(".safetensors") else (name, data)
-
-    xz_tar(prep, out / "prep.tar.xz", planes)
+    xz_tar(prep, out / "prep.tar.xz", as_planes)
     sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.is_file() and p.suffix == ".xz"}
     report = {**sizes, "working_tree": tree_bytes()}
     report["total"] = sum(report.values())
