@@ -4,7 +4,8 @@ rewritten then, so a step stopped at its limit keeps what it had measured.
 
     python -m benchmarks.gpu.steps STEP --out FILE [--smoke] [--data DIR]
 
-No Ray, no pydantic, no s3fs here: the GPU machine has none of them (benchmarks/gpu/README.md).
+The GPU machine has no Ray, pydantic or s3fs of its own: the pipeline step runs on the Ray that run.sh unpacks
+from .gpu-carry/ (benchmarks/gpu/README.md); the other steps need none of them.
 """
 
 from __future__ import annotations
