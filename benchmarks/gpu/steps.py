@@ -4,8 +4,9 @@ rewritten then, so a step stopped at its limit keeps what it had measured.
 
     python -m benchmarks.gpu.steps STEP --out FILE [--smoke] [--data DIR]
 
-The GPU machine has no Ray, pydantic or s3fs of its own: the pipeline step runs on the Ray that run.sh unpacks
-from .gpu-carry/ (benchmarks/gpu/README.md); the other steps need none of them.
+The GPU machine has no Ray, pydantic or s3fs of its own: run.sh puts the Ray site it unpacks from .gpu-carry/ on
+PYTHONPATH (benchmarks/gpu/README.md), which brings the pipeline step its Ray and every step that loads a config
+its pydantic; no step needs s3fs (local storage only).
 """
 
 from __future__ import annotations
