@@ -5,10 +5,10 @@ result written as `OUT/gpu-STEP.json` as it completes (benchmarks/gpu/run.sh, `m
     python -m benchmarks.gpu.measure --out DIR --smoke         # every step at toy size on the CPU
 
 A step that fails or runs past its limit is recorded (status "failed" / "timeout", with what it had
-measured and the end of its output) and the next step runs. The GPU machine has no Ray, pydantic or
-s3fs: the pipeline step runs on the Ray that run.sh unpacks from .gpu-ray/ (benchmarks.gpu.ray_pack), the
-others need none of it. The default steps' limits add up to 570 s, inside one 10-minute call; a step that
-fails is rerun alone (`--steps`) in a call of its own.
+measured and the end of its output) and the next step runs. The GPU machine has no Ray or pydantic:
+run.sh unpacks them from .gpu-carry/ (benchmarks.gpu.ray_pack, .carry) onto PYTHONPATH. The default
+steps' limits add up to 570 s, inside one 10-minute call; a step that fails is rerun alone (`--steps`) in a
+call of its own.
 """
 
 from __future__ import annotations
