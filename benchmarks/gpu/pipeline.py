@@ -118,7 +118,7 @@ def run_config(config: str, prep: Path, work: Path, gpu: bool, runs: dict[str, l
                  "model": f"{summary['model']['name']}:v{summary['model']['version']}",
                  "ray_train": {**epoch_rate(history), "epochs": len(history)}, "pipeline_seconds": round(wall, 1),
                  "stage_seconds": summary.get("seconds", {})}
-    if config == "quickstart":  # the registered model's Predictor (serving's and evaluation's), fp32 and bf16
+    if config == "quickstart" and gpu:  # the registered model's Predictor (serving's and evaluation's), fp32, bf16
         out["predictor"] = predictor_rates(Path(summary["model"]["uri"].removeprefix("file://")),
                                            Path(summary["dataset"]["uri"].removeprefix("file://")))
     if config == "chat":
