@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-peers-generate bench-gpu bench-gpu-prepare docs constraints clean clean-cache reliability clients
+.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-peers-generate bench-gpu bench-gpu-prepare bench-gpu-ray docs constraints clean clean-cache reliability clients
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -119,27 +119,30 @@ $(CLIENTS_VENV)/.installed: tests/clients/constraints.txt
 clients: $(CLIENTS_VENV)/.installed
 	@echo "clients venv: $(CLIENTS_VENV)"
 
-# The GPU measurement without Ray (benchmarks/gpu/README.md): GPT-2 124M MFU, FSDP2 against plain,
-# ResNet-50 images/s (compute only and loader-fed), classification, chat generation and fine-tuning;
-# each step's JSON lands in OUT as it completes.
-# No install step: the GPU machine runs it with its own python3. SMOKE=1: toy sizes on the CPU.
+# The GPU measurement (benchmarks/gpu/README.md): the product path through Ray Train (quickstart, digits, chat)
+# against the CPU figures and torchrun, GPT-2 124M MFU, FSDP2 against plain, ResNet-50 images/s (compute only and
+# loader-fed), classification, chat fine-tuning (and chat generation, with --steps); each step's JSON lands in OUT
+# as it completes. No install step: the GPU machine runs it with its own python3 and the Ray that .gpu-carry/
+# brings. SMOKE=1: toy sizes on the CPU.
 SMOKE ?= 0
 OUT ?= .workflows/bench-gpu
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 bench-gpu:
 	SMOKE=$(SMOKE) OUT=$(OUT) PYTHON=$(GPU_PYTHON) bash benchmarks/gpu/run.sh
 
-# what the GPU machine cannot make or fetch, into gitignored folders that the device call carries:
-# .gpu-prep/ (the quickstart's processed split, MiniLM in bf16, the CPU F1 figure, SmolLM2's tokenizer,
-# the chat config's processed split) and .whl/ (wheels for the device's Python 3.12 on x86-64: pydantic's,
-# which workflows.config needs, and peft's and accelerate's, the chat task's LoRA)
-GPU_WHEELS = pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	peft==0.21.2 accelerate==1.15.0
-bench-gpu-prepare:
-	rm -rf .whl && $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+# what the GPU machine cannot make or fetch, into gitignored folders: .gpu-prep/ (the quickstart's raw shards
+# and processed split, MiniLM in bf16, SmolLM2's tokenizer, the chat config's processed split, and the CPU
+# figures the device's runs are set against), .gpu-ray/ (Ray and the packages the product path needs that the
+# device's Python 3.12 lacks: benchmarks/gpu/ray_pack.py), then .gpu-carry/, the one folder a device call
+# carries (under 64 MiB with the working tree: benchmarks/gpu/carry.py)
+bench-gpu-prepare: bench-gpu-ray
 	$(BIN)/python -m benchmarks.gpu.classify prepare --out .gpu-prep
 	$(BIN)/python -m benchmarks.gpu.chat prepare --out .gpu-prep
+	$(BIN)/python -m benchmarks.gpu.pipeline prepare --out .gpu-prep
+	$(BIN)/python -m benchmarks.gpu.carry pack
+
+bench-gpu-ray:
+	$(BIN)/python -m benchmarks.gpu.ray_pack build --out .gpu-ray
 
 # fault injection (reliability/, beside the package and not installed: run from the repo root):
 # writes benchmarks/results/reliability.json and docs/RELIABILITY.md

@@ -31,7 +31,21 @@ def smoke_out(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.extended  # the GPU measurement's harness on toy sizes; no GPU path a user takes here
+@pytest.mark.extended  # the GPU measurement's harness on toy sizes (a Ray pipeline among them)
+def test_smoke_run_goes_through_ray_train_and_torchrun(smoke_out):
+    """The product-path step: `workflows pipeline` through Ray Train (digits at toy size), its registered
+    score, the torchrun path on the data it made, and their ratio."""
+    r = json.loads((smoke_out / "gpu-pipeline.json").read_text())
+    assert r["status"] == "ok" and r["smoke"] and r["error"] is None, r.get("output_tail")
+    x = r["runs"]["digits"]
+    assert x["metric"] == "val_f1" and 0 <= x["val_score"] <= 1 and x["model"] == "digits:v1"
+    assert x["ray_train"]["epochs"] == x["torchrun"]["epochs"] == 1
+    assert x["ray_vs_torchrun"] == pytest.approx(x["ray_train"]["samples_per_s_after_first_step"]
+                                                 / x["torchrun"]["samples_per_s_after_first_step"], rel=0.01)
+    assert x["delta_vs_cpu"] == {"val_score": 0.0, "heldout": 0.0} and x["scores_goal_met"]  # smoke: against itself
+
+
+@pytest.mark.extended
 def test_smoke_run_writes_every_step(smoke_out):
     lm = json.loads((smoke_out / "gpu-lm.json").read_text())
     resnet = json.loads((smoke_out / "gpu-resnet.json").read_text())
@@ -44,6 +58,7 @@ def test_smoke_run_writes_every_step(smoke_out):
     for key in ("compute_images_per_s", "loader_images_per_s", "decode_images_per_s", "loader_vs_compute"):
         assert resnet[key] > 0, key
     assert resnet["loader_images"] > 0 and resnet["channels_last"]
+    assert resnet["recompiles_in_timed_phase"] == 0 and resnet["loader_vs_ceiling"] > 0
 
 
 @pytest.mark.extended
@@ -107,7 +122,8 @@ def test_doc_section_renders_every_step(smoke_out, tmp_path):
     """Every figure the GPU section shows is in the step JSON (a smoke file, relabelled as measured)."""
     results = tmp_path / "results"
     results.mkdir()
-    for name in ("gpu-lm.json", "gpu-resnet.json", "gpu-classify.json", "gpu-generate.json", "gpu-chat.json"):
+    for name in ("gpu-pipeline.json", "gpu-lm.json", "gpu-resnet.json", "gpu-classify.json", "gpu-generate.json",
+                 "gpu-chat.json"):
         r = json.loads((smoke_out / name).read_text())
         (results / name).write_text(json.dumps({**r, "smoke": False}))
     doc = tmp_path / "BENCHMARKS.md"
@@ -124,7 +140,8 @@ def test_doc_section_renders_every_step(smoke_out, tmp_path):
     assert text.index("`bench lm`") < text.index("ResNet-50 training") < text.index("Classification (")
     assert "| lora | torchrun (workflows.train.standalone, one process) | fp32 (no CUDA) |" in text
     assert "| lora | in process (" in text and "| full | in process (" in text and "LoRA bf16 against fp32" in text
-    assert text.index("Classification (") < text.index("Chat generation") < text.index("Chat fine-tuning")
+    assert text.index("Classification (") < text.index("Chat fine-tuning") < text.index("Chat generation")
+    assert "| digits | val_f1 " in text and text.index("The product path") < text.index("`bench lm`")
     (results / "gpu-lm.json").write_text((smoke_out / "gpu-lm.json").read_text())
     with pytest.raises(UserError, match="gpu-lm.json: a smoke run"):
         gpu_doc.render(results, doc)
@@ -149,3 +166,23 @@ def test_real_mode_refuses_without_cuda(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA device" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_the_carried_folder_restores_the_prepared_one_byte_for_byte(tmp_path):
+    """benchmarks.gpu.carry: a safetensors file travels as its byte planes (bf16 weights' high bytes
+    compress to a third) and comes back identical, beside the other files."""
+    from benchmarks.gpu.carry import as_planes, from_planes, to_planes, unpack, xz_tar
+
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}}).encode()
+    weights = len(header).to_bytes(8, "little") + header + bytes([1, 2, 3, 4, 5, 6])
+    assert to_planes(weights).endswith(bytes([2, 4, 6, 1, 3, 5])) and from_planes(to_planes(weights)) == weights
+    prep = tmp_path / "prep"
+    (prep / "model").mkdir(parents=True)
+    (prep / "model" / "model.safetensors").write_bytes(weights)
+    (prep / "cpu.json").write_text("{}")
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    xz_tar(prep, carry / "prep.tar.xz", as_planes)
+    unpack(carry, tmp_path / "back", tmp_path / "site")
+    assert (tmp_path / "back" / "model" / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (tmp_path / "back").rglob("*") if p.is_file()) == ["cpu.json", "model.safetensors"]

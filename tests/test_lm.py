@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from workflows.errors import UserError
-from workflows.tasks.causal_lm.model import build_causal_lm, flops_per_token, model_shape, pack_blocks, peak_for_name
+from workflows.tasks.causal_lm.model import (
+    build_causal_lm,
+    flops_per_token,
+    model_shape,
+    pack_blocks,
+    padded_vocab,
+    peak_for_name,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,11 +39,16 @@ def test_packing_concatenates_rows_and_drops_the_short_tail():
 
 
 def test_gpt2_124m_preset_has_gpt2s_parameters_and_flops():
+    """GPT-2 small (tied embeddings: 124,439,808 parameters) with its vocabulary padded from 50,257 to
+    50,304 rows (a multiple of 64, as nanoGPT pads it): 47 x 768 parameters more, which the output head's
+    matmul computes, so the FLOPs count them."""
     with torch.device("meta"):
         model = build_causal_lm(lm_cfg("gpt2-124m"), vocab_size=50257)
-    assert sum(p.numel() for p in model.parameters()) == 124_439_808  # GPT-2 small, tied embeddings
+    assert model.config.vocab_size == padded_vocab(50257) == 50304 and padded_vocab(64) == 64
+    gpt2 = 124_439_808 + 47 * 768
+    assert sum(p.numel() for p in model.parameters()) == gpt2
     params, layers, hidden = model_shape(model)
-    assert (params, layers, hidden) == (124_439_808 - 1024 * 768, 12, 768)  # position table: a lookup
+    assert (params, layers, hidden) == (gpt2 - 1024 * 768, 12, 768)  # position table: a lookup
     assert flops_per_token(params, layers, hidden, 1024) == 6 * params + 12 * 12 * 768 * 1024
 
 

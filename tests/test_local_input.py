@@ -123,3 +123,26 @@ def test_without_the_stream_loader_torchrun_reads_the_rows(wine_like, monkeypatc
     train(config(), LOCAL, data)
     assert all(sorted(i for b in e for i in b) == list(range(60)) for e in epochs)
     assert epochs != ray_train_input(config("train.loader=stream"), data)
+
+
+def test_a_copied_processed_dataset_is_read_where_it_is(wine_like, tmp_path):
+    """`--data URI` (torchrun) of a copy: each listed file at its path under the copy, an attempt's folder
+    included (preprocessing writes split folders inside one), not where the manifest says it was written."""
+    import json
+    import shutil
+
+    from workflows.train.standalone import find_dataset
+
+    data, config = wine_like
+    attempt = tmp_path / "written" / "attempt-1"
+    shutil.copytree(data.uri, attempt)
+    files = {s: [str(attempt / Path(f).relative_to(data.uri)) for f in fs] for s, fs in data.files.items()}
+    manifest = {**json.loads(json.dumps(data.__dict__, default=str)), "uri": str(tmp_path / "written"), "files": files}
+    (tmp_path / "written" / "manifest.json").write_text(json.dumps(manifest))
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "written", copy)
+    shutil.rmtree(tmp_path / "written")
+    found = find_dataset(config(), StorageContext(), str(copy))
+    assert found.uri == str(copy) and len(found.files["train"]) == len(TRAIN_FILES)
+    assert all(Path(f).is_file() and f.startswith(str(copy / "attempt-1" / "split=")) for s in found.files
+               for f in found.files[s])

@@ -541,7 +541,7 @@ def test_causal_lm_saved_activations_match_the_formula():
         f"causal LM: saved activations + logits {sum(saved.values()) / 2**20:.1f} MiB, "
         f"formula {predicted / 2**20:.1f} MiB"
     )
-    assert spec.lm_head and spec.vocab == 20000
+    assert spec.lm_head and spec.vocab == 20032  # the tokenizer's 20,000 padded to a multiple of 64, as built
     assert abs(predicted / sum(saved.values()) - 1) <= ACTIVATION_TOLERANCE, (predicted, sum(saved.values()))
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurement in one call, without Ray (benchmarks/gpu/README.md):
+# The GPU measurement in one call (benchmarks/gpu/README.md):
 #   OUT=DIR bash benchmarks/gpu/run.sh            # a CUDA machine: GPT-2 124M MFU, ResNet-50 images/s,
 #                                                 # classification (after make bench-gpu-prepare here),
 #                                                 # chat generation (the engine against static batching),
@@ -11,20 +11,11 @@ set -u
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 : "${OUT:?set OUT to the folder the results go to}"
-# packages the GPU machine lacks (pydantic; peft and accelerate, the chat step's LoRA) travel as wheels in
-# .whl/ (carried; see the README); each installed only where its module is missing: here they would shadow
-# the venv's with another Python's build
-missing=()
-if compgen -G ".whl/*.whl" >/dev/null; then
-  mapfile -t missing < <("$PY" -c 'import importlib.util as u, os, sys
-for w in sys.argv[1:]:
-    if u.find_spec(os.path.basename(w).split("-")[0]) is None:
-        print(w)' .whl/*.whl)
-fi
-if [ ${#missing[@]} -gt 0 ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "${missing[@]}" || exit
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# what one call carries (make bench-gpu-carry): the prepared folder, and Ray with what the product path needs
+# beside it (pydantic, FastAPI, ...; none of them is on the machine), on PYTHONPATH where python3 has no Ray
+if [ -d .gpu-carry ]; then
+  "$PY" -m benchmarks.gpu.carry unpack || exit
+  "$PY" -c 'import ray' 2>/dev/null || export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ray-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

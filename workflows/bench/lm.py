@@ -38,7 +38,7 @@ def synthetic_blocks(steps: int, micro_batch: int, seq_len: int, vocab: int, see
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
-        yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        yield {"input_ids": ids, "labels": ids.clone()}  # no padding: no mask (lm_collate's batches)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -46,9 +46,10 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workflows.parallel import parallelize, transformer_blocks, world
+    from workflows.parallel import parallelize, world
     from workflows.tasks.causal_lm.model import build_causal_lm, flops_per_token, mfu, model_shape, peak_flops
     from workflows.tasks.causal_lm.options import SIZES
+    from workflows.train.compile import compile_model
     from workflows.train.loop import make_optimizer, make_scheduler, train_epoch
     from workflows.train.worker_setup import join_torchrun_group, torchrun_device
 
@@ -71,11 +72,10 @@ def worker(args: argparse.Namespace) -> dict:
     model = build_causal_lm(lm_cfg, args.vocab)
     if args.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    # per block, before sharding (regional compilation: the blocks share one compiled graph; dynamo
-    # leaves FSDP2's hooks out of it, torch._dynamo.config.skip_fsdp_hooks)
+    # as train.compile does (train/compile.py): per block, before sharding (regional compilation: the
+    # blocks share one compiled graph; dynamo leaves FSDP2's hooks out of it), and the loss over the head
     if args.compile != "none":
-        for block in transformer_blocks(model):
-            block.compile(backend=args.compile)
+        compile_model(model, args.compile)
     # "ddp" on one process is the plain model (parallelize)
     model = parallelize(model, "fsdp" if args.strategy == "fsdp" else "ddp", device)
     optimizer = make_optimizer(model, 3e-4, 0.1, fused=args.fused_adamw or None)

@@ -30,6 +30,15 @@ class TrainConfig(Strict):
     activation_checkpointing: bool = Field(
         False, description="recompute each block's activations in backward: less memory, ~1/3 more compute"
     )
+    compile: bool | None = Field(
+        None,
+        description="torch.compile the model for training: each repeated transformer block (or, for a model without "
+        "identical blocks, the whole model) as its own region, and a task's loss where it pays (a causal LM's "
+        "head and cross-entropy); validation runs uncompiled. None: on when train.use_gpu, off on CPU",
+    )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="train.compile's backend (aot_eager, eager: tracing without code generation, for "
+        "checks on CPU)")
     seed: int = 0
     max_train_rows: int | None = Field(None, ge=1, description="cap rows per epoch (tuning, tests)")
     max_val_rows: int | None = Field(None, ge=1, description="cap validation rows per epoch (tuning, tests)")
@@ -79,6 +88,11 @@ class TrainConfig(Strict):
             raise ValueError(f"{' and '.join(wants)} need(s) train.loader=stream (Ray Data cannot resume mid-epoch "
                              "or keep the order across worker counts)")
         return self
+
+    @property
+    def compiled(self) -> bool:
+        """Whether training compiles the model (train.compile, or its default: on GPU only)."""
+        return self.use_gpu if self.compile is None else self.compile
 
     @property
     def decode_workers(self) -> int:

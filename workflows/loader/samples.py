@@ -48,8 +48,7 @@ class Samples:
             if self.transform is None:
                 out = {"data": blobs}
             else:
-                out = {"image": torch.from_numpy(np.stack([self.transform(d, it[1], it[0])
-                                                           for d, it in zip(blobs, items)]))}
+                out = {"image": stack_images([self.transform(d, it[1], it[0]) for d, it in zip(blobs, items)])}
             out["label"] = torch.tensor([it[4] for it in items], dtype=torch.int64)
         else:
             images, labels = [], []
@@ -75,7 +74,7 @@ class Samples:
             if self.transform is None:
                 out = {"data": images}
             else:
-                out = {"image": torch.from_numpy(np.stack(images))}
+                out = {"image": stack_images(images)}
             out["label"] = torch.tensor(labels, dtype=torch.int64)
         out["sample"] = torch.tensor([it[1] for it in items], dtype=torch.int64)
         return out
@@ -111,3 +110,15 @@ class Samples:
                 self._groups.popitem(last=False)
             parts.append(table.slice(int(row - starts[g]), 1))
         return pa.concat_tables(parts)
+
+
+def stack_images(images: list):
+    """Per-sample [C, H, W] arrays -> one [N, C, H, W] tensor in channels_last memory (stored as N, H, W,
+    C): the format convolutions prefer and the one the training collate of stored pixels gives, so a
+    compiled model sees one layout (its graph guards on strides) whichever input trains it. Other
+    arrays are stacked as they are."""
+    import torch
+
+    if not images or np.ndim(images[0]) != 3:
+        return torch.from_numpy(np.stack(images))
+    return torch.from_numpy(np.stack([a.transpose(1, 2, 0) for a in images])).permute(0, 3, 1, 2)

@@ -68,7 +68,7 @@ class StreamLoader:
     def __init__(self, source: DatasetIndex | str, storage: StorageContext, cache, transform: Callable | None = None,
                  batch_size: int = 256, num_workers: int = 2, seed: int = 0, epoch: int = 0, rank: int = 0,
                  world_size: int = 1, start: int = 0, shuffle_window: int = 4, prefetch_shards: int = 2,
-                 columns: list[str] | None = None, prefetch_factor: int = 2):
+                 columns: list[str] | None = None, prefetch_factor: int = 2, pin_memory: bool = False):
         if not isinstance(cache, ShardCache):
             cache = cache.shard_cache(storage)  # a CacheConfig: the cache of this node
         self.cache = cache
@@ -84,6 +84,7 @@ class StreamLoader:
             columns = [self.index.column or ""]
         self._dataset = Samples(self.index.format, transform, columns)
         self._num_workers, self._prefetch_factor = num_workers, prefetch_factor
+        self._pin_memory = pin_memory  # batches in pinned memory (the DataLoader's thread), for a GPU's copy
         self._loader = None
         # torch (about 1 s to import) is imported here, not by the first iteration's DataLoader: there
         # it ran before the batch sampler asked for the first shards, so a cold epoch's downloads
@@ -247,14 +248,15 @@ class StreamLoader:
         from torch.utils.data import DataLoader
 
         if self._num_workers == 0:
-            return DataLoader(self._dataset, batch_sampler=sampler, collate_fn=_identity, num_workers=0)
+            return DataLoader(self._dataset, batch_sampler=sampler, collate_fn=_identity, num_workers=0,
+                              pin_memory=self._pin_memory)
         if self._loader is None:
             # fork (Linux's default): the workers inherit the dataset and transform; started once,
             # at the first iteration, and kept for every later epoch (persistent_workers)
             self._sampler = _Sampler()
             self._loader = DataLoader(self._dataset, batch_sampler=self._sampler, collate_fn=_identity,
                                       num_workers=self._num_workers, persistent_workers=True,
-                                      prefetch_factor=self._prefetch_factor)
+                                      prefetch_factor=self._prefetch_factor, pin_memory=self._pin_memory)
         self._sampler.source = sampler
         return self._loader
 

@@ -121,9 +121,10 @@ def _pad_id(tokenizer_dir: str, tokenizer) -> int:
     return 0
 
 
-def pad_batch(ids: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Pad token id lists to the longest in the batch: (input_ids, attention_mask) as int64."""
-    width = max((len(x) for x in ids), default=1)
+def pad_batch(ids: Sequence[Sequence[int]], pad_id: int = 0, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Pad token id lists to the longest in the batch (or to `width`, when longer): (input_ids,
+    attention_mask) as int64."""
+    width = max(max((len(x) for x in ids), default=1), width or 0)
     input_ids = np.full((len(ids), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(ids), width), dtype=np.int64)
     for i, row in enumerate(ids):

@@ -128,6 +128,10 @@ class Task(abc.ABC):
     # options that shape the model alone, never what `preprocess` writes: left out of the default
     # `dataset_version` (every other option enters it), so changing one reuses the processed dataset
     model_only_options: ClassVar[tuple[str, ...]] = ()
+    # the integer label the task's loss ignores (Hugging Face's and torch's cross-entropy: -100): a
+    # compiled training run (train.compile) pads a short batch with rows of it, to keep the compiled
+    # shape. None (default, a plug-in's loss may count every row): never padded
+    pad_label: ClassVar[int | None] = None
     prediction_key: ClassVar[str] = "value"  # the key of `predict_batch`'s dicts that evaluation scores
     # the columns the predictor's `predict_frame` adds that `evaluate_frame` reads
     evaluation_columns: ClassVar[tuple[str, ...]] = ("prediction",)

@@ -23,14 +23,16 @@ class Classification(Task):
 
     score = ("val_f1", "max")
     prediction_key = "label"
+    pad_label = -100  # Hugging Face's classification losses and F.cross_entropy ignore it
 
     def metric_states(self, model, batch) -> dict:
         import torch
 
         out = model(**batch)
         n = out.logits.shape[-1]
-        pred, gold = out.logits.argmax(-1).cpu(), batch["labels"].cpu()
-        return {"loss": out.loss.item() * gold.shape[0],
+        pred, gold = out.logits.argmax(-1), batch["labels"]
+        # on the batch's device: validation sums the states there and reads them once
+        return {"loss": out.loss.detach() * gold.shape[0],
                 "confusion": torch.bincount(gold * n + pred, minlength=n * n).reshape(n, n)}
 
     def compute_metrics(self, states, data) -> dict:

@@ -26,7 +26,7 @@ import torch
 from workflows.parallel import sync_buffers, world
 from workflows.seeds import dropout_seed
 from workflows.train import checkpoint as ckpt
-from workflows.train.loop import build_training, train_epoch, validate
+from workflows.train.loop import build_training, train_epoch, training_amp, validate
 from workflows.train.worker_setup import mid_epoch_position, start_point
 
 
@@ -75,7 +75,7 @@ class Trainer:
         self.saved: dict | None = None  # that checkpoint's train state
         self.resume_at = 0  # global samples of `start_epoch` trained before the checkpoint (a step one)
         # autocast dtype around each forward (training and validation); None: the model's own precision.
-        # torchrun's single GPU process sets bf16 (FSDP2's policy gives the sharded runs theirs)
+        # Set by `build` (loop.training_amp: bf16 on a GPU, unless FSDP2's policy gives the model its own)
         self.amp: torch.dtype | None = None
 
     def build(self, probe: bool = True) -> None:
@@ -84,6 +84,7 @@ class Trainer:
         batches = self.source.probe() if probe else None
         self.model, self.optimizer, self.scheduler = build_training(
             self.cfg, self.task, self.data, self.device, self.train_rows, batches)
+        self.amp = training_amp(self.model, self.device)
 
     def resume(self, directory: str | None) -> None:
         """Load the checkpoint in `directory` (None: start from scratch) into the built parts; training
@@ -127,6 +128,9 @@ class Trainer:
             model, batches, self.optimizer, self.scheduler, self.device, tc.grad_clip,
             lambda step: self.before_step(epoch, step), tc.grad_accum_steps,
             lambda step: self.after_step(epoch, step), loss_fn=self.task.loss, amp=self.amp,
+            # a compiled model sees one batch shape: short batches padded with labels the task's loss ignores
+            pad_to=tc.batch_size if tc.compiled and self.task.pad_label is not None else None,
+            pad_label=self.task.pad_label if self.task.pad_label is not None else -100,
         )
         step_losses = stats.pop("step_losses")
         # the ranks' buffers (BatchNorm statistics) made one before validating: the checkpoint saved

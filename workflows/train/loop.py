@@ -20,6 +20,7 @@ from workflows.errors import UserError
 from workflows.loader.order import STAND_IN
 from workflows.parallel import all_have, all_reduce_sum, gradient_sync, parallelize, world
 from workflows.tasks.base import MetricStates
+from workflows.train.compile import batch_rows, compile_model, eager, fixed_rows
 
 
 def make_optimizer(
@@ -71,14 +72,17 @@ def check_no_outer_autocast(device: torch.device) -> None:
 
 
 def in_step(batches: Iterable[dict], device: torch.device) -> Iterator[dict]:
-    """Yield batches while every rank has one, moved to `device`."""
+    """Yield batches while every rank has one, moved to `device`: on a GPU from pinned memory (a
+    loader that pins in its own thread hands them pinned), so the copy overlaps the step before it."""
     it = iter(batches)
+    pin = device.type == "cuda"
     while True:
         batch = next(it, None)
         if not all_have(batch is not None, device):
             return
         assert batch is not None  # all_have: every rank has one, this rank included
-        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        yield {k: (v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v).to(
+            device, non_blocking=True) for k, v in batch.items()}
 
 
 @contextlib.contextmanager
@@ -107,13 +111,30 @@ def micro_batch_groups(batches: Iterable[dict], size: int) -> Iterator[list[dict
         yield group
 
 
-def label_count(batch: dict) -> int:
+def label_count(batch: dict) -> torch.Tensor | int:
     """What the batch's mean loss averages over: rows (classification, regression) or predicted tokens
-    (causal LM: integer labels of -100 are ignored; a real-valued target of -100 is a target)."""
+    (causal LM: integer labels of -100 are ignored; a real-valued target of -100 is a target). A tensor
+    on the batch's device where it must be counted there (no host sync), else a number."""
     labels = batch["labels"]
     if labels.is_floating_point():
         return int(labels.shape[0])
-    return int((labels != -100).sum().item())
+    return (labels != -100).sum()
+
+
+def token_count(batch: dict, rows: int) -> torch.Tensor | int:
+    """The input tokens of the batch's first `rows` rows: its attention mask's ones, or every position
+    of `input_ids` when a collate left out an all-ones mask; 0 for inputs without tokens (images)."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"][:rows].sum()
+    if "input_ids" in batch:
+        return batch["input_ids"][:rows].numel()
+    return 0
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (before reading a clock that times it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class TimedIterator:
@@ -146,6 +167,8 @@ def train_epoch(
     after_step: Callable[[int], None] | None = None,
     loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
     amp: torch.dtype | None = None,
+    pad_to: int | None = None,
+    pad_label: int = -100,
 ) -> dict:
     """One pass over `batches`; the metrics, including every optimizer step's loss averaged over all ranks.
 
@@ -158,57 +181,75 @@ def train_epoch(
     first over the time after it (the first waits for a cold loader's start). `loss_fn(model, batch)`:
     the task's `loss` hook (default: `model(**batch).loss`). A batch holding `STAND_IN` (a rank with
     no sample left in a step, loader/order.py) runs forward and backward in eval mode with zero
-    weight, so this rank takes part in the step's collectives and trains nothing, and counts no sample.
+    weight (and uncompiled: compile.eager), so this rank takes part in the step's collectives and
+    trains nothing, and counts no sample.
     `amp`: autocast to this dtype (bf16) around each forward and its loss, not the backward or the step.
+    `pad_to` (a compiled model, train.compile): every micro-batch made exactly this many rows
+    (compile.fixed_rows: a short one padded with `pad_label` labels, a longer one split within its step),
+    so the compiled graphs see one shape.
+
+    No host sync per step: losses, label counts and tokens add up on the device and are read once,
+    at the end of the epoch (tests/test_compile.py counts a step's syncs).
     """
     check_no_outer_autocast(device)
     model.train()
     batches = TimedIterator(batches)
     t0 = time.perf_counter()
-    totals = torch.zeros(3, dtype=torch.float64)  # samples, tokens, samples after the first step
+    samples = after_first = 0  # rows: known on the host
+    tokens = torch.zeros((), dtype=torch.float64, device=device)
     first_step_seconds = None
-    steps: list[tuple[float, int]] = []  # this rank's (loss*n, n) per step; reduced once at the end
+    steps: list[torch.Tensor] = []  # this rank's [loss*n, n] per step, on the device; reduced once at the end
     for step, group in enumerate(micro_batch_groups(in_step(batches, device), accum_steps)):
         if on_step is not None:
             on_step(step)
-        stand_ins = [b.pop(STAND_IN, None) is not None for b in group]
-        counts = [0 if stand_in else label_count(b) for b, stand_in in zip(group, stand_ins)]
-        group_n = max(sum(counts), 1)
-        step_loss = 0.0
-        for i, (batch, n, stand_in) in enumerate(zip(group, counts, stand_ins)):
-            with gradient_sync(model, i == len(group) - 1), evaluating(model, stand_in):
+        pieces = []  # (micro-batch, its real rows, stand-in)
+        for b in group:
+            stand_in = b.pop(STAND_IN, None) is not None
+            parts = fixed_rows(b, pad_to, pad_label) if pad_to and not stand_in else [(b, batch_rows(b))]
+            pieces += [(piece, real, stand_in) for piece, real in parts]
+        counts = [0 if stand_in else label_count(b) for b, _, stand_in in pieces]
+        labelled = sum(counts)
+        group_n = labelled.clamp(min=1) if isinstance(labelled, torch.Tensor) else max(labelled, 1)
+        step_loss = torch.zeros((), dtype=torch.float64, device=device)
+        for i, ((batch, real, stand_in), n) in enumerate(zip(pieces, counts)):
+            with gradient_sync(model, i == len(pieces) - 1), evaluating(model, stand_in), \
+                    (eager() if stand_in else contextlib.nullcontext()):
                 with autocast(device, amp):
                     batch_loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
                 (batch_loss * (n / group_n)).backward()  # a stand-in: n = 0, zero gradients
             if stand_in:
                 continue
-            loss = batch_loss.item()
-            step_loss += loss * n
-            tokens = batch["attention_mask"].sum().item() if "attention_mask" in batch else 0  # images: none
-            n_after = batch["labels"].shape[0] if first_step_seconds is not None else 0
-            totals += torch.tensor([batch["labels"].shape[0], tokens, n_after], dtype=torch.float64)
+            step_loss += batch_loss.detach().double() * n
+            tokens += token_count(batch, real)  # images: none
+            samples += real
+            after_first += real if first_step_seconds is not None else 0
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        steps.append((step_loss, sum(counts)))
+        n_step = labelled.to(torch.float64) if isinstance(labelled, torch.Tensor) else step_loss.new_full((), labelled)
+        steps.append(torch.stack([step_loss, n_step]))
         if first_step_seconds is None:
             first_step_seconds = time.perf_counter() - t0
         if after_step is not None:  # a step checkpoint (train.checkpoint_every_steps)
             after_step(step)
+    synchronize(device)
     seconds = time.perf_counter() - t0
-    totals = all_reduce_sum(totals)
-    samples, tokens, after_first = totals.tolist()
+    # every rank ran the same number of steps (in_step), so the per-step sums line up: one all-reduce
+    # of everything, read once
+    per_step = torch.stack(steps) if steps else torch.zeros((0, 2), dtype=torch.float64, device=device)
+    head = torch.stack([tokens.new_full((), samples), tokens.new_full((), after_first), tokens])
+    flat = all_reduce_sum(torch.cat([head, per_step.reshape(-1)])).tolist()
+    samples, after_first, tokens_all = flat[:3]
+    per_step_rows = [flat[3 + 2 * k: 5 + 2 * k] for k in range(len(steps))]
+    labelled_all = sum(n for _, n in per_step_rows)
     steady_seconds = seconds - (first_step_seconds or 0.0)
-    # every rank ran the same number of steps (in_step), so the per-step sums line up
-    per_step = all_reduce_sum(torch.tensor(steps, dtype=torch.float64).reshape(-1, 2))
-    labelled = per_step[:, 1].sum().item()
     return {
-        "train_loss": per_step[:, 0].sum().item() / max(labelled, 1),
+        "train_loss": sum(a for a, _ in per_step_rows) / max(labelled_all, 1),
         "samples": int(samples),
         "samples_per_s": samples / seconds if seconds else 0.0,
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "tokens_per_s": tokens_all / seconds if seconds else 0.0,
         "epoch_seconds": seconds,
         "first_step_seconds": first_step_seconds or 0.0,
         "samples_after_first_step": int(after_first),
@@ -216,7 +257,7 @@ def train_epoch(
         "data_wait_seconds": batches.seconds,
         "lr": scheduler.get_last_lr()[0],
         "steps": len(steps),
-        "step_losses": [round(a / max(b, 1), 7) for a, b in per_step.tolist()],
+        "step_losses": [round(a / max(b, 1), 7) for a, b in per_step_rows],
     }
 
 
@@ -230,24 +271,26 @@ def validate(task, model, batches, device: torch.device, data, amp: torch.dtype 
     check_no_outer_autocast(device)
     model.eval()
     totals: dict[str, torch.Tensor] | None = None
-    for batch in in_step(batches, device):
-        with autocast(device, amp):
-            found = task.metric_states(model, batch)
-        states = {k: (v.detach().to("cpu", torch.float64) if isinstance(v, torch.Tensor)
-                      else torch.as_tensor(v, dtype=torch.float64))
-                  for k, v in found.items()}
-        if totals is None:
-            totals = states
-            continue
-        if states.keys() != totals.keys() or any(states[k].shape != totals[k].shape for k in totals):
-            raise UserError(f"{type(task).__name__}.metric_states: every batch must return the same keys and "
-                            f"shapes (got {sorted(states)} after {sorted(totals)})")
-        for k, v in states.items():
-            totals[k] += v
+    with eager():  # a compiled model's graphs are training's: validation's shapes and eval mode run eagerly
+        for batch in in_step(batches, device):
+            with autocast(device, amp):
+                found = task.metric_states(model, batch)
+            # tensors stay where they are (summed on the device, read once below), numbers on the host
+            states = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor)
+                          else torch.as_tensor(v, dtype=torch.float64))
+                      for k, v in found.items()}
+            if totals is None:
+                totals = states
+                continue
+            if states.keys() != totals.keys() or any(states[k].shape != totals[k].shape for k in totals):
+                raise UserError(f"{type(task).__name__}.metric_states: every batch must return the same keys and "
+                                f"shapes (got {sorted(states)} after {sorted(totals)})")
+            for k, v in states.items():
+                totals[k] = totals[k].to(v.device) + v
     if totals is None:  # no rank had a validation batch
         return task.compute_metrics(MetricStates(), data)
     keys = sorted(totals)
-    flat = all_reduce_sum(torch.cat([totals[k].reshape(-1) for k in keys]))
+    flat = all_reduce_sum(torch.cat([totals[k].reshape(-1).to(device) for k in keys])).cpu()
     out, i = MetricStates(), 0
     for k in keys:
         n = totals[k].numel()
@@ -275,11 +318,25 @@ def build_training(cfg, task, data, device: torch.device, train_rows: int,
     task.prepare_model(model, device, probe_batches)
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if tc.compiled:  # after activation checkpointing, before sharding (torchtitan's order)
+        compile_model(model, tc.compile_backend)
     model = parallelize(model, tc.strategy, device)
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, task.head_lr())
+    # fused AdamW on GPU: one kernel per step for all parameters
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, task.head_lr(), fused=device.type == "cuda" or None)
     total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size, tc.grad_accum_steps) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
     return model, optimizer, scheduler
+
+
+def training_amp(model: nn.Module, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype around each forward: bf16 on a GPU, unless FSDP2's MixedPrecisionPolicy gives
+    the model its bf16 already (parallelize); None (the model's own fp32) on CPU, where bf16 matmuls are
+    slow. One rule for every launcher: torchrun, Ray Train (FSDP2 or DDP) and Tune trials."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if device.type != "cuda" or isinstance(model, FSDPModule):
+        return None
+    return torch.bfloat16
 
 
 def epoch_line(m: dict) -> str:

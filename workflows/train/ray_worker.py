@@ -92,6 +92,7 @@ class RayInput:
         return self.train_shard.iter_torch_batches(
             batch_size=tc.batch_size, collate_fn=ray_collate(collate),
             local_shuffle_buffer_size=SHUFFLE_BUFFER, local_shuffle_seed=data_seed(tc.seed, epoch, self.rank),
+            pin_memory=tc.use_gpu,  # the copy to the worker's GPU from pinned memory, in Ray's thread
         )
 
     def val(self):

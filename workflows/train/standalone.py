@@ -252,11 +252,6 @@ def train(
         trainer.resume(found)
 
     started = time.time()
-    # one process on a GPU: parallelize() leaves the model plain (no FSDP2 bf16 policy without a
-    # process group), so bf16 autocast around each forward gives it the mixed precision the FSDP2 path
-    # has on GPU (per forward, not around fit(): loop.autocast says why)
-    if device.type == "cuda" and world_size == 1:
-        trainer.amp = torch.bfloat16
     history = trainer.fit(stop_after=stop_after_epoch)
     return {
         "world_size": world_size,

@@ -33,6 +33,13 @@ class SampleRecorder:
             f.write(line + "\n")
 
 
+def gpu_training(tc) -> bool:
+    """Whether this process trains on a GPU (its loader then pins the batches it hands over)."""
+    import torch
+
+    return bool(tc.use_gpu) and torch.cuda.is_available()
+
+
 def stream_refused(cfg) -> UserError:
     """The error of train.loader=stream with a task that trains on examples made from the stored rows
     (a causal LM's blocks): the loader reads the rows themselves."""
@@ -67,7 +74,7 @@ class StreamInput:
         self.rank, self.on_samples, self.task, self.data, self.seed = rank, on_samples, task, data, tc.seed
         self.loader = StreamLoader(index, storage, cache, transform, batch_size=tc.batch_size,
                                    num_workers=tc.decode_workers, seed=tc.seed, rank=rank, world_size=world_size,
-                                   shuffle_window=tc.shuffle_window)
+                                   shuffle_window=tc.shuffle_window, pin_memory=gpu_training(tc))
         self.samples = len(index)
 
     def train_batches(self, epoch: int, start: int) -> Iterator[dict]:

@@ -30,6 +30,7 @@ class CausalLM(Task):
     registers = False
     score = ("val_loss", "min")
     Options = CausalLMOptions
+    pad_label = -100  # the causal-LM loss ignores it
 
     def preprocess(self, ctx, say):
         from workflows.preprocess.materialize import preprocess_text
@@ -75,7 +76,7 @@ class CausalLM(Task):
 
     def metric_states(self, model, batch) -> dict:
         n = batch["input_ids"].shape[0]
-        return {"loss": model(**batch).loss.item() * n, "blocks": n}
+        return {"loss": model(**batch).loss.detach() * n, "blocks": n}
 
     def compute_metrics(self, states, data) -> dict:
         """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means)

@@ -26,13 +26,24 @@ PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 ]
 
 
+VOCAB_MULTIPLE = 64  # the embedding and output head padded to a multiple of this many rows
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """The tokenizer's vocabulary rounded up to VOCAB_MULTIPLE (GPT-2's 50,257 -> 50,304, as nanoGPT
+    pads it): the output head's matmul then runs on tensor-core-friendly shapes. The extra rows are
+    never an input or a label; training pushes their logits down like any wrong token's."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 def causal_lm_config(lm_cfg, vocab_size: int, dropout: float | None = None, attn: str | None = None):
-    """The transformers GPT2Config of a size preset (the planner reads it without building the model)."""
+    """The transformers GPT2Config of a size preset (the planner reads it without building the model),
+    its vocabulary `vocab_size` padded (padded_vocab)."""
     from transformers import GPT2Config
 
     layers, hidden, heads = shape(lm_cfg)
     p = 0.0 if dropout is None else dropout  # pretraining at scale runs without dropout
-    config = GPT2Config(vocab_size=vocab_size, n_positions=lm_cfg.seq_len, n_embd=hidden, n_layer=layers,
+    config = GPT2Config(vocab_size=padded_vocab(vocab_size), n_positions=lm_cfg.seq_len, n_embd=hidden, n_layer=layers,
                         n_head=heads, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False,
                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     if attn is not None:
@@ -70,11 +81,13 @@ def pack_batch(batch: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarr
 
 
 def lm_collate(blocks: np.ndarray | list) -> dict[str, torch.Tensor]:
-    """Blocks -> a causal-LM batch; the model shifts `labels` by one position itself."""
+    """Blocks -> a causal-LM batch; the model shifts `labels` by one position itself. No attention mask:
+    blocks have no padding, and an all-ones mask makes the model ask the device whether it is all ones
+    (a host sync every forward)."""
     import torch
 
     ids = torch.from_numpy(np.stack([np.asarray(b, dtype=np.int64) for b in blocks]))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:

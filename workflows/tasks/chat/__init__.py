@@ -31,6 +31,7 @@ from workflows.tasks.base import Task
 from workflows.tasks.chat.model import (
     completion_text,
     export_chat,
+    frozen_linears_to,
     greedy_generate,
     load_causal_lm,
     load_tokenizer,
@@ -69,6 +70,7 @@ class ChatTask(Task):
     columns = ("input_ids", "labels", "prompt_ids", "answer_ids")
     score = ("val_loss", "min")
     Options = ChatOptions
+    pad_label = -100  # the causal-LM loss ignores it (the prompt's tokens are labelled so too)
     prediction_key = "text"
     evaluation_columns = ("prediction", "nll", "tokens", "base_prediction", "base_nll")
 
@@ -116,8 +118,17 @@ class ChatTask(Task):
         model = load_causal_lm(resolve_dir(self.cfg.model.name_or_path, self.cfg), self.cfg.model.dropout)
         return with_lora(model, self.options) if self.options.finetune == "lora" else model
 
+    def prepare_model(self, model, device, probe_batches) -> None:
+        """LoRA on a GPU: the frozen base's linear layers in bf16 (training's autocast precision there),
+        the adapters in fp32 (model.frozen_linears_to)."""
+        import torch
+
+        if self.options.finetune == "lora" and device.type == "cuda":
+            frozen_linears_to(model, torch.bfloat16)
+
     def loss(self, model, batch):
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                     labels=batch["labels"]).loss
 
     def export(self, state, data, out_dir, lineage) -> dict:
         return export_chat(self, state, data, out_dir, lineage)

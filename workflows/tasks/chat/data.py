@@ -256,9 +256,10 @@ def chat_collate(batch: dict, pad: int, prompts: bool) -> dict:
     import torch
 
     ids, labels = list(batch["input_ids"]), list(batch["labels"])
-    out = {"input_ids": torch.from_numpy(pad_right(ids, pad)),
-           "attention_mask": torch.from_numpy(pad_right([np.ones(len(r)) for r in ids], 0)),
-           "labels": torch.from_numpy(pad_right(labels, -100))}
+    out = {"input_ids": torch.from_numpy(pad_right(ids, pad)), "labels": torch.from_numpy(pad_right(labels, -100))}
+    mask = pad_right([np.ones(len(r)) for r in ids], 0)
+    if not mask.all():  # rows of one length: no mask (a given one makes the model check it on the device)
+        out["attention_mask"] = torch.from_numpy(mask)
     if prompts:
         prompt, mask = pad_left(list(batch["prompt_ids"]), pad)
         out.update(prompt_ids=torch.from_numpy(prompt), prompt_mask=torch.from_numpy(mask),

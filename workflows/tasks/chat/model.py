@@ -136,6 +136,26 @@ def with_lora(model, options):
     return get_peft_model(model, config)
 
 
+def frozen_linears_to(model, dtype) -> int:
+    """The frozen base's Linear layers stored in `dtype` (bf16), LoRA's adapters left in fp32; returns how
+    many layers changed. Under bf16 autocast a matmul over an fp32 weight casts it anew every forward
+    (hundreds of casts a step for SmolLM2's 210 linear layers, and a bf16 copy of each held for the
+    backward); stored in bf16, the weight is read as it is. Only Linear layers whose weights no other
+    module shares (a tied output head is the input embedding, which autocast leaves in fp32): autocast
+    would round exactly these weights to bf16 for their matmuls, so training computes the same numbers."""
+    import torch.nn as nn
+
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    changed = 0
+    for m in model.modules():
+        frozen = [p for p in m.parameters(recurse=False) if not p.requires_grad]
+        if isinstance(m, nn.Linear) and frozen and len(frozen) == len(list(m.parameters(recurse=False))) \
+                and not any(id(p) in shared for p in frozen):
+            m.to(dtype)
+            changed += 1
+    return changed
+
+
 def greedy_generate(model, prompt_ids, prompt_mask, max_new_tokens: int, eos_id: int, pad: int, sync: bool = False):
     """Greedy continuations of left-padded prompts: [rows, <= max_new_tokens] token ids, `pad` after
     a row's eos. Every step calls the model's own forward (the FSDP2 root's, whose hooks gather its

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from workflows.tasks.chat import grammar, tools
 from workflows.tasks.chat.choices import AnswerShape
+from workflows.tasks.chat.grammar import schema_grammar
 from workflows.tasks.chat.protocol import (
     BadRequest,
     ChatRequest,
@@ -32,6 +32,7 @@ from workflows.tasks.chat.protocol import (
     NamedToolChoice,
 )
 from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.tools import call_grammar
 
 if TYPE_CHECKING:
     from workflows.config.serve import GenerateConfig
@@ -112,13 +113,13 @@ def constraint_grammar(req: ChatRequest, mode: str, callable_: list) -> tuple[st
     funcs = [t.model_dump(exclude_none=True) for t in callable_]
     if mode == "required":
         parallel = req.parallel_tool_calls is not False and not isinstance(req.tool_choice, NamedToolChoice)
-        return tools.call_grammar(funcs, parallel), "tools"
+        return call_grammar(funcs, parallel), "tools"
     if answer is None:
         return None
     param = "response_format.json_schema.schema" if isinstance(fmt, JsonSchemaFormat) else "response_format"
     if mode == "auto":
-        return tools.call_grammar(funcs, req.parallel_tool_calls is not False, answer), param
-    return grammar.schema_grammar(*answer), param
+        return call_grammar(funcs, req.parallel_tool_calls is not False, answer), param
+    return schema_grammar(*answer), param
 
 
 def text_plan(predictor, req: CompletionRequest, gen: GenerateConfig) -> Plan:

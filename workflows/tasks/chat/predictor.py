@@ -35,7 +35,7 @@ def token_nll(model, batch) -> tuple[Any, Any]:
     """Per row: the summed next-token loss over its labels, and how many labels (teacher forcing)."""
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
     target = batch["labels"][:, 1:]
     nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, ignore_index=-100, reduction="none")
     return nll.sum(-1), (target != -100).sum(-1)

@@ -57,6 +57,9 @@ ARCHITECTURES: dict[str, Callable[[int], object]] = {
 
 def _with_labels(config, labels: list[str]):
     config.num_labels = len(labels)
+    # what transformers' loss would infer (and write into the config) at its first call: set up front, a
+    # compiled model's graph does not see the config change under it (a recompile)
+    config.problem_type = "single_label_classification"
     config.id2label = dict(enumerate(labels))
     config.label2id = {lab: i for i, lab in enumerate(labels)}
     return config

@@ -58,7 +58,9 @@ class TextClassification(Classification):
 
         from workflows.tasks.text.model import collate
 
-        return partial(collate, pad_id=pad_and_vocab(self.tokenizer_of(data))[0])
+        # a compiled model's training batches: one width, the dataset's max_length (train.compile)
+        width = data.max_length if train and self.cfg.train.compiled else None
+        return partial(collate, pad_id=pad_and_vocab(self.tokenizer_of(data))[0], width=width)
 
     # --- model
     def model_dir(self) -> str:

@@ -48,12 +48,15 @@ class MeanPoolClassifier(nn.Module):
         setattr(self.config, POOLING_KEY, "mean")  # saved with it: load_trained_classifier reads it
         self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
 
-    def forward(self, input_ids, attention_mask, labels=None):
+    def forward(self, input_ids, attention_mask=None, labels=None):
         from transformers.modeling_outputs import SequenceClassifierOutput
 
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        if attention_mask is None:  # no padding: every position
+            pooled = hidden.mean(1)
+        else:
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
         logits = self.classifier(F.normalize(pooled, dim=-1)) * self.SCALE
         loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits)
@@ -117,6 +120,9 @@ def classifier_config(model_dir: str, labels: list[str], dropout: float | None):
         )
     except (OSError, ValueError) as e:
         raise UserError(f"not a model directory: {model_dir} ({e})".splitlines()[0]) from None
+    # what transformers' loss would infer (and write into the config) at its first call: set up front, a
+    # compiled model's graph does not see the config change under it (a recompile)
+    config.problem_type = "single_label_classification"
     if dropout is not None:
         for attr in ("hidden_dropout_prob", "classifier_dropout", "dropout"):
             if hasattr(config, attr):
@@ -154,14 +160,15 @@ def load_trained_classifier(model_dir: str) -> nn.Module:
     return model
 
 
-def collate(batch: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """A batch of token id lists -> padded tensors (dynamic padding to the batch's longest row)."""
-    ids, mask = pad_batch(list(batch["input_ids"]), pad_id)
-    return {
-        "input_ids": torch.from_numpy(ids),
-        "attention_mask": torch.from_numpy(mask),
-        "labels": torch.from_numpy(np.array(batch["label_id"], dtype=np.int64)),
-    }
+def collate(batch: dict[str, np.ndarray], pad_id: int = 0, width: int | None = None) -> dict[str, torch.Tensor]:
+    """A batch of token id lists -> padded tensors: to the batch's longest row, or to `width` (a compiled
+    model's one shape, train.compile). A mask without padding is left out (checked here, on the host):
+    given one, the model would ask the device whether it is all ones, a host sync every forward."""
+    ids, mask = pad_batch(list(batch["input_ids"]), pad_id, width)
+    out = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(np.array(batch["label_id"], dtype=np.int64))}
+    if not mask.all():
+        out["attention_mask"] = torch.from_numpy(mask)
+    return out
 
 
 def classifier_spec(
