@@ -127,6 +127,10 @@ def test_a_long_request_beside_short_ones_decodes_as_alone(tiny, engine):
     assert [g.result(60) and g.tokens for g in gens] == alone
     plan = e.cache.plan([0, 1, 2, 3], [150, 4, 6, 5], [0, 1, 2, 3], [])
     assert [slot for _, slot, _ in plan.alone] == [0] and plan.decode_len == 7
+    # prefill chunks likewise: those of similar reach attend together, a far longer one alone
+    plan = e.cache.plan([0] * 4 + [1] * 3 + [2] * 2, [140, 141, 142, 143, 0, 1, 2, 3, 4], [], [(0, 4), (4, 3), (7, 2)])
+    assert [slot for _, _, slot, _, _ in plan.prefills] == [0] and plan.prefill_group is not None
+    assert plan.prefill_group.slots.tolist() == [1, 2] and plan.prefill_group.length == 5
 
 
 def test_the_cache_is_written_in_place(tiny, engine):

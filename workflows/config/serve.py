@@ -52,11 +52,11 @@ class GenerateConfig(Strict):
                                     "engine: past it, waiting or generating, it ends with finish_reason \"timeout\" "
                                     "and the text so far; null: no deadline")
     prefill_chunk: int = Field(8, ge=1, description="while other requests decode, a step prefills at most "
-                               "prefill_chunk prompt tokens per joining request, or as many as there are decoding "
-                               "requests if more: a long prompt is prefilled in chunks between decode steps, and "
-                               "a step with one request joining costs at most about twice a decode-only step where "
-                               "compute bounds it (a CPU); raise it (e.g. 512) where prompt tokens are nearly free "
-                               "beside decoding (a GPU)")
+                               "prefill_chunk prompt tokens per joining request plus one per decoding request: "
+                               "a long prompt is prefilled in chunks between decode steps; set to the prompt "
+                               "tokens whose compute costs about as much as reading the weights once (a few on a "
+                               "CPU, e.g. 512 on a GPU), a step with one request joining costs at most about twice "
+                               "a decode-only step")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled in a step when no request is "
                                     "decoding: requests that arrive together are prefilled together, in one forward")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "

@@ -19,7 +19,9 @@ slots, then runs torch's scaled_dot_product_attention:
   masked to each row's own length; a slot without a decode token this step attends to position 0
   only, and its output is dropped; a row more than twice as long as the median (plus 64) attends
   alone, over its own length, so that one long request does not make every row read its length;
-- each prefill chunk: its queries against its own slot up to the chunk's end, causal by position.
+- prefill chunks: each chunk's queries against its own slot up to the chunk's end, causal by
+  position; chunks of several rows together in one call (their few positions gathered), a chunk
+  much further along than the others alone.
 Query heads are folded onto their key/value head (GQA without repeating keys), as transformers' own
 SDPA path does for decoding. Without a `slot_plan` (e.g. `generate` on the same model) the function
 is transformers' SDPA attention, and its mask is SDPA's.
@@ -140,13 +142,58 @@ class SlotCache:
             plan.decode_rows, plan.decode_len = rows, length
             span = torch.arange(length, device=device)
             plan.decode_mask = (span[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
-        for start, count in prefills:
-            first = positions[start]
-            end = first + count
-            span = torch.arange(end, device=device)
-            causal = span[None, :] <= (first + torch.arange(count, device=device))[:, None]  # [count, end]
-            plan.prefills.append((start, count, slots[start], end, causal.repeat(self.group, 1)[None, None]))
+        if prefills:
+            # chunks of similar lengths attend together (their keys gathered, a few positions each); one
+            # much longer than the others (a long prompt's later chunks) attends alone over its own slot
+            ends = sorted(positions[start] + count for start, count in prefills)
+            cut = 2 * ends[len(ends) // 2] + 64
+            together = [(start, count) for start, count in prefills if positions[start] + count < cut]
+            if len(together) < 2:
+                together = []
+            for start, count in prefills:
+                if (start, count) not in together:
+                    plan.prefills.append(self._chunk(start, count, slots[start], positions[start]))
+            if together:
+                plan.prefill_group = self._group(together, slots, positions)
         return plan
+
+    def _chunk(self, start: int, count: int, slot: int, first: int) -> tuple:
+        """One prefill chunk attending alone: (first index, count, slot, end, mask [1, 1, group*count, end])."""
+        end = first + count
+        span = torch.arange(end, device=self.device)
+        causal = span[None, :] <= (first + torch.arange(count, device=self.device))[:, None]  # [count, end]
+        return start, count, slot, end, causal.repeat(self.group, 1)[None, None]
+
+    def _group(self, chunks: list[tuple[int, int]], slots: list[int], positions: list[int]) -> PrefillGroup:
+        """Prefill chunks of several rows in one attention call: queries padded to the longest chunk (a
+        padded query repeats its row's last one), keys gathered up to the longest end."""
+        device, widest = self.device, max(count for _, count in chunks)
+        length = max(positions[start] + count for start, count in chunks)
+        q_index, last, valid, tokens = [], [], [], []
+        for r, (start, count) in enumerate(chunks):
+            q_index += [start + min(t, count - 1) for t in range(widest)]
+            last += [positions[start] + min(t, count - 1) for t in range(widest)]  # each query's position
+            valid += [r * widest + t for t in range(count)]
+            tokens += range(start, start + count)
+        span = torch.arange(length, device=device)
+        causal = span[None, None, :] <= torch.tensor(last, device=device).view(len(chunks), widest, 1)
+        return PrefillGroup(torch.tensor(q_index, device=device),
+                            torch.tensor([slots[start] for start, _ in chunks], device=device), widest, length,
+                            causal.repeat(1, self.group, 1)[:, None], torch.tensor(valid, device=device),
+                            torch.tensor(tokens, device=device))
+
+
+@dataclass
+class PrefillGroup:
+    """Prefill chunks of several rows attending in one call (SlotCache._group)."""
+
+    q_index: torch.Tensor  # [rows * widest]: the step's token whose query each padded query is
+    slots: torch.Tensor  # [rows]
+    widest: int  # the longest chunk
+    length: int  # the positions read: the furthest chunk's end
+    mask: torch.Tensor  # [rows, 1, group * widest, length]
+    valid: torch.Tensor  # indices into rows * widest of the real queries
+    tokens: torch.Tensor  # their tokens' indices in the step
 
 
 @dataclass
@@ -164,6 +211,7 @@ class StepPlan:
     decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends
     prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
     alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
+    prefill_group: PrefillGroup | None = None  # prefill chunks attending together
     layers_seen: int = 0  # attention calls that used this plan: every layer's, or the model is not one we serve
 
     def __post_init__(self):
@@ -207,6 +255,15 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         o = F.scaled_dot_product_attention(q, keys[slot:slot + 1, :, :length], values[slot:slot + 1, :, :length],
                                            scale=scaling)
         out[index] = o.reshape(heads, dim)
+    if (pg := plan.prefill_group) is not None:
+        rows, widest = pg.slots.shape[0], pg.widest
+        q = query.index_select(0, pg.q_index)[:, :, 0].view(rows, widest, kv_heads, group, dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group * widest, dim)
+        k = keys[:, :, :pg.length].index_select(0, pg.slots)
+        v = values[:, :, :pg.length].index_select(0, pg.slots)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=pg.mask, scale=scaling)
+        o = o.view(rows, kv_heads, group, widest, dim).permute(0, 3, 1, 2, 4).reshape(rows * widest, heads, dim)
+        out.index_copy_(0, pg.tokens, o.index_select(0, pg.valid))
     for start, count, slot, end, mask in plan.prefills:
         q = query[start:start + count, :, 0].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
         o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, group * count, dim), keys[slot:slot + 1, :, :end],

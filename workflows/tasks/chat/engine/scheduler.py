@@ -7,14 +7,14 @@ running, ends with "timeout"; a cancelled one with "cancelled".
 
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
 prefilling, in order of arrival, up to a budget. While rows decode, the budget is `prefill_chunk` per
-prefilling row, or the number of decoding rows if that is more (at most `max_prefill_tokens`): with
-few requests joining, a step carries about as many prompt tokens as decode tokens, so it costs at
-most about twice a decode-only step where compute bounds the step (a CPU), and a long prompt is
-prefilled in chunks between decode steps, delaying the others by one chunk's compute at most; when
-many join at once beside few decoding rows, those few wait longer for a step rather than the many
-waiting many steps for their first token. With no row decoding, the budget is `max_prefill_tokens`.
-Requests that join together are prefilled together, and every token of a step goes through the
-model in one forward.
+prefilling row plus one per decoding row (at most `max_prefill_tokens`). `prefill_chunk` is meant as
+the prompt tokens whose compute costs about as much as reading the weights once (a few on a CPU,
+hundreds on a GPU): then a step with one request joining costs at most about twice a decode-only
+step, however many rows decode, and a long prompt is prefilled in chunks between decode steps,
+delaying the others by one chunk at most; when many join at once beside few decoding rows, those
+few wait longer for a step rather than the many waiting many steps for their first token. With no
+row decoding, the budget is `max_prefill_tokens`. Requests that join together are prefilled
+together, and every token of a step goes through the model in one forward.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Scheduler:
         prefilling = len(rows) - len(decoding)
         budget = self.max_prefill_tokens
         if decoding:
-            budget = min(budget, max(self.prefill_chunk * prefilling, len(decoding)))
+            budget = min(budget, self.prefill_chunk * prefilling + len(decoding))
         for row in rows:
             if budget <= 0:
                 break
