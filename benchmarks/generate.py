@@ -14,7 +14,8 @@ from benchmarks.generate_peers import available_peers
 from workflows.bench import generate
 
 FIGURES = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
-           "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16")
+           "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "json_schema_vs_unconstrained_c1",
+           "json_schema_vs_unconstrained_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16")
 TEXT = {
     "http_vs_static_c16": "output tokens/s at 16 over HTTP against static batching, fixed lengths",
     "http_vs_static_natural_c16": "the same with natural stopping (eos honoured)",
@@ -25,6 +26,8 @@ TEXT = {
     "decode_vs_roofline": "a decode step at the top concurrency against its roofline",
     "sampled_vs_greedy": "tokens/s sampled (temperature 0.7, top_p 0.9) over greedy at 16, over HTTP",
     "http_vs_engine_c16": "tokens/s at 16 over HTTP with SSE against the engine called directly",
+    "json_schema_vs_unconstrained_c1": "tokens/s at 1 with a json_schema response_format against unconstrained",
+    "json_schema_vs_unconstrained_c16": "the same at 16",
     "overload_rejected_within_100ms": "overload row: refused requests answered within 100 ms (share)",
     "overload_itl_p99_vs_poisson": "overload row: the admitted ones' inter-token p99 against near capacity",
     "tokens_per_s_vs_one_at_a_time": "tokens/s at 16 over HTTP against the one-at-a-time peer",

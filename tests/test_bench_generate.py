@@ -67,11 +67,13 @@ def test_bench_generate_writes_every_row_and_key(tmp_path):
 @pytest.mark.extended  # `workflows serve` in its own process: a Ray cluster and Serve (a minute or more)
 def test_bench_generate_through_workflows_serve(tmp_path):
     stored, _ = bench(tmp_path, "paths=http,engine,static", "load=0.9", "overload=4", "overload_requests=12")
-    check_rows(stored, ["http_c1", "http_c16", "http_sampled_c16", "http_natural_c16", "http_poisson",
-                        "http_overload", "engine_c16", "static", "static_natural"])
+    check_rows(stored, ["http_c1", "http_c16", "http_sampled_c16", "http_natural_c16", "http_json_c1", "http_json_c16",
+                        "http_poisson", "http_overload", "engine_c16", "static", "static_natural"])
     for key in ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
-                "sampled_vs_greedy", "http_vs_engine_c16"):
+                "sampled_vs_greedy", "http_vs_engine_c16", "json_schema_vs_unconstrained_c1",
+                "json_schema_vs_unconstrained_c16"):
         assert stored[key] > 0, key
-    overload = stored["rows"][5]
+    assert stored["rows"][4]["output"] == "json_schema" and stored["rows"][1]["output"] == "unconstrained"
+    overload = stored["rows"][7]
     assert overload["requests"] + overload["refused"] == 12 and stored["overload_requests"] == 12
     assert stored["model"] == "bench-base:1" and "workflows serve --model bench-base:1" in stored["servers"]["http"]

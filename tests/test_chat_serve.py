@@ -439,7 +439,7 @@ def chat_server(ray_cluster, tmp_path_factory):
         f"model.task={TASK}", f"model.options.step_delay_s={STEP_S}", f"model.options.finish_log={tmp}/finished.jsonl",
         f"serve.port={port}", "serve.auth_token_env=CHAT_TOKEN", "serve.generate.max_batch=2",
         "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2",
-        "serve.generate.max_prompt_tokens=64", "serve.generate.max_stop_chars=16", "serve.generate.timeout_s=6"])
+        "serve.generate.max_prompt_tokens=192", "serve.generate.max_stop_chars=16", "serve.generate.timeout_s=6"])
     ctx = StorageContext.from_config(cfg.storage)
     registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
     # adapters' cards as the chat task's export writes them: export=adapter, and the base by its name and
@@ -715,7 +715,7 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
         (chat, {"json": {"model": "stranger:1", "messages": messages}}, 404, "model"),
         (text_path, {"json": {"model": "tinychat:1", "prompt": ["a"] * 5, "n": 2}}, 400, "prompt"),  # 10 > max_n
         (text_path, {"json": {"model": "tinychat:1", "prompt": "the " * 300}}, 400, "prompt"),  # over the context
-        (chat, {"json": {"model": "tinychat:1", "messages": [{"role": "user", "content": "the " * 70}]}}, 400,
+        (chat, {"json": {"model": "tinychat:1", "messages": [{"role": "user", "content": "the " * 200}]}}, 400,
          "messages"),  # over max_prompt_tokens
         (chat, {"json": {"model": "tinychat:1", "messages": messages, "stop": ["a", "b", "c", "d", "e"]}}, 400, "stop"),
         (chat, {"json": {"model": "tinychat:1", "messages": messages, "stop": "x" * 17}}, 400, "stop"),

@@ -55,4 +55,4 @@ def test_serve_starts_every_time_while_connections_churn_and_retries_a_taken_por
     (retry,) = _lines(res.stdout, "retry: ")
     assert retry["attempts"] == 2, retry  # the first try's stats port was taken: started again, new ports
     error = retry["error"]
-    assert error and "\n" not in error and f"[0.0.0.0:{retry['taken']}]" in error and "2 attempts" in error, error
+    assert error and "\n" not in error and f"[127.0.0.1:{retry['taken']}]" in error and "2 attempts" in error, error

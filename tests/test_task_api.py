@@ -229,7 +229,8 @@ def test_the_platform_reduces_metric_states_over_batches_and_ranks(tmp_path):
             losses.append(out.loss.item() * len(b["label_id"]))
     assert classify["val_f1"] == pytest.approx(f1_score(gold, pred, average="weighted"), abs=1e-12)
     assert classify["val_accuracy"] == pytest.approx(accuracy_score(gold, pred), abs=1e-12)
-    assert classify["val_loss"] == pytest.approx(sum(losses) / len(gold), abs=1e-12)
+    # the loss state is the batch's float32 loss times its rows, kept on the device (no host read per batch)
+    assert classify["val_loss"] == pytest.approx(sum(losses) / len(gold), rel=1e-6)
     torch.manual_seed(0)
     model = rtask.build_model(data).eval()
     with torch.no_grad():

@@ -85,7 +85,7 @@ def prepare(dst: Path) -> dict:
 
 
 def row_figures(key: str, concurrency: int, measured: dict, extra: dict) -> dict:
-    from workflows.bench.generate import percentile
+    from workflows.bench.generate_local import percentile
 
     return {"row": key, "concurrency": concurrency, "requests": len(measured["ttft"]), "tokens": measured["tokens"],
             "seconds": round(measured["seconds"], 3), "tokens_per_s": round(measured["tokens_per_s"], 1),
@@ -99,7 +99,7 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from workflows.bench.generate import engine_run, static_run
+    from workflows.bench.generate_local import engine_run, static_run
     from workflows.tasks.chat.engine import Engine
     from workflows.tasks.chat.model import attn_implementation  # the chat task's: SDPA on a GPU, eager on CPU
 
@@ -117,9 +117,10 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
         "prompt_tokens": p["prompt_tokens"], "max_tokens": p["max_tokens"], "eos": "ignored (every request "
         "produces max_tokens)", "sampling": "greedy",
         "engine": "workflows.tasks.chat.engine.Engine, called directly (no HTTP), closed-loop clients "
-                  "(workflows.bench.generate.engine_run); its inputs made on the model's device by the engine itself",
+                  "(workflows.bench.generate_local.engine_run); its inputs made on the model's device by the engine "
+                  "itself",
         "static": f"Hugging Face generate on a left-padded batch of {p['static_batch']}, "
-                  "workflows.bench.generate.static_run"}
+                  "workflows.bench.generate_local.static_run"}
     if prepared is not None and (prepared / "tokenizer.json").exists():
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

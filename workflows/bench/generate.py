@@ -37,30 +37,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workflows.bench.generate_local import GREEDY, SAMPLED, engine_run, figures, static_run
+from workflows.bench.generate_report import report
 from workflows.bench.generate_servers import Server, peer_command, serve_command
-from workflows.bench.roofline import decode_step, matmul_rate, memory_bandwidth, roofline
+from workflows.bench.roofline import matmul_rate, memory_bandwidth
 
-SAMPLED = {"temperature": 0.7, "top_p": 0.9}
-GREEDY = {"temperature": 0.0, "top_p": 1.0}
-# (direction, value): the figure meets its goal when >= (or <=) the value; None: reported, no goal
-GOALS: dict[str, tuple[str, float] | None] = {
-    "http_vs_static_c16": (">=", 1.0), "http_vs_static_natural_c16": (">=", 1.3),
-    "itl_p99_over_p50_c16": ("<=", 2.0), "itl_p99_over_p50_c8": ("<=", 2.0), "itl_p99_over_p50_poisson": ("<=", 2.0),
-    "ttft_c16_over_c1": ("<=", 4.0), "decode_vs_roofline": (">=", 0.7), "sampled_vs_greedy": (">=", 0.9),
-    "http_vs_engine_c16": (">=", 0.9), "overload_rejected_within_100ms": (">=", 1.0),
-    "overload_itl_p99_vs_poisson": ("<=", 1.2), "tokens_per_s_vs_one_at_a_time": (">=", 4.0),
-    "ttft_p50_vs_peer": ("<=", 1.2), "vs_llama_cpp_c1": None, "vs_llama_cpp_c16": None}
 DEFAULTS: dict[str, Any] = {"requests": 32, "serial_requests": 8, "max_tokens": 64, "repeats": 2, "static_batch": 16,
                             "concurrency": "1,8,16,32", "threads": 0, "paths": "http,engine,static,peer", "model": "",
                             "load": "0.9", "overload": "4", "overload_requests": 96}
@@ -80,13 +70,15 @@ class Row:
     rate: float | None = None  # Poisson arrivals, as a multiple of the measured capacity (open loop)
     sampled: bool = False
     natural: bool = False  # EOS honoured (else ignore_eos: fixed lengths)
+    structured: bool = False  # response_format json_schema (STRUCTURED), against the same row unconstrained
     requests: int = 0  # 0: the bench's `requests`
     runs: list[dict] = field(default_factory=list)
 
     def settings(self) -> dict:
         return {"concurrency": self.concurrency, "arrivals": f"poisson x{self.rate} capacity" if self.rate else
                 "closed loop", "sampling": "temperature 0.7, top_p 0.9" if self.sampled else "greedy",
-                "lengths": "natural (eos honoured)" if self.natural else "fixed (eos ignored)"}
+                "lengths": "natural (eos honoured)" if self.natural else "fixed (eos ignored)",
+                "output": "json_schema" if self.structured else "unconstrained"}
 
 
 @dataclass
@@ -99,6 +91,16 @@ class HttpPeer:
     model: str = "peer"  # the "model" its requests name
     levels: tuple[int, ...] = (1, 16)
     extra: dict = field(default_factory=dict)  # fields its requests add (e.g. llama.cpp's cache_prompt)
+
+
+def structured(max_tokens: int) -> dict:
+    """The structured rows' response_format: a strict schema no answer can close before max_tokens tokens
+    (at least that many array items), so the row makes as many tokens as its unconstrained twin and the
+    two differ by the grammar's cost alone."""
+    schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string"},
+                                                          "minItems": max_tokens}},
+              "required": ["words"], "additionalProperties": False}
+    return {"type": "json_schema", "json_schema": {"name": "words", "strict": True, "schema": schema}}
 
 
 def settings(overrides: list[str]) -> tuple[dict, list[str]]:
@@ -137,11 +139,6 @@ def settings(overrides: list[str]) -> tuple[dict, list[str]]:
     return out, rest
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def questions(n: int) -> list[list[dict]]:
     """n conversations of one user turn: the questions of the chat config's synthetic instruction set."""
     from workflows.preprocess import chat_data
@@ -155,7 +152,7 @@ def client_run(url: str, model: str, messages: list[list[dict]], row: Row, max_t
                api_key: str | None = None, extra: dict | None = None) -> dict:
     """The row's requests from a client process (workflows.bench.generate_client)."""
     job = {"base_url": url, "model": model, "api_key": api_key, "messages": messages, "requests": len(messages),
-           "extra_body": extra or {},
+           "extra_body": {**(extra or {}), **({"response_format": structured(max_tokens)} if row.structured else {})},
            "max_tokens": max_tokens, "ignore_eos": not row.natural, "concurrency": row.concurrency, "rate": rate,
            "seed": 0 if row.sampled else None, **(SAMPLED if row.sampled else GREEDY)}
     done = subprocess.run([sys.executable, "-m", "workflows.bench.generate_client"], input=json.dumps(job),
@@ -174,84 +171,6 @@ def client_run(url: str, model: str, messages: list[list[dict]], row: Row, max_t
     result["finish"] = [r["finish_reason"] for r in answered]
     result["refused"] = [{"status": r["status"], "answer_s": r["ended"] - r["sent"]} for r in refused]
     return result
-
-
-def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, sampled: bool = False,
-               natural: bool = False) -> dict:
-    """`concurrency` closed-loop clients on threads of this process, each submitting its next prompt as its
-    last one ends; fixed lengths (ignore_eos) unless `natural`."""
-    from workflows.tasks.chat.sampling import SamplingParams
-
-    sampling = SAMPLED if sampled else GREEDY
-    todo, timed, tokens, lock = list(range(len(prompts))), [], [0], threading.Lock()
-
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            params = SamplingParams(max_tokens=max_tokens, seed=i if sampled else None, ignore_eos=not natural,
-                                    **sampling)
-            gen = engine.submit(prompts[i], params)
-            gen.result(timeout=3600)
-            with lock:
-                timed.append((gen.times["submitted"] - t0, [t - t0 for t in gen.token_times]))
-                tokens[0] += gen.completion_tokens
-
-    t0 = time.perf_counter()
-    clients = [threading.Thread(target=client) for _ in range(min(concurrency, len(prompts)))]
-    for c in clients:
-        c.start()
-    for c in clients:
-        c.join()
-    return figures(timed, tokens[0], time.perf_counter() - t0)
-
-
-def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch: int, sampled: bool = False,
-               eos: set[int] | None = None) -> dict:
-    """`batch` prompts at a time, left-padded, all waiting at the start; a batch decodes until its every
-    row ended at one of the `eos` ids (natural stopping), or, without `eos`, made max_tokens (fixed)."""
-    import torch
-
-    class Steps:  # a timestamp per generated step (the first put is the prompt)
-        def __init__(self):
-            self.times: list[float] = []
-            self.started = False
-
-        def put(self, value):
-            if self.started:
-                self.times.append(time.perf_counter() - t0)
-            self.started = True
-
-        def end(self):
-            pass
-
-    sampling = {"do_sample": True, **SAMPLED} if sampled else {"do_sample": False}
-    timed, tokens, t0 = [], 0, time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        part = prompts[i:i + batch]
-        width = max(len(p) for p in part)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in part], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=model.device)
-        steps = Steps()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                 min_new_tokens=0 if eos else max_tokens, use_cache=True, pad_token_id=pad,
-                                 streamer=steps, **sampling)
-        for seq in out[:, width:].tolist():
-            n = next((k + 1 for k, t in enumerate(seq) if t in eos), len(seq)) if eos else len(seq)
-            tokens += n
-            timed.append((0.0, steps.times[:n]))  # every request was waiting at the start
-    return figures(timed, tokens, time.perf_counter() - t0)
-
-
-def figures(timed: list[tuple[float, list[float]]], tokens: int, seconds: float) -> dict:
-    """Per run: tokens/s, and each request's time to first token and gaps between its tokens."""
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "requests_per_s": len(timed) / seconds,
-            "ttft": [t[0] - sent for sent, t in timed if t],
-            "itl": [b - a for _, t in timed for a, b in zip(t, t[1:])]}
 
 
 # --- the served model ---------------------------------------------------------------------------------
@@ -289,6 +208,8 @@ def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict) 
         rows += [Row(f"http_c{c}", "http", "ours: workflows serve, HTTP + SSE", c) for c in levels]
         rows += [Row(f"http_sampled_c{mid}", "http", "ours: workflows serve, HTTP + SSE", mid, sampled=True),
                  Row(f"http_natural_c{mid}", "http", "ours: workflows serve, HTTP + SSE", mid, natural=True)]
+        rows += [Row(f"http_json_c{c}", "http", "ours: workflows serve, HTTP + SSE, json_schema", c, structured=True)
+                 for c in sorted({1, mid})]
         if float(opts["load"]):
             rows.append(Row("http_poisson", "http", "ours: workflows serve, HTTP + SSE", top, rate=float(opts["load"])))
         if float(opts["overload"]):
@@ -409,87 +330,3 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             shutil.rmtree(model_dir, ignore_errors=True)
 
 
-def summary(row: Row) -> dict:
-    ttft = [x for r in row.runs for x in r["ttft"]]
-    itl = [x for r in row.runs for x in r["itl"]]
-    refused = [x for r in row.runs for x in r.get("refused", [])]
-    out = {"row": row.key, "path": row.label, **row.settings(),
-           "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in row.runs), 2),
-           "tokens_per_s_runs": [round(r["tokens_per_s"], 2) for r in row.runs],
-           "ttft_s_p50": round(percentile(ttft, 0.5), 4), "ttft_s_p99": round(percentile(ttft, 0.99), 4),
-           "itl_s_p50": round(percentile(itl, 0.5), 4), "itl_s_p99": round(percentile(itl, 0.99), 4),
-           "tokens": sum(r["tokens"] for r in row.runs), "requests": sum(len(r["ttft"]) for r in row.runs)}
-    if row.rate:
-        out["refused"] = len(refused)
-        out["refused_answer_s_max"] = round(max((x["answer_s"] for x in refused), default=0.0), 4)
-        out["refused_within_100ms"] = sum(x["answer_s"] <= 0.1 for x in refused)
-        out["refused_status"] = sorted({x["status"] for x in refused})
-    prompt = [x for r in row.runs for x in r.get("prompt_tokens", [])]
-    if prompt:
-        out["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1)
-    return out
-
-
-def meets_goal(value: float | None, goal: tuple[str, float] | None) -> bool | None:
-    """None without a goal; False when the figure is missing (its row did not run or measured nothing)."""
-    if goal is None:
-        return None
-    return value is not None and (value >= goal[1] if goal[0] == ">=" else value <= goal[1])
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
-def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec: str, cfg, threads: int,
-           flops: list[float], bandwidth: list[float], commands: dict) -> dict:
-    table = [summary(r) for r in rows if r.runs]
-    by = {r["row"]: r for r in table}
-    mid, top, max_tokens = (16 if 16 in levels else max(levels)), max(levels), opts["max_tokens"]
-
-    def get(key: str, figure: str) -> float | None:
-        return by[key][figure] if key in by else None
-
-    prompt_mean = sum(map(len, prompts[:opts["requests"]])) / opts["requests"]
-    step = decode_step(model, top, prompt_mean + max_tokens / 2)  # the mean context over a generation
-    best_flops, best_bw = max(flops, default=0.0), max(bandwidth, default=0.0)
-    limit = roofline(step, best_flops, best_bw) if best_flops and best_bw else None
-    measured_step = get(f"engine_c{top}", "itl_s_p50")
-    overload = by.get("http_overload")
-    keys: dict[str, float | None] = {
-        f"http_vs_static_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get("static", "tokens_per_s")),
-        f"http_vs_static_natural_c{mid}": ratio(get(f"http_natural_c{mid}", "tokens_per_s"),
-                                                get("static_natural", "tokens_per_s")),
-        f"itl_p99_over_p50_c{mid}": ratio(get(f"http_c{mid}", "itl_s_p99"), get(f"http_c{mid}", "itl_s_p50")),
-        "itl_p99_over_p50_c8": ratio(get("http_c8", "itl_s_p99"), get("http_c8", "itl_s_p50")),
-        "itl_p99_over_p50_poisson": ratio(get("http_poisson", "itl_s_p99"), get("http_poisson", "itl_s_p50")),
-        f"ttft_c{mid}_over_c1": ratio(get(f"http_c{mid}", "ttft_s_p50"), get("http_c1", "ttft_s_p50")),
-        "decode_vs_roofline": ratio(limit["step_s"], measured_step) if limit and measured_step else None,
-        "sampled_vs_greedy": ratio(get(f"http_sampled_c{mid}", "tokens_per_s"), get(f"http_c{mid}", "tokens_per_s")),
-        f"http_vs_engine_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"engine_c{mid}", "tokens_per_s")),
-        "overload_rejected_within_100ms": (round(overload["refused_within_100ms"] / overload["refused"], 3)
-                                           if overload and overload["refused"] else None),
-        "overload_itl_p99_vs_poisson": ratio(get("http_overload", "itl_s_p99"), get("http_poisson", "itl_s_p99")),
-        "tokens_per_s_vs_one_at_a_time": ratio(get(f"http_c{mid}", "tokens_per_s"), get("peer", "tokens_per_s")),
-        "ttft_p50_vs_peer": ratio(get("http_c1", "ttft_s_p50"), get("peer", "ttft_s_p50")),
-        "vs_llama_cpp_c1": ratio(get("http_c1", "tokens_per_s"), get("llama_cpp_c1", "tokens_per_s")),
-        "vs_llama_cpp_c16": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"llama_cpp_c{mid}", "tokens_per_s")),
-    }
-    goals = {k: GOALS.get(k) for k in keys}
-    meets = {k: meets_goal(v, goals[k]) for k, v in keys.items()}
-    config_ = model.config
-    return {"model": spec, "base": cfg.model.name_or_path, "params": sum(p.numel() for p in model.parameters()),
-            "threads": threads, "precision": cfg.serve.precision,
-            "attn_implementation": getattr(config_, "_attn_implementation", None),
-            "requests": opts["requests"], "serial_requests": opts["serial_requests"], "max_tokens": max_tokens,
-            "repeats": opts["repeats"], "static_batch": opts["static_batch"], "load": float(opts["load"]),
-            "overload": float(opts["overload"]), "overload_requests": opts["overload_requests"],
-            "max_batch": cfg.serve.generate.max_batch, "max_queue": cfg.serve.generate.max_queue,
-            "prompt_tokens_mean": round(prompt_mean, 1),
-            "matmul_flops_per_s": round(best_flops), "matmul_flops_per_s_runs": [round(f) for f in flops],
-            "memory_bytes_per_s": round(best_bw), "memory_bytes_per_s_runs": [round(b) for b in bandwidth],
-            "decode_step": {**step, **({k: (round(v, 5) if isinstance(v, float) else v) for k, v in limit.items()}
-                                       if limit else {}), "measured_s": measured_step},
-            "servers": {k: " ".join(v) for k, v in commands.items()},
-            "rows": table, **keys, "goals": {k: (f"{g[0]} {g[1]}" if g else None) for k, g in goals.items()},
-            "meets_goals": meets}

@@ -25,7 +25,7 @@ HAProxy runs through workflows.serve.haproxy_guard (Serve runs the executable it
 RAY_SERVE_HAPROXY_BINARY_PATH names): it dies with Serve's HAProxyManager actor and with this
 command, however either is killed, instead of holding the port for the next `workflows serve`.
 
-HAProxy binds its ports (stats, metrics on 0.0.0.0; the fallback proxy's) seconds after they were
+HAProxy binds its ports (stats, metrics on 127.0.0.1, see haproxy_guard; the fallback proxy's) seconds after they were
 picked: they come from outside the ephemeral range (workflows.net.listen_ports), where no outgoing
 connection takes one meanwhile. Should one be taken all the same, start_serve starts Serve again
 with new ones: Serve reads them in its controller's processes, which take them from its
@@ -65,7 +65,7 @@ START_ATTEMPTS = 3
 # busy 2-core machine the proxy's process takes longer than that to import Serve (seen: 3 starts in a
 # row killed at a load of 50). 20 s each, for the clusters this command starts.
 START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20"}
-# HAProxy's "cannot bind socket (Address already in use) for [0.0.0.0:45409]"; Python's for the fallback proxy
+# HAProxy's "cannot bind socket (Address already in use) for [127.0.0.1:45409]"; Python's for the fallback proxy
 _BIND_FAILED = re.compile(r"cannot bind socket \([^)]*\) for \[[^\]]*\]|\[Errno 98\][^\n]*|Address already in use")
 
 

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from workflows.tasks.base import Predictor, serving_device
 from workflows.tasks.chat.engine import Engine, Generation, ModelNotFound, QueueFull
+from workflows.tasks.chat.grammar import GrammarError
+from workflows.tasks.chat.protocol import BadRequest
 from workflows.tasks.chat.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -207,8 +209,8 @@ class ChatPredictor(Predictor):
         its template library (whose message may name a file) is answered naming the model only."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, arg)
-        except PromptError:
-            raise
+        except (PromptError, BadRequest, GrammarError):
+            raise  # the plan's own answers, which name their field
         except ValueError as e:
             log.warning("model %s: the prompt could not be tokenized: %s", self.base_id, e)
             raise PromptError(f"model {self.base_id} could not tokenize this prompt") from None

@@ -169,7 +169,10 @@ class SlotCache:
         padded query repeats its row's last one), keys gathered up to the longest end."""
         device, widest = self.device, max(count for _, count in chunks)
         length = max(positions[start] + count for start, count in chunks)
-        q_index, last, valid, tokens = [], [], [], []
+        q_index: list[int] = []
+        last: list[int] = []
+        valid: list[int] = []
+        tokens: list[int] = []
         for r, (start, count) in enumerate(chunks):
             q_index += [start + min(t, count - 1) for t in range(widest)]
             last += [positions[start] + min(t, count - 1) for t in range(widest)]  # each query's position

@@ -1,0 +1,112 @@
+"""The generation bench's report (workflows.bench.generate): each row's figures summed over its repeats,
+the ratios the issue's goals are stated in, whether each meets its goal, and the run's settings."""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from workflows.bench.generate_local import percentile
+from workflows.bench.roofline import decode_step, roofline
+
+if TYPE_CHECKING:
+    from workflows.bench.generate import Row
+
+# (direction, value): the figure meets its goal when >= (or <=) the value; None: reported, no goal
+GOALS: dict[str, tuple[str, float] | None] = {
+    "http_vs_static_c16": (">=", 1.0), "http_vs_static_natural_c16": (">=", 1.3),
+    "itl_p99_over_p50_c16": ("<=", 2.0), "itl_p99_over_p50_c8": ("<=", 2.0), "itl_p99_over_p50_poisson": ("<=", 2.0),
+    "ttft_c16_over_c1": ("<=", 4.0), "decode_vs_roofline": (">=", 0.7), "sampled_vs_greedy": (">=", 0.9),
+    "http_vs_engine_c16": (">=", 0.9), "overload_rejected_within_100ms": (">=", 1.0),
+    "overload_itl_p99_vs_poisson": ("<=", 1.2), "tokens_per_s_vs_one_at_a_time": (">=", 4.0),
+    "ttft_p50_vs_peer": ("<=", 1.2), "json_schema_vs_unconstrained_c1": (">=", 0.85),
+    "json_schema_vs_unconstrained_c16": (">=", 0.85), "vs_llama_cpp_c1": None, "vs_llama_cpp_c16": None}
+
+
+def summary(row: Row) -> dict:
+    ttft = [x for r in row.runs for x in r["ttft"]]
+    itl = [x for r in row.runs for x in r["itl"]]
+    refused = [x for r in row.runs for x in r.get("refused", [])]
+    out = {"row": row.key, "path": row.label, **row.settings(),
+           "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in row.runs), 2),
+           "tokens_per_s_runs": [round(r["tokens_per_s"], 2) for r in row.runs],
+           "ttft_s_p50": round(percentile(ttft, 0.5), 4), "ttft_s_p99": round(percentile(ttft, 0.99), 4),
+           "itl_s_p50": round(percentile(itl, 0.5), 4), "itl_s_p99": round(percentile(itl, 0.99), 4),
+           "tokens": sum(r["tokens"] for r in row.runs), "requests": sum(len(r["ttft"]) for r in row.runs)}
+    if row.rate:
+        out["refused"] = len(refused)
+        out["refused_answer_s_max"] = round(max((x["answer_s"] for x in refused), default=0.0), 4)
+        out["refused_within_100ms"] = sum(x["answer_s"] <= 0.1 for x in refused)
+        out["refused_status"] = sorted({x["status"] for x in refused})
+    prompt = [x for r in row.runs for x in r.get("prompt_tokens", [])]
+    if prompt:
+        out["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1)
+    return out
+
+
+def meets_goal(value: float | None, goal: tuple[str, float] | None) -> bool | None:
+    """None without a goal; False when the figure is missing (its row did not run or measured nothing)."""
+    if goal is None:
+        return None
+    return value is not None and (value >= goal[1] if goal[0] == ">=" else value <= goal[1])
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec: str, cfg, threads: int,
+           flops: list[float], bandwidth: list[float], commands: dict) -> dict:
+    table = [summary(r) for r in rows if r.runs]
+    by = {r["row"]: r for r in table}
+    mid, top, max_tokens = (16 if 16 in levels else max(levels)), max(levels), opts["max_tokens"]
+
+    def get(key: str, figure: str) -> float | None:
+        return by[key][figure] if key in by else None
+
+    prompt_mean = sum(map(len, prompts[:opts["requests"]])) / opts["requests"]
+    step = decode_step(model, top, prompt_mean + max_tokens / 2)  # the mean context over a generation
+    best_flops, best_bw = max(flops, default=0.0), max(bandwidth, default=0.0)
+    limit = roofline(step, best_flops, best_bw) if best_flops and best_bw else None
+    measured_step = get(f"engine_c{top}", "itl_s_p50")
+    overload = by.get("http_overload")
+    keys: dict[str, float | None] = {
+        f"http_vs_static_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get("static", "tokens_per_s")),
+        f"http_vs_static_natural_c{mid}": ratio(get(f"http_natural_c{mid}", "tokens_per_s"),
+                                                get("static_natural", "tokens_per_s")),
+        f"itl_p99_over_p50_c{mid}": ratio(get(f"http_c{mid}", "itl_s_p99"), get(f"http_c{mid}", "itl_s_p50")),
+        "itl_p99_over_p50_c8": ratio(get("http_c8", "itl_s_p99"), get("http_c8", "itl_s_p50")),
+        "itl_p99_over_p50_poisson": ratio(get("http_poisson", "itl_s_p99"), get("http_poisson", "itl_s_p50")),
+        f"ttft_c{mid}_over_c1": ratio(get(f"http_c{mid}", "ttft_s_p50"), get("http_c1", "ttft_s_p50")),
+        "decode_vs_roofline": ratio(limit["step_s"], measured_step) if limit and measured_step else None,
+        "sampled_vs_greedy": ratio(get(f"http_sampled_c{mid}", "tokens_per_s"), get(f"http_c{mid}", "tokens_per_s")),
+        f"http_vs_engine_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"engine_c{mid}", "tokens_per_s")),
+        "overload_rejected_within_100ms": (round(overload["refused_within_100ms"] / overload["refused"], 3)
+                                           if overload and overload["refused"] else None),
+        "overload_itl_p99_vs_poisson": ratio(get("http_overload", "itl_s_p99"), get("http_poisson", "itl_s_p99")),
+        "tokens_per_s_vs_one_at_a_time": ratio(get(f"http_c{mid}", "tokens_per_s"), get("peer", "tokens_per_s")),
+        "ttft_p50_vs_peer": ratio(get("http_c1", "ttft_s_p50"), get("peer", "ttft_s_p50")),
+        "json_schema_vs_unconstrained_c1": ratio(get("http_json_c1", "tokens_per_s"), get("http_c1", "tokens_per_s")),
+        f"json_schema_vs_unconstrained_c{mid}": ratio(get(f"http_json_c{mid}", "tokens_per_s"),
+                                                      get(f"http_c{mid}", "tokens_per_s")),
+        "vs_llama_cpp_c1": ratio(get("http_c1", "tokens_per_s"), get("llama_cpp_c1", "tokens_per_s")),
+        "vs_llama_cpp_c16": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"llama_cpp_c{mid}", "tokens_per_s")),
+    }
+    goals = {k: GOALS.get(k) for k in keys}
+    meets = {k: meets_goal(v, goals[k]) for k, v in keys.items()}
+    config_ = model.config
+    return {"model": spec, "base": cfg.model.name_or_path, "params": sum(p.numel() for p in model.parameters()),
+            "threads": threads, "precision": cfg.serve.precision,
+            "attn_implementation": getattr(config_, "_attn_implementation", None),
+            "requests": opts["requests"], "serial_requests": opts["serial_requests"], "max_tokens": max_tokens,
+            "repeats": opts["repeats"], "static_batch": opts["static_batch"], "load": float(opts["load"]),
+            "overload": float(opts["overload"]), "overload_requests": opts["overload_requests"],
+            "max_batch": cfg.serve.generate.max_batch, "max_queue": cfg.serve.generate.max_queue,
+            "prompt_tokens_mean": round(prompt_mean, 1),
+            "matmul_flops_per_s": round(best_flops), "matmul_flops_per_s_runs": [round(f) for f in flops],
+            "memory_bytes_per_s": round(best_bw), "memory_bytes_per_s_runs": [round(b) for b in bandwidth],
+            "decode_step": {**step, **({k: (round(v, 5) if isinstance(v, float) else v) for k, v in limit.items()}
+                                       if limit else {}), "measured_s": measured_step},
+            "servers": {k: " ".join(v) for k, v in commands.items()},
+            "rows": table, **keys, "goals": {k: (f"{g[0]} {g[1]}" if g else None) for k, g in goals.items()},
+            "meets_goals": meets}
