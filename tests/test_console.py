@@ -94,6 +94,39 @@ def test_verbose_brings_ray_output_back(tmp_path):
     assert "Traceback (most recent call last)" in res.stderr
 
 
+SIGNAL_IN_DEL = """
+import os, signal, threading, time
+from workflows import stop
+stop.install()
+class Slow:
+    def __del__(self):  # the signal comes while this runs, as in Ray Data's iterators' shutdown
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t = time.time()
+        while time.time() - t < 0.5:
+            pass
+try:
+    Slow()
+    t = time.time()
+    while time.time() - t < 10:
+        pass
+    print("ran on")
+except stop.Stopped as e:
+    print("stopped", e.name)
+"""
+
+
+def test_a_signal_that_lands_in_a_destructor_still_stops_the_command():
+    """Python only prints an exception raised in a __del__: the Stopped it would lose comes again."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    res = subprocess.run([sys.executable, "-c", SIGNAL_IN_DEL], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "stopped SIGTERM", res.stdout + res.stderr[-2000:]
+    assert "Exception ignored" not in res.stderr, res.stderr
+
+
 @pytest.mark.integration
 def test_sigterm_stops_a_long_command_in_one_line_and_leaves_no_ray(tmp_path):
     """SIGTERM to a command mid-run (preprocess, once Ray is up): Ray shut down, one line, exit 143."""

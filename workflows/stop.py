@@ -5,11 +5,18 @@ persisted) run, one line is printed, and the process exits 143 (SIGTERM) or 130 
 
 `ray.init()` installs its own SIGTERM handler (`sys.exit(15)`, raised wherever the main thread
 is, which can leave Ray's core to abort at exit), so the handlers are installed again after it.
+
+Python runs a signal's handler wherever the main thread is, a `__del__` or a weakref callback included
+(Ray Data's iterators shut their executor down in `__del__`); an exception raised there is only printed
+(sys.unraisablehook) and the command would run on. A Stopped lost that way is raised again: the
+signal is sent once more, from a thread, once the hook has returned.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 
@@ -37,11 +44,29 @@ def _handler(signum, frame):
     raise Stopped(signum)
 
 
+def _resend(signum: int) -> None:
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    # from a thread: the main thread is still inside the hook, where a handler's exception is lost again
+    threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+
+
+def _unraisable(unraisable) -> None:
+    if isinstance(unraisable.exc_value, Stopped):
+        _resend(unraisable.exc_value.signum)
+    else:
+        _default_unraisable(unraisable)
+
+
+_default_unraisable = sys.unraisablehook
+
+
 def install() -> None:
     """Route SIGTERM and SIGINT to `Stopped` (main thread only: Python delivers signals there)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _handler)
         signal.signal(signal.SIGINT, _handler)
+        sys.unraisablehook = _unraisable
 
 
 def exit_code(e: KeyboardInterrupt) -> int:
