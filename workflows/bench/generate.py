@@ -23,7 +23,8 @@ its next request when its previous one ended) or Poisson arrivals at a rate; gre
 natural stopping (EOS honoured, up to max_tokens). Rows run interleaved (each row once, then again)
 `repeats` times, after a warm-up of each path that is not counted. The Poisson rates come from the
 capacity measured in the same repeat (requests/s over HTTP at the top concurrency): `load` times it near
-capacity, `overload` times it for the overload row (rejected requests: how fast their answer came).
+capacity, `overload` times it for the overload row (`overload_requests` of them, by default 3x the engine's batch plus
+queue, so that some are refused: how fast their answer came).
 
 Figures per row: output tokens/s (the median over repeats; tokens as the server's usage counts them),
 time to first token and inter-token latency (p50/p99 over every request of every repeat: as the client
@@ -53,7 +54,7 @@ from workflows.bench.roofline import matmul_rate, memory_bandwidth
 
 DEFAULTS: dict[str, Any] = {"requests": 32, "serial_requests": 8, "max_tokens": 64, "repeats": 2, "static_batch": 16,
                             "concurrency": "1,8,16,32", "threads": 0, "paths": "http,engine,static,peer", "model": "",
-                            "load": "0.9", "overload": "4", "overload_requests": 96}
+                            "load": "0.9", "overload": "4", "overload_requests": 0}
 PATHS = ("http", "engine", "static", "peer")
 TEXT_SETTINGS = ("model", "paths", "concurrency")
 FLOAT_SETTINGS = ("load", "overload")
@@ -132,7 +133,7 @@ def settings(overrides: list[str]) -> tuple[dict, list[str]]:
             except ValueError:
                 raise UserError(f"bench generate: {key} is a number >= 0, got {value!r}") from None
             out[key] = value
-        elif not value.isdigit() or (int(value) == 0 and key != "threads"):
+        elif not value.isdigit() or (int(value) == 0 and key not in ("threads", "overload_requests")):
             raise UserError(f"bench generate: {key} must be a positive integer, got {value!r}")
         else:
             out[key] = int(value)
@@ -248,6 +249,10 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     torch.set_num_threads(threads)
     levels = [int(c) for c in str(opts["concurrency"]).split(",")]
     paths, peers = set(str(opts["paths"]).split(",")), list(peers or [])
+    gen = cfg.serve.generate
+    # the overload row must outrun what the server admits (the engine's batch and queue): at 4x capacity
+    # about three quarters of its requests are in flight when the last arrives, so 3x that is refused in part
+    opts["overload_requests"] = opts["overload_requests"] or 3 * (gen.max_batch + gen.max_queue)
     rows = plan(levels, paths, peers, opts)
     max_tokens = opts["max_tokens"]
     scratch = Path(tempfile.mkdtemp(prefix="bench-generate-"))

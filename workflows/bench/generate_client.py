@@ -30,24 +30,31 @@ async def one(client, job: dict, messages: list, t0: float) -> dict:
     extra: dict[str, Any] = {**job.get("extra_body", {}), **({"ignore_eos": True} if job.get("ignore_eos") else {})}
     sent = time.perf_counter()
     out: dict[str, Any] = {"sent": sent - t0, "chunks": [], "tokens": 0, "status": 200, "finish_reason": None}
-    try:
-        stream = await client.chat.completions.create(
-            model=job["model"], messages=messages, max_tokens=job["max_tokens"], temperature=job["temperature"],
-            top_p=job["top_p"], seed=job.get("seed"), stream=True, stream_options={"include_usage": True},
-            extra_body=extra)
-        async for chunk in stream:
-            now = time.perf_counter() - t0
-            for choice in chunk.choices:
-                if choice.delta and choice.delta.content:
-                    out["chunks"].append(now)
-                if choice.finish_reason:
-                    out["finish_reason"] = choice.finish_reason
-            if chunk.usage is not None:
-                out["tokens"], out["prompt_tokens"] = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-    except openai.APIStatusError as e:  # refused (429, 503) or failed: how fast the answer came
-        out.update(status=e.status_code, error=str(e)[:200])
-    except openai.APIError as e:  # the connection itself
-        out.update(status=0, error=str(e)[:200])
+    for attempt in (1, 2):
+        try:
+            stream = await client.chat.completions.create(
+                model=job["model"], messages=messages, max_tokens=job["max_tokens"], temperature=job["temperature"],
+                top_p=job["top_p"], seed=job.get("seed"), stream=True, stream_options={"include_usage": True},
+                extra_body=extra)
+            async for chunk in stream:
+                now = time.perf_counter() - t0
+                for choice in chunk.choices:
+                    if choice.delta and choice.delta.content:
+                        out["chunks"].append(now)
+                    if choice.finish_reason:
+                        out["finish_reason"] = choice.finish_reason
+                if chunk.usage is not None:
+                    out["tokens"], out["prompt_tokens"] = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+        except openai.APIStatusError as e:  # refused (429, 503) or failed: how fast the answer came
+            out.update(status=e.status_code, error=str(e)[:200])
+        except openai.APIError as e:  # the connection itself
+            if attempt == 1 and not out["chunks"]:
+                # a kept-alive connection the server had closed (llama-server does, at times): sent again
+                # on a new one, as any HTTP client's retry would; the time lost stays in this request's
+                out["retried"] = str(e)[:200]
+                continue
+            out.update(status=0, error=str(e)[:200])
+        break
     out["ended"] = time.perf_counter() - t0
     return out
 
