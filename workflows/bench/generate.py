@@ -292,6 +292,19 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         capacity: dict[str, float] = {}  # requests/s over HTTP at the top concurrency, this repeat
 
         def measure(row: Row, n: int, tokens: int) -> dict:
+            """The row's run, its peer server resumed for it: peers sit paused (SIGSTOP) outside their rows.
+            `workflows serve` runs throughout (Ray's processes cannot be frozen without failing its health
+            checks): its idle cost lies on every other row."""
+            own = servers.get(row.path) if row.path != "http" else None
+            if own is not None:
+                own.resume()
+            try:
+                return run_row(row, n, tokens)
+            finally:
+                if own is not None:
+                    own.pause()
+
+        def run_row(row: Row, n: int, tokens: int) -> dict:
             if row.path == "engine":
                 return engine_run(engine, prompts[:n], tokens, row.concurrency, row.sampled, row.natural)
             if row.path == "static":
@@ -308,6 +321,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             for server in servers.values():
                 server.start()
                 started.append(server)
+                if server is not servers.get("http"):
+                    server.pause()
             for path in dict.fromkeys(r.path for r in rows):  # warm-up: first calls allocate, load kernels
                 measure(next(r for r in rows if r.path == path and not r.rate), 2, 4)
             for _ in range(opts["repeats"]):

@@ -58,6 +58,21 @@ class Server:
         self.stop()
         raise UserError(f"bench generate: {self.name} not ready after {self.timeout_s:.0f} s:\n{self.tail()}")
 
+    def pause(self) -> None:
+        """SIGSTOP to its process group while other rows run: an idle server that polls (vLLM's CPU worker
+        spins at a quarter of a core) must not take the measured one's CPU."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_group(signal.SIGCONT)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -71,6 +86,7 @@ class Server:
         if self.proc is None:
             return
         pid = self.proc.pid
+        self.resume()  # a paused server cannot act on SIGTERM
         for sig, wait, group in ((signal.SIGTERM, timeout_s, False), (signal.SIGTERM, 15, True),
                                  (signal.SIGKILL, 10, True)):
             if self.proc.poll() is not None:
