@@ -53,8 +53,8 @@ def test_run_tree_tags_and_params(tracked, quickstart_run):
     secretish = [k for k in params if any(s in k.lower() for s in ("secret", "password", "token", "credential"))]
     # the variable's name, never a value; the tokenizer's name and the cap on generated tokens, which
     # hold "token" inside a word
-    assert secretish == ["preprocess.tokenizer", "serve.auth_token_env", "serve.generate.max_prefill_tokens",
-                         "serve.generate.max_prompt_tokens", "serve.generate.max_tokens"]
+    assert sorted(secretish) == ["preprocess.tokenizer", "serve.auth_token_env", "serve.generate.max_prefill_tokens",
+                                 "serve.generate.max_prompt_tokens", "serve.generate.max_tokens"]
 
 
 def test_epoch_and_step_metric_histories(tracked, quickstart_run):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import threading
 import time
 import uuid
@@ -42,14 +43,22 @@ def create_once(uri: str, data: bytes, ctx: StorageContext) -> bool:
     proto = protocol_of(uri)
     if proto == "file":
         path = filesystem(uri, ctx)[1]
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        # written whole under a temp name, then linked to its name (link fails where the name exists): a
+        # reader never sees the object created but not yet written, as O_EXCL's empty file would show it
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".create-once-")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o644)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            os.unlink(tmp)
     if proto not in ("s3", "s3a"):
         fs, path = filesystem(uri, ctx)
         with reaching(uri, ctx):
