@@ -35,6 +35,7 @@ from workflows.storage.uri import (
     exists,
     filesystem,
     join,
+    names_under,
     reaching,
     read_json,
     write_json,
@@ -94,28 +95,12 @@ def _models_root(cfg: WorkflowConfig) -> str:
 
 def versions(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[int]:
     uri = join(_models_root(cfg), name)
-    fs, path = filesystem(uri, ctx)
-    with reaching(uri, ctx):
-        try:
-            entries = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        found = []
-        for entry in entries:
-            m = _VERSION.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if m and fs.exists(f"{entry.rstrip('/')}/{META_FILE}"):
-                found.append(int(m.group(1)))
-    return sorted(found)
+    return sorted(int(m.group(1)) for n in names_under(uri, ctx)
+                  if (m := _VERSION.match(n)) and exists(join(uri, n, META_FILE), ctx))
 
 
 def list_models(cfg: WorkflowConfig, ctx: StorageContext) -> dict[str, list[int]]:
-    fs, path = filesystem(_models_root(cfg), ctx)
-    try:
-        with reaching(_models_root(cfg), ctx):
-            names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        return {}
-    return {n: v for n in sorted(names) if (v := versions(cfg, ctx, n))}
+    return {n: v for n in names_under(_models_root(cfg), ctx) if (v := versions(cfg, ctx, n))}
 
 
 def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:

@@ -22,7 +22,7 @@ from workflows.config import WorkflowConfig
 from workflows.config.base import check_alias_name
 from workflows.errors import UserError
 from workflows.storage.create_only import create_once
-from workflows.storage.uri import StorageContext, exists, filesystem, join, reaching, read_json
+from workflows.storage.uri import StorageContext, exists, join, names_under, read_json
 
 ALIASES = "aliases"
 _RECORD = re.compile(r"^(\d{8})\.json$")
@@ -77,19 +77,8 @@ def _record_uri(cfg: WorkflowConfig, name: str, alias: str, seq: int) -> str:
     return join(_alias_dir(cfg, name, alias), f"{seq:08d}.json")
 
 
-def _names_under(uri: str, ctx: StorageContext) -> list[str]:
-    """The names of the objects and prefixes directly under `uri`; none where there is nothing."""
-    fs, path = filesystem(uri, ctx)
-    with reaching(uri, ctx):
-        try:
-            entries = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
-
-
 def _seqs(cfg: WorkflowConfig, ctx: StorageContext, uri: str) -> list[int]:
-    return sorted(int(m.group(1)) for n in _names_under(uri, ctx) if (m := _RECORD.match(n)))
+    return sorted(int(m.group(1)) for n in names_under(uri, ctx) if (m := _RECORD.match(n)))
 
 
 def _read(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, seq: int) -> AliasRecord:
@@ -113,7 +102,7 @@ def holder(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str) -> i
 
 
 def alias_names(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[str]:
-    return _names_under(join(cfg.uri("models"), name, ALIASES), ctx)
+    return names_under(join(cfg.uri("models"), name, ALIASES), ctx)
 
 
 def aliases(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> dict[str, int]:

@@ -192,6 +192,17 @@ def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str,
                 fs.get_file(remote, os.path.join(local_dir, base))
 
 
+def names_under(uri: str, ctx: StorageContext) -> list[str]:
+    """The names of the objects and prefixes directly under `uri`, sorted; none where there is nothing."""
+    fs, path = filesystem(uri, ctx)
+    with reaching(uri, ctx):
+        try:
+            entries = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+
 def exists(uri: str, ctx: StorageContext) -> bool:
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
