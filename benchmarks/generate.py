@@ -52,14 +52,14 @@ def llama_gap(r: dict) -> str:
     c1, c16, gguf = r.get("vs_llama_cpp_c1"), r.get("vs_llama_cpp_c16"), r.get("llama_cpp_gguf_bytes")
     if not (c1 and gguf):
         return ""
-    weights = r["decode_step"]["weight_bytes"]
+    weights, precision = r["decode_step"]["weight_bytes"], r.get("precision", "fp32")
     at16 = f" and {1 / c16:.2f}x ours at 16" if c16 else ""
     return (f"\n\nBeside llama.cpp: its server gives {1 / c1:.2f}x our tokens/s at concurrency 1{at16}. At 1, a "
-            f"step decodes one token and reads every weight once: ours {weights / 1e6:.0f} MB in fp32, llama.cpp "
-            f"{gguf / 1e6:.0f} MB of Q4_1 (4-bit weights with a scale and a minimum per block of 32, about 5 bits a "
-            f"weight; the GGUF file's size), {weights / gguf:.1f}x fewer bytes per token, read by kernels that "
-            f"multiply the 4-bit blocks as they are. At 16 the weights are read once for 16 tokens, so bytes "
-            f"matter less and the arithmetic more: its quantized dot products against our fp32 matmuls.")
+            f"step decodes one token and reads every weight once: ours {weights / 1e6:.0f} MB in {precision}, "
+            f"llama.cpp {gguf / 1e6:.0f} MB of Q4_1 (4-bit weights with a scale and a minimum per block of 32, about "
+            f"5 bits a weight; the GGUF file's size), {weights / gguf:.1f}x fewer bytes per token, read by kernels "
+            f"that multiply the 4-bit blocks as they are. At 16 the weights are read once for 16 tokens, so bytes "
+            f"matter less and the arithmetic more: its quantized dot products against our {precision} matmuls.")
 
 
 def markdown(r: dict) -> str:
@@ -82,19 +82,27 @@ def markdown(r: dict) -> str:
         verdict = "reported" if g is None else ("met" if met else "**not met**")
         return f"| {key} | {TEXT.get(key, key)} | {shown} | {g or ''} | {verdict} |"
 
-    goals = "\n".join(goal(k) for k in [*FIGURES, *sorted(set(r["goals"]) - set(FIGURES))])
+    keys = [*FIGURES, *sorted(set(r["goals"]) - set(FIGURES))]
+    goals = "\n".join(goal(k) for k in keys if r.get(k) is not None)
+    absent = [k for k in keys if r.get(k) is None]
+    if absent:  # a partial run (a `--tag` variant) leaves out the rows these need
+        goals += f"\n\nNot measured in this run (their rows were left out): {', '.join(absent)}."
     step = r["decode_step"]
     missing = "".join(f"\n- {name}: {why}" for name, why in (r.get("peers_missing") or {}).items())
     servers = "\n".join(f"- {name}: `{cmd}`" for name, cmd in r["servers"].items())
     took = "n/a" if step.get("measured_s") is None else f"{1000 * step['measured_s']:.0f} ms"
+    matmul = {"float32": "fp32", "bfloat16": "bf16"}.get(r.get("matmul_dtype", "float32"), r.get("matmul_dtype"))
+    caveat = ""
+    if matmul != r.get("precision", "fp32"):  # a run before the rate was measured in the served precision
+        caveat = f" The matmul rate is {matmul}'s, not {r['precision']}'s: this compute limit is not the precision's."
     roof = (f"A decode step of {step['rows']} rows at a mean context of {step['context']} tokens does "
             f"{step['flops'] / 1e9:.1f} GFLOP and reads {step['bytes'] / 1e6:.0f} MB ({step['weight_bytes'] / 1e6:.0f} "
             f"MB of weights, {step['cache_bytes'] / 1e6:.0f} MB of KV cache); at {r['matmul_flops_per_s'] / 1e9:.1f} "
-            f"GFLOP/s (fp32 matmul, 1024^3) and {r['memory_bytes_per_s'] / 1e9:.1f} GB/s (reads), both measured after "
-            f"each repeat's rows, it takes at least {1000 * step['step_s']:.0f} ms ({step['bound']}-bound: compute "
-            f"{1000 * step['compute_s']:.0f} ms, memory {1000 * step['memory_s']:.0f} ms), "
+            f"GFLOP/s ({matmul} matmul, 1024^3) and {r['memory_bytes_per_s'] / 1e9:.1f} GB/s (reads), both measured "
+            f"after each repeat's rows, it takes at least {1000 * step['step_s']:.0f} ms ({step['bound']}-bound: "
+            f"compute {1000 * step['compute_s']:.0f} ms, memory {1000 * step['memory_s']:.0f} ms), "
             f"{step['tokens_per_s']:.0f} tokens/s; the engine's step (inter-token p50 at {step['rows']}) took "
-            f"{took}.") if "step_s" in step else ""
+            f"{took}.{caveat}") if "step_s" in step else ""
     return f"""## Generation: ours over HTTP beside the engine, static batching and peers
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load

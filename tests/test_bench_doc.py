@@ -161,6 +161,22 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("gives {}x our tokens/s at concurrency 1", ("generate",), lambda r: f"{1 / r['generate']['vs_llama_cpp_c1']:.2f}"),
     ("our tokens/s at concurrency 1 and {}x at 16", ("generate",),
      lambda r: f"{1 / r['generate']['vs_llama_cpp_c16']:.2f}"),
+    ("keeps its held-out exact match ({}, as in fp32)", ("chat",),
+     lambda r: f"{r['chat']['served_precisions']['bf16']['exact_match']:.4f}"),
+    ("as in fp32) at {}x fp32's tokens/s", ("chat",),
+     lambda r: f"{r['chat']['served_precisions']['bf16_vs_fp32_tokens_per_s']:.2f}"),
+    ("it gives {}x llama.cpp's tokens/s at 16", ("generate-bf16",),
+     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c16']:.2f}"),
+    ("llama.cpp's tokens/s at 16 and {}x at concurrency 1", ("generate-bf16",),
+     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c1']:.2f}"),
+    ("SmolLM2-135M in bf16 gave {}x the tokens/s of llama.cpp's server", ("generate-bf16",),
+     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c16']:.2f}"),
+    ("over HTTP and {}x at 1, where a step", ("generate-bf16",),
+     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c1']:.2f}"),
+    ("kept their exact match in bf16 ({}, as in fp32", ("chat",),
+     lambda r: f"{r['chat']['served_precisions']['bf16']['exact_match']:.4f}"),
+    ("the same text) at {}x fp32's tokens/s", ("chat",),
+     lambda r: f"{r['chat']['served_precisions']['bf16_vs_fp32_tokens_per_s']:.2f}"),
 ]
 # figures written as `N.Nx` in the README that no benchmark measured: goals, and this machine's RAM
 NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]

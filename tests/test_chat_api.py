@@ -479,6 +479,29 @@ def test_choices_carry_tool_calls_logprobs_and_usage_in_openais_shapes(tiny):
         t["token"] for t in second["logprobs"]["content"]]
 
 
+def test_every_token_streams_its_chunk_even_while_its_text_is_held(tiny):
+    """A token whose text is held back (a special token, a possible stop string's start) still gets its
+    chunk, content "", when it is generated (as vLLM streams it): a client sees each token as it comes.
+    Text a tool-call reader holds waits for its call; the last chunk carries no content."""
+    from workflows.tasks.chat.choices import AnswerShape
+    from workflows.tasks.chat.engine import Delta
+
+    _, tokenizer, _ = tiny
+    a, b, c = tokenizer.encode("hello world again")[:3]
+
+    def gen():
+        return [_Gen([Delta("he", None, [a]), Delta("", None, [b]), Delta("", None, [c]), Delta("llo", "length", [a])])]
+
+    chunks = _answer("chat", gen(), AnswerShape(), stream=True)[1:-1]  # the role's opening, the usage
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "he"}, {"content": ""}, {"content": ""},
+                                                          {"content": "llo"}, {}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    texts = _answer("text", gen(), AnswerShape(), stream=True)[:-1]
+    assert [c["choices"][0]["text"] for c in texts] == ["he", "", "", "llo"]
+    held = _answer("chat", gen(), AnswerShape(tools={"add"}), stream=True)[1:-1]
+    assert [c["choices"][0]["delta"] for c in held] == [{"content": "he"}, {"content": "llo"}, {}]
+
+
 def test_text_choices_echo_their_prompt_and_carry_legacy_logprobs(tiny):
     from workflows.tasks.chat.choices import AnswerShape
     from workflows.tasks.chat.engine import Delta

@@ -230,6 +230,26 @@ def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str,
     return ChatPredictor(ChatTask(cfg), model_dir, card or SimpleNamespace(name="tiny", version=1))
 
 
+def test_bf16_serving_on_a_cpu_keeps_the_weights_cache_and_answers_in_bf16(tiny, monkeypatch, caplog):
+    """serve.precision=bf16 on a CPU replica: the engine's model and KV cache are bf16 and it answers; a
+    CPU without native bf16 matmuls (AVX512-BF16 or AMX: faked, this one may have them) is warned of."""
+    from workflows.tasks.chat import serving
+
+    model_dir, _, tokenizer = tiny
+    assert isinstance(serving.native_cpu_bf16(), bool)
+    monkeypatch.setattr(serving, "native_cpu_bf16", lambda: False)
+    predictor = served(model_dir, extra=("serve.precision=bf16",), max_tokens=6)
+    try:
+        with caplog.at_level("WARNING", logger=serving.__name__):
+            engine = predictor.engine
+        assert "without AVX512-BF16 or AMX" in caplog.text
+        assert next(engine.model.parameters()).dtype == torch.bfloat16 and engine.cache.dtype == torch.bfloat16
+        engine.eos = set()
+        assert predictor.predict([{"prompt": "hello world"}])[0]["completion_tokens"] == 6
+    finally:
+        predictor.close()
+
+
 def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_base(tiny, tmp_path):
     """What the chat task registers with export=adapter: the adapter and a card naming its base by path
     and weights sha256. Served, it answers as the base with that adapter (batch predictions too); another

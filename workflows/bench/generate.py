@@ -336,7 +336,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                     if row.key == f"http_c{max(levels)}":
                         capacity["http"] = result["requests_per_s"]
                 capacity.pop("http", None)
-                flops.append(matmul_rate())
+                flops.append(matmul_rate(dtype=model.dtype))  # the served precision's matmuls
                 bandwidth.append(memory_bandwidth())
         finally:
             for server in reversed(started):

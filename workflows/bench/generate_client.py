@@ -39,7 +39,9 @@ async def one(client, job: dict, messages: list, t0: float) -> dict:
             async for chunk in stream:
                 now = time.perf_counter() - t0
                 for choice in chunk.choices:
-                    if choice.delta and choice.delta.content:
+                    # a token's chunk: content, "" while its text is held back (a special token's, a stop
+                    # string's possible start), as vLLM streams it; the opening chunk names the role
+                    if choice.delta and choice.delta.content is not None and not choice.delta.role:
                         out["chunks"].append(now)
                     if choice.finish_reason:
                         out["finish_reason"] = choice.finish_reason

@@ -104,6 +104,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
             "max_batch": cfg.serve.generate.max_batch, "max_queue": cfg.serve.generate.max_queue,
             "prompt_tokens_mean": round(prompt_mean, 1),
             "matmul_flops_per_s": round(best_flops), "matmul_flops_per_s_runs": [round(f) for f in flops],
+            "matmul_dtype": str(model.dtype).removeprefix("torch."),
             "memory_bytes_per_s": round(best_bw), "memory_bytes_per_s_runs": [round(b) for b in bandwidth],
             "decode_step": {**step, **({k: (round(v, 5) if isinstance(v, float) else v) for k, v in limit.items()}
                                        if limit else {}), "measured_s": measured_step},

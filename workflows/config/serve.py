@@ -80,7 +80,8 @@ class ServeConfig(Strict):
     cpus_per_replica: float = Field(1, gt=0)
     gpus_per_replica: float = Field(0, ge=0)
     precision: Literal["fp32", "bf16", "int8"] = Field(
-        "fp32", description="fp32; bf16 (meant for GPU replicas); int8 dynamic quantization of Linear layers (CPU)"
+        "fp32", description="fp32; bf16 (GPU replicas, and CPUs with AVX512-BF16 or AMX); int8 dynamic quantization "
+        "of Linear layers (CPU, classifiers)"
     )
     auth_token_env: str | None = Field(
         None, description="name of an environment variable holding a bearer token that every route but /healthz "

@@ -123,7 +123,8 @@ class Choice:
         reason = self.reason(finish_reason) if finish_reason is not None else None
         if self.kind == "text":
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        delta: dict = {"content": text} if text else {}
+        # a token's chunk carries its content, "" while its text is held back; the last chunk none
+        delta: dict = {"content": text} if text or (not calls and finish_reason is None) else {}
         if calls:
             first = len(self.calls) - len(calls)
             delta["tool_calls"] = [{"index": first + k, **c} for k, c in enumerate(calls)]

@@ -58,6 +58,14 @@ def is_adapter(model_dir: str) -> bool:
     return os.path.isfile(os.path.join(model_dir, ADAPTER_FILES[0]))
 
 
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX), where serving in bf16 reads
+    half the bytes of fp32 at a higher matmul rate; elsewhere oneDNN emulates them."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 class ChatPredictor(Predictor):
     """A registered chat model: its engine (a decode thread; prompts rendered and tokenized in a thread of
     their own, never on the event loop) and the LoRA adapters it holds, or the evaluation's scorer."""
@@ -116,9 +124,13 @@ class ChatPredictor(Predictor):
                 # on the replica's GPU when it has one (SDPA attention there: load_causal_lm), in bf16 when
                 # serve.precision says so; the engine makes its inputs where the model is
                 model = load_trained(self.model_dir, self.card, self.cfg)
+                device = serving_device()
                 if self.precision == "bf16":
                     model = model.to(torch.bfloat16)
-                model = model.to(serving_device())
+                    if device.type == "cpu" and not native_cpu_bf16():
+                        log.warning("serve.precision=bf16 on a CPU without AVX512-BF16 or AMX: its bf16 matmuls "
+                                    "are emulated and slower than fp32 (docs/guides/serve.md)")
+                model = model.to(device)
                 gen = self.gen
                 self._engine = Engine(model, self.tokenizer, max_batch=gen.max_batch, max_queue=gen.max_queue,
                                       retry_after_s=gen.retry_after_s, max_prompt_tokens=gen.max_prompt_tokens,

@@ -113,7 +113,10 @@ class Completion:
             # OpenAI's last chunk carries the finish reason and no content
             return [self._chunk(choice.chunk(text, calls, logprobs, None)),
                     self._chunk(choice.chunk("", [], None, d.finish_reason))]
-        if text or calls or logprobs or d.finish_reason is not None:
+        # a token whose text is held back (it may begin a stop string, a character is incomplete, a special
+        # token shows nothing) still gets its chunk, with empty content, as vLLM streams it: a client sees
+        # each token when it is generated; only the tool-call reader's held text waits for its call
+        if text or calls or logprobs or d.finish_reason is not None or (d.token_ids and choice.reader is None):
             return [self._chunk(choice.chunk(text, calls, logprobs, d.finish_reason))]
         return []
 
