@@ -185,7 +185,8 @@ NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
 CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09766c)", {"madewithml", "digits",
                                                                                          "quickstart"}),
            ("2026-11-28T17:00:00Z", "the rolling update driven by an alias move at concurrency 32 (issue 64)",
-            {"serve"})]
+            {"serve"}),
+           ("2026-11-29T00:35:00Z", "a chunk streamed per token, each timed by the bench's client", {"generate"})]
 
 
 def _readme() -> str:
