@@ -112,7 +112,7 @@ attention {r["attn_implementation"]}), served with a batch of {r["max_batch"]} a
 concurrency 1), at most {r["max_tokens"]} new tokens each: exactly that many with fixed lengths (`ignore_eos`),
 the answers' own lengths with natural stopping. Rows interleaved, {r["repeats"]} repeats after a warm-up of each
 path; tokens/s is the median over repeats, latencies the percentiles over every request. Over HTTP, the
-official `openai` client streams (SSE) from a process of its own and times the chunks as they arrive; the
+official `openai` client streams (SSE) from a process of its own and times each token's chunk as it arrives; the
 in-process paths time tokens as they are sampled. Poisson rows send requests at a multiple of the capacity
 measured in the same repeat (requests/s at the top concurrency over HTTP).
 
