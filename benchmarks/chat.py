@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks.load import LoadSampler
 from benchmarks.pipeline_run import fresh_overrides, run_pipeline_in
@@ -76,6 +77,8 @@ def held_out_conversations(cfg, system_prompt: str | None) -> list[tuple[list[di
     d, out = cfg.data, []
     for row in chat_data.build(d.builtin_rows_per_class):
         messages = to_messages(row, system_prompt)
+        if messages is None:  # the built-in rows all end with an answer; preprocessing drops one that does not
+            continue
         key = json.dumps(messages, sort_keys=True)
         if split_of(key, d.split_seed, d.val_fraction, d.test_fraction) == "test":
             out.append((messages[:-1], messages[-1]["content"]))
@@ -107,7 +110,7 @@ def served_precisions(tmp: str, config: str, overrides: list[str], model: str, r
     runs: dict[str, list[dict]] = {p: [] for p in PRECISIONS}
     for _ in range(repeats):
         for precision in PRECISIONS:
-            predictor = task.predictor(model_dir, card, threads=os.cpu_count(), precision=precision)
+            predictor: Any = task.predictor(model_dir, card, threads=os.cpu_count(), precision=precision)
             engine = predictor.engine  # loaded before the clock starts
             predictor.predict(instances[:2])  # warm-up
             t0 = time.perf_counter()
