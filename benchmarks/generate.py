@@ -91,10 +91,7 @@ def markdown(r: dict) -> str:
     missing = "".join(f"\n- {name}: {why}" for name, why in (r.get("peers_missing") or {}).items())
     servers = "\n".join(f"- {name}: `{cmd}`" for name, cmd in r["servers"].items())
     took = "n/a" if step.get("measured_s") is None else f"{1000 * step['measured_s']:.0f} ms"
-    matmul = {"float32": "fp32", "bfloat16": "bf16"}.get(r.get("matmul_dtype", "float32"), r.get("matmul_dtype"))
-    caveat = ""
-    if matmul != r.get("precision", "fp32"):  # a run before the rate was measured in the served precision
-        caveat = f" The matmul rate is {matmul}'s, not {r['precision']}'s: this compute limit is not the precision's."
+    matmul = {"float32": "fp32", "bfloat16": "bf16"}.get(r["matmul_dtype"], r["matmul_dtype"])  # the served one's
     roof = (f"A decode step of {step['rows']} rows at a mean context of {step['context']} tokens does "
             f"{step['flops'] / 1e9:.1f} GFLOP and reads {step['bytes'] / 1e6:.0f} MB ({step['weight_bytes'] / 1e6:.0f} "
             f"MB of weights, {step['cache_bytes'] / 1e6:.0f} MB of KV cache); at {r['matmul_flops_per_s'] / 1e9:.1f} "
@@ -102,7 +99,7 @@ def markdown(r: dict) -> str:
             f"after each repeat's rows, it takes at least {1000 * step['step_s']:.0f} ms ({step['bound']}-bound: "
             f"compute {1000 * step['compute_s']:.0f} ms, memory {1000 * step['memory_s']:.0f} ms), "
             f"{step['tokens_per_s']:.0f} tokens/s; the engine's step (inter-token p50 at {step['rows']}) took "
-            f"{took}.{caveat}") if "step_s" in step else ""
+            f"{took}.") if "step_s" in step else ""
     return f"""## Generation: ours over HTTP beside the engine, static batching and peers
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load

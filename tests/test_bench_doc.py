@@ -103,6 +103,18 @@ def _preprocess_seconds(results: dict) -> list[float]:
 
 # Every figure the README and its guides cite from a benchmark's results: their words with `{}` where
 # the figure stands, the results file(s), and the figure as read from them.
+def _bf16_exact_match(r: dict) -> str:
+    return f"{r['chat']['served_precisions']['bf16']['exact_match']:.4f}"
+
+
+def _bf16_speed(r: dict) -> str:
+    return f"{r['chat']['served_precisions']['bf16_vs_fp32_tokens_per_s']:.2f}"
+
+
+def _bf16_vs_llama(concurrency: int):
+    return lambda r: f"{r['generate-bf16'][f'vs_llama_cpp_c{concurrency}']:.2f}"
+
+
 README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("warm epoch is {}x the best peer's", ("images-cold",), lambda r: f"{r['images-cold']['warm_vs_best_peer']:.2f}"),
     ("runs at {}x WebDataset's steady rate", ("images-cold",), lambda r: "{:.2f}".format(
@@ -161,22 +173,15 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("gives {}x our tokens/s at concurrency 1", ("generate",), lambda r: f"{1 / r['generate']['vs_llama_cpp_c1']:.2f}"),
     ("our tokens/s at concurrency 1 and {}x at 16", ("generate",),
      lambda r: f"{1 / r['generate']['vs_llama_cpp_c16']:.2f}"),
-    ("keeps its held-out exact match ({}, as in fp32)", ("chat",),
-     lambda r: f"{r['chat']['served_precisions']['bf16']['exact_match']:.4f}"),
-    ("as in fp32) at {}x fp32's tokens/s", ("chat",),
-     lambda r: f"{r['chat']['served_precisions']['bf16_vs_fp32_tokens_per_s']:.2f}"),
-    ("it gives {}x llama.cpp's tokens/s at 16", ("generate-bf16",),
-     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c16']:.2f}"),
-    ("llama.cpp's tokens/s at 16 and {}x at concurrency 1", ("generate-bf16",),
-     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c1']:.2f}"),
-    ("SmolLM2-135M in bf16 gave {}x the tokens/s of llama.cpp's server", ("generate-bf16",),
-     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c16']:.2f}"),
-    ("over HTTP and {}x at 1, where a step", ("generate-bf16",),
-     lambda r: f"{r['generate-bf16']['vs_llama_cpp_c1']:.2f}"),
-    ("kept their exact match in bf16 ({}, as in fp32", ("chat",),
-     lambda r: f"{r['chat']['served_precisions']['bf16']['exact_match']:.4f}"),
-    ("the same text) at {}x fp32's tokens/s", ("chat",),
-     lambda r: f"{r['chat']['served_precisions']['bf16_vs_fp32_tokens_per_s']:.2f}"),
+    # bf16 served: the README's figures, then the serving guide's, the same four
+    ("keeps its held-out exact match ({}, as in fp32)", ("chat",), _bf16_exact_match),
+    ("as in fp32) at {}x fp32's tokens/s", ("chat",), _bf16_speed),
+    ("it gives {}x llama.cpp's tokens/s at 16", ("generate-bf16",), _bf16_vs_llama(16)),
+    ("llama.cpp's tokens/s at 16 and {}x at concurrency 1", ("generate-bf16",), _bf16_vs_llama(1)),
+    ("SmolLM2-135M in bf16 gave {}x the tokens/s of llama.cpp's server", ("generate-bf16",), _bf16_vs_llama(16)),
+    ("over HTTP and {}x at 1, where a step", ("generate-bf16",), _bf16_vs_llama(1)),
+    ("kept their exact match in bf16 ({}, as in fp32", ("chat",), _bf16_exact_match),
+    ("the same text) at {}x fp32's tokens/s", ("chat",), _bf16_speed),
 ]
 # figures written as `N.Nx` in the README that no benchmark measured: goals, and this machine's RAM
 NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
