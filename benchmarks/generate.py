@@ -37,6 +37,15 @@ TEXT = {
 }
 
 
+
+def measured_from(step: dict) -> str:
+    """What the engine's step time was read from: its decode-only steps, or (older runs) the token gaps."""
+    rows, gap = step["rows"], step.get("itl_s_p50")
+    if "decode_step_s_p50" in step.get("measured_from", ""):
+        also = f"; inter-token p50 {1000 * gap:.0f} ms, with the steps that prefill joining requests" if gap else ""
+        return f"the median of its steps with {rows} rows decoding and no prompt tokens{also}"
+    return f"inter-token p50 at {rows}"
+
 def run(config: str | None, overrides: list[str]) -> dict:
     import os
 
@@ -98,8 +107,8 @@ def markdown(r: dict) -> str:
             f"GFLOP/s ({matmul} matmul, 1024^3) and {r['memory_bytes_per_s'] / 1e9:.1f} GB/s (reads), both measured "
             f"after each repeat's rows, it takes at least {1000 * step['step_s']:.0f} ms ({step['bound']}-bound: "
             f"compute {1000 * step['compute_s']:.0f} ms, memory {1000 * step['memory_s']:.0f} ms), "
-            f"{step['tokens_per_s']:.0f} tokens/s; the engine's step (inter-token p50 at {step['rows']}) took "
-            f"{took}.") if "step_s" in step else ""
+            f"{step['tokens_per_s']:.0f} tokens/s; the engine's step took {took} ({measured_from(step)}).") \
+        if "step_s" in step else ""
     return f"""## Generation: ours over HTTP beside the engine, static batching and peers
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load

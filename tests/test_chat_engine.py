@@ -367,3 +367,56 @@ def test_serves_admission_agrees_with_the_engines():
     assert doc["applications"][0]["deployments"][0]["backpressure_config"]["status_code"] == 429
     quickstart = deployment_options(load_config(ROOT / "configs" / "quickstart.yaml", []))
     assert "max_queued_requests" not in quickstart and quickstart["max_ongoing_requests"] >= 32
+
+
+def test_packed_linears_compute_with_their_weights_and_follow_changes_to_them():
+    """The engine's fp32 CPU linears compute with a oneDNN-packed copy of their weights (engine.linear): the
+    same outputs; a weight changed in place, gradients on, or another dtype use the weight itself."""
+    import torch.nn.functional as F
+
+    from workflows.tasks.chat.engine.linear import PackedLinear, pack_linears, packing_available
+
+    if not packing_available():
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8, bias=False))
+    x = torch.randn(3, 5, 24)
+    before = model(x)
+    assert pack_linears(model) == 4 * (24 * 40 + 40 * 8)  # the weights' bytes, held a second time
+    assert all(type(m) is PackedLinear for m in (model[0], model[2])) and isinstance(model[0], torch.nn.Linear)
+    with torch.inference_mode():
+        assert torch.allclose(model(x), before, atol=1e-5)
+        assert model[0]._packed is not None
+    with torch.no_grad():
+        model[2].weight.mul_(2)  # in place: the packed copy is stale and is not used
+    with torch.inference_mode():
+        assert torch.allclose(model(x), 2 * before, atol=1e-5)
+    pack_linears(model)  # packs it again
+    with torch.inference_mode():
+        assert torch.allclose(model(x), 2 * before, atol=1e-5)
+    model(x).sum().backward()  # training: the weights themselves, with their gradients
+    assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
+    assert pack_linears(model.to(torch.bfloat16)) == 0  # bf16 is not packed (slower packed on CPU)
+    with torch.inference_mode():
+        xb = x.bfloat16()
+        assert torch.equal(model[0](xb), F.linear(xb, model[0].weight, model[0].bias))
+
+
+def test_the_engine_packs_fp32_cpu_linears_unless_told_not_to(tmp_path):
+    from workflows.tasks.chat.engine.linear import PackedLinear, packing_available
+
+    model, tokenizer = build_tiny_chat(tmp_path)
+    e = Engine(model, tokenizer, prepack=False)
+    try:
+        assert e.packed_bytes == 0 and not any(isinstance(m, PackedLinear) for m in model.modules())
+    finally:
+        e.close()
+    e = Engine(model, tokenizer)
+    try:
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert e.packed_bytes == (sum(m.weight.numel() * 4 for m in linears) if packing_available() else 0)
+        assert all(type(m) is PackedLinear for m in linears) or not packing_available()
+        tokens = e.submit(words(tokenizer, 6), greedy(5)).result(timeout=60)
+        assert tokens
+    finally:
+        e.close()

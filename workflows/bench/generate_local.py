@@ -16,10 +16,35 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+class StepTimes:
+    """The engine's watcher while a run lasts (the one it had still sees every step): the wall time of each
+    step that decoded `rows` rows and prefilled nothing, a decode step as the roofline counts it."""
+
+    def __init__(self, engine, rows: int):
+        self.engine, self.rows, self.watcher = engine, rows, engine.metrics
+        self.seconds: list[float] = []
+
+    def __enter__(self):
+        self.engine.metrics = self
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.metrics = self.watcher
+
+    def step(self, report) -> None:
+        if report.decode_tokens == self.rows and not report.prefill_tokens:
+            self.seconds.append(report.seconds)
+        self.watcher.step(report)
+
+    def rejected(self, reason: str, adapter: str | None = None) -> None:
+        self.watcher.rejected(reason, adapter)
+
+
 def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, sampled: bool = False,
                natural: bool = False) -> dict:
     """`concurrency` closed-loop clients on threads of this process, each submitting its next prompt as its
-    last one ends; fixed lengths (ignore_eos) unless `natural`."""
+    last one ends; fixed lengths (ignore_eos) unless `natural`. Beside every path's figures, the wall time
+    of each decode step with `concurrency` rows and no prompt tokens (`decode_steps_s`)."""
     from workflows.tasks.chat.sampling import SamplingParams
 
     sampling = SAMPLED if sampled else GREEDY
@@ -39,13 +64,15 @@ def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: i
                 timed.append((gen.times["submitted"] - t0, [t - t0 for t in gen.token_times]))
                 tokens[0] += gen.completion_tokens
 
-    t0 = time.perf_counter()
-    clients = [threading.Thread(target=client) for _ in range(min(concurrency, len(prompts)))]
-    for c in clients:
-        c.start()
-    for c in clients:
-        c.join()
-    return figures(timed, tokens[0], time.perf_counter() - t0)
+    with StepTimes(engine, min(concurrency, len(prompts))) as steps:
+        t0 = time.perf_counter()
+        clients = [threading.Thread(target=client) for _ in range(min(concurrency, len(prompts)))]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        seconds = time.perf_counter() - t0
+    return {**figures(timed, tokens[0], seconds), "decode_steps_s": steps.seconds}
 
 
 def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch: int, sampled: bool = False,

@@ -38,6 +38,9 @@ def summary(row: Row) -> dict:
         out["refused_answer_s_max"] = round(max((x["answer_s"] for x in refused), default=0.0), 4)
         out["refused_within_100ms"] = sum(x["answer_s"] <= 0.1 for x in refused)
         out["refused_status"] = sorted({x["status"] for x in refused})
+    steps = [x for r in row.runs for x in r.get("decode_steps_s", [])]
+    if steps:  # the engine's own decode steps with every row decoding and no prompt tokens
+        out["decode_step_s_p50"], out["decode_steps"] = round(percentile(steps, 0.5), 4), len(steps)
     prompt = [x for r in row.runs for x in r.get("prompt_tokens", [])]
     if prompt:
         out["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1)
@@ -68,7 +71,11 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
     step = decode_step(model, top, prompt_mean + max_tokens / 2)  # the mean context over a generation
     best_flops, best_bw = max(flops, default=0.0), max(bandwidth, default=0.0)
     limit = roofline(step, best_flops, best_bw) if best_flops and best_bw else None
-    measured_step = get(f"engine_c{top}", "itl_s_p50")
+    # a decode step as the roofline counts it: the engine's steps of `top` rows decoding and no prompt
+    # tokens (a token gap also holds the steps that prefill joining requests), else the gap's median
+    measured_from = "decode_step_s_p50" if f"engine_c{top}" in by and "decode_step_s_p50" in by[f"engine_c{top}"] \
+        else "itl_s_p50"
+    measured_step = get(f"engine_c{top}", measured_from)
     overload = by.get("http_overload")
     keys: dict[str, float | None] = {
         f"http_vs_static_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get("static", "tokens_per_s")),
@@ -107,7 +114,9 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
             "matmul_dtype": str(model.dtype).removeprefix("torch."),
             "memory_bytes_per_s": round(best_bw), "memory_bytes_per_s_runs": [round(b) for b in bandwidth],
             "decode_step": {**step, **({k: (round(v, 5) if isinstance(v, float) else v) for k, v in limit.items()}
-                                       if limit else {}), "measured_s": measured_step},
+                                       if limit else {}), "measured_s": measured_step,
+                            "measured_from": f"engine_c{top} {measured_from}",
+                            "itl_s_p50": get(f"engine_c{top}", "itl_s_p50")},
             "servers": {k: " ".join(v) for k, v in commands.items()},
             "rows": table, **keys, "goals": {k: (f"{g[0]} {g[1]}" if g else None) for k, g in goals.items()},
             "meets_goals": meets}

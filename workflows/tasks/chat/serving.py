@@ -136,7 +136,7 @@ class ChatPredictor(Predictor):
                                       retry_after_s=gen.retry_after_s, max_prompt_tokens=gen.max_prompt_tokens,
                                       max_context=gen.max_prompt_tokens + gen.max_tokens,
                                       prefill_chunk=gen.prefill_chunk, max_prefill_tokens=gen.max_prefill_tokens,
-                                      timeout_s=gen.timeout_s)
+                                      timeout_s=gen.timeout_s, prepack=gen.prepack_weights)
             return self._engine
 
     def scorer(self):

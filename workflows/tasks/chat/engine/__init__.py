@@ -6,6 +6,7 @@ Rooms:
 - `scheduler`: admission (a bounded queue, deadlines) and the tokens of each step (prefill in chunks
   beside decoding);
 - `cache`: the KV cache written in place (a slot per request) and the attention that reads it;
+- `linear`: fp32 Linear layers computing with weights packed once for oneDNN (on a CPU);
 - `sampler`: the next token of every row together on the model's device (logit bias, penalties,
   constraints, greedy or temperature and top-p, log probabilities);
 - `requests`: what callers hold (Generation, Delta, TokenLogprob) and the errors of `submit`;

@@ -137,6 +137,7 @@ class SlotCache:
                 lengths[slots[i]] = positions[i] + 1
             dec_slots = [slots[i] for i in decode]
             plan.decode_tokens = torch.tensor(decode, device=device)
+            plan.decode_only = decode == list(range(len(slots)))  # every token of the step, in order
             plan.dense = dec_slots == list(range(rows))
             plan.decode_slots = None if plan.dense else torch.tensor(dec_slots, device=device)
             plan.decode_rows, plan.decode_len = rows, length
@@ -209,6 +210,7 @@ class StepPlan:
     decode_tokens: torch.Tensor | None = None  # [n]: the decode tokens' indices in the step
     decode_slots: torch.Tensor | None = None  # [n]: their slots, None when they are slots 0..n-1 in order
     dense: bool = False
+    decode_only: bool = False  # the decode tokens are all the step's tokens, in order
     decode_rows: int = 0  # slots 0..decode_rows-1 take part in the decode attention
     decode_len: int = 0  # positions 0..decode_len-1 are read
     decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends
@@ -245,13 +247,15 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     out = query.new_empty(tokens, heads, dim)
     if plan.decode_tokens is not None:
         n, rows, length = plan.decode_tokens.shape[0], plan.decode_rows, plan.decode_len
-        q = query.index_select(0, plan.decode_tokens).view(n, kv_heads, group, dim)
+        q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).view(n, kv_heads, group, dim)
         if not plan.dense:
             q = q.new_zeros(rows, kv_heads, group, dim).index_copy_(0, plan.decode_slots, q)
         o = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length],
                                            attn_mask=plan.decode_mask, scale=scaling)
         if not plan.dense:
             o = o.index_select(0, plan.decode_slots)
+        if plan.decode_only:  # nothing else attends this step: no copy into `out`
+            return o.reshape(n, 1, heads, dim), None
         out.index_copy_(0, plan.decode_tokens, o.reshape(n, heads, dim))
     for index, slot, length in plan.alone:
         q = query[index, :, 0].reshape(1, kv_heads, group, dim)

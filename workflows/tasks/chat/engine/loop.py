@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, check_plan_used, use_slot_attention
+from workflows.tasks.chat.engine.linear import pack_linears
 from workflows.tasks.chat.engine.metrics import EngineMetrics, StepReport
 from workflows.tasks.chat.engine.requests import Delta, Generation, PromptTooLong, QueueFull, TokenLogprob
 from workflows.tasks.chat.engine.sampler import Sampler
@@ -81,16 +82,20 @@ class Engine:
     batch's free slots (one more is QueueFull); max_context: positions one request may use, its prompt
     and its answer (at most the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong
     beyond); prefill_chunk, max_prefill_tokens: the scheduler's prefill budgets per step; timeout_s:
-    each request's deadline from its submission ("timeout" after it)."""
+    each request's deadline from its submission ("timeout" after it); prepack: on a CPU, fp32 Linear
+    layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS, timeout_s: float | None = None,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, prepack: bool = True):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = model_device(model)  # where every tensor the engine makes goes
         check_full_attention(model.config)
         use_slot_attention(model)
+        self.packed_bytes = pack_linears(model) if prepack and self.device.type == "cpu" else 0
+        if self.packed_bytes:
+            log.info("fp32 linear weights packed for oneDNN: %.0f MB held a second time", self.packed_bytes / 1e6)
         self.max_batch, self.max_queue, self.retry_after_s = max_batch, max_queue, retry_after_s
         context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.max_context = min(max_context or context, context)
@@ -196,6 +201,7 @@ class Engine:
                 self._finish(gen, Delta("", "cancelled"), report)
             for gen in expired:
                 self._finish(gen, Delta("", "timeout"), report)
+            started = time.perf_counter()
             try:
                 with torch.inference_mode():  # the cache, the logits and the sampler's state: no autograd
                     self._step(joining, report)
@@ -207,6 +213,7 @@ class Engine:
                 for row in self._rows:
                     self.cache.release(row.slot)
                 self._rows = []
+            report.seconds = time.perf_counter() - started
             report.running, report.waiting = len(self._rows), len(self.scheduler.waiting)
             report.cache_tokens = sum(r.pos for r in self._rows)
             report.cache_capacity_tokens = self.cache.slots * self.cache.capacity

@@ -11,8 +11,9 @@ from workflows.tasks.chat.engine.requests import Generation
 @dataclass
 class StepReport:
     """One step: tokens prefilled and decoded, the batch and the queue after it, the cache's tokens in
-    use and allocated, and per request the time to its first token, the gaps between its tokens, and
-    the requests that ended (their `finish_reason` and `times` are set)."""
+    use and allocated, its wall time (joining, the forward, sampling, the rows' text), and per request
+    the time to its first token, the gaps between its tokens, and the requests that ended (their
+    `finish_reason` and `times` are set)."""
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -20,6 +21,7 @@ class StepReport:
     waiting: int = 0
     cache_tokens: int = 0
     cache_capacity_tokens: int = 0
+    seconds: float = 0.0
     first_tokens: list[tuple[Generation, float]] = field(default_factory=list)
     token_gaps: list[tuple[Generation, float]] = field(default_factory=list)
     finished: list[Generation] = field(default_factory=list)
