@@ -19,6 +19,7 @@ FIGURES = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50
 TEXT = {
     "http_vs_static_c16": "output tokens/s at 16 over HTTP against static batching, fixed lengths",
     "http_vs_static_natural_c16": "the same with natural stopping (eos honoured)",
+    "http_vs_static_packed_c16": "the same fixed lengths against static batching on the engine's packed weights",
     "itl_p99_over_p50_c16": "inter-token latency p99 over p50 at 16, over HTTP",
     "itl_p99_over_p50_c8": "inter-token latency p99 over p50 at 8, over HTTP",
     "itl_p99_over_p50_poisson": "inter-token latency p99 over p50, Poisson arrivals near capacity",

@@ -161,9 +161,10 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("for the base model to {} (", ("chat",), lambda r: f"{r['chat']['exact_match']:.3f}"),
     ("At concurrency 16 over HTTP it gives {}x the output tokens/s of static batching", ("generate",),
      lambda r: f"{r['generate']['http_vs_static_c16']:.2f}"),
+    ("packed weights it gives {}x", ("generate",), lambda r: f"{r['generate']['http_vs_static_packed_c16']:.2f}"),
     ("lengths and {}x with natural stopping", ("generate",),
      lambda r: f"{r['generate']['http_vs_static_natural_c16']:.2f}"),
-    ("the inter-token p99 is {}x its p50", ("generate",), lambda r: f"{r['generate']['itl_p99_over_p50_c16']:.2f}"),
+    ("The inter-token p99 is {}x its p50", ("generate",), lambda r: f"{r['generate']['itl_p99_over_p50_c16']:.2f}"),
     ("the time to first token at 16 is {}x that at 1", ("generate",),
      lambda r: f"{r['generate']['ttft_c16_over_c1']:.2f}"),
     ("a decode step at 32 runs at {}x its roofline", ("generate",),
@@ -191,7 +192,8 @@ CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09
                                                                                          "quickstart"}),
            ("2026-11-28T17:00:00Z", "the rolling update driven by an alias move at concurrency 32 (issue 64)",
             {"serve"}),
-           ("2026-11-29T00:35:00Z", "a chunk streamed per token, each timed by the bench's client", {"generate"})]
+           ("2026-11-29T00:35:00Z", "a chunk streamed per token, each timed by the bench's client", {"generate"}),
+           ("2026-11-29T02:54:00Z", "fp32 linears packed for oneDNN in the engine (9d2114d)", {"generate"})]
 
 
 def _readme() -> str:

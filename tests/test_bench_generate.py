@@ -52,10 +52,13 @@ def check_rows(stored: dict, expected: list[str]) -> None:
 @pytest.mark.integration  # a server process (the peer) on 127.0.0.1, the client in another
 def test_bench_generate_writes_every_row_and_key(tmp_path):
     stored, text = bench(tmp_path, "paths=engine,static,peer")
-    check_rows(stored, ["engine_c16", "static", "static_natural", "peer"])
+    check_rows(stored, ["engine_c16", "static", "static_natural", "static_packed", "peer"])  # its fp32 linears packed
     assert stored["rows"][-1]["prompt_tokens_mean"] > 0  # as the server counted them
     assert stored["http_vs_static_c16"] is None and stored["meets_goals"]["http_vs_static_c16"] is False
     step = stored["decode_step"]
+    # its steps with every row decoding (3 tokens a request may leave none: then its token gaps)
+    measured = step["measured_from"].removeprefix("engine_c16 ")
+    assert measured in ("decode_step_s_p50", "itl_s_p50") and step["measured_s"] == stored["rows"][0][measured]
     assert step["flops"] > 0 and step["bytes"] > step["weight_bytes"] > 0 and step["bound"] in ("memory", "compute")
     assert stored["decode_vs_roofline"] > 0 and stored["matmul_flops_per_s"] > 0 and stored["memory_bytes_per_s"] > 0
     assert "## Generation: ours over HTTP beside the engine, static batching and peers" in text
@@ -69,8 +72,9 @@ def test_bench_generate_writes_every_row_and_key(tmp_path):
 def test_bench_generate_through_workflows_serve(tmp_path):
     stored, _ = bench(tmp_path, "paths=http,engine,static", "load=0.9", "overload=4", "overload_requests=12")
     check_rows(stored, ["http_c1", "http_c16", "http_sampled_c16", "http_natural_c16", "http_json_c1", "http_json_c16",
-                        "http_poisson", "http_overload", "engine_c16", "static", "static_natural"])
-    for key in ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
+                        "http_poisson", "http_overload", "engine_c16", "static", "static_natural", "static_packed"])
+    for key in ("http_vs_static_c16", "http_vs_static_natural_c16", "http_vs_static_packed_c16",
+                "itl_p99_over_p50_c16", "ttft_c16_over_c1",
                 "sampled_vs_greedy", "http_vs_engine_c16", "json_schema_vs_unconstrained_c1",
                 "json_schema_vs_unconstrained_c16"):
         assert stored[key] > 0, key

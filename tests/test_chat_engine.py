@@ -420,3 +420,19 @@ def test_the_engine_packs_fp32_cpu_linears_unless_told_not_to(tmp_path):
         assert tokens
     finally:
         e.close()
+
+
+def test_the_bench_times_the_engines_decode_steps_with_every_row_decoding(tiny, engine):
+    """bench generate's decode step (decode_vs_roofline): the wall time of each step that decoded every
+    client's row and prefilled nothing, read from the engine's step reports; its own watcher still sees
+    every step."""
+    from workflows.bench.generate_local import engine_run
+
+    e = engine(max_batch=4)
+    seen = []
+    e.metrics = type("Watch", (EngineMetrics,), {"step": lambda self, r: seen.append(r)})()
+    result = engine_run(e, [words(tiny[1], 5 + i) for i in range(4)], 12, 4)
+    steps = result["decode_steps_s"]
+    full = [r for r in seen if r.decode_tokens == 4 and not r.prefill_tokens]
+    assert len(steps) == len(full) >= 6 and all(s > 0 for s in steps)  # 12 tokens: most steps decode all 4
+    assert [r.seconds for r in full] == steps and type(e.metrics).__name__ == "Watch"  # the watcher is back

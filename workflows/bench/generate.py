@@ -12,7 +12,9 @@ What runs where (each a process of its own but the in-process paths):
 - `engine`: the same model's continuous-batching engine built as a replica builds it (the chat task's
   predictor), called in this process with no HTTP;
 - `static`: left-padded `generate` of `static_batch` prompts at a time, all waiting at the start, in this
-  process on the engine's model;
+  process on the served model as transformers loads it (a copy of its own); `static_packed`, fixed
+  lengths, on the engine's model itself, its fp32 linears packed for oneDNN as the engine computes them
+  (workflows.tasks.chat.engine.linear; a row only where the engine packed them);
 - `peer`: plain `generate` behind a minimal OpenAI-compatible server (workflows.bench.generate_peer), one
   request at a time, reached by the same client;
 - the project's harness (benchmarks/generate.py) adds llama.cpp's server and vLLM the same way (`peers`).
@@ -73,6 +75,7 @@ class Row:
     natural: bool = False  # EOS honoured (else ignore_eos: fixed lengths)
     structured: bool = False  # response_format json_schema (STRUCTURED), against the same row unconstrained
     requests: int = 0  # 0: the bench's `requests`
+    engine_weights: bool = False  # static batching on the engine's model (its packed linears), not a plain copy
     runs: list[dict] = field(default_factory=list)
 
     def settings(self) -> dict:
@@ -200,7 +203,7 @@ def served_model(cfg, config: str, config_overrides: list[str], opts: dict,
     return f"{ref.name}:{ref.version}", store, model_dir, card
 
 
-def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict) -> list[Row]:
+def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict, packed: bool = False) -> list[Row]:
     """The rows of one repeat, in the order they run."""
     mid = 16 if 16 in levels else max(levels)
     top = max(levels)
@@ -223,6 +226,9 @@ def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict) 
         label = f"static batching: left-padded generate, {opts['static_batch']} at a time"
         rows += [Row("static", "static", label, opts["static_batch"]),
                  Row("static_natural", "static", label, opts["static_batch"], natural=True)]
+        if packed:  # the engine computes with packed linears: static batching on them too, beside the plain
+            rows.append(Row("static_packed", "static", f"{label}, on the engine's packed fp32 weights",
+                            opts["static_batch"], engine_weights=True))
     if "peer" in paths:
         rows.append(Row("peer", "peer", "peer: generate behind FastAPI, HTTP + SSE, one request at a time", 1))
     for p in peers:
@@ -236,7 +242,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     from workflows.config import load_config
     from workflows.net import free_port
     from workflows.tasks import task_for_card
-    from workflows.tasks.chat.model import pad_id
+    from workflows.tasks.chat.model import load_trained, pad_id
 
     opts, config_overrides = settings(overrides)
     if threading.current_thread() is threading.main_thread():  # SIGTERM: stop the servers and clean up, as Ctrl-C
@@ -253,7 +259,6 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     # the overload row must outrun what the server admits (the engine's batch and queue): at 4x capacity
     # about three quarters of its requests are in flight when the last arrives, so 3x that is refused in part
     opts["overload_requests"] = opts["overload_requests"] or 3 * (gen.max_batch + gen.max_queue)
-    rows = plan(levels, paths, peers, opts)
     max_tokens = opts["max_tokens"]
     scratch = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     logs = Path(cfg.cache.resolved_dir()) / "bench-generate"
@@ -264,6 +269,11 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         predictor: Any = task.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
         engine = predictor.engine  # built as the replica builds it
         model, tok = engine.model, predictor.tokenizer
+        # static batching runs on the model as transformers loads it, in the served precision: the
+        # engine's own (its linears packed) only in the static_packed row
+        plain = load_trained(model_dir, card, cfg).to(dtype=model.dtype, device=model.device) \
+            if "static" in paths and engine.packed_bytes else model
+        rows = plan(levels, paths, peers, opts, packed=plain is not model)
         convs = questions(max(opts["requests"], opts["overload_requests"]))
         prompts = [predictor.chat_ids(m) for m in convs]
         pad, eos = pad_id(tok), set(engine.eos)
@@ -308,7 +318,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             if row.path == "engine":
                 return engine_run(engine, prompts[:n], tokens, row.concurrency, row.sampled, row.natural)
             if row.path == "static":
-                return static_run(model, pad, prompts[:n], tokens, row.concurrency, row.sampled,
+                return static_run(model if row.engine_weights else plain, pad, prompts[:n], tokens, row.concurrency,
+                                  row.sampled,
                                   eos if row.natural else None)
             rate = row.rate * capacity["http"] if row.rate else None
             return client_run(servers[row.path].url, names[row.path], convs[:n], row, tokens, rate,

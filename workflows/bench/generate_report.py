@@ -20,7 +20,8 @@ GOALS: dict[str, tuple[str, float] | None] = {
     "http_vs_engine_c16": (">=", 0.9), "overload_rejected_within_100ms": (">=", 1.0),
     "overload_itl_p99_vs_poisson": ("<=", 1.2), "tokens_per_s_vs_one_at_a_time": (">=", 4.0),
     "ttft_p50_vs_peer": ("<=", 1.2), "json_schema_vs_unconstrained_c1": (">=", 0.85),
-    "json_schema_vs_unconstrained_c16": (">=", 0.85), "vs_llama_cpp_c1": None, "vs_llama_cpp_c16": None}
+    "json_schema_vs_unconstrained_c16": (">=", 0.85), "vs_llama_cpp_c1": None, "vs_llama_cpp_c16": None,
+    "http_vs_static_packed_c16": None}
 
 
 def summary(row: Row) -> dict:
@@ -81,6 +82,8 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
         f"http_vs_static_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get("static", "tokens_per_s")),
         f"http_vs_static_natural_c{mid}": ratio(get(f"http_natural_c{mid}", "tokens_per_s"),
                                                 get("static_natural", "tokens_per_s")),
+        f"http_vs_static_packed_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"),
+                                               get("static_packed", "tokens_per_s")),
         f"itl_p99_over_p50_c{mid}": ratio(get(f"http_c{mid}", "itl_s_p99"), get(f"http_c{mid}", "itl_s_p50")),
         "itl_p99_over_p50_c8": ratio(get("http_c8", "itl_s_p99"), get("http_c8", "itl_s_p50")),
         "itl_p99_over_p50_poisson": ratio(get("http_poisson", "itl_s_p99"), get("http_poisson", "itl_s_p50")),

@@ -61,8 +61,8 @@ class GenerateConfig(Strict):
                                     "decoding: requests that arrive together are prefilled together, in one forward")
     prepack_weights: bool = Field(True, description="on a CPU, the engine computes fp32 Linear layers with a "
                                   "copy of their weights packed once for oneDNN, not re-laid out by every matmul "
-                                  "(decode steps about 1.4x as fast at 32 rows, 1.1x at 1, SmolLM2-135M on 2 "
-                                  "cores): the replica holds those weights twice; false: one copy")
+                                  "(faster decode steps, most at many rows): the replica holds those weights "
+                                  "twice; false: one copy")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
                               "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "
                               "recently used unloaded)")

@@ -247,7 +247,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     out = query.new_empty(tokens, heads, dim)
     if plan.decode_tokens is not None:
         n, rows, length = plan.decode_tokens.shape[0], plan.decode_rows, plan.decode_len
-        q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).view(n, kv_heads, group, dim)
+        q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).reshape(n, kv_heads, group, dim)
         if not plan.dense:
             q = q.new_zeros(rows, kv_heads, group, dim).index_copy_(0, plan.decode_slots, q)
         o = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length],

@@ -2,10 +2,11 @@
 
 Why: PyTorch's CPU linear hands each call to MKL's sgemm, which re-lays the weight out for its kernel at
 every call; at a decode step's shapes (a row per request, 1 to 32) that is most of the work. Packed once
-in oneDNN's blocked layout, the same matmuls ran 1.5-2.4x faster at 32 rows on this project's 2-core
-machine (the 49,152-wide output head 76 -> 183 GFLOP/s), and a decode step of SmolLM2-135M 164 -> 121 ms
-at 32 rows, 56 -> 51 ms at 1 (docs/guides/serve.md). bf16 was slower packed (76 -> 84 ms at 32), so
-only fp32 weights are packed. PyTorch has no public module for it: its compiler packs the same way
+in oneDNN's blocked layout, SmolLM2-135M's matmuls at 32 rows ran 1.4-2.4x as fast on this project's
+2-core machine, weights read from memory as in a step (the 49,152-wide output head 76 -> 183 GFLOP/s),
+and a decode step of 32 rows took 108-121 ms against 132-164 unpacked (several runs each; at 1 row the
+two were within noise). bf16 was slower packed (76 -> 84 ms a step at 32), so only fp32 weights are
+packed. PyTorch has no public module for it: its compiler packs the same way
 when it freezes a graph (torch._inductor's mkldnn fusion passes) and vLLM's CPU backend packs its
 linears with oneDNN too; here the modules stay eager (a step's token count and cache lengths change
 every step), so the same oneDNN ops are called directly.
