@@ -1,7 +1,7 @@
 """Linear layers with their weights pre-packed for oneDNN, for decoding in fp32 on a CPU.
 
 Why: PyTorch's CPU linear hands each call to MKL's sgemm, which re-lays the weight out for its kernel at
-every call; at a decode step's shapes (a row per request, 1 to 32) that is most of the work. Packed once
+every call; at a decode step's shapes (a row per request, 1 to 32) that is a large share of it. Packed once
 in oneDNN's blocked layout, SmolLM2-135M's matmuls at 32 rows ran 1.4-2.4x as fast on this project's
 2-core machine, weights read from memory as in a step (the 49,152-wide output head 76 -> 183 GFLOP/s),
 and a decode step of 32 rows took 108-121 ms against 132-164 unpacked (several runs each; at 1 row the
@@ -19,12 +19,8 @@ weight changed (in place or replaced) since, it is an ordinary nn.Linear again.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 
 def packing_available() -> bool:
