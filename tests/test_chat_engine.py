@@ -394,6 +394,12 @@ def test_packed_linears_compute_with_their_weights_and_follow_changes_to_them():
     pack_linears(model)  # packs it again
     with torch.inference_mode():
         assert torch.allclose(model(x), 2 * before, atol=1e-5)
+    import copy
+
+    twin = copy.deepcopy(model)  # a copy leaves the packed weight out (oneDNN's opaque tensor) and computes
+    assert twin[0]._packed is None and model[0]._packed is not None
+    with torch.inference_mode():
+        assert torch.allclose(twin(x), 2 * before, atol=1e-5)
     model(x).sum().backward()  # training: the weights themselves, with their gradients
     assert model[0].weight.grad is not None and model[0].weight.grad.abs().sum() > 0
     assert pack_linears(model.to(torch.bfloat16)) == 0  # bf16 is not packed (slower packed on CPU)

@@ -319,8 +319,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 return engine_run(engine, prompts[:n], tokens, row.concurrency, row.sampled, row.natural)
             if row.path == "static":
                 return static_run(model if row.engine_weights else plain, pad, prompts[:n], tokens, row.concurrency,
-                                  row.sampled,
-                                  eos if row.natural else None)
+                                  row.sampled, eos if row.natural else None)
             rate = row.rate * capacity["http"] if row.rate else None
             return client_run(servers[row.path].url, names[row.path], convs[:n], row, tokens, rate,
                               api_key if row.path == "http" else None, extras.get(row.path))

@@ -33,6 +33,13 @@ class PackedLinear(torch.nn.Linear):
 
     _packed: tuple[torch.Tensor, tuple] | None = None  # (the weight packed, what it was packed from: `source`)
 
+    def __getstate__(self):
+        """A copy or a pickle leaves the packed weight out (oneDNN's opaque tensor has no storage to copy):
+        it computes with its weight until packed again."""
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packed = self.weight, self._packed
         if (packed is None or packed[1] != source(w) or x.dtype != w.dtype or x.device.type != "cpu"
