@@ -38,7 +38,6 @@ TEXT = {
 }
 
 
-
 def measured_from(step: dict) -> str:
     """What the engine's step time was read from: its decode-only steps, or (older runs) the token gaps."""
     rows, gap = step["rows"], step.get("itl_s_p50")
@@ -46,6 +45,7 @@ def measured_from(step: dict) -> str:
         also = f"; inter-token p50 {1000 * gap:.0f} ms, with the steps that prefill joining requests" if gap else ""
         return f"the median of its steps with {rows} rows decoding and no prompt tokens{also}"
     return f"inter-token p50 at {rows}"
+
 
 def run(config: str | None, overrides: list[str]) -> dict:
     import os

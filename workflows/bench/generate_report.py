@@ -74,8 +74,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
     limit = roofline(step, best_flops, best_bw) if best_flops and best_bw else None
     # a decode step as the roofline counts it: the engine's steps of `top` rows decoding and no prompt
     # tokens (a token gap also holds the steps that prefill joining requests), else the gap's median
-    measured_from = "decode_step_s_p50" if f"engine_c{top}" in by and "decode_step_s_p50" in by[f"engine_c{top}"] \
-        else "itl_s_p50"
+    measured_from = "decode_step_s_p50" if "decode_step_s_p50" in by.get(f"engine_c{top}", {}) else "itl_s_p50"
     measured_step = get(f"engine_c{top}", measured_from)
     overload = by.get("http_overload")
     keys: dict[str, float | None] = {

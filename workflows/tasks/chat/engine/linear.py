@@ -2,14 +2,12 @@
 
 Why: PyTorch's CPU linear hands each call to MKL's sgemm, which re-lays the weight out for its kernel at
 every call; at a decode step's shapes (a row per request, 1 to 32) that is a large share of it. Packed once
-in oneDNN's blocked layout, SmolLM2-135M's matmuls at 32 rows ran 1.4-2.4x as fast on this project's
-2-core machine, weights read from memory as in a step (the 49,152-wide output head 76 -> 183 GFLOP/s),
-and a decode step of 32 rows took 108-121 ms against 132-164 unpacked (several runs each; at 1 row the
-two were within noise). bf16 was slower packed (76 -> 84 ms a step at 32), so only fp32 weights are
-packed. PyTorch has no public module for it: its compiler packs the same way
-when it freezes a graph (torch._inductor's mkldnn fusion passes) and vLLM's CPU backend packs its
-linears with oneDNN too; here the modules stay eager (a step's token count and cache lengths change
-every step), so the same oneDNN ops are called directly.
+in oneDNN's blocked layout the same matmuls run faster: `python -m benchmarks.generate` runs static
+batching on both (rows `static` and `static_packed`, docs/BENCHMARKS.md). bf16 weights ran slower packed
+(measured in process on the same machine), so only fp32 weights are packed. PyTorch has no public module
+for it: its compiler packs the same way when it freezes a graph (torch._inductor's mkldnn fusion passes)
+and vLLM's CPU backend packs its linears with oneDNN too; here the modules stay eager (a step's token
+count and cache lengths change every step), so the same oneDNN ops are called directly.
 
 The original weight stays where it is (the output head shares it with the embedding; peft's adapters
 and `generate` read it): packing holds the layers' weights a second time. A packed layer computes
@@ -52,7 +50,7 @@ class PackedLinear(torch.nn.Linear):
 
 def source(w: torch.Tensor) -> tuple:
     """What identifies a weight's values: its storage (`.data` replaced, as `to(dtype)` does, changes it),
-    its version (bumped by every in-place change), dtype and shape."""
+    its version (bumped by every in-place change), dtype, shape and device."""
     return w.data_ptr(), w._version, w.dtype, w.shape, w.device
 
 
