@@ -4,8 +4,11 @@ worker each; preprocessing needs 2 on a node). Once the epoch is past its step c
 the second node is removed, and with it the worker on it: Ray Train restarts the group on the one
 node left, from that checkpoint. Prints RESULT {json}."""
 
+import faulthandler
 import json
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -57,6 +60,41 @@ def remove_second_node_past_40_percent() -> None:
         time.sleep(0.05)
 
 
+def diagnose_and_exit_past(seconds: float) -> None:
+    """A run that has not finished after `seconds` (a normal one takes 1.5-3 minutes) prints what each
+    process is doing (the cluster's nodes, live actors and placement groups, py-spy stacks of the Train
+    controller, the workers and the autoscaling coordinator, this driver's threads) and exits 3: a hang
+    fails the test in minutes with its cause, instead of running into the test's own timeout."""
+    time.sleep(seconds)
+    print(f"HANG the run had not finished after {seconds:.0f} s", flush=True)
+    try:
+        from ray._private.state import actors as actor_table  # the GCS's own table: no dashboard here
+
+        print("HANG nodes " + json.dumps([(n["NodeID"][:8], n["Alive"]) for n in ray.nodes()]), flush=True)
+        live = [a for a in actor_table().values() if a["State"] != "DEAD"]
+        for a in live:
+            print(f"HANG actor {a['ActorClassName']} {a['State']} node={a['Address']['NodeID'][:8]} pid={a['Pid']}",
+                  flush=True)
+        for pg_id, pg in ray.util.placement_group_table().items():
+            print(f"HANG placement group {pg_id[:8]} {pg['state']} {pg['bundles']}", flush=True)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        for a in live:
+            if a["Pid"] and any(k in a["ActorClassName"] for k in ("Controller", "Worker", "Autoscaling", "Coord")):
+                stacks = subprocess.run([spy, "dump", "--pid", str(a["Pid"])], capture_output=True, text=True,
+                                        timeout=30)
+                print(f"HANG stacks of {a['ActorClassName']} pid={a['Pid']}\n{stacks.stdout}{stacks.stderr}",
+                      flush=True)
+    except Exception as e:  # diagnostics must not mask the hang itself
+        print(f"HANG diagnostics failed: {e!r}", flush=True)
+    faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+    sys.stdout.flush()
+    threading.Timer(60, os._exit, args=(3,)).start()  # should the shutdown itself hang
+    cluster.shutdown()
+    os._exit(3)
+
+
+threading.Thread(target=diagnose_and_exit_past, args=(float(os.environ.get("ELASTIC_RUN_WATCHDOG_S", 480)),),
+                 daemon=True).start()
 try:
     elastic = ["train.num_workers=[1,2]", "train.cpus_per_worker=2", "train.max_failures=3"]
     cfg = load_config(DIGITS, overrides(tmp, *elastic))
