@@ -25,6 +25,7 @@ TEXT = {
     "itl_p99_over_p50_poisson": "inter-token latency p99 over p50, Poisson arrivals near capacity",
     "ttft_c16_over_c1": "time to first token p50 at 16 over that at 1, over HTTP",
     "decode_vs_roofline": "a decode step at the top concurrency against its roofline",
+    "decode_vs_transformers": "a decode step at the top concurrency against transformers' own on the same weights",
     "sampled_vs_greedy": "tokens/s sampled (temperature 0.7, top_p 0.9) over greedy at 16, over HTTP",
     "http_vs_engine_c16": "tokens/s at 16 over HTTP with SSE against the engine called directly",
     "json_schema_vs_unconstrained_c1": "tokens/s at 1 with a json_schema response_format against unconstrained",
@@ -110,6 +111,10 @@ def markdown(r: dict) -> str:
             f"compute {1000 * step['compute_s']:.0f} ms, memory {1000 * step['memory_s']:.0f} ms), "
             f"{step['tokens_per_s']:.0f} tokens/s; the engine's step took {took} ({measured_from(step)}).") \
         if "step_s" in step else ""
+    if step.get("transformers_step_s"):
+        roof += (f" Transformers' own decode step of as many rows on the engine's weights (a `StaticCache` "
+                 f"forward, as `generate` runs it; the median of 12, the best of the repeats) took "
+                 f"{1000 * step['transformers_step_s']:.0f} ms.")
     return f"""## Generation: ours over HTTP beside the engine, static batching and peers
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load

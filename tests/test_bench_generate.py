@@ -61,6 +61,10 @@ def test_bench_generate_writes_every_row_and_key(tmp_path):
     assert measured in ("decode_step_s_p50", "itl_s_p50") and step["measured_s"] == stored["rows"][0][measured]
     assert step["flops"] > 0 and step["bytes"] > step["weight_bytes"] > 0 and step["bound"] in ("memory", "compute")
     assert stored["decode_vs_roofline"] > 0 and stored["matmul_flops_per_s"] > 0 and stored["memory_bytes_per_s"] > 0
+    # transformers' own decode step of 16 rows on the same weights, once a repeat, beside the engine's
+    assert len(step["transformers_step_s_runs"]) == 1 and step["transformers_step_s"] > 0
+    assert stored["decode_vs_transformers"] == round(step["transformers_step_s"] / step["measured_s"], 3)
+    assert "Transformers' own decode step of as many rows" in text
     assert "## Generation: ours over HTTP beside the engine, static batching and peers" in text
     assert "| engine_c16 |" not in text and "| engine | ours: the engine called directly" in text
     assert "| decode_vs_roofline |" in text and "| http_vs_static_c16 |" not in text  # a key without its rows: named

@@ -32,7 +32,9 @@ Figures per row: output tokens/s (the median over repeats; tokens as the server'
 time to first token and inter-token latency (p50/p99 over every request of every repeat: as the client
 sees the streamed chunks, or as the engine samples the tokens for in-process paths). The roofline of a
 decode step at the top concurrency (workflows.bench.roofline) uses the matmul rate and the memory
-bandwidth measured between the rows of every repeat (the best of those readings).
+bandwidth measured between the rows of every repeat (the best of those readings); beside it, transformers'
+own decode step of as many rows on the engine's weights (a `StaticCache` forward, as `generate` runs it),
+timed there too, is what the same kernels do without the engine.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workflows.bench.generate_local import GREEDY, SAMPLED, engine_run, figures, static_run
+from workflows.bench.generate_local import GREEDY, SAMPLED, engine_run, figures, static_run, transformers_step
 from workflows.bench.generate_report import report
 from workflows.bench.generate_servers import Server, peer_command, serve_command
 from workflows.bench.roofline import matmul_rate, memory_bandwidth
@@ -326,6 +328,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
 
         flops: list[float] = []
         bandwidth: list[float] = []
+        reference: list[float] = []  # seconds of transformers' decode step at the top concurrency
+        context = round(sum(map(len, prompts[:opts["requests"]])) / opts["requests"] + max_tokens / 2)
         started = []
         try:
             for server in servers.values():
@@ -348,11 +352,13 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 capacity.pop("http", None)
                 flops.append(matmul_rate(dtype=model.dtype))  # the served precision's matmuls
                 bandwidth.append(memory_bandwidth())
+                if "engine" in paths:  # transformers' own decode step on the engine's weights, as the roofline's
+                    reference.append(transformers_step(model, max(levels), context))
         finally:
             for server in reversed(started):
                 server.stop()
             engine.close()
-        return report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth,
+        return report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth, reference,
                       {name: s.command for name, s in servers.items()})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -75,6 +75,29 @@ def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: i
     return {**figures(timed, tokens[0], seconds), "decode_steps_s": steps.seconds}
 
 
+def transformers_step(model, rows: int, context: int, steps: int = 12) -> float:
+    """The median wall time of transformers' own decode step on `model` (the forward `generate` runs per
+    token with a static cache): `rows` rows, one token each, attending over `context` cached positions
+    and more in a `StaticCache`. The engine's decode step of as many rows on the same weights is measured
+    against it; the cached values do not change the work (the static cache's attention reads all of its
+    length), so the cache is not prefilled."""
+    import torch
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=context + steps + 4)
+    token = torch.full((rows, 1), 100, dtype=torch.long, device=model.device)
+    seconds = []
+    with torch.inference_mode():
+        for i in range(steps + 3):  # three to warm up
+            position = torch.tensor([context + i], device=model.device)
+            t0 = time.perf_counter()
+            model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
+                  position_ids=position.expand(rows, 1), logits_to_keep=1)
+            if i >= 3:
+                seconds.append(time.perf_counter() - t0)
+    return percentile(seconds, 0.5)
+
+
 def static_run(model, pad: int, prompts: list[list[int]], max_tokens: int, batch: int, sampled: bool = False,
                eos: set[int] | None = None) -> dict:
     """`batch` prompts at a time, left-padded, all waiting at the start; a batch decodes until its every

@@ -21,7 +21,7 @@ GOALS: dict[str, tuple[str, float] | None] = {
     "overload_itl_p99_vs_poisson": ("<=", 1.2), "tokens_per_s_vs_one_at_a_time": (">=", 4.0),
     "ttft_p50_vs_peer": ("<=", 1.2), "json_schema_vs_unconstrained_c1": (">=", 0.85),
     "json_schema_vs_unconstrained_c16": (">=", 0.85), "vs_llama_cpp_c1": None, "vs_llama_cpp_c16": None,
-    "http_vs_static_packed_c16": None}
+    "http_vs_static_packed_c16": None, "decode_vs_transformers": None}
 
 
 def summary(row: Row) -> dict:
@@ -60,7 +60,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec: str, cfg, threads: int,
-           flops: list[float], bandwidth: list[float], commands: dict) -> dict:
+           flops: list[float], bandwidth: list[float], reference: list[float], commands: dict) -> dict:
     table = [summary(r) for r in rows if r.runs]
     by = {r["row"]: r for r in table}
     mid, top, max_tokens = (16 if 16 in levels else max(levels)), max(levels), opts["max_tokens"]
@@ -76,6 +76,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
     # tokens (a token gap also holds the steps that prefill joining requests), else the gap's median
     measured_from = "decode_step_s_p50" if "decode_step_s_p50" in by.get(f"engine_c{top}", {}) else "itl_s_p50"
     measured_step = get(f"engine_c{top}", measured_from)
+    transformers_s = round(min(reference), 5) if reference else None  # its best reading, as the roofline's
     overload = by.get("http_overload")
     keys: dict[str, float | None] = {
         f"http_vs_static_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get("static", "tokens_per_s")),
@@ -88,6 +89,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
         "itl_p99_over_p50_poisson": ratio(get("http_poisson", "itl_s_p99"), get("http_poisson", "itl_s_p50")),
         f"ttft_c{mid}_over_c1": ratio(get(f"http_c{mid}", "ttft_s_p50"), get("http_c1", "ttft_s_p50")),
         "decode_vs_roofline": ratio(limit["step_s"], measured_step) if limit and measured_step else None,
+        "decode_vs_transformers": ratio(transformers_s, measured_step),
         "sampled_vs_greedy": ratio(get(f"http_sampled_c{mid}", "tokens_per_s"), get(f"http_c{mid}", "tokens_per_s")),
         f"http_vs_engine_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"engine_c{mid}", "tokens_per_s")),
         "overload_rejected_within_100ms": (round(overload["refused_within_100ms"] / overload["refused"], 3)
@@ -118,7 +120,9 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
             "decode_step": {**step, **({k: (round(v, 5) if isinstance(v, float) else v) for k, v in limit.items()}
                                        if limit else {}), "measured_s": measured_step,
                             "measured_from": f"engine_c{top} {measured_from}",
-                            "itl_s_p50": get(f"engine_c{top}", "itl_s_p50")},
+                            "itl_s_p50": get(f"engine_c{top}", "itl_s_p50"),
+                            "transformers_step_s": transformers_s,
+                            "transformers_step_s_runs": [round(r, 5) for r in reference]},
             "servers": {k: " ".join(v) for k, v in commands.items()},
             "rows": table, **keys, "goals": {k: (f"{g[0]} {g[1]}" if g else None) for k, g in goals.items()},
             "meets_goals": meets}
