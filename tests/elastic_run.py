@@ -89,8 +89,11 @@ def diagnose_and_exit_past(seconds: float) -> None:
     faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
     sys.stdout.flush()
     threading.Timer(60, os._exit, args=(3,)).start()  # should the shutdown itself hang
-    cluster.shutdown()
-    os._exit(3)
+    try:
+        ray.shutdown()  # the driver first: the cluster refuses to remove the node a driver is connected to
+        cluster.shutdown()
+    finally:
+        os._exit(3)
 
 
 threading.Thread(target=diagnose_and_exit_past, args=(float(os.environ.get("ELASTIC_RUN_WATCHDOG_S", 480)),),
