@@ -34,7 +34,7 @@ sees the streamed chunks, or as the engine samples the tokens for in-process pat
 decode step at the top concurrency (workflows.bench.roofline) uses the matmul rate and the memory
 bandwidth measured between the rows of every repeat (the best of those readings); beside it, transformers'
 own decode step of as many rows on the engine's weights (a `StaticCache` forward, as `generate` runs it),
-timed there too, is what the same kernels do without the engine.
+timed there too, in the engine's decode thread, is what the same kernels do without the engine.
 """
 
 from __future__ import annotations
@@ -352,8 +352,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 capacity.pop("http", None)
                 flops.append(matmul_rate(dtype=model.dtype))  # the served precision's matmuls
                 bandwidth.append(memory_bandwidth())
-                if "engine" in paths:  # transformers' own decode step on the engine's weights, as the roofline's
-                    reference.append(transformers_step(model, max(levels), context))
+                if "engine" in paths:  # transformers' own decode step on the engine's weights, in its thread
+                    reference.append(engine.call(lambda: transformers_step(model, max(levels), context)).result())
         finally:
             for server in reversed(started):
                 server.stop()
