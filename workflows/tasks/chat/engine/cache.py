@@ -244,7 +244,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     values[plan.write_slot, :, plan.write_pos] = value[:, :, 0]
     tokens, heads, _, dim = query.shape
     kv_heads, group = cache.kv_heads, cache.group
-    out = query.new_empty(tokens, heads, dim)
+    decoded = None
     if plan.decode_tokens is not None:
         n, rows, length = plan.decode_tokens.shape[0], plan.decode_rows, plan.decode_len
         q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).reshape(n, kv_heads, group, dim)
@@ -254,9 +254,12 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
                                            attn_mask=plan.decode_mask, scale=scaling)
         if not plan.dense:
             o = o.index_select(0, plan.decode_slots)
-        if plan.decode_only:  # nothing else attends this step: no copy into `out`
+        if plan.decode_only:  # nothing else attends this step: no `out` to copy into
             return o.reshape(n, 1, heads, dim), None
-        out.index_copy_(0, plan.decode_tokens, o.reshape(n, heads, dim))
+        decoded = o.reshape(n, heads, dim)
+    out = query.new_empty(tokens, heads, dim)
+    if decoded is not None:
+        out.index_copy_(0, plan.decode_tokens, decoded)
     for index, slot, length in plan.alone:
         q = query[index, :, 0].reshape(1, kv_heads, group, dim)
         o = F.scaled_dot_product_attention(q, keys[slot:slot + 1, :, :length], values[slot:slot + 1, :, :length],
