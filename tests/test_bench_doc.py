@@ -176,6 +176,8 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
      lambda r: f"{r['generate']['ttft_c16_over_c1']:.2f}"),
     ("a decode step at 32 runs at {}x its roofline", ("generate",),
      lambda r: f"{r['generate']['decode_vs_roofline']:.2f}"),
+    ("it took {}x the time of transformers' own decode step", ("generate-decode-step",),
+     lambda r: f"{1 / r['generate-decode-step']['decode_vs_transformers']:.2f}"),
     ("a `json_schema` response keeps {}x the unconstrained tokens/s at 16", ("generate",),
      lambda r: f"{r['generate']['json_schema_vs_unconstrained_c16']:.2f}"),
     ("gives {}x our tokens/s at concurrency 1", ("generate",), lambda r: f"{1 / r['generate']['vs_llama_cpp_c1']:.2f}"),
