@@ -112,9 +112,8 @@ def markdown(r: dict) -> str:
             f"{step['tokens_per_s']:.0f} tokens/s; the engine's step took {took} ({measured_from(step)}).") \
         if "step_s" in step else ""
     if step.get("transformers_step_s"):
-        roof += (f" Transformers' own decode step of as many rows on the engine's weights (a `StaticCache` "
-                 f"forward, as `generate` runs it, in the engine's thread; the median of 12, the best of the repeats) "
-                 f"took "
+        roof += (" Transformers' own decode step of as many rows on the engine's weights (a `StaticCache` forward, "
+                 "as `generate` runs it, in the engine's thread; the median of 12, the best of the repeats) took "
                  f"{1000 * step['transformers_step_s']:.0f} ms.")
     return f"""## Generation: ours over HTTP beside the engine, static batching and peers
 
