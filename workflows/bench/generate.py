@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows.bench.generate_local import GREEDY, SAMPLED, engine_run, figures, static_run, transformers_step
-from workflows.bench.generate_report import report
+from workflows.bench.generate_report import mean_context, report
 from workflows.bench.generate_servers import Server, peer_command, serve_command
 from workflows.bench.roofline import matmul_rate, memory_bandwidth
 
@@ -329,7 +329,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         flops: list[float] = []
         bandwidth: list[float] = []
         reference: list[float] = []  # seconds of transformers' decode step at the top concurrency
-        context = round(sum(map(len, prompts[:opts["requests"]])) / opts["requests"] + max_tokens / 2)
+        context = round(mean_context(prompts, opts))
         started = []
         try:
             for server in servers.values():

@@ -48,6 +48,12 @@ def summary(row: Row) -> dict:
     return out
 
 
+def mean_context(prompts: list[list[int]], opts: dict) -> float:
+    """The cached tokens of a row in a decode step, on average over a generation: the bench's prompts'
+    mean length plus half of max_tokens (where the roofline and the reference step are taken)."""
+    return sum(map(len, prompts[:opts["requests"]])) / opts["requests"] + opts["max_tokens"] / 2
+
+
 def meets_goal(value: float | None, goal: tuple[str, float] | None) -> bool | None:
     """None without a goal; False when the figure is missing (its row did not run or measured nothing)."""
     if goal is None:
@@ -69,7 +75,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
         return by[key][figure] if key in by else None
 
     prompt_mean = sum(map(len, prompts[:opts["requests"]])) / opts["requests"]
-    step = decode_step(model, top, prompt_mean + max_tokens / 2)  # the mean context over a generation
+    step = decode_step(model, top, mean_context(prompts, opts))
     best_flops, best_bw = max(flops, default=0.0), max(bandwidth, default=0.0)
     limit = roofline(step, best_flops, best_bw) if best_flops and best_bw else None
     # a decode step as the roofline counts it: the engine's steps of `top` rows decoding and no prompt
