@@ -72,8 +72,8 @@ def test_requests_that_arrive_together_are_prefilled_in_one_forward(tiny, engine
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny, engine):
-    """While a 40-token prompt is prefilled 8 tokens a step, a decoding request gets a token at every
-    step; both get the tokens they get alone."""
+    """While a 40-token prompt is prefilled 9 tokens a step (the chunk of 8 plus one per decoding row), a
+    decoding request gets a token at every step; both get the tokens they get alone."""
     tok = tiny[1]
     e = engine(max_batch=2, prefill_chunk=8, max_prefill_tokens=64)
     short, long = words(tok, 6), words(tok, 40)
@@ -88,9 +88,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny, engine)
     a.result(60), b.result(60)
     assert a.tokens == alone["short"] and b.tokens == alone["long"]
     first = b.times["first_token"]
-    # the long prompt took 5 steps (40 / 8), the short request had a token from each of them
+    # the long prompt took 5 steps (40 / 9), the short request had a token from each of them
     during = [t for t in a.token_times if b.times["submitted"] <= t <= first]
     assert len(during) >= 4, (len(during), a.token_times, b.times)
+
+
+def test_a_burst_joining_beside_decoding_rows_is_prefilled_within_one_budget_a_step(tiny, engine):
+    """Five prompts joining at once beside two decoding rows: no step prefills more than the chunk plus
+    one token per decoding row, however many are joining; every request gets the tokens it gets alone."""
+    tok = tiny[1]
+    watcher = Recorder()
+    e = engine(max_batch=7, prefill_chunk=4, max_prefill_tokens=64, metrics=watcher)
+    running, burst = [words(tok, 5), words(tok, 7)], [words(tok, n) for n in (11, 9, 13, 10, 12)]
+    alone = []
+    for p in running + burst:
+        g = e.submit(p, greedy(20))
+        g.result(60)
+        alone.append(g.tokens)
+    watcher.reports.clear()
+    first = [e.submit(p, greedy(20)) for p in running]
+    wait_until(lambda: all(len(g.tokens) >= 2 for g in first), 30, "two requests decoding", every=0.001)
+    release = hold(e)
+    later = [e.submit(p, greedy(20)) for p in burst]
+    release.set()
+    assert [g.result(60) and g.tokens for g in first + later] == alone
+    beside = [r for r in watcher.reports if r.decode_tokens and r.prefill_tokens]
+    assert beside and all(r.prefill_tokens <= 4 + r.decode_tokens for r in beside), \
+        [(r.prefill_tokens, r.decode_tokens) for r in watcher.reports]
+    # the burst's 55 prompt tokens took several steps, each at its budget but the last
+    assert sum(r.prefill_tokens for r in beside) == sum(map(len, burst)) and len(beside) >= 55 // (4 + 7)
 
 
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(tiny, engine):

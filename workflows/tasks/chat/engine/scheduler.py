@@ -6,15 +6,17 @@ beyond it `submit` raises QueueFull at once) and joins the batch at the next ste
 running, ends with "timeout"; a cancelled one with "cancelled".
 
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
-prefilling, in order of arrival, up to a budget. While rows decode, the budget is `prefill_chunk` per
-prefilling row plus one per decoding row (at most `max_prefill_tokens`). `prefill_chunk` is meant as
-the prompt tokens whose compute costs about as much as reading the weights once (a few on a CPU,
-hundreds on a GPU): then a step with one request joining costs at most about twice a decode-only
-step, however many rows decode, and a long prompt is prefilled in chunks between decode steps,
-delaying the others by one chunk at most; when many join at once beside few decoding rows, those
-few wait longer for a step rather than the many waiting many steps for their first token. With no
-row decoding, the budget is `max_prefill_tokens`. Requests that join together are prefilled
-together, and every token of a step goes through the model in one forward.
+prefilling, in order of arrival, up to a budget. While rows decode, the budget is `prefill_chunk` plus
+one per decoding row (at most `max_prefill_tokens`), however many rows are prefilling. `prefill_chunk`
+is meant as the prompt tokens whose compute costs about as much as reading the weights once (a dozen or
+two on a CPU, hundreds on a GPU): a step then costs at most about twice a decode-only step of the same
+rows (its per-token work doubled, plus one more weights' worth), so no running stream's token gap more
+than doubles while prompts join; a long prompt, or a burst of many, is prefilled in chunks between
+decode steps. The bound holds however many join: a burst's prompts are spread over steps, not put in one
+long step, which would stall every running stream and keep streams that started together in step (ending
+together, their clients' next requests would join together again). With no row decoding, the budget is
+`max_prefill_tokens`. Requests that join together are prefilled together, and every token of a step goes
+through the model in one forward.
 """
 
 from __future__ import annotations
@@ -102,10 +104,9 @@ class Scheduler:
         """The tokens of the next step of `rows` (in the order they joined); `base`: peft's name for no adapter."""
         step = StepTokens()
         step.decoding = decoding = [r for r in rows if not r.prefilling]
-        prefilling = len(rows) - len(decoding)
         budget = self.max_prefill_tokens
         if decoding:
-            budget = min(budget, self.prefill_chunk * prefilling + len(decoding))
+            budget = min(budget, self.prefill_chunk + len(decoding))
         for row in rows:
             if budget <= 0:
                 break
