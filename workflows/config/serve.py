@@ -51,12 +51,13 @@ class GenerateConfig(Strict):
     timeout_s: float | None = Field(300.0, gt=0, description="each request's deadline from its arrival at the "
                                     "engine: past it, waiting or generating, it ends with finish_reason \"timeout\" "
                                     "and the text so far; null: no deadline")
-    prefill_chunk: int = Field(16, ge=1, description="while other requests decode, a step prefills at most "
-                               "prefill_chunk prompt tokens plus one per decoding request, however many requests "
-                               "are joining: long prompts and bursts are prefilled in chunks between decode steps; "
-                               "set to the prompt tokens whose compute costs about as much as reading the weights "
-                               "once (a dozen or two on a CPU, e.g. 512 on a GPU), a step costs at most about twice "
-                               "a decode-only step")
+    prefill_chunk: int = Field(24, ge=1, description="while other requests decode, a step prefills at most "
+                               "prefill_chunk prompt tokens plus one per decoding request, and prefill_chunk more "
+                               "for each joining request beyond the decoding ones: long prompts are prefilled in "
+                               "chunks between decode steps; set to the prompt tokens whose compute costs about as "
+                               "much as reading the weights once (a dozen or two on a CPU, e.g. 512 on a GPU), a "
+                               "step with no more requests joining than decoding costs at most about twice a "
+                               "decode-only step")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled in a step when no request is "
                                     "decoding: requests that arrive together are prefilled together, in one forward")
     prepack_weights: bool = Field(True, description="on a CPU, the engine computes fp32 Linear layers with a "

@@ -51,7 +51,7 @@ from workflows.tasks.chat.sampling import SamplingParams, TextState
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
-PREFILL_CHUNK = 16  # defaults of serve.generate.prefill_chunk and max_prefill_tokens (workflows.config.serve)
+PREFILL_CHUNK = 24  # defaults of serve.generate.prefill_chunk and max_prefill_tokens (workflows.config.serve)
 MAX_PREFILL_TOKENS = 512
 
 

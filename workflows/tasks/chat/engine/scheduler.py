@@ -6,17 +6,18 @@ beyond it `submit` raises QueueFull at once) and joins the batch at the next ste
 running, ends with "timeout"; a cancelled one with "cancelled".
 
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
-prefilling, in order of arrival, up to a budget. While rows decode, the budget is `prefill_chunk` plus
-one per decoding row (at most `max_prefill_tokens`), however many rows are prefilling. `prefill_chunk`
-is meant as the prompt tokens whose compute costs about as much as reading the weights once (a dozen or
-two on a CPU, hundreds on a GPU): a step then costs at most about twice a decode-only step of the same
-rows (its per-token work doubled, plus one more weights' worth), so no running stream's token gap more
-than doubles while prompts join; a long prompt, or a burst of many, is prefilled in chunks between
-decode steps. The bound holds however many join: a burst's prompts are spread over steps, not put in one
-long step, which would stall every running stream and keep streams that started together in step (ending
-together, their clients' next requests would join together again). With no row decoding, the budget is
-`max_prefill_tokens`. Requests that join together are prefilled together, and every token of a step goes
-through the model in one forward.
+prefilling, in order of arrival, up to a budget. While rows decode, the budget is one token per decoding
+row plus `prefill_chunk`, and `prefill_chunk` more for each prefilling row beyond the decoding ones (at
+most `max_prefill_tokens`). `prefill_chunk` is meant as the prompt tokens whose compute costs about as
+much as reading the weights once (a dozen or two on a CPU, hundreds on a GPU): while no more requests
+prefill than decode, a step then costs at most about twice a decode-only step of the same rows (its
+per-token work doubled, plus one more weights' worth), so a running stream's token gap at most doubles
+while others join, and a long prompt is prefilled in chunks between decode steps. When more requests
+prefill than decode (a burst beside a few streams), each prefilling row beyond them adds a chunk to the
+step: the few wait longer for a step rather than the many waiting many steps for their first token and
+the batch running part-empty meanwhile. With no row decoding, the budget is `max_prefill_tokens`.
+Requests that join together are prefilled together, and every token of a step goes through the model in
+one forward.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class Scheduler:
         step.decoding = decoding = [r for r in rows if not r.prefilling]
         budget = self.max_prefill_tokens
         if decoding:
-            budget = min(budget, self.prefill_chunk + len(decoding))
+            excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
+            budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
         for row in rows:
             if budget <= 0:
                 break
