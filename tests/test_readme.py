@@ -60,6 +60,7 @@ QUICKSTART_LABELS = ["dataframes", "deep-learning", "plotting", "scientific-comp
 # that SIGINT reaches them as Ctrl-C would), a readiness wait, and Ctrl-C to each at the end.
 PRELUDE = r"""
 set -m
+export PYTHONUNBUFFERED=1  # a background command's log holds all it printed, even when it is killed
 __pids=() __cmds=()
 __ready() {  # $1: log, $2: pid, $3: what says it is ready (log: `workflows` prints it; http: /healthz)
   for _ in $(seq 600); do
@@ -78,7 +79,8 @@ __stop() {  # Ctrl-C to each background command, newest first; each must exit 0 
     p=${__pids[i]}; kill -INT -- "-$p" 2>/dev/null || true  # as Ctrl-C: the job's process group
     for _ in $(seq 420); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
     if kill -0 "$p" 2>/dev/null; then
-      command -v py-spy >/dev/null && py-spy dump --pid "$p" >&2 2>&1 || true  # where it waits
+      # where it waits: the stacks of the job's Python processes ($p is the job's bash; those not Python fail)
+      for q in $(pgrep -g "$p" 2>/dev/null); do py-spy dump --pid "$q" >&2 2>/dev/null || true; done
       kill -KILL -- "-$p" 2>/dev/null || true
       if [[ "${__cmds[i]}" == "serve run "* ]]; then
         # Ray's own CLI: its Ctrl-C shuts down Serve on the cluster it joined, here the session's shared one,
