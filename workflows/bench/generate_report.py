@@ -48,10 +48,15 @@ def summary(row: Row) -> dict:
     return out
 
 
+def prompt_mean(prompts: list[list[int]], opts: dict) -> float:
+    """The mean length, in tokens, of the prompts the rows send."""
+    return sum(map(len, prompts[:opts["requests"]])) / opts["requests"]
+
+
 def mean_context(prompts: list[list[int]], opts: dict) -> float:
     """The cached tokens of a row in a decode step, on average over a generation: the bench's prompts'
     mean length plus half of max_tokens (where the roofline and the reference step are taken)."""
-    return sum(map(len, prompts[:opts["requests"]])) / opts["requests"] + opts["max_tokens"] / 2
+    return prompt_mean(prompts, opts) + opts["max_tokens"] / 2
 
 
 def meets_goal(value: float | None, goal: tuple[str, float] | None) -> bool | None:
@@ -74,7 +79,6 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
     def get(key: str, figure: str) -> float | None:
         return by[key][figure] if key in by else None
 
-    prompt_mean = sum(map(len, prompts[:opts["requests"]])) / opts["requests"]
     step = decode_step(model, top, mean_context(prompts, opts))
     best_flops, best_bw = max(flops, default=0.0), max(bandwidth, default=0.0)
     limit = roofline(step, best_flops, best_bw) if best_flops and best_bw else None
@@ -119,7 +123,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
             "repeats": opts["repeats"], "static_batch": opts["static_batch"], "load": float(opts["load"]),
             "overload": float(opts["overload"]), "overload_requests": opts["overload_requests"],
             "max_batch": cfg.serve.generate.max_batch, "max_queue": cfg.serve.generate.max_queue,
-            "prompt_tokens_mean": round(prompt_mean, 1),
+            "prompt_tokens_mean": round(prompt_mean(prompts, opts), 1),
             "matmul_flops_per_s": round(best_flops), "matmul_flops_per_s_runs": [round(f) for f in flops],
             "matmul_dtype": str(model.dtype).removeprefix("torch."),
             "memory_bytes_per_s": round(best_bw), "memory_bytes_per_s_runs": [round(b) for b in bandwidth],
