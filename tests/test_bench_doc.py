@@ -117,6 +117,11 @@ def _packed_speedup(r: dict) -> str:
     return f"{rows['static_packed'] / rows['static']:.2f}"
 
 
+def _row(r: dict, row: str) -> float:
+    """The generate run's tokens/s of one row."""
+    return next(x["tokens_per_s"] for x in r["generate"]["rows"] if x["row"] == row)
+
+
 def _bf16_vs_llama(concurrency: int):
     return lambda r: f"{r['generate-bf16'][f'vs_llama_cpp_c{concurrency}']:.2f}"
 
@@ -161,10 +166,23 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("held-out weighted F1 {} (", ("digits",), lambda r: f"{r['digits']['weighted_f1']:.3f}"),
     ("0 of {} at concurrency", ("serve",), lambda r: f"{r['serve']['rolling_update']['requests']:,}"),
     ("at concurrency {}); it rolls over", ("serve",), lambda r: str(r["serve"]["rolling_update"]["concurrency"])),
-    ("`workflows pipeline --config chat` takes {} s on 2 cores", ("chat",),
-     lambda r: f"{r['chat']['wall_seconds']:.0f}"),
-    ("exact match from {} for the base model", ("chat",), lambda r: f"{r['chat']['base_exact_match']:.3f}"),
-    ("for the base model to {} (", ("chat",), lambda r: f"{r['chat']['exact_match']:.3f}"),
+    # the README's table of headline figures, a row per kind of model
+    ("| `quickstart` | {} s |", ("quickstart",), lambda r: f"{r['quickstart']['wall_seconds']:.0f}"),
+    ("| weighted F1 {} (majority class", ("quickstart",),
+     lambda r: f"{r['quickstart']['weighted_f1']:.3f}"),
+    ("(majority class {}) |", ("quickstart",), lambda r: f"{r['quickstart']['majority_baseline_f1']:.3f}"),
+    ("| `digits` (run of 2026-11-25) | {} s |", ("digits",), lambda r: f"{r['digits']['wall_seconds']:.0f}"),
+    ("| weighted F1 {} | raw, multipart", ("digits",), lambda r: f"{r['digits']['weighted_f1']:.3f}"),
+    ("| `chat` | {} s |", ("chat",), lambda r: f"{r['chat']['wall_seconds']:.0f}"),
+    ("| exact match {} (base model", ("chat",), lambda r: f"{r['chat']['exact_match']:.3f}"),
+    ("(base model {}) |", ("chat",), lambda r: f"{r['chat']['base_exact_match']:.3f}"),
+    ("| {} tokens/s at 16 streams over HTTP", ("generate",), lambda r: f"{_row(r, 'http_c16'):.1f}"),
+    ("over HTTP, {}x vLLM's CPU build on the same weights |", ("generate",),
+     lambda r: f"{_row(r, 'http_c16') / _row(r, 'vllm_c16'):.2f}"),
+    ("on the same fp32 weights, gives {}x our tokens/s at concurrency 1", ("generate",),
+     lambda r: f"{_row(r, 'vllm_c1') / _row(r, 'http_c1'):.2f}"),
+    ("our tokens/s at concurrency 1 and {}x at 16 (", ("generate",),
+     lambda r: f"{_row(r, 'vllm_c16') / _row(r, 'http_c16'):.2f}"),
     ("At concurrency 16 over HTTP it gives {}x the output tokens/s of static batching", ("generate",),
      lambda r: f"{r['generate']['http_vs_static_c16']:.2f}"),
     ("packed weights it gives {}x", ("generate",), lambda r: f"{r['generate']['http_vs_static_packed_c16']:.2f}"),
