@@ -28,7 +28,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from reliability import make_row
 from workflows.storage.atomic import atomic_write
-from workflows.storage.cache import ShardCache, _uri_prefix
+from workflows.storage.cache import ShardCache
+from workflows.storage.cache_dir import uri_prefix
 from workflows.storage.uri import StorageContext, filesystem
 
 MP = mp.get_context("fork")  # children inherit the imports: cheap on a small, busy machine
@@ -183,7 +184,7 @@ def cache_download_kill(workdir: Path, seed: int = 0, local_kills: int = 14, s3_
 
 
 def _calibrate(s: dict, directory: Path) -> float:
-    prefix = _uri_prefix(s["canonical"])
+    prefix = uri_prefix(s["canonical"])
     child = MP.Process(
         target=_child_fetch,
         args=(str(directory), s["child_ctx"], s["uri"], s.get("version"), s.get("size"), s["delay"], None),
@@ -203,7 +204,7 @@ def _calibrate(s: dict, directory: Path) -> float:
 def _kill_round(
     i: int, s: dict, directory: Path, rng: random.Random, duration: float, by_canonical: dict, stats: dict, errors: list
 ) -> None:
-    prefix = _uri_prefix(s["canonical"])
+    prefix = uri_prefix(s["canonical"])
     with_waiter = i % 4 == 3
     # most kills: at a random point of the download window (and a little after it); the others
     # at a random moment from the child's start (imports, stat, locking, or the download)

@@ -32,7 +32,8 @@ OUTAGE_BOUND_S = 60.0
 def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BOUND_S, atomic_kills: int = 4) -> dict:
     from reliability.fault_proxy import FaultProxy
     from workflows.config import StorageConfig
-    from workflows.storage.cache import ShardCache, _uri_prefix
+    from workflows.storage.cache import ShardCache
+    from workflows.storage.cache_dir import uri_prefix
     from workflows.storage.embedded import EmbeddedS3
     from workflows.storage.uri import StorageContext
 
@@ -112,7 +113,7 @@ def object_store_outage(workdir: Path, seed: int = 0, bound_s: float = OUTAGE_BO
         pool.shutdown()
         # nothing half-written: a failed download leaves no entry, no temp file, no model
         # directory; one that completed before the outage (possible on a fast machine) is exact
-        big_prefix = _uri_prefix(f"s3://{BUCKET}/big/shard.bin")
+        big_prefix = uri_prefix(f"s3://{BUCKET}/big/shard.bin")
         leftovers = [p for p in cache_dir.glob(big_prefix + "*") if not p.name.endswith(".lock")]
         if results[0]["outcome"] != "ok" and leftovers:
             lost += 1
