@@ -2,7 +2,7 @@
 /openapi.json, /docs and /redoc included, answers 401 without the token (the document lists the
 model's labels, which /v1/models/NAME keeps behind it), except /healthz; and every route, fuzzed
 with any method, path, header and body, never answers 5xx nor, without the token, anything but 401.
-In process, no Ray: the app of workflows.serve.app.build_api over a server stub, driven over ASGI."""
+In process, no Ray: the app of workflows.serve.api.build_api over a server stub, driven over ASGI."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from workflows.model_card import ModelCard
+from workflows.serve import api, guards
 from workflows.serve import app as serve_app
 from workflows.tasks.contract import MAX_BODY_BYTES
 from workflows.tasks.text.contract import text_contract
@@ -33,8 +34,8 @@ class _Metric:
 
 def build(monkeypatch, token: str | None = TOKEN):
     """The replica's app, over a ModelServer whose model is a stub (every prediction the first label)."""
-    monkeypatch.setattr(serve_app, "serve_metrics", lambda: dict.fromkeys(("requests", "latency_ms", "batch_size"),
-                                                                          _Metric()))
+    monkeypatch.setattr(guards, "serve_metrics", lambda: dict.fromkeys(("requests", "latency_ms", "batch_size"),
+                                                                       _Metric()))
     server = object.__new__(serve_app.ModelServer.func_or_class)
     server.card, server.token, server.contract = CARD, token, text_contract(CARD, 4)
     server.stopping, server.in_flight = False, 0
@@ -44,7 +45,7 @@ def build(monkeypatch, token: str | None = TOKEN):
         return {"label": LABELS[0], "score": 1.0, "probabilities": dict.fromkeys(LABELS, 0.5)}
 
     server._predict_batch = predict_batch
-    return serve_app.build_api(server)
+    return api.build_api(server)
 
 
 def call(app, method: str, path: str, headers: dict[str, str] | list[tuple[bytes, bytes]] | None = None,
@@ -95,7 +96,7 @@ def test_every_route_but_healthz_needs_the_token(monkeypatch):
         assert status == 200, (method, path, status, body[:200])
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
             status, body = call(app, method, path, headers, body_for(path))
-            if path in serve_app.OPEN_ROUTES:
+            if path in guards.OPEN_ROUTES:
                 assert status == 200 and not any(label.encode() in body for label in LABELS), (path, body)
             else:
                 assert status == 401 and json.loads(body) == {"error": "missing or wrong bearer token"}, \
@@ -145,7 +146,7 @@ def test_every_route_fuzzed_is_answered_4xx_or_2xx_and_401_without_the_token(mon
     given = next((v for k, v in headers if k == b"authorization"), b"")
     scheme, _, value = given.partition(b" ")
     authorized = scheme.lower() == b"bearer" and value == TOKEN.encode()
-    if not authorized and path not in serve_app.OPEN_ROUTES:
+    if not authorized and path not in guards.OPEN_ROUTES:
         assert status == 401, (method, path, headers, status, answer[:300])
     if 200 <= status < 300 and path != "/healthz":
         assert authorized

@@ -48,7 +48,7 @@ from workflows.pipeline.stages import (
 from workflows.preprocess.encoding import resolve_model_dir
 from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.runtime import Runtime, runtime
-from workflows.serve.app import bearer_token
+from workflows.serve.guards import bearer_token
 from workflows.storage.shards import read_parquet
 from workflows.tasks import get_task, task_for_card
 from workflows.tune.search import TuneOutcome

@@ -369,7 +369,8 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     """Deploy a registered model with Ray Serve and send it `demo_rows`: its URL, main route (the task's
     HTTP contract's), ingress and answers."""
     from workflows.serve import ingress
-    from workflows.serve.app import bearer_token, deploy
+    from workflows.serve.app import deploy
+    from workflows.serve.guards import bearer_token
 
     ref = registry.resolve(rt.cfg, rt.storage, model_spec)
     spec = f"{ref.name}:{ref.version}"
