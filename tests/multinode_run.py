@@ -58,7 +58,7 @@ out["cached_files"] = {
 if len(sys.argv) > 2:  # an MLflow server: a process on each node logs an epoch into one run on it
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from workflows.tracking.client import RunLogger
+    from workflows.tracking.run_logger import RunLogger
 
     @ray.remote(num_cpus=1)
     def log_epoch(spec, epoch: int) -> str:

@@ -233,7 +233,7 @@ def test_a_users_regression_task_runs_the_whole_pipeline(tmp_path, ray_join, mlf
 
 
 def test_every_validation_number_a_task_reports_is_an_epoch_metric():
-    from workflows.tracking.client import epoch_metrics
+    from workflows.tracking.calls import epoch_metrics
 
     rows = epoch_metrics({"epoch": 3, "val_r2": 0.9, "val_mse": 0.1, "val_f1": 0.5, "val_report": {"a": 1},
                           "train_loss": 0.2, "resumed": True}, None, 1)

@@ -217,7 +217,7 @@ def _tracking_report(tmp_path) -> dict:
 
 @pytest.mark.integration
 def test_unreachable_server_gives_one_warning_and_the_work_goes_on(tmp_path):
-    from workflows.tracking.client import RunLogger, TrackingSpec
+    from workflows.tracking.run_logger import RunLogger, TrackingSpec
 
     warnings: list[str] = []
     dead = f"http://127.0.0.1:{free_port()}"
@@ -419,7 +419,7 @@ def test_a_server_failing_for_seconds_mid_run_loses_no_metric(mlflow_server, tmp
     epochs logged meanwhile are buffered and arrive, at their steps; the run ends FINISHED."""
     from mlflow import MlflowClient
 
-    from workflows.tracking.client import RunLogger
+    from workflows.tracking.run_logger import RunLogger
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the blip reaches Tracker's own retries
     blip = _Blip(mlflow_server.url)
@@ -460,7 +460,8 @@ def test_a_lasting_failure_marks_the_runs_failed_with_the_gap(mlflow_server, tmp
     A stage that raises ends FAILED as well."""
     from mlflow import MlflowClient
 
-    from workflows.tracking.client import GAP_TAG, RunLogger
+    from workflows.tracking.client import GAP_TAG
+    from workflows.tracking.run_logger import RunLogger
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     blip = _Blip(mlflow_server.url)
@@ -498,7 +499,7 @@ def test_a_retried_trial_logs_on_into_its_run(mlflow_server, tmp_path):
     run, with the epochs of both attempts, under the newest tune run."""
     from mlflow import MlflowClient
 
-    from workflows.tracking.client import RunLogger
+    from workflows.tracking.run_logger import RunLogger
 
     warnings: list[str] = []
     t = _tracking(mlflow_server.url, warnings, tmp_path, "tracking.experiment=retried")
@@ -614,7 +615,7 @@ def test_a_server_down_at_a_workers_first_call_loses_no_metric(restartable, tmp_
 
     from mlflow import MlflowClient
 
-    from workflows.tracking.client import RunLogger
+    from workflows.tracking.run_logger import RunLogger
 
     warnings: list[str] = []
     t = _tracking(restartable.url, warnings, tmp_path, "tracking.experiment=first-contact",
@@ -659,7 +660,8 @@ def test_a_workers_first_contact_failing_past_the_window_marks_the_runs_failed(r
 
     from mlflow import MlflowClient
 
-    from workflows.tracking.client import GAP_TAG, RunLogger
+    from workflows.tracking.client import GAP_TAG
+    from workflows.tracking.run_logger import RunLogger
 
     warnings: list[str] = []
     t = _tracking(restartable.url, warnings, tmp_path, "tracking.experiment=first-contact-gap",

@@ -12,7 +12,7 @@ from workflows.errors import UserError
 from workflows.pipeline.stages import export_artifact, stage_preprocess
 from workflows.runtime import runtime
 from workflows.tasks.text.predictor import TextPredictor
-from workflows.tracking.client import TrackingSpec
+from workflows.tracking.run_logger import TrackingSpec
 from workflows.train.checkpoint import consolidated_model_state, read_state
 from workflows.train.export import download_checkpoint
 from workflows.train.loop import steps_per_epoch

@@ -14,119 +14,33 @@ MLflow's own asynchronous logging (`log_batch(..., synchronous=False)`) is not u
 a batch that fails and drops it, which is the loss this module exists to prevent.
 
 The same class serves the driver (which creates the runs) and the processes where the numbers are
-(rank 0 of a Ray Train run, a Tune trial), which log into a run the driver created (TrackingSpec).
+(rank 0 of a Ray Train run, a Tune trial: tracking.run_logger), which log into a run the driver
+created. Reaching the store, and telling a failure that may pass from one that will not, is
+tracking.store's.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import queue
-import re
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from workflows.tracking.calls import epoch_metrics, find_run, log_metrics, log_params, now_ms, set_tags
+from workflows.tracking.calls import now_ms
+from workflows.tracking.store import RunPending, connect, one_line, redact_uri, transient
 
 Warn = Callable[[str], None]
 
-RUN_KEY_TAG = "workflows.run_key"  # the key a process elsewhere finds a run by before its id is known
 GAP_TAG = "workflows.tracking_gap"  # set on a run whose process could not log everything
-PERMANENT = ("INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
-             "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED", "ENDPOINT_NOT_FOUND")
-
-
-@dataclass(frozen=True)
-class TrackingSpec:
-    """What a process elsewhere on the cluster needs to log into a run (pickled to it). `run_id` may
-    be None: the run is then found by `run_key` in `experiment` once its creator has created it, so
-    that handing out a spec never waits on the tracking server."""
-
-    uri: str
-    run_id: str | None
-    experiment_id: str | None
-    step_loss_every: int = 10
-    tags: tuple[tuple[str, str], ...] = ()  # the driver's run tags that child runs share (git commit, ...)
-    run_key: str | None = None
-    experiment: str | None = None  # the experiment's name, to find `run_key` in
-    retry_seconds: float = 300.0
-
-
-class RunPending(Exception):
-    """The run to log into is not created yet (its creator's calls are still queued): retried."""
-
-
-def resolve_uri(cfg) -> str:
-    """tracking.uri, or a SQLite store under the output directory (absolute: workers on this machine
-    run in other directories)."""
-    if cfg.tracking.uri:
-        return cfg.tracking.uri
-    return f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}"
-
-
-def redact_uri(uri: str) -> str:
-    """A URI for messages and tags: no user:password@."""
-    return re.sub(r"://[^/@]*@", "://***@", uri)
 
 
 def _stderr_warn(msg: str) -> None:
     print(f"workflows warning: {msg}", file=sys.stderr, flush=True)
-
-
-def _http_defaults() -> None:
-    # MLflow's client retries a failed HTTP call 7 times with exponential backoff by default:
-    # minutes per call against a dead server, and Tracker retries on top. A user's own setting wins.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
-
-
-def check_reachable(uri: str, create: bool) -> None:
-    """Raise with the reason when the store cannot be used from this process: a server that does not
-    answer /health within seconds, or (a worker on another node) a SQLite file this node lacks."""
-    scheme = uri.split(":", 1)[0]
-    if scheme in ("http", "https"):
-        import requests
-
-        resp = requests.get(uri.rstrip("/") + "/health", timeout=5)
-        resp.raise_for_status()
-    elif scheme == "sqlite":
-        path = Path(uri.removeprefix("sqlite:///").removeprefix("sqlite://"))
-        if create:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        elif not path.exists():
-            # another node: a new empty database here would hide the run from the driver's store
-            raise FileNotFoundError(f"{path} is not on this node; use an http:// tracking server for multi-node runs")
-
-
-def one_line(e: BaseException) -> str:
-    first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
-    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
-
-
-def transient(e: BaseException) -> bool:
-    """Whether a failed call may succeed later: the server down, overloaded or restarting, the
-    network, a locked SQLite store. MLflow's answers that name a bad request are not; nor is a
-    FileNotFoundError (a SQLite store this node lacks)."""
-    import requests
-
-    if isinstance(e, RunPending | requests.RequestException | ConnectionError | TimeoutError):
-        return True
-    if isinstance(e, FileNotFoundError):
-        return False
-    from mlflow.exceptions import MlflowException
-
-    if isinstance(e, MlflowException):
-        return e.error_code not in PERMANENT
-    return "database is locked" in str(e)
 
 
 @dataclass
@@ -239,15 +153,7 @@ class Tracker:
                 delay = min(delay * 2, 10.0)
 
     def _connect(self):
-        _http_defaults()
-        check_reachable(self.uri, self._create)
-        from mlflow import MlflowClient
-
-        # MLflow's SQLite store logs its table creation and migrations at INFO on the terminal;
-        # the platform's terminal shows its own lines only
-        for name in ("mlflow", "alembic"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        return _RetryLocked(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri))
+        return connect(self.uri, self._create)
 
     def fail(self, e: BaseException, run_id: str | None = None) -> None:
         """Tracking off for this process: one warning; the call and every later one are counted lost."""
@@ -301,126 +207,3 @@ class Tracker:
             if self._connected or not transient(e):  # a store never reached yet: its one warning said so
                 self._warn(f"experiment tracking: could not record the gap on the run(s) ({one_line(e)})")
             return False
-
-
-class _RetryLocked:
-    """The client, each of whose calls is retried at once (briefly) while SQLite reports the
-    database locked (the driver, tune trials and rank 0 may write at the same moment); a lock that
-    outlasts these goes to Tracker's backoff."""
-
-    def __init__(self, client):
-        self._client = client
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._client, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            for attempt in range(3):
-                try:
-                    return attr(*args, **kwargs)
-                except Exception as e:
-                    if "database is locked" not in str(e) or attempt == 2:
-                        raise
-                    time.sleep(0.5 * (attempt + 1))
-
-        return call
-
-
-class RunLogger:
-    """Logging from a process where the numbers are (rank 0 of a Train run, a Tune trial): into the
-    run of `spec`, or, with `child`, into a child run of it that this process creates, or continues
-    where a run with the same `child["key"]` tags exists (a retried or resumed trial). A context
-    manager: on leaving, a child run ends FINISHED (FAILED on an exception) and what is queued is sent."""
-
-    def __init__(self, spec: TrackingSpec, warn: Warn | None = None, child: dict[str, Any] | None = None):
-        self.spec = spec
-        self.run_id: str | None = spec.run_id
-        self._experiment_id = spec.experiment_id
-        self._owns = child is not None
-        self._child_key = uuid.uuid4().hex  # a Train run's rank 0 finds the child run by it (child_spec)
-        self.tracker = Tracker(spec.uri, warn, retry_seconds=spec.retry_seconds)
-        if child is not None:
-            self.run_id = None
-            self._parent_id: str | None = spec.run_id
-            self.tracker.call(lambda c: self._open_child(c, **child))
-            self.tracker.call(lambda c: log_params(c, self._id(c), child["params"]))
-
-    def __enter__(self) -> RunLogger:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self._owns:
-            self.end("FINISHED" if exc_type is None else "FAILED")
-        self.close(timeout=30)
-
-    def _experiment(self, client) -> str:
-        if self._experiment_id is None:
-            exp = client.get_experiment_by_name(self.spec.experiment)
-            if exp is None:
-                raise RunPending(f"experiment {self.spec.experiment!r} not created yet")
-            self._experiment_id = exp.experiment_id
-        return self._experiment_id
-
-    def _spec_run(self, client) -> str:
-        """The id of the spec's run, found by its key where the spec was handed out before it existed."""
-        if self.spec.run_id is not None:
-            return self.spec.run_id
-        run = find_run(client, self._experiment(client), {RUN_KEY_TAG: str(self.spec.run_key)})
-        if run is None:
-            raise RunPending(f"run {self.spec.run_key} not created yet")
-        return run.info.run_id
-
-    def _open_child(self, client, name: str, tags: dict[str, Any], params: dict[str, str],
-                    key: dict[str, str] | None = None) -> None:
-        parent = self._parent_id = self._parent_id or self._spec_run(client)
-        exp = self._experiment(client)
-        run_tags = {**dict(self.spec.tags), **{k: str(v) for k, v in tags.items() if v is not None},
-                    **(key or {}), "mlflow.parentRunId": parent, RUN_KEY_TAG: self._child_key}
-        found = find_run(client, exp, key) if key else None
-        if found is not None:  # a retried or resumed trial: its run goes on, under this search's run
-            self.run_id = found.info.run_id
-            client.update_run(self.run_id, status="RUNNING")
-            set_tags(client, self.run_id, run_tags)
-            return
-        self.run_id = client.create_run(exp, start_time=now_ms(), tags=run_tags, run_name=name).info.run_id
-
-    def child_spec(self) -> TrackingSpec | None:
-        """For rank 0 of a Train run to log into the child run (found by its key there: no wait)."""
-        if self.tracker.off or not self._owns:
-            return None
-        return TrackingSpec(self.spec.uri, self.run_id, self._experiment_id, self.spec.step_loss_every,
-                            self.spec.tags, run_key=self._child_key, experiment=self.spec.experiment,
-                            retry_seconds=self.spec.retry_seconds)
-
-    def _id(self, client) -> str:
-        """The run's id, on the tracking thread (resolved by key the first time, where needed)."""
-        if self.run_id is None:
-            if self._owns:  # the child's creation went before; its failure dropped it
-                raise RuntimeError("no MLflow run to log into")
-            self.run_id = self._spec_run(client)
-        return self.run_id
-
-    def log_epoch(self, metrics: dict, step_losses: list[float] | None = None) -> None:
-        rows = epoch_metrics(metrics, step_losses, self.spec.step_loss_every)
-        ts = now_ms()  # when the epoch ended, not when the thread gets to it
-        self.tracker.call(lambda c: log_metrics(c, self._id(c), rows, ts), self.run_id)
-
-    def end(self, status: str = "FINISHED") -> None:
-        self.tracker.call(lambda c: c.set_terminated(self._id(c), status, now_ms()), self.run_id)
-
-    def close(self, timeout: float = 60) -> None:
-        """Send what is queued (for at most `timeout` s); a gap is tagged on the run."""
-        self.tracker.close(timeout)
-        if self.tracker.gap.lost:
-            self.tracker.record_gap(self._gap_runs)
-
-    def _gap_runs(self, client) -> list[str]:
-        """The run to tag with this process's gap: its own, found by key where it never got the id;
-        a child run never created leaves the gap on its parent (the driver's run of the stage)."""
-        if self.run_id is not None:
-            return [self.run_id]
-        if self._owns:
-            return [self._parent_id or self._spec_run(client)]
-        return [self._spec_run(client)]

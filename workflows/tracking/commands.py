@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from workflows.errors import UserError
-from workflows.tracking.client import _http_defaults, check_reachable, one_line, redact_uri, resolve_uri
+from workflows.tracking.store import check_reachable, http_defaults, one_line, redact_uri, resolve_uri
 
 # the metrics `runs` shows, in this order, where a run has them
 KEY_METRICS = ("weighted_f1", "best_val_f1", "val_f1", "val_accuracy", "train_loss", "best_val_loss", "rows_train")
@@ -31,7 +31,7 @@ def recent_runs(cfg, limit: int = 20) -> list[dict]:
     uri = resolve_uri(cfg)
     if uri.startswith("sqlite:") and not Path(uri.split(":///", 1)[-1]).exists():
         return []  # nothing tracked with this config yet
-    _http_defaults()
+    http_defaults()
     try:
         check_reachable(uri, create=False)
     except Exception as e:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from workflows.tracking.client import Tracker, _http_defaults, resolve_uri
+from workflows.tracking.client import Tracker
+from workflows.tracking.store import http_defaults, resolve_uri
 
 VERSION_TAG = "workflows.version"
 
@@ -69,7 +70,7 @@ def sync_alias(cfg, name: str, alias: str, version: int | None, uri: str | None,
     store = resolve_uri(cfg)
     if store.startswith("sqlite:") and not Path(store.split(":///", 1)[-1]).exists():
         return None  # nothing tracked with this config: no registered model to mirror into
-    _http_defaults()
+    http_defaults()
     tracker = Tracker(store, warn, retry_seconds=min(cfg.tracking.retry_seconds, 30.0))
     def call(client) -> bool:
         set_alias(client, name, alias, version, uri)

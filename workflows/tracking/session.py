@@ -22,16 +22,9 @@ from typing import Any
 
 from workflows.storage.atomic import atomic_write
 from workflows.tracking.calls import log_metrics, log_params, now_ms, set_tags
-from workflows.tracking.client import (
-    GAP_TAG,
-    RUN_KEY_TAG,
-    Tracker,
-    TrackingSpec,
-    Warn,
-    one_line,
-    redact_uri,
-    resolve_uri,
-)
+from workflows.tracking.client import GAP_TAG, Tracker, Warn
+from workflows.tracking.run_logger import RUN_KEY_TAG, TrackingSpec
+from workflows.tracking.store import one_line, redact_uri, resolve_uri
 
 SECRET = ("secret", "password", "passwd", "token", "credential", "api_key", "access_key", "private_key")
 

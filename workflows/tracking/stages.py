@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from workflows.storage.atomic import atomic_write
-from workflows.tracking.client import redact_uri
 from workflows.tracking.model_registry import ensure_version, set_alias
 from workflows.tracking.session import Run, ray_job_id
+from workflows.tracking.store import redact_uri
 
 
 def tracked(rt, name: str):

@@ -47,7 +47,7 @@ class BatchSource(Protocol):
 
 
 class EpochLog(Protocol):
-    """Where each epoch's metrics are logged (tracking.client.RunLogger: rank 0's MLflow run)."""
+    """Where each epoch's metrics are logged (tracking.run_logger.RunLogger: rank 0's MLflow run)."""
 
     def log_epoch(self, metrics: dict, step_losses: list[float] | None = None) -> None: ...
 

@@ -20,7 +20,7 @@ from workflows.dataset import ProcessedDataset
 from workflows.seeds import augment_seed, data_seed
 from workflows.storage.uri import StorageContext, pyarrow_filesystem, write_json
 from workflows.tasks import get_task
-from workflows.tracking.client import RunLogger, TrackingSpec
+from workflows.tracking.run_logger import RunLogger, TrackingSpec
 from workflows.train.checkpoint import private_copy
 from workflows.train.engine import Trainer
 from workflows.train.report import STEP_CHECKPOINT

@@ -44,7 +44,7 @@ from workflows.storage.shards import read_parquet
 from workflows.storage.uri import StorageContext, exists, join
 from workflows.tasks import get_task
 from workflows.tasks.base import Task
-from workflows.tracking.client import RunLogger
+from workflows.tracking.run_logger import RunLogger
 from workflows.tracking.session import Tracking
 from workflows.train import checkpoint as ckpt
 from workflows.train.engine import Trainer

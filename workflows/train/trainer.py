@@ -20,7 +20,7 @@ from workflows.errors import UserError
 from workflows.seeds import data_seed
 from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_filesystem, read_json, with_protocol
 from workflows.tasks import get_task
-from workflows.tracking.client import TrackingSpec
+from workflows.tracking.run_logger import TrackingSpec
 from workflows.train import checkpoint as ckpt
 from workflows.train.ray_worker import RankStepHook, WorkerSpec, worker_loop
 from workflows.train.report import is_step_checkpoint

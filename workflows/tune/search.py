@@ -20,7 +20,7 @@ from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
 from workflows.storage.uri import StorageContext, pyarrow_filesystem
 from workflows.tasks import get_task
-from workflows.tracking.client import TrackingSpec
+from workflows.tracking.run_logger import TrackingSpec
 from workflows.tune.state import check_tuner_state, remember_tuner_state
 
 if TYPE_CHECKING:

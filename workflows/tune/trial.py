@@ -23,7 +23,7 @@ from workflows.dataset import ProcessedDataset
 from workflows.storage import cache_stats
 from workflows.storage.uri import StorageContext
 from workflows.tasks import get_task
-from workflows.tracking.client import RunLogger, TrackingSpec
+from workflows.tracking.run_logger import RunLogger, TrackingSpec
 from workflows.tracking.session import config_params
 from workflows.train.checkpoint import private_copy
 from workflows.train.engine import Trainer
