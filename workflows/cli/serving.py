@@ -37,27 +37,7 @@ def serve(
     from workflows.runtime import say
 
     if emit_config is not None:
-
-        def write():
-            import yaml
-
-            from workflows.serve.deploy_config import serve_config
-
-            cfg = _load(config, set)
-            doc = serve_config(cfg, config, set or [], model)
-            emit_config.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(emit_config, yaml.safe_dump(doc, sort_keys=False))
-            first = "`workflows store` (the embedded store it reads the model from), then " \
-                if cfg.storage.embedded.enabled else ""
-            typer.echo(
-                f"Serve config for {', '.join(model)} written to {emit_config}; run it with: {first}"
-                f"serve run {emit_config}"
-            )
-            if cfg.serve.haproxy is not False:  # a Serve config cannot set the cluster's environment
-                typer.echo("serve.haproxy: for HAProxy ingress, start the cluster with RAY_SERVE_ENABLE_HA_PROXY=1 "
-                           "in its environment (cluster/kuberay/rayservice.yaml does)")
-
-        _run(write)
+        _run(lambda: _emit_config(config, set, model, emit_config))
         return
 
     def body(rt):
@@ -95,6 +75,24 @@ def serve(
         _serve_port_free(cfg)
 
     _in_runtime("serve", config, set, body, before_ray=check, verbose=verbose)
+
+
+def _emit_config(config: str, set: list[str] | None, model: list[str], path: Path) -> None:
+    """Write the Ray Serve config YAML of `model` to `path` and say how to run it."""
+    import yaml
+
+    from workflows.serve.deploy_config import serve_config
+
+    cfg = _load(config, set)
+    doc = serve_config(cfg, config, set or [], model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, yaml.safe_dump(doc, sort_keys=False))
+    first = "`workflows store` (the embedded store it reads the model from), then " \
+        if cfg.storage.embedded.enabled else ""
+    typer.echo(f"Serve config for {', '.join(model)} written to {path}; run it with: {first}serve run {path}")
+    if cfg.serve.haproxy is not False:  # a Serve config cannot set the cluster's environment
+        typer.echo("serve.haproxy: for HAProxy ingress, start the cluster with RAY_SERVE_ENABLE_HA_PROXY=1 "
+                   "in its environment (cluster/kuberay/rayservice.yaml does)")
 
 
 def _rolled_over(served: list[dict], follower, summary) -> None:

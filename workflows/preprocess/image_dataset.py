@@ -134,48 +134,26 @@ def _as_records(batch: pd.DataFrame, image_column: str, label_column: str) -> pd
                          "label": list(batch[label_column])})
 
 
-def preprocess_images(cfg, image_size: int, image_column: str, ctx, say=print) -> ProcessedDataset:
-    import pyarrow.parquet as pq
-    import ray.data
-
-    d, p = cfg.data, cfg.preprocess
-    shards, fmt = list_shards(d.source, ctx, d.format)
-    version = dataset_version(shards, fmt, cfg, image_size, image_column)
-    out_uri = cfg.uri("processed", version)
-    if exists(join(out_uri, "manifest.json"), ctx):
-        ds = ProcessedDataset.load(out_uri, ctx)
-        ds.reused = True
-        say(f"preprocess: dataset version {version} already materialized at {out_uri}: reusing it")
-        return ds
-
-    t0 = time.time()
-    say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri} "
-        f"({image_size}x{image_size} uint8, {p.concurrency} decoding task(s) at a time)")
+def _raw_records(cfg, shards, fmt: str, image_column: str, ctx):
+    """The source's records as a Ray dataset of (key, image, label): tar members and image files as
+    read, parquet rows keyed by record_keys."""
+    d = cfg.data
     if fmt == "parquet":
         raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=[image_column, d.label_column])
-        raw = raw.map_batches(_as_records, batch_format="pandas", fn_args=(image_column, d.label_column))
-    elif fmt in ("tar", "image"):
-        raw = read_dataset(shards, fmt, ctx, cfg.cache)
-    else:
-        raise UserError(f"{d.source}: {fmt} shards hold no images; image tasks read tar, parquet or image files "
-                        "(set data.format)")
-    fraction = None
-    if d.max_rows is not None:
-        fraction = min(1.0, d.max_rows / max(raw.count(), 1))
-    decoded = raw.map_batches(
-        decode_batch, batch_format="pandas", batch_size=p.batch_size,
-        compute=ray.data.TaskPoolStrategy(size=p.concurrency), fn_args=decoder_args(cfg, image_size, fraction),
-    )
-    # Each attempt writes under a folder of its own: a failed or interrupted earlier attempt's files
-    # are never counted or listed (the manifest names this attempt's files only).
-    attempt = f"attempt-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    pa_fs, version_path = pyarrow_filesystem(out_uri, ctx)
-    out_path = f"{version_path.rstrip('/')}/{attempt}"
-    # in a seeded random order, not the source's (often a folder per class): see materialize.shuffled
-    shuffled(decoded, d.split_seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
-                                                  min_rows_per_file=p.rows_per_shard)
+        return raw.map_batches(_as_records, batch_format="pandas", fn_args=(image_column, d.label_column))
+    if fmt in ("tar", "image"):
+        return read_dataset(shards, fmt, ctx, cfg.cache)
+    raise UserError(f"{d.source}: {fmt} shards hold no images; image tasks read tar, parquet or image files "
+                    "(set data.format)")
 
-    # Counts from what was written (labels and errors only: the pixel column is not read back).
+
+def _written(
+    out_uri: str, out_path: str, ctx
+) -> tuple[dict[str, list[str]], dict[str, dict[str, int]], list[tuple[str, str]]]:
+    """What one attempt wrote under `out_path`: each split's files and label counts, and the bad
+    records (key, reason). Labels and errors only: the pixel column is not read back."""
+    import pyarrow.parquet as pq
+
     fs, _ = filesystem(out_uri, ctx)
     files: dict[str, list[str]] = {}
     label_counts: dict[str, dict[str, int]] = {}
@@ -193,6 +171,43 @@ def preprocess_images(cfg, image_size: int, image_column: str, ctx, say=print) -
         files[split] = [with_protocol(out_uri, f) for f in found]
         labels = pd.Series([v for t in tables for v in t.column("label").to_pylist()], dtype=object)
         label_counts[split] = {str(k): int(v) for k, v in sorted(labels.value_counts().items())}
+    return files, label_counts, bad
+
+
+def preprocess_images(cfg, image_size: int, image_column: str, ctx, say=print) -> ProcessedDataset:
+    import ray.data
+
+    d, p = cfg.data, cfg.preprocess
+    shards, fmt = list_shards(d.source, ctx, d.format)
+    version = dataset_version(shards, fmt, cfg, image_size, image_column)
+    out_uri = cfg.uri("processed", version)
+    if exists(join(out_uri, "manifest.json"), ctx):
+        ds = ProcessedDataset.load(out_uri, ctx)
+        ds.reused = True
+        say(f"preprocess: dataset version {version} already materialized at {out_uri}: reusing it")
+        return ds
+
+    t0 = time.time()
+    say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri} "
+        f"({image_size}x{image_size} uint8, {p.concurrency} decoding task(s) at a time)")
+    raw = _raw_records(cfg, shards, fmt, image_column, ctx)
+    fraction = None
+    if d.max_rows is not None:
+        fraction = min(1.0, d.max_rows / max(raw.count(), 1))
+    decoded = raw.map_batches(
+        decode_batch, batch_format="pandas", batch_size=p.batch_size,
+        compute=ray.data.TaskPoolStrategy(size=p.concurrency), fn_args=decoder_args(cfg, image_size, fraction),
+    )
+    # Each attempt writes under a folder of its own: a failed or interrupted earlier attempt's files
+    # are never counted or listed (the manifest names this attempt's files only).
+    attempt = f"attempt-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    pa_fs, version_path = pyarrow_filesystem(out_uri, ctx)
+    out_path = f"{version_path.rstrip('/')}/{attempt}"
+    # in a seeded random order, not the source's (often a folder per class): see materialize.shuffled
+    shuffled(decoded, d.split_seed).write_parquet(out_path, filesystem=pa_fs, partition_cols=["split"],
+                                                  min_rows_per_file=p.rows_per_shard)
+
+    files, label_counts, bad = _written(out_uri, out_path, ctx)
     if len(bad) > d.max_bad_records:
         key, reason = bad[0]
         raise UserError(f"{d.source}: {len(bad)} bad record(s) (data.max_bad_records={d.max_bad_records}); "
