@@ -11,7 +11,7 @@ import yaml
 from workflows import registry
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
-from workflows.model_card import ModelCard
+from workflows.model_card import CARD_FILE, ModelCard
 from workflows.storage.uri import StorageContext
 
 META = {
@@ -47,7 +47,7 @@ def test_registry_writes_and_reads_cards(tmp_path):
     (art / "model.safetensors").write_bytes(b"weights")
     (tmp_path / "store" / "models" / "m" / "v1").mkdir(parents=True)  # an object store needs no directories
     ref = registry.register(cfg, ctx, str(art), "m", META)
-    stored = json.loads((tmp_path / "store" / "models" / "m" / "v1" / registry.META_FILE).read_text())
+    stored = json.loads((tmp_path / "store" / "models" / "m" / "v1" / CARD_FILE).read_text())
     assert set(stored) == {*META, "name", "version", "artifact_id", "registered_at"}
     assert {k: stored[k] for k in META} == META and (stored["name"], stored["version"]) == ("m", 1)
 
@@ -77,7 +77,7 @@ def _store_with_model(tmp_path):
     (art / "model.safetensors").write_bytes(b"weights")
     (tmp_path / "store" / "models" / "m" / "v1").mkdir(parents=True)
     ref = registry.register(cfg, StorageContext(), str(art), "m", META)
-    return cfg, Path(ref.uri) / registry.META_FILE
+    return cfg, Path(ref.uri) / CARD_FILE
 
 
 def _files(root):
@@ -234,7 +234,7 @@ def test_concurrent_registrations_get_distinct_versions_each_with_its_own_weight
             writer = card.model_extra["writer"]
             assert card.version == v and card.name == "m"
             assert (Path(local) / "model.safetensors").read_bytes() == f"weights of writer {writer}".encode() * 1000
-            assert sorted(p.name for p in Path(local).iterdir()) == ["model.safetensors", registry.META_FILE]
+            assert sorted(p.name for p in Path(local).iterdir()) == ["model.safetensors", CARD_FILE]
             seen.append(writer)
         assert sorted(seen) == list(range(writers))
 

@@ -20,6 +20,7 @@ from tests.conftest import run_cli, shutdown_serve
 from tests.helpers import free_port
 from workflows.config import load_config
 from workflows.errors import UserError
+from workflows.model_card import CARD_FILE
 from workflows.registry import EVAL_FILE
 
 PLUGINS = Path(__file__).resolve().parent.parent / "examples" / "tasks"  # the examples users copy
@@ -265,7 +266,7 @@ def test_a_card_edited_in_the_store_cannot_choose_the_code_that_runs(tmp_path, m
     (artifact / "model.safetensors").write_bytes(b"")
     ref = registry.register(cfg, StorageContext.from_config(cfg.storage), str(artifact), "victim",
                             {"task": "classification", "labels": ["a", "b"]})
-    card_file = Path(ref.uri) / registry.META_FILE
+    card_file = Path(ref.uri) / CARD_FILE
     card = json.loads(card_file.read_text())
     card["task"] = "evil_mod:Evil"  # what someone who can write to the bucket could do
     card_file.write_text(json.dumps(card))

@@ -64,27 +64,27 @@ def test_an_alias_moves_resolves_and_keeps_its_history(tmp_path, kind):
         register(cfg, ctx, tmp_path, 3)
         with pytest.raises(UserError, match="has no alias 'production'"):
             registry.resolve(cfg, ctx, "m@production")
-        first = registry_aliases.move(cfg, ctx, "m", "production", 1, by="test", reason="first")
+        first = registry.move_alias(cfg, ctx, "m", "production", 1, by="test", reason="first")
         assert (first.seq, first.previous, first.version) == (1, None, 1)
-        registry_aliases.move(cfg, ctx, "m", "staging", 3, by="test")
-        registry_aliases.move(cfg, ctx, "m", "production", 2, by="gate", reason="better")
+        registry.move_alias(cfg, ctx, "m", "staging", 3, by="test")
+        registry.move_alias(cfg, ctx, "m", "production", 2, by="gate", reason="better")
         assert registry.resolve(cfg, ctx, "m@production").version == 2
         assert registry.resolve(cfg, ctx, "m").version == 3  # a bare name is still the newest version
         assert registry.model_card(cfg, ctx, "m@staging").version == 3
         assert registry.fetch(cfg, ctx, "m@production")[1].version == 2
         assert registry_aliases.aliases(cfg, ctx, "m") == {"production": 2, "staging": 3}
-        registry_aliases.move(cfg, ctx, "m", "production", 1, by="rollback")  # a rollback is a move back
-        registry_aliases.move(cfg, ctx, "m", "staging", None, by="test")  # removed
+        registry.move_alias(cfg, ctx, "m", "production", 1, by="rollback")  # a rollback is a move back
+        registry.move_alias(cfg, ctx, "m", "staging", None, by="test")  # removed
         assert registry_aliases.aliases(cfg, ctx, "m") == {"production": 1}
         moves = [(r.alias, r.previous, r.version, r.by) for r in registry_aliases.history(cfg, ctx, "m")]
         assert moves == [("production", None, 1, "test"), ("staging", None, 3, "test"),
                          ("production", 1, 2, "gate"), ("production", 2, 1, "rollback"), ("staging", 3, None, "test")]
         with pytest.raises(UserError, match="has no version 9"):
-            registry_aliases.move(cfg, ctx, "m", "production", 9, by="test")
+            registry.move_alias(cfg, ctx, "m", "production", 9, by="test")
         with pytest.raises(UserError, match="no alias 'staging' to delete"):
-            registry_aliases.move(cfg, ctx, "m", "staging", None, by="test")
+            registry.move_alias(cfg, ctx, "m", "staging", None, by="test")
         with pytest.raises(registry_aliases.AliasMovedMeanwhile, match=r"v2 -> v1 .* by rollback"):
-            registry_aliases.move(cfg, ctx, "m", "production", 3, by="gate", expect=2)
+            registry.move_alias(cfg, ctx, "m", "production", 3, by="gate", expect=2)
         # the alias directory is no version, and the record files are where the module docstring says
         assert registry.list_models(cfg, ctx) == {"m": [1, 2, 3]}
         if kind == "local":
@@ -132,7 +132,7 @@ def test_concurrent_moves_are_each_recorded_once_in_one_chain(tmp_path, kind, mo
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=run, args=(registry_aliases.move, cfg, ctx, "m", "production", v + 1),
+        threads = [threading.Thread(target=run, args=(registry.move_alias, cfg, ctx, "m", "production", v + 1),
                                     kwargs={"by": f"mover {v + 1}"}, name=f"mover-{v}") for v in range(movers)]
         for t in threads:
             t.start()
@@ -152,7 +152,7 @@ def test_concurrent_moves_are_each_recorded_once_in_one_chain(tmp_path, kind, mo
 
         def conditional(v: int):
             try:
-                registry_aliases.move(cfg, ctx, "m", "canary", v, by=f"gate {v}", expect=None)
+                registry.move_alias(cfg, ctx, "m", "canary", v, by=f"gate {v}", expect=None)
             except registry_aliases.AliasMovedMeanwhile as e:
                 lost.append(str(e))
 
@@ -251,19 +251,19 @@ def test_the_serving_follower_rolls_over_when_the_alias_moves_and_keeps_serving_
                         deployed.append((spec, name, route_prefix, served_as)))
     with store(tmp_path, "local") as (cfg, ctx):
         register(cfg, ctx, tmp_path, 2)
-        registry_aliases.move(cfg, ctx, "m", "production", 1, by="test")
+        registry.move_alias(cfg, ctx, "m", "production", 1, by="test")
         said: list[str] = []
         served = Followed("m@production", 1, "model-m", "/")
         follower = AliasFollower(SimpleNamespace(cfg=cfg, storage=ctx), [served], said.append)
         assert follower.check(served) is None and not deployed
-        registry_aliases.move(cfg, ctx, "m", "production", 2, by="the gate")
+        registry.move_alias(cfg, ctx, "m", "production", 2, by="the gate")
         done = follower.check(served)
         assert deployed == [("m:2", "model-m", "/", "m@production")] and served.version == 2
         assert done["from"] == 1 and done["to"] == 2 and done["move"] == 2 and served.rollovers == [done]
         assert said[0].startswith("serve: m@production moved v1 -> v2 (") and "by the gate): rolling over" in said[0]
-        registry_aliases.move(cfg, ctx, "m", "production", 1, by="rollback")  # a rollback is a move back
+        registry.move_alias(cfg, ctx, "m", "production", 1, by="rollback")  # a rollback is a move back
         follower.check(served)
         assert deployed[-1][0] == "m:1" and served.version == 1
-        registry_aliases.move(cfg, ctx, "m", "production", None, by="test")
+        registry.move_alias(cfg, ctx, "m", "production", None, by="test")
         assert follower.check(served) is None and follower.check(served) is None and served.version == 1
         assert said[-1] == "serve: m@production is not set any more; still serving v1" and said.count(said[-1]) == 1

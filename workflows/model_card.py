@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
+CARD_FILE = "workflows.json"  # beside a model's files: in an exported artifact, a registered version, a fetched copy
 MAX_CARD_BYTES = 16 << 20  # a card read back from the store: labels, columns, metrics, lineage
 # each name or label a card holds: PATH_MAX, as for the names storage.confine resolves (a layer above)
 MAX_TEXT_CHARS = 4096
@@ -45,7 +46,7 @@ class ModelCard(BaseModel):
 
     @classmethod
     def load(cls, model_dir: str) -> ModelCard:
-        with open(os.path.join(model_dir, "workflows.json")) as f:
+        with open(os.path.join(model_dir, CARD_FILE)) as f:
             return cls.model_validate(json.load(f))
 
     def to_dict(self) -> dict[str, Any]:
@@ -57,6 +58,6 @@ class ModelCard(BaseModel):
 def write_card(card: ModelCard, out_dir: str) -> dict:
     """workflows.json of an artifact; a dict: registering adds the validation metrics and the tracking
     run that trained it."""
-    with open(os.path.join(out_dir, "workflows.json"), "w") as f:
+    with open(os.path.join(out_dir, CARD_FILE), "w") as f:
         json.dump(card.to_dict(), f, indent=2)
     return card.to_dict()

@@ -5,6 +5,11 @@ A version holds the serving artifact (safetensors weights, model config, tokeniz
 version without it is incomplete (an interrupted upload) and is never listed or served.
 Fetched versions are cached on local disk under their unique artifact id, downloaded to a temp
 directory and renamed into place.
+
+This module names and writes every file of a version: its claim, its card, its evaluation and the
+promotion gate's decision (readers ask it for them); an alias's records are registry_aliases'.
+`move_alias` is the one way an alias moves (the gate, `workflows models alias`, the bench): it checks
+the version, appends the alias's record and mirrors the move into MLflow's model registry.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from workflows import registry_aliases
 from workflows.config import WorkflowConfig, check_name
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
-from workflows.model_card import MAX_CARD_BYTES, ModelCard
+from workflows.model_card import CARD_FILE, MAX_CARD_BYTES, ModelCard
 from workflows.storage.confine import first_error, relative_under, shown
 from workflows.storage.create_only import create_once
 from workflows.storage.model_cache import cached_dir
@@ -40,9 +45,12 @@ from workflows.storage.uri import (
     read_json,
     write_json,
 )
+from workflows.tracking.client import Tracker, Warn
+from workflows.tracking.model_registry import mirror_alias
 
-META_FILE = "workflows.json"
 CLAIM_FILE = "claim.json"  # a version's first object: which registration writes into it
+EVAL_FILE = "evaluation.json"  # its metrics on held-out rows, written after registration
+PROMOTION_FILE = "promotion.json"  # the promotion gate's decision for it (workflows.pipeline.promote)
 _VERSION = re.compile(r"^v(\d+)$")
 
 
@@ -93,10 +101,14 @@ def _models_root(cfg: WorkflowConfig) -> str:
     return cfg.uri("models")
 
 
+def _version_uri(cfg: WorkflowConfig, name: str, version: int) -> str:
+    return join(_models_root(cfg), name, f"v{version}")
+
+
 def versions(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[int]:
     uri = join(_models_root(cfg), name)
     return sorted(int(m.group(1)) for n in names_under(uri, ctx)
-                  if (m := _VERSION.match(n)) and exists(join(uri, n, META_FILE), ctx))
+                  if (m := _VERSION.match(n)) and exists(join(uri, n, CARD_FILE), ctx))
 
 
 def list_models(cfg: WorkflowConfig, ctx: StorageContext) -> dict[str, list[int]]:
@@ -123,7 +135,7 @@ def resolve(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelRef:
     elif version not in available:
         message = f"model {name!r} has no version {version} (available: {', '.join(f'v{v}' for v in available)})"
         raise NotRegistered(message, message)
-    return ModelRef(name, version, join(_models_root(cfg), name, f"v{version}"))
+    return ModelRef(name, version, _version_uri(cfg, name, version))
 
 
 def register(
@@ -139,18 +151,18 @@ def register(
     card = metadata if isinstance(metadata, ModelCard) else ModelCard.model_validate(metadata)
     artifact_id = uuid.uuid4().hex
     version = (versions(cfg, ctx, name) or [0])[-1] + 1
-    while not create_once(join(_models_root(cfg), name, f"v{version}", CLAIM_FILE),
+    while not create_once(join(_version_uri(cfg, name, version), CLAIM_FILE),
                           json.dumps({"artifact_id": artifact_id}).encode(), ctx):
         version += 1  # another registration holds it
-    uri = join(_models_root(cfg), name, f"v{version}")
+    uri = _version_uri(cfg, name, version)
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):
         for f in sorted(Path(local_dir).iterdir()):
-            if f.is_file() and f.name not in (META_FILE, CLAIM_FILE):
+            if f.is_file() and f.name not in (CARD_FILE, CLAIM_FILE):
                 fs.put_file(str(f), f"{path}/{f.name}")
     card = card.model_copy(update={"name": name, "version": version, "artifact_id": artifact_id,
                                    "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    write_json(join(uri, META_FILE), card.to_dict(), ctx)  # last: marks the version complete
+    write_json(join(uri, CARD_FILE), card.to_dict(), ctx)  # last: marks the version complete
     return ModelRef(name, version, uri)
 
 
@@ -158,7 +170,7 @@ def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
     """The stored card of `ref`, refused in one line unless the fields that name places (its name,
     version and artifact id: the cache entry) are what register() writes: anyone who can write to
     the bucket can edit the card, and must not choose where a fetch writes."""
-    uri = join(ref.uri, META_FILE)
+    uri = join(ref.uri, CARD_FILE)
     try:
         card = ModelCard.model_validate(read_json(uri, ctx, max_bytes=MAX_CARD_BYTES))
     except ValidationError as e:  # a field of the wrong type or size (before json's ValueError: a subclass)
@@ -179,7 +191,7 @@ def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
 
 def card_uri(cfg: WorkflowConfig, card: ModelCard) -> str:
     """Where a version's card is stored (as an error message names it)."""
-    return join(_models_root(cfg), str(card.name), f"v{card.version}", META_FILE)
+    return join(_models_root(cfg), str(card.name), f"v{card.version}", CARD_FILE)
 
 
 def lineage_dataset(cfg: WorkflowConfig, ctx: StorageContext, card: ModelCard) -> ProcessedDataset:
@@ -210,22 +222,23 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
     what = f"model {ref.name}:v{ref.version}"
 
     def fill(tmp: str) -> None:
-        download_dir(ref.uri, ctx, tmp, skip=(META_FILE, EVAL_FILE, CLAIM_FILE, PROMOTION_FILE))
+        download_dir(ref.uri, ctx, tmp, skip=(CARD_FILE, EVAL_FILE, CLAIM_FILE, PROMOTION_FILE))
         check_tokenizer_files(tmp, what)  # nothing refused enters the cache
-        (Path(tmp) / META_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
+        (Path(tmp) / CARD_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
 
     return check_tokenizer_files(cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill),
                                  what), card
-
-
-EVAL_FILE = "evaluation.json"
-PROMOTION_FILE = "promotion.json"  # the promotion gate's decision for the version (workflows.pipeline.promote)
 
 
 def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, metrics: dict) -> None:
     """Evaluation runs after registration (actors fetch the model from the registry), so its
     metrics are stored beside the version rather than inside workflows.json."""
     write_json(join(ref.uri, EVAL_FILE), metrics, ctx)
+
+
+def write_promotion(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, decision: dict) -> None:
+    """The promotion gate's decision on the version, beside it: its card shows it (`model_card`)."""
+    write_json(join(ref.uri, PROMOTION_FILE), decision, ctx)
 
 
 def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard:
@@ -242,3 +255,20 @@ def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard
 def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict[str, Any]:
     """`model_card` as its JSON object: the keys stored, extras included."""
     return model_card(cfg, ctx, spec).to_dict()
+
+
+def move_alias(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, version: int | None, *, by: str,
+               reason: str = "", expect: Any = registry_aliases.UNSET, details: dict[str, Any] | None = None,
+               tracker: Tracker | None = None, warn: Warn | None = None) -> registry_aliases.AliasRecord:
+    """Point `alias` of model `name` at the complete `version` (None: remove it): the alias's new
+    record (registry_aliases.append: `expect` makes the move conditional on the holder, as the gate
+    does), then the same alias in MLflow's model registry where tracking is on (on `tracker`, the
+    command's tracking session's when it has one; tracking.model_registry.mirror_alias)."""
+    registry_aliases.check_alias(alias)
+    uri = _version_uri(cfg, name, version) if version is not None else None
+    if uri is not None and not exists(join(uri, CARD_FILE), ctx):  # its card is written last
+        raise UserError(f"model {name!r} has no version {version} to alias as {alias!r}")
+    record = registry_aliases.append(cfg, ctx, name, alias, version, by=by, reason=reason, expect=expect,
+                                     details=details)
+    mirror_alias(cfg, name, alias, record.version, uri, tracker=tracker, warn=warn)
+    return record

@@ -1,5 +1,7 @@
 """Aliases of registered versions (`production`, `staging`, any valid name) and their history, in
-the registry's bucket: `<storage.root>/models/<name>/aliases/<alias>/<seq>.json`.
+the registry's bucket: `<storage.root>/models/<name>/aliases/<alias>/<seq>.json`. This module names,
+reads and writes those records; an alias moves through `registry.move_alias`, which checks the
+version it is to point at, appends the record here and mirrors it into MLflow's model registry.
 
 Each move of an alias is a new record with the next sequence number, written with the registry's
 create-only write (workflows.storage.create_only.create_once). The alias's holder
@@ -22,7 +24,7 @@ from workflows.config import WorkflowConfig
 from workflows.config.base import check_alias_name
 from workflows.errors import UserError
 from workflows.storage.create_only import create_once
-from workflows.storage.uri import StorageContext, exists, join, names_under, read_json
+from workflows.storage.uri import StorageContext, join, names_under, read_json
 
 ALIASES = "aliases"
 _RECORD = re.compile(r"^(\d{8})\.json$")
@@ -122,44 +124,42 @@ def history(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[AliasRe
     return sorted(records, key=lambda r: (r.at, r.alias, r.seq))
 
 
-def move(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, version: int | None, *, by: str,
-         reason: str = "", expect: Any = UNSET, details: dict[str, Any] | None = None,
-         attempts: int = 100) -> AliasRecord:
-    """Point `alias` of model `name` at `version` (None: remove it), as a new record after the newest.
+def append(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, version: int | None, *, by: str,
+           reason: str = "", expect: Any = UNSET, details: dict[str, Any] | None = None,
+           attempts: int = 100) -> AliasRecord:
+    """The record of `alias` of model `name` pointing at `version` (None: removed), after the newest
+    (registry.move_alias calls it, once it has checked that the version is complete).
 
     `expect`: move only if the alias holds this version now (None: is not set); another mover that
     got there first raises AliasMovedMeanwhile, naming its move. Without it, a lost race is retried
     on the new newest record, so the recorded `from` is always the version really replaced."""
     check_alias(alias)
-    # a complete version: its card (registry.META_FILE) is written last
-    if version is not None and not exists(join(cfg.uri("models"), name, f"v{version}", "workflows.json"), ctx):
-        raise UserError(f"model {name!r} has no version {version} to alias as {alias!r}")
     for _ in range(attempts):
         current = newest(cfg, ctx, name, alias)
         held = current.version if current is not None else None
         if expect is not UNSET and held != expect:
             raise AliasMovedMeanwhile(f"{name}@{alias} moved meanwhile: {_describe(current)}; "
-                                      f"expected it at {_v(expect)}")
+                                      f"expected it at {version_label(expect)}")
         if version is None and held is None:
             raise UserError(f"model {name!r} has no alias {alias!r} to delete")
         seq = (current.seq if current is not None else 0) + 1
-        record = AliasRecord(alias=alias, seq=seq, version=version, previous=held,
-                             at=now(),
-                             by=by, reason=reason, details=details or {})
+        record = AliasRecord(alias=alias, seq=seq, version=version, previous=held, at=now(), by=by, reason=reason,
+                             details=details or {})
         if create_once(_record_uri(cfg, name, alias, seq), json.dumps(record.to_dict(), indent=2).encode(), ctx):
             return record
         # another move took this sequence number: read it and go after it
     raise UserError(f"could not move {name}@{alias} after {attempts} attempts: too many concurrent moves")
 
 
-def _v(version: int | None) -> str:
+def version_label(version: int | None) -> str:
+    """A version as moves name it: v3, or nothing for an alias not set."""
     return "nothing" if version is None else f"v{version}"
 
 
 def _describe(record: AliasRecord | None) -> str:
     if record is None:
         return "never set"
-    return f"{_v(record.previous)} -> {_v(record.version)} at {when(record)} by {record.by}"
+    return f"{version_label(record.previous)} -> {version_label(record.version)} at {when(record)} by {record.by}"
 
 
 def now() -> str:

@@ -9,6 +9,7 @@ from workflows import registry, registry_aliases
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.lineage import version_lineage
+from workflows.registry_aliases import version_label
 from workflows.storage.uri import StorageContext
 
 
@@ -34,10 +35,6 @@ def model_history(cfg: WorkflowConfig, ctx: StorageContext, name: str) -> list[d
     return sorted(events, key=lambda e: (e["at"][:19], e["kind"] == "alias", e["at"]))
 
 
-def _v(version: int | None) -> str:
-    return "nothing" if version is None else f"v{version}"
-
-
 def format_history(events: list[dict[str, Any]]) -> str:
     lines = []
     for e in events:
@@ -48,6 +45,6 @@ def format_history(events: list[dict[str, Any]]) -> str:
                          f"{e['digest'] or '?'}, rows train/val/test {rows}), config {e['config_digest'] or '?'}, "
                          f"commit {(e['commit'] or '?')[:12]}" + (f", MLflow run {e['run']}" if e["run"] else ""))
         else:
-            lines.append(f"{when}  @{e['alias']}: {_v(e['from'])} -> {_v(e['to'])} by {e['by']}"
+            lines.append(f"{when}  @{e['alias']}: {version_label(e['from'])} -> {version_label(e['to'])} by {e['by']}"
                          + (f": {e['reason']}" if e["reason"] else ""))
     return "\n".join(lines)

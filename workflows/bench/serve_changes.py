@@ -62,19 +62,15 @@ def replica_kill(deployed, rows: list[dict]) -> dict:
 
 # -- a new version rolled out under load, by an alias move ------------------------------------
 ROLLOVER_BOUND_S = 60.0  # the stated bound: answers only from the new version this long after the move
+BENCH = "workflows bench serve"  # who moves the bench's alias, for its history
 
 
-def rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 32) -> dict:
-    """2 replicas serve `rollout@production` (v1) under load at `concurrency`, as `workflows serve
-    --model rollout@production` does (its alias follower); the alias is moved to v2 and the follower
-    rolls the application over with Serve's rolling update. Measured from the move: the failed
-    requests (goal 0), the first answer of v2 and the last of v1 (goal: within ROLLOVER_BOUND_S)."""
-    from dataclasses import replace
-
-    from workflows import registry, registry_aliases
-    from workflows.serve.app import deploy
-    from workflows.serve.follow import AliasFollower, Followed
-    from workflows.storage.uri import filesystem
+def rollout_versions(rt, spec: str) -> tuple:
+    """(config, v1, v2): a registry of the bench's own (under <storage.root>/bench-rollout) holding
+    `spec` twice as `rollout`, and `rollout@production` on v1, moved as every alias is
+    (registry.move_alias: the record, and the alias in MLflow's registry where tracking is on)."""
+    from workflows import registry
+    from workflows.tracking.stages import session_tracker
 
     cfg = rt.cfg.model_copy(deep=True)
     cfg.storage.root = f"{rt.cfg.storage.root.rstrip('/')}/bench-rollout"
@@ -84,9 +80,27 @@ def rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 32) -> di
     registered = {"name", "version", "artifact_id", "registered_at"}  # register sets them anew
     lineage = card.model_dump(exclude_unset=True, exclude=registered)
     old, new = (registry.register(cfg, rt.storage, local, "rollout", {**lineage, "copy_of": spec}) for _ in range(2))
+    registry.move_alias(cfg, rt.storage, "rollout", "production", old.version, by=BENCH,
+                        tracker=session_tracker(rt))
+    return cfg, old, new
+
+
+def rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 32) -> dict:
+    """2 replicas serve `rollout@production` (v1) under load at `concurrency`, as `workflows serve
+    --model rollout@production` does (its alias follower); the alias is moved to v2 and the follower
+    rolls the application over with Serve's rolling update. Measured from the move: the failed
+    requests (goal 0), the first answer of v2 and the last of v1 (goal: within ROLLOVER_BOUND_S)."""
+    from dataclasses import replace
+
+    from workflows import registry
+    from workflows.serve.app import deploy
+    from workflows.serve.follow import AliasFollower, Followed
+    from workflows.storage.uri import filesystem
+    from workflows.tracking.stages import session_tracker
+
+    cfg, old, new = rollout_versions(rt, spec)
     follower = None
     try:
-        registry_aliases.move(cfg, rt.storage, "rollout", "production", old.version, by="workflows bench serve")
         url = deploy(cfg, f"rollout:{old.version}", name="bench", served_as="rollout@production")
         follower = AliasFollower(replace(rt, cfg=cfg), [Followed("rollout@production", old.version, "bench", "/")],
                                  say=lambda _: None).start()
@@ -98,8 +112,8 @@ def rolling_update(rt, spec: str, rows: list[dict], concurrency: int = 32) -> di
         runner.start()
         time.sleep(5)
         moved = time.perf_counter()
-        registry_aliases.move(cfg, rt.storage, "rollout", "production", new.version, by="workflows bench serve",
-                              reason="the rolling-update measurement")
+        registry.move_alias(cfg, rt.storage, "rollout", "production", new.version, by=BENCH,
+                            reason="the rolling-update measurement", tracker=session_tracker(rt))
         deadline = moved + ROLLOVER_BOUND_S + 60
         while time.perf_counter() < deadline:  # the load goes on until only v2 has answered for 5 s
             now = time.perf_counter()

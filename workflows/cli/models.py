@@ -125,7 +125,8 @@ def alias(
     set: list[str] | None = SetOpt,
 ):
     """Point ALIAS of a model at a version (a rollback is the same: point it back), or remove it; the move
-    is recorded in the history, and `serve --model NAME@ALIAS` follows it."""
+    is recorded in the history and set in MLflow's model registry (where tracking is on), and `serve
+    --model NAME@ALIAS` follows it."""
     from workflows import registry, registry_aliases
     from workflows.errors import UserError
 
@@ -135,18 +136,12 @@ def alias(
             raise UserError(f"{model!r}: give the version as NAME:VERSION")
         if version is None and not delete:
             raise UserError(f"{model!r}: name the version the alias is to point at, NAME:VERSION")
-        registry_aliases.check_alias(alias_name)
-        by = f"workflows models alias ({_who()})"
         expect = version if delete and version is not None else registry_aliases.UNSET
-        record = registry_aliases.move(rt.cfg, rt.storage, name, alias_name, None if delete else version, by=by,
-                                       reason=reason, expect=expect)
-        uri = registry.resolve(rt.cfg, rt.storage, f"{name}:{record.version}").uri if record.version else None
-        typer.echo(f"{name}@{alias_name}: {_v(record.previous)} -> {_v(record.version)} (move {record.seq})")
-        from workflows.tracking.model_registry import sync_alias
-
-        if sync_alias(rt.cfg, name, alias_name, record.version, uri, warn=console.echo) is False:
-            console.echo(f"warning: MLflow's registry could not be updated; `workflows models alias {model} "
-                         f"{alias_name}{' --delete' if delete else ''}` again sets it there")
+        record = registry.move_alias(rt.cfg, rt.storage, name, alias_name, None if delete else version,
+                                     by=f"workflows models alias ({_who()})", reason=reason, expect=expect,
+                                     warn=console.warn)
+        label = registry_aliases.version_label
+        typer.echo(f"{name}@{alias_name}: {label(record.previous)} -> {label(record.version)} (move {record.seq})")
 
     _in_runtime("models", config, set, body, ray_needed=False)
 
@@ -165,10 +160,6 @@ def history(
         typer.echo(format_history(model_history(rt.cfg, rt.storage, name)))
 
     _in_runtime("models", config, set, body, ray_needed=False)
-
-
-def _v(version: int | None) -> str:
-    return "nothing" if version is None else f"v{version}"
 
 
 def _who() -> str:

@@ -6,10 +6,11 @@ The rows: the candidate's held-out split (the pipeline's evaluation already scor
 it), and `registry.gate_data` when the config names one, a fixed set both are scored on too. The gate
 set decides when there is one (two runs on different data meet on common ground there), else the
 held-out split. The decision, both scores and the rows go into the stage's summary (promote.json and
-pipeline.json's `promotion`), beside the version in the registry (promotion.json, which its card
-shows), into MLflow (the promote run, and the registered model's alias in MLflow's registry) and one
-printed line. The move itself is conditional on the holder the gate scored (registry_aliases.move's
-`expect`): a move made meanwhile by someone else is reported, never overwritten.
+pipeline.json's `promotion`), beside the version in the registry (registry.write_promotion, which its
+card shows), into MLflow (the promote run) and one printed line. The alias moves as every alias does
+(registry.move_alias: the record, and the alias in MLflow's registry), on the condition that it still
+holds the version the gate scored (`expect`): a move made meanwhile by someone else is reported, never
+overwritten.
 """
 
 from __future__ import annotations
@@ -23,17 +24,15 @@ from workflows.evaluate import evaluate_dataset
 from workflows.pipeline.stages import stage
 from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.runtime import Runtime, say
-from workflows.storage.uri import join, write_json
 from workflows.tasks import get_task, task_for_card
 from workflows.tracking import stages as tracking
-
-PROMOTION_FILE = registry.PROMOTION_FILE
+from workflows.tracking.session import Run
 
 
 def gate_metric(cfg: WorkflowConfig) -> tuple[str, str]:
     """(the metric the gate compares, "max" | "min"): `registry.promote.metric`, else the task's headline."""
     assert cfg.registry.promote is not None
-    metrics = type(get_task(cfg)).comparable_metrics()
+    metrics = get_task(cfg).evaluation.comparable_metrics()
     name = cfg.registry.promote.metric or next(iter(metrics))
     return name, metrics[name]
 
@@ -55,12 +54,12 @@ def stage_promote(rt: Runtime, ref: registry.ModelRef, test_ds, candidate_test: 
     with stage(rt, "promote") as s:
         held = registry_aliases.holder(cfg, rt.storage, ref.name, promote.alias)
         sets: dict[str, dict[str, Any]] = {"test": {"rows": candidate_test["rows"],
-                                                    "candidate": task.metric_value(candidate_test, metric)}}
+                                                    "candidate": task.evaluation.metric_value(candidate_test, metric)}}
         gate_ds = _gate_rows(rt) if cfg.registry.gate_data else None
         if gate_ds is not None:
             scored = _score(rt, f"{ref.name}:{ref.version}", gate_ds)
             sets["gate"] = {"rows": scored["rows"], "data": cfg.registry.gate_data,
-                            "candidate": task.metric_value(scored, metric)}
+                            "candidate": task.evaluation.metric_value(scored, metric)}
         if held is not None:
             card = registry.model_card(cfg, rt.storage, f"{ref.name}:{held}")
             holder_task = task_for_card(cfg, card)
@@ -69,25 +68,33 @@ def stage_promote(rt: Runtime, ref: registry.ModelRef, test_ds, candidate_test: 
                     scored = _score(rt, f"{ref.name}:{held}", ds, card)
                     if scored["rows"] != sets[name]["rows"]:  # both scored on the same labelled rows
                         raise RuntimeError(f"gate: {name} rows differ ({scored['rows']} vs {sets[name]['rows']})")
-                    sets[name]["holder"] = holder_task.metric_value(scored, metric)
+                    sets[name]["holder"] = holder_task.evaluation.metric_value(scored, metric)
         on = "gate" if "gate" in sets else "test"
         decision = _decide(ref, held, sets[on], metric, mode, promote.margin)
         decision.update(alias=promote.alias, metric=metric, mode=mode, margin=promote.margin, decided_on=on,
                         scores=sets, candidate=ref.version, holder=held, by=by,
                         at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        if decision["promoted"]:
-            try:
-                record = registry_aliases.move(cfg, rt.storage, ref.name, promote.alias, ref.version, by=by,
-                                               reason=decision["reason"], expect=held,
-                                               details={k: decision[k] for k in ("metric", "scores", "decided_on")})
-                decision["seq"] = record.seq
-            except registry_aliases.AliasMovedMeanwhile as e:
-                decision.update(promoted=False, reason=f"not moved: {e}")
-        write_json(join(ref.uri, PROMOTION_FILE), decision, rt.storage)  # beside the version: its card shows it
-        rt.persist()
-        say(line(ref, decision))
-        s.summary.update(decision)
-        tracking.log_promotion(s.run, rt, ref, decision)
+        s.summary.update(carry_out(rt, s.run, ref, decision))
+    return decision
+
+
+def carry_out(rt: Runtime, run: Run, ref: registry.ModelRef, decision: dict) -> dict:
+    """The decision carried out and recorded: the alias moved to `ref` when it won, unless it moved
+    meanwhile (the decision then says so); the decision stored beside the version, said in one line
+    and logged on the promote `run`."""
+    if decision["promoted"]:
+        try:
+            record = registry.move_alias(rt.cfg, rt.storage, ref.name, decision["alias"], ref.version,
+                                         by=decision["by"], reason=decision["reason"], expect=decision["holder"],
+                                         details={k: decision[k] for k in ("metric", "scores", "decided_on")},
+                                         tracker=tracking.session_tracker(rt))
+            decision["seq"] = record.seq
+        except registry_aliases.AliasMovedMeanwhile as e:
+            decision.update(promoted=False, reason=f"not moved: {e}")
+    registry.write_promotion(rt.cfg, rt.storage, ref, decision)
+    rt.persist()
+    say(line(ref, decision))
+    tracking.log_promotion(run, ref, decision)
     return decision
 
 
@@ -107,7 +114,7 @@ def _decide(ref, held: int | None, scores: dict, metric: str, mode: str, margin:
 def line(ref, d: dict) -> str:
     """The one printed line of a decision."""
     verdict = f"{ref.name}@{d['alias']} -> v{ref.version}" if d["promoted"] else \
-        f"{ref.name}@{d['alias']} stays at {'nothing' if d['holder'] is None else 'v' + str(d['holder'])}"
+        f"{ref.name}@{d['alias']} stays at {registry_aliases.version_label(d['holder'])}"
     where = {"test": "of the held-out split", "gate": "of the gate set"}[d["decided_on"]]
     return f"promote: {verdict}: {d['reason']} {where}"
 

@@ -1,18 +1,20 @@
 """MLflow's model registry as a mirror of the bucket's: each registered version becomes a model version
 of the registered model of the same name (source: the version's URI in the store, run: the training
-run, tag `workflows.version`), and the aliases the promotion gate or `workflows models alias` moves
-are set there too, so MLflow's UI shows `@production` on the version that holds it. The bucket stays
-the registry (`workflows serve` reads it); MLflow's numbering may differ from ours (a version
-registered with tracking off has no MLflow twin until an alias names it), hence the tag. Every call
-goes through the fail-soft Tracker: an MLflow outage never fails a registration or a move."""
+run, tag `workflows.version`), and every move of an alias (registry.move_alias: the promotion gate,
+`workflows models alias`, the bench's rollout) is set there too, so MLflow's UI shows `@production`
+on the version that holds it. The bucket stays the registry (`workflows serve` reads it); MLflow's
+numbering may differ from ours (a version registered with tracking off has no MLflow twin until an
+alias names it), hence the tag. Every call goes through the fail-soft Tracker: an MLflow outage never
+fails a registration or a move."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from workflows.tracking.client import Tracker
-from workflows.tracking.store import http_defaults, resolve_uri
+from workflows import console
+from workflows.tracking.client import Tracker, Warn
+from workflows.tracking.store import http_defaults, redact_uri, resolve_uri
 
 VERSION_TAG = "workflows.version"
 
@@ -61,21 +63,31 @@ def set_alias(client, name: str, alias: str, version: int | None, uri: str | Non
     client.set_registered_model_alias(name, alias, mv)
 
 
-def sync_alias(cfg, name: str, alias: str, version: int | None, uri: str | None, warn=None) -> bool | None:
-    """For a command without a tracking session (`workflows models alias`): the alias set in the
-    config's MLflow store, where tracking is on and the store exists; True once done, None when
-    there is nothing to mirror to."""
+def mirror_alias(cfg, name: str, alias: str, version: int | None, uri: str | None, tracker: Tracker | None = None,
+                 warn: Warn | None = None) -> None:
+    """MLflow's alias `alias` of `name` set as the bucket's newest record has it, where tracking is on
+    (`uri`: the version's, for a twin to be created from). On `tracker`, a tracking session's (the
+    promotion gate, the bench), the call queues behind the session's own, the registration's twin
+    among them, and is sent with them. A command without a session (`workflows models alias`) opens
+    the store for it, where the store exists, and waits for it (at most 30 s): one that could not be
+    sent is said through `warn`."""
     if not cfg.tracking.enabled:
-        return None
+        return
+    if tracker is not None:
+        tracker.call(lambda client: set_alias(client, name, alias, version, uri))
+        return
     store = resolve_uri(cfg)
     if store.startswith("sqlite:") and not Path(store.split(":///", 1)[-1]).exists():
-        return None  # nothing tracked with this config: no registered model to mirror into
+        return  # nothing tracked with this config: no registered model to mirror into
     http_defaults()
-    tracker = Tracker(store, warn, retry_seconds=min(cfg.tracking.retry_seconds, 30.0))
+    own = Tracker(store, warn, retry_seconds=min(cfg.tracking.retry_seconds, 30.0))
+
     def call(client) -> bool:
         set_alias(client, name, alias, version, uri)
         return True
 
-    done = tracker.call(call)
-    tracker.close(30)
-    return bool(done.result()) if done.done() else False
+    done = own.call(call)
+    own.close(30)
+    if not (done.done() and done.result()):
+        (warn or console.warn)(f"{name}@{alias} is not set in MLflow's registry ({redact_uri(store)}); "
+                               "moving the alias again sets it there")

@@ -88,7 +88,8 @@ class Run:
         self._run = run  # Future of the mlflow RunInfo (None when tracking is off)
         self.key = key  # its RUN_KEY_TAG: how a worker finds it before its id is known here
 
-    def _call(self, fn) -> Future | None:
+    def call(self, fn) -> Future | None:
+        """fn(client, run info) queued on the tracker once the run is created; None when tracking is off."""
         if self._s is None or self._run is None:
             return None
 
@@ -126,15 +127,15 @@ class Run:
 
     def log_params(self, params: dict[str, Any]) -> None:
         params = dict(params)  # as it is now: the call runs later, on the tracking thread
-        self._call(lambda c, info: log_params(c, info.run_id, params))
+        self.call(lambda c, info: log_params(c, info.run_id, params))
 
     def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
         rows = [(k, float(v), step) for k, v in metrics.items() if isinstance(v, int | float) and v is not None]
         ts = now_ms()
-        self._call(lambda c, info: log_metrics(c, info.run_id, rows, ts))
+        self.call(lambda c, info: log_metrics(c, info.run_id, rows, ts))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self._call(lambda c, info: set_tags(c, info.run_id, tags))
+        self.call(lambda c, info: set_tags(c, info.run_id, tags))
 
     def log_files(self, files: Sequence[Path | str | None], subdir: str = "") -> None:
         """Upload the files that exist (None and missing paths skipped) as artifacts of the run."""
@@ -142,10 +143,10 @@ class Run:
         if session is None:
             return
         paths = [Path(f) for f in files if f is not None and Path(f).is_file()]
-        self._call(lambda c, info: session.upload(c, info, paths, subdir))
+        self.call(lambda c, info: session.upload(c, info, paths, subdir))
 
     def end(self, status: str = "FINISHED") -> None:
-        self._call(lambda c, info: c.set_terminated(info.run_id, status, now_ms()))
+        self.call(lambda c, info: c.set_terminated(info.run_id, status, now_ms()))
 
 
 class Tracking:

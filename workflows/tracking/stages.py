@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from workflows.storage.atomic import atomic_write
-from workflows.tracking.model_registry import ensure_version, set_alias
+from workflows.tracking.client import Tracker
+from workflows.tracking.model_registry import ensure_version
 from workflows.tracking.session import Run, ray_job_id
 from workflows.tracking.store import redact_uri
 
@@ -71,7 +72,7 @@ def log_tune(run: Run, outcome, cfg, files: list[Path]) -> None:
                 client.set_tag(r.info.run_id, "tune.stopped_by", cfg.tune.scheduler.upper())
             client.set_tag(r.info.run_id, "tune.epochs", str(t.epochs))
             client.set_terminated(r.info.run_id, status, r.info.end_time or None)
-    run._call(mark)
+    run.call(mark)
 
 
 def log_train(run: Run, outcome, curve: Path | None) -> None:
@@ -101,7 +102,7 @@ def log_registered(run: Run, ref, card: dict) -> None:
                   "dataset.digest": (lineage.get("data") or {}).get("digest")})
     if lineage.get("data"):
         log_dataset(run, lineage["data"], "training")
-    run._call(lambda client, info: ensure_version(
+    run.call(lambda client, info: ensure_version(
         client, ref.name, ref.version, ref.uri, info.run_id,
         tags={"dataset.digest": (lineage.get("data") or {}).get("digest"),
               "workflows.config_digest": lineage.get("config_digest"), "code_commit": lineage.get("code_commit")}))
@@ -118,12 +119,12 @@ def log_dataset(run: Run, data: dict, context: str) -> None:
                       source=json.dumps({"uri": data["uri"], "raw": data["source"]}),
                       profile=json.dumps({"num_rows": sum(data["rows"].values()), "rows": data["rows"]}))
     entry = DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
-    run._call(lambda client, info: client.log_inputs(info.run_id, datasets=[entry]))
+    run.call(lambda client, info: client.log_inputs(info.run_id, datasets=[entry]))
 
 
-def log_promotion(run: Run, rt, ref, decision: dict) -> None:
-    """The gate's decision on its run (both scores per set of rows, the verdict as tags) and, when it
-    moved the alias, the alias in MLflow's model registry."""
+def log_promotion(run: Run, ref, decision: dict) -> None:
+    """The gate's decision on its run: both scores per set of rows, the verdict as tags (the alias's
+    move is mirrored into MLflow's model registry by registry.move_alias)."""
     scores = {f"{name}_{who}": value for name, s in decision["scores"].items()
               for who, value in s.items() if who in ("candidate", "holder")}
     run.log_metrics({**scores, **{f"{name}_rows": s["rows"] for name, s in decision["scores"].items()}})
@@ -131,8 +132,13 @@ def log_promotion(run: Run, rt, ref, decision: dict) -> None:
                   "promotion.promoted": str(decision["promoted"]).lower(), "promotion.reason": decision["reason"],
                   "promotion.candidate": ref.version, "promotion.holder": decision["holder"],
                   "registered_model.name": ref.name, "registered_model.version": ref.version})
-    if decision["promoted"]:
-        run._call(lambda client, info: set_alias(client, ref.name, decision["alias"], ref.version, ref.uri))
+
+
+def session_tracker(rt) -> Tracker | None:
+    """The tracker of the command's tracking session, where it has one that is on: a move of an alias
+    mirrored on it queues behind the session's own calls (registry.move_alias)."""
+    t = getattr(rt, "tracking", None)
+    return t.tracker if t is not None and not t.tracker.off else None
 
 
 def performed_by(rt, command: str) -> str:
@@ -140,7 +146,7 @@ def performed_by(rt, command: str) -> str:
     tracked) and the Ray job."""
     parts = [f"config {rt.cfg.name}"]
     t = getattr(rt, "tracking", None)
-    parent = t.parent if t is not None and not t.tracker.off else None
+    parent = t.parent if session_tracker(rt) is not None else None
     info = parent.info(timeout=60) if parent is not None else None
     if info is not None:
         parts.append(f"MLflow run {info.run_id}")
