@@ -145,8 +145,7 @@ def performed_by(rt, command: str) -> str:
     """Who moves an alias, for its history: the command, the config, the pipeline's MLflow run (when
     tracked) and the Ray job."""
     parts = [f"config {rt.cfg.name}"]
-    t = getattr(rt, "tracking", None)
-    parent = t.parent if session_tracker(rt) is not None else None
+    parent = rt.tracking.parent if session_tracker(rt) is not None else None
     info = parent.info(timeout=60) if parent is not None else None
     if info is not None:
         parts.append(f"MLflow run {info.run_id}")
