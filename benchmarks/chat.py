@@ -110,7 +110,7 @@ def served_precisions(tmp: str, config: str, overrides: list[str], model: str, r
     runs: dict[str, list[dict]] = {p: [] for p in PRECISIONS}
     for _ in range(repeats):
         for precision in PRECISIONS:
-            predictor: Any = task.predictor(model_dir, card, threads=os.cpu_count(), precision=precision)
+            predictor: Any = task.serving.predictor(model_dir, card, threads=os.cpu_count(), precision=precision)
             engine = predictor.engine  # loaded before the clock starts
             predictor.predict(instances[:2])  # warm-up
             t0 = time.perf_counter()

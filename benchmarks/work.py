@@ -163,8 +163,8 @@ def train_run(cfg: WorkflowConfig, processed: Path, epochs: int, threads: int, l
     tc = cfg.train
     task, data = get_task(cfg), local_dataset(processed)
     torch.set_num_threads(threads)
-    train_rows = task.prepare_rows(_rows(data.files["train"], task.columns, tc.max_train_rows))
-    val_rows = task.prepare_rows(_rows(data.files["val"], task.columns, tc.max_val_rows))
+    train_rows = task.dataset.prepare_rows(_rows(data.files["train"], task.columns, tc.max_train_rows))
+    val_rows = task.dataset.prepare_rows(_rows(data.files["val"], task.columns, tc.max_val_rows))
     t0 = time.perf_counter()
     eval_batch = task.collate(data, train=False)
 
@@ -204,14 +204,14 @@ def evaluate_and_serve(cfg: WorkflowConfig, model_dir: Path, processed: Path, in
     card = ModelCard.load(str(model_dir))
     task = task_for_card(cfg, card)
     test = pd.concat(pd.read_parquet(f) for f in sorted(glob.glob(str(processed / "split=test" / "*.parquet"))))
-    test = test[[*task.input_columns(card, set(test.columns)), card.label_column]].reset_index(drop=True)
+    test = test[[*task.serving.input_columns(card, set(test.columns)), card.label_column]].reset_index(drop=True)
     size = cfg.evaluate.batch_size
     t0 = time.perf_counter()
-    predictor = task.predictor(str(model_dir), card, threads, cfg.serve.precision)
+    predictor = task.serving.predictor(str(model_dir), card, threads, cfg.serve.precision)
     scored = pd.concat([predictor.predict_frame(test.iloc[i : i + size].copy()) for i in range(0, len(test), size)])
     metrics = task.evaluate_rows(scored[card.label_column].tolist(), scored["prediction"].tolist(), card)
     evaluate = time.perf_counter() - t0
-    contract = task.http_contract(card, cfg.serve.max_instances)
+    contract = task.serving.http_contract(card, cfg.serve.max_instances)
     bodies = request_bodies(instances)
     t0 = time.perf_counter()
     for body in bodies:

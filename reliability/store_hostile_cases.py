@@ -129,7 +129,7 @@ def manifest_cases(env) -> list[Case]:
         ProcessedDataset.load(uri, env.ctx)
 
     def tokenizer(uri):
-        get_task(env.cfg).tokenizer_of(ProcessedDataset.load(uri, env.ctx))
+        get_task(env.cfg).dataset.tokenizer_of(ProcessedDataset.load(uri, env.ctx))
 
     fields: list[tuple[str, tuple[str, ...], Callable, Callable[[str, str], Any]]] = [
         ("files.train.0", PLACE_VARIANTS, load, lambda v, uri: place(v, env, "secret.parquet", uri)),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from workflows.tasks.chat import ChatOptions, ChatTask
+from workflows.tasks.chat import ChatOptions, ChatServing, ChatTask
 
 WORDS = "hello world the a cat dog sat on mat is big small red blue green one two three four five".split()
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -67,11 +67,9 @@ class HookedOptions(ChatOptions):
     finish_log: str | None = None  # append {"tokens", "finish_reason", "max_tokens"} per ended generation
 
 
-class HookedChatTask(ChatTask):
-    """The chat task with two test hooks on its engine, set by model.options: a slow model and a log
-    of each generation's end (so that a test can watch a disconnect stop one generation)."""
-
-    Options = HookedOptions
+class HookedServing(ChatServing):
+    """The chat task's serving with two test hooks on its engine, set by model.options: a slow model and
+    a log of each generation's end (so that a test can watch a disconnect stop one generation)."""
 
     def predictor(self, model_dir, card, threads=None, precision="fp32"):
         predictor = super().predictor(model_dir, card, threads=threads, precision=precision)
@@ -92,3 +90,8 @@ class HookedChatTask(ChatTask):
 
             engine.on_finish = record
         return predictor
+
+
+class HookedChatTask(ChatTask):
+    Options = HookedOptions
+    Serving = HookedServing

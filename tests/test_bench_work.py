@@ -51,7 +51,7 @@ def test_request_bodies_parse_through_the_image_contract():
     png = digits_data.build()[0]["image"]
     bodies = work.request_bodies([{"image": {"b64": base64.b64encode(png).decode()}}])
     assert json.loads(bodies[0]) == {"instances": [{"image": {"b64": base64.b64encode(png).decode()}}]}
-    contract = get_task(cfg).http_contract(card, cfg.serve.max_instances)
+    contract = get_task(cfg).serving.http_contract(card, cfg.serve.max_instances)
     (instance,) = contract.parse("application/json", bodies[0])
     assert instance["pixels"].shape == (32, 32, 3)
     assert instance["pixels"].tobytes() == decode_image(png, 32).tobytes()

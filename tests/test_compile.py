@@ -201,7 +201,7 @@ def test_a_compiled_image_model_trains_through_loader_epochs_without_a_recompile
     from workflows.preprocess.images import ImageTransform
     from workflows.storage.cache import ShardCache
     from workflows.storage.uri import StorageContext
-    from workflows.tasks.image import ImageClassification
+    from workflows.tasks.image import model_input
     from workflows.tasks.image.models import ARCHITECTURES, _with_labels
 
     ctx, images = StorageContext(), 9  # batches of 4, 4 and 1 (padded)
@@ -224,7 +224,7 @@ def test_a_compiled_image_model_trains_through_loader_epochs_without_a_recompile
 
     opt = make_optimizer(model, 1e-3, 0.0)
     sched = make_scheduler(opt, 100, 0.0)
-    loss = lambda m, b: m(**ImageClassification.model_input(m, b)).loss  # noqa: E731
+    loss = lambda m, b: m(**model_input(m, b)).loss  # noqa: E731
     # stored pixels as the task's collate hands them: uint8 [N, S, S, 3] permuted, a channels_last view
     pixels = torch.randint(0, 255, (4, 16, 16, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
     stored = [{"pixel_values": pixels, "labels": torch.arange(4)}]

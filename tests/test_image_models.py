@@ -103,6 +103,7 @@ def test_uint8_batches_are_normalized_on_the_device_as_the_model_reads_them(name
 
     from workflows.preprocess.images import normalize_pixels, to_model_input
     from workflows.tasks import get_task
+    from workflows.tasks.image import model_input
 
     cfg = _cfg(f"model.name_or_path={name}", "tracking.enabled=false")
     task = get_task(cfg)
@@ -114,9 +115,9 @@ def test_uint8_batches_are_normalized_on_the_device_as_the_model_reads_them(name
     batch = task.collate(data, train=False)({"image": images, "label": torch.tensor([0, 1, 2, 0, 1, 2])})
     assert batch["pixel_values"].dtype == torch.uint8  # what crosses to the device
     floats = {**batch, "pixel_values": to_model_input(images.permute(0, 2, 3, 1))}
-    assert torch.equal(task.model_input(model, batch)["pixel_values"] if name == "small_cnn"
+    assert torch.equal(model_input(model, batch)["pixel_values"] if name == "small_cnn"
                        else normalize_pixels(images), floats["pixel_values"])
     with torch.no_grad():
-        assert task.loss(model, batch).item() == pytest.approx(model(**floats).loss.item(), abs=1e-5)
+        assert task.training.loss(model, batch).item() == pytest.approx(model(**floats).loss.item(), abs=1e-5)
         states, reference = task.metric_states(model, batch), task.metric_states(model, floats)
     assert all(np.allclose(np.asarray(states[k]), np.asarray(reference[k])) for k in reference)

@@ -76,7 +76,7 @@ def test_processed_digits_are_uint8_tensors_equal_to_servings_decode(digits_run)
                 for m in tar.getmembers():
                     if m.name.endswith(".png"):
                         raw[m.name.rsplit("/", 1)[-1].split(".")[0]] = tar.extractfile(m).read()
-        predictor = task_for_card(cfg, card).predictor(model_dir, card)
+        predictor = task_for_card(cfg, card).serving.predictor(model_dir, card)
         for row in stored:
             key = row["key"].rsplit("/", 1)[-1]
             served = predictor.tensor([raw[key]])[0].numpy()

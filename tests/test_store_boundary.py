@@ -153,7 +153,7 @@ def test_the_tokenizer_a_manifest_names_must_be_the_configs(tmp_path):
         TextClassification(cfg).collate(data, train=True)
     _one_line(e, str(manifest), "tokenizer", "preprocess.tokenizer")
     data.tokenizer = "minilm"
-    assert TextClassification(cfg).tokenizer_of(data) == "minilm"
+    assert TextClassification(cfg).dataset.tokenizer_of(data) == "minilm"
 
 
 @pytest.mark.parametrize("entry", [("vocab_file", "/etc/hostname"), ("tokenizer_file", "../../tokenizer.json"),

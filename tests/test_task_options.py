@@ -27,8 +27,8 @@ def test_the_shipped_configs_set_the_options_of_their_task():
     text = get_task(load_config(QUICKSTART, [])).options
     assert (text.pooling, text.head_init) == ("cls", "random")
     assert (text.head_lr, text.freeze_embeddings) == (None, True)  # quickstart freezes MiniLM's embeddings
-    assert not get_task(load_config(QUICKSTART, [])).needs_probe_batches()
-    assert get_task(load_config("madewithml", ["data.source=/nowhere.csv"])).needs_probe_batches()
+    assert not get_task(load_config(QUICKSTART, [])).training.needs_probe_batches()
+    assert get_task(load_config("madewithml", ["data.source=/nowhere.csv"])).training.needs_probe_batches()
     lm = get_task(load_config(QUICKSTART, ["model.task=causal_lm", "model.options={}"])).options
     assert (lm.size, lm.n_layer, lm.n_embd, lm.n_head, lm.seq_len) == ("gpt2-124m", None, None, None, 1024)
 

@@ -12,7 +12,7 @@ What a task writes (`Task`; `Classification` writes the metric and serving parts
 - `collate(data, *, train, seed)`: a function, numpy columns -> the model's keyword tensors, with
   `labels` when the label column is there (serving collates instances without it);
 - `build_model(data)`: a torch module whose forward returns `.loss` given `labels` (e.g. a
-  `ModelOutput`); or override `loss(model, batch)`, whose default is `model(**batch).loss`;
+  `ModelOutput`), or a training seam whose `loss(model, batch)` computes it;
 - `metric_states(model, batch)`: one validation batch's sums and counts (tensors or numbers). The
   platform sums them over the batches and across the ranks (one all-reduce, as torchmetrics'
   dist_reduce_fx="sum") and calls `compute_metrics(states, data)` once for the val_* metrics; a task
@@ -21,13 +21,19 @@ What a task writes (`Task`; `Classification` writes the metric and serving parts
   `inputs()` (the served instance's columns and JSON types) and `predict_batch(model, batch, data)`
   (a collated batch -> one prediction dict per instance).
 
-A processed dataset is written once per `dataset_version`, by default a hash of the raw shards, the
-split settings, `preprocess.rows_per_shard`, the task, its stored `columns` and every option but
-those named in `model_only_options` (options that shape the model alone, such as a hidden size):
-a changed option that preprocessing reads makes a new dataset.
+The rest is optional, in four seams with defaults, each a class a task replaces by naming its own
+subclass (`class Dataset(DatasetSeam): ...` in the task's body) only where a default does not fit:
+`DatasetSeam` (the dataset's version, a last step before training), `TrainingSeam` (model
+preparation, the loss, the head's learning rate), `EvaluationSeam` (the report, its headline, the
+numbers the promotion gate compares) and `ServingSeam` (export, predictor, HTTP contract, demo).
 
-The platform's defaults do the rest: `export` writes the state dict as safetensors with a model card
-(labels, label column, the dataset's `info`, the options), `ModelPredictor` loads it into
+A processed dataset is written once per version (`DatasetSeam.version`), by default a hash of the
+raw shards, the split settings, `preprocess.rows_per_shard`, the task, its stored `columns` and
+every option but those named in the dataset seam's `model_only_options` (options that shape the
+model alone, such as a hidden size): a changed option that preprocessing reads makes a new dataset.
+
+The defaults of the serving seam do the rest: `export` writes the state dict as safetensors with a
+model card (labels, label column, the dataset's `info`, the options), `ModelPredictor` loads it into
 `build_model` and answers with `predict_batch`, the HTTP contract is built from `inputs`, and the
 pipeline's demo requests are the val split's first rows. examples/tasks/ holds complete plug-ins.
 """
@@ -48,11 +54,13 @@ from workflows.tasks.base import (
 )
 from workflows.tasks.classify import Classification, add_predictions, prediction
 from workflows.tasks.contract import JsonInstances, classification_prediction
+from workflows.tasks.seams import DatasetSeam, EvaluationSeam, ServingSeam, TrainingSeam
 from workflows.tasks.table import preprocess_table
 
 __all__ = [
-    "Classification", "HttpContract", "JsonInstances", "MetricStates", "ModelCard", "ModelOutput", "ModelPredictor",
-    "Predictor", "ProcessedDataset", "Task", "UserError", "add_predictions", "card_dataset",
-    "classification_prediction", "list_shards", "materialized", "prediction", "preprocess_table", "read_dataset",
-    "read_parquet", "split_of", "write_card", "write_manifest", "write_splits",
+    "Classification", "DatasetSeam", "EvaluationSeam", "HttpContract", "JsonInstances", "MetricStates", "ModelCard",
+    "ModelOutput", "ModelPredictor", "Predictor", "ProcessedDataset", "ServingSeam", "Task", "TrainingSeam",
+    "UserError", "add_predictions", "card_dataset", "classification_prediction", "list_shards", "materialized",
+    "prediction", "preprocess_table", "read_dataset", "read_parquet", "split_of", "write_card", "write_manifest",
+    "write_splits",
 ]

@@ -28,7 +28,7 @@ def evaluate_dataset(
     task = task_for_card(cfg, card)
     label_column = label_column or card.label_column
     names = set(ds.schema().names)
-    inputs = task.input_columns(card, names)
+    inputs = task.serving.input_columns(card, names)
     missing = [c for c in [*inputs, label_column] if c not in names]
     if missing:
         raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
@@ -40,15 +40,15 @@ def evaluate_dataset(
         # a small split: the same predictor, called here, skips the actor's start and model load
         predict = BatchPredictor(*args)
         table = pd.concat([predict(head.iloc[i:i + size].copy()) for i in range(0, len(head), size)]) \
-            if len(head) else head.assign(**{c: [] for c in task.evaluation_columns})
+            if len(head) else head.assign(**{c: [] for c in task.evaluation.columns})
     else:
         scored = ds.map_batches(BatchPredictor, fn_constructor_args=args, batch_format="pandas", batch_size=size,
                                 compute=ray.data.ActorPoolStrategy(size=concurrency))
-        table = scored.select_columns([label_column, *task.evaluation_columns]).to_pandas()
+        table = scored.select_columns([label_column, *task.evaluation.columns]).to_pandas()
     table = table[table[label_column].notna()]
     if not len(table):
         raise UserError("evaluation data has no labelled rows")
-    return task.evaluate_frame(table, str(label_column), card)
+    return task.evaluation.frame(table, str(label_column), card)
 
 
 def plot_confusion(metrics: dict, path) -> Path:

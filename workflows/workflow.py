@@ -275,7 +275,7 @@ class Workflow:
         """The processed dataset's tokenizer (a text task's), to read stored token ids."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(resolve_model_dir(get_task(self.cfg).tokenizer_of(self._data())))
+        return AutoTokenizer.from_pretrained(resolve_model_dir(get_task(self.cfg).dataset.tokenizer_of(self._data())))
 
     # --- tune, train, register -------------------------------------------------------------------
     def tune(self, resume: bool = False) -> TuneResult:
@@ -321,7 +321,8 @@ class Workflow:
         card, _, data = model_split(rt.cfg, rt.storage, spec, split)
         metrics = stage_evaluate(rt, spec, data.read(split, rt.storage, cache=rt.cfg.cache), write_back=write_back,
                                  card=card)
-        return _report(f"{card.name}:{card.version}", split, metrics, task_for_card(rt.cfg, card).headline(metrics))
+        headline = task_for_card(rt.cfg, card).evaluation.headline(metrics)
+        return _report(f"{card.name}:{card.version}", split, metrics, headline)
 
     def serve(self, model: str | None = None) -> Endpoint:
         """Deploy a registered model (default: the one registered here) on Ray Serve at `serve.host:serve.port`."""

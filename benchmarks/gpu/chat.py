@@ -189,7 +189,7 @@ def train_in_process(data_dir: Path, model_dir: Path, work: Path, sets: list[str
     t0 = time.time()
     trainer = TorchrunTrainer(cfg, task, data, device, source, total, None)
     if amp is None:  # fp32: the base as loaded (on a GPU the chat task's prepare_model stores it in bf16)
-        task.prepare_model = lambda model, device, probe_batches: None  # type: ignore[method-assign]
+        task.training.prepare_model = lambda model, device, probe_batches: None  # type: ignore[method-assign]
     trainer.build()
     trainer.amp = amp
     if gpu:

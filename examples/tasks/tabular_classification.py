@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, Field
 
-from workflows.api import Classification, ModelOutput, preprocess_table
+from workflows.api import Classification, DatasetSeam, ModelOutput, preprocess_table
 
 
 class Options(BaseModel, extra="forbid"):
@@ -44,7 +44,9 @@ class MLP(nn.Module):
 class TabularClassification(Classification):
     name = "tabular_classification"
     Options = Options
-    model_only_options = ("hidden",)  # the rest (features, label) change the processed dataset
+
+    class Dataset(DatasetSeam):  # an optional seam: the processed dataset's version
+        model_only_options = ("hidden",)  # the rest (features, label) change the processed dataset
 
     @property
     def columns(self) -> tuple[str, ...]:  # type: ignore[override]  # the stored columns training reads

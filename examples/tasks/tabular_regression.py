@@ -1,7 +1,6 @@
-"""Tabular regression, a plug-in task: numeric feature columns of CSV, JSONL or parquet shards -> a
-numeric target, by an MLP trained on the standardized target. Copy it and name it in the config:
-    model: {task: tabular_regression:TabularRegression, options: {features: [x1, x2], target: y}}
-Validation reports val_r2 (it ranks checkpoints), val_mse and val_loss; serving answers {"value": y}."""
+"""Tabular regression, a plug-in task: numeric feature columns -> a numeric target, by an MLP trained on the
+standardized target; val_r2 ranks checkpoints (val_mse, val_loss beside it), serving answers {"value": y}. Config:
+    model: {task: tabular_regression:TabularRegression, options: {features: [x1, x2], target: y}}"""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, Field
 
-from workflows.api import ModelOutput, Task, preprocess_table
+from workflows.api import DatasetSeam, ModelOutput, Task, preprocess_table
 
 
 class Options(BaseModel, extra="forbid"):
@@ -36,7 +35,9 @@ class MLP(nn.Module):
 
 class TabularRegression(Task):
     name, score, Options = "tabular_regression", ("val_r2", "max"), Options
-    model_only_options = ("hidden", "layers")  # left out of the dataset version (features, target are in)
+
+    class Dataset(DatasetSeam):  # an optional seam: the processed dataset's version
+        model_only_options = ("hidden", "layers")  # left out of it (features, target are in)
 
     @property
     def columns(self) -> tuple[str, ...]:  # type: ignore[override]  # the stored columns training reads

@@ -268,7 +268,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     try:
         spec, store, model_dir, card = served_model(cfg, config, config_overrides, opts, scratch)
         task = task_for_card(cfg, card)
-        predictor: Any = task.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
+        predictor: Any = task.serving.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
         engine = predictor.engine  # built as the replica builds it
         model, tok = engine.model, predictor.tokenizer
         # static batching runs on the model as transformers loads it, in the served precision: the

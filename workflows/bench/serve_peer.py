@@ -34,8 +34,8 @@ def make_app(model_dir: str, threads: int, max_batch: int, name: str, version: i
     cfg = cfg or load_config("quickstart", [])
     card = ModelCard.load(model_dir)
     task = task_for_card(cfg, card)
-    predictor = task.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
-    contract = task.http_contract(card, cfg.serve.max_instances)
+    predictor = task.serving.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
+    contract = task.serving.http_contract(card, cfg.serve.max_instances)
     queue: asyncio.Queue = asyncio.Queue()
     executor = ThreadPoolExecutor(1)
 

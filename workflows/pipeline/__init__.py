@@ -73,7 +73,7 @@ def _pipeline(rt: Runtime) -> dict:
             if cfg.serve.enabled else None
         test_ds = data.read("test", rt.storage, cache=cfg.cache)
         metrics = timed("evaluate", stage_evaluate, rt, spec, test_ds, write_back=True)
-        name, value, against = get_task(cfg).headline(metrics)
+        name, value, against = get_task(cfg).evaluation.headline(metrics)
         summary["evaluate"] = {
             **{k: metrics[k] for k in ("weighted", "baseline") if k in metrics},
             "rows": metrics["rows"],

@@ -310,7 +310,7 @@ def export_artifact(cfg: WorkflowConfig, ctx: StorageContext, data: ProcessedDat
     lineage = {"dataset_version": data.version, "dataset_uri": data.uri, "source": data.source,
                "checkpoint": checkpoint_uri, "data": dataset_lineage(data, ctx), "config_digest": config_digest(cfg),
                "code_commit": code_commit(), **lineage}
-    return get_task(cfg).export(state, data, out_dir, lineage)
+    return get_task(cfg).serving.export(state, data, out_dir, lineage)
 
 
 def val_metrics(metrics: dict) -> dict:
@@ -334,7 +334,7 @@ def stage_evaluate(rt: Runtime, model_spec: str, ds=None, label_column: str | No
         say(f"evaluate: {card.name}:v{card.version}")
         metrics = evaluate_dataset(rt.cfg, model_spec, card, ds, label_column)
         say(f"evaluate: {metrics['rows']} rows")
-        show(task_for_card(rt.cfg, card).format_report(metrics))
+        show(task_for_card(rt.cfg, card).evaluation.report(metrics))
         png = None
         if "confusion_matrix" in metrics:
             png = plot_confusion(metrics, s.out_dir / "confusion_matrix.png")
@@ -376,7 +376,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     spec = f"{ref.name}:{ref.version}"
     card = registry.model_card(rt.cfg, rt.storage, spec)
     task = task_for_card(rt.cfg, card)
-    contract = task.http_contract(card, rt.cfg.serve.max_instances)
+    contract = task.serving.http_contract(card, rt.cfg.serve.max_instances)
     served_as = model_spec if registry.split_alias(model_spec)[1] else None  # NAME@ALIAS: its holder now
     say(f"serve: deploying {spec}{f' ({served_as})' if served_as else ''} with Ray Serve")
     t0 = time.time()
@@ -389,7 +389,7 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
     sent = []
     for row in demo_rows or []:
         route, pred = contract.demo(url, row, headers)
-        say(f"serve:   {route} {task.describe(row)!r} -> {task.describe_prediction(pred)}")
+        say(f"serve:   {route} {task.serving.describe(row)!r} -> {task.serving.describe_prediction(pred)}")
         sent.append({"instance": row, "prediction": pred})
     return {"url": url, "model": spec, "route": contract.main_route, "ingress": front, "requests": sent,
             "deploy_seconds": round(deploy_seconds, 2), **({"served_as": served_as} if served_as else {})}
@@ -397,4 +397,4 @@ def stage_serve(rt: Runtime, model_spec: str, demo_rows: list[dict] | None = Non
 
 def demo_rows(data: ProcessedDataset, rt: Runtime, n: int) -> list[dict]:
     """The first `n` held-out rows as request instances (the task reads them)."""
-    return get_task(rt.cfg).demo_instances(data, rt.storage, n)
+    return get_task(rt.cfg).serving.demo_instances(data, rt.storage, n)

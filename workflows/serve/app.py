@@ -47,10 +47,11 @@ class ModelServer:
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
         self.card = registry.model_card(self.cfg, storage, model_spec)  # with evaluation metrics
         task = task_for_card(self.cfg, self.card)
-        self.predictor = task.predictor(model_dir, self.card, threads=max(1, int(self.cfg.serve.cpus_per_replica)),
-                                        precision=self.cfg.serve.precision)
+        self.predictor = task.serving.predictor(model_dir, self.card,
+                                                threads=max(1, int(self.cfg.serve.cpus_per_replica)),
+                                                precision=self.cfg.serve.precision)
         self.token = bearer_token(self.cfg.serve)
-        self.contract = task.http_contract(self.card, self.cfg.serve.max_instances)
+        self.contract = task.serving.http_contract(self.card, self.cfg.serve.max_instances)
         self._predict_batch.set_max_batch_size(self.cfg.serve.max_batch_size)
         self._predict_batch.set_batch_wait_timeout_s(self.cfg.serve.batch_wait_timeout_s)
         self.stopping, self.in_flight = False, 0  # workflows.serve.drain
@@ -148,7 +149,7 @@ def _unseen(spec: str):
 
 def deployment_options(cfg: WorkflowConfig) -> dict:
     """Replica count or autoscaling, resources, how many requests a replica takes at once, and what its
-    task adds (`Task.serve_options`: a generative model's admission)."""
+    task adds (the task's `serving.deployment_options`: a generative model's admission)."""
     from workflows.tasks import task_class
 
     sc = cfg.serve
@@ -165,7 +166,7 @@ def deployment_options(cfg: WorkflowConfig) -> dict:
         opts["autoscaling_config"] = sc.autoscaling.model_dump()
     else:
         opts["num_replicas"] = sc.num_replicas
-    opts.update(task_class(cfg.model.task)(cfg).serve_options())
+    opts.update(task_class(cfg.model.task)(cfg).serving.deployment_options())
     return opts
 
 

@@ -41,7 +41,7 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
     ds = read_dataset(shards, fmt, ctx, cfg.cache)
 
     names = set(ds.schema().names)
-    missing = [c for c in task_for_card(cfg, card).input_columns(card, names) if c not in names]
+    missing = [c for c in task_for_card(cfg, card).serving.input_columns(card, names) if c not in names]
     if missing:
         raise UserError(f"{data_uri} lacks column(s) {missing} that model {spec} reads (has {sorted(names)})")
 

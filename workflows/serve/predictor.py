@@ -13,7 +13,7 @@ from workflows.tasks import base, task_for_card
 def load_predictor(cfg, model_dir: str, threads: int | None = None, precision: str | None = None) -> base.Predictor:
     """The predictor of a registered model directory, built by the task its card names."""
     card = ModelCard.load(model_dir)
-    return task_for_card(cfg, card).predictor(model_dir, card, threads, precision or cfg.serve.precision)
+    return task_for_card(cfg, card).serving.predictor(model_dir, card, threads, precision or cfg.serve.precision)
 
 
 class BatchPredictor:

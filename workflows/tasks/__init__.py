@@ -50,16 +50,16 @@ def check_task(cfg: WorkflowConfig) -> WorkflowConfig:
 
 def check_promotion(cfg: WorkflowConfig) -> None:
     """The promotion gate needs a metric of the task's evaluation that says which of two versions is
-    better (`Task.comparable_metrics`): a task that registers its model without one, or a metric it
+    better (its evaluation seam's `comparable_metrics`): a task that registers its model without one, or a metric it
     does not compare, is refused. A task that registers no model never reaches the gate (the pipeline
     refuses it), so its commands (`plan`, `train`) take a config with the gate on."""
     cls = task_class(cfg.model.task)
     if not cls.registers:
         return
-    metrics = cls.comparable_metrics()
+    metrics = cls(cfg).evaluation.comparable_metrics()
     if not metrics:
         raise UserError(f"registry.promote: model.task={cfg.model.task} has no evaluation metric to compare two "
-                        "versions by (its Task.comparable_metrics is empty): unset registry.promote")
+                        "versions by (its evaluation seam's comparable_metrics is empty): unset registry.promote")
     metric = cfg.registry.promote.metric if cfg.registry.promote is not None else None
     if metric is not None and metric not in metrics:
         raise UserError(f"registry.promote.metric={metric!r}: model.task={cfg.model.task} compares "

@@ -9,6 +9,40 @@ import numpy as np
 
 from workflows.tasks.base import Task
 from workflows.tasks.contract import classification_prediction
+from workflows.tasks.seams import EvaluationSeam, ServingSeam, TrainingSeam
+
+
+class ClassificationTraining(TrainingSeam):
+    pad_label = -100  # Hugging Face's classification losses and F.cross_entropy ignore it
+
+
+class ClassificationEvaluation(EvaluationSeam):
+    """The per-class report, headed by weighted F1 against the majority label."""
+
+    def report(self, metrics: dict) -> str:
+        return format_report(metrics)
+
+    def headline(self, metrics: dict) -> tuple[str, float, str]:
+        return "weighted F1", metrics["weighted"]["f1"], f"majority baseline {metrics['baseline']['f1']:.4f}"
+
+    def comparable_metrics(self) -> dict[str, str]:
+        """Weighted F1 (the headline), precision and recall, and accuracy."""
+        return {"f1": "max", "precision": "max", "recall": "max", "accuracy": "max"}
+
+    def metric_value(self, metrics: dict, name: str) -> float:
+        return float(metrics["accuracy"] if name == "accuracy" else metrics["weighted"][name])
+
+
+class ClassificationServing(ServingSeam):
+    """Answers {"label", "score", "probabilities"}."""
+
+    prediction_key = "label"
+
+    def prediction_model(self, card):
+        return classification_prediction(card.labels)
+
+    def describe_prediction(self, prediction) -> str:
+        return f"{prediction['label']} ({prediction['score']:.2f})"
 
 
 class Classification(Task):
@@ -22,8 +56,9 @@ class Classification(Task):
     writes `preprocess`, `collate`, `build_model` and, with the default predictor, `inputs`."""
 
     score = ("val_f1", "max")
-    prediction_key = "label"
-    pad_label = -100  # Hugging Face's classification losses and F.cross_entropy ignore it
+    Training = ClassificationTraining
+    Evaluation = ClassificationEvaluation
+    Serving = ClassificationServing
 
     def metric_states(self, model, batch) -> dict:
         import torch
@@ -47,9 +82,6 @@ class Classification(Task):
         probs = torch.softmax(model(**batch).logits.float(), dim=-1).numpy()
         return [prediction(data.labels, p) for p in probs]
 
-    def prediction_model(self, card):
-        return classification_prediction(card.labels)
-
     def evaluate_rows(self, y_true: list, y_pred: list, card) -> dict:
         import pandas as pd
 
@@ -60,23 +92,6 @@ class Classification(Task):
                                **classification_metrics(y_true, [majority] * len(y_true), card.labels)["weighted"]}
         metrics["unknown_labels"] = int(np.sum(~pd.Series(y_true).isin(card.labels)))
         return metrics
-
-    def format_report(self, metrics: dict) -> str:
-        return format_report(metrics)
-
-    def headline(self, metrics: dict) -> tuple[str, float, str]:
-        return "weighted F1", metrics["weighted"]["f1"], f"majority baseline {metrics['baseline']['f1']:.4f}"
-
-    @classmethod
-    def comparable_metrics(cls) -> dict[str, str]:
-        """Weighted F1 (the headline), precision and recall, and accuracy."""
-        return {"f1": "max", "precision": "max", "recall": "max", "accuracy": "max"}
-
-    def metric_value(self, metrics: dict, name: str) -> float:
-        return float(metrics["accuracy"] if name == "accuracy" else metrics["weighted"][name])
-
-    def describe_prediction(self, prediction) -> str:
-        return f"{prediction['label']} ({prediction['score']:.2f})"
 
 
 def prediction(labels: list[str], p: np.ndarray) -> dict:

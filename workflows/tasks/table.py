@@ -78,12 +78,12 @@ def preprocess_table(task: Task, ctx: StorageContext, say, features: list[str], 
     a class (`classes=True`; stored as text, with its index in the sorted `labels` as `label_id`) or
     a numeric regression target. `info`: features, label, the train split's per-feature `mean` and
     `std` (lists in the order of `features`; a constant column's std is 1) and a target's
-    `target_mean` and `target_std`. Reused when the same version (`task.dataset_version`) exists."""
+    `target_mean` and `target_std`. Reused when the same version (`task.dataset.version`) exists."""
     d, cfg = task.cfg.data, task.cfg
     if d.max_rows is not None:
         raise UserError(f"data.max_rows: not supported by {task.name or type(task).__name__}")
     shards, fmt = list_shards(d.source, ctx, d.format)
-    version = task.dataset_version(shards, ctx)
+    version = task.dataset.version(shards, ctx)
     out_uri = cfg.uri("processed", version)
     if (done := materialized(out_uri, ctx, say)) is not None:
         return done

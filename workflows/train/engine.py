@@ -127,10 +127,10 @@ class Trainer:
         stats = train_epoch(
             model, batches, self.optimizer, self.scheduler, self.device, tc.grad_clip,
             lambda step: self.before_step(epoch, step), tc.grad_accum_steps,
-            lambda step: self.after_step(epoch, step), loss_fn=self.task.loss, amp=self.amp,
+            lambda step: self.after_step(epoch, step), loss_fn=self.task.training.loss, amp=self.amp,
             # a compiled model sees one batch shape: short batches padded with labels the task's loss ignores
-            pad_to=tc.batch_size if tc.compiled and self.task.pad_label is not None else None,
-            pad_label=self.task.pad_label if self.task.pad_label is not None else -100,
+            pad_to=tc.batch_size if tc.compiled and self.task.training.pad_label is not None else None,
+            pad_label=self.task.training.pad_label if self.task.training.pad_label is not None else -100,
         )
         step_losses = stats.pop("step_losses")
         # the ranks' buffers (BatchNorm statistics) made one before validating: the checkpoint saved
@@ -145,7 +145,7 @@ class Trainer:
             **val,
             "val_seconds": time.perf_counter() - t_val,
         }
-        metrics.update(self.task.epoch_extras(model, stats, self.device))
+        metrics.update(self.task.training.epoch_extras(model, stats, self.device))
         self.history.append({**metrics, "step_losses": step_losses, "resumed_from_epoch": self.resumed_from})
         if self.logger is not None:  # once per epoch trained: a resumed run does not log its last one again
             self.logger.log_epoch(metrics, step_losses)

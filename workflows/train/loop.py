@@ -315,14 +315,15 @@ def build_training(cfg, task, data, device: torch.device, train_rows: int,
     tc = cfg.train
     torch.manual_seed(tc.seed)  # new weights identical on every rank and every run
     model = task.build_model(data)
-    task.prepare_model(model, device, probe_batches)
+    task.training.prepare_model(model, device, probe_batches)
     if tc.activation_checkpointing:  # before sharding, so each block's checkpoint wraps its FSDP unit
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if tc.compiled:  # after activation checkpointing, before sharding (torchtitan's order)
         compile_model(model, tc.compile_backend)
     model = parallelize(model, tc.strategy, device)
     # fused AdamW on GPU: one kernel per step for all parameters
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, task.head_lr(), fused=device.type == "cuda" or None)
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, task.training.head_lr(),
+                               fused=device.type == "cuda" or None)
     total_steps = steps_per_epoch(train_rows, world()[1], tc.batch_size, tc.grad_accum_steps) * tc.epochs
     scheduler = make_scheduler(optimizer, total_steps, tc.warmup_fraction)
     return model, optimizer, scheduler

@@ -251,7 +251,7 @@ def plan_from_config(
 ) -> Plan:
     """A plan for the model and settings of a WorkflowConfig (the arguments override them)."""
     train_cfg = cfg.train
-    spec, task_seq = get_task(cfg).memory_spec()
+    spec, task_seq = get_task(cfg).training.memory_spec()
     seq_len = seq_len or task_seq
     if device_memory is None:
         found = detected_device_memory()

@@ -103,7 +103,7 @@ class RayInput:
                 for batch in self.val_shard.iter_batches(batch_size=size * self.share.step, batch_format="numpy"))
 
     def probe(self):
-        if not self.task.needs_probe_batches():
+        if not self.task.training.needs_probe_batches():
             return None
         if self.stream is not None:
             return self.stream.batches(0, 0, self.task.collate(self.data, train=False), record=False)

@@ -43,7 +43,7 @@ from workflows.storage.atomic import atomic_write
 from workflows.storage.shards import read_parquet
 from workflows.storage.uri import StorageContext, exists, join
 from workflows.tasks import get_task
-from workflows.tasks.base import Task
+from workflows.tasks.seams import DatasetSeam
 from workflows.tracking.run_logger import RunLogger
 from workflows.tracking.session import Tracking
 from workflows.train import checkpoint as ckpt
@@ -67,7 +67,7 @@ def find_dataset(cfg: WorkflowConfig, storage: StorageContext, uri: str | None =
         from workflows.preprocess.sources import list_shards
 
         shards, _ = list_shards(cfg.data.source, storage, cfg.data.format)
-        version = get_task(cfg).dataset_version(shards, storage)
+        version = get_task(cfg).dataset.version(shards, storage)
         uri = cfg.uri("processed", version)
         if not exists(join(uri, "manifest.json"), storage):
             raise UserError(f"no processed dataset for this config at {uri}: run `workflows preprocess` first")
@@ -189,16 +189,16 @@ def local_input(cfg: WorkflowConfig, task, data: ProcessedDataset, storage: Stor
     this rank's contiguous equal share. Returns it and the training examples per epoch over all ranks."""
     tc = cfg.train
     train_limit, val_limit = row_limits(tc, data.counts["train"])
-    val_rows = task.prepare_rows(read("val", val_limit))
+    val_rows = task.dataset.prepare_rows(read("val", val_limit))
     share = val_positions(row_count(val_rows), rank, world_size)
     val_rows = {c: v[share] for c, v in val_rows.items()}
     if tc.loader == "stream":
-        if type(task).prepare_rows is not Task.prepare_rows:
+        if type(task.dataset).prepare_rows is not DatasetSeam.prepare_rows:
             raise stream_refused(cfg)
         rows = train_limit if train_limit is not None else data.counts["train"]
         stream = StreamInput(cfg, data, storage, rank, world_size, rows, task=task)
         return RowsInput(cfg, task, data, {}, val_rows, rank, stream), rows
-    train_rows = task.prepare_rows(read("train", train_limit))
+    train_rows = task.dataset.prepare_rows(read("train", train_limit))
     return RowsInput(cfg, task, data, rank_share(train_rows, rank, world_size), val_rows, rank), row_count(train_rows)
 
 

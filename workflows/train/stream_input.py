@@ -68,7 +68,7 @@ class StreamInput:
                  on_samples: SampleHook | None = None, task=None):
         tc = cfg.train
         cache = cfg.cache.shard_cache(storage)
-        source = task.stream_source(data, storage) if task is not None else None
+        source = task.dataset.stream_source(data, storage) if task is not None else None
         index, transform = source if source is not None else (parquet_index(data.files["train"], storage, cache), None)
         index = head(index, rows)
         self.rank, self.on_samples, self.task, self.data, self.seed = rank, on_samples, task, data, tc.seed

@@ -174,7 +174,7 @@ def fit(
     if check:
         check_resources(tc.min_workers, tc.cpus_per_worker, tc.use_gpu)
     task = get_task(cfg)
-    task.check(data)
+    task.training.check(data)
 
     train_ds = data.read("train", storage, num_cpus=0, cache=cfg.cache)
     train_rows = data.counts["train"]
@@ -185,11 +185,11 @@ def fit(
     val_ds = data.read("val", storage, num_cpus=0, cache=cfg.cache)
     if val_limit is not None:
         val_ds = val_ds.limit(val_limit)
-    prepared = task.prepare_dataset(train_ds)
+    prepared = task.dataset.prepare(train_ds)
     if prepared is not train_ds and tc.loader == "stream":
         raise stream_refused(cfg)
     if prepared is not train_ds:  # rows become other examples (a causal LM's blocks): count them
-        train_ds, val_ds = prepared, task.prepare_dataset(val_ds)
+        train_ds, val_ds = prepared, task.dataset.prepare(val_ds)
         train_rows = train_ds.count()
     if train_rows < tc.max_workers:
         raise UserError(f"{train_rows} training example(s) ({task.name}) for {tc.max_workers} workers; lower "

@@ -2,16 +2,16 @@
 tokenized text packed into blocks of `model.options.seq_len` tokens. Its checkpoints stay with the
 run: the registry and serving take the tasks that predict (registers = False).
 
-The wing: this task, `options` (its `model.options`: size preset, overrides, seq_len) and `model`
-(the GPT-2 model, block packing, FLOPs and MFU). Its preprocessing
-is workflows.preprocess.materialize's text tokenization, which the text classifier shares."""
+The wing: this task with its dataset seam (rows packed into blocks) and training seam (the
+planner's spec, MFU), `options` (its `model.options`: size preset, overrides, seq_len) and `model`
+(the GPT-2 model, block packing, FLOPs and MFU). Its data are the tokenized text the text
+classifier shares (workflows.tasks.tokenized_text)."""
 
 from __future__ import annotations
 
 import math
 
 from workflows.preprocess.encoding import pad_and_vocab, resolve_model_dir
-from workflows.tasks.base import Task
 from workflows.tasks.causal_lm.model import (
     PACK_ROWS,
     build_causal_lm,
@@ -22,33 +22,19 @@ from workflows.tasks.causal_lm.model import (
     pack_batch,
 )
 from workflows.tasks.causal_lm.options import CausalLMOptions
+from workflows.tasks.seams import TrainingSeam
+from workflows.tasks.tokenized_text import TokenizedText, TokenizedTextDataset
 
 
-class CausalLM(Task):
-    name = "causal_lm"
-    columns = ("input_ids", "label_id")  # label_id only keeps the row count of in-memory rows
-    registers = False
-    score = ("val_loss", "min")
-    Options = CausalLMOptions
-    pad_label = -100  # the causal-LM loss ignores it
+class CausalLMDataset(TokenizedTextDataset):
+    """Token rows packed into blocks of seq_len tokens (model.pack_batch per model.PACK_ROWS rows, in
+    order), on Ray Data and in memory alike."""
 
-    def preprocess(self, ctx, say):
-        from workflows.preprocess.materialize import preprocess_text
-
-        return preprocess_text(self.cfg, ctx, say)
-
-    def dataset_version(self, shards, ctx) -> str:
-        from workflows.preprocess.materialize import dataset_version
-
-        return dataset_version(shards, self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer))
-
-    def prepare_dataset(self, ds):
-        """Token rows -> blocks of seq_len tokens (lm.pack_batch per lm.PACK_ROWS rows, in order)."""
+    def prepare(self, ds):
         return ds.map_batches(pack_batch, fn_kwargs={"seq_len": self.options.seq_len}, batch_format="numpy",
                               batch_size=PACK_ROWS, num_cpus=0)
 
     def prepare_rows(self, rows):
-        """The same packing of rows held in memory, as Ray Data's map_batches packs them."""
         import numpy as np
 
         ids, seq_len = rows["input_ids"], self.options.seq_len
@@ -57,11 +43,9 @@ class CausalLM(Task):
         blocks = np.concatenate(parts) if parts else np.zeros((0, seq_len), np.int64)
         return {"input_ids": list(blocks), "label_id": np.zeros(len(blocks), np.int64)}
 
-    def collate(self, data, *, train: bool, seed: int | None = None):
-        return lambda batch: lm_collate(batch["input_ids"])
 
-    def build_model(self, data):
-        return build_causal_lm(self.options, pad_and_vocab(self.tokenizer_of(data))[1], self.cfg.model.dropout)
+class CausalLMTraining(TrainingSeam):
+    pad_label = -100  # the causal-LM loss ignores it
 
     def memory_spec(self):
         from transformers import AutoTokenizer
@@ -74,16 +58,6 @@ class CausalLM(Task):
         config = causal_lm_config(lm, vocab, self.cfg.model.dropout, attn="sdpa" if use_gpu else "eager")
         return spec_from_config(config, name=f"causal LM {lm.size} (GPT-2 style)", causal_lm=True), lm.seq_len
 
-    def metric_states(self, model, batch) -> dict:
-        n = batch["input_ids"].shape[0]
-        return {"loss": model(**batch).loss.detach() * n, "blocks": n}
-
-    def compute_metrics(self, states, data) -> dict:
-        """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means)
-        and its perplexity."""
-        loss = states["loss"] / max(states["blocks"], 1)
-        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}
-
     def epoch_extras(self, model, stats, device) -> dict:
         """MFU of the epoch on GPU (none elsewhere: no meaningful peak)."""
         if device.type != "cuda":
@@ -94,3 +68,28 @@ class CausalLM(Task):
         return {"mfu": mfu(stats["tokens_per_s"], params, layers, hidden, self.options.seq_len, world()[1],
                            device)}
 
+
+class CausalLM(TokenizedText):
+    name = "causal_lm"
+    columns = ("input_ids", "label_id")  # label_id only keeps the row count of in-memory rows
+    registers = False
+    score = ("val_loss", "min")
+    Options = CausalLMOptions
+    Dataset = CausalLMDataset
+    Training = CausalLMTraining
+
+    def collate(self, data, *, train: bool, seed: int | None = None):
+        return lambda batch: lm_collate(batch["input_ids"])
+
+    def build_model(self, data):
+        return build_causal_lm(self.options, pad_and_vocab(self.dataset.tokenizer_of(data))[1], self.cfg.model.dropout)
+
+    def metric_states(self, model, batch) -> dict:
+        n = batch["input_ids"].shape[0]
+        return {"loss": model(**batch).loss.detach() * n, "blocks": n}
+
+    def compute_metrics(self, states, data) -> dict:
+        """Mean next-token loss over all ranks (blocks are equally long, so a mean of block means)
+        and its perplexity."""
+        loss = states["loss"] / max(states["blocks"], 1)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0))}

@@ -40,6 +40,7 @@ from workflows.tasks.chat.model import (
     with_lora,
 )
 from workflows.tasks.chat.smollm2 import NAME, PACKAGE
+from workflows.tasks.seams import DatasetSeam, EvaluationSeam, ServingSeam, TrainingSeam, held_out_rows
 
 
 class ChatOptions(BaseModel):
@@ -65,14 +66,127 @@ class ChatOptions(BaseModel):
         "serving alike)")
 
 
+class ChatDataset(DatasetSeam):
+    """Chat rows encoded with the base model's own tokenizer and chat template."""
+
+    def tokenizer(self) -> str | None:
+        return self.cfg.model.name_or_path  # the base model's own (workflows.tasks.chat.data)
+
+    def version(self, shards, ctx) -> str:
+        from workflows.tasks.chat.data import dataset_version
+
+        return dataset_version(self.task, shards, resolve_dir(self.cfg.model.name_or_path, self.cfg))
+
+
+class ChatTraining(TrainingSeam):
+    pad_label = -100  # the causal-LM loss ignores it (the prompt's tokens are labelled so too)
+
+    def prepare_model(self, model, device, probe_batches) -> None:
+        """LoRA on a GPU: the frozen base's linear layers in bf16 (training's autocast precision there),
+        the adapters in fp32 (model.frozen_linears_to)."""
+        import torch
+
+        if self.options.finetune == "lora" and device.type == "cuda":
+            frozen_linears_to(model, torch.bfloat16)
+
+    def loss(self, model, batch):
+        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                     labels=batch["labels"]).loss
+
+
+class ChatEvaluation(EvaluationSeam):
+    """Loss, perplexity and exact match of the split, the base model's beside them."""
+
+    columns = ("prediction", "nll", "tokens", "base_prediction", "base_nll")
+
+    def frame(self, table, label_column: str, card) -> dict:
+        from workflows.tasks.chat.predictor import exact_match
+
+        answers = table[label_column].tolist()
+        tokens = max(float(table["tokens"].sum()), 1.0)
+        figures = {}
+        for key, prediction, nll in (("model", "prediction", "nll"), ("baseline", "base_prediction", "base_nll")):
+            loss = float(table[nll].sum()) / tokens
+            figures[key] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+                            "exact_match": exact_match(answers, table[prediction].tolist())}
+        return {"rows": len(table), **figures["model"], "baseline": figures["baseline"]}
+
+    def headline(self, metrics: dict) -> tuple[str, float, str]:
+        return ("exact match", float(metrics["exact_match"]),
+                f"base model {metrics['baseline']['exact_match']:.4f}")
+
+    def comparable_metrics(self) -> dict[str, str]:
+        """Exact match (the headline), and the held-out loss and perplexity."""
+        return {"exact_match": "max", "loss": "min", "perplexity": "min"}
+
+
+class ChatServing(ServingSeam):
+    """An adapter naming its base, or a whole model, served behind the OpenAI-compatible routes."""
+
+    prediction_key = "text"
+
+    def export(self, state, data, out_dir, lineage) -> dict:
+        return export_chat(self.task, state, data, out_dir, lineage)
+
+    def prediction_model(self, card):
+        from pydantic import Field, create_model
+
+        return create_model("Prediction", text=(str, Field(..., description="the model's greedy answer")))
+
+    def predictor(self, model_dir, card, threads=None, precision="fp32"):
+        """One predictor for HTTP, batch generation and evaluation (workflows.tasks.chat.serving)."""
+        from workflows.tasks.chat.serving import ChatPredictor
+
+        return ChatPredictor(self.task.for_card(card), model_dir, card, threads, precision)
+
+    def http_contract(self, card, max_instances):
+        """The OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models), no /predict."""
+        from workflows.tasks.chat.serving import chat_http_contract
+
+        return chat_http_contract(card, self.cfg)
+
+    def deployment_options(self):
+        """Serve's admission agrees with the engine's: a replica takes the batch, the engine's queue and as
+        many more again as the batch (those the engine answers 429 at once, rather than Serve holding
+        them); beyond that Serve keeps at most a batch's worth waiting per caller, and refuses the rest
+        with 429 and the same Retry-After. So no request waits without bound."""
+        gen = self.cfg.serve.generate
+        return {"max_ongoing_requests": 2 * gen.max_batch + gen.max_queue, "max_queued_requests": gen.max_batch,
+                "backpressure_config": {"status_code": 429, "retry_after_s": gen.retry_after_s}}
+
+    def input_columns(self, card, available):
+        from workflows.tasks.chat.predictor import PROCESSED
+
+        if set(PROCESSED) <= set(available):
+            return list(PROCESSED)
+        return ["messages"] if "messages" in available else ["prompt"]
+
+    def demo_instances(self, data, ctx, n):
+        rows = held_out_rows(data, ctx, ["prompt"], n)
+        return [{"messages": json.loads(row["prompt"])} for row in rows]  # the conversation before the answer
+
+    def describe_prediction(self, prediction) -> str:
+        """The demo's answer (openai_api.OpenAIContract.demo): its text and finish reason, then its JSON."""
+        text = f"{str(prediction.get('text', ''))[:50]!r} ({prediction.get('finish_reason')})"
+        if "json" in prediction:
+            text += f"; as JSON {json.dumps(prediction['json'])[:60]} ({prediction.get('json_finish_reason')})"
+        return text
+
+    def describe(self, instance) -> str:
+        if instance.get("messages"):
+            return str(instance["messages"][-1].get("content", ""))[-70:]
+        return str(instance.get("prompt", ""))[-70:]
+
+
 class ChatTask(Task):
     name = "chat"
     columns = ("input_ids", "labels", "prompt_ids", "answer_ids")
     score = ("val_loss", "min")
     Options = ChatOptions
-    pad_label = -100  # the causal-LM loss ignores it (the prompt's tokens are labelled so too)
-    prediction_key = "text"
-    evaluation_columns = ("prediction", "nll", "tokens", "base_prediction", "base_nll")
+    Dataset = ChatDataset
+    Training = ChatTraining
+    Evaluation = ChatEvaluation
+    Serving = ChatServing
 
     def check_config(self) -> None:
         super().check_config()
@@ -98,14 +212,6 @@ class ChatTask(Task):
 
         return preprocess_chat(self, ctx, say)
 
-    def dataset_tokenizer(self) -> str | None:
-        return self.cfg.model.name_or_path  # the base model's own (workflows.tasks.chat.data)
-
-    def dataset_version(self, shards, ctx) -> str:
-        from workflows.tasks.chat.data import dataset_version
-
-        return dataset_version(self, shards, resolve_dir(self.cfg.model.name_or_path, self.cfg))
-
     def collate(self, data, *, train: bool, seed: int | None = None):
         from functools import partial
 
@@ -117,21 +223,6 @@ class ChatTask(Task):
     def build_model(self, data):
         model = load_causal_lm(resolve_dir(self.cfg.model.name_or_path, self.cfg), self.cfg.model.dropout)
         return with_lora(model, self.options) if self.options.finetune == "lora" else model
-
-    def prepare_model(self, model, device, probe_batches) -> None:
-        """LoRA on a GPU: the frozen base's linear layers in bf16 (training's autocast precision there),
-        the adapters in fp32 (model.frozen_linears_to)."""
-        import torch
-
-        if self.options.finetune == "lora" and device.type == "cuda":
-            frozen_linears_to(model, torch.bfloat16)
-
-    def loss(self, model, batch):
-        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                     labels=batch["labels"]).loss
-
-    def export(self, state, data, out_dir, lineage) -> dict:
-        return export_chat(self, state, data, out_dir, lineage)
 
     # --- metrics
     def metric_states(self, model, batch) -> dict:
@@ -159,89 +250,3 @@ class ChatTask(Task):
         loss = states["nll"] / max(states["tokens"], 1)
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)),
                 "val_exact_match": states["exact"] / max(states["rows"], 1)}
-
-    # --- evaluation
-    def evaluate_rows(self, y_true, y_pred, card) -> dict:
-        from workflows.tasks.chat.predictor import exact_match
-
-        return {"rows": len(y_true), "exact_match": exact_match(y_true, y_pred)}
-
-    def evaluate_frame(self, table, label_column: str, card) -> dict:
-        """Loss, perplexity and exact match of the split, and the base model's beside them."""
-        from workflows.tasks.chat.predictor import exact_match
-
-        answers = table[label_column].tolist()
-        tokens = max(float(table["tokens"].sum()), 1.0)
-        figures = {}
-        for key, prediction, nll in (("model", "prediction", "nll"), ("baseline", "base_prediction", "base_nll")):
-            loss = float(table[nll].sum()) / tokens
-            figures[key] = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-                            "exact_match": exact_match(answers, table[prediction].tolist())}
-        return {"rows": len(table), **figures["model"], "baseline": figures["baseline"]}
-
-    def headline(self, metrics: dict) -> tuple[str, float, str]:
-        return ("exact match", float(metrics["exact_match"]),
-                f"base model {metrics['baseline']['exact_match']:.4f}")
-
-    @classmethod
-    def comparable_metrics(cls) -> dict[str, str]:
-        """Exact match (the headline), and the held-out loss and perplexity."""
-        return {"exact_match": "max", "loss": "min", "perplexity": "min"}
-
-    # --- serving
-    def inputs(self) -> dict[str, type]:
-        return {"prompt": str}
-
-    def prediction_model(self, card):
-        from pydantic import Field, create_model
-
-        return create_model("Prediction", text=(str, Field(..., description="the model's greedy answer")))
-
-    def predictor(self, model_dir, card, threads=None, precision="fp32"):
-        """One predictor for HTTP, batch generation and evaluation (workflows.tasks.chat.serving)."""
-        from workflows.tasks.chat.serving import ChatPredictor
-
-        return ChatPredictor(self.for_card(card), model_dir, card, threads, precision)
-
-    def http_contract(self, card, max_instances):
-        """The OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models), no /predict."""
-        from workflows.tasks.chat.serving import chat_http_contract
-
-        return chat_http_contract(card, self.cfg)
-
-    def serve_options(self):
-        """Serve's admission agrees with the engine's: a replica takes the batch, the engine's queue and as
-        many more again as the batch (those the engine answers 429 at once, rather than Serve holding
-        them); beyond that Serve keeps at most a batch's worth waiting per caller, and refuses the rest
-        with 429 and the same Retry-After. So no request waits without bound."""
-        gen = self.cfg.serve.generate
-        return {"max_ongoing_requests": 2 * gen.max_batch + gen.max_queue, "max_queued_requests": gen.max_batch,
-                "backpressure_config": {"status_code": 429, "retry_after_s": gen.retry_after_s}}
-
-    def input_columns(self, card, available):
-        from workflows.tasks.chat.predictor import PROCESSED
-
-        if set(PROCESSED) <= set(available):
-            return list(PROCESSED)
-        return ["messages"] if "messages" in available else ["prompt"]
-
-    def demo_instances(self, data, ctx, n):
-        from workflows.storage.shards import read_parquet
-
-        files = data.files.get("val") or []
-        if n <= 0 or not files:
-            return []
-        rows = read_parquet(files[0], ctx, ["prompt"]).slice(0, n).to_pylist()
-        return [{"messages": json.loads(row["prompt"])} for row in rows]  # the conversation before the answer
-
-    def describe_prediction(self, prediction) -> str:
-        """The demo's answer (openai_api.OpenAIContract.demo): its text and finish reason, then its JSON."""
-        text = f"{str(prediction.get('text', ''))[:50]!r} ({prediction.get('finish_reason')})"
-        if "json" in prediction:
-            text += f"; as JSON {json.dumps(prediction['json'])[:60]} ({prediction.get('json_finish_reason')})"
-        return text
-
-    def describe(self, instance) -> str:
-        if instance.get("messages"):
-            return str(instance["messages"][-1].get("content", ""))[-70:]
-        return str(instance.get("prompt", ""))[-70:]

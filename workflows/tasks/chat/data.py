@@ -224,7 +224,7 @@ def preprocess_chat(task, ctx, say):
             "eos_id": tok.eos_token_id, "dropped": dropped}
     data = ProcessedDataset(uri=out_uri, version=version, labels=[], label_column="answer", files=files,
                             counts=counts, label_counts={}, source=d.source, task=cfg.model.task,
-                            tokenizer=task.dataset_tokenizer(), max_length=cfg.preprocess.max_length, info=info)
+                            tokenizer=task.dataset.tokenizer(), max_length=cfg.preprocess.max_length, info=info)
     write_manifest(data, ctx, shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
     say(f"preprocess: {sum(counts.values())} chat rows ({counts}; dropped {dropped}) in {time.time() - t0:.1f}s")
     return data

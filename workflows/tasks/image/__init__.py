@@ -34,9 +34,14 @@ from workflows.preprocess.images import (
     random_resized_crop_flip,
     to_model_input,
 )
-from workflows.tasks.base import HttpContract, baseline, serving_device
-from workflows.tasks.base import Predictor as BasePredictor
-from workflows.tasks.classify import Classification, add_predictions, prediction
+from workflows.tasks.classify import (
+    Classification,
+    ClassificationServing,
+    ClassificationTraining,
+    add_predictions,
+    prediction,
+)
+from workflows.tasks.contract import HttpContract
 from workflows.tasks.image.contract import (
     EXAMPLE_REQUEST,
     RequestError,
@@ -46,6 +51,8 @@ from workflows.tasks.image.contract import (
     with_image_request_body,
 )
 from workflows.tasks.image.models import build_image_classifier, image_config
+from workflows.tasks.predictor import Predictor, serving_model
+from workflows.tasks.seams import DatasetSeam, baseline, held_out_rows
 
 IMAGE_MAX_BODY_BYTES = 16 << 20  # a few photos, base64 included
 
@@ -107,23 +114,119 @@ class ImageOptions(BaseModel):
         "class-per-folder files carry their images themselves)")
 
 
-class ImageClassification(Classification):
-    name = "image_classification"
-    columns = ("pixels", "label", "key")
-    Options = ImageOptions
+def model_input(model, batch: dict) -> dict:
+    """The batch as the model reads it: uint8 pixels normalized here, after the batch moved to the
+    device (in_step), so a GPU run copies a quarter of float32's bytes and its CPUs do no per-pixel
+    work; before the model's forward, so FSDP's mixed precision casts the result as any input. A
+    model that declares `takes_uint8_pixels` (pooled_linear) normalizes after its own pooling."""
+    import torch
 
-    # --- data
-    def preprocess(self, ctx, say):
-        from workflows.preprocess.image_dataset import preprocess_images
+    from workflows.parallel import unwrap  # DDP wraps; FSDP2 keeps the class
 
-        return preprocess_images(self.cfg, self.options.image_size, self.options.image_column, ctx, say)
+    pixels = batch["pixel_values"]
+    if pixels.dtype != torch.uint8 or getattr(unwrap(model), "takes_uint8_pixels", False):
+        return batch
+    return {**batch, "pixel_values": normalize_pixels(pixels)}
 
-    def dataset_version(self, shards, ctx) -> str:
+
+class ImageDataset(DatasetSeam):
+    """The stored images' version (their size and source column enter it), and with
+    model.options.image_input=raw a training source of the original images."""
+
+    def version(self, shards, ctx) -> str:
         from workflows.preprocess.image_dataset import dataset_version
         from workflows.preprocess.sources import list_shards
 
         _, fmt = list_shards(self.cfg.data.source, ctx, self.cfg.data.format)
         return dataset_version(shards, fmt, self.cfg, self.options.image_size, self.options.image_column)
+
+    def stream_source(self, data, storage):
+        """model.options.image_input=raw: the training split's samples in the source's tar shards,
+        parquet rows (image bytes in model.options.image_column) or image files (preprocess.
+        image_dataset.train_sample_index), decoded and cropped from the original image in the
+        loader's processes, seeded by (seed, epoch, sample)."""
+        if self.options.image_input != "raw":
+            return None
+        from workflows.preprocess.image_dataset import train_sample_index
+
+        aug, size = self.options.augment, int(data.info["image_size"])
+        transform = ImageTransform(size=size, seed=self.cfg.train.seed, train=aug.enabled, scale=aug.crop_scale,
+                                   ratio=aug.crop_ratio, flip=aug.flip,
+                                   max_pixels=self.cfg.preprocess.max_image_pixels)
+        return train_sample_index(self.cfg, data, storage, self.options.image_column), transform
+
+
+class ImageTraining(ClassificationTraining):
+    def loss(self, model, batch):
+        return super().loss(model, model_input(model, batch))
+
+    def check(self, data) -> None:
+        size = self.options.image_size
+        if int(data.info.get("image_size", 0)) != size:
+            raise UserError(f"the dataset stores {data.info.get('image_size')}px images; model.options.image_size is "
+                            f"{size}")
+        image_config(self.cfg, data.labels, size)  # an unknown architecture or a missing directory fails here
+
+
+class ImageServing(ClassificationServing):
+    """A from_pretrained vision classifier answering JSON base64, raw or multipart images."""
+
+    def export(self, state, data, out_dir, lineage) -> dict:
+        from transformers import AutoModelForImageClassification
+
+        size = int(data.info["image_size"])
+        model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels, size))
+        model.load_state_dict(state, strict=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        return write_card(ModelCard(task=self.task.name, labels=data.labels, label_column="label",
+                                    image_size=size, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD),
+                                    lineage=lineage, options=self.options.model_dump(mode="json"),
+                                    **baseline(data)), out_dir)
+
+    def predictor(self, model_dir, card, threads=None, precision="fp32"):
+        return ImagePredictor(model_dir, card, threads, precision, self.cfg.preprocess.max_image_pixels)
+
+    def http_contract(self, card, max_instances):
+        return ImageContract(card, max_instances, self.cfg.preprocess.max_image_pixels,
+                             self.cfg.serve.max_request_pixels)
+
+    def input_columns(self, card, available):
+        return ["pixels"] if "pixels" in available else ["image"]
+
+    def demo_instances(self, data, ctx, n):
+        """The first `n` held-out images, PNG-encoded from their stored tensors, as JSON instances."""
+        import base64
+        import io
+
+        from PIL import Image
+
+        cache = self.cfg.cache.shard_cache(ctx) if self.cfg.cache.enabled else None
+        rows = held_out_rows(data, ctx, ["pixels", "key"], n, "test", cache)
+        size = int(data.info["image_size"])
+        out = []
+        for row in rows:
+            buf = io.BytesIO()
+            Image.fromarray(stack_pixels([row["pixels"]], size)[0].numpy()).save(buf, format="PNG")
+            out.append({"image": {"b64": base64.b64encode(buf.getvalue()).decode()}})
+        return out
+
+    def describe(self, instance) -> str:
+        b64 = instance.get("image", {}).get("b64", "")
+        return f"image ({len(b64) * 3 // 4:,} bytes)"
+
+
+class ImageClassification(Classification):
+    name = "image_classification"
+    columns = ("pixels", "label", "key")
+    Options = ImageOptions
+    Dataset = ImageDataset
+    Training = ImageTraining
+    Serving = ImageServing
+
+    def preprocess(self, ctx, say):
+        from workflows.preprocess.image_dataset import preprocess_images
+
+        return preprocess_images(self.cfg, self.options.image_size, self.options.image_column, ctx, say)
 
     def collate(self, data, *, train: bool, seed: int | None = None):
         """Stored pixels cropped here, each sample by sha256(seed, key) with `seed` the epoch's
@@ -151,108 +254,18 @@ class ImageClassification(Classification):
 
         return collate
 
-    # --- the model's input: every call of the model in training, validation and evaluate goes through it
-    @staticmethod
-    def model_input(model, batch: dict) -> dict:
-        """The batch as the model reads it: uint8 pixels normalized here, after the batch moved to the
-        device (in_step), so a GPU run copies a quarter of float32's bytes and its CPUs do no per-pixel
-        work; before the model's forward, so FSDP's mixed precision casts the result as any input. A
-        model that declares `takes_uint8_pixels` (pooled_linear) normalizes after its own pooling."""
-        import torch
-
-        from workflows.parallel import unwrap  # DDP wraps; FSDP2 keeps the class
-
-        pixels = batch["pixel_values"]
-        if pixels.dtype != torch.uint8 or getattr(unwrap(model), "takes_uint8_pixels", False):
-            return batch
-        return {**batch, "pixel_values": normalize_pixels(pixels)}
-
-    def loss(self, model, batch):
-        return super().loss(model, self.model_input(model, batch))
-
-    def metric_states(self, model, batch):
-        return super().metric_states(model, self.model_input(model, batch))
-
-    def predict_batch(self, model, batch, data):
-        return super().predict_batch(model, self.model_input(model, batch), data)
-
-    def stream_source(self, data, storage):
-        """model.options.image_input=raw: the training split's samples in the source's tar shards,
-        parquet rows (image bytes in model.options.image_column) or image files (preprocess.
-        image_dataset.train_sample_index), decoded and cropped from the original image in the
-        loader's processes, seeded by (seed, epoch, sample)."""
-        if self.options.image_input != "raw":
-            return None
-        from workflows.preprocess.image_dataset import train_sample_index
-
-        aug, size = self.options.augment, int(data.info["image_size"])
-        transform = ImageTransform(size=size, seed=self.cfg.train.seed, train=aug.enabled, scale=aug.crop_scale,
-                                   ratio=aug.crop_ratio, flip=aug.flip,
-                                   max_pixels=self.cfg.preprocess.max_image_pixels)
-        return train_sample_index(self.cfg, data, storage, self.options.image_column), transform
-
-    # --- model
     def build_model(self, data):
         return build_image_classifier(self.cfg, data.labels, int(data.info["image_size"]))
 
-    def check(self, data) -> None:
-        size = self.options.image_size
-        if int(data.info.get("image_size", 0)) != size:
-            raise UserError(f"the dataset stores {data.info.get('image_size')}px images; model.options.image_size is "
-                            f"{size}")
-        image_config(self.cfg, data.labels, size)  # an unknown architecture or a missing directory fails here
+    # every call of the model in training, validation and evaluate reads the batch through `model_input`
+    def metric_states(self, model, batch):
+        return super().metric_states(model, model_input(model, batch))
 
-    def export(self, state, data, out_dir, lineage) -> dict:
-        from transformers import AutoModelForImageClassification
-
-        size = int(data.info["image_size"])
-        model = AutoModelForImageClassification.from_config(image_config(self.cfg, data.labels, size))
-        model.load_state_dict(state, strict=True)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        return write_card(ModelCard(task=self.name, labels=data.labels, label_column="label",
-                                    image_size=size, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD),
-                                    lineage=lineage, options=self.options.model_dump(mode="json"),
-                                    **baseline(data)), out_dir)
-
-    # --- serving
-    def predictor(self, model_dir, card, threads=None, precision="fp32"):
-        return ImagePredictor(model_dir, card, threads, precision, self.cfg.preprocess.max_image_pixels)
-
-    def http_contract(self, card, max_instances):
-        return ImageContract(card, max_instances, self.cfg.preprocess.max_image_pixels,
-                             self.cfg.serve.max_request_pixels)
-
-    def input_columns(self, card, available):
-        return ["pixels"] if "pixels" in available else ["image"]
-
-    def demo_instances(self, data, ctx, n):
-        """The first `n` held-out images, PNG-encoded from their stored tensors, as JSON instances."""
-        import base64
-        import io
-
-        from PIL import Image
-
-        from workflows.storage.shards import read_parquet
-
-        files = data.files.get("test") or []
-        if n <= 0 or not files:
-            return []
-        cache = self.cfg.cache.shard_cache(ctx) if self.cfg.cache.enabled else None
-        rows = read_parquet(files[0], ctx, ["pixels", "key"], cache).slice(0, n).to_pylist()
-        size = int(data.info["image_size"])
-        out = []
-        for row in rows:
-            buf = io.BytesIO()
-            Image.fromarray(stack_pixels([row["pixels"]], size)[0].numpy()).save(buf, format="PNG")
-            out.append({"image": {"b64": base64.b64encode(buf.getvalue()).decode()}})
-        return out
-
-    def describe(self, instance) -> str:
-        b64 = instance.get("image", {}).get("b64", "")
-        return f"image ({len(b64) * 3 // 4:,} bytes)"
+    def predict_batch(self, model, batch, data):
+        return super().predict_batch(model, model_input(model, batch), data)
 
 
-class ImagePredictor(BasePredictor):
+class ImagePredictor(Predictor):
     """A registered image classifier loaded once: encoded images (or stored tensors) in, labels and
     probabilities out."""
 
@@ -270,19 +283,10 @@ class ImagePredictor(BasePredictor):
         self.mean, self.std = tuple(card.image_mean or ()), tuple(card.image_std or ())
         self.max_pixels = max_pixels or MAX_PIXELS
         self.input_columns = ["image"]
-        if threads:
-            torch.set_num_threads(threads)
         model = AutoModelForImageClassification.from_pretrained(model_dir, use_safetensors=True).eval()
-        self.device = serving_device()
         self.precision = precision
-        if precision == "int8":  # the Linear layers only: convolutions keep fp32 (no dynamic int8 conv kernels)
-            self.device = torch.device("cpu")
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-        elif precision == "bf16":
-            model = model.to(torch.bfloat16)
-        elif precision != "fp32":
-            raise ValueError(f"unknown precision {precision!r}")
-        self.model = model.to(self.device)
+        # int8: the Linear layers only, convolutions keep fp32 (no dynamic int8 conv kernels)
+        self.model, self.device = serving_model(model, precision, threads)
         self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     def tensor(self, images: list[bytes]):

@@ -1,10 +1,10 @@
 """Text classification: a pretrained encoder (MiniLM by default) fine-tuned with a new head on
 tokenized text columns (workflows/preprocess/encoding.py shares the encoding with serving).
 
-The wing: this task; `model` (the classifier, its collate, its size for the planner, the linear
-probe), `predictor` (serving, batch inference, evaluation), `contract` (POST /predict's request and
-response models), `export` (the from_pretrained artifact). Its preprocessing is
-workflows.preprocess.materialize's text tokenization on Ray Data, which the causal LM shares."""
+The wing: this task and its training and serving seams; `model` (the classifier, its collate, its
+size for the planner, the linear probe), `predictor` (serving, batch inference, evaluation),
+`contract` (POST /predict's request and response models), `export` (the from_pretrained artifact).
+Its data are the tokenized text the causal LM shares (workflows.tasks.tokenized_text)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.preprocess.encoding import pad_and_vocab, resolve_model_dir
-from workflows.tasks.classify import Classification
+from workflows.tasks.classify import Classification, ClassificationServing, ClassificationTraining
+from workflows.tasks.seams import held_out_rows
 from workflows.tasks.text.contract import text_contract
+from workflows.tasks.tokenized_text import TokenizedText
 
 
 class TextOptions(BaseModel):
@@ -37,32 +39,10 @@ class TextOptions(BaseModel):
         "and communication")
 
 
-class TextClassification(Classification):
-    name = "classification"
-    columns = ("input_ids", "label_id")
-    Options = TextOptions
+class TextTraining(ClassificationTraining):
+    """The pretrained encoder: its head checked and, with head_init=linear_probe, fitted first;
+    frozen embeddings; the head's own learning rate; the planner's spec."""
 
-    # --- data
-    def preprocess(self, ctx, say):
-        from workflows.preprocess.materialize import preprocess_text
-
-        return preprocess_text(self.cfg, ctx, say)
-
-    def dataset_version(self, shards, ctx) -> str:
-        from workflows.preprocess.materialize import dataset_version
-
-        return dataset_version(shards, self.cfg, resolve_model_dir(self.cfg.preprocess.tokenizer))
-
-    def collate(self, data, *, train: bool, seed: int | None = None):
-        from functools import partial
-
-        from workflows.tasks.text.model import collate
-
-        # a compiled model's training batches: one width, the dataset's max_length (train.compile)
-        width = data.max_length if train and self.cfg.train.compiled else None
-        return partial(collate, pad_id=pad_and_vocab(self.tokenizer_of(data))[0], width=width)
-
-    # --- model
     def model_dir(self) -> str:
         return resolve_model_dir(self.cfg.model.name_or_path)
 
@@ -71,11 +51,6 @@ class TextClassification(Classification):
 
         if self.options.head_init == "linear_probe":
             check_linear_probe_head(self.model_dir(), data.labels, self.options.pooling)
-
-    def build_model(self, data):
-        from workflows.tasks.text.model import load_classifier
-
-        return load_classifier(self.model_dir(), data.labels, self.cfg.model.dropout, self.options.pooling)
 
     def needs_probe_batches(self) -> bool:
         return self.options.head_init == "linear_probe"
@@ -97,18 +72,22 @@ class TextClassification(Classification):
 
         m = self.cfg.model
         spec = classifier_spec(self.model_dir(), dropout=m.dropout, freeze_embeddings=self.options.freeze_embeddings,
-                          name=m.name_or_path)
+                               name=m.name_or_path)
         return spec, self.cfg.preprocess.max_length
 
     def head_lr(self) -> float | None:
         return self.options.head_lr
 
+
+class TextServing(ClassificationServing):
+    """A from_pretrained artifact with its tokenizer, answering text instances."""
+
     def export(self, state, data, out_dir, lineage) -> dict:
         from workflows.tasks.text.export import export_text_classifier
 
-        return export_text_classifier(self.cfg, state, data, out_dir, lineage, self.options, self.tokenizer_of(data))
+        return export_text_classifier(self.cfg, state, data, out_dir, lineage, self.options,
+                                      self.task.dataset.tokenizer_of(data))
 
-    # --- serving
     def predictor(self, model_dir, card, threads=None, precision="fp32"):
         from workflows.tasks.text.predictor import TextPredictor
 
@@ -121,13 +100,30 @@ class TextClassification(Classification):
         return list(card.text_columns)
 
     def demo_instances(self, data, ctx, n):
-        """The text of the first `n` held-out rows, read straight from the split's first file
-        (through the node's shard cache): a few rows need no Ray Data job."""
-        from workflows.storage.shards import read_parquet
-
-        files = data.files.get("test") or []
-        if n <= 0 or not files:
-            return []
+        """The text of the first `n` held-out rows (test split), through the node's shard cache."""
         cache = self.cfg.cache.shard_cache(ctx) if self.cfg.cache.enabled else None
-        table = read_parquet(files[0], ctx, data.text_columns, cache)
-        return [{c: str(v) for c, v in row.items()} for row in table.slice(0, n).to_pylist()]
+        rows = held_out_rows(data, ctx, data.text_columns, n, "test", cache)
+        return [{c: str(v) for c, v in row.items()} for row in rows]
+
+
+class TextClassification(TokenizedText, Classification):
+    name = "classification"
+    columns = ("input_ids", "label_id")
+    Options = TextOptions
+    Training = TextTraining
+    Serving = TextServing
+
+    def collate(self, data, *, train: bool, seed: int | None = None):
+        from functools import partial
+
+        from workflows.tasks.text.model import collate
+
+        # a compiled model's training batches: one width, the dataset's max_length (train.compile)
+        width = data.max_length if train and self.cfg.train.compiled else None
+        return partial(collate, pad_id=pad_and_vocab(self.dataset.tokenizer_of(data))[0], width=width)
+
+    def build_model(self, data):
+        from workflows.tasks.text.model import load_classifier
+
+        return load_classifier(resolve_model_dir(self.cfg.model.name_or_path), data.labels, self.cfg.model.dropout,
+                               self.options.pooling)

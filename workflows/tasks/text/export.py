@@ -7,7 +7,7 @@ from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
 from workflows.model_card import ModelCard, write_card
 from workflows.preprocess.encoding import resolve_model_dir
-from workflows.tasks.base import baseline
+from workflows.tasks.seams import baseline
 
 
 def export_text_classifier(cfg: WorkflowConfig, state: dict, data: ProcessedDataset, out_dir: str,

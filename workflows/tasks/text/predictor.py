@@ -10,12 +10,12 @@ import torch
 
 from workflows.model_card import ModelCard
 from workflows.preprocess.encoding import TextEncoder, compose_texts, pad_batch
-from workflows.tasks import base
 from workflows.tasks.classify import add_predictions, prediction
+from workflows.tasks.predictor import Predictor, serving_model
 from workflows.tasks.text.model import load_trained_classifier
 
 
-class TextPredictor(base.Predictor):
+class TextPredictor(Predictor):
     """A registered text classifier loaded once: raw rows in, labels and probabilities out."""
 
     def __init__(self, model_dir: str, threads: int | None = None, precision: str = "fp32"):
@@ -26,19 +26,9 @@ class TextPredictor(base.Predictor):
         self.text_columns: list[str] = self.card.text_columns
         self.input_columns = self.text_columns
         self.encoder = TextEncoder(model_dir, self.card.max_length, self.text_columns)
-        if threads:
-            torch.set_num_threads(threads)
-        model = load_trained_classifier(model_dir).eval()  # safetensors weights only
-        self.device = base.serving_device()
         self.precision = precision
-        if precision == "int8":  # dynamic quantization: int8 weights, activations quantized per batch (CPU kernels)
-            self.device = torch.device("cpu")
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-        elif precision == "bf16":
-            model = model.to(torch.bfloat16)
-        elif precision != "fp32":
-            raise ValueError(f"unknown precision {precision!r}")
-        self.model = model.to(self.device)
+        # safetensors weights only
+        self.model, self.device = serving_model(load_trained_classifier(model_dir).eval(), precision, threads)
 
     @torch.inference_mode()
     def probabilities(self, columns: Mapping[str, Sequence[object]], batch_size: int = 64) -> np.ndarray:
