@@ -1,7 +1,6 @@
 """Text preprocessing on Ray Data (the text tasks' `preprocess`): raw shards -> token ids + label
 ids, split by a hash of the text, written once per dataset version as a ProcessedDataset
-(workflows.dataset: the type, its layout and the helpers to write one). The names of
-workflows.dataset stay importable from here, where they lived before.
+(workflows.dataset: the type, its layout and the helpers to write one).
 """
 
 from __future__ import annotations
@@ -10,8 +9,6 @@ import functools
 import hashlib
 import json
 import os
-import time
-from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
@@ -21,14 +18,13 @@ from workflows.dataset import (
     SPLITS,
     ProcessedDataset,
     _keep_fraction,
-    materialized,
     split_of,
-    write_manifest,
     write_splits,
 )
 from workflows.errors import UserError
 from workflows.preprocess.encoding import TextEncoder, compose_texts, resolve_model_dir
-from workflows.preprocess.sources import list_shards, read_dataset
+from workflows.preprocess.run import start_preprocess
+from workflows.preprocess.sources import read_dataset
 from workflows.storage.shards import Shard
 from workflows.storage.uri import StorageContext
 
@@ -129,17 +125,13 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
     import ray.data
 
     d, p = cfg.data, cfg.preprocess
-    shards, fmt = list_shards(d.source, ctx, d.format)
     tokenizer_dir = resolve_model_dir(p.tokenizer)
-    version = dataset_version(shards, cfg, tokenizer_dir)
-    out_uri = cfg.uri("processed", version)
-    if (done := materialized(out_uri, ctx, say)) is not None:
-        return done
-
-    t0 = time.time()
-    say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri}")
+    run = start_preprocess(cfg, ctx, say, lambda shards: dataset_version(shards, cfg, tokenizer_dir))
+    if run.done is not None:
+        return run.done
+    out_uri = run.uri
     columns = [*d.text_columns, d.label_column]
-    raw = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=columns).select_columns(columns)
+    raw = read_dataset(run.shards, run.format, ctx, cfg.cache, required_columns=columns).select_columns(columns)
     fraction = None
     if d.max_rows is not None:
         total = raw.count()
@@ -180,7 +172,7 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
     result = ProcessedDataset(
         task=cfg.model.task,
         uri=out_uri,
-        version=version,
+        version=run.version,
         labels=labels,
         text_columns=d.text_columns,
         label_column=d.label_column,
@@ -191,6 +183,6 @@ def preprocess_text(cfg: WorkflowConfig, ctx: StorageContext, say=print) -> Proc
         label_counts=label_counts,
         source=d.source,
     )
-    write_manifest(result, ctx, shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
-    say(f"preprocess: {sum(counts.values())} rows ({counts}) in {time.time() - t0:.1f}s, labels {labels}")
+    run.finish(result)
+    say(f"preprocess: {sum(counts.values())} rows ({counts}) in {run.seconds():.1f}s, labels {labels}")
     return result

@@ -11,8 +11,6 @@ copies into the model card: training and serving standardize with the same numbe
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,13 +19,12 @@ import pandas as pd
 from workflows.dataset import (
     SPLITS,
     ProcessedDataset,
-    materialized,
     split_of,
-    write_manifest,
     write_splits,
 )
 from workflows.errors import UserError
-from workflows.preprocess.sources import list_shards, read_dataset
+from workflows.preprocess.run import start_preprocess
+from workflows.preprocess.sources import read_dataset
 
 if TYPE_CHECKING:
     from workflows.storage.uri import StorageContext
@@ -82,15 +79,11 @@ def preprocess_table(task: Task, ctx: StorageContext, say, features: list[str], 
     d, cfg = task.cfg.data, task.cfg
     if d.max_rows is not None:
         raise UserError(f"data.max_rows: not supported by {task.name or type(task).__name__}")
-    shards, fmt = list_shards(d.source, ctx, d.format)
-    version = task.dataset.version(shards, ctx)
-    out_uri = cfg.uri("processed", version)
-    if (done := materialized(out_uri, ctx, say)) is not None:
-        return done
-    t0 = time.time()
+    run = start_preprocess(cfg, ctx, say, lambda shards: task.dataset.version(shards, ctx))
+    if run.done is not None:
+        return run.done
     numeric = list(features) if classes else [*features, label]
-    say(f"preprocess: {len(shards)} {fmt} shard(s) from {d.source} -> {out_uri}")
-    rows = read_dataset(shards, fmt, ctx, cfg.cache, required_columns=[*features, label])
+    rows = read_dataset(run.shards, run.format, ctx, cfg.cache, required_columns=[*features, label])
     rows = rows.map_batches(clean_rows, batch_format="pandas", fn_args=(
         numeric, label if classes else None, d.split_seed, d.val_fraction, d.test_fraction)).materialize()
     sums = rows.map_batches(group_sums, batch_format="pandas", fn_args=(numeric, label if classes else None))
@@ -115,9 +108,9 @@ def preprocess_table(task: Task, ctx: StorageContext, say, features: list[str], 
         rows = rows.map_batches(with_label_ids, batch_format="pandas", fn_args=(label, labels))
     else:
         info.update(target_mean=float(mean[-1]), target_std=float(std[-1]))
-    files = write_splits(rows, out_uri, ctx, cfg.preprocess.rows_per_shard, d.split_seed)
-    data = ProcessedDataset(uri=out_uri, version=version, labels=labels, label_column=label, files=files,
-                            counts=counts, label_counts=label_counts, source=d.source, task=cfg.model.task, info=info)
-    write_manifest(data, ctx, shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
-    say(f"preprocess: {sum(counts.values())} rows ({counts}) in {time.time() - t0:.1f}s")
+    files = write_splits(rows, run.uri, ctx, cfg.preprocess.rows_per_shard, d.split_seed)
+    data = run.finish(ProcessedDataset(uri=run.uri, version=run.version, labels=labels, label_column=label,
+                                       files=files, counts=counts, label_counts=label_counts, source=d.source,
+                                       task=cfg.model.task, info=info))
+    say(f"preprocess: {sum(counts.values())} rows ({counts}) in {run.seconds():.1f}s")
     return data
