@@ -82,7 +82,7 @@ class ProcessedDataset:
 
     def tokenizer_of(self, expected: str | None) -> str:
         """The tokenizer this text dataset was written with, which must be `expected`, the one the
-        config's task writes (Task.dataset_tokenizer: preprocess.tokenizer, a chat model's base): a
+        config's task writes (its dataset seam's `tokenizer`: preprocess.tokenizer, a chat model's base): a
         manifest is the bucket's, and a bucket writer does not choose what is read (and copied into a
         registered model) as a tokenizer."""
         where = join(self.uri, MANIFEST)

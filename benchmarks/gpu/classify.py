@@ -99,7 +99,7 @@ def export(data_dir: Path, model: Path, ckpt: Path, out: Path) -> Path:
     cfg = load_config("quickstart", [*TRAIN_SETS, f"model.name_or_path={model}", f"preprocess.tokenizer={model}"])
     data = find_dataset(cfg, StorageContext(), str(data_dir))
     state = consolidated_model_state(str(sorted(ckpt.glob("epoch_*"))[-1]))
-    get_task(cfg).export(state, data, str(out), {"bench": "gpu classify"})
+    get_task(cfg).serving.export(state, data, str(out), {"bench": "gpu classify"})
     return out
 
 

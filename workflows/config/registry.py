@@ -22,7 +22,8 @@ class PromoteConfig(Strict):
 
     alias: str = Field("production", description="the alias the gate moves (`serve --model NAME@ALIAS` follows it)")
     metric: str | None = Field(None, description="the evaluation metric compared; None: the task's headline "
-                               "(a classifier's weighted F1); one the task can compare (Task.comparable_metrics)")
+                               "(a classifier's weighted F1); one the task can compare (its evaluation seam's "
+                               "comparable_metrics)")
     margin: float = Field(0.0, ge=0, description="how much better (in the metric's direction) the new version "
                           "must score than the holder to take the alias; a tie never moves it")
 
