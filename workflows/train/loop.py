@@ -195,70 +195,99 @@ def train_epoch(
     model.train()
     batches = TimedIterator(batches)
     t0 = time.perf_counter()
-    samples = after_first = 0  # rows: known on the host
-    tokens = torch.zeros((), dtype=torch.float64, device=device)
-    first_step_seconds = None
-    steps: list[torch.Tensor] = []  # this rank's [loss*n, n] per step, on the device; reduced once at the end
+    sums = _EpochSums(device)
     for step, group in enumerate(micro_batch_groups(in_step(batches, device), accum_steps)):
         if on_step is not None:
             on_step(step)
-        pieces = []  # (micro-batch, its real rows, stand-in)
-        for b in group:
-            stand_in = b.pop(STAND_IN, None) is not None
-            parts = fixed_rows(b, pad_to, pad_label) if pad_to and not stand_in else [(b, batch_rows(b))]
-            pieces += [(piece, real, stand_in) for piece, real in parts]
-        counts = [0 if stand_in else label_count(b) for b, _, stand_in in pieces]
-        labelled = sum(counts)
-        group_n = labelled.clamp(min=1) if isinstance(labelled, torch.Tensor) else max(labelled, 1)
-        step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        for i, ((batch, real, stand_in), n) in enumerate(zip(pieces, counts)):
-            with gradient_sync(model, i == len(pieces) - 1), evaluating(model, stand_in), \
-                    (eager() if stand_in else contextlib.nullcontext()):
-                with autocast(device, amp):
-                    batch_loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
-                (batch_loss * (n / group_n)).backward()  # a stand-in: n = 0, zero gradients
-            if stand_in:
-                continue
-            step_loss += batch_loss.detach().double() * n
-            tokens += token_count(batch, real)  # images: none
-            samples += real
-            after_first += real if first_step_seconds is not None else 0
+        _accumulate(model, _step_pieces(group, pad_to, pad_label), device, sums, loss_fn, amp)
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        n_step = labelled.to(torch.float64) if isinstance(labelled, torch.Tensor) else step_loss.new_full((), labelled)
-        steps.append(torch.stack([step_loss, n_step]))
-        if first_step_seconds is None:
-            first_step_seconds = time.perf_counter() - t0
+        if sums.first_step_seconds is None:
+            sums.first_step_seconds = time.perf_counter() - t0
         if after_step is not None:  # a step checkpoint (train.checkpoint_every_steps)
             after_step(step)
     synchronize(device)
-    seconds = time.perf_counter() - t0
-    # every rank ran the same number of steps (in_step), so the per-step sums line up: one all-reduce
-    # of everything, read once
-    per_step = torch.stack(steps) if steps else torch.zeros((0, 2), dtype=torch.float64, device=device)
-    head = torch.stack([tokens.new_full((), samples), tokens.new_full((), after_first), tokens])
-    flat = all_reduce_sum(torch.cat([head, per_step.reshape(-1)])).tolist()
-    samples, after_first, tokens_all = flat[:3]
-    per_step_rows = [flat[3 + 2 * k: 5 + 2 * k] for k in range(len(steps))]
-    labelled_all = sum(n for _, n in per_step_rows)
-    steady_seconds = seconds - (first_step_seconds or 0.0)
-    return {
-        "train_loss": sum(a for a, _ in per_step_rows) / max(labelled_all, 1),
-        "samples": int(samples),
-        "samples_per_s": samples / seconds if seconds else 0.0,
-        "tokens_per_s": tokens_all / seconds if seconds else 0.0,
-        "epoch_seconds": seconds,
-        "first_step_seconds": first_step_seconds or 0.0,
-        "samples_after_first_step": int(after_first),
-        "samples_per_s_after_first_step": after_first / steady_seconds if after_first and steady_seconds > 0 else 0.0,
-        "data_wait_seconds": batches.seconds,
-        "lr": scheduler.get_last_lr()[0],
-        "steps": len(steps),
-        "step_losses": [round(a / max(b, 1), 7) for a, b in per_step_rows],
-    }
+    return sums.metrics(time.perf_counter() - t0, batches.seconds, scheduler.get_last_lr()[0])
+
+
+class _EpochSums:
+    """What an epoch adds up: rows on the host; tokens and each step's [loss * labels, labels] on the
+    device, where they are counted, read once at the end (`metrics`): no host sync per step."""
+
+    def __init__(self, device: torch.device):
+        self.samples = self.after_first = 0  # rows, of which after the first step
+        self.tokens = torch.zeros((), dtype=torch.float64, device=device)
+        self.first_step_seconds: float | None = None
+        self.steps: list[torch.Tensor] = []  # this rank's [loss*n, n] per step
+
+    def metrics(self, seconds: float, data_wait_seconds: float, lr: float) -> dict:
+        """train_epoch's metrics, summed over all ranks: every rank ran the same number of steps
+        (in_step), so the per-step sums line up: one all-reduce of everything, read once."""
+        tokens = self.tokens
+        if self.steps:
+            per_step = torch.stack(self.steps)
+        else:
+            per_step = torch.zeros((0, 2), dtype=torch.float64, device=tokens.device)
+        head = torch.stack([tokens.new_full((), self.samples), tokens.new_full((), self.after_first), tokens])
+        flat = all_reduce_sum(torch.cat([head, per_step.reshape(-1)])).tolist()
+        samples, after_first, tokens_all = flat[:3]
+        per_step_rows = [flat[3 + 2 * k: 5 + 2 * k] for k in range(len(self.steps))]
+        labelled_all = sum(n for _, n in per_step_rows)
+        steady_seconds = seconds - (self.first_step_seconds or 0.0)
+        steady = after_first / steady_seconds if after_first and steady_seconds > 0 else 0.0
+        return {
+            "train_loss": sum(a for a, _ in per_step_rows) / max(labelled_all, 1),
+            "samples": int(samples),
+            "samples_per_s": samples / seconds if seconds else 0.0,
+            "tokens_per_s": tokens_all / seconds if seconds else 0.0,
+            "epoch_seconds": seconds,
+            "first_step_seconds": self.first_step_seconds or 0.0,
+            "samples_after_first_step": int(after_first),
+            "samples_per_s_after_first_step": steady,
+            "data_wait_seconds": data_wait_seconds,
+            "lr": lr,
+            "steps": len(self.steps),
+            "step_losses": [round(a / max(b, 1), 7) for a, b in per_step_rows],
+        }
+
+
+def _step_pieces(group: list[dict], pad_to: int | None, pad_label: int) -> list[tuple[dict, int, bool]]:
+    """One step's micro-batches as (micro-batch, its real rows, stand-in): `STAND_IN` taken out, and
+    with `pad_to` each made exactly that many rows (compile.fixed_rows)."""
+    pieces = []
+    for b in group:
+        stand_in = b.pop(STAND_IN, None) is not None
+        parts = fixed_rows(b, pad_to, pad_label) if pad_to and not stand_in else [(b, batch_rows(b))]
+        pieces += [(piece, real, stand_in) for piece, real in parts]
+    return pieces
+
+
+def _accumulate(model, pieces: list[tuple[dict, int, bool]], device: torch.device, sums: _EpochSums,
+                loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None, amp: torch.dtype | None) -> None:
+    """Forward and backward of one optimizer step's micro-batches into the gradients, each loss
+    weighted by its share of the step's labels (DDP synchronizing on the last only); the step's
+    loss, labels, rows and tokens added to `sums`."""
+    counts = [0 if stand_in else label_count(b) for b, _, stand_in in pieces]
+    labelled = sum(counts)
+    group_n = labelled.clamp(min=1) if isinstance(labelled, torch.Tensor) else max(labelled, 1)
+    step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    for i, ((batch, real, stand_in), n) in enumerate(zip(pieces, counts)):
+        with gradient_sync(model, i == len(pieces) - 1), evaluating(model, stand_in), \
+                (eager() if stand_in else contextlib.nullcontext()):
+            with autocast(device, amp):
+                batch_loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
+            (batch_loss * (n / group_n)).backward()  # a stand-in: n = 0, zero gradients
+        if stand_in:
+            continue
+        step_loss += batch_loss.detach().double() * n
+        sums.tokens += token_count(batch, real)  # images: none
+        sums.samples += real
+        sums.after_first += real if sums.first_step_seconds is not None else 0
+    n_step = labelled.to(torch.float64) if isinstance(labelled, torch.Tensor) else step_loss.new_full((), labelled)
+    sums.steps.append(torch.stack([step_loss, n_step]))
 
 
 @torch.no_grad()

@@ -128,6 +128,29 @@ class Plan:
         }
 
 
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _what_would_fit(spec: ModelSpec, fsdp_batch: int, fsdp_precision: str, budget: int, devices: int, seq_len: int,
+                    micro_batch: int, *, device_type: str, attention: str, checkpointing: bool,
+                    accumulation: bool) -> list[str]:
+    """When neither strategy fits: what to change, the FSDP micro-batch that fits (`fsdp_batch`, 0 for
+    none) first, activation checkpointing where it would make FSDP fit, then bf16 and more devices."""
+    tips = []
+    if fsdp_batch:
+        tips.append(f"a micro-batch of {fsdp_batch} (train.batch_size; train.grad_accum_steps keeps the global batch)")
+    if not checkpointing:
+        ck = estimate(spec, "fsdp", devices, seq_len, micro_batch, precision=fsdp_precision, device_type=device_type,
+                      attention=attention, checkpointing=True, accumulation=accumulation)
+        if ck.total <= budget:
+            tips.append(f"activation checkpointing ({_gib(ck.total)})")
+    if fsdp_precision == "fp32":
+        tips.append("bf16 mixed precision")
+    tips.append("more devices")
+    return tips
+
+
 def make_plan(
     spec: ModelSpec,
     *,
@@ -168,53 +191,21 @@ def make_plan(
         for k in STRATEGIES
     }
     budget = usable_bytes(device_memory)
-    gib = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
     if estimates["ddp"].total <= budget:
-        recommended, reason = (
-            "ddp",
-            (
-                f"DDP fits ({gib(estimates['ddp'].total)} of {gib(budget)} usable) and "
-                "communicates less than FSDP (one all-reduce of the gradients per step)"
-            ),
-        )
+        recommended: str | None = "ddp"
+        reason = (f"DDP fits ({_gib(estimates['ddp'].total)} of {_gib(budget)} usable) and "
+                  "communicates less than FSDP (one all-reduce of the gradients per step)")
     elif estimates["fsdp"].total <= budget:
-        recommended, reason = (
-            "fsdp",
-            (
-                f"DDP needs {gib(estimates['ddp'].total)} > {gib(budget)} usable; FSDP "
-                f"shards the parameters, gradients and optimizer state over {devices} "
-                f"device(s): {gib(estimates['fsdp'].total)}"
-            ),
-        )
+        recommended = "fsdp"
+        reason = (f"DDP needs {_gib(estimates['ddp'].total)} > {_gib(budget)} usable; FSDP "
+                  f"shards the parameters, gradients and optimizer state over {devices} "
+                  f"device(s): {_gib(estimates['fsdp'].total)}")
     else:
         recommended = None
-        tips = []
-        if best_b["fsdp"]:
-            tips.append(
-                f"a micro-batch of {best_b['fsdp']} (train.batch_size; train.grad_accum_steps keeps the global batch)"
-            )
-        if not checkpointing:
-            ck = estimate(
-                spec,
-                "fsdp",
-                devices,
-                seq_len,
-                micro_batch,
-                precision=precisions["fsdp"],
-                device_type=device_type,
-                attention=attention,
-                checkpointing=True,
-                accumulation=accumulation,
-            )
-            if ck.total <= budget:
-                tips.append(f"activation checkpointing ({gib(ck.total)})")
-        if precisions["fsdp"] == "fp32":
-            tips.append("bf16 mixed precision")
-        tips.append("more devices")
-        reason = (
-            f"neither fits at micro-batch {micro_batch}: FSDP needs {gib(estimates['fsdp'].total)} > "
-            f"{gib(budget)} usable; try " + ", or ".join(tips)
-        )
+        tips = _what_would_fit(spec, best_b["fsdp"], precisions["fsdp"], budget, devices, seq_len, micro_batch,
+                               **common)
+        reason = (f"neither fits at micro-batch {micro_batch}: FSDP needs {_gib(estimates['fsdp'].total)} > "
+                  f"{_gib(budget)} usable; try " + ", or ".join(tips))
     notes = [f"activation bytes estimated, not measured: {n}" for n in spec.estimated]
     if config_strategy and recommended and config_strategy != recommended:
         notes.append(f"the config trains with {config_strategy}; the plan recommends {recommended}")

@@ -154,28 +154,11 @@ def resume_point(cfg: WorkflowConfig, storage: StorageContext, prefix: str) -> s
     return uri
 
 
-def fit(
-    cfg: WorkflowConfig,
-    storage: StorageContext,
-    data: ProcessedDataset,
-    *,
-    run_prefix: str | None = None,
-    callbacks: list | None = None,
-    resume: bool = False,
-    check: bool = True,
-    on_step: RankStepHook | None = None,  # run in every worker before each step (faults: reliability/); pickled
-    on_samples: SampleHook | None = None,  # loader=stream: every worker's batch sample ids (tests); pickled
-    tracking: TrackingSpec | None = None,  # an MLflow run for rank 0's epochs
-) -> TrainOutcome:
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+def _worker_datasets(cfg: WorkflowConfig, task, data: ProcessedDataset, storage: StorageContext) -> tuple[dict, int]:
+    """The Ray datasets the workers are handed ("train" only with loader=ray_data, in a seeded block
+    order; "val" always), within train.max_rows and the like (row_limits) and as the task prepares
+    them, and how many training examples they hold. UserError for fewer examples than workers."""
     tc = cfg.train
-    if check:
-        check_resources(tc.min_workers, tc.cpus_per_worker, tc.use_gpu)
-    task = get_task(cfg)
-    task.training.check(data)
-
     train_ds = data.read("train", storage, num_cpus=0, cache=cfg.cache)
     train_rows = data.counts["train"]
     train_limit, val_limit = row_limits(tc, train_rows)
@@ -194,9 +177,55 @@ def fit(
     if train_rows < tc.max_workers:
         raise UserError(f"{train_rows} training example(s) ({task.name}) for {tc.max_workers} workers; lower "
                         "train.num_workers, bring more data, or (a causal LM) lower model.options.seq_len")
-    datasets = {"train": mixed_block_order(train_ds, tc.seed), "val": val_ds} if tc.loader == "ray_data" \
-        else {"val": val_ds}
+    if tc.loader == "ray_data":
+        return {"train": mixed_block_order(train_ds, tc.seed), "val": val_ds}, train_rows
+    return {"val": val_ds}, train_rows
 
+
+def _torch_trainer(tc, spec: WorkerSpec, run_config, datasets: dict):
+    """Ray Train's TorchTrainer of worker_loop over `spec`: its worker group (elastic for a [min, max]
+    train.num_workers), the process group's backend, the datasets and their fixed-order ingest."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(
+        worker_loop,
+        train_loop_config={"spec": spec},
+        torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            # [min, max]: an elastic group, restarted on as many workers as the cluster has room for
+            num_workers=tc.num_workers if isinstance(tc.num_workers, int) else tuple(tc.num_workers),
+            use_gpu=tc.use_gpu,
+            resources_per_worker={"CPU": tc.cpus_per_worker},
+        ),
+        run_config=run_config,
+        datasets=datasets,
+        dataset_config=ingest_config(),
+    )
+
+
+def fit(
+    cfg: WorkflowConfig,
+    storage: StorageContext,
+    data: ProcessedDataset,
+    *,
+    run_prefix: str | None = None,
+    callbacks: list | None = None,
+    resume: bool = False,
+    check: bool = True,
+    on_step: RankStepHook | None = None,  # run in every worker before each step (faults: reliability/); pickled
+    on_samples: SampleHook | None = None,  # loader=stream: every worker's batch sample ids (tests); pickled
+    tracking: TrackingSpec | None = None,  # an MLflow run for rank 0's epochs
+) -> TrainOutcome:
+    import ray.train
+
+    tc = cfg.train
+    if check:
+        check_resources(tc.min_workers, tc.cpus_per_worker, tc.use_gpu)
+    task = get_task(cfg)
+    task.training.check(data)
+
+    datasets, train_rows = _worker_datasets(cfg, task, data, storage)
     prefix = run_prefix or f"{cfg.name}-train"
     resume_from = resume_point(cfg, storage, prefix) if resume else None
     metric, mode = task.score
@@ -214,34 +243,21 @@ def fit(
         on_samples=on_samples,
         tracking=tracking,
     )
-    trainer = TorchTrainer(
-        worker_loop,
-        train_loop_config={"spec": spec},
-        torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(
-            # [min, max]: an elastic group, restarted on as many workers as the cluster has room for
-            num_workers=tc.num_workers if isinstance(tc.num_workers, int) else tuple(tc.num_workers),
-            use_gpu=tc.use_gpu,
-            resources_per_worker={"CPU": tc.cpus_per_worker},
+    run_config = ray.train.RunConfig(
+        name=run_name,
+        storage_path=runs_path,
+        storage_filesystem=pa_fs,
+        checkpoint_config=ray.train.CheckpointConfig(
+            # without a score attribute Ray keeps the most recent checkpoints
+            num_to_keep=tc.num_to_keep,
+            checkpoint_score_order=mode,
+            checkpoint_score_attribute=metric if tc.checkpoint_select == "best" else None,
         ),
-        run_config=ray.train.RunConfig(
-            name=run_name,
-            storage_path=runs_path,
-            storage_filesystem=pa_fs,
-            checkpoint_config=ray.train.CheckpointConfig(
-                # without a score attribute Ray keeps the most recent checkpoints
-                num_to_keep=tc.num_to_keep,
-                checkpoint_score_order=mode,
-                checkpoint_score_attribute=metric if tc.checkpoint_select == "best" else None,
-            ),
-            failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
-            callbacks=callbacks or None,
-        ),
-        datasets=datasets,
-        dataset_config=ingest_config(),
+        failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
+        callbacks=callbacks or None,
     )
     t0 = time.time()
-    result = trainer.fit()
+    result = _torch_trainer(tc, spec, run_config, datasets).fit()
     fit_seconds = time.time() - t0
     if not result.best_checkpoints:
         raise RuntimeError(f"training run {run_name} finished without a checkpoint")
