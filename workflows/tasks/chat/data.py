@@ -24,8 +24,6 @@ import functools
 import hashlib
 import json
 import os
-import time
-from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
@@ -186,21 +184,18 @@ def preprocess_chat(task, ctx, say):
     """The raw chat shards of data.source -> the processed dataset (written once per version)."""
     import ray.data
 
-    from workflows.dataset import SPLITS, ProcessedDataset, materialized, write_manifest, write_splits
-    from workflows.preprocess.sources import list_shards, read_dataset
+    from workflows.dataset import SPLITS, ProcessedDataset, write_splits
+    from workflows.preprocess.run import start_preprocess
+    from workflows.preprocess.sources import read_dataset
 
     cfg, d = task.cfg, task.cfg.data
     if d.max_rows is not None:
         raise UserError("data.max_rows: not supported by the chat task")
-    shards, fmt = list_shards(d.source, ctx, d.format)
     model_dir = resolve_dir(cfg.model.name_or_path, cfg)
-    version = dataset_version(task, shards, model_dir)
-    out_uri = cfg.uri("processed", version)
-    if (done := materialized(out_uri, ctx, say)) is not None:
-        return done
-    t0 = time.time()
-    say(f"preprocess: {len(shards)} {fmt} chat shard(s) from {d.source} -> {out_uri}")
-    raw = read_dataset(shards, fmt, ctx, cfg.cache)
+    run = start_preprocess(cfg, ctx, say, lambda shards: dataset_version(task, shards, model_dir), "chat shard(s)")
+    if run.done is not None:
+        return run.done
+    raw = read_dataset(run.shards, run.format, ctx, cfg.cache)
     columns = set(raw.schema().names)
     if "messages" not in columns and not {"prompt", "completion"} <= columns:
         raise UserError(f"{d.source}: chat rows need a `messages` column or `prompt` and `completion` "
@@ -218,15 +213,15 @@ def preprocess_chat(task, ctx, say):
     if counts["train"] == 0 or counts["val"] == 0:
         raise UserError(f"{d.source}: chat rows per split {counts} (dropped: {dropped}); need train and val rows")
     tok = load_tokenizer(model_dir)
-    files = write_splits(encoded.map_batches(stored_rows, batch_format="pandas"), out_uri, ctx,
+    files = write_splits(encoded.map_batches(stored_rows, batch_format="pandas"), run.uri, ctx,
                          cfg.preprocess.rows_per_shard, d.split_seed)
     info = {"model": cfg.model.name_or_path, "tokenizer": tokenizer_identity(model_dir), "pad_id": pad_id(tok),
             "eos_id": tok.eos_token_id, "dropped": dropped}
-    data = ProcessedDataset(uri=out_uri, version=version, labels=[], label_column="answer", files=files,
-                            counts=counts, label_counts={}, source=d.source, task=cfg.model.task,
-                            tokenizer=task.dataset.tokenizer(), max_length=cfg.preprocess.max_length, info=info)
-    write_manifest(data, ctx, shards=[asdict(s) for s in shards], format=fmt, seconds=round(time.time() - t0, 2))
-    say(f"preprocess: {sum(counts.values())} chat rows ({counts}; dropped {dropped}) in {time.time() - t0:.1f}s")
+    data = run.finish(ProcessedDataset(uri=run.uri, version=run.version, labels=[], label_column="answer",
+                                       files=files, counts=counts, label_counts={}, source=d.source,
+                                       task=cfg.model.task, tokenizer=task.dataset.tokenizer(),
+                                       max_length=cfg.preprocess.max_length, info=info))
+    say(f"preprocess: {sum(counts.values())} chat rows ({counts}; dropped {dropped}) in {run.seconds():.1f}s")
     return data
 
 
