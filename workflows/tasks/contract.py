@@ -10,7 +10,7 @@ rule: 422 as any other violation of it, where a hand-written check once answered
 for a body over the byte limit, which no JSON schema states. FastAPI's body parameter would do the
 same validation, but the image route takes three content types in one operation (JSON, a raw image,
 multipart), which it cannot; its RequestValidationError answers go through `rejection` too
-(workflows.serve.app). `JsonInstances` is the contract of every task whose instances are JSON objects
+(workflows.serve.api). `JsonInstances` is the contract of every task whose instances are JSON objects
 (a text classifier's instance model: workflows.tasks.text.contract).
 """
 

@@ -18,7 +18,7 @@ string; the `=` padding may be left out (as base64url usually is). No whitespace
 wraps its output at 76 columns unless run with -w0) and no `data:` URL prefix: both answer 422 saying so.
 
 Limits, checked in this order and cheaply: a body over max_body_bytes is a 413 before anything is parsed
-(the replica checks Content-Length before it reads the body at all: workflows.serve.app);
+(the replica checks Content-Length before it reads the body at all: workflows.serve.guards.read_body);
 more than max_instances images is a 422, as any other violation of the schema's maxItems (a JSON body is
 validated by the request model the document declares, which counts the list before validating any
 instance; a multipart body is parsed part by part and parsing stops at the first part over the limit, so
@@ -36,13 +36,13 @@ excerpt of the input):
        (`instances[0]: empty image (0 bytes)`), no instances or more than max_instances, a multipart part
        that is not a file, images declaring more pixels in all than serve.max_request_pixels
 
-Wiring, in workflows.serve.app (or a task's HTTP contract) for an image model:
+Wiring, in workflows.serve.api (or a task's HTTP contract) for an image model:
     request_model, response_model = image_predict_models(card, max_instances)
     route responses: {200: ..., **error_responses(400, 401, 413, 415, 422, 431, 503)}
     openapi: with_image_request_body(generated(), "/predict", request_model, max_body_bytes=max_body_bytes)
     images = parse_image_request(request.headers.get("content-type"), await request.body(),
                                  max_instances, max_body_bytes)
-    if isinstance(images, RequestError): return _error(images.status, images.message)
+    if isinstance(images, RequestError): return error_response(images.status, images.message)
 """
 
 from __future__ import annotations
