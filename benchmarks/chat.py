@@ -72,7 +72,7 @@ def held_out_conversations(cfg, system_prompt: str | None) -> list[tuple[list[di
     assistant answers, the reference answer)."""
     from workflows.dataset import split_of
     from workflows.preprocess import chat_data
-    from workflows.tasks.chat.data import to_messages
+    from workflows.tasks.chat.training.data import to_messages
 
     d, out = cfg.data, []
     for row in chat_data.build(d.builtin_rows_per_class):
@@ -95,7 +95,7 @@ def served_precisions(tmp: str, config: str, overrides: list[str], model: str, r
     from workflows.config import load_config
     from workflows.runtime import runtime
     from workflows.tasks import task_for_card
-    from workflows.tasks.chat.predictor import exact_match
+    from workflows.tasks.chat.training.scoring import exact_match
 
     sets = [*fresh_overrides(tmp), *overrides]
     cfg = load_config(config, sets)

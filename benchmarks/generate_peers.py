@@ -30,7 +30,7 @@ SLOTS = 16
 
 
 def gguf_file() -> str:
-    from workflows.tasks.chat.smollm2 import gguf_path
+    from workflows.tasks.chat.training.smollm2 import gguf_path
 
     return gguf_path()
 
@@ -115,7 +115,7 @@ def check_vllm() -> str:
 
     from workflows.config import load_config
     from workflows.errors import UserError
-    from workflows.tasks.chat.model import resolve_dir
+    from workflows.tasks.chat.training.model import resolve_dir
 
     cfg = load_config("chat", [])
     model_dir = resolve_dir(cfg.model.name_or_path, cfg)

@@ -214,10 +214,10 @@ class Env:
         return self._predictor
 
     def answer(self) -> list[int]:
-        from workflows.tasks.chat.sampling import SamplingParams
+        from workflows.tasks.chat.engine import SamplingParams
 
         p = self.predictor
-        gen = p.engine.submit(p.tokenizer("hello world the cat sat").input_ids, SamplingParams(max_tokens=4,
+        gen = p.engine.submit(p.prompts.tokenizer("hello world the cat sat").input_ids, SamplingParams(max_tokens=4,
                                                                                               temperature=0))
         gen.result(60)
         return gen.tokens
@@ -229,8 +229,8 @@ class Env:
 
         from workflows import registry
         from workflows.serve.app import ModelServer
-        from workflows.tasks.chat.model import weights_sha256
-        from workflows.tasks.chat.openai_api import Adapters
+        from workflows.tasks.chat.openai.routes import Adapters
+        from workflows.tasks.chat.training.model import weights_sha256
 
         folder = Path(shutil.copytree(self.workdir / "adapter", self.workdir / f"adapter-{next(self.count)}"))
         if config:

@@ -81,7 +81,7 @@ def card_cases(env) -> list[Case]:
     task it is served by (task), its labels."""
     from workflows import registry
     from workflows.tasks import task_for_card
-    from workflows.tasks.chat.model import card_base_dir
+    from workflows.tasks.chat.training.model import card_base_dir
 
     root = env.cfg.storage.root
 

@@ -30,7 +30,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def encoder(tiny_dir):
-    from workflows.tasks.chat.data import ChatEncoder
+    from workflows.tasks.chat.training.data import ChatEncoder
 
     return ChatEncoder(str(tiny_dir), 256)
 
@@ -62,7 +62,7 @@ def test_labels_are_the_assistant_turns_and_the_eos_ending_each(encoder):
 def test_padding_is_masked_by_the_attention_mask_not_by_the_pad_id(encoder):
     """pad = eos here: the eos that ends an answer is a label and attended, the padding after a shorter
     row is neither, though both have the same id."""
-    from workflows.tasks.chat.data import chat_collate, to_messages
+    from workflows.tasks.chat.training.data import chat_collate, to_messages
 
     tok = encoder.tok
     assert tok.pad_token_id == tok.eos_token_id
@@ -84,8 +84,8 @@ def test_padding_is_masked_by_the_attention_mask_not_by_the_pad_id(encoder):
     # and the model's loss counts the labels only: padding more changes nothing
     import torch
 
-    from workflows.tasks.chat.model import load_causal_lm
-    from workflows.tasks.chat.predictor import token_nll
+    from workflows.tasks.chat.training.model import load_causal_lm
+    from workflows.tasks.chat.training.scoring import token_nll
 
     model = load_causal_lm(str(encoder.tok.name_or_path)).eval()
     wide = {k: torch.nn.functional.pad(v, (0, 5), value=(-100 if k == "labels" else 0 if k == "attention_mask"
@@ -98,7 +98,7 @@ def test_padding_is_masked_by_the_attention_mask_not_by_the_pad_id(encoder):
 
 
 def test_rows_without_a_final_answer_or_too_long_are_not_stored(encoder):
-    from workflows.tasks.chat.data import ChatEncoder, to_messages
+    from workflows.tasks.chat.training.data import ChatEncoder, to_messages
 
     assert to_messages({"messages": [{"role": "user", "content": "hi"}]}) is None
     assert to_messages({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}) is None
@@ -125,7 +125,7 @@ def test_the_synthetic_set_is_seeded_and_answers_are_exact():
 
 
 def test_exact_match_compares_stripped_answers():
-    from workflows.tasks.chat.predictor import exact_match
+    from workflows.tasks.chat.training.scoring import exact_match
 
     assert exact_match(["42", "07/03/2021", "Porto"], [" 42\n", "7/3/2021", "Porto"]) == pytest.approx(2 / 3)
     assert exact_match([], []) == 0.0
@@ -187,7 +187,7 @@ def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_d
     assert sum(manifest["counts"].values()) == 160 and manifest["info"]["dropped"] == {"too_long": 0, "invalid": 0}
 
     # the card names the base model and the sha256 of its weights, and what was exported
-    from workflows.tasks.chat.model import weights_sha256
+    from workflows.tasks.chat.training.model import weights_sha256
 
     model_dir = Path(summary["model"]["uri"])
     card = json.loads((model_dir / "workflows.json").read_text())

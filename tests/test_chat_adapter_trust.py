@@ -14,7 +14,7 @@ import torch
 from tests.chat_serve_task import build_lora, build_tiny_chat
 from tests.test_chat_faults import prompt, served
 from workflows.errors import UserError
-from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.engine import SamplingParams
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -55,7 +55,7 @@ def replica(tiny):
 
 
 def _answer(predictor, adapter=None):
-    gen = predictor.engine.submit(prompt(predictor.tokenizer), GREEDY, adapter)
+    gen = predictor.engine.submit(prompt(predictor.prompts.tokenizer), GREEDY, adapter)
     gen.result(60)
     return gen.tokens
 
@@ -95,7 +95,7 @@ def test_an_adapters_config_is_rebuilt_from_an_allow_list(tiny, replica, tmp_pat
     extra = {"megatron_core": "planted_megatron"} if key == "megatron_config" else {}
     adapter = _edited(tmp_path, good, **{key: value}, **extra)
     with pytest.raises(UserError) as e:
-        predictor.add_adapter("hostile:1", str(adapter)).result(60)
+        predictor.adapters.add("hostile:1", str(adapter)).result(60)
     assert len(str(e.value).splitlines()) == 1 and key in str(e.value), str(e.value)
     assert str(tmp_path) not in str(e.value)  # names the file, not where it lies
     assert not marker.exists() and "planted_megatron" not in sys.modules
@@ -117,7 +117,7 @@ def test_an_adapter_loads_from_safetensors_only(tiny, replica, tmp_path, monkeyp
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     with pytest.raises(UserError, match="safetensors only"):
-        predictor.add_adapter("pickled:1", str(adapter)).result(60)
+        predictor.adapters.add("pickled:1", str(adapter)).result(60)
     assert loads == [] and _answer(predictor) == base and predictor.adapters == {}
 
 
@@ -131,7 +131,7 @@ def test_a_good_adapter_answers_as_peft_loads_it(tiny):
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(good)).eval()
     predictor = served(model_dir)
     try:
-        name = predictor.add_adapter("good:1", str(good)).result(60)
+        name = predictor.adapters.add("good:1", str(good)).result(60)
         model = predictor.engine.model
         assert not any(p.requires_grad for n, p in model.named_parameters() if f".{name}." in n)
         model.set_adapter(name)
@@ -166,12 +166,12 @@ def test_a_failed_hot_load_leaves_neither_a_listed_id_nor_a_loaded_adapter(tiny,
     try:
         base = _answer(predictor)
         with pytest.raises(UserError):
-            predictor.add_adapter("flaky:1", str(adapter)).result(60)
+            predictor.adapters.add("flaky:1", str(adapter)).result(60)
         assert predictor.adapters == {} and _answer(predictor) == base
         assert not hasattr(predictor.engine.model, "peft_config")  # a whole model, unwrapped again
         shutil.copy(good / "adapter_model.safetensors", weights_file)
-        name = predictor.add_adapter("flaky:1", str(adapter)).result(60)
-        expected = _answer(fresh, fresh.add_adapter("flaky:1", str(good)).result(60))
+        name = predictor.adapters.add("flaky:1", str(adapter)).result(60)
+        expected = _answer(fresh, fresh.adapters.add("flaky:1", str(good)).result(60))
         assert predictor.adapters == {"flaky:1": name} and _answer(predictor, name) == expected != base
     finally:
         predictor.close()
@@ -185,7 +185,8 @@ def test_an_adapter_the_chat_task_exports_passes_the_allow_list(tiny, tmp_path, 
     from transformers import AutoModelForCausalLM
 
     from workflows.tasks.chat import ChatOptions
-    from workflows.tasks.chat.model import load_adapter, with_lora
+    from workflows.tasks.chat.adapters import load_adapter
+    from workflows.tasks.chat.training.model import with_lora
 
     model_dir, tokenizer, _ = tiny
     trained = with_lora(AutoModelForCausalLM.from_pretrained(model_dir), ChatOptions(lora_target_modules=targets))
@@ -214,8 +215,8 @@ def test_error_bodies_name_the_model_never_a_storage_uri_or_local_path(tiny, tmp
     from workflows.serve.app import ModelServer
     from workflows.storage.uri import StorageContext
     from workflows.tasks.chat.engine import ModelNotFound
-    from workflows.tasks.chat.model import weights_sha256
-    from workflows.tasks.chat.openai_api import Adapters
+    from workflows.tasks.chat.openai.routes import Adapters
+    from workflows.tasks.chat.training.model import weights_sha256
 
     model_dir, _, good = tiny
     root = tmp_path / "store"
@@ -249,9 +250,9 @@ def test_error_bodies_name_the_model_never_a_storage_uri_or_local_path(tiny, tmp
         def broken(*a, **k):
             raise ValueError(f"cannot read {tmp_path}/secret/tokenizer.json")
 
-        monkeypatch.setattr(predictor.tokenizer, "apply_chat_template", broken)
+        monkeypatch.setattr(predictor.prompts.tokenizer, "apply_chat_template", broken)
         with pytest.raises(ValueError) as e:
-            asyncio.run(predictor.encode(predictor.chat_ids, [{"role": "user", "content": "hi"}]))
+            asyncio.run(predictor.prompts.encode(predictor.prompts.chat_ids, [{"role": "user", "content": "hi"}]))
         assert "tiny:1" in str(e.value) and str(tmp_path) not in str(e.value), str(e.value)
     finally:
         predictor.close()

@@ -15,9 +15,9 @@ import torch
 
 from tests.chat_model import chat_texts, tiny_chat_model
 from workflows.preprocess import chat_data
-from workflows.tasks.chat import grammar, tools
-from workflows.tasks.chat.engine import Engine
-from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.engine import Engine, SamplingParams
+from workflows.tasks.chat.grammar import grammars as grammar
+from workflows.tasks.chat.openai import tools
 
 torch.set_num_threads(1)
 
@@ -308,8 +308,8 @@ def test_tool_calls_are_read_out_of_text_however_it_is_split():
 def _refusal(body: dict, kind: str = "chat"):
     from pydantic import ValidationError
 
-    from workflows.tasks.chat.openai_api import validation_error
-    from workflows.tasks.chat.protocol import ChatRequest, CompletionRequest
+    from workflows.tasks.chat.openai.protocol import ChatRequest, CompletionRequest
+    from workflows.tasks.chat.openai.routes import validation_error
 
     model = ChatRequest if kind == "chat" else CompletionRequest
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else \
@@ -415,7 +415,7 @@ def _answer(kind: str, gens, shape, stream: bool):
     import asyncio
     from types import SimpleNamespace
 
-    from workflows.tasks.chat.streaming import Completion
+    from workflows.tasks.chat.openai.streaming import Completion
 
     server = SimpleNamespace(in_flight=1)
     completion = Completion(kind, "tiny:1", gens, server, lambda: None, include_usage=stream, shape=shape)
@@ -436,9 +436,9 @@ def test_choices_carry_tool_calls_logprobs_and_usage_in_openais_shapes(tiny):
     token (a token a grammar ruled out as -9999.0, the end of sequence left out), the prompt's tokens
     counted once, and the same streamed (each call one delta, OpenAI's last chunk without content, the
     obfuscation field when asked)."""
-    from workflows.tasks.chat.choices import AnswerShape
     from workflows.tasks.chat.engine import Delta
-    from workflows.tasks.chat.token_text import TokenText
+    from workflows.tasks.chat.grammar import TokenText
+    from workflows.tasks.chat.openai.choices import AnswerShape
 
     _, tokenizer, _ = tiny
     eos, a, b = tokenizer.eos_token_id, *tokenizer.encode("hello world")[:2]
@@ -483,8 +483,8 @@ def test_every_token_streams_its_chunk_even_while_its_text_is_held(tiny):
     """A token whose text is held back (a special token, a possible stop string's start) still gets its
     chunk, content "", when it is generated (as vLLM streams it): a client sees each token as it comes.
     Text a tool-call reader holds waits for its call; the last chunk carries no content."""
-    from workflows.tasks.chat.choices import AnswerShape
     from workflows.tasks.chat.engine import Delta
+    from workflows.tasks.chat.openai.choices import AnswerShape
 
     _, tokenizer, _ = tiny
     a, b, c = tokenizer.encode("hello world again")[:3]
@@ -503,9 +503,9 @@ def test_every_token_streams_its_chunk_even_while_its_text_is_held(tiny):
 
 
 def test_text_choices_echo_their_prompt_and_carry_legacy_logprobs(tiny):
-    from workflows.tasks.chat.choices import AnswerShape
     from workflows.tasks.chat.engine import Delta
-    from workflows.tasks.chat.token_text import TokenText
+    from workflows.tasks.chat.grammar import TokenText
+    from workflows.tasks.chat.openai.choices import AnswerShape
 
     _, tokenizer, _ = tiny
     a, b = tokenizer.encode("hello world")[:2]
@@ -526,7 +526,7 @@ def test_text_choices_echo_their_prompt_and_carry_legacy_logprobs(tiny):
 def test_a_tokens_text_and_bytes_are_exact_even_inside_a_character(tiny):
     """A byte-level BPE tokenizer spells "é" (not in its training text) as two byte tokens: each token's
     bytes are its own, its text the \\x escape of an incomplete character."""
-    from workflows.tasks.chat.token_text import TokenText
+    from workflows.tasks.chat.grammar import TokenText
 
     _, tokenizer, _ = tiny
     words = TokenText(tokenizer)

@@ -12,9 +12,8 @@ import torch
 
 from tests.chat_serve_task import build_tiny_chat
 from tests.helpers import wait_until
-from workflows.tasks.chat.engine import Engine, EngineMetrics, PromptTooLong, StepReport
+from workflows.tasks.chat.engine import Engine, EngineMetrics, PromptTooLong, SamplingParams, StepReport
 from workflows.tasks.chat.engine.sampler import Sampler
-from workflows.tasks.chat.sampling import SamplingParams
 
 torch.set_num_threads(1)
 
@@ -359,13 +358,13 @@ def test_logprobs_are_those_of_the_distribution_drawn_from():
 
 
 def test_the_grafana_dashboard_reads_the_metrics_the_engine_exports():
-    """cluster/grafana/generate.json: every series it queries is one workflows.tasks.chat.metrics defines,
+    """cluster/grafana/generate.json: every series it queries is one workflows.tasks.chat.serving.metrics defines,
     with the suffix Prometheus gives its kind, and every metric has a panel."""
     import json
     import re
 
     from tests.conftest import ROOT
-    from workflows.tasks.chat.metrics import METRICS
+    from workflows.tasks.chat.serving.metrics import METRICS
 
     suffixes = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",), "gauge": ("",)}
     exported = {f"ray_{name}{suffix}": key for key, (kind, name, _, _) in METRICS.items() for suffix in suffixes[kind]}

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tests.chat_serve_task import build_tiny_chat
-from workflows.tasks.chat.engine import Engine
-from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.engine import Engine, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -133,22 +132,22 @@ def test_deleting_the_last_adapter_of_a_whole_model_leaves_the_replica_serving(t
         fresh.engine.eos = predictor.engine.eos = set()
         base = fresh.engine.submit(p, SamplingParams(max_tokens=8, temperature=0))
         base.result(60)
-        b_name = fresh.add_adapter("b:1", str(tmp_path / "lora2")).result(60)
+        b_name = fresh.adapters.add("b:1", str(tmp_path / "lora2")).result(60)
         b = fresh.engine.submit(p, SamplingParams(max_tokens=8, temperature=0), b_name)
         b.result(60)
         e = predictor.engine
-        predictor.add_adapter("a:1", str(tmp_path / "lora1")).result(60)
-        predictor.retire("a:1")
+        predictor.adapters.add("a:1", str(tmp_path / "lora1")).result(60)
+        predictor.adapters.retire("a:1")
         e.call(lambda: None).result(30)  # the deletion queued before it has run
         again = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
         again.result(60)
         assert again.tokens == base.tokens
-        name = predictor.add_adapter("b:1", str(tmp_path / "lora2")).result(60)
+        name = predictor.adapters.add("b:1", str(tmp_path / "lora2")).result(60)
         g = e.submit(p, SamplingParams(max_tokens=8, temperature=0), name)
         g.result(60)
         assert g.tokens == b.tokens
-        predictor.add_adapter("a:2", str(tmp_path / "lora1")).result(60)
-        predictor.retire("b:1")  # peft's active adapter, with another left
+        predictor.adapters.add("a:2", str(tmp_path / "lora1")).result(60)
+        predictor.adapters.retire("b:1")  # peft's active adapter, with another left
         e.call(lambda: None).result(30)
         for adapter in (None, predictor.adapters["a:2"]):
             g = e.submit(p, SamplingParams(max_tokens=8, temperature=0), adapter)
@@ -171,8 +170,8 @@ def test_an_adapter_is_checked_by_its_card_before_anything_is_downloaded(tiny, t
 
     from tests.chat_serve_task import build_lora
     from workflows.tasks.chat.engine import ModelNotFound
-    from workflows.tasks.chat.model import weights_sha256
-    from workflows.tasks.chat.openai_api import Adapters
+    from workflows.tasks.chat.openai.routes import Adapters
+    from workflows.tasks.chat.training.model import weights_sha256
 
     model_dir, _, _ = tiny
     build_lora(model_dir, tmp_path / "lora", seed=1)
@@ -217,7 +216,7 @@ def test_an_adapters_base_stays_under_the_root_and_is_a_whole_model(tmp_path, mo
     from workflows import registry
     from workflows.config import load_config
     from workflows.errors import UserError
-    from workflows.tasks.chat.model import card_base_dir, registered_dir
+    from workflows.tasks.chat.training.model import card_base_dir, registered_dir
 
     cfg = load_config(ROOT / "configs" / "chat.yaml", [f"storage.root={tmp_path / 'store'}"])
     root = cfg.storage.root.rstrip("/")
@@ -263,7 +262,7 @@ def test_an_engine_failure_is_an_openai_error_not_a_bare_500(kind):
     import json
     from types import SimpleNamespace
 
-    from workflows.tasks.chat.streaming import Completion
+    from workflows.tasks.chat.openai.streaming import Completion
 
     for error, status, code in ((LookupError("adapter adapter1 is not loaded; retry the request"), 503,
                                  "model_unavailable"), (RuntimeError("step failed"), 500, "generation_failed")):

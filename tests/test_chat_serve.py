@@ -17,8 +17,7 @@ from pydantic import BaseModel, Field
 from tests.chat_serve_task import build_lora, build_tiny_chat
 from tests.conftest import ROOT
 from tests.helpers import wait_until
-from workflows.tasks.chat.engine import Engine, QueueFull
-from workflows.tasks.chat.sampling import SamplingParams, TextState
+from workflows.tasks.chat.engine import Engine, QueueFull, SamplingParams, TextState
 
 torch.set_num_threads(1)
 CHAT = ROOT / "configs" / "chat.yaml"
@@ -233,7 +232,7 @@ def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str,
 def test_bf16_serving_on_a_cpu_keeps_the_weights_cache_and_answers_in_bf16(tiny, monkeypatch, caplog):
     """serve.precision=bf16 on a CPU replica: the engine's model and KV cache are bf16 and it answers; a
     CPU without native bf16 matmuls (AVX512-BF16 or AMX: faked, this one may have them) is warned of."""
-    from workflows.tasks.chat import serving
+    from workflows.tasks.chat.serving import loading as serving
 
     model_dir, _, tokenizer = tiny
     assert isinstance(serving.native_cpu_bf16(), bool)
@@ -255,7 +254,7 @@ def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_bas
     and weights sha256. Served, it answers as the base with that adapter (batch predictions too); another
     adapter is accepted only when its card names the same base weights."""
     from workflows.tasks.chat.engine import ModelNotFound
-    from workflows.tasks.chat.model import weights_sha256
+    from workflows.tasks.chat.training.model import weights_sha256
 
     model_dir, _, tokenizer = tiny
     for i in (1, 2):
@@ -267,7 +266,7 @@ def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_bas
     plain = served(model_dir)
     try:
         plain.engine.eos = predictor.engine.eos = set()
-        name = plain.add_adapter("mine:1", str(tmp_path / "lora1")).result(60)
+        name = plain.adapters.add("mine:1", str(tmp_path / "lora1")).result(60)
         p = prompts(tokenizer, 1)[0]
         ours = predictor.engine.submit(p, greedy(12), predictor.served_adapter)
         ours.result(60)
@@ -275,12 +274,13 @@ def test_a_served_adapter_is_its_base_with_it_and_takes_adapters_of_the_same_bas
         theirs.result(60)
         assert ours.tokens == theirs.tokens
         assert predictor.predict([{"prompt": "hello world"}])[0]["text"] == \
-            plain.engine.submit(plain.prompt_ids("hello world"), greedy(12), name).result(60)[0]
-        predictor.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=base))
+            plain.engine.submit(plain.prompts.prompt_ids("hello world"), greedy(12), name).result(60)[0]
+        predictor.adapters.check_files("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=base))
         for other in ({**base, "sha256": "0" * 64}, None):
             with pytest.raises(ModelNotFound, match="not of the base served by mine:1"):
-                predictor.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=other))
-        plain.check_adapter("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=base))  # its own weights' sha256
+                predictor.adapters.check_files("two:1", str(tmp_path / "lora2"), SimpleNamespace(base=other))
+        plain.adapters.check_files("two:1", str(tmp_path / "lora2"),
+                                   SimpleNamespace(base=base))  # its own weights' sha256
     finally:
         predictor.close()
         plain.close()
@@ -297,7 +297,7 @@ def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
     try:
         e = predictor.engine
         e.eos = set()
-        names = {m: predictor.add_adapter(m, str(tmp_path / f"lora{i}")).result(60)
+        names = {m: predictor.adapters.add(m, str(tmp_path / f"lora{i}")).result(60)
                  for i, m in ((1, "one:1"), (2, "two:1"))}
         p = prompts(tokenizer, 1)[0]
         alone = {}
@@ -310,9 +310,9 @@ def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
         for g in gens.values():
             g.result(60)
         assert {a: g.tokens for a, g in gens.items()} == alone
-        assert predictor.resolve("tiny") is None and predictor.resolve("tiny:1") is None
-        assert predictor.resolve("two:v1") == "two:1"
-        predictor.retire("one:1")
+        assert predictor.adapters.resolve("tiny") is None and predictor.adapters.resolve("tiny:1") is None
+        assert predictor.adapters.resolve("two:v1") == "two:1"
+        predictor.adapters.retire("one:1")
         e.call(lambda: None).result(30)  # the deletion queued before it has run
         assert names["one:1"] not in e.model.peft_config and names["two:1"] in e.model.peft_config
         g = e.submit(p, greedy(4), names["one:1"])
@@ -365,7 +365,8 @@ def test_batch_predictions_go_through_the_engine_within_its_queue(tiny):
             {"messages": [{"role": "user", "content": "the cat"}]}]
         answers = predictor.predict(instances)
         for inst, answer in zip(instances, answers):
-            ids = predictor.chat_ids(inst["messages"]) if "messages" in inst else predictor.prompt_ids(inst["prompt"])
+            ids = (predictor.prompts.chat_ids(inst["messages"]) if "messages" in inst
+                   else predictor.prompts.prompt_ids(inst["prompt"]))
             alone = predictor.engine.submit(ids, greedy(8))
             assert (answer["text"], answer["finish_reason"]) == alone.result(60)
             assert answer["completion_tokens"] == len(alone.tokens)
@@ -385,7 +386,7 @@ def test_rows_of_prompts_or_conversations_are_chats_with_the_system_prompt(tiny)
     predictor = served(model_dir, extra=("model.options.system_prompt=be big",), max_tokens=6)
     try:
         user = [{"role": "user", "content": "hello world"}]
-        assert predictor.chat_ids(user) == list(tokenizer.apply_chat_template(
+        assert predictor.prompts.chat_ids(user) == list(tokenizer.apply_chat_template(
             [{"role": "system", "content": "be big"}, *user], add_generation_prompt=True, return_dict=False))
         batch = pd.DataFrame({"prompt": ["hello world", json.dumps([*user, {"role": "assistant", "content": "red"}])]})
         out = predictor.predict_frame(batch)
@@ -396,9 +397,9 @@ def test_rows_of_prompts_or_conversations_are_chats_with_the_system_prompt(tiny)
 
 
 def test_the_measurements_count_what_ran(tiny, engine):
-    """workflows.tasks.chat.measure (what a generation benchmark reports): each path produces exactly
+    """workflows.tasks.chat.engine.measure (what a generation benchmark reports): each path produces exactly
     max_tokens per prompt; timings are there (their values are not checked: this is no benchmark)."""
-    from workflows.tasks.chat.measure import engine_run, static_run
+    from workflows.tasks.chat.engine.measure import engine_run, static_run
 
     _, model, tokenizer = tiny
     ps = prompts(tokenizer, 4)
@@ -416,7 +417,7 @@ def test_the_generic_app_mounts_the_chat_contracts_routes_and_no_predict():
     OpenAI routes (their bodies declared in the OpenAPI document) and goes without /predict."""
     from workflows.config.serve import GenerateConfig
     from workflows.serve.app import build_api
-    from workflows.tasks.chat.openai_api import OpenAIContract
+    from workflows.tasks.chat.openai.routes import OpenAIContract
 
     card = SimpleNamespace(name="tiny", version=1, labels=[], task="chat")
     api = build_api(SimpleNamespace(card=card, contract=OpenAIContract(card, GenerateConfig()), predictor=None))
@@ -446,7 +447,7 @@ def chat_server(ray_cluster, tmp_path_factory):
     from workflows.serve import drain
     from workflows.serve.app import ModelServer, deployment_options
     from workflows.storage.uri import StorageContext
-    from workflows.tasks.chat.model import weights_sha256
+    from workflows.tasks.chat.training.model import weights_sha256
 
     tmp = tmp_path_factory.mktemp("chat-serve")
     base = tmp / "tinychat"
@@ -493,7 +494,7 @@ def _hostile_adapters(chat_server) -> list[str]:
     from workflows import registry
     from workflows.config import load_config
     from workflows.storage.uri import StorageContext
-    from workflows.tasks.chat.model import weights_sha256
+    from workflows.tasks.chat.training.model import weights_sha256
 
     tmp = chat_server.tmp
     cfg = load_config(CHAT, ["storage.embedded.enabled=false", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache"])
@@ -859,7 +860,7 @@ def _an_adapters_alias_is_followed(chat_server, client, messages, said: dict) ->
     from workflows import registry, registry_aliases
     from workflows.config import load_config
     from workflows.storage.uri import StorageContext
-    from workflows.tasks.chat.model import weights_sha256
+    from workflows.tasks.chat.training.model import weights_sha256
 
     cfg = load_config(CHAT, ["storage.embedded.enabled=false", f"storage.root={chat_server.tmp}/store",
                              f"cache.dir={chat_server.tmp}/cache"])

@@ -239,7 +239,7 @@ def tiny_lora(bf16_base: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from workflows.tasks.chat import ChatOptions
-    from workflows.tasks.chat.model import frozen_linears_to, with_lora
+    from workflows.tasks.chat.training.model import frozen_linears_to, with_lora
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

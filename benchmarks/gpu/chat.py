@@ -103,7 +103,7 @@ def tokenizer_check(processed: Path, tokenizer_dir: Path, rows: int = CHECK_ROWS
     import pyarrow.parquet as pq
 
     from workflows.loader.columns import column_values  # token ids as training reads them
-    from workflows.tasks.chat.data import ChatEncoder
+    from workflows.tasks.chat.training.data import ChatEncoder
 
     manifest = json.loads((processed / "manifest.json").read_text())
     files = sorted(glob.glob(str(processed / "split=train" / "*.parquet")))
@@ -243,7 +243,7 @@ def step_chat(smoke: bool, emit, data: str | None) -> None:
 
     from benchmarks.gpu.classify import local_copy
     from benchmarks.gpu.generate import ARCH_KEYS, SMOLLM2_135M, differences
-    from workflows.tasks.chat.model import attn_implementation
+    from workflows.tasks.chat.training.model import attn_implementation
 
     t_start = time.time()
     p = SIZES["smoke" if smoke else "full"]
@@ -327,8 +327,8 @@ def smoke_prepare(dst: Path) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     from workflows.preprocess import chat_data
-    from workflows.tasks.chat.data import encode_batch, stored_rows, tokenizer_identity
-    from workflows.tasks.chat.model import pad_id
+    from workflows.tasks.chat.training.data import encode_batch, stored_rows, tokenizer_identity
+    from workflows.tasks.chat.training.model import pad_id
 
     rows = chat_data.build(16)
     texts = [m["content"] for r in rows for m in r["messages"]] + ["user", "assistant", "system"]

@@ -70,7 +70,7 @@ def prepare(dst: Path) -> dict:
     device: its engine detokenizes with the real tokenizer, and the step checks its architecture against it."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from workflows.tasks.chat.smollm2 import gguf_path
+    from workflows.tasks.chat.training.smollm2 import gguf_path
 
     folder, name = os.path.split(gguf_path())
     dst.mkdir(parents=True, exist_ok=True)
@@ -101,7 +101,7 @@ def step_generate(smoke: bool, emit, data: str | None) -> None:
 
     from workflows.bench.generate_local import engine_run, static_run
     from workflows.tasks.chat.engine import Engine
-    from workflows.tasks.chat.model import attn_implementation  # the chat task's: SDPA on a GPU, eager on CPU
+    from workflows.tasks.chat.training.model import attn_implementation  # the chat task's: SDPA on a GPU, eager on CPU
 
     p = GENERATE["smoke" if smoke else "full"]
     gpu = torch.cuda.is_available()

@@ -187,7 +187,7 @@ def served_model(cfg, config: str, config_overrides: list[str], opts: dict,
     registered into a scratch store (a local directory) as bench-base."""
     from workflows import registry
     from workflows.runtime import runtime
-    from workflows.tasks.chat.model import resolve_dir
+    from workflows.tasks.chat.training.model import resolve_dir
 
     if opts["model"]:
         with runtime(cfg, ray_needed=False) as rt:
@@ -244,7 +244,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     from workflows.config import load_config
     from workflows.net import free_port
     from workflows.tasks import task_for_card
-    from workflows.tasks.chat.model import load_trained, pad_id
+    from workflows.tasks.chat.training.model import load_trained, pad_id
 
     opts, config_overrides = settings(overrides)
     if threading.current_thread() is threading.main_thread():  # SIGTERM: stop the servers and clean up, as Ctrl-C
@@ -270,14 +270,14 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         task = task_for_card(cfg, card)
         predictor: Any = task.serving.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
         engine = predictor.engine  # built as the replica builds it
-        model, tok = engine.model, predictor.tokenizer
+        model, tok = engine.model, predictor.prompts.tokenizer
         # static batching runs on the model as transformers loads it, in the served precision: the
         # engine's own (its linears packed) only in the static_packed row
         plain = load_trained(model_dir, card, cfg).to(dtype=model.dtype, device=model.device) \
             if "static" in paths and engine.packed_bytes else model
         rows = plan(levels, paths, peers, opts, packed=plain is not model)
         convs = questions(max(opts["requests"], opts["overload_requests"]))
-        prompts = [predictor.chat_ids(m) for m in convs]
+        prompts = [predictor.prompts.chat_ids(m) for m in convs]
         pad, eos = pad_id(tok), set(engine.eos)
         port = free_port()
         api_key = os.environ.get(cfg.serve.auth_token_env) if cfg.serve.auth_token_env else None

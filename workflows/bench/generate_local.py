@@ -45,7 +45,7 @@ def engine_run(engine, prompts: list[list[int]], max_tokens: int, concurrency: i
     """`concurrency` closed-loop clients on threads of this process, each submitting its next prompt as its
     last one ends; fixed lengths (ignore_eos) unless `natural`. Beside every path's figures, the wall time
     of each decode step with `concurrency` rows and no prompt tokens (`decode_steps_s`)."""
-    from workflows.tasks.chat.sampling import SamplingParams
+    from workflows.tasks.chat.engine import SamplingParams
 
     sampling = SAMPLED if sampled else GREEDY
     todo, timed, tokens, lock = list(range(len(prompts))), [], [0], threading.Lock()

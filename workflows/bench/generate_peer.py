@@ -88,7 +88,7 @@ def main() -> None:
     import torch
     import uvicorn
 
-    from workflows.tasks.chat.model import load_causal_lm, load_tokenizer
+    from workflows.tasks.chat.training.model import load_causal_lm, load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True)

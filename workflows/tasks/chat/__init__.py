@@ -3,15 +3,17 @@ object-store URI in from_pretrained layout, or `registry:NAME[:VERSION]`) fine-t
 with LoRA adapters (peft) or in full, through the platform's one Trainer (FSDP2 or DDP), and
 registered as an adapter naming its base or as a whole model.
 
-The wing: this task; `data` (chat template, assistant-only labels, preprocessing on Ray Data, the
-batches), `model` (the base model, LoRA, greedy decoding, the artifact), `predictor` (evaluation's
-scorer: greedy answers, token loss, the base model's figures beside them), `serving` (the predictor of
-every use: the continuous-batching `engine` behind the OpenAI-compatible routes of `openai_api`, batch
-generation, the scorer for evaluation), `smollm2` (the packaged base model, converted once per node).
-The OpenAI API's rooms: `protocol` (the request bodies, every field honoured or refused), `plan` (a
-request as the engine's rows), `streaming` and `choices` (the answer's shapes), `tools` (function
-calling through the chat template, calls read back), `grammar` (structured output: llguidance
-grammars enforced token by token), `token_text` (a token's text and bytes).
+The wing's rooms, lowest first; each imports only rooms below it (tests/test_layers.py, CHAT_ROOMS),
+and each room's own docstring says what it owns:
+- `engine`: the continuous-batching engine (a request's SamplingParams, its text as tokens come);
+- `grammar`: structured output, llguidance grammars enforced token by token, and a token's text;
+- `adapters`: LoRA adapters read from the store (their config and weights checked before use);
+- `training`: the base model (`smollm2`, the packaged one), LoRA or full fine-tuning, greedy decoding,
+  the artifact (`model`), the chat rows and batches (`data`), the evaluation's scorer (`scoring`);
+- `openai`: the OpenAI-compatible API (request bodies, routes, tools, planning, answers and streams);
+- `serving`: the predictor of every use (the engine behind the routes, batch generation, the scorer for
+  evaluation), split into the served model, its prompts and its adapters;
+- this module: the task, which the platform calls, on top.
 
 Validation and evaluation report the same three numbers on a split: the token-weighted loss of the
 assistant tokens (`loss`), its perplexity, and `exact_match`, the share of greedy answers that equal
@@ -28,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from workflows.tasks.base import Task
-from workflows.tasks.chat.model import (
+from workflows.tasks.chat.training.model import (
     completion_text,
     export_chat,
     frozen_linears_to,
@@ -39,7 +41,7 @@ from workflows.tasks.chat.model import (
     resolve_dir,
     with_lora,
 )
-from workflows.tasks.chat.smollm2 import NAME, PACKAGE
+from workflows.tasks.chat.training.smollm2 import NAME, PACKAGE
 from workflows.tasks.seams import DatasetSeam, EvaluationSeam, ServingSeam, TrainingSeam, held_out_rows
 
 
@@ -70,10 +72,10 @@ class ChatDataset(DatasetSeam):
     """Chat rows encoded with the base model's own tokenizer and chat template."""
 
     def tokenizer(self) -> str | None:
-        return self.cfg.model.name_or_path  # the base model's own (workflows.tasks.chat.data)
+        return self.cfg.model.name_or_path  # the base model's own (workflows.tasks.chat.training.data)
 
     def version(self, shards, ctx) -> str:
-        from workflows.tasks.chat.data import dataset_version
+        from workflows.tasks.chat.training.data import dataset_version
 
         return dataset_version(self.task, shards, resolve_dir(self.cfg.model.name_or_path, self.cfg))
 
@@ -100,7 +102,7 @@ class ChatEvaluation(EvaluationSeam):
     columns = ("prediction", "nll", "tokens", "base_prediction", "base_nll")
 
     def frame(self, table, label_column: str, card) -> dict:
-        from workflows.tasks.chat.predictor import exact_match
+        from workflows.tasks.chat.training.scoring import exact_match
 
         answers = table[label_column].tolist()
         tokens = max(float(table["tokens"].sum()), 1.0)
@@ -155,7 +157,7 @@ class ChatServing(ServingSeam):
                 "backpressure_config": {"status_code": 429, "retry_after_s": gen.retry_after_s}}
 
     def input_columns(self, card, available):
-        from workflows.tasks.chat.predictor import PROCESSED
+        from workflows.tasks.chat.training.scoring import PROCESSED
 
         if set(PROCESSED) <= set(available):
             return list(PROCESSED)
@@ -166,7 +168,7 @@ class ChatServing(ServingSeam):
         return [{"messages": json.loads(row["prompt"])} for row in rows]  # the conversation before the answer
 
     def describe_prediction(self, prediction) -> str:
-        """The demo's answer (openai_api.OpenAIContract.demo): its text and finish reason, then its JSON."""
+        """The demo's answer (openai.routes.OpenAIContract.demo): its text and finish reason, then its JSON."""
         text = f"{str(prediction.get('text', ''))[:50]!r} ({prediction.get('finish_reason')})"
         if "json" in prediction:
             text += f"; as JSON {json.dumps(prediction['json'])[:60]} ({prediction.get('json_finish_reason')})"
@@ -208,14 +210,14 @@ class ChatTask(Task):
         return {"system_prompt": self.options.system_prompt}
 
     def preprocess(self, ctx, say):
-        from workflows.tasks.chat.data import preprocess_chat
+        from workflows.tasks.chat.training.data import preprocess_chat
 
         return preprocess_chat(self, ctx, say)
 
     def collate(self, data, *, train: bool, seed: int | None = None):
         from functools import partial
 
-        from workflows.tasks.chat.data import chat_collate
+        from workflows.tasks.chat.training.data import chat_collate
 
         return partial(chat_collate, pad=int(data.info["pad_id"]), prompts=not train)
 
@@ -228,7 +230,7 @@ class ChatTask(Task):
     def metric_states(self, model, batch) -> dict:
         """A validation batch's summed token loss and label count, and its exact greedy answers."""
         from workflows.parallel import world
-        from workflows.tasks.chat.predictor import token_nll
+        from workflows.tasks.chat.training.scoring import token_nll
 
         nll, tokens = token_nll(model, batch)
         tok = self._tokenizer(model)

@@ -1,20 +1,28 @@
-"""The chat task's continuous-batching engine: every request in flight shares each step; one that ends
+"""The chat wing's continuous-batching engine: every request in flight shares each step; one that ends
 leaves the batch at once, and a waiting one joins at the next step without the batch draining first.
 
-Rooms:
-- `loop`: the Engine, its decode thread, one forward per step (workflows.tasks.chat.engine.loop);
+The lowest room of the wing: it imports no other room (only torch and transformers), and every room
+above may import it. What it knows of a request is its token ids and `SamplingParams`; a constraint on
+its tokens (a grammar) comes in as a `TokenConstraint`, whatever implements it.
+
+Modules:
+- `loop`: the Engine, its decode thread, one forward per step;
 - `scheduler`: admission (a bounded queue, deadlines) and the tokens of each step (prefill in chunks
   beside decoding);
 - `cache`: the KV cache written in place (a slot per request) and the attention that reads it;
 - `linear`: fp32 Linear layers computing with weights packed once for oneDNN (on a CPU);
 - `sampler`: the next token of every row together on the model's device (logit bias, penalties,
   constraints, greedy or temperature and top-p, log probabilities);
+- `params`: a request's sampling settings (`SamplingParams`, `TokenConstraint`) and its seeded generator;
+- `text`: a sequence's text as tokens come (incremental detokenization, stop strings);
 - `requests`: what callers hold (Generation, Delta, TokenLogprob) and the errors of `submit`;
-- `metrics`: what the engine reports per step (StepReport) to a watcher (EngineMetrics).
+- `metrics`: what the engine reports per step (StepReport) to a watcher (EngineMetrics);
+- `measure`: open-loop runs of the engine against static batching, for a quick look.
 """
 
 from workflows.tasks.chat.engine.loop import BASE, Engine, model_device
 from workflows.tasks.chat.engine.metrics import EngineMetrics, StepReport
+from workflows.tasks.chat.engine.params import MAX_LOGPROBS, SamplingParams, TokenConstraint
 from workflows.tasks.chat.engine.requests import (
                                                   FINISH_REASONS,
                                                   Delta,
@@ -24,6 +32,8 @@ from workflows.tasks.chat.engine.requests import (
                                                   QueueFull,
                                                   TokenLogprob,
 )
+from workflows.tasks.chat.engine.text import TextState
 
-__all__ = ["BASE", "FINISH_REASONS", "Delta", "Engine", "EngineMetrics", "Generation", "ModelNotFound",
-           "PromptTooLong", "QueueFull", "StepReport", "TokenLogprob", "model_device"]
+__all__ = ["BASE", "FINISH_REASONS", "MAX_LOGPROBS", "Delta", "Engine", "EngineMetrics", "Generation",
+           "ModelNotFound", "PromptTooLong", "QueueFull", "SamplingParams", "StepReport", "TextState",
+           "TokenConstraint", "TokenLogprob", "model_device"]

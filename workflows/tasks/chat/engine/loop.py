@@ -44,10 +44,11 @@ import torch
 from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, check_plan_used, use_slot_attention
 from workflows.tasks.chat.engine.linear import pack_linears
 from workflows.tasks.chat.engine.metrics import EngineMetrics, StepReport
+from workflows.tasks.chat.engine.params import SamplingParams
 from workflows.tasks.chat.engine.requests import Delta, Generation, PromptTooLong, QueueFull, TokenLogprob
 from workflows.tasks.chat.engine.sampler import Sampler
 from workflows.tasks.chat.engine.scheduler import Row, Scheduler, StepTokens
-from workflows.tasks.chat.sampling import SamplingParams, TextState
+from workflows.tasks.chat.engine.text import TextState
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch

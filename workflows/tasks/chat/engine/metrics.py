@@ -1,5 +1,5 @@
 """What the engine reports as it runs, once per step, to whoever watches (`Engine.metrics`): the serving
-replica sends it to Prometheus (workflows.tasks.chat.metrics); the default watches nothing."""
+replica sends it to Prometheus (workflows.tasks.chat.serving.metrics); the default watches nothing."""
 
 from __future__ import annotations
 

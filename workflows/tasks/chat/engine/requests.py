@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from workflows.tasks.chat.engine.loop import Engine
-    from workflows.tasks.chat.sampling import SamplingParams
+    from workflows.tasks.chat.engine.params import SamplingParams
 
 # Why a generation ended (Delta.finish_reason, Generation.finish_reason):
 #   "stop"      the model's end of sequence, a stop string, or its TokenConstraint done

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workflows.tasks.chat.engine.params import SamplingParams, generator
 from workflows.tasks.chat.engine.requests import TokenLogprob
-from workflows.tasks.chat.sampling import SamplingParams, generator
 
 TOP_K_FIRST = 64  # candidates top_p starts from; 8x more where they do not reach it
 

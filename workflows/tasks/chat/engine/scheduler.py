@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from workflows.tasks.chat.engine.requests import Generation
 from workflows.tasks.chat.engine.sampler import RowSampling
-from workflows.tasks.chat.sampling import TextState
+from workflows.tasks.chat.engine.text import TextState
 
 
 @dataclass

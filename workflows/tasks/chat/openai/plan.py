@@ -1,7 +1,7 @@
 """What one request asks of the engine: its prompts' token ids, each choice's SamplingParams (a grammar
-constraint of its own included), and how its answer is shaped. Built off the event loop (the predictor's
-tokenizing thread): rendering a template, tokenizing and compiling a grammar take milliseconds to a
-second.
+constraint of its own included), and how its answer is shaped. Built off the event loop, in the tokenizing
+thread of the served model's `prompts` (workflows.tasks.chat.serving.prompts, which `prompts` below
+stands for): rendering a template, tokenizing and compiling a grammar take milliseconds to a second.
 
 Choices: n per prompt, each a row of its own (prompt-major: prompt p's choice j is choice p * n + j),
 choice j seeded with seed + j (modulo 2^64), so one seed gives n different samples and the same n again.
@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from workflows.tasks.chat.choices import AnswerShape
+from workflows.tasks.chat.engine import SamplingParams
 from workflows.tasks.chat.grammar import schema_grammar
-from workflows.tasks.chat.protocol import (
+from workflows.tasks.chat.openai.choices import AnswerShape
+from workflows.tasks.chat.openai.protocol import (
     BadRequest,
     ChatRequest,
     CompletionRequest,
@@ -31,8 +32,7 @@ from workflows.tasks.chat.protocol import (
     JsonSchemaFormat,
     NamedToolChoice,
 )
-from workflows.tasks.chat.sampling import SamplingParams
-from workflows.tasks.chat.tools import call_grammar
+from workflows.tasks.chat.openai.tools import call_grammar
 
 if TYPE_CHECKING:
     from workflows.config.serve import GenerateConfig
@@ -80,22 +80,22 @@ def seeded(params: SamplingParams, j: int) -> SamplingParams:
     return params if params.seed is None else replace(params, seed=(params.seed + j) % 2**64)
 
 
-def chat_plan(predictor, req: ChatRequest, gen: GenerateConfig) -> Plan:
+def chat_plan(prompts, req: ChatRequest, gen: GenerateConfig) -> Plan:
     n = rows(req, gen, 1)
     mode, callable_ = req.tool_mode()
     shown = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode != "none" else []
-    ids = predictor.chat_ids([m.as_template_input() for m in req.messages], shown or None)
+    ids = prompts.chat_ids([m.as_template_input() for m in req.messages], shown or None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = base_params(req, gen, predictor.vocab_size, logprobs)
+    params = base_params(req, gen, prompts.vocab_size, logprobs)
     text = constraint_grammar(req, mode, callable_)
     choices = []
     for j in range(n):
         p = seeded(params, j)
         if text is not None:
-            p = replace(p, constraint=predictor.grammars().constraint(*text))
+            p = replace(p, constraint=prompts.grammars().constraint(*text))
         choices.append(p)
-    shape = AnswerShape(logprobs=logprobs is not None, token_text=predictor.token_text if logprobs is not None
-                        else None, eos=frozenset(predictor.eos), choices_per_prompt=n,
+    shape = AnswerShape(logprobs=logprobs is not None, token_text=prompts.token_text if logprobs is not None
+                        else None, eos=frozenset(prompts.eos), choices_per_prompt=n,
                         tools={t.function.name for t in callable_} if mode != "none" else None,
                         parallel_tool_calls=req.parallel_tool_calls is not False,
                         obfuscation=bool(req.stream_options and req.stream_options.include_obfuscation))
@@ -122,21 +122,21 @@ def constraint_grammar(req: ChatRequest, mode: str, callable_: list) -> tuple[st
     return schema_grammar(*answer), param
 
 
-def text_plan(predictor, req: CompletionRequest, gen: GenerateConfig) -> Plan:
-    prompts = req.prompts()
-    n = rows(req, gen, len(prompts))
+def text_plan(prompts, req: CompletionRequest, gen: GenerateConfig) -> Plan:
+    asked = req.prompts()
+    n = rows(req, gen, len(asked))
     ids = []
-    for p in prompts:
+    for p in asked:
         if isinstance(p, str):
-            ids.append(predictor.prompt_ids(p))
+            ids.append(prompts.prompt_ids(p))
         else:
-            if any(not 0 <= t < predictor.vocab_size for t in p):
-                raise BadRequest(f"prompt: token ids are between 0 and {predictor.vocab_size - 1}", "prompt")
+            if any(not 0 <= t < prompts.vocab_size for t in p):
+                raise BadRequest(f"prompt: token ids are between 0 and {prompts.vocab_size - 1}", "prompt")
             ids.append(list(p))
-    params = base_params(req, gen, predictor.vocab_size, req.logprobs)
-    echo = [p if isinstance(p, str) else predictor.tokenizer.decode(p) for p in prompts] if req.echo else None
+    params = base_params(req, gen, prompts.vocab_size, req.logprobs)
+    echo = [p if isinstance(p, str) else prompts.tokenizer.decode(p) for p in asked] if req.echo else None
     shape = AnswerShape(logprobs=req.logprobs is not None,
-                        token_text=predictor.token_text if req.logprobs is not None else None,
-                        eos=frozenset(predictor.eos), choices_per_prompt=n, echo=echo,
+                        token_text=prompts.token_text if req.logprobs is not None else None,
+                        eos=frozenset(prompts.eos), choices_per_prompt=n, echo=echo,
                         obfuscation=bool(req.stream_options and req.stream_options.include_obfuscation))
-    return Plan(ids, [seeded(params, j) for _ in prompts for j in range(n)], shape)
+    return Plan(ids, [seeded(params, j) for _ in asked for j in range(n)], shape)

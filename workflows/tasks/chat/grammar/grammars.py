@@ -3,7 +3,7 @@
 The grammars come from llguidance (PyPI `llguidance`, the Rust library behind vLLM's and llama.cpp's
 `guidance` backends and OpenAI's own Structured Outputs): a JSON schema (`response_format`
 `json_schema`), any JSON object (`json_object`), or a Lark grammar that embeds JSON schemas (`%json`),
-which the tool calls that `tool_choice` demands are written in (workflows.tasks.chat.tools). It has no
+which the tool calls that `tool_choice` demands are written in (workflows.tasks.chat.openai.tools). It has no
 dependencies (one abi3 wheel), computes a token mask in tens of microseconds, and covers JSON Schema
 ($ref/$defs, anyOf, enums, bounds, patterns); xgrammar, the other library vLLM ships, pulls in triton
 on Linux.
@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from workflows.tasks.chat.grammar.token_text import TokenText
 
 # llguidance's JSON options: compact, Python's separators
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -126,14 +128,12 @@ class Grammars:
 
 class Vocabulary:
     """What llguidance's TokenizerWrapper reads of a tokenizer it cannot load itself: each token id's bytes
-    (token_text.TokenText; ids past the tokenizer's, up to the logits' width, empty), the special ids, the
+    (TokenText; ids past the tokenizer's, up to the logits' width, empty), the special ids, the
     end of sequence, and how text is tokenized: by the tokenizer where its tokens give the text back,
     else (a vocabulary without every byte's token, which maps unknown words to <unk>) longest match first
     over the tokens' bytes."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: list[int]):
-        from workflows.tasks.chat.token_text import TokenText
-
         words = TokenText(tokenizer)
         self._tokenizer = tokenizer
         self.eos_token_id, self.bos_token_id = eos[0], tokenizer.bos_token_id
@@ -158,7 +158,7 @@ class Vocabulary:
 
 
 class GrammarConstraint:
-    """One request's grammar state (sampling.TokenConstraint): masks its logits row, advances on the chosen
+    """One request's grammar state (the engine's TokenConstraint): masks its logits row, advances on the chosen
     token, and is done when the grammar admits nothing more."""
 
     def __init__(self, matcher, vocab_size: int):

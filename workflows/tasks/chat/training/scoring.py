@@ -1,5 +1,6 @@
-"""The chat scorer: a registered chat model loaded once for the evaluation of processed rows
-(workflows.tasks.chat.serving.ChatPredictor hands them to it; raw rows go to the serving engine).
+"""The chat scorer: a registered chat model loaded once for the evaluation of processed rows (the
+serving room's ChatPredictor hands them to it; raw rows go to the serving engine). Validation in
+training scores with the same `token_nll` and greedy decoding.
 
 For each row: its greedy answer (left-padded batches, up to model.options.max_new_tokens), the summed
 next-token loss of its labels (`nll`, over `tokens` labels) and, for the baseline, the base model's
@@ -15,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from workflows.tasks import base
-from workflows.tasks.chat.data import chat_collate, pad_left
-from workflows.tasks.chat.model import (
-    ADAPTER_CONFIG,
+from workflows.tasks.chat.adapters import is_adapter
+from workflows.tasks.chat.training.data import chat_collate, pad_left
+from workflows.tasks.chat.training.model import (
     card_base_dir,
     completion_text,
     greedy_generate,
@@ -27,6 +27,7 @@ from workflows.tasks.chat.model import (
     load_trained,
     pad_id,
 )
+from workflows.tasks.predictor import Predictor, serving_device
 
 PROCESSED = ("input_ids", "labels", "prompt_ids", "answer_ids")  # the columns of a processed row it scores
 
@@ -41,7 +42,7 @@ def token_nll(model, batch) -> tuple[Any, Any]:
     return nll.sum(-1), (target != -100).sum(-1)
 
 
-class ChatScorer(base.Predictor):
+class ChatScorer(Predictor):
     def __init__(self, task, model_dir: str, card, threads: int | None = None, batch_size: int = 16):
         import torch
 
@@ -49,7 +50,7 @@ class ChatScorer(base.Predictor):
             torch.set_num_threads(threads)
         self.task, self.card, self.cfg, self.options = task, card, task.cfg, task.options
         self.model_dir, self.batch_size = model_dir, batch_size
-        self.device = base.serving_device()  # the replica's GPU when it has one; fp32 either way
+        self.device = serving_device()  # the replica's GPU when it has one; fp32 either way
         self.model = load_trained(model_dir, card, self.cfg).to(self.device)
         self.tok = load_tokenizer(model_dir)
         self.eos, self.pad = int(self.tok.eos_token_id), pad_id(self.tok)
@@ -72,9 +73,7 @@ class ChatScorer(base.Predictor):
     # --- evaluation
     def base_model(self):
         """The base model, for the baseline: the adapter switched off, or the whole model's base."""
-        import os
-
-        if os.path.isfile(os.path.join(self.model_dir, ADAPTER_CONFIG)):
+        if is_adapter(self.model_dir):
             return None  # disable_adapter() on self.model
         if self._base is None:
             self._base = load_causal_lm(card_base_dir(self.card, self.cfg)).eval().to(self.device)

@@ -3,7 +3,7 @@
 
 GET  /v1/models             the served model (NAME:VERSION) and the adapters this replica holds
 GET  /v1/models/{id}        one of those (NAME or NAME:VERSION of the served model), OpenAI's Model object
-POST /v1/chat/completions   OpenAI's chat request (workflows.tasks.chat.protocol: every field honoured or a 400)
+POST /v1/chat/completions   OpenAI's chat request (workflows.tasks.chat.openai.protocol: every field honoured or a 400)
 POST /v1/completions        OpenAI's text completion request ("prompt": text or token ids, one or several)
 
 `"stream": true` answers Server-Sent Events, one `data: {chunk}` per delta in OpenAI's chunk format,
@@ -18,7 +18,7 @@ before any compute; more than 4 stop strings, or one over serve.generate.max_sto
 before `data: [DONE]`); a failure to prefill or sample one request fails it alone. A client that
 disconnects ends its own generations only. The bearer token, the drain on shutdown (503 once stopping,
 open streams finish) and the request metrics apply as to every route of the app; the engine's own
-metrics are workflows.tasks.chat.metrics'.
+metrics are workflows.tasks.chat.serving.metrics'.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from pydantic import BaseModel, ValidationError
 from workflows.errors import UserError
 from workflows.tasks.chat.engine import ModelNotFound, PromptTooLong, QueueFull
 from workflows.tasks.chat.grammar import GrammarError
-from workflows.tasks.chat.plan import chat_plan, text_plan
-from workflows.tasks.chat.protocol import BadRequest, ChatRequest, CompletionRequest, Message
-from workflows.tasks.chat.streaming import Completion
+from workflows.tasks.chat.openai.plan import chat_plan, text_plan
+from workflows.tasks.chat.openai.protocol import BadRequest, ChatRequest, CompletionRequest, Message
+from workflows.tasks.chat.openai.streaming import Completion
 from workflows.tasks.contract import MAX_BODY_BYTES, HttpContract, register_schema
 
 __all__ = ["BadRequest", "ChatRequest", "CompletionRequest", "Message", "OpenAIContract", "Adapters"]
@@ -185,13 +185,8 @@ class OpenAIContract(HttpContract):
         from ray import serve
 
         predictor = server.predictor
-        engine = getattr(predictor, "engine", None)  # loads the model now: the replica is healthy once it can answer
-        if engine is not None:  # its figures on Prometheus, per model
-            from workflows.tasks.chat.metrics import ServeMetrics
-
-            engine.metrics = ServeMetrics(predictor.base_id, predictor.model_id)
-        if predictor is not None:  # llguidance's view of the vocabulary (about a second), in the background
-            predictor.warm_grammars()
+        # the model loads now (the replica is healthy once it can answer), its figures go to Prometheus
+        engine = predictor.start_http() if predictor is not None else None
         adapters = Adapters(server)
 
         async def load_adapter(model_id: str) -> AdapterRef:  # a function: Serve keeps its cache on it
@@ -214,70 +209,76 @@ class OpenAIContract(HttpContract):
             if (refused := server.guard(request)) is not None:
                 return as_openai_error(refused)
             try:
-                found = predictor.resolve(model_id)
+                found = predictor.adapters.resolve(model_id)
             except ModelNotFound as e:
                 return error(404, str(e), "model", "model_not_found")
             if found is not None and found not in predictor.adapters:
                 return error(404, f"model {model_id[:80]!r} is not served by this replica", "model", "model_not_found")
             return entry(model_id)
 
-        async def generate(request: Request, kind: str):
-            if (refused := server.guard(request)) is not None:
-                return as_openai_error(refused)
-            server.in_flight += 1  # until the answer ends (workflows.serve.drain waits on it): Completion.finish
-            handed = False
-            try:
-                req = await read_json(request, ChatRequest if kind == "chat" else CompletionRequest)
-                model_id = predictor.resolve(await pinned(server, req.model))
-                header = serve.get_multiplexed_model_id()
-                if header and header != (model_id or predictor.base_id) and header != req.model:
-                    raise BadRequest(f"the serve_multiplexed_model_id header ({header[:80]}) is not the body's "
-                                     f"model ({req.model[:80]})", "model")
-                planner = chat_plan if kind == "chat" else text_plan
-                plan = await predictor.encode(lambda r: planner(predictor, r, self.gen), req)
-                adapter = None
-                if model_id is not None:
-                    adapter = await loader(model_id)  # multiplexed: loaded once, least recently used unloaded
-                    predictor.using(model_id, +1)
-                gens: list = []
-                try:
-                    n = plan.shape.choices_per_prompt
-                    for i, params in enumerate(plan.params):
-                        gens.append(predictor.engine.submit(plan.prompts[i // n], params,
-                                                            adapter.name if adapter else predictor.served_adapter))
-                except BaseException:
-                    for g in gens:
-                        g.cancel()
-                    predictor.using(model_id, -1)
-                    raise
-                completion = Completion(kind, req.model, gens, server, lambda: predictor.using(model_id, -1),
-                                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                                        shape=plan.shape)
-                handed = True
-            except (BadRequest, GrammarError) as e:
-                if engine is not None:
-                    engine.metrics.rejected("invalid_request")
-                return error(getattr(e, "status", 400), str(e), e.param, getattr(e, "code", None))
-            except ModelNotFound as e:
-                return error(404, str(e), "model", "model_not_found")
-            except QueueFull as e:
-                return error(429, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after_s)})
-            except PromptTooLong as e:
-                return error(400, str(e), "messages" if kind == "chat" else "prompt", "context_length_exceeded")
-            except ValueError as e:  # no chat template, a logit_bias outside the vocabulary
-                return error(400, str(e), "messages" if kind == "chat" else "prompt")
-            finally:
-                if not handed:
-                    server.in_flight -= 1
-            return completion.stream_response() if req.stream else await completion.json_response()
-
         @api.post("/v1/chat/completions", summary="Chat completion (OpenAI's API; streams with \"stream\": true)")
         async def chat_completions(request: Request):
-            return await generate(request, "chat")
+            return await self.generate(request, "chat", server, loader, engine)
 
         @api.post("/v1/completions", summary="Text completion (OpenAI's legacy API; streams with \"stream\": true)")
         async def completions(request: Request):
-            return await generate(request, "text")
+            return await self.generate(request, "text", server, loader, engine)
+
+    async def generate(self, request: Request, kind: str, server, loader, engine):
+        """One chat ("chat") or text ("text") completion: the body read and planned off the event loop, its
+        adapter loaded through Serve's multiplexing (`loader`), its rows submitted to the engine, and the
+        answer handed to a Completion (which ends the request's count in flight and of its adapter)."""
+        from ray import serve
+
+        if (refused := server.guard(request)) is not None:
+            return as_openai_error(refused)
+        predictor = server.predictor
+        server.in_flight += 1  # until the answer ends (workflows.serve.drain waits on it): Completion.finish
+        handed = False
+        try:
+            req = await read_json(request, ChatRequest if kind == "chat" else CompletionRequest)
+            model_id = predictor.adapters.resolve(await pinned(server, req.model))
+            header = serve.get_multiplexed_model_id()
+            if header and header != (model_id or predictor.base_id) and header != req.model:
+                raise BadRequest(f"the serve_multiplexed_model_id header ({header[:80]}) is not the body's "
+                                 f"model ({req.model[:80]})", "model")
+            planner = chat_plan if kind == "chat" else text_plan
+            plan = await predictor.prompts.encode(lambda r: planner(predictor.prompts, r, self.gen), req)
+            adapter = None
+            if model_id is not None:
+                adapter = await loader(model_id)  # multiplexed: loaded once, least recently used unloaded
+                predictor.adapters.using(model_id, +1)
+            gens: list = []
+            try:
+                n = plan.shape.choices_per_prompt
+                for i, params in enumerate(plan.params):
+                    gens.append(predictor.engine.submit(plan.prompts[i // n], params,
+                                                        adapter.name if adapter else predictor.served_adapter))
+            except BaseException:
+                for g in gens:
+                    g.cancel()
+                predictor.adapters.using(model_id, -1)
+                raise
+            completion = Completion(kind, req.model, gens, server, lambda: predictor.adapters.using(model_id, -1),
+                                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                                    shape=plan.shape)
+            handed = True
+        except (BadRequest, GrammarError) as e:
+            if engine is not None:
+                engine.metrics.rejected("invalid_request")
+            return error(getattr(e, "status", 400), str(e), e.param, getattr(e, "code", None))
+        except ModelNotFound as e:
+            return error(404, str(e), "model", "model_not_found")
+        except QueueFull as e:
+            return error(429, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after_s)})
+        except PromptTooLong as e:
+            return error(400, str(e), "messages" if kind == "chat" else "prompt", "context_length_exceeded")
+        except ValueError as e:  # no chat template, a logit_bias outside the vocabulary
+            return error(400, str(e), "messages" if kind == "chat" else "prompt")
+        finally:
+            if not handed:
+                server.in_flight -= 1
+        return completion.stream_response() if req.stream else await completion.json_response()
 
 
 async def pinned(server, model: str) -> str:
@@ -305,22 +306,22 @@ class Adapters:
         except Exception as e:  # the registry's UserError: no such model or version
             raise ModelNotFound(str(e).splitlines()[0]) from None
         # off the loop: a served whole model's base is identified by hashing its weights, once
-        await loop.run_in_executor(None, predictor.check_card, model_id, card)
+        await loop.run_in_executor(None, predictor.adapters.check_card, model_id, card)
         try:
             model_dir, card = await loop.run_in_executor(None, self.server.fetch_model, model_id)
         except Exception as e:
             raise ModelNotFound(str(e).splitlines()[0]) from None
-        await loop.run_in_executor(None, predictor.check_adapter, model_id, model_dir, card)
+        await loop.run_in_executor(None, predictor.adapters.check_files, model_id, model_dir, card)
         try:
-            name = await asyncio.wrap_future(predictor.add_adapter(model_id, model_dir))
+            name = await asyncio.wrap_future(predictor.adapters.add(model_id, model_dir))
         except UserError as e:  # load_adapter's refusal: the file and key, never where it lies
             raise ModelNotFound(f"model {model_id} cannot be served as a LoRA adapter: {e}") from None
-        return AdapterRef(model_id, name, predictor, loop)
+        return AdapterRef(model_id, name, predictor.adapters, loop)
 
 
 class AdapterRef:
-    def __init__(self, model_id: str, name: str, predictor, loop):
-        self.model_id, self.name, self._predictor, self._loop = model_id, name, predictor, loop
+    def __init__(self, model_id: str, name: str, adapters, loop):
+        self.model_id, self.name, self._adapters, self._loop = model_id, name, adapters, loop
         self._unloaded = False
 
     def __del__(self):  # Serve unloads it (from a worker thread), or it is collected
@@ -328,6 +329,6 @@ class AdapterRef:
             return
         self._unloaded = True
         try:
-            self._loop.call_soon_threadsafe(self._predictor.retire, self.model_id)
+            self._loop.call_soon_threadsafe(self._adapters.retire, self.model_id)
         except RuntimeError:  # the loop is closed: the replica is going away
             pass

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from workflows.tasks.chat.engine import Engine
-from workflows.tasks.chat.sampling import SamplingParams
+from workflows.tasks.chat.engine.params import SamplingParams
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -1,7 +1,7 @@
 """One completion's answer, as OpenAI shapes it: a JSON body once its generations end, or Server-Sent
 Events as they go (`data: {chunk}` per delta of any choice, a last chunk per choice with its finish
 reason, optionally one with the usage, then `data: [DONE]`). Each choice is shaped by
-workflows.tasks.chat.choices.
+workflows.tasks.chat.openai.choices.
 
 Whatever way the answer ends (done, a client gone, the replica's task cancelled), the generations still
 running are cancelled, and the request stops counting as in flight (the drain waits on that) and
@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from workflows.tasks.chat.choices import AnswerShape, Choice
 from workflows.tasks.chat.engine import Delta, Generation
+from workflows.tasks.chat.openai.choices import AnswerShape, Choice
 
 
 def engine_error(e: Exception, retry_after_s: int = 1) -> tuple[int, dict, dict]:

@@ -4,7 +4,7 @@ define is a 400 too (never dropped). `null` means the default wherever OpenAI al
 does here: docs/guides/serve.md (chat models).
 
 Limits that depend on the server (serve.generate: max_tokens, max_n; the vocabulary for logit_bias and
-token-id prompts) are checked by the route, workflows.tasks.chat.openai_api.
+token-id prompts) are checked by the route, workflows.tasks.chat.openai.routes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workflows.tasks.chat.sampling import MAX_LOGPROBS
+from workflows.tasks.chat.engine import MAX_LOGPROBS
 
 INT64 = 2**63
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

