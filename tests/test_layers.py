@@ -191,6 +191,79 @@ def test_the_checks_see_a_planted_cycle_and_an_upward_import(tmp_path):
     assert any({"workflows.storage.uri", "workflows.tasks.base"} <= set(c) for c in module_circles(tmp_path))
 
 
+# The chat wing's rooms (workflows/tasks/chat/), lowest first, as LAYERS orders the units: a room imports
+# only the rooms below it, and no two rooms import each other. A room is a subpackage of the wing or a
+# module in it; `task` is the wing's own __init__ (the task class the platform calls). Each room's
+# docstring says what it owns and which rooms it imports.
+CHAT_WING = "workflows.tasks.chat"
+CHAT_ROOMS = ["engine", "grammar", "adapters", "training", "openai", "serving", "task"]
+
+
+def chat_rooms(root: Path) -> set[str]:
+    """The wing's subpackages and modules, its __init__ as `task`."""
+    wing = root / Path(*CHAT_WING.split("."))
+    return {"task" if p.stem == "__init__" else p.stem for p in wing.glob("*.py")} | {
+        p.name for p in wing.iterdir() if (p / "__init__.py").is_file()}
+
+
+def chat_room_edges(root: Path) -> dict[tuple[str, str], list[str]]:
+    """{(importer room, imported room): ["path:line", ...]} over the chat wing's modules; every import
+    counts (in functions and under TYPE_CHECKING too), `from workflows.tasks.chat import x` as room x
+    where x is one, else as the task's."""
+    wing, rooms = root / Path(*CHAT_WING.split(".")), chat_rooms(root)
+
+    def room(parts: list[str]) -> str:
+        return parts[0] if parts and parts[0] in rooms else "task"
+
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(wing.rglob("*.py")):
+        source = room(list(path.relative_to(wing).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == CHAT_WING else [node.module]
+            else:
+                continue
+            for name in names:
+                if name == CHAT_WING or name.startswith(CHAT_WING + "."):
+                    target = room(name.removeprefix(CHAT_WING).lstrip(".").split("."))
+                    if target != source:
+                        edges.setdefault((source, target), []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return edges
+
+
+def upward_rooms(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    rank = {room: i for i, room in enumerate(CHAT_ROOMS)}
+    return sorted(f"{a} -> {b} ({', '.join(where)})" for (a, b), where in edges.items() if rank[b] > rank[a])
+
+
+def test_every_chat_room_has_its_place():
+    on_disk = chat_rooms(ROOT)
+    assert len(CHAT_ROOMS) == len(set(CHAT_ROOMS)), "a room is listed twice in CHAT_ROOMS"
+    assert on_disk == set(CHAT_ROOMS), (f"not placed in CHAT_ROOMS: {sorted(on_disk - set(CHAT_ROOMS))}; "
+                                        f"listed but gone: {sorted(set(CHAT_ROOMS) - on_disk)}")
+
+
+def test_the_chat_rooms_import_down_and_never_round_a_circle():
+    edges = chat_room_edges(ROOT)
+    up = upward_rooms(edges)
+    assert not up, "imports up the chat wing's rooms:\n" + "\n".join(up)
+    found = cycles(unit_graph(edges))
+    assert not found, f"chat rooms that import each other (round a circle): {found}"
+
+
+def test_the_chat_room_checks_see_a_planted_upward_import(tmp_path):
+    """The checks fail on a fault: the engine importing serving inside a function (upward and, as serving
+    imports the engine, a circle of rooms)."""
+    shutil.copytree(ROOT / "workflows", tmp_path / "workflows", ignore=shutil.ignore_patterns("__pycache__"))
+    loop = tmp_path / "workflows" / "tasks" / "chat" / "engine" / "loop.py"
+    loop.write_text(loop.read_text() + "\n\ndef _planted():\n    from workflows.tasks.chat import serving\n")
+    edges = chat_room_edges(tmp_path)
+    assert any(u.startswith("engine -> serving (workflows/tasks/chat/engine/loop.py:") for u in upward_rooms(edges))
+    assert any({"engine", "serving"} <= set(c) for c in cycles(unit_graph(edges)))
+
+
 def in_function_share(root: Path) -> tuple[int, int]:
     """(in-function imports, all imports) of workflows modules, TYPE_CHECKING ones and the units
     that import lazily on purpose (LAZY_ON_PURPOSE) aside."""
