@@ -174,12 +174,13 @@ class Env:
     # fresh copies, one per case
     def fresh_model(self) -> tuple[str, Path]:
         from workflows import registry
+        from workflows.model_card import CARD_FILE
 
         ref = registry.register(self.cfg, self.ctx, str(self.artifact), "m", {
             "task": "classification", "labels": ["a", "b"], "text_columns": ["text"],
             "lineage": {"dataset_uri": str(self.dataset)},
             "base": {"name_or_path": "registry:tiny:1", "sha256": "0" * 64}})
-        return f"m:{ref.version}", Path(ref.uri) / registry.META_FILE
+        return f"m:{ref.version}", Path(ref.uri) / CARD_FILE
 
     def fresh_dataset(self) -> str:
         return str(shutil.copytree(self.dataset, self.store / "processed" / f"d{next(self.count)}"))

@@ -212,6 +212,7 @@ def test_error_bodies_name_the_model_never_a_storage_uri_or_local_path(tiny, tmp
     from tests.conftest import ROOT
     from workflows import registry
     from workflows.config import load_config
+    from workflows.model_card import CARD_FILE
     from workflows.serve.app import ModelServer
     from workflows.storage.uri import StorageContext
     from workflows.tasks.chat.engine import ModelNotFound
@@ -229,7 +230,7 @@ def test_error_bodies_name_the_model_never_a_storage_uri_or_local_path(tiny, tmp
     registry.register(cfg, ctx, str(_edited(tmp_path, good, modules_to_save=["lm_head"])), "hostile", adapter_card)
     registry.register(cfg, ctx, str(good), "otherbase", {**adapter_card, "base": {**base, "sha256": "0" * 64}})
     edited = registry.register(cfg, ctx, str(good), "edited", adapter_card)
-    card_file = root / "models" / "edited" / "v1" / registry.META_FILE
+    card_file = root / "models" / "edited" / "v1" / CARD_FILE
     card_file.write_text(jsonlib.dumps({**jsonlib.loads(card_file.read_text()), "artifact_id": "../../x"}))
     server_class = ModelServer.func_or_class
     fake = SimpleNamespace(cfg=cfg, storage=ctx)

@@ -857,13 +857,13 @@ def _an_adapters_alias_is_followed(chat_server, client, messages, said: dict) ->
     after serve.alias_poll_s), with no restart. support:2 is pirate's adapter registered as support."""
     import openai
 
-    from workflows import registry, registry_aliases
+    from workflows import registry
     from workflows.config import load_config
     from workflows.storage.uri import StorageContext
     from workflows.tasks.chat.training.model import weights_sha256
 
     cfg = load_config(CHAT, ["storage.embedded.enabled=false", f"storage.root={chat_server.tmp}/store",
-                             f"cache.dir={chat_server.tmp}/cache"])
+                             f"cache.dir={chat_server.tmp}/cache", "tracking.enabled=false"])
     ctx = StorageContext.from_config(cfg.storage)
     same = {"name_or_path": "registry:tinychat:1", "sha256": weights_sha256(str(chat_server.base))}
     registry.register(cfg, ctx, str(chat_server.tmp / "pirate"), "support", {"task": TASK, "export": "adapter",
@@ -871,8 +871,8 @@ def _an_adapters_alias_is_followed(chat_server, client, messages, said: dict) ->
     ask = {"messages": messages, "max_tokens": 10, "temperature": 0}
     with pytest.raises(openai.NotFoundError, match="no alias 'live'"):
         client.chat.completions.create(model="support@live", **ask)
-    registry_aliases.move(cfg, ctx, "support", "live", 1, by="test")
+    registry.move_alias(cfg, ctx, "support", "live", 1, by="test")
     assert client.chat.completions.create(model="support@live", **ask).choices[0].message.content == said["support:1"]
-    registry_aliases.move(cfg, ctx, "support", "live", 2, by="test")
+    registry.move_alias(cfg, ctx, "support", "live", 2, by="test")
     wait_until(lambda: client.chat.completions.create(model="support@live", **ask).choices[0].message.content
                == said["pirate:v1"], 60, "the alias's new adapter to answer")

@@ -19,12 +19,15 @@ from workflows.tasks.text import TextClassification
 QUICKSTART_CONFIG = "quickstart"
 
 
+class NoComparableEvaluation(TextClassification.Evaluation):
+    def comparable_metrics(self) -> dict[str, str]:
+        return {}
+
+
 class NoComparableMetric(TextClassification):
     """A task that registers its model but names no metric two versions can be compared by."""
 
-    @classmethod
-    def comparable_metrics(cls) -> dict[str, str]:
-        return {}
+    Evaluation = NoComparableEvaluation
 
 
 CARD = {"task": "classification", "labels": ["a", "b"], "text_columns": ["text"], "label_column": "label",

@@ -15,6 +15,7 @@ from workflows import registry
 from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
+from workflows.model_card import CARD_FILE
 from workflows.storage.uri import StorageContext
 
 CTX = StorageContext()
@@ -107,7 +108,7 @@ def _registered(tmp_path: Path, cfg: WorkflowConfig, dataset_uri) -> Path:
     (art / "model.safetensors").write_bytes(b"w")
     ref = registry.register(cfg, CTX, str(art), "m", {"task": "classification", "labels": ["a", "b"],
                                                      "lineage": {"dataset_uri": dataset_uri}})
-    return Path(ref.uri) / registry.META_FILE
+    return Path(ref.uri) / CARD_FILE
 
 
 @pytest.mark.parametrize("where", ["{tmp}/elsewhere", "{root}/../elsewhere", "s3://another-bucket/processed/d1",
