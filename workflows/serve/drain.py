@@ -57,22 +57,27 @@ def create() -> ray.actor.ActorHandle:
 
 def drain(actor, timeout_s: float = 10.0) -> dict:
     """Tell every replica to drain; wait until all report no request in flight (or `timeout_s`).
-    Returns {"replicas", "drained", "in_flight_answered", "seconds"}."""
+    Returns {"replicas", "drained", "in_flight_answered", "seconds"}, and "error" where the stop did not reach
+    the replicas or the actor failed."""
     t0 = time.time()
     state: dict = {}
+    error, stopped = None, False
     try:
         ray.get(actor.stop.remote(), timeout=timeout_s)
+        stopped = True
+        # each wait bounded by what is left of timeout_s, as the stop's: the command stops even where the
+        # actor no longer answers (the replicas not drained by then are reported as such)
+        while (left := timeout_s - (time.time() - t0)) > 0:
+            state = ray.get(actor.state.remote(), timeout=left)
+            if all(v is not None for v in state.values()):
+                break
+            time.sleep(0.1)
     except ray.exceptions.RayError as e:  # Serve still shuts down gracefully, without the 503s first
-        return {"replicas": 0, "drained": 0, "in_flight_answered": 0, "seconds": round(time.time() - t0, 2),
-                "error": type(e).__name__}
-    while time.time() - t0 < timeout_s:
-        state = ray.get(actor.state.remote())
-        if all(v is not None for v in state.values()):
-            break
-        time.sleep(0.1)
+        if not (stopped and isinstance(e, ray.exceptions.GetTimeoutError)):
+            error = type(e).__name__
     done = [v for v in state.values() if v is not None]
     return {"replicas": len(state), "drained": len(done), "in_flight_answered": sum(done),
-            "seconds": round(time.time() - t0, 2)}
+            "seconds": round(time.time() - t0, 2), **({"error": error} if error else {})}
 
 
 async def watch(server, replica: str) -> None:
