@@ -102,6 +102,12 @@ def ray_cluster():
         port = _port_or_free(dashboard_port())
         # as workflows.runtime.init_ray does: the state API must not auto-detect among clusters
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        # as on the clusters `workflows serve` starts: Serve's proxy gets 20 s per readiness check, not 5
+        # (on 2 busy cores the README's commands on this cluster saw their proxy killed at start)
+        from workflows.serve.ingress import START_ENV
+
+        for key, value in START_ENV.items():
+            os.environ.setdefault(key, value)
         # address="local": a cluster of the session's own. Without it ray.init() joins the cluster in
         # /tmp/ray/ray_current_cluster (any `ray start` on the machine: another checkout's suite,
         # cluster/local/start.sh) and refuses num_cpus for it.
