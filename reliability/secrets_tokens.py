@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 
 # -- 4. bearer token --------------------------------------------------------------------------
 def token_checks() -> dict:
     from starlette.requests import Request
 
-    from workflows.serve.app import ModelServer, bearer_token
+    from workflows.serve.guards import bearer_token, denied
 
-    # the class as written (Serve's ingress wrapper around it has an async __del__)
-    deployment: Any = ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
-    cls = next(c for c in deployment.func_or_class.__mro__ if "_denied" in c.__dict__)
-    server = object.__new__(cls)
+    # the check every request of a replica with a token passes first (serve.guards.TokenGuard)
     token = "s3cret-Token_value"
-    server.token = token
 
     def request(value: bytes | None) -> Request:
         headers = [] if value is None else [(b"authorization", value)]
@@ -46,20 +41,19 @@ def token_checks() -> dict:
     for header, allowed in cases:
         checked += 1
         try:
-            denied = server._denied(request(header))
+            refused = denied(token, request(header))
         except Exception as e:  # noqa: BLE001
             errors.append(f"{header!r}: {type(e).__name__}: {e}")
             continue
-        ok = denied is None
+        ok = refused is None
         if ok != allowed:
             wrong.append(f"{header!r} {'accepted' if ok else 'rejected'}")
             if ok:
                 wrongly_accepted.append(wrong[-1])
-        elif not ok and (denied.status_code != 401 or b"bearer" not in denied.body.lower()):
-            wrong.append(f"{header!r}: status {denied.status_code}")
-    server.token = None  # no token configured: open, by design
-    checked += 1
-    if server._denied(request(None)) is not None:
+        elif not ok and (refused.status_code != 401 or b"bearer" not in refused.body.lower()):
+            wrong.append(f"{header!r}: status {refused.status_code}")
+    checked += 1  # no token configured: open, by design
+    if denied(None, request(None)) is not None:
         wrong.append("no token configured, yet denied")
 
     class SC:  # the serve config's one field bearer_token reads
