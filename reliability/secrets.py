@@ -14,7 +14,7 @@ missing/wrong bearer token are rejected.
 3. Names: registry specs and config names with '..', '/', '%2F', leading dots, control
    characters... are rejected before they become paths (registry.parse_spec, config.check_name,
    load_config, registry.register).
-4. Bearer token: the Serve app's check (ModelServer._denied) rejects a missing, wrong, truncated,
+4. Bearer token: the Serve app's check (serve.guards.denied) rejects a missing, wrong, truncated,
    extended or differently-schemed token and accepts the right one; bearer_token() refuses to
    start when the configured variable is unset. A wrongly accepted request counts as lost.
 5. Ray token auth for job submission (full run only: it starts a cluster): on a head node
@@ -103,7 +103,7 @@ def secrets_hygiene(workdir: Path, seed: int = 0, run_stage: bool = True, full: 
         f"auth:{e}" for e in auth["errors"]
     ]
     notes.append(
-        f"bearer token: {auth['checked']} cases of ModelServer._denied / bearer_token, "
+        f"bearer token: {auth['checked']} cases of serve.guards.denied / bearer_token, "
         f"{auth['checked'] - len(auth['wrong']) - len(auth['errors'])} decided right"
         + (f"; wrong: {auth['wrong']}" if auth["wrong"] else "")
         + (f"; errors: {auth['errors']}" if auth["errors"] else "")

@@ -47,7 +47,7 @@ def frozen_missing_globals() -> dict[str, set[str]]:
     from workflows.serve import app
 
     deployment: Any = app.ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
-    cls = next(c for c in deployment.func_or_class.__mro__ if "_denied" in c.__dict__)
+    cls = next(c for c in deployment.func_or_class.__mro__ if "_predict_batch" in c.__dict__)
     missing = {}
     for name, f in _functions(cls):
         gone = {
@@ -64,7 +64,7 @@ def _patch_frozen_globals(missing: dict[str, set[str]]) -> None:
     from workflows.serve import app
 
     deployment: Any = app.ModelServer  # a serve.Deployment (@serve.deployment), which mypy sees as the plain class
-    cls = next(c for c in deployment.func_or_class.__mro__ if "_denied" in c.__dict__)
+    cls = next(c for c in deployment.func_or_class.__mro__ if "_predict_batch" in c.__dict__)
     for name, f in _functions(cls):
         for n in missing.get(name, ()):
             f.__globals__[n] = getattr(app, n)
