@@ -50,7 +50,7 @@ def token_checks() -> dict:
             wrong.append(f"{header!r} {'accepted' if ok else 'rejected'}")
             if ok:
                 wrongly_accepted.append(wrong[-1])
-        elif not ok and (refused.status_code != 401 or b"bearer" not in refused.body.lower()):
+        elif refused is not None and (refused.status_code != 401 or b"bearer" not in bytes(refused.body).lower()):
             wrong.append(f"{header!r}: status {refused.status_code}")
     checked += 1  # no token configured: open, by design
     if denied(None, request(None)) is not None:
