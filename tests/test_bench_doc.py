@@ -113,8 +113,7 @@ def _bf16_speed(r: dict) -> str:
 
 def _packed_speedup(r: dict) -> str:
     """Static batching's tokens/s on the engine's packed weights over on transformers' own, one run."""
-    rows = {row["row"]: row["tokens_per_s"] for row in r["generate"]["rows"]}
-    return f"{rows['static_packed'] / rows['static']:.2f}"
+    return f"{_row(r, 'static_packed') / _row(r, 'static'):.2f}"
 
 
 def _row(r: dict, row: str) -> float:
