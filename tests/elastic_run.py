@@ -1,8 +1,8 @@
 """Run by test_train_stream.py in its own process: an elastic training run (train.num_workers=[1, 2],
 loader=stream) on a 2-node `ray.cluster_utils.Cluster` on this machine, 2 CPUs per node (a training
-worker each; preprocessing needs 2 on a node). Once the epoch is past its step checkpoint at 40%,
-the second node is removed, and with it the worker on it: Ray Train restarts the group on the one
-node left, from that checkpoint. Prints RESULT {json}."""
+worker each; preprocessing needs 2 on a node). Once Ray Train has registered the epoch's step
+checkpoint at 40% (the ranks wait there), the second node is removed, and with it the worker on it:
+Ray Train restarts the group on the one node left, from that checkpoint. Prints RESULT {json}."""
 
 import faulthandler
 import json
@@ -41,23 +41,53 @@ ray.init(address=cluster.address)
 
 record = tmp / "elastic"
 record.mkdir()
+marker = tmp / "second-node-removed"
 removed: dict = {}
 
 
-def remove_second_node_past_40_percent() -> None:
-    """The second node goes once every worker has started the step after the 40% checkpoint: each
-    has then reported its part of it (Ray Train v2 registers a checkpoint once all ranks report it,
-    and a rank's report returns before the others'), plus a moment for the controller to record it."""
+class HoldPastTheFirstCheckpoint:
+    """The run's on_step hook: a two-worker rank waits before its step after the 40% checkpoint (step 2 of
+    5) until the second node is gone, so the node goes at one point of the epoch on a quiet or a loaded
+    machine, not wherever the ranks had got to. A wait is bounded: a run whose node never goes still ends."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, rank: int, epoch: int, step: int) -> None:
+        import ray.train
+
+        if ray.train.get_context().get_world_size() == 2 and epoch == 0 and step >= 2:
+            deadline = time.time() + 300
+            while not os.path.exists(self.marker) and time.time() < deadline:
+                time.sleep(0.05)
+
+
+def registered_checkpoints(runs_root: str, storage) -> int:
+    """How many checkpoints Ray Train's controller has registered for the run (its checkpoint manager's
+    snapshot, written once every rank has reported one): the node goes only after that, or the restart
+    would begin the epoch again."""
+    from workflows.storage.uri import filesystem
+
+    fs, root = filesystem(runs_root, storage)
+    fs.invalidate_cache()  # s3fs keeps listings: the run's folder and its snapshot appear while this polls
+    for snapshot in fs.glob(f"{root}/elastic-*/checkpoint_manager_snapshot.json"):
+        return len(json.loads(fs.cat_file(snapshot)).get("checkpoint_results") or [])
+    return 0
+
+
+def remove_second_node_at_the_first_checkpoint(runs_root: str, storage) -> None:
+    """The second node goes once the controller has registered the 40% checkpoint (the ranks wait for it
+    there: HoldPastTheFirstCheckpoint); then the marker lets the ranks, or the restarted one, go on."""
     deadline = time.time() + 900
-    while time.time() < deadline:
-        files = list(record.glob("samples-*.jsonl"))
-        past = [f for f in files if any(json.loads(line)["position"] >= 64 for line in f.read_text().splitlines())]
-        if len(files) == 2 and len(past) == 2:
-            time.sleep(2)
-            cluster.remove_node(second)
-            removed["at"] = time.time()
-            return
-        time.sleep(0.05)
+    try:
+        while time.time() < deadline:
+            if registered_checkpoints(runs_root, storage):
+                cluster.remove_node(second)
+                removed["at"] = time.time()
+                return
+            time.sleep(0.2)
+    finally:
+        marker.touch()
 
 
 def diagnose_and_exit_past(seconds: float) -> None:
@@ -105,9 +135,11 @@ try:
         data = stage_preprocess(rt)
         index = head(parquet_index(data.files["train"], rt.storage), ROWS)
         expected = epoch_order(index.counts, cfg.train.seed, 0, cfg.train.shuffle_window).tolist()
-        watcher = threading.Thread(target=remove_second_node_past_40_percent, daemon=True)
+        watcher = threading.Thread(target=remove_second_node_at_the_first_checkpoint,
+                                   args=(cfg.uri("runs"), rt.storage), daemon=True)
         watcher.start()
-        out = fit(cfg, rt.storage, data, run_prefix="elastic", on_samples=SampleRecorder(str(record)))
+        out = fit(cfg, rt.storage, data, run_prefix="elastic", on_samples=SampleRecorder(str(record)),
+                  on_step=HoldPastTheFirstCheckpoint(str(marker)))
 finally:
     ray.shutdown()
     cluster.shutdown()
