@@ -19,7 +19,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_chat(out, seed: int = 0, hidden: int = 48):
+def build_tiny_chat(out, seed: int = 0, hidden: int = 48, context: int = 256):
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -37,7 +37,7 @@ def build_tiny_chat(out, seed: int = 0, hidden: int = 48):
     end = vocab["<|im_end|>"]
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, eos_token_id=end, pad_token_id=end,
+                         max_position_embeddings=context, eos_token_id=end, pad_token_id=end,
                          bos_token_id=vocab["<|im_start|>"])
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(out)

@@ -433,6 +433,10 @@ def test_the_generic_app_mounts_the_chat_contracts_routes_and_no_predict():
 TASK = "tests.chat_serve_task:HookedChatTask"
 TOKEN = "chat-s3cret"
 STEP_S = 0.05  # each model call of the served model sleeps this long: a long stream lasts seconds
+# serve.generate.timeout_s: a request of the MAX_TOKENS the server allows sleeps MAX_TOKENS x STEP_S = 20 s in
+# its model calls alone, so it always ends at this deadline (the overload part below); a shorter one has the
+# 15 s (a forced tool call, some 65 one-character tokens, took 8-9 s at load 13 on 2 cores)
+MAX_TOKENS, DEADLINE_S = 400, 15
 
 
 @pytest.fixture(scope="module")
@@ -451,7 +455,7 @@ def chat_server(ray_cluster, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("chat-serve")
     base = tmp / "tinychat"
-    build_tiny_chat(base)
+    build_tiny_chat(base, context=512)  # room for MAX_TOKENS after a prompt
     for name, seed in (("support", 1), ("pirate", 2)):
         build_lora(base, tmp / name, seed)
     port = free_port()
@@ -459,8 +463,9 @@ def chat_server(ray_cluster, tmp_path_factory):
         "storage.embedded.enabled=false", "serve.enabled=true", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache",
         f"model.task={TASK}", f"model.options.step_delay_s={STEP_S}", f"model.options.finish_log={tmp}/finished.jsonl",
         f"serve.port={port}", "serve.auth_token_env=CHAT_TOKEN", "serve.generate.max_batch=2",
-        "serve.generate.max_queue=1", "serve.generate.max_tokens=200", "serve.generate.retry_after_s=2",
-        "serve.generate.max_prompt_tokens=192", "serve.generate.max_stop_chars=16", "serve.generate.timeout_s=6"])
+        "serve.generate.max_queue=1", f"serve.generate.max_tokens={MAX_TOKENS}", "serve.generate.retry_after_s=2",
+        "serve.generate.max_prompt_tokens=192", "serve.generate.max_stop_chars=16",
+        f"serve.generate.timeout_s={DEADLINE_S}"])
     ctx = StorageContext.from_config(cfg.storage)
     registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
     # adapters' cards as the chat task's export writes them: export=adapter, and the base by its name and
@@ -729,7 +734,8 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
         (chat, {"json": {"model": "tinychat:1", "messages": messages, "temperature": 3}}, 400, "temperature"),
         (chat, {"json": {"model": "tinychat:1", "messages": []}}, 400, "messages"),
         (chat, {"json": {"model": "tinychat:1", "messages": messages, "n": 9}}, 400, "n"),  # over max_n
-        (chat, {"json": {"model": "tinychat:1", "messages": messages, "max_tokens": 201}}, 400, "max_tokens"),
+        (chat, {"json": {"model": "tinychat:1", "messages": messages, "max_tokens": MAX_TOKENS + 1}}, 400,
+         "max_tokens"),
         (chat, {"json": {"model": "tinychat:1", "messages": messages, "echo": True}}, 400, "echo"),  # not chat's
         (chat, {"data": b"{not json", "headers": {**auth, "content-type": "application/json"}}, 400, None),
         (chat, {"json": {"model": "nope:1", "messages": messages}}, 404, "model"),
@@ -791,8 +797,8 @@ def test_the_openai_client_chats_streams_and_meets_each_limit(chat_server):
 
     # a full queue: 2 running, 1 waiting, the next is a 429 with Retry-After, answered at once (while the
     # running ones still run); the running ones end at their deadline (timeout_s) with the text so far
-    running = [client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=200, temperature=0,
-                                              stream=True) for _ in range(2)]
+    running = [client.chat.completions.create(model="tinychat:1", messages=messages, max_tokens=MAX_TOKENS,
+                                              temperature=0, stream=True) for _ in range(2)]
     for s in running:  # past the role chunk, which comes before the request has a place in the batch
         next(c for c in s if c.choices[0].delta.content or c.choices[0].finish_reason)
     answers: list = []
