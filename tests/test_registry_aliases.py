@@ -270,3 +270,58 @@ def test_the_serving_follower_rolls_over_when_the_alias_moves_and_keeps_serving_
         registry.move_alias(cfg, ctx, "m", "production", None, by="test")
         assert follower.check(served) is None and follower.check(served) is None and served.version == 1
         assert said[-1] == "serve: m@production is not set any more; still serving v1" and said.count(said[-1]) == 1
+
+
+@pytest.mark.parametrize("edit, error", [
+    # a record that claims another seq than its file's: the next move would land where no listing reads it
+    (lambda r: {**r, "seq": 99999999}, "says alias 'production' seq 99999999, not the 'production' seq 2"),
+    (lambda r: {**r, "seq": 0}, "seq 0, not the 'production' seq 2"),
+    (lambda r: {**r, "seq": 1e999}, "not a valid alias record .OverflowError"),
+    (lambda r: {**r, "alias": "staging"}, "says alias 'staging' seq 2"),
+    (lambda r: {**r, "version": "2"}, "not a valid alias record .TypeError: a version is a positive integer"),
+    (lambda r: {**r, "version": True}, "a version is a positive integer, not true"),
+    (lambda r: [r], "not a valid alias record .TypeError: a JSON object, not a list"),
+    (lambda r: {**r, "reason": "x" * (2 << 20)}, r"is over 1048576 bytes: refused"),
+])
+def test_an_edited_alias_record_is_refused_in_one_line_and_no_move_goes_past_it(tmp_path, edit, error):
+    """The newest record of an alias edited in the store: resolving the alias, its history and the next move
+    each refuse it in one line naming the file, and nothing is written after it."""
+    with store(tmp_path, "local") as (cfg, ctx):
+        register(cfg, ctx, tmp_path, 2)
+        registry.move_alias(cfg, ctx, "m", "production", 1, by="test")
+        registry.move_alias(cfg, ctx, "m", "production", 2, by="gate")
+        place = tmp_path / "store/models/m/aliases/production"
+        newest = place / "00000002.json"
+        newest.write_text(json.dumps(edit(json.loads(newest.read_text()))))
+        for attempt in (lambda: registry.resolve(cfg, ctx, "m@production"),
+                        lambda: registry_aliases.history(cfg, ctx, "m"),
+                        lambda: registry.move_alias(cfg, ctx, "m", "production", 1, by="rollback")):
+            with pytest.raises(UserError, match=error) as refused:
+                attempt()
+            assert len(str(refused.value).splitlines()) == 1 and str(newest) in str(refused.value)
+        assert sorted(p.name for p in place.iterdir()) == ["00000001.json", "00000002.json"]
+
+
+@pytest.mark.parametrize("file", [registry.EVAL_FILE, registry.PROMOTION_FILE])
+@pytest.mark.parametrize("content, error", [
+    ("[]", "holds a JSON list, not an object"),
+    ('"passed"', "holds a JSON str, not an object"),
+    ("{not json", "is not valid JSON"),
+    ('{"reason": "' + "x" * (2 << 20) + '"}', r"is over 1048576 bytes: refused"),
+])
+def test_a_versions_evaluation_or_promotion_record_is_read_bounded_and_typed(tmp_path, file, content, error):
+    """evaluation.json and promotion.json beside a version are read at most MAX_RECORD_BYTES and only as a JSON
+    object: else the card's readers (serve's replicas, evaluate, `models history`) get one line naming the
+    file, never a traceback."""
+    from workflows.registry_history import model_history
+
+    with store(tmp_path, "local") as (cfg, ctx):
+        register(cfg, ctx, tmp_path, 1)
+        ref = registry.resolve(cfg, ctx, "m:1")
+        registry.write_promotion(cfg, ctx, ref, {"promoted": True, "reason": "first version"})
+        assert model_history(cfg, ctx, "m")[0]["gate"] == "first version"
+        Path(ref.uri, file).write_text(content)
+        for attempt in (lambda: registry.model_card(cfg, ctx, "m:1"), lambda: model_history(cfg, ctx, "m")):
+            with pytest.raises(UserError, match=error) as refused:
+                attempt()
+            assert len(str(refused.value).splitlines()) == 1 and str(Path(ref.uri, file)) in str(refused.value)

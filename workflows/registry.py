@@ -51,6 +51,7 @@ from workflows.tracking.model_registry import mirror_alias
 CLAIM_FILE = "claim.json"  # a version's first object: which registration writes into it
 EVAL_FILE = "evaluation.json"  # its metrics on held-out rows, written after registration
 PROMOTION_FILE = "promotion.json"  # the promotion gate's decision for it (workflows.pipeline.promote)
+MAX_RECORD_BYTES = 1 << 20  # either read back: metrics and a decision are kilobytes
 _VERSION = re.compile(r"^v(\d+)$")
 
 
@@ -248,8 +249,23 @@ def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard
     for key, file in (("metrics", EVAL_FILE), ("promotion", PROMOTION_FILE)):
         uri = join(ref.uri, file)
         if exists(uri, ctx):
-            found = found.model_copy(update={key: read_json(uri, ctx)})
+            found = found.model_copy(update={key: read_record(uri, ctx)})
     return found
+
+
+def read_record(uri: str, ctx: StorageContext) -> dict[str, Any]:
+    """A version's evaluation or promotion record: a JSON object of at most MAX_RECORD_BYTES, else refused in
+    one line naming the file (every replica reads both at its start: a huge or mistyped one must not put
+    replicas in a restart loop, nor reach a reader that expects an object)."""
+    try:
+        value = read_json(uri, ctx, max_bytes=MAX_RECORD_BYTES)
+    except ValueError as e:  # not JSON
+        raise UserError(f"{uri} is not valid JSON ({str(e).splitlines()[0]}): refused; the file was "
+                        "edited in the store") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{uri} holds a JSON {type(value).__name__}, not an object: refused; the file was edited "
+                        "in the store")
+    return value
 
 
 def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from workflows.storage.uri import StorageContext, join, names_under, read_json
 ALIASES = "aliases"
 _RECORD = re.compile(r"^(\d{8})\.json$")
 UNSET = object()  # `expect` not given: move whatever holds the alias now
+MAX_RECORD_BYTES = 1 << 20  # a record read back: a move and the gate's details are kilobytes
 
 
 class AliasMovedMeanwhile(UserError):
@@ -54,13 +55,19 @@ class AliasRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AliasRecord:
+        if not isinstance(d, dict):
+            raise TypeError(f"a JSON object, not a {type(d).__name__}")
         return cls(alias=str(d["alias"]), seq=int(d["seq"]), version=_version_or_none(d.get("version")),
                    previous=_version_or_none(d.get("from")), at=str(d.get("at", "")), by=str(d.get("by", "")),
                    reason=str(d.get("reason", "")), details=dict(d.get("details") or {}))
 
 
 def _version_or_none(v: Any) -> int | None:
-    return None if v is None else int(v)
+    if v is None:
+        return None
+    if type(v) is not int or v < 1:  # not a bool, a float or a string that int() would take
+        raise TypeError(f"a version is a positive integer, not {json.dumps(v)[:40]}")
+    return v
 
 
 def check_alias(alias: str) -> str:
@@ -84,11 +91,19 @@ def _seqs(cfg: WorkflowConfig, ctx: StorageContext, uri: str) -> list[int]:
 
 
 def _read(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, seq: int) -> AliasRecord:
+    """The record in `<seq>.json`, refused in one line naming the file unless it is a JSON object of at most
+    MAX_RECORD_BYTES whose alias and seq are those its place says: the file name orders the moves, and a
+    record whose content claims another seq (the next move would be written where no listing reads it,
+    or collide forever) or another alias was edited in the store."""
     uri = _record_uri(cfg, name, alias, seq)
     try:
-        return AliasRecord.from_dict(read_json(uri, ctx))
-    except (ValueError, KeyError, TypeError) as e:
+        record = AliasRecord.from_dict(read_json(uri, ctx, max_bytes=MAX_RECORD_BYTES))
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise UserError(f"{uri} is not a valid alias record ({type(e).__name__}: {e})".splitlines()[0]) from None
+    if (record.alias, record.seq) != (alias, seq):
+        raise UserError(f"{uri} says alias {record.alias!r} seq {record.seq}, not the {alias!r} seq {seq} of its "
+                        "place: refused; the record was edited in the store")
+    return record
 
 
 def newest(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str) -> AliasRecord | None:
