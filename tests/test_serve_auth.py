@@ -150,3 +150,39 @@ def test_every_route_fuzzed_is_answered_4xx_or_2xx_and_401_without_the_token(mon
         assert status == 401, (method, path, headers, status, answer[:300])
     if 200 <= status < 300 and path != "/healthz":
         assert authorized
+
+
+def test_an_open_api_beyond_loopback_is_a_decision():
+    """serve.host beyond this machine with no token is refused unless serve.allow_open says so; loopback, a
+    token or allow_open serve."""
+    import pytest
+
+    from workflows.config.serve import ServeConfig
+    from workflows.errors import UserError
+
+    for open_ok in ({"host": "127.0.0.1"}, {"host": "::1"}, {"host": "localhost"},
+                    {"host": "0.0.0.0", "auth_token_env": "T"}, {"host": "10.0.0.5", "allow_open": True}):
+        guards.check_exposure(ServeConfig(**open_ok))
+    for host in ("0.0.0.0", "::", "10.0.0.5", "serve.example.com"):
+        with pytest.raises(UserError, match=r"no serve.auth_token_env: .*serve.allow_open=true") as refused:
+            guards.check_exposure(ServeConfig(host=host))
+        assert f"serve.host={host}" in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_the_commands_refuse_an_open_api_before_anything_starts(tmp_path):
+    """`workflows serve`, its --emit-config and `workflows pipeline` with serve.host=0.0.0.0 and no token: one
+    line naming serve.allow_open, exit 2, no Ray started, nothing emitted; with serve.allow_open=true the
+    serve command goes on (to the next refusal here: no such model)."""
+    from tests.conftest import run_cli, sets
+
+    local = [f"storage.root={tmp_path}/store", "storage.embedded.enabled=false", f"output_dir={tmp_path}/runs",
+             "serve.host=0.0.0.0", "tracking.enabled=false"]
+    for args in (("serve", "--model", "m"), ("serve", "--model", "m", "--emit-config", str(tmp_path / "s.yaml")),
+                 ("pipeline",)):
+        res = run_cli(*args, *sets(local), timeout=120)
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert "serve.host=0.0.0.0 exposes the API beyond this machine" in res.stderr
+        assert "serve.allow_open=true" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "s.yaml").exists() and not (tmp_path / "runs" / "quickstart" / "logs").exists()
+    res = run_cli("serve", "--model", "m", *sets([*local, "serve.allow_open=true"]), timeout=120)
+    assert res.returncode == 2 and "exposes" not in res.stderr and "model 'm'" in res.stderr, res.stderr[-2000:]

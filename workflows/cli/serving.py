@@ -71,8 +71,8 @@ def serve(
                 _stop_serving(drainer, e)
 
     def check(cfg, storage):
+        _ready_to_serve(cfg)
         _registered(*model)(cfg, storage)
-        _serve_port_free(cfg)
 
     _in_runtime("serve", config, set, body, before_ray=check, verbose=verbose)
 
@@ -102,13 +102,16 @@ def _rolled_over(served: list[dict], follower, summary) -> None:
     summary()
 
 
-def _serve_port_free(cfg) -> None:
-    """A cluster this command starts must bind serve.port: free it of a stale HAProxy of ours, or
-    name its holder now rather than after Ray started (a cluster joined serves on its own port)."""
+def _ready_to_serve(cfg) -> None:
+    """Before Ray starts: an open API beyond loopback refused (serve.guards.check_exposure), and serve.port
+    free for a cluster this command starts: a stale HAProxy of ours stopped, or its holder named now rather
+    than after Ray started (a cluster joined serves on its own port)."""
     from workflows.config.cluster import cluster_address
     from workflows.runtime import say
+    from workflows.serve.guards import check_exposure
     from workflows.serve.stale_ingress import free_serve_port
 
+    check_exposure(cfg.serve)
     if cluster_address(cfg) is None:
         free_serve_port(cfg.serve.host, cfg.serve.port, say)
 

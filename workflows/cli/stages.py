@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from workflows.cli.common import ConfigOpt, SetOpt, VerboseOpt, _in_runtime, _task_ready
-from workflows.cli.serving import _serve_port_free
+from workflows.cli.serving import _ready_to_serve
 
 
 def preprocess(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: bool = VerboseOpt):
@@ -44,8 +44,8 @@ def pipeline(config: str = ConfigOpt, set: list[str] | None = SetOpt, verbose: b
     from workflows.pipeline import run_pipeline
 
     def check(cfg, storage):
-        if cfg.serve.enabled:
-            _serve_port_free(cfg)
+        if cfg.serve.enabled:  # what would refuse the serve stage, refused before the stages before it
+            _ready_to_serve(cfg)
 
     _in_runtime("pipeline", config, set, run_pipeline, verbose=verbose, before_ray=check, on_load=_task_ready)
 

@@ -92,6 +92,10 @@ class ServeConfig(Strict):
         None, description="name of an environment variable holding a bearer token that every route but /healthz "
         "requires (/openapi.json and /docs too)"
     )
+    allow_open: bool = Field(
+        False, description="serve on a serve.host beyond loopback with no serve.auth_token_env: an API that anyone "
+        "who reaches the port may call. Off, such a start is refused"
+    )
     max_batch_size: int = Field(16, ge=1)
     batch_wait_timeout_s: float = Field(
         0.0,

@@ -24,7 +24,7 @@ from workflows.console import say
 from workflows.errors import UserError
 from workflows.serve import ingress
 from workflows.serve.api import build_api
-from workflows.serve.guards import bearer_token, denied, error_response, read_body, serve_metrics
+from workflows.serve.guards import bearer_token, check_exposure, denied, error_response, read_body, serve_metrics
 from workflows.serve.stale_ingress import free_before_serve_starts
 from workflows.storage.embedded import running_endpoint
 from workflows.storage.uri import StorageContext
@@ -215,6 +215,7 @@ def deploy(cfg: WorkflowConfig, model_spec: str, name: str | None = None, route_
     """Deploy the model on the running Ray cluster; returns the base URL. Deploying another version to
     the same application `name` is Serve's rolling update: the new replicas start, then the old drain."""
     sc = cfg.serve
+    check_exposure(sc)
     free_before_serve_starts(cfg, say)
     ingress.start_serve(cfg, {"host": sc.host, "port": sc.port}, logging_config(sc))
     serve.run(

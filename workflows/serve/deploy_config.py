@@ -42,6 +42,9 @@ def serve_config(cfg: WorkflowConfig, config_path: str, overrides: list[str], sp
     from ray.serve.schema import ServeDeploySchema
 
     from workflows.serve.app import deployment_options, logging_config
+    from workflows.serve.guards import check_exposure
+
+    check_exposure(cfg.serve)  # `serve run` of the file binds serve.host as `workflows serve` would
 
     # `serve run` builds the application in a Ray worker whose working directory is not this one
     if resolve_config(config_path).parent != SHIPPED_CONFIGS:

@@ -7,6 +7,7 @@ task and a stream copy per request.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import time
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.routing import Match
 
 from workflows.cluster_scoped import per_cluster
+from workflows.errors import UserError
 
 if TYPE_CHECKING:
     from workflows.serve.app import ModelServer
@@ -119,6 +121,22 @@ def denied(token: str | None, request: Request) -> JSONResponse | None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
         return error_response(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
     return None
+
+
+def check_exposure(sc) -> None:
+    """Refuse to serve on an address beyond this machine with no bearer token, unless serve.allow_open says so:
+    an open API there is a decision, never a default's side effect."""
+    if sc.auth_token_env or sc.allow_open or _loopback(sc.host):
+        return
+    raise UserError(f"serve.host={sc.host} exposes the API beyond this machine with no serve.auth_token_env: "
+                    "set a token (serve.auth_token_env) or serve.allow_open=true to serve it open")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: only localhost is known to stay on this machine
+        return host == "localhost"
 
 
 def bearer_token(sc) -> str | None:
