@@ -278,6 +278,52 @@ def trial_state_cases(env) -> list[Case]:
     return cases
 
 
+def lifecycle_cases(env) -> list[Case]:
+    """The lifecycle's records: a version's evaluation.json and promotion.json (read with its card by every
+    reader: serve's replicas, evaluate, `models history`), each whole record huge or of another JSON type; an
+    alias record (aliases/<alias>/<seq>.json), read by resolving NAME@ALIAS and by the alias's next move: its
+    seq and alias another place's (a forged seq would send the next move where no listing reads it), huge or of
+    another type, its version huge or of another type, the whole record of another type."""
+    from workflows import registry
+
+    def version_record(file: str, variant: str) -> None:
+        spec, card = env.fresh_model()
+        (card.parent / file).write_text(json.dumps(data(variant, {"reason": "a" * HUGE})))
+        registry.model_card(env.cfg, env.ctx, spec)
+
+    def alias_record(field: str | None, value: Any, read: str) -> None:
+        spec, card = env.fresh_model()
+        name, version = spec.split(":")
+        alias = f"a{next(env.count)}"  # an alias of its own: a forged record stays in its place
+        registry.move_alias(env.cfg, env.ctx, name, alias, int(version), by="reliability")
+        path = card.parent.parent / "aliases" / alias / "00000001.json"
+        if field is None:
+            path.write_text(json.dumps(value))
+        else:
+            edit_json(path, field, value)
+        if read == "resolve":
+            registry.fetch(env.cfg, env.ctx, f"{name}@{alias}")
+        else:
+            registry.move_alias(env.cfg, env.ctx, name, alias, None, by="reliability")
+
+    cases = []
+    for file in ("evaluation.json", "promotion.json"):
+        for variant in DATA_VARIANTS:
+            cases.append(Case(f"version record ({file})", "the record", variant,
+                              partial(version_record, file, variant)))
+    fields: list[tuple[str | None, str, Any]] = [
+        ("seq", "another place's", 99999999), ("seq", "huge value", float("inf")), ("seq", "wrong type", ["1"]),
+        ("alias", "another place's", "production"), ("alias", "huge value", "a" * HUGE),
+        ("alias", "wrong type", ["a", "list"]), ("version", "huge value", 10**30), ("version", "wrong type", "1"),
+        (None, "wrong type", ["a", "list"]),
+    ]
+    for field, variant, value in fields:
+        for read in ("resolve", "move"):
+            cases.append(Case(f"alias record ({read})", field or "the record", variant,
+                              partial(alias_record, field, value, read)))
+    return cases
+
+
 class Payload:
     """What a bucket writer would put in a pickle: code run when it is loaded (it creates a file)."""
 
@@ -290,7 +336,7 @@ class Payload:
 
 # `python -m reliability --fast` (and `make test`): the objects read without a model; the full run adds
 # the LoRA adapters, loaded by the serving predictor of a tiny chat model (about a minute more)
-FAST = (card_cases, manifest_cases, tokenizer_cases, checkpoint_cases, trial_state_cases)
+FAST = (card_cases, manifest_cases, tokenizer_cases, checkpoint_cases, trial_state_cases, lifecycle_cases)
 ALL = (*FAST, adapter_cases)
 
 

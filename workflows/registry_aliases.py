@@ -30,6 +30,7 @@ ALIASES = "aliases"
 _RECORD = re.compile(r"^(\d{8})\.json$")
 UNSET = object()  # `expect` not given: move whatever holds the alias now
 MAX_RECORD_BYTES = 1 << 20  # a record read back: a move and the gate's details are kilobytes
+MAX_VERSION = 10**9
 
 
 class AliasMovedMeanwhile(UserError):
@@ -65,8 +66,9 @@ class AliasRecord:
 def _version_or_none(v: Any) -> int | None:
     if v is None:
         return None
-    if type(v) is not int or v < 1:  # not a bool, a float or a string that int() would take
-        raise TypeError(f"a version is a positive integer, not {json.dumps(v)[:40]}")
+    # not a bool, a float or a string that int() would take; versions count up from 1, one registration each
+    if type(v) is not int or not 1 <= v < MAX_VERSION:
+        raise TypeError(f"a version is a positive integer below {MAX_VERSION}, not {json.dumps(v)[:40]}")
     return v
 
 
