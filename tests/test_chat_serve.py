@@ -416,7 +416,7 @@ def test_the_generic_app_mounts_the_chat_contracts_routes_and_no_predict():
     """workflows.serve.app builds the replica's app from any task's contract: the chat task's adds the
     OpenAI routes (their bodies declared in the OpenAPI document) and goes without /predict."""
     from workflows.config.serve import GenerateConfig
-    from workflows.serve.app import build_api
+    from workflows.serve.api import build_api
     from workflows.tasks.chat.openai.routes import OpenAIContract
 
     card = SimpleNamespace(name="tiny", version=1, labels=[], task="chat")

@@ -114,11 +114,17 @@ class Run:
         except TimeoutError:
             return None
 
+    @property
+    def active(self) -> bool:
+        """Whether calls reach MLflow: a run was created and its session's tracker has not turned off."""
+        return self._run is not None and self._s is not None and not self._s.tracker.off
+
     def spec(self) -> TrackingSpec | None:
         """For a worker to log into this run, at once (no wait on the store): with the run's id
         if it is created already, else its key, by which the worker finds it. None when tracking is off."""
-        if self._run is None or self._s is None or self._s.tracker.off:
+        if not self.active:
             return None
+        assert self._run is not None and self._s is not None
         info = self._run.result() if self._run.done() else None
         s = self._s
         return TrackingSpec(s.uri, info.run_id if info else None, info.experiment_id if info else None,

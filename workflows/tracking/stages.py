@@ -164,7 +164,7 @@ def log_evaluation(run: Run, model_spec: str, metrics: dict, out: Path, confusio
         flat[f"f1.{label}"] = m["f1"]
     run.log_metrics(flat)
     run.set_tags({"evaluate.model": model_spec})
-    if run._run is None or run._s is None or run._s.tracker.off:
+    if not run.active:  # nothing to log the files into
         return
     out.mkdir(parents=True, exist_ok=True)
     report = atomic_write(out / "evaluation.json", json.dumps(metrics, indent=2, default=str))
