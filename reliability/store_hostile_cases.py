@@ -324,6 +324,55 @@ def lifecycle_cases(env) -> list[Case]:
     return cases
 
 
+def signature_cases(env) -> list[Case]:
+    """A signed version (registry_signing) changed in the store: each kind of file changed (weights, tokenizer,
+    card), a file added or removed, the signature removed or replaced by another key's over the changed
+    files, the whole version copied under another name; read as every reader loads a version (fetch)."""
+    from workflows import registry, registry_signing
+
+    def resign(v: Path) -> None:  # a writer with a key of their own signs the files as they now are
+        (v / "model.safetensors").write_bytes(b"other weights")
+        key = env.workdir / "writer-key.pem"
+        if not key.exists():
+            from cryptography.hazmat.primitives import serialization
+            from cryptography.hazmat.primitives.asymmetric import ec
+
+            key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        files = registry_signing.digests(v, skip=registry.NOT_SIGNED)
+        (v / registry_signing.SIGNATURE_FILE).write_bytes(registry_signing.sign(str(key), "m", files))
+
+    def copied(v: Path) -> Path:
+        other = v.parent.parent / f"copy{next(env.count)}"
+        shutil.copytree(v, other / "v1")
+        return other
+
+    edits: list[tuple[str, str, Callable[[Path], Any]]] = [
+        ("model.safetensors", "changed", lambda v: (v / "model.safetensors").write_bytes(b"other weights")),
+        ("tokenizer_config.json", "changed", lambda v: edit_json(v / "tokenizer_config.json", "model_max_length", 9)),
+        ("workflows.json", "changed", lambda v: edit_json(v / "workflows.json", "labels", ["b", "a"])),
+        ("a new file", "added", lambda v: (v / "added.py").write_text("print('ran')")),
+        ("vocab.txt", "removed", lambda v: (v / "vocab.txt").unlink()),
+        ("model.sig", "removed", lambda v: (v / registry_signing.SIGNATURE_FILE).unlink()),
+        ("model.sig", "another key's", resign),
+    ]
+    cases = []
+    for field, variant, edit in edits:
+        def run(edit=edit):
+            spec, card = env.fresh_model()
+            edit(card.parent)
+            registry.fetch(env.cfg, env.ctx, spec)
+
+        cases.append(Case("signed version", field, variant, run))
+
+    def copy_run():
+        spec, card = env.fresh_model()
+        registry.fetch(env.cfg, env.ctx, f"{copied(card.parent).name}:1")
+
+    cases.append(Case("signed version", "the whole version", "copied under another name", copy_run))
+    return cases
+
+
 class Payload:
     """What a bucket writer would put in a pickle: code run when it is loaded (it creates a file)."""
 
@@ -336,7 +385,8 @@ class Payload:
 
 # `python -m reliability --fast` (and `make test`): the objects read without a model; the full run adds
 # the LoRA adapters, loaded by the serving predictor of a tiny chat model (about a minute more)
-FAST = (card_cases, manifest_cases, tokenizer_cases, checkpoint_cases, trial_state_cases, lifecycle_cases)
+FAST = (card_cases, manifest_cases, tokenizer_cases, checkpoint_cases, trial_state_cases, lifecycle_cases,
+        signature_cases)
 ALL = (*FAST, adapter_cases)
 
 

@@ -12,6 +12,7 @@ from workflows import registry
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 from workflows.model_card import CARD_FILE, ModelCard
+from workflows.registry_signing import SIGNATURE_FILE
 from workflows.storage.uri import StorageContext
 
 META = {
@@ -234,7 +235,8 @@ def test_concurrent_registrations_get_distinct_versions_each_with_its_own_weight
             writer = card.model_extra["writer"]
             assert card.version == v and card.name == "m"
             assert (Path(local) / "model.safetensors").read_bytes() == f"weights of writer {writer}".encode() * 1000
-            assert sorted(p.name for p in Path(local).iterdir()) == ["model.safetensors", CARD_FILE]
+            assert sorted(p.name for p in Path(local).iterdir()) == sorted(["model.safetensors", CARD_FILE,
+                                                                           SIGNATURE_FILE])
             seen.append(writer)
         assert sorted(seen) == list(range(writers))
 

@@ -14,6 +14,7 @@ the version, appends the alias's record and mirrors the move into MLflow's model
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -25,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workflows import registry_aliases
+from workflows import registry_aliases, registry_signing
 from workflows.config import WorkflowConfig, check_name
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
@@ -43,6 +44,7 @@ from workflows.storage.uri import (
     names_under,
     reaching,
     read_json,
+    write_bytes_atomic,
     write_json,
 )
 from workflows.tracking.client import Tracker, Warn
@@ -52,6 +54,8 @@ CLAIM_FILE = "claim.json"  # a version's first object: which registration writes
 EVAL_FILE = "evaluation.json"  # its metrics on held-out rows, written after registration
 PROMOTION_FILE = "promotion.json"  # the promotion gate's decision for it (workflows.pipeline.promote)
 MAX_RECORD_BYTES = 1 << 20  # either read back: metrics and a decision are kilobytes
+# written beside a version after its registration, or the claim before it: not part of its signature
+NOT_SIGNED = (EVAL_FILE, CLAIM_FILE, PROMOTION_FILE)
 _VERSION = re.compile(r"^v(\d+)$")
 
 
@@ -156,14 +160,19 @@ def register(
                           json.dumps({"artifact_id": artifact_id}).encode(), ctx):
         version += 1  # another registration holds it
     uri = _version_uri(cfg, name, version)
-    fs, path = filesystem(uri, ctx)
-    with reaching(uri, ctx):
-        for f in sorted(Path(local_dir).iterdir()):
-            if f.is_file() and f.name not in (CARD_FILE, CLAIM_FILE):
-                fs.put_file(str(f), f"{path}/{f.name}")
     card = card.model_copy(update={"name": name, "version": version, "artifact_id": artifact_id,
                                    "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    write_json(join(uri, CARD_FILE), card.to_dict(), ctx)  # last: marks the version complete
+    card_bytes = json.dumps(card.to_dict(), indent=2, sort_keys=True).encode()
+    # signed: every file uploaded and the card, by their digests (registry_signing)
+    files = registry_signing.digests(Path(local_dir), skip=(*NOT_SIGNED, CARD_FILE))
+    signature = registry_signing.sign(cfg.registry.signing_key, f"{name}:v{version}",
+                                      {**files, CARD_FILE: hashlib.sha256(card_bytes).hexdigest()})
+    fs, path = filesystem(uri, ctx)
+    with reaching(uri, ctx):
+        for file in files:
+            fs.put_file(str(Path(local_dir) / file), f"{path}/{file}")
+    write_bytes_atomic(join(uri, registry_signing.SIGNATURE_FILE), signature, ctx)
+    write_bytes_atomic(join(uri, CARD_FILE), card_bytes, ctx)  # last: marks the version complete
     return ModelRef(name, version, uri)
 
 
@@ -222,13 +231,31 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
 
     what = f"model {ref.name}:v{ref.version}"
 
-    def fill(tmp: str) -> None:
-        download_dir(ref.uri, ctx, tmp, skip=(CARD_FILE, EVAL_FILE, CLAIM_FILE, PROMOTION_FILE))
-        check_tokenizer_files(tmp, what)  # nothing refused enters the cache
-        (Path(tmp) / CARD_FILE).write_text(json.dumps(card.to_dict()))  # last, as in the store
+    filled = []
 
-    return check_tokenizer_files(cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill),
-                                 what), card
+    def fill(tmp: str) -> None:
+        download_dir(ref.uri, ctx, tmp, skip=NOT_SIGNED)
+        _verified(cfg, Path(tmp), what, card)  # nothing refused enters the cache
+        check_tokenizer_files(tmp, what)
+        filled.append(tmp)
+
+    local = cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill)
+    if not filled:  # cached before: checked again (an entry cached unsigned, or changed on this node)
+        _verified(cfg, Path(local), what, card)
+    return check_tokenizer_files(local, what), card
+
+
+def _verified(cfg: WorkflowConfig, folder: Path, what: str, card: ModelCard) -> None:
+    """The version's files in `folder` are those its signature names (registry_signing.verify), and its card
+    there is the card the caller read from the store (else the store's changed meanwhile)."""
+    registry_signing.verify(folder, what, cfg.registry.trusted_keys, cfg.registry.allow_unsigned)
+    try:
+        here = ModelCard.model_validate(json.loads((folder / CARD_FILE).read_text()))
+    except (OSError, ValueError, ValidationError):
+        here = None
+    if here is None or here.to_dict() != card.to_dict():
+        raise UserError(f"{what}: its {CARD_FILE} in the store is not the one it was registered (and signed) "
+                        "with: refused")
 
 
 def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, metrics: dict) -> None:
