@@ -146,3 +146,18 @@ def test_the_auto_key_pair_is_made_once_private_to_the_user(tmp_path, monkeypatc
         assert (cfg.registry.signing_key, cfg.registry.trusted_keys) == ("auto", ["auto"])
         register_one(cfg, ctx, tmp_path)
         assert registry.fetch(cfg, ctx, "m:1")[1].version == 1
+
+
+def test_auto_reads_the_keys_a_clusters_pods_get_from_a_secret(tmp_path, monkeypatch):
+    """registry.signing_key/trusted_keys `auto` read WORKFLOWS_SIGNING_KEY / WORKFLOWS_SIGNING_PUBLIC_KEY where
+    set (cluster/kuberay: the Secret workflows-signing), so every pod signs and verifies with one pair."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    private, public = pair(tmp_path / "keys", "cluster")
+    monkeypatch.setenv("WORKFLOWS_SIGNING_KEY", Path(private).read_text())
+    monkeypatch.setenv("WORKFLOWS_SIGNING_PUBLIC_KEY", Path(public).read_text())
+    with store(tmp_path, "local") as (cfg, ctx):
+        register_one(cfg, ctx, tmp_path)
+        assert registry.fetch(signed_by(cfg, "auto", [public]), ctx, "m:1")  # signed with the Secret's key
+        monkeypatch.delenv("WORKFLOWS_SIGNING_PUBLIC_KEY")
+        refused(signed_by(cfg, "auto", ["auto"]).model_copy(update={"cache": cfg.cache.model_copy(
+            update={"dir": str(tmp_path / "other-node")})}), ctx, "m:1", "not in registry.trusted_keys")

@@ -25,6 +25,7 @@ from workflows.errors import UserError
 SIGNATURE_FILE = "model.sig"
 MAX_SIGNATURE_BYTES = 1 << 20  # a bundle of one signature and one public key's hash: kilobytes
 AUTO = "auto"
+AUTO_ENV = {False: "WORKFLOWS_SIGNING_KEY", True: "WORKFLOWS_SIGNING_PUBLIC_KEY"}  # what `auto` reads first
 _HASH = "sha256"
 
 
@@ -108,8 +109,11 @@ def _signed_digests(signature: Path, what: str, trusted: list[str]) -> dict[str,
 
 @contextmanager
 def _key_file(spec: str, field: str, public: bool) -> Iterator[Path]:
-    """The PEM file a key spec names (model-signing reads keys from files): a path, `auto` (auto_key_pair),
-    or env:NAME, whose PEM is written to a temporary file of mode 0600 for the call."""
+    """The PEM file a key spec names (model-signing reads keys from files): a path, env:NAME, whose PEM is
+    written to a temporary file of mode 0600 for the call, or `auto`: env:AUTO_ENV's variable where it is
+    set (a cluster's pods get the same keys from a Secret: cluster/kuberay), else auto_key_pair."""
+    if spec == AUTO and os.environ.get(AUTO_ENV[public]):
+        spec = f"env:{AUTO_ENV[public]}"
     if spec == AUTO:
         private, pub = auto_key_pair()
         yield pub if public else private

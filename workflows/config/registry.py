@@ -42,10 +42,12 @@ class RegistryConfig(Strict):
         "both versions on too, and decides on: common ground for runs on different data")
     signing_key: str = Field(
         "auto", description="the EC private key (PEM) registration signs each version with: a path, env:NAME (the "
-        "variable holds the PEM), or auto (a key pair made once under the user's config directory, mode 0600)")
+        "variable holds the PEM), or auto: $WORKFLOWS_SIGNING_KEY where set (a cluster's Secret), else a key pair "
+        "made once under the user's config directory, mode 0600")
     trusted_keys: list[str] = Field(
-        ["auto"], min_length=1, description="public keys (PEM: paths, env:NAME, auto) a version's signature must "
-        "verify against before anything of it is loaded; on a cluster of several machines, keys every node reads")
+        ["auto"], min_length=1, description="public keys (PEM: paths, env:NAME, auto: $WORKFLOWS_SIGNING_PUBLIC_KEY "
+        "where set, else the auto pair's) a version's signature must verify against before anything of it is "
+        "loaded; on several machines, keys every node reads")
     allow_unsigned: bool = Field(
         False, description="load versions that carry no signature (registered before signing); a changed, added "
         "or missing file of a signed version is refused whatever this says")
