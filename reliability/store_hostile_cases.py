@@ -334,11 +334,7 @@ def signature_cases(env) -> list[Case]:
         (v / "model.safetensors").write_bytes(b"other weights")
         key = env.workdir / "writer-key.pem"
         if not key.exists():
-            from cryptography.hazmat.primitives import serialization
-            from cryptography.hazmat.primitives.asymmetric import ec
-
-            key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+            key.write_bytes(registry_signing.new_private_key())
         files = registry_signing.digests(v, skip=registry.NOT_SIGNED)
         (v / registry_signing.SIGNATURE_FILE).write_bytes(registry_signing.sign(str(key), "m", files))
 

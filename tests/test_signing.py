@@ -21,15 +21,10 @@ from workflows.registry_signing import SIGNATURE_FILE
 
 def pair(folder: Path, name: str) -> tuple[str, str]:
     """(private, public) PEM paths of a new EC key pair."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
+    private = registry_signing.new_private_key()
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.pem").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    (folder / f"{name}.pub.pem").write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    (folder / f"{name}.pem").write_bytes(private)
+    (folder / f"{name}.pub.pem").write_bytes(registry_signing.public_key_of(private))
     return str(folder / f"{name}.pem"), str(folder / f"{name}.pub.pem")
 
 

@@ -41,6 +41,7 @@ from workflows.storage.uri import (
     exists,
     filesystem,
     join,
+    json_bytes,
     names_under,
     reaching,
     read_json,
@@ -53,7 +54,6 @@ from workflows.tracking.model_registry import mirror_alias
 CLAIM_FILE = "claim.json"  # a version's first object: which registration writes into it
 EVAL_FILE = "evaluation.json"  # its metrics on held-out rows, written after registration
 PROMOTION_FILE = "promotion.json"  # the promotion gate's decision for it (workflows.pipeline.promote)
-MAX_RECORD_BYTES = 1 << 20  # either read back: metrics and a decision are kilobytes
 # written beside a version after its registration, or the claim before it: not part of its signature
 NOT_SIGNED = (EVAL_FILE, CLAIM_FILE, PROMOTION_FILE)
 _VERSION = re.compile(r"^v(\d+)$")
@@ -162,7 +162,7 @@ def register(
     uri = _version_uri(cfg, name, version)
     card = card.model_copy(update={"name": name, "version": version, "artifact_id": artifact_id,
                                    "registered_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    card_bytes = json.dumps(card.to_dict(), indent=2, sort_keys=True).encode()
+    card_bytes = json_bytes(card.to_dict())
     # signed: every file uploaded and the card, by their digests (registry_signing)
     files = registry_signing.digests(Path(local_dir), skip=(*NOT_SIGNED, CARD_FILE))
     signature = registry_signing.sign(cfg.registry.signing_key, f"{name}:v{version}",
@@ -281,11 +281,12 @@ def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard
 
 
 def read_record(uri: str, ctx: StorageContext) -> dict[str, Any]:
-    """A version's evaluation or promotion record: a JSON object of at most MAX_RECORD_BYTES, else refused in
-    one line naming the file (every replica reads both at its start: a huge or mistyped one must not put
-    replicas in a restart loop, nor reach a reader that expects an object)."""
+    """A version's evaluation or promotion record: a JSON object within the lifecycle records' bound
+    (registry_aliases.MAX_RECORD_BYTES), else refused in one line naming the file (every replica reads both
+    at its start: a huge or mistyped one must not put replicas in a restart loop, nor reach a reader that
+    expects an object)."""
     try:
-        value = read_json(uri, ctx, max_bytes=MAX_RECORD_BYTES)
+        value = read_json(uri, ctx, max_bytes=registry_aliases.MAX_RECORD_BYTES)
     except ValueError as e:  # not JSON
         raise UserError(f"{uri} is not valid JSON ({str(e).splitlines()[0]}): refused; the file was "
                         "edited in the store") from None

@@ -29,7 +29,8 @@ from workflows.storage.uri import StorageContext, join, names_under, read_json
 ALIASES = "aliases"
 _RECORD = re.compile(r"^(\d{8})\.json$")
 UNSET = object()  # `expect` not given: move whatever holds the alias now
-MAX_RECORD_BYTES = 1 << 20  # a record read back: a move and the gate's details are kilobytes
+# a lifecycle record read back (a move, a version's evaluation or promotion): kilobytes
+MAX_RECORD_BYTES = 1 << 20
 MAX_VERSION = 10**9
 
 

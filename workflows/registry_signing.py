@@ -12,7 +12,6 @@ evaluation, the promotion decision, the claim) are not part of the signature.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 import uuid
@@ -21,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from workflows.errors import UserError
+from workflows.storage.transfer import sha256_file
 
 SIGNATURE_FILE = "model.sig"
 MAX_SIGNATURE_BYTES = 1 << 20  # a bundle of one signature and one public key's hash: kilobytes
@@ -31,15 +31,8 @@ _HASH = "sha256"
 
 def digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
     """sha256 of each file directly in `folder` (a version is flat), by name."""
-    out = {}
-    for f in sorted(folder.iterdir()):
-        if f.is_file() and f.name not in skip and f.name != SIGNATURE_FILE:
-            h = hashlib.sha256()
-            with open(f, "rb") as r:
-                for chunk in iter(lambda: r.read(1 << 20), b""):
-                    h.update(chunk)
-            out[f.name] = h.hexdigest()
-    return out
+    return {f.name: sha256_file(f) for f in sorted(folder.iterdir())
+            if f.is_file() and f.name not in skip and f.name != SIGNATURE_FILE}
 
 
 def sign(key_spec: str, what: str, files: dict[str, str]) -> bytes:
@@ -57,7 +50,7 @@ def sign(key_spec: str, what: str, files: dict[str, str]) -> bytes:
         return (Path(d) / SIGNATURE_FILE).read_bytes()
 
 
-def verify(folder: Path, what: str, trusted: list[str], allow_unsigned: bool, skip: tuple[str, ...] = ()) -> None:
+def verify(folder: Path, what: str, trusted: list[str], allow_unsigned: bool) -> None:
     """Refuse, in one line naming `what` and the file, a downloaded version in `folder` whose files are not
     those its signature names, by one of the `trusted` keys (registry.trusted_keys)."""
     signature = folder / SIGNATURE_FILE
@@ -67,7 +60,7 @@ def verify(folder: Path, what: str, trusted: list[str], allow_unsigned: bool, sk
         raise UserError(f"{what} is not signed (no {SIGNATURE_FILE}: registered before signing, or its signature was "
                         "removed from the store): refused; registry.allow_unsigned=true loads unsigned versions")
     signed = _signed_digests(signature, what, trusted)
-    found = digests(folder, skip)
+    found = digests(folder)
     for name in sorted(signed.keys() | found.keys()):
         if name not in found:
             raise UserError(f"{what}: {name} is signed but missing from the store: refused")
@@ -139,21 +132,32 @@ def auto_key_pair() -> tuple[Path, Path]:
     """The key pair `auto` names: made once under the user's config directory (the private key mode 0600),
     by whichever process needs it first; processes racing to make it all end up with the first's."""
     import platformdirs
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
 
     folder = Path(platformdirs.user_config_dir("workflows")) / "signing"
     private, public = folder / "registry-key.pem", folder / "registry-key.pub.pem"
     if not private.is_file():
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        _create_once(private, pem, 0o600)
+        _create_once(private, new_private_key(), 0o600)
     if not public.is_file():
-        key = serialization.load_pem_private_key(private.read_bytes(), password=None)
-        _create_once(public, key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                           serialization.PublicFormat.SubjectPublicKeyInfo), 0o644)
+        _create_once(public, public_key_of(private.read_bytes()), 0o644)
     return private, public
+
+
+def new_private_key() -> bytes:
+    """A new P-256 private key, as unencrypted PKCS8 PEM (what registry.signing_key reads)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def public_key_of(private_pem: bytes) -> bytes:
+    """The public key (PEM) of a private key in PEM (what registry.trusted_keys reads)."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(private_pem, password=None)
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _create_once(path: Path, data: bytes, mode: int) -> None:

@@ -223,8 +223,13 @@ def write_bytes_atomic(uri: str, data: bytes, ctx: StorageContext) -> None:
             f.write(data)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as write_json stores it (where the exact bytes matter: a signed card)."""
+    return json.dumps(obj, indent=2, sort_keys=True).encode()
+
+
 def write_json(uri: str, obj: Any, ctx: StorageContext) -> None:
-    write_bytes_atomic(uri, json.dumps(obj, indent=2, sort_keys=True).encode(), ctx)
+    write_bytes_atomic(uri, json_bytes(obj), ctx)
 
 
 def read_json(uri: str, ctx: StorageContext, max_bytes: int | None = None) -> Any:
