@@ -336,7 +336,8 @@ def signature_cases(env) -> list[Case]:
         if not key.exists():
             key.write_bytes(registry_signing.new_private_key())
         files = registry_signing.digests(v, skip=registry.NOT_SIGNED)
-        (v / registry_signing.SIGNATURE_FILE).write_bytes(registry_signing.sign(str(key), "m", files))
+        signature = registry_signing.sign(registry_signing.signer(str(key)), "m", files)
+        (v / registry_signing.SIGNATURE_FILE).write_bytes(signature)
 
     def copied(v: Path) -> Path:
         other = v.parent.parent / f"copy{next(env.count)}"

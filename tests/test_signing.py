@@ -156,3 +156,16 @@ def test_auto_reads_the_keys_a_clusters_pods_get_from_a_secret(tmp_path, monkeyp
         monkeypatch.delenv("WORKFLOWS_SIGNING_PUBLIC_KEY")
         refused(signed_by(cfg, "auto", ["auto"]).model_copy(update={"cache": cfg.cache.model_copy(
             update={"dir": str(tmp_path / "other-node")})}), ctx, "m:1", "not in registry.trusted_keys")
+
+
+def test_a_key_that_is_not_one_is_refused_naming_its_field_and_no_version_is_claimed(tmp_path):
+    with store(tmp_path, "local") as (cfg, ctx):
+        bad = tmp_path / "bad.pem"
+        bad.write_text("not a key\n")
+        private, public = pair(tmp_path / "keys", "team")
+        with pytest.raises(UserError, match=r"registry.signing_key: .*bad.pem is not an EC private key in PEM"):
+            register_one(signed_by(cfg, str(bad), [public]), ctx, tmp_path)
+        assert registry.versions(cfg, ctx, "m") == [] and not (tmp_path / "store/models/m/v1").exists()
+        register_one(signed_by(cfg, private, [public]), ctx, tmp_path)
+        refused(signed_by(cfg, private, [str(bad)]), ctx, "m:1",
+                r"registry.trusted_keys: .*bad.pem is not an EC public key in PEM")

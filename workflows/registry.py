@@ -154,6 +154,7 @@ def register(
     claim leaves that version number unused (never listed: it has no workflows.json)."""
     check_name(name, "model name")
     card = metadata if isinstance(metadata, ModelCard) else ModelCard.model_validate(metadata)
+    key = registry_signing.signer(cfg.registry.signing_key)  # a bad key is refused before a version is claimed
     artifact_id = uuid.uuid4().hex
     version = (versions(cfg, ctx, name) or [0])[-1] + 1
     while not create_once(join(_version_uri(cfg, name, version), CLAIM_FILE),
@@ -165,7 +166,7 @@ def register(
     card_bytes = json_bytes(card.to_dict())
     # signed: every file uploaded and the card, by their digests (registry_signing)
     files = registry_signing.digests(Path(local_dir), skip=(*NOT_SIGNED, CARD_FILE))
-    signature = registry_signing.sign(cfg.registry.signing_key, f"{name}:v{version}",
+    signature = registry_signing.sign(key, f"{name}:v{version}",
                                       {**files, CARD_FILE: hashlib.sha256(card_bytes).hexdigest()})
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx):

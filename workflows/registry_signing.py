@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from workflows.errors import UserError
 from workflows.storage.transfer import sha256_file
@@ -35,18 +36,26 @@ def digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
             if f.is_file() and f.name not in skip and f.name != SIGNATURE_FILE}
 
 
-def sign(key_spec: str, what: str, files: dict[str, str]) -> bytes:
-    """The signature (a Sigstore bundle, model-signing's format) of `files` (name -> sha256) by the key
-    `key_spec` names (registry.signing_key)."""
+def signer(key_spec: str):
+    """model-signing's signer with the private key `key_spec` names (registry.signing_key), loaded now: a
+    registration checks its key before it claims a version."""
+    from model_signing._signing import sign_ec_key
+
+    return _loaded(sign_ec_key.Signer, key_spec, "registry.signing_key", public=False)
+
+
+def sign(key: Any, what: str, files: dict[str, str]) -> bytes:
+    """The signature (a Sigstore bundle, model-signing's format) of `files` (name -> sha256) by `key`
+    (signer())."""
     from model_signing import manifest
     from model_signing._hashing import hashing
-    from model_signing._signing import sign_ec_key, signing
+    from model_signing._signing import signing
 
     items = [manifest.FileManifestItem(path=PurePosixPath(name), digest=hashing.Digest(_HASH, bytes.fromhex(h)))
              for name, h in sorted(files.items())]
     payload = signing.Payload(manifest.Manifest(what, items, manifest._FileSerialization(_HASH)))
-    with _key_file(key_spec, "registry.signing_key", public=False) as key, tempfile.TemporaryDirectory() as d:
-        sign_ec_key.Signer(key).sign(payload).write(Path(d) / SIGNATURE_FILE)
+    with tempfile.TemporaryDirectory() as d:
+        key.sign(payload).write(Path(d) / SIGNATURE_FILE)
         return (Path(d) / SIGNATURE_FILE).read_bytes()
 
 
@@ -81,16 +90,16 @@ def _signed_digests(signature: Path, what: str, trusted: list[str]) -> dict[str,
     except Exception as e:  # noqa: BLE001 - JSON, protobuf or base64 errors alike: not a bundle
         raise UserError(f"{what}: {SIGNATURE_FILE} is not a signature bundle ({type(e).__name__}): refused") from None
     for spec in trusted:
-        with _key_file(spec, "registry.trusted_keys", public=True) as key:
-            try:
-                stated = sign_ec_key.Verifier(key).verify(bundle)
-            except ValueError as e:
-                if str(e).startswith("Key mismatch"):  # signed by another key: try the next trusted one
-                    continue
-                raise UserError(f"{what}: {SIGNATURE_FILE} does not verify ({str(e).splitlines()[0]}): "
-                                "refused") from None
-            except Exception as e:  # noqa: BLE001 - cryptography's InvalidSignature and the like
-                raise UserError(f"{what}: {SIGNATURE_FILE} does not verify ({type(e).__name__}): refused") from None
+        verifier = _loaded(sign_ec_key.Verifier, spec, "registry.trusted_keys", public=True)
+        try:
+            stated = verifier.verify(bundle)
+        except ValueError as e:
+            if str(e).startswith("Key mismatch"):  # signed by another key: try the next trusted one
+                continue
+            raise UserError(f"{what}: {SIGNATURE_FILE} does not verify ({str(e).splitlines()[0]}): "
+                            "refused") from None
+        except Exception as e:  # noqa: BLE001 - cryptography's InvalidSignature and the like
+            raise UserError(f"{what}: {SIGNATURE_FILE} does not verify ({type(e).__name__}): refused") from None
         out = {}
         for rd in stated.resource_descriptors():
             if rd.digest.algorithm != _HASH:
@@ -98,6 +107,18 @@ def _signed_digests(signature: Path, what: str, trusted: list[str]) -> dict[str,
             out[rd.identifier] = rd.digest.digest_value.hex()
         return out
     raise UserError(f"{what} is signed by a key that is not in registry.trusted_keys: refused")
+
+
+def _loaded(kind, spec: str, field: str, public: bool):
+    """model-signing's `kind` (its EC key Signer or Verifier) built on the key `spec` names; a file that is no
+    EC key in PEM is refused in one line naming the field."""
+    with _key_file(spec, field, public) as key:
+        try:
+            return kind(key)
+        except (ValueError, TypeError) as e:
+            what = "public" if public else "private"
+            raise UserError(f"{field}: {spec} is not an EC {what} key in PEM ({str(e).splitlines()[0][:120]})") \
+                from None
 
 
 @contextmanager
