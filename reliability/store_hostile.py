@@ -182,6 +182,38 @@ class Env:
             "base": {"name_or_path": "registry:tiny:1", "sha256": "0" * 64}})
         return f"m:{ref.version}", Path(ref.uri) / CARD_FILE
 
+    def writer_cfg(self):
+        """The config of a bucket writer with a signing key of their own (not in registry.trusted_keys)."""
+        from workflows import registry_signing
+
+        key = self.workdir / "writer-key.pem"
+        if not key.exists():
+            key.write_bytes(registry_signing.new_private_key())
+        return self.cfg.model_copy(update={"registry": self.cfg.registry.model_copy(
+            update={"signing_key": str(key)})})
+
+    def other_version_record(self, file: str) -> dict:
+        """A record `file` signed for another version (the store's first): what a writer could copy."""
+        from workflows import registry
+
+        if not hasattr(self, "_first"):
+            self._first = registry.resolve(self.cfg, self.ctx, self.fresh_model()[0])
+        registry.write_promotion(self.cfg, self.ctx, self._first, {"promoted": True, "reason": "first"}) \
+            if file == registry.PROMOTION_FILE else \
+            registry.write_evaluation(self.cfg, self.ctx, self._first, {"f1": 0.99})
+        return json.loads((Path(self._first.uri) / file).read_text())
+
+    def other_alias_record(self, alias: str, version: int) -> str:
+        """The first move of `alias` of another model, signed for that model: what a writer could copy."""
+        from workflows import registry
+
+        other = "other"
+        if other not in registry.list_models(self.cfg, self.ctx):
+            registry.register(self.cfg, self.ctx, str(self.artifact), other, {"task": "classification",
+                                                                               "labels": ["a", "b"]})
+        registry.move_alias(self.cfg, self.ctx, other, alias, 1, by="the gate")
+        return (self.store / "models" / other / "aliases" / alias / "00000001.json").read_text()
+
     def fresh_dataset(self) -> str:
         return str(shutil.copytree(self.dataset, self.store / "processed" / f"d{next(self.count)}"))
 

@@ -78,24 +78,28 @@ def edit_json(path: Path, dotted: str, value: Any) -> None:
 def card_cases(env) -> list[Case]:
     """A registered version's workflows.json: fetch (its name, version and artifact id name the cache
     entry), evaluate --split (lineage.dataset_uri), a chat adapter's base (base.name_or_path), the
-    task it is served by (task), its labels."""
+    task it is served by (task), its labels. On a version registered unsigned, read with
+    registry.allow_unsigned: the checks behind the signature (signature_cases: an edited card is refused
+    by its version's signature first)."""
     from workflows import registry
     from workflows.tasks import task_for_card
     from workflows.tasks.chat.training.model import card_base_dir
 
     root = env.cfg.storage.root
+    cfg, chat_cfg = (c.model_copy(update={"registry": c.registry.model_copy(update={"allow_unsigned": True})})
+                     for c in (env.cfg, env.chat_cfg))
 
     def fetch(spec):
-        registry.fetch(env.cfg, env.ctx, spec)
+        registry.fetch(cfg, env.ctx, spec)
 
     def dataset(spec):
-        registry.lineage_dataset(env.cfg, env.ctx, registry.model_card(env.cfg, env.ctx, spec))
+        registry.lineage_dataset(cfg, env.ctx, registry.model_card(cfg, env.ctx, spec))
 
     def base(spec):
-        card_base_dir(registry.model_card(env.chat_cfg, env.ctx, spec), env.chat_cfg)
+        card_base_dir(registry.model_card(chat_cfg, env.ctx, spec), chat_cfg)
 
     def task(spec):
-        task_for_card(env.cfg, registry.model_card(env.cfg, env.ctx, spec))
+        task_for_card(cfg, registry.model_card(cfg, env.ctx, spec))
 
     fields: list[tuple[str, tuple[str, ...], Callable, Callable[[str], Any]]] = [
         ("artifact_id", PLACE_VARIANTS, fetch, lambda v: place(v, env, "model", env.cache_models, uri=False)),
@@ -112,6 +116,7 @@ def card_cases(env) -> list[Case]:
         for variant in variants:
             def run(field=field, read=read, value=value(variant)):
                 spec, card = env.fresh_model()
+                (card.parent / "model.sig").unlink()  # as a version registered before signing
                 edit_json(card, field, value)
                 read(spec)
 
@@ -280,41 +285,75 @@ def trial_state_cases(env) -> list[Case]:
 
 def lifecycle_cases(env) -> list[Case]:
     """The lifecycle's records: a version's evaluation.json and promotion.json (read with its card by every
-    reader: serve's replicas, evaluate, `models history`), each whole record huge or of another JSON type; an
-    alias record (aliases/<alias>/<seq>.json), read by resolving NAME@ALIAS and by the alias's next move: its
-    seq and alias another place's (a forged seq would send the next move where no listing reads it), huge or of
-    another type, its version huge or of another type, the whole record of another type."""
-    from workflows import registry
+    reader: serve's replicas, evaluate, `models history`), each whole record huge or of another JSON type, a
+    field forged (the gate's verdict, a metric), its signature removed or another version's record copied in;
+    an alias record (aliases/<alias>/<seq>.json), read by resolving NAME@ALIAS and by the gate's conditional
+    move (after which a plain move, the operator's repair, must land past it and show in the history): its
+    seq and alias another place's (a forged seq would send the next move where no listing reads it), huge or
+    of another type, its version huge or of another type, who moved it, why and when forged, its signature
+    removed or another key's, another model's record copied in, the whole record of another type."""
+    from workflows import registry, registry_aliases, registry_signing
+    from workflows.errors import UserError
 
     def version_record(file: str, variant: str) -> None:
         spec, card = env.fresh_model()
-        (card.parent / file).write_text(json.dumps(data(variant, {"reason": "a" * HUGE})))
+        ref = registry.resolve(env.cfg, env.ctx, spec)
+        if variant in DATA_VARIANTS:
+            (card.parent / file).write_text(json.dumps(data(variant, {"reason": "a" * HUGE})))
+        else:
+            write = registry.write_evaluation if file == registry.EVAL_FILE else registry.write_promotion
+            write(env.cfg, env.ctx, ref, {"promoted": False, "reason": "does not beat v1", "f1": 0.5})
+            forged = {"forged field": lambda d: {**d, "promoted": True, "f1": 0.99},
+                      "unsigned": lambda d: {k: v for k, v in d.items() if k != registry_signing.RECORD_SIGNATURE},
+                      "another version's": lambda d: env.other_version_record(file)}[variant]
+            (card.parent / file).write_text(json.dumps(forged(json.loads((card.parent / file).read_text()))))
         registry.model_card(env.cfg, env.ctx, spec)
 
     def alias_record(field: str | None, value: Any, read: str) -> None:
         spec, card = env.fresh_model()
         name, version = spec.split(":")
         alias = f"a{next(env.count)}"  # an alias of its own: a forged record stays in its place
-        registry.move_alias(env.cfg, env.ctx, name, alias, int(version), by="reliability")
         path = card.parent.parent / "aliases" / alias / "00000001.json"
+        if field == "by another key":  # a writer with a key of their own writes the move
+            registry.move_alias(env.writer_cfg(), env.ctx, name, alias, int(version), by="mallory")
+        elif field == "another model's":
+            other = env.other_alias_record(alias, int(version))
+            path.parent.mkdir(parents=True)
+            path.write_text(other)
+        else:
+            registry.move_alias(env.cfg, env.ctx, name, alias, int(version), by="reliability")
         if field is None:
             path.write_text(json.dumps(value))
-        else:
+        elif field == "signature":
+            path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != field}))
+        elif field not in ("by another key", "another model's"):
             edit_json(path, field, value)
         if read == "resolve":
             registry.fetch(env.cfg, env.ctx, f"{name}@{alias}")
-        else:
-            registry.move_alias(env.cfg, env.ctx, name, alias, None, by="reliability")
+            return
+        try:  # the gate's conditional move refuses it ...
+            registry.move_alias(env.cfg, env.ctx, name, alias, None, by="the gate", expect=int(version))
+        except UserError as refused:  # ... and a plain move (the operator's repair) lands after it, in the history
+            record = registry.move_alias(env.cfg, env.ctx, name, alias, int(version), by="the operator")
+            moves, refusals = registry_aliases.audit(env.cfg, env.ctx, name)
+            if (record.seq, alias) not in [(m.seq, m.alias) for m in moves] or \
+                    (1, alias) not in [(r.seq, r.alias) for r in refusals] or \
+                    registry.resolve(env.cfg, env.ctx, f"{name}@{alias}").version != int(version):
+                raise AssertionError(f"the move after the refused record of {name}@{alias} did not land") from None
+            raise refused
 
     cases = []
     for file in ("evaluation.json", "promotion.json"):
-        for variant in DATA_VARIANTS:
+        for variant in (*DATA_VARIANTS, "forged field", "unsigned", "another version's"):
             cases.append(Case(f"version record ({file})", "the record", variant,
                               partial(version_record, file, variant)))
     fields: list[tuple[str | None, str, Any]] = [
         ("seq", "another place's", 99999999), ("seq", "huge value", float("inf")), ("seq", "wrong type", ["1"]),
         ("alias", "another place's", "production"), ("alias", "huge value", "a" * HUGE),
         ("alias", "wrong type", ["a", "list"]), ("version", "huge value", 10**30), ("version", "wrong type", "1"),
+        ("by", "forged signer", "alice"), ("reason", "forged reason", "approved by the gate"),
+        ("at", "forged time", "2020-01-01T00:00:00.000000Z"), ("signature", "removed", None),
+        ("by another key", "signed", None), ("another model's", "copied in", None),
         (None, "wrong type", ["a", "list"]),
     ]
     for field, variant, value in fields:

@@ -244,7 +244,8 @@ def test_every_validation_number_a_task_reports_is_an_epoch_metric():
 def test_a_card_edited_in_the_store_cannot_choose_the_code_that_runs(tmp_path, monkeypatch):
     """The model card is read from the store: a card whose `task` was changed there to some module must
     not make serve, evaluate or predict import it (they refuse before Ray starts), unless the command's
-    config trusts that task."""
+    config trusts that task. Its version's signature refuses the edit first (tests/test_signing.py); this
+    is the layer behind it, for versions registered unsigned (registry.allow_unsigned)."""
     from typer.testing import CliRunner
 
     import workflows.runtime
@@ -259,6 +260,7 @@ def test_a_card_edited_in_the_store_cannot_choose_the_code_that_runs(tmp_path, m
     monkeypatch.setattr(workflows.runtime, "init_ray", no_ray)
     cfg_dict = regression_config(tmp_path)
     cfg_dict["model"] = {"task": "classification"}
+    cfg_dict["registry"] = {**cfg_dict.get("registry", {}), "allow_unsigned": True}
     config = write_config(tmp_path / "user.yaml", cfg_dict)
     cfg = load_config(config)
     artifact = tmp_path / "artifact"
@@ -266,6 +268,7 @@ def test_a_card_edited_in_the_store_cannot_choose_the_code_that_runs(tmp_path, m
     (artifact / "model.safetensors").write_bytes(b"")
     ref = registry.register(cfg, StorageContext.from_config(cfg.storage), str(artifact), "victim",
                             {"task": "classification", "labels": ["a", "b"]})
+    (Path(ref.uri) / "model.sig").unlink()  # as a version registered before signing
     card_file = Path(ref.uri) / CARD_FILE
     card = json.loads(card_file.read_text())
     card["task"] = "evil_mod:Evil"  # what someone who can write to the bucket could do

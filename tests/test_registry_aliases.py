@@ -283,23 +283,35 @@ def test_the_serving_follower_rolls_over_when_the_alias_moves_and_keeps_serving_
     (lambda r: [r], "not a valid alias record .TypeError: a JSON object, not a list"),
     (lambda r: {**r, "reason": "x" * (2 << 20)}, r"is over 1048576 bytes: refused"),
 ])
-def test_an_edited_alias_record_is_refused_in_one_line_and_no_move_goes_past_it(tmp_path, edit, error):
-    """The newest record of an alias edited in the store: resolving the alias, its history and the next move
-    each refuse it in one line naming the file, and nothing is written after it."""
+def test_an_edited_alias_record_is_refused_in_one_line_until_a_real_move_goes_past_it(tmp_path, edit, error):
+    """The newest record of an alias edited in the store: resolving the alias and the gate's conditional move
+    each refuse it in one line naming the file; the history shows it refused; a plain move (`workflows models
+    alias`, the operator's repair) lands after it, numbered by the file names, from the newest move that
+    verifies, and resolving then follows it."""
+    from workflows.registry_history import format_history, model_history
+
     with store(tmp_path, "local") as (cfg, ctx):
-        register(cfg, ctx, tmp_path, 2)
+        register(cfg, ctx, tmp_path, 3)
         registry.move_alias(cfg, ctx, "m", "production", 1, by="test")
         registry.move_alias(cfg, ctx, "m", "production", 2, by="gate")
         place = tmp_path / "store/models/m/aliases/production"
         newest = place / "00000002.json"
         newest.write_text(json.dumps(edit(json.loads(newest.read_text()))))
         for attempt in (lambda: registry.resolve(cfg, ctx, "m@production"),
-                        lambda: registry_aliases.history(cfg, ctx, "m"),
-                        lambda: registry.move_alias(cfg, ctx, "m", "production", 1, by="rollback")):
+                        lambda: registry.move_alias(cfg, ctx, "m", "production", 3, by="the gate", expect=2)):
             with pytest.raises(UserError, match=error) as refused:
                 attempt()
             assert len(str(refused.value).splitlines()) == 1 and str(newest) in str(refused.value)
         assert sorted(p.name for p in place.iterdir()) == ["00000001.json", "00000002.json"]
+        shown = format_history(model_history(cfg, ctx, "m"))
+        assert "@production: move 2 REFUSED: " in shown and str(newest) in shown, shown
+        assert registry_aliases.aliases(cfg, ctx, "m") == {}  # no trusted move says where it points
+        record = registry.move_alias(cfg, ctx, "m", "production", 3, by="operator")
+        assert (record.seq, record.previous, record.version) == (3, 1, 3)
+        assert registry.resolve(cfg, ctx, "m@production").version == 3
+        events = model_history(cfg, ctx, "m")
+        assert [(e["kind"], e.get("seq")) for e in events if e["kind"] != "registered"] == [
+            ("alias", 1), ("refused", 2), ("alias", 3)]
 
 
 @pytest.mark.parametrize("file", [registry.EVAL_FILE, registry.PROMOTION_FILE])

@@ -6,6 +6,7 @@ cache. On a local store and the embedded S3 endpoint; no Ray."""
 
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -169,3 +170,125 @@ def test_a_key_that_is_not_one_is_refused_naming_its_field_and_no_version_is_cla
         register_one(signed_by(cfg, private, [public]), ctx, tmp_path)
         refused(signed_by(cfg, private, [str(bad)]), ctx, "m:1",
                 r"registry.trusted_keys: .*bad.pem is not an EC public key in PEM")
+
+
+def forge(path: Path, **changes) -> None:
+    """What a writer to the bucket can do to a stored record: change its fields, keeping its signature."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def one_line(attempt, match: str) -> str:
+    with pytest.raises(UserError, match=match) as e:
+        attempt()
+    assert len(str(e.value).splitlines()) == 1, e.value
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_alias_moves_are_signed_and_a_forged_move_is_refused_naming_its_file(tmp_path, kind):
+    """Each move of an alias carries its mover's signature: a move a bucket writer edits (where the alias
+    points, who moved it, why, when), writes with another key or copies from another model or place, is
+    refused in one line naming its file by resolving and by the gate's conditional move, and shown refused
+    in the history; serving then follows nothing."""
+    from workflows.registry_history import model_history
+
+    with store(tmp_path, kind) as (cfg, ctx):
+        private, public = pair(tmp_path / "keys", "team")
+        cfg = signed_by(cfg, private, [public])
+        for name in ("m", "m", "m", "n"):
+            register_one(cfg, ctx, tmp_path, name)
+        registry.move_alias(cfg, ctx, "m", "production", 1, by="the gate", reason="first")
+        registry.move_alias(cfg, ctx, "n", "production", 1, by="the gate")
+        assert registry.resolve(cfg, ctx, "m@production").version == 1
+        if kind == "s3":  # the record as stored on the endpoint carries its signature
+            stored = registry_aliases_record(cfg, ctx, "m", "production", 1)
+            assert stored["version"] == 1 and "signature" in stored
+            return
+        place = tmp_path / "store/models/m/aliases/production"
+        first = place / "00000001.json"
+        pristine = first.read_text()
+        other_private, _ = pair(tmp_path / "keys", "other")
+        for tamper, match in (
+                (lambda: forge(first, version=3), "changed after it was signed"),  # where it points
+                (lambda: forge(first, by="alice", reason="approved", at="2020-01-01T00:00:00.000000Z"),
+                 "changed after it was signed"),  # who, why, when
+                (lambda: first.write_text(json.dumps({k: v for k, v in json.loads(pristine).items()
+                                                      if k != "signature"})), "is not signed"),
+                (lambda: (first.unlink(), registry.move_alias(signed_by(cfg, other_private, [public]), ctx, "m",
+                                                              "production", 3, by="mallory")),
+                 "signed by a key that is not in registry.trusted_keys"),
+                (lambda: first.write_text((tmp_path / "store/models/n/aliases/production/00000001.json")
+                                          .read_text()), "signs 'n@production', not 'm@production'")):
+            tamper()
+            for attempt in (lambda: registry.resolve(cfg, ctx, "m@production"),
+                            lambda: registry.move_alias(cfg, ctx, "m", "production", 2, by="the gate", expect=1)):
+                assert str(first) in one_line(attempt, match)
+            (refusal,) = [e for e in model_history(cfg, ctx, "m") if e["kind"] == "refused"]
+            assert refusal["seq"] == 1 and re.search(match, refusal["reason"]) and str(first) in refusal["reason"]
+            first.write_text(pristine)
+            assert registry.resolve(cfg, ctx, "m@production").version == 1
+        # a signed move copied to the next place: its content names its own place
+        (place / "00000002.json").write_text(pristine)
+        one_line(lambda: registry.resolve(cfg, ctx, "m@production"), "says alias 'production' seq 1, not the")
+        (place / "00000002.json").unlink()
+        # records written before signing: read with registry.allow_unsigned, refused without
+        first.write_text(json.dumps({k: v for k, v in json.loads(pristine).items() if k != "signature"}))
+        allowing = cfg.model_copy(update={"registry": cfg.registry.model_copy(update={"allow_unsigned": True})})
+        assert registry.resolve(allowing, ctx, "m@production").version == 1
+
+
+def registry_aliases_record(cfg, ctx, name: str, alias: str, seq: int) -> dict:
+    from workflows.registry_aliases import _record_uri
+    from workflows.storage.uri import read_json
+
+    return read_json(_record_uri(cfg, name, alias, seq), ctx)
+
+
+@pytest.mark.parametrize("file, field", [(registry.PROMOTION_FILE, "promotion"), (registry.EVAL_FILE, "metrics")])
+def test_a_versions_evaluation_and_promotion_decision_are_signed(tmp_path, file, field):
+    """The gate's decision and the evaluation beside a version carry their writer's signature: edited (a
+    refused version made to look promoted, better metrics), copied from another version, or by another key,
+    each is refused in one line naming the file by every reader of the card."""
+    from workflows.registry_history import model_history
+
+    with store(tmp_path, "local") as (cfg, ctx):
+        private, public = pair(tmp_path / "keys", "team")
+        cfg = signed_by(cfg, private, [public])
+        for _ in range(2):
+            register_one(cfg, ctx, tmp_path)
+        content = {"promoted": False, "reason": "does not beat v1", "f1": float("nan")}  # NaN: a metric can be
+        for version in (1, 2):
+            ref = registry.resolve(cfg, ctx, f"m:{version}")
+            write = registry.write_promotion if file == registry.PROMOTION_FILE else registry.write_evaluation
+            write(cfg, ctx, ref, {**content, "version": version})
+        card = registry.model_card(cfg, ctx, "m:2")
+        assert getattr(card, field)["reason"] == "does not beat v1" and getattr(card, field)["version"] == 2
+        assert "signature" not in getattr(card, field)
+        record = Path(ref.uri, file)
+        pristine = record.read_text()
+        other_private, _ = pair(tmp_path / "keys", "other")
+        for tamper, match in (
+                (lambda: forge(record, promoted=True, reason="beats v1"), "changed after it was signed"),
+                (lambda: record.write_text(Path(tmp_path / "store/models/m/v1", file).read_text()),
+                 "signs 'm:v1', not 'm:v2'"),
+                (lambda: write(signed_by(cfg, other_private, [public]), ctx, ref, {"promoted": True}),
+                 "signed by a key that is not in registry.trusted_keys"),
+                (lambda: forge(record, signature={"not": "a bundle"}), "its signature is not a signature bundle")):
+            tamper()
+            for attempt in (lambda: registry.model_card(cfg, ctx, "m:2"), lambda: model_history(cfg, ctx, "m")):
+                assert str(record) in one_line(attempt, match)
+            record.write_text(pristine)
+
+
+def test_a_card_edited_in_the_store_is_refused_by_every_reader_not_only_fetch(tmp_path):
+    """`models describe`, `models history` and the gate read a version's card without downloading it: a card
+    whose bytes are not those its version's signature names is refused there too."""
+    with store(tmp_path, "local") as (cfg, ctx):
+        private, public = pair(tmp_path / "keys", "team")
+        cfg = signed_by(cfg, private, [public])
+        version = register_one(cfg, ctx, tmp_path)
+        card = json.loads((version / CARD_FILE).read_text())
+        card["lineage"]["dataset_version"] = "another"
+        (version / CARD_FILE).write_text(json.dumps(card))
+        for attempt in (lambda: registry.model_card(cfg, ctx, "m:1"), lambda: registry.describe(cfg, ctx, "m:1")):
+            assert one_line(attempt, "workflows.json changed after").startswith("model m:v1: ")

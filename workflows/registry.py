@@ -44,6 +44,7 @@ from workflows.storage.uri import (
     json_bytes,
     names_under,
     reaching,
+    read_bytes,
     read_json,
     write_bytes_atomic,
     write_json,
@@ -177,13 +178,15 @@ def register(
     return ModelRef(name, version, uri)
 
 
-def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
+def read_card(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef) -> ModelCard:
     """The stored card of `ref`, refused in one line unless the fields that name places (its name,
-    version and artifact id: the cache entry) are what register() writes: anyone who can write to
-    the bucket can edit the card, and must not choose where a fetch writes."""
+    version and artifact id: the cache entry) are what register() writes (anyone who can write to
+    the bucket can edit the card, and must not choose where a fetch writes), and unless the version's
+    signature names these very bytes (registry_signing): a card is believed only as it was registered."""
     uri = join(ref.uri, CARD_FILE)
+    raw = read_bytes(uri, ctx, max_bytes=MAX_CARD_BYTES)
     try:
-        card = ModelCard.model_validate(read_json(uri, ctx, max_bytes=MAX_CARD_BYTES))
+        card = ModelCard.model_validate(json.loads(raw))
     except ValidationError as e:  # a field of the wrong type or size (before json's ValueError: a subclass)
         raise UserError(f"{uri} is not a valid model card: {first_error(e)}") from None
     except ValueError as e:  # not JSON
@@ -197,7 +200,23 @@ def read_card(ref: ModelRef, ctx: StorageContext) -> ModelCard:
     if (card.name, card.version) != (ref.name, ref.version):
         raise UserError(f"{uri} names model {card.name!r} version {card.version!r}, not the {ref.name!r} "
                         f"v{ref.version} it is stored as; the card was edited in the store: register the model again")
+    _card_signed(cfg, ctx, ref, raw)
     return card
+
+
+def _card_signed(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, raw: bytes) -> None:
+    """The card's bytes `raw` are those the version's signature names (else refused in one line)."""
+    subject = f"{ref.name}:v{ref.version}"
+    try:
+        signature = read_bytes(join(ref.uri, registry_signing.SIGNATURE_FILE), ctx,
+                               max_bytes=registry_signing.MAX_SIGNATURE_BYTES)
+    except FileNotFoundError:
+        if cfg.registry.allow_unsigned:
+            return
+        raise UserError(registry_signing.unsigned(f"model {subject}")) from None
+    signed = registry_signing.signed_digests(signature, subject, cfg.registry.trusted_keys, f"model {subject}")
+    if signed.get(CARD_FILE) != hashlib.sha256(raw).hexdigest():
+        raise UserError(registry_signing.changed(f"model {subject}", CARD_FILE))
 
 
 def card_uri(cfg: WorkflowConfig, card: ModelCard) -> str:
@@ -227,7 +246,7 @@ def lineage_dataset(cfg: WorkflowConfig, ctx: StorageContext, card: ModelCard) -
 def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, ModelCard]:
     """Local directory holding the model version (downloaded once per node), and its card."""
     ref = resolve(cfg, ctx, spec)
-    card = read_card(ref, ctx)
+    card = read_card(cfg, ctx, ref)
     assert card.artifact_id is not None  # read_card refuses a card without one
 
     what = f"model {ref.name}:v{ref.version}"
@@ -235,21 +254,25 @@ def fetch(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> tuple[str, Mod
     filled = []
 
     def fill(tmp: str) -> None:
-        download_dir(ref.uri, ctx, tmp, skip=NOT_SIGNED)
-        _verified(cfg, Path(tmp), what, card)  # nothing refused enters the cache
+        found = download_dir(ref.uri, ctx, tmp, skip=NOT_SIGNED)
+        _verified(cfg, Path(tmp), ref, card, found)  # nothing refused enters the cache
         check_tokenizer_files(tmp, what)
         filled.append(tmp)
 
     local = cached_dir(Path(cfg.cache.resolved_dir()) / "models", card.artifact_id, fill)
     if not filled:  # cached before: checked again (an entry cached unsigned, or changed on this node)
-        _verified(cfg, Path(local), what, card)
+        _verified(cfg, Path(local), ref, card)
     return check_tokenizer_files(local, what), card
 
 
-def _verified(cfg: WorkflowConfig, folder: Path, what: str, card: ModelCard) -> None:
-    """The version's files in `folder` are those its signature names (registry_signing.verify), and its card
-    there is the card the caller read from the store (else the store's changed meanwhile)."""
-    registry_signing.verify(folder, what, cfg.registry.trusted_keys, cfg.registry.allow_unsigned)
+def _verified(cfg: WorkflowConfig, folder: Path, ref: ModelRef, card: ModelCard,
+              found: dict[str, str] | None = None) -> None:
+    """The version's files in `folder` are those its signature names (registry_signing.verify; `found`: their
+    digests as downloaded), and its card there is the card the caller read from the store (else the store's
+    changed meanwhile)."""
+    what = f"model {ref.name}:v{ref.version}"
+    registry_signing.verify(folder, f"{ref.name}:v{ref.version}", cfg.registry.trusted_keys,
+                            cfg.registry.allow_unsigned, found)
     try:
         here = ModelCard.model_validate(json.loads((folder / CARD_FILE).read_text()))
     except (OSError, ValueError, ValidationError):
@@ -261,31 +284,37 @@ def _verified(cfg: WorkflowConfig, folder: Path, what: str, card: ModelCard) -> 
 
 def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, metrics: dict) -> None:
     """Evaluation runs after registration (actors fetch the model from the registry), so its
-    metrics are stored beside the version rather than inside workflows.json."""
-    write_json(join(ref.uri, EVAL_FILE), metrics, ctx)
+    metrics are stored beside the version rather than inside workflows.json, signed (_write_record)."""
+    _write_record(cfg, ctx, ref, EVAL_FILE, metrics)
 
 
 def write_promotion(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, decision: dict) -> None:
-    """The promotion gate's decision on the version, beside it: its card shows it (`model_card`)."""
-    write_json(join(ref.uri, PROMOTION_FILE), decision, ctx)
+    """The promotion gate's decision on the version, beside it, signed: its card shows it (`model_card`)."""
+    _write_record(cfg, ctx, ref, PROMOTION_FILE, decision)
+
+
+def _write_record(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, file: str, content: dict) -> None:
+    key = registry_signing.signer(cfg.registry.signing_key)
+    write_json(join(ref.uri, file), registry_signing.sign_record(key, f"{ref.name}:v{ref.version}", file, content),
+               ctx)
 
 
 def model_card(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> ModelCard:
     """The card of a version, with its evaluation metrics and the promotion gate's decision when there are any."""
     ref = resolve(cfg, ctx, spec)
-    found = read_card(ref, ctx)
+    found = read_card(cfg, ctx, ref)
     for key, file in (("metrics", EVAL_FILE), ("promotion", PROMOTION_FILE)):
-        uri = join(ref.uri, file)
-        if exists(uri, ctx):
-            found = found.model_copy(update={key: read_record(uri, ctx)})
+        if exists(join(ref.uri, file), ctx):
+            found = found.model_copy(update={key: read_record(cfg, ctx, ref, file)})
     return found
 
 
-def read_record(uri: str, ctx: StorageContext) -> dict[str, Any]:
-    """A version's evaluation or promotion record: a JSON object within the lifecycle records' bound
-    (registry_aliases.MAX_RECORD_BYTES), else refused in one line naming the file (every replica reads both
-    at its start: a huge or mistyped one must not put replicas in a restart loop, nor reach a reader that
-    expects an object)."""
+def read_record(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, file: str) -> dict[str, Any]:
+    """A version's evaluation or promotion record (`file`): a JSON object within the lifecycle records' bound
+    (registry_aliases.MAX_RECORD_BYTES) whose signature verifies (registry_signing.verified_record), else
+    refused in one line naming the file (every replica reads both at its start: a huge or mistyped one must
+    not put replicas in a restart loop, nor reach a reader that expects an object)."""
+    uri = join(ref.uri, file)
     try:
         value = read_json(uri, ctx, max_bytes=registry_aliases.MAX_RECORD_BYTES)
     except ValueError as e:  # not JSON
@@ -294,7 +323,8 @@ def read_record(uri: str, ctx: StorageContext) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise UserError(f"{uri} holds a JSON {type(value).__name__}, not an object: refused; the file was edited "
                         "in the store")
-    return value
+    return registry_signing.verified_record(value, f"{ref.name}:v{ref.version}", file, cfg.registry.trusted_keys,
+                                            cfg.registry.allow_unsigned, uri)
 
 
 def describe(cfg: WorkflowConfig, ctx: StorageContext, spec: str) -> dict[str, Any]:

@@ -49,8 +49,9 @@ class RegistryConfig(Strict):
         "where set, else the auto pair's) a version's signature must verify against before anything of it is "
         "loaded; on several machines, keys every node reads")
     allow_unsigned: bool = Field(
-        False, description="load versions that carry no signature (registered before signing); a changed, added "
-        "or missing file of a signed version is refused whatever this says")
+        False, description="load versions, and read lifecycle records (alias moves, evaluations, promotion "
+        "decisions), that carry no signature (written before signing); a changed, added or missing file of a "
+        "signed version, or an edited signed record, is refused whatever this says")
 
     @field_validator("name")
     @classmethod

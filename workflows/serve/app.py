@@ -89,7 +89,7 @@ class ModelServer:
         """Another registered version's card alone (one small read, nothing downloaded). Blocking;
         a UserError that names the model only (`_unseen`)."""
         with _unseen(spec):
-            return registry.read_card(registry.resolve(self.cfg, self.storage, spec), self.storage)
+            return registry.read_card(self.cfg, self.storage, registry.resolve(self.cfg, self.storage, spec))
 
     async def pin(self, model: str) -> str:
         """A request's model NAME@ALIAS as the NAME:VERSION the alias holds (read from the registry at

@@ -37,6 +37,7 @@ class AliasFollower:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="alias-follower", daemon=True)
         self._warned: set[str] = set()
+        self._last: dict[str, str] = {}  # the spec's last failure said
 
     def start(self) -> AliasFollower:
         self._thread.start()
@@ -51,8 +52,13 @@ class AliasFollower:
             for f in self.served:
                 try:
                     self.check(f)
-                except Exception as e:  # a store blip or a failed deploy: said, tried again next time
-                    self.say(f"serve: following {f.spec}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                except Exception as e:  # a store blip, a refused record, a failed deploy: tried again next time
+                    said = f"serve: following {f.spec}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    if self._last.get(f.spec) != said:  # said once, not at every poll
+                        self._last[f.spec] = said
+                        self.say(said)
+                else:
+                    self._last.pop(f.spec, None)
 
     def check(self, f: Followed) -> dict[str, Any] | None:
         """Roll `f` over if its alias moved; the rollover's record, or None."""

@@ -8,6 +8,7 @@ the embedded endpoint, whose fixed dummy keys protect nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -176,11 +177,16 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *[p.strip("/") for p in parts]])
 
 
-def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str, ...] = ()) -> None:
+def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
     """Copy the files directly under `uri` (a flat "directory" of objects; prefixes below it, such
-    as create-only claims, are not files) into `local_dir`. A key's name comes from the store: one
-    that is not a plain file name (`..`, `.`) is refused."""
+    as create-only claims, are not files) into `local_dir`; each copied file's sha256 by name, hashed as
+    it is written (a signed version is checked against them without reading it again). A key's name
+    comes from the store: one that is not a plain file name (`..`, `.`) is refused."""
+    from workflows.storage.transfer import CHUNK
+
     fs, path = filesystem(uri, ctx)
+    digests = {}
+    os.makedirs(local_dir, exist_ok=True)
     with reaching(uri, ctx):
         found = {e["name"]: e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=True)
                  if e.get("type") != "directory"}
@@ -189,7 +195,13 @@ def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str,
                 raise UserError(f"{uri} holds an object named {base!r}, which is no file name: not downloaded")
         for remote, base in found.items():
             if base not in skip:
-                fs.get_file(remote, os.path.join(local_dir, base))
+                digest = hashlib.sha256()
+                with fs.open(remote, "rb") as fin, open(os.path.join(local_dir, base), "wb") as fout:
+                    while chunk := fin.read(CHUNK):
+                        digest.update(chunk)
+                        fout.write(chunk)
+                digests[base] = digest.hexdigest()
+    return digests
 
 
 def names_under(uri: str, ctx: StorageContext) -> list[str]:
@@ -235,12 +247,17 @@ def write_json(uri: str, obj: Any, ctx: StorageContext) -> None:
 def read_json(uri: str, ctx: StorageContext, max_bytes: int | None = None) -> Any:
     """The JSON object at `uri`; `max_bytes`: one over it is refused in one line, unread (an object the
     store holds is as large as its writer made it)."""
+    return json.loads(read_bytes(uri, ctx, max_bytes))
+
+
+def read_bytes(uri: str, ctx: StorageContext, max_bytes: int | None = None) -> bytes:
+    """The bytes at `uri`; `max_bytes` as read_json's."""
     fs, path = filesystem(uri, ctx)
     with reaching(uri, ctx), fs.open(path, "rb") as f:
         raw = f.read() if max_bytes is None else f.read(max_bytes + 1)
     if max_bytes is not None and len(raw) > max_bytes:
         raise UserError(f"{uri} is over {max_bytes} bytes: refused")
-    return json.loads(raw)
+    return raw
 
 
 def check_bucket(uri: str, ctx: StorageContext) -> None:
