@@ -11,8 +11,8 @@ Two kinds, from what each measures:
   serve what only the project's claims need (the preprocessing speedup on one node; the latency figure);
 - the harness (HARNESS_BENCHMARKS): claims about the project itself: quickstart and digits (the shipped
   configs' pipeline against their plain-PyTorch work), chat (the chat demo's time and exact-match gain),
-  madewithml (a reference F1), serve-levers (Serve's
-  flags against the peer), shuffle and images (peers from `make bench-peers`'s .venv-peers).
+  madewithml (a reference F1), signing (signed versions' cost beside evaluate and a replica's start),
+  serve-levers (Serve's flags against the peer), shuffle and images (peers from `make bench-peers`'s .venv-peers).
 The GPU measurement runs without Ray on a CUDA machine (benchmarks/gpu/, `make bench-gpu`); `--render gpu`
 writes its section from the stored gpu-*.json.
 """
@@ -38,7 +38,8 @@ USER_BENCHMARKS = {"data": "benchmarks.data", "train": "benchmarks.train", "tune
                    "serve": "benchmarks.serve", "lm": "benchmarks.lm", "generate": "benchmarks.generate"}
 HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmarks.digits",
                       "madewithml": "benchmarks.madewithml", "serve-levers": "benchmarks.serve_levers",
-                      "shuffle": "benchmarks.shuffle", "images": "benchmarks.images", "chat": "benchmarks.chat"}
+                      "shuffle": "benchmarks.shuffle", "images": "benchmarks.images", "chat": "benchmarks.chat",
+                      "signing": "benchmarks.signing"}
 BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
 
 
