@@ -62,9 +62,11 @@ ROWS: list[RowSpec] = [
         "reliability.store_hostile",
         True,
         "the hostile-store corpus: every object the platform reads back from the store (cards, manifests, LoRA "
-        "adapters, tokenizer configs, checkpoints, search state), each field it reads set to an escaping path, a "
-        "foreign URI, an absolute path, a huge value and a wrong type: each refused in one line, nothing read, "
-        "written or requested outside what the config allows, the serving predictor answering as before",
+        "adapters, tokenizer configs, checkpoints, search state, a version's evaluation and promotion records, "
+        "alias records), each field it reads set to an escaping path, a foreign URI, an absolute path, a huge "
+        "value and a wrong type, each record forged, unsigned, another key's or copied from elsewhere, each file "
+        "of a signed version changed, added or removed: each refused in one line, nothing read, written or "
+        "requested outside what the config allows, the serving predictor answering as before",
     ),
     RowSpec(
         "serve_hostile_inputs",
