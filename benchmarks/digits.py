@@ -35,9 +35,9 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
     port = [] if any(o.startswith("serve.port=") for o in overrides) else [_port_override()]
     with LoadSampler() as digits_load:
-        digits = measure_pipeline(config or "digits", [*port, *overrides])
+        digits = measure_pipeline(config or "digits", [*port, *overrides], repeats=1)
     with LoadSampler() as quickstart_load:
-        quickstart = measure_pipeline("quickstart", [_port_override()])
+        quickstart = measure_pipeline("quickstart", [_port_override()], repeats=1)
     load = {"digits": digits_load.summary(), "quickstart": quickstart_load.summary()}
     return {**digits, **compare(digits, quickstart), "quickstart": quickstart, "load_average": load, "goals": GOALS}
 

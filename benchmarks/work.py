@@ -247,7 +247,8 @@ def measure(cfg: WorkflowConfig, run_dir: Path, scratch: Path) -> dict:
             data["train"][key.removeprefix("train.")] = value
         final = WorkflowConfig.model_validate(data)
     tc = final.train
-    threads = min(cpus, max(1, int(tc.max_workers * tc.cpus_per_worker)))
+    # num_workers auto on one node: one worker with every CPU (workflows.train.layout)
+    threads = cpus if tc.num_workers == "auto" else min(cpus, max(1, int(tc.max_workers * tc.cpus_per_worker)))
     seconds, used = fastest(lambda n, limit: train_run(final, processed, tc.epochs, n, limit), threads)
     work["train"] = {"seconds": seconds, "threads": threads, "threads_used": used, "epochs": tc.epochs}
     instances = [r["instance"] for r in pipeline.get("serve", {}).get("requests", [])]

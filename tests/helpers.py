@@ -18,6 +18,9 @@ def tiny_overrides(tmp: Path) -> list[str]:
         "preprocess.max_length=32",
         "preprocess.concurrency=1",
         "train.epochs=1",
+        # the multi-worker path (FSDP2 across ranks, sharded checkpoints), which the quickstart's
+        # num_workers auto does not take on one node; auto itself: tests/test_train_layout.py
+        "train.num_workers=2",
         "train.batch_size=8",
         "train.max_train_rows=48",
         "train.lr=3e-4",

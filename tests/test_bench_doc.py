@@ -220,7 +220,9 @@ CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09
             {"serve"}),
            ("2026-11-29T00:35:00Z", "a chunk streamed per token, each timed by the bench's client", {"generate"}),
            ("2026-11-29T02:54:00Z", "fp32 linears packed for oneDNN in the engine (9d2114d)", {"generate"}),
-           ("2026-11-29T09:48:00Z", "the engine's prefill budget beside decoding rows (d66aaf4)", {"generate"})]
+           ("2026-11-29T09:48:00Z", "the engine's prefill budget beside decoding rows (d66aaf4)", {"generate"}),
+           ("2026-12-02T03:40:00Z", "train.num_workers auto: the quickstart trains one worker of every core",
+            {"quickstart"})]
 
 
 def _readme() -> str:

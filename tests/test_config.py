@@ -16,7 +16,7 @@ def write(tmp_path, text: str):
 
 def test_quickstart_config_loads():
     cfg = load_config(QUICKSTART)
-    assert cfg.train.strategy == "fsdp" and cfg.train.num_workers == 2
+    assert cfg.train.strategy == "fsdp" and cfg.train.num_workers == "auto"
     assert cfg.storage.embedded.enabled and cfg.serve.host == "127.0.0.1"
 
 

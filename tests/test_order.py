@@ -222,7 +222,7 @@ def test_the_readme_own_images_command_on_a_class_sorted_folder(tmp_path, ray_jo
             s3.put_object(Bucket="my-bucket", Key=f"pets/train/{f.relative_to(photos).as_posix()}", Body=f.read_bytes())
         uploaded = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="my-bucket")["Contents"])
         # where it writes, and the stages this check does not need (tuning, serving): training,
-        # evaluation and registration run as the README's command sets them (2 workers, ray_data, FSDP2).
+        # evaluation and registration run as the README's command sets them (num_workers auto, ray_data).
         # A Ray of its own (RAY_ADDRESS=local), as a user's command starts: the credentials reach its
         # workers through the environment, which the session's cluster cannot get.
         test_only = [f"storage.embedded.data_dir={tmp_path}/s3", f"output_dir={tmp_path}/runs",

@@ -41,11 +41,12 @@ def parallelize(model: nn.Module, strategy: str, device: torch.device) -> nn.Mod
 
     bf16 mixed precision on GPU (params and activations in bf16, gradients reduced in fp32);
     fp32 on CPU, where bf16 matmuls are slow. Ray's prepare_model(parallel_strategy="fsdp")
-    refuses CPU, so FSDP2 is applied here directly. Single process: the plain model.
+    refuses CPU, so FSDP2 is applied here directly. Single process, or a group of one: the plain
+    model (nothing to shard or reduce across; on GPU the loop's autocast gives bf16).
     """
     model.to(device)
     _, world_size = world()
-    if world_size == 1 and strategy == "ddp":
+    if world_size == 1:
         return model
     if not (dist.is_available() and dist.is_initialized()):
         return model

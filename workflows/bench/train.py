@@ -1,12 +1,15 @@
-"""Training throughput: what Ray Train costs over a plain PyTorch loop, and FSDP2 against DDP.
+"""Training throughput on one node: the layout `train.num_workers: auto` chooses against the others, what
+Ray Train costs over a plain PyTorch loop, and FSDP2 against DDP.
 
-On the quickstart config (same model, same processed rows), three runs, each a fresh process
-against one fresh embedded store (preprocessed once beforehand, not timed):
+On the quickstart config (same model, same processed rows, the same global batch: the config's
+train.batch_size), four runs, each a fresh process against one fresh embedded store (preprocessed once
+beforehand, not timed):
 
-- Ray Train, 2 workers x 1 CPU, FSDP2 (`workflows.train.trainer.fit`);
-- Ray Train, 2 workers x 1 CPU, DDP;
-- the plain loop without Ray (`python -m workflows.train.standalone`), one process, 2 threads,
-  batch = 2 x the per-worker batch, so the same rows make the same number of optimizer steps.
+- the plain loop without Ray (`python -m workflows.train.standalone`), one process, every core's thread;
+- Ray Train with train.num_workers auto (`workflows.train.layout`: on one node, one worker with the
+  node's CPUs, a thread each);
+- Ray Train, WORKERS workers x 1 CPU, FSDP2, batch / WORKERS per worker (`workflows.train.trainer.fit`);
+- the same with DDP.
 
 Epoch time is measured inside the loop (loop.train_epoch: the steps, including waiting for
 batches; no startup, no evaluation); the wall time of each process (interpreter, object store,
@@ -25,6 +28,7 @@ from pathlib import Path
 
 PROCESS_START = time.time()
 GOAL_RATIO = 1.10
+WORKERS = 2  # the several-workers layout on one node
 EPOCHS = 2
 MIN_EPOCH_SECONDS = 20
 
@@ -64,7 +68,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
 
     config = config or "quickstart"
     cfg = load_config(config, overrides)
-    workers, batch = cfg.train.max_workers, cfg.train.batch_size
+    batch, cores = cfg.train.batch_size, os.cpu_count() or 1
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         base = [f"storage.embedded.data_dir={tmp}/s3", f"output_dir={tmp}/runs", f"cache.dir={tmp}/cache",
@@ -72,47 +76,44 @@ def run(config: str | None, overrides: list[str]) -> dict:
         print("bench train: preprocessing (not timed)", file=sys.stderr, flush=True)
         subprocess.run([py, "-m", "workflows", "preprocess", "--config", config, *_sets(base)], check=True)
 
-        runs: dict[str, dict] = {}
+        several = ["train.num_workers=" + str(WORKERS), "train.cpus_per_worker=1",
+                   f"train.batch_size={max(1, batch // WORKERS)}"]
+        child = [py, "-m", "workflows.bench.train", "--config", config]
         plan = [
-            (
-                "plain",
-                [
-                    py,
-                    "-m",
-                    "workflows.train.standalone",
-                    "--config",
-                    config,
-                    *_sets([*base, "train.torch_threads=2", f"train.batch_size={workers * batch}"]),
-                ],
-            ),
-            (
-                "ray_fsdp",
-                [py, "-m", "workflows.bench.train", "--config", config, *_sets([*base, "train.strategy=fsdp"])],
-            ),
-            ("ray_ddp", [py, "-m", "workflows.bench.train", "--config", config, *_sets([*base, "train.strategy=ddp"])]),
+            ("plain", [py, "-m", "workflows.train.standalone", "--config", config,
+                       *_sets([*base, f"train.torch_threads={cores}"])]),
+            ("ray_auto", [*child, *_sets([*base, "train.num_workers=auto"])]),
+            ("ray_fsdp", [*child, *_sets([*base, *several, "train.strategy=fsdp"])]),
+            ("ray_ddp", [*child, *_sets([*base, *several, "train.strategy=ddp"])]),
         ]
+        runs: dict[str, dict] = {}
         for name, cmd in plan:
             out = Path(tmp) / f"{name}.json"
             print(f"bench train: {name}", file=sys.stderr, flush=True)
             wall, load = _timed([*cmd, "--output", str(out)])
             runs[name] = _summary(json.loads(out.read_text()), wall, load)
 
-    plain, fsdp, ddp = runs["plain"], runs["ray_fsdp"], runs["ray_ddp"]
-    ray_vs_plain = fsdp["mean_epoch_seconds"] / plain["mean_epoch_seconds"]
+    plain, auto, fsdp, ddp = runs["plain"], runs["ray_auto"], runs["ray_fsdp"], runs["ray_ddp"]
+    ray_vs_plain = auto["mean_epoch_seconds"] / plain["mean_epoch_seconds"]
     fsdp_vs_ddp = fsdp["mean_epoch_seconds"] / ddp["mean_epoch_seconds"]
+    auto_vs_several = auto["mean_epoch_seconds"] / min(fsdp["mean_epoch_seconds"], ddp["mean_epoch_seconds"])
     return {
         "config": config,
         "epochs": EPOCHS,
         "train_rows": plain["samples_per_epoch"],
-        "ray_workers": workers,
-        "batch_per_worker": batch,
+        "ray_workers": WORKERS,
+        "batch_per_worker": max(1, batch // WORKERS),
+        "global_batch": batch,
+        "auto_layout": f"{auto.get('world_size')} worker(s) x {auto.get('torch_threads')} thread(s)",
         "runs": runs,
         "ray_vs_plain_epoch_ratio": round(ray_vs_plain, 3),
-        "ray_vs_plain_wall_ratio": round(fsdp["wall_seconds"] / plain["wall_seconds"], 3),
+        "ray_vs_plain_wall_ratio": round(auto["wall_seconds"] / plain["wall_seconds"], 3),
+        "auto_vs_several_workers_epoch_ratio": round(auto_vs_several, 3),
         "fsdp_vs_ddp_ratio": round(fsdp_vs_ddp, 3),
         "fsdp_vs_ddp_wall_ratio": round(fsdp["wall_seconds"] / ddp["wall_seconds"], 3),
         "goal_ratio": GOAL_RATIO,
         "ray_vs_plain_meets_goal": ray_vs_plain <= GOAL_RATIO,
+        "auto_is_fastest": auto_vs_several <= 1.0,
         "fsdp_vs_ddp_meets_goal": fsdp_vs_ddp <= GOAL_RATIO,
         "epochs_at_least_20s": min(min(r["epoch_seconds"]) for r in runs.values()) >= MIN_EPOCH_SECONDS,
     }
@@ -124,6 +125,7 @@ def _ray_child(argv: list[str]) -> None:
 
     from workflows.config import load_config
     from workflows.runtime import runtime
+    from workflows.train.layout import resolved
     from workflows.train.standalone import find_dataset
     from workflows.train.trainer import fit
 
@@ -136,6 +138,7 @@ def _ray_child(argv: list[str]) -> None:
     with runtime(cfg) as rt:
         data = find_dataset(cfg, rt.storage)
         fit_start = time.time()
+        cfg = resolved(cfg)[0]  # what fit runs: train.num_workers auto chosen for this cluster
         out = fit(cfg, rt.storage, data, run_prefix=f"bench-{cfg.train.strategy}")
     result = {
         "history": out.history,

@@ -10,12 +10,15 @@ from workflows.config.base import Strict
 
 
 class TrainConfig(Strict):
-    num_workers: int | tuple[int, int] = Field(
-        2,
-        description="training workers: a number, or [min, max] for an elastic group (Ray Train resizes it within "
-        "the range as workers are lost or resources come and go; needs train.loader=stream)",
+    num_workers: int | tuple[int, int] | Literal["auto"] = Field(
+        "auto",
+        description="training workers: auto (chosen for the cluster when the run starts, printed: one worker per "
+        "GPU; on CPUs one worker per node with the node's free CPUs, so one on a laptop), a number, or [min, max] "
+        "for an elastic group (Ray Train resizes it within the range as workers are lost or resources come and "
+        "go; needs train.loader=stream)",
     )
-    cpus_per_worker: float = Field(1, gt=0)
+    cpus_per_worker: float = Field(1, gt=0, description="CPUs each worker holds (num_workers auto on CPUs: the "
+                                    "node's free CPUs)")
     use_gpu: bool = False
     strategy: Literal["fsdp", "ddp"] = "fsdp"
     epochs: int = Field(3, ge=1)
@@ -74,7 +77,9 @@ class TrainConfig(Strict):
 
     @field_validator("num_workers")
     @classmethod
-    def worker_range(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+    def worker_range(cls, v: int | tuple[int, int] | str) -> int | tuple[int, int] | str:
+        if isinstance(v, str):  # auto (the Literal): resolved when the run starts
+            return v
         lo, hi = (v, v) if isinstance(v, int) else v
         if lo < 1 or lo > hi:
             raise ValueError(f"train.num_workers must be >= 1, or [min, max] with 1 <= min <= max; got {v}")
@@ -101,14 +106,19 @@ class TrainConfig(Strict):
 
     @property
     def elastic(self) -> bool:
-        return not isinstance(self.num_workers, int)
+        return isinstance(self.num_workers, (tuple, list))
 
     @property
     def max_workers(self) -> int:
         """The most workers the run uses (all of them when num_workers is a number)."""
-        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+        return self._workers()[1]
 
     @property
     def min_workers(self) -> int:
-        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+        return self._workers()[0]
+
+    def _workers(self) -> tuple[int, int]:
+        if self.num_workers == "auto":  # a run resolves it for its cluster first (workflows.train.layout)
+            raise ValueError("train.num_workers is auto: the number is chosen when the run starts")
+        return (self.num_workers, self.num_workers) if isinstance(self.num_workers, int) else self.num_workers
 

@@ -247,19 +247,23 @@ def stage_train(rt: Runtime, data: ProcessedDataset, params: dict[str, Any] | No
 def train(s: Stage, data: ProcessedDataset, resume: bool = False):
     """Fit the model with Ray Train; its epochs, loss curve and outcome go to the stage's summary and run."""
     from workflows.progress import EpochProgress
+    from workflows.train.layout import resolved
     from workflows.train.loop import epoch_line
     from workflows.train.report import plot_losses
     from workflows.train.trainer import fit
 
-    tc = s.cfg.train
+    cfg, why = resolved(s.cfg)
+    tc = cfg.train
     say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
-        f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows")
+        f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows"
+        + (f" (num_workers auto: {why})" if why else ""))
     with s.work():
-        outcome = fit(s.cfg, s.rt.storage, data, resume=resume,
+        outcome = fit(cfg, s.rt.storage, data, resume=resume,
                       callbacks=[EpochProgress(tc.epochs, get_task(s.cfg).score[0])], tracking=s.run.spec())
     for h in outcome.history:
         say(f"train:   {epoch_line(h)}")
     s.summary["train"] = asdict(outcome)
+    s.summary["layout"] = {"num_workers": tc.num_workers, "cpus_per_worker": tc.cpus_per_worker, "why": why}
     curve = plot_losses(outcome.history, s.out_dir / "train_loss.png", title=outcome.run_uri.rsplit("/", 1)[-1])
     if curve is not None:
         s.summary["loss_curve"] = str(curve)

@@ -259,7 +259,7 @@ def plan_from_config(
     seq = seq_len or cfg.preprocess.max_length
     return make_plan(
         spec,
-        devices=devices or train_cfg.max_workers,
+        devices=devices or _devices(train_cfg),
         seq_len=seq,
         micro_batch=micro_batch or train_cfg.batch_size,
         device_memory=mem,
@@ -335,3 +335,12 @@ def format_plan(plan: Plan) -> str:
     )
     return "\n".join(lines)
 
+
+def _devices(train_cfg) -> int:
+    """The data-parallel devices a run of `train_cfg` would use: train.num_workers, or for auto (one worker per
+    GPU; on CPUs one per node) the GPUs this machine has, else one."""
+    if train_cfg.num_workers != "auto":
+        return train_cfg.max_workers
+    import torch
+
+    return max(1, torch.cuda.device_count()) if train_cfg.use_gpu else 1

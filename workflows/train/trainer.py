@@ -219,6 +219,9 @@ def fit(
 ) -> TrainOutcome:
     import ray.train
 
+    from workflows.train.layout import resolved
+
+    cfg = resolved(cfg)[0]  # train.num_workers auto: chosen for this cluster
     tc = cfg.train
     if check:
         check_resources(tc.min_workers, tc.cpus_per_worker, tc.use_gpu)

@@ -14,8 +14,10 @@ from workflows.train import checkpoint as ckpt
 
 
 def set_torch_threads(tc) -> None:
-    """Intra-op threads: train.torch_threads, else one per CPU the worker is given."""
-    torch.set_num_threads(tc.torch_threads or max(1, int(tc.cpus_per_worker)))
+    """Intra-op threads: train.torch_threads, else one per CPU the worker is given, up to its machine's cores
+    (a cluster can be started with more logical CPUs than cores: threads beyond them only wait)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(tc.torch_threads or max(1, min(int(tc.cpus_per_worker), cores)))
 
 
 def row_limits(tc, train_rows: int) -> tuple[int | None, int | None]:
