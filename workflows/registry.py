@@ -213,10 +213,10 @@ def _card_signed(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, raw: b
     except FileNotFoundError:
         if cfg.registry.allow_unsigned:
             return
-        raise UserError(registry_signing.unsigned(f"model {subject}")) from None
+        raise registry_signing.Refused(registry_signing.unsigned(f"model {subject}")) from None
     signed = registry_signing.signed_digests(signature, subject, cfg.registry.trusted_keys, f"model {subject}")
     if signed.get(CARD_FILE) != hashlib.sha256(raw).hexdigest():
-        raise UserError(registry_signing.changed(f"model {subject}", CARD_FILE))
+        raise registry_signing.Refused(registry_signing.changed(f"model {subject}", CARD_FILE))
 
 
 def card_uri(cfg: WorkflowConfig, card: ModelCard) -> str:
@@ -270,16 +270,15 @@ def _verified(cfg: WorkflowConfig, folder: Path, ref: ModelRef, card: ModelCard,
     """The version's files in `folder` are those its signature names (registry_signing.verify; `found`: their
     digests as downloaded), and its card there is the card the caller read from the store (else the store's
     changed meanwhile)."""
-    what = f"model {ref.name}:v{ref.version}"
-    registry_signing.verify(folder, f"{ref.name}:v{ref.version}", cfg.registry.trusted_keys,
-                            cfg.registry.allow_unsigned, found)
+    subject = f"{ref.name}:v{ref.version}"
+    registry_signing.verify(folder, subject, cfg.registry.trusted_keys, cfg.registry.allow_unsigned, found)
     try:
         here = ModelCard.model_validate(json.loads((folder / CARD_FILE).read_text()))
     except (OSError, ValueError, ValidationError):
         here = None
     if here is None or here.to_dict() != card.to_dict():
-        raise UserError(f"{what}: its {CARD_FILE} in the store is not the one it was registered (and signed) "
-                        "with: refused")
+        raise registry_signing.Refused(f"model {subject}: its {CARD_FILE} in the store is not the one it was "
+                                       "registered (and signed) with: refused")
 
 
 def write_evaluation(cfg: WorkflowConfig, ctx: StorageContext, ref: ModelRef, metrics: dict) -> None:

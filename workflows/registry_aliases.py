@@ -121,7 +121,7 @@ def _read(cfg: WorkflowConfig, ctx: StorageContext, name: str, alias: str, seq: 
         raise Refused(f"{uri} is not a valid alias record ({type(e).__name__}: {e})".splitlines()[0]) from None
     if (record.alias, record.seq) != (alias, seq):
         raise Refused(f"{uri} says alias {record.alias!r} seq {record.seq}, not the {alias!r} seq {seq} of its "
-                        "place: refused; the record was edited in the store")
+                      "place: refused; the record was edited in the store")
     registry_signing.verified_record(stored, f"{name}@{alias}", _record_name(seq), cfg.registry.trusted_keys,
                                      cfg.registry.allow_unsigned, uri)
     return record
