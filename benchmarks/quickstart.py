@@ -222,7 +222,7 @@ def judging(r: dict) -> tuple[bool, str]:
                          f"{runs}. **{'Judged' if j['judged'] else 'Cannot judge'}**: {j['why']}. Held-out F1 of "
                          f"each repeat: {f1s} ({'the same' if r['same_f1'] else '**not the same**'} to 4 decimals)."
                          + (f" Training layout: {layout.get('num_workers')} worker(s) x "
-                            f"{layout.get('cpus_per_worker')} CPU "
+                            f"{layout.get('cpus', layout.get('cpus_per_worker'))} CPU "
                             f"({'num_workers auto' if layout.get('why') else 'as configured'})."
                             if layout else "") + "\n")
 

@@ -184,16 +184,11 @@ def _report_tune(s: Stage, outcome) -> None:
     t = s.cfg.tune
     assert t.metric is not None  # set by with_task_metric in stage_tune
     for trial in outcome.trials:
-        say(
-            f"tune:   {trial.params} -> {t.metric}={trial.value} after {trial.epochs} epoch(s)"
-            f"{' (stopped early)' if trial.stopped_early else ''}"
-            f"{' ERROR ' + trial.error if trial.error else ''}"
-        )
+        say(f"tune:   {trial.params} -> {t.metric}={trial.value} after {trial.epochs} epoch(s)"
+            f"{' (stopped early)' if trial.stopped_early else ''}{' ERROR ' + trial.error if trial.error else ''}")
     say(f"tune: best {outcome.best_params} ({t.metric}={outcome.best_metric:.4f}) in {outcome.seconds:.0f}s")
-    ordered = sorted(
-        outcome.trials,
-        key=lambda r: (r.value is None, -(r.value or 0) if t.mode == "max" else (r.value or 0)),
-    )
+    ordered = sorted(outcome.trials, key=lambda r: (r.value is None,
+                                                    -(r.value or 0) if t.mode == "max" else (r.value or 0)))
     table = trials_table(ordered, t.metric, t.max_epochs)
     show(table)
     s.summary.update(asdict(outcome))
@@ -247,23 +242,21 @@ def stage_train(rt: Runtime, data: ProcessedDataset, params: dict[str, Any] | No
 def train(s: Stage, data: ProcessedDataset, resume: bool = False):
     """Fit the model with Ray Train; its epochs, loss curve and outcome go to the stage's summary and run."""
     from workflows.progress import EpochProgress
-    from workflows.train.layout import resolved
+    from workflows.train.layout import described, layout_summary, resolved
     from workflows.train.loop import epoch_line
     from workflows.train.report import plot_losses
     from workflows.train.trainer import fit
 
     cfg, why = resolved(s.cfg)
     tc = cfg.train
-    say(f"train: {tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}, {tc.epochs} epoch(s), "
-        f"lr={tc.lr:.2e}, batch {tc.batch_size}/worker on {data.counts['train']} rows"
-        + (f" (num_workers auto: {why})" if why else ""))
+    say(f"train: {described(tc, why)}, {tc.epochs} epoch(s), lr={tc.lr:.2e}, batch {tc.batch_size}/worker on "
+        f"{data.counts['train']} rows")
     with s.work():
         outcome = fit(cfg, s.rt.storage, data, resume=resume,
                       callbacks=[EpochProgress(tc.epochs, get_task(s.cfg).score[0])], tracking=s.run.spec())
     for h in outcome.history:
         say(f"train:   {epoch_line(h)}")
-    s.summary["train"] = asdict(outcome)
-    s.summary["layout"] = {"num_workers": tc.num_workers, "cpus_per_worker": tc.cpus_per_worker, "why": why}
+    s.summary.update(train=asdict(outcome), layout=layout_summary(tc, why))
     curve = plot_losses(outcome.history, s.out_dir / "train_loss.png", title=outcome.run_uri.rsplit("/", 1)[-1])
     if curve is not None:
         s.summary["loss_curve"] = str(curve)

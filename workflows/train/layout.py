@@ -48,6 +48,17 @@ def choose(tc, nodes: list[dict]) -> tuple[dict, str]:
     return update, f"one worker per node ({len(free)}), {cpus} CPUs each"
 
 
+def described(tc, why: str | None) -> str:
+    """The layout as the train line says it: workers, CPUs each, strategy, and why when auto chose it."""
+    return (f"{tc.num_workers} worker(s) x {tc.cpus_per_worker:g} CPU, {tc.strategy}"
+            + (f" (num_workers auto: {why})" if why else ""))
+
+
+def layout_summary(tc, why: str | None) -> dict:
+    """The layout as the train stage's summary keeps it."""
+    return {"num_workers": tc.num_workers, "cpus_per_worker": tc.cpus_per_worker, "why": why}
+
+
 def _nodes() -> list[dict]:
     """The resources free now on each alive node of the Ray cluster (what a worker group can get): Ray's
     per-node availability (a DeveloperAPI; ray.available_resources() sums the nodes)."""
