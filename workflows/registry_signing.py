@@ -132,7 +132,7 @@ def signed_digests(signature: bytes, subject: str, trusted: list[str], what: str
             raise Refused(f"{what}: {label} does not verify ({type(e).__name__}): refused") from None
         if stated.model_name != subject:
             raise Refused(f"{what}: {label} signs {str(stated.model_name)[:80]!r}, not {subject!r}: refused (a "
-                            "signature copied from elsewhere in the store)")
+                          "signature copied from elsewhere in the store)")
         out = {}
         for rd in stated.resource_descriptors():
             if rd.digest.algorithm != _HASH:
@@ -162,7 +162,7 @@ def verified_record(stored: dict[str, Any], subject: str, name: str, trusted: li
         if allow_unsigned:
             return content
         raise Refused(f"{where} is not signed: refused (a record written before signing, or its signature "
-                        "removed in the store); registry.allow_unsigned=true reads unsigned records")
+                      "removed in the store); registry.allow_unsigned=true reads unsigned records")
     signed = signed_digests(json.dumps(stored[RECORD_SIGNATURE]).encode(), subject, trusted, where,
                             label="its signature")
     if signed != {name: hashlib.sha256(_canonical(content)).hexdigest()}:

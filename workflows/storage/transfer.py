@@ -59,17 +59,23 @@ class ObjectChanged(Exception):
 
 def stream_to_file(src: Source, tmp: Path, chunk_size: int = CHUNK):
     """(sha256, bytes) of `src` streamed into `tmp` through its fsspec filesystem, fsynced."""
-    digest, n = hashlib.sha256(), 0
     with src.fs.open(src.path, "rb") as fin, open(tmp, "wb") as fout:
         etag = getattr(fin, "details", {}).get("ETag")
         if etag and etag.strip('"') != src.version:  # replaced between our stat and this open
             raise ObjectChanged
-        while chunk := fin.read(chunk_size):
-            digest.update(chunk)
-            fout.write(chunk)
-            n += len(chunk)
+        digest, n = copy_hashing(fin, fout, chunk_size)
         fout.flush()
         os.fsync(fout.fileno())
+    return digest, n
+
+
+def copy_hashing(fin, fout, chunk_size: int = CHUNK):
+    """(sha256, bytes) of what is copied from the open file `fin` into `fout`, hashed as it is written."""
+    digest, n = hashlib.sha256(), 0
+    while chunk := fin.read(chunk_size):
+        digest.update(chunk)
+        fout.write(chunk)
+        n += len(chunk)
     return digest, n
 
 

@@ -8,7 +8,6 @@ the embedded endpoint, whose fixed dummy keys protect nothing.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import uuid
@@ -182,7 +181,7 @@ def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str,
     as create-only claims, are not files) into `local_dir`; each copied file's sha256 by name, hashed as
     it is written (a signed version is checked against them without reading it again). A key's name
     comes from the store: one that is not a plain file name (`..`, `.`) is refused."""
-    from workflows.storage.transfer import CHUNK
+    from workflows.storage.transfer import copy_hashing
 
     fs, path = filesystem(uri, ctx)
     digests = {}
@@ -195,12 +194,8 @@ def download_dir(uri: str, ctx: StorageContext, local_dir: str, skip: tuple[str,
                 raise UserError(f"{uri} holds an object named {base!r}, which is no file name: not downloaded")
         for remote, base in found.items():
             if base not in skip:
-                digest = hashlib.sha256()
                 with fs.open(remote, "rb") as fin, open(os.path.join(local_dir, base), "wb") as fout:
-                    while chunk := fin.read(CHUNK):
-                        digest.update(chunk)
-                        fout.write(chunk)
-                digests[base] = digest.hexdigest()
+                    digests[base] = copy_hashing(fin, fout)[0].hexdigest()
     return digests
 
 

@@ -20,8 +20,8 @@ AUTO = "auto"
 
 
 def resolved(cfg: WorkflowConfig) -> tuple[WorkflowConfig, str | None]:
-    """(`cfg` with train.num_workers, cpus_per_worker and torch_threads chosen for the Ray cluster when
-    num_workers is auto, else as given; why, in words, when chosen)."""
+    """(`cfg` with train.num_workers and cpus_per_worker chosen for the Ray cluster when num_workers is auto,
+    else as given; why, in words, when chosen)."""
     if cfg.train.num_workers != AUTO:
         return cfg, None
     update, why = choose(cfg.train, _nodes())
