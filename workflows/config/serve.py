@@ -49,8 +49,13 @@ class GenerateConfig(Strict):
                            "answered 429 with Retry-After at once (never queued without bound)")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 for a full queue")
     timeout_s: float | None = Field(300.0, gt=0, description="each request's deadline from its arrival at the "
-                                    "engine: past it, waiting or generating, it ends with finish_reason \"timeout\" "
-                                    "and the text so far; null: no deadline")
+                                    "replica (planning its prompt and grammar counts): past it, waiting or "
+                                    "generating, it ends with finish_reason \"timeout\" and the text so far; null: "
+                                    "no deadline")
+    max_schema_bytes: int = Field(65536, ge=256, description="the largest JSON schema a request may send (each of "
+                                  "response_format's and tools' parameters, and all of them together, as compact "
+                                  "JSON): a larger one is a 400 naming the field (a grammar's compile time grows "
+                                  "with its schema)")
     prefill_chunk: int = Field(24, ge=1, description="while other requests decode, a step prefills at most "
                                "prefill_chunk prompt tokens plus one per decoding request, and prefill_chunk more "
                                "for each joining request beyond the decoding ones: long prompts are prefilled in "
@@ -131,6 +136,7 @@ class ServeConfig(Strict):
     demo_requests: int = Field(3, ge=0, description="requests the pipeline sends after deploying")
     alias_poll_s: float = Field(
         2.0, gt=0, description="how often `serve --model NAME@ALIAS` reads the alias, rolling the application over "
-        "to the version it moved to; and how long a replica keeps a request's NAME@ALIAS adapter resolved")
+        "to the version it moved to; and how long a replica keeps a request's NAME@ALIAS adapter resolved (or "
+        "unknown: a 404 without a registry read each time)")
     generate: GenerateConfig = GenerateConfig()
 

@@ -64,11 +64,13 @@ def build_api(server: "ModelServer") -> FastAPI:
         async def predict(request: Request):
             return await server.predict(request)
 
-    @api.get("/healthz", summary="Readiness: the model is loaded and the server is not stopping",
+    @api.get("/healthz", summary="Readiness: the model is loaded and answering, and the server is not stopping",
              responses=error_responses(503))
     async def healthz():
         if server.stopping:
             return server.stopping_response()
+        if (why := contract.unhealthy()) is not None:
+            return error_response(503, why)
         return {"status": "ok", "model": card.name, "version": card.version}
 
     if contract.card_route:

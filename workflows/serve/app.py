@@ -32,6 +32,7 @@ from workflows.tasks import check_task, task_for_card
 from workflows.tasks.contract import MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
+MAX_PINS = 1024  # NAME@ALIAS lookups a replica keeps (answers and failures)
 
 
 @serve.deployment
@@ -42,7 +43,8 @@ class ModelServer:
         for, when an alias chose it (`workflows serve` rolls the application over when the alias moves)."""
         self.cfg = WorkflowConfig.model_validate(cfg)
         self.served_as = served_as
-        self._pins: dict[str, tuple[str, float]] = {}  # NAME@ALIAS -> (NAME:VERSION, when read): `pin`
+        # NAME@ALIAS -> (NAME:VERSION, or the UserError of a failed lookup; when read): `pin`
+        self._pins: dict[str, tuple[str | UserError, float]] = {}
         self.storage = storage = StorageContext.from_config(self.cfg.storage)
         model_dir, _ = registry.fetch(self.cfg, storage, model_spec)
         self.card = registry.model_card(self.cfg, storage, model_spec)  # with evaluation metrics
@@ -75,6 +77,11 @@ class ModelServer:
         # torch releases the GIL: the loop parses and queues the next requests meanwhile
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, self.predictor.predict, rows)
 
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose contract can no longer answer is replaced."""
+        if (why := self.contract.unhealthy()) is not None:
+            raise RuntimeError(why)
+
     def guard(self, request: Request) -> JSONResponse | None:
         """What a task's own route answers first, if anything: 503 while stopping, 401 without the token."""
         return self.stopping_response() if self.stopping else denied(self.token, request)
@@ -95,18 +102,29 @@ class ModelServer:
         """A request's model NAME@ALIAS as the NAME:VERSION the alias holds (read from the registry at
         most once per serve.alias_poll_s; a task's adapter follows its alias so); the alias this
         replica was deployed for is its own version until the rollover replaces it; anything else as
-        it is. UserError for an alias that is not set."""
+        it is. A UserError naming the model only (`_unseen`) for an alias that is not set, kept as long as
+        an answer is (a client repeating an unknown name costs no listing each time)."""
         if "@" not in model:
             return model
         if model == self.served_as:
             return f"{self.card.name}:{self.card.version}"
         hit = self._pins.get(model)
-        if hit is not None and time.monotonic() - hit[1] < self.cfg.serve.alias_poll_s:
-            return hit[0]
-        ref = await asyncio.get_running_loop().run_in_executor(None, registry.resolve, self.cfg, self.storage, model)
-        pinned = f"{ref.name}:{ref.version}"
-        self._pins[model] = (pinned, time.monotonic())
-        return pinned
+        if hit is None or time.monotonic() - hit[1] >= self.cfg.serve.alias_poll_s:
+            hit = (await asyncio.get_running_loop().run_in_executor(None, self._resolve, model), time.monotonic())
+            if len(self._pins) >= MAX_PINS:  # names a client makes up must not grow it without bound
+                self._pins.pop(next(iter(self._pins)))
+            self._pins[model] = hit
+        if isinstance(hit[0], UserError):
+            raise hit[0]
+        return hit[0]
+
+    def _resolve(self, model: str) -> str | UserError:
+        try:
+            with _unseen(model):
+                ref = registry.resolve(self.cfg, self.storage, model)
+        except UserError as e:
+            return e
+        return f"{ref.name}:{ref.version}"
 
     def stopping_response(self) -> JSONResponse:
         # Connection: close makes the client drop its keep-alive connection before the proxy goes.

@@ -47,6 +47,11 @@ class HttpContract:
         `server.card`, and `server.fetch_model(spec)` (another registered version's local directory
         and card, blocking: call it off the event loop)."""
 
+    def unhealthy(self) -> str | None:
+        """Why the replica can no longer answer (its /healthz a 503, and Ray Serve's health check fails, so
+        Serve replaces it), or None."""
+        return None
+
     def parse(self, content_type: str | None, body: bytes) -> list[dict] | tuple[int, str]:
         raise NotImplementedError
 

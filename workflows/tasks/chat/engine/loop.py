@@ -16,17 +16,13 @@ weights are read once for the decode tokens and the prefill chunks together, no 
 another's length, and mixed adapters work as in any peft batch. `logits_to_keep` (a boolean per
 token) keeps the output head to the tokens whose next token is needed.
 
-Our own loop, not transformers' continuous batching (`model.init_continuous_batching`, 5.23): its
-manager takes one generation config and one seed for all requests (no per-request seed, so no
-repeatable sampling beside other requests), has no stop strings, runs one model where requests here
-pick a LoRA adapter each, and was measured at about half the tokens/s of static batching with plain
-`generate` on CPU (26 against 50 at 16 prompts, SmolLM2-135M), with a warm-up of several seconds. Its
-cache is discussed in workflows.tasks.chat.engine.cache.
-
 Every tensor the engine makes is made on the model's device, so the cache and the logits stay there;
 only the chosen token ids (and requested log probabilities) come back to the host, once per step.
 Detokenizing and stop strings run in the decode thread, bounded per token (TextState). Requests'
-tokens go back through their `Generation` (an async iterator, or `result()`).
+tokens go back through their `Generation` (an async iterator, or `result()`). A step's Exception fails
+the requests of that step and the engine goes on; anything else that ends the decode thread (a
+BaseException, such as a tokenizer's Rust panic) fails every pending request at once and leaves the
+engine `stopped`, which the replica's health check reports (workflows.tasks.chat.serving).
 """
 
 from __future__ import annotations
@@ -41,11 +37,20 @@ from typing import Any
 
 import torch
 
-from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, check_plan_used, use_slot_attention
+from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, use_slot_attention
+from workflows.tasks.chat.engine.device import model_device, model_dtype
+from workflows.tasks.chat.engine.forward import step_logits
 from workflows.tasks.chat.engine.linear import pack_linears
 from workflows.tasks.chat.engine.metrics import EngineMetrics, StepReport
 from workflows.tasks.chat.engine.params import SamplingParams
-from workflows.tasks.chat.engine.requests import Delta, Generation, PromptTooLong, QueueFull, TokenLogprob
+from workflows.tasks.chat.engine.requests import (
+    Delta,
+    EngineStopped,
+    Generation,
+    PromptTooLong,
+    QueueFull,
+    TokenLogprob,
+)
 from workflows.tasks.chat.engine.sampler import Sampler
 from workflows.tasks.chat.engine.scheduler import Row, Scheduler, StepTokens
 from workflows.tasks.chat.engine.text import TextState
@@ -56,25 +61,6 @@ PREFILL_CHUNK = 24  # defaults of serve.generate.prefill_chunk and max_prefill_t
 MAX_PREFILL_TOKENS = 512
 
 
-def model_device(model) -> torch.device:
-    """Where the model's weights are (a Hugging Face or peft model's `device`, else its first parameter's;
-    the CPU for a model without parameters)."""
-    device = getattr(model, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration, TypeError):
-        return torch.device("cpu")
-
-
-def model_dtype(model) -> torch.dtype:
-    try:
-        return next(model.parameters()).dtype
-    except (AttributeError, StopIteration, TypeError):
-        return torch.float32
-
-
 class Engine:
     """The decode loop over a causal LM; `submit` from any thread, `call` to change the model between
     steps (load or delete an adapter), `close` to stop.
@@ -83,7 +69,7 @@ class Engine:
     batch's free slots (one more is QueueFull); max_context: positions one request may use, its prompt
     and its answer (at most the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong
     beyond); prefill_chunk, max_prefill_tokens: the scheduler's prefill budgets per step; timeout_s:
-    each request's deadline from its submission ("timeout" after it); prepack: on a CPU, fp32 Linear
+    each request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
     layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
@@ -121,19 +107,48 @@ class Engine:
         self._cond = threading.Condition()
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._rows: list[Row] = []  # in the order they joined
+        self._joining: list[Generation] = []  # taken from the queue for the step running now
         self._closed = False
+        self.stopped: str | None = None  # why the decode thread ended, once it has
         self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
         self._thread.start()
 
     # --- callers' side ----------------------------------------------------------------------------
+    def admit(self, adapter: str | None = None) -> None:
+        """Count a request still being planned (template, tokens, grammar) as waiting, or raise QueueFull
+        at once: a replica at capacity refuses before it plans. Its `submit(admitted=True)`, or
+        `release` if it is refused meanwhile, ends the count."""
+        with self._cond:
+            self._refuse_if_full(adapter)
+            self.scheduler.planning += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self.scheduler.planning -= 1
+
     def submit(self, prompt: list[int], params: SamplingParams, adapter: str | None = None, *,
-               deadline: bool = True) -> Generation:
-        """Queue a request (`adapter`: a peft adapter's name; `deadline`: whether timeout_s applies, as it
-        does to a client's request; batch work that waits its turn goes without). Raises before any
-        compute: PromptTooLong (a ValueError) for a prompt over
-        max_prompt_tokens or leaving no room in the context, ValueError for an empty prompt or a
-        logit_bias outside the vocabulary, QueueFull when max_queue requests already wait beyond what the
-        batch has room for."""
+               deadline: bool = True, arrived: float | None = None, admitted: bool = False) -> Generation:
+        """Queue a request (`adapter`: a peft adapter's name; `deadline`: whether timeout_s applies, from
+        `arrived` (perf_counter; default now), as to a client's request, not to batch work that waits its
+        turn; `admitted`: counted by `admit`). Raises before any compute: PromptTooLong (a ValueError) for
+        a prompt over max_prompt_tokens or leaving no room in the context, ValueError for an empty prompt
+        or a logit_bias outside the vocabulary, QueueFull when max_queue requests already wait beyond what
+        the batch has room for, EngineStopped once the engine is closed or its thread has died."""
+        try:
+            gen = self._checked(prompt, params, adapter, self.timeout_s if deadline else None, arrived)
+        except BaseException:
+            if admitted:
+                self.release()
+            raise
+        with self._cond:
+            self.scheduler.planning -= admitted
+            self._refuse_if_full(adapter)
+            self.scheduler.waiting.append(gen)
+            self._cond.notify()
+        return gen
+
+    def _checked(self, prompt: list[int], params: SamplingParams, adapter: str | None, deadline_s: float | None,
+                 arrived: float | None) -> Generation:
         if not prompt:
             raise ValueError("the prompt is empty")
         n = len(prompt)
@@ -145,32 +160,31 @@ class Engine:
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias: token {max(params.logit_bias)} is not in the vocabulary "
                              f"(0..{self.vocab_size - 1})")
-        gen = Generation(self, list(prompt), params, adapter, self.timeout_s if deadline else None)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            if not self.scheduler.room(len(self._rows)):
-                self.metrics.rejected("queue_full", adapter)
-                raise QueueFull(len(self.scheduler.waiting), self.retry_after_s)
-            self.scheduler.waiting.append(gen)
-            self._cond.notify()
-        return gen
+        return Generation(self, list(prompt), params, adapter, deadline_s, arrived)
+
+    def _refuse_if_full(self, adapter: str | None) -> None:  # under the lock
+        if self._closed or self.stopped:
+            raise EngineStopped(self.stopped or "the engine is closed")
+        if not self.scheduler.room(len(self._rows)):
+            self.metrics.rejected("queue_full", adapter)
+            raise QueueFull(len(self.scheduler.waiting) + self.scheduler.planning, self.retry_after_s)
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` in the decode thread between two steps (the model is not in use then)."""
         fut: Future = Future()
         with self._cond:
-            if self._closed:
-                fut.set_exception(RuntimeError("the engine is closed"))
+            if self._closed or self.stopped:
+                fut.set_exception(EngineStopped(self.stopped or "the engine is closed"))
                 return fut
             self._commands.append((fn, fut))
             self._cond.notify()
         return fut
 
     def load(self) -> dict[str, int]:
-        """Requests in the batch and waiting (a snapshot)."""
+        """Requests in the batch, waiting, and admitted while being planned (a snapshot)."""
         with self._cond:
-            return {"running": len(self._rows), "waiting": len(self.scheduler.waiting)}
+            return {"running": len(self._rows), "waiting": len(self.scheduler.waiting),
+                    "planning": self.scheduler.planning}
 
     def close(self, timeout: float = 10) -> None:
         with self._cond:
@@ -184,6 +198,30 @@ class Engine:
 
     # --- the decode thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+            self._fail_pending(EngineStopped("the engine was closed"))
+        except BaseException as e:  # the thread ends: nothing pending may wait for it
+            log.critical("the engine's decode thread died: %r", e)
+            self.stopped = f"the engine's decode thread died ({type(e).__name__}); the replica must restart"
+            self._fail_pending(EngineStopped(self.stopped))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Fail every request in the batch or waiting, and every command queued: the thread is ending."""
+        with self._cond:
+            self._closed = True
+            pending = [g for g in [r.gen for r in self._rows] + self._joining if g.finish_reason is None]
+            pending += list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+            commands, self._commands = self._commands, []
+        for gen in pending:
+            gen.finish_reason = "error"
+            gen._push(error)
+        for _, fut in commands:
+            if not fut.done():
+                fut.set_exception(error)
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self.scheduler.waiting or self._rows or self._commands):
@@ -192,6 +230,7 @@ class Engine:
                     break
                 commands, self._commands = self._commands, []
                 cancelled, expired, joining = self.scheduler.take(self.cache.free_slots(), time.perf_counter())
+                self._joining = joining
             for fn, fut in commands:
                 try:
                     fut.set_result(fn())
@@ -222,12 +261,6 @@ class Engine:
                 self.metrics.step(report)
             except Exception:  # a watcher's failure is not the batch's
                 log.exception("engine metrics failed")
-        for gen in [r.gen for r in self._rows] + list(self.scheduler.waiting):
-            gen._push(RuntimeError("the engine was closed"))
-        with self._cond:  # commands queued but never run: their callers must not wait forever
-            commands, self._commands = self._commands, []
-        for _, fut in commands:
-            fut.set_exception(RuntimeError("the engine was closed"))
 
     def _join(self, joining: list[Generation], report: StepReport) -> None:
         """Give each joining request a slot and its row (or end it: cancelled, adapter gone, bad settings)."""
@@ -265,7 +298,7 @@ class Engine:
         use_slot_attention(self.model)  # a command may have wrapped the model (peft) or unwrapped it
         step = self.scheduler.plan(self._rows, BASE)
         plan = self.cache.plan(step.slots, step.positions, step.decode, [(first, n) for _, first, n in step.prefills])
-        logits = self._forward(step, plan)
+        logits = step_logits(self.model, self.device, step, plan)
         stats = self.stats
         stats["steps"] += 1  # a row that ends now ends at this count, one that joins next starts there
         for row, _, n in step.prefills:
@@ -284,22 +317,6 @@ class Engine:
         stats["decode_tokens"] += report.decode_tokens
         log.debug("step: %d decoding, %d prompt tokens, %.1f ms", len(step.decoding), report.prefill_tokens,
                   1000 * (time.perf_counter() - t0))
-
-    def _forward(self, step: StepTokens, plan) -> torch.Tensor:
-        """Logits [tokens kept, vocab] of the step's tokens, in one forward (see the module docstring)."""
-        device = self.device
-        keep = torch.tensor(step.keep, device=device)[:, None]
-        kwargs: dict[str, Any] = {}
-        if getattr(self.model, "peft_config", None):  # a peft model: each token's adapter (or none)
-            kwargs["adapter_names"] = step.adapters
-        out = self.model(input_ids=torch.tensor(step.ids, device=device)[:, None],
-                         position_ids=torch.tensor(step.positions, device=device)[:, None], use_cache=False,
-                         logits_to_keep=keep, slot_plan=plan, **kwargs)
-        check_plan_used(plan)
-        logits = out.logits
-        if logits.dim() == 3:  # a model that slices its logits itself: [tokens, 1, vocab]
-            logits = logits[:, -1][keep[:, 0]]
-        return logits
 
     def _sample(self, step: StepTokens, logits: torch.Tensor, report: StepReport) -> None:
         """Choose the next token of each row that needs one, and advance those rows."""

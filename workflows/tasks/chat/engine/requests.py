@@ -36,6 +36,10 @@ class PromptTooLong(ValueError):
     OpenAI's code context_length_exceeded); raised before any compute."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine's decode thread has stopped (closed, or died): no request is taken (HTTP 503)."""
+
+
 class ModelNotFound(LookupError):
     """A request's "model" is neither the served one nor an adapter of it (HTTP 404)."""
 
@@ -66,7 +70,7 @@ class Generation:
     """One request: iterate it (async) for its deltas, or wait for all (`result`); `cancel` ends it."""
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, adapter: str | None,
-                 deadline_s: float | None = None):
+                 deadline_s: float | None = None, arrived: float | None = None):
         self.id = next(engine._ids)
         self.prompt, self.params, self.adapter = prompt, params, adapter
         self.prompt_tokens, self.completion_tokens = len(prompt), 0
@@ -75,7 +79,8 @@ class Generation:
         # perf_counter() at submit, first token sampled, end: time to first token and tokens/s for benchmarks
         self.times: dict[str, float] = {"submitted": time.perf_counter()}
         self.token_times: list[float] = []  # perf_counter() as each token was sampled: inter-token latency
-        self.deadline = self.times["submitted"] + deadline_s if deadline_s else None  # perf_counter() seconds
+        # perf_counter() seconds: from the request's arrival (before its planning), else its submission
+        self.deadline = (arrived or self.times["submitted"]) + deadline_s if deadline_s else None
         self.finish_reason: str | None = None
         self.cancelled = False
         self._engine = engine

@@ -13,8 +13,8 @@ vocabulary only where the nucleus is that wide), rather than sorting every row's
 
 Log probabilities come from the distribution the token was drawn from: log_softmax of the processed
 logits for a greedy row; the temperature-scaled distribution, renormalized over top_p's nucleus, for a
-sampled row. A row whose processing fails (its constraint raised, or it allows no token) gets its
-exception instead of a token; the other rows are unaffected.
+sampled row. A row whose processing fails (the model's logits for it are not finite, its constraint
+raised, or it allows no token) gets its exception instead of a token; the other rows are unaffected.
 """
 
 from __future__ import annotations
@@ -69,7 +69,12 @@ class Sampler:
         are float32): a (token, TokenLogprob or None) per row, or the exception that row's choice raised."""
         logits = logits.float()
         n = len(rows)
-        failed: dict[int, BaseException] = {}
+        # a NaN or +inf anywhere, or no finite logit, is a broken row (an adapter with NaN weights or a huge
+        # scale): it fails alone; -inf alone is a model's own mask and is kept
+        broken = (torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isinf(logits).all(-1)).tolist()
+        failed: dict[int, BaseException] = {i: NonFinite("the model's logits for this request are not finite (NaN "
+                                                         "or inf): its adapter's weights or scale may be broken")
+                                            for i, bad in enumerate(broken) if bad}
         biased = [i for i, r in enumerate(rows) if r.bias_ids is not None]
         if biased:
             r_idx = torch.cat([torch.full_like(rows[i].bias_ids, i) for i in biased])  # type: ignore[arg-type]
@@ -85,7 +90,7 @@ class Sampler:
             pres = torch.tensor([rows[i].params.presence_penalty for i in penalized], device=self.device)[:, None]
             logits.index_copy_(0, idx, logits.index_select(0, idx) - counts * freq - (counts > 0).float() * pres)
         for i, r in enumerate(rows):
-            if r.params.constraint is not None:
+            if r.params.constraint is not None and i not in failed:
                 try:
                     r.params.constraint.mask(logits[i])
                 except Exception as e:  # that row's alone
@@ -238,6 +243,10 @@ class Sampler:
                     err = e
             out.append(err)
         return out
+
+
+class NonFinite(RuntimeError):
+    """A row's logits hold NaN or +inf (or nothing finite): that request fails, the others go on."""
 
 
 TokenChoiceOrError = tuple[int, TokenLogprob | None] | BaseException

@@ -85,11 +85,12 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self.waiting: deque[Generation] = deque()
+        self.planning = 0  # requests admitted but still being planned (template, tokens, grammar): they wait too
 
     def room(self, running: int) -> bool:
         """Whether one more request may wait: a request the batch can take at its next step does not
-        count against max_queue."""
-        return len(self.waiting) < self.max_queue + max(0, self.max_batch - running)
+        count against max_queue; one still being planned does."""
+        return len(self.waiting) + self.planning < self.max_queue + max(0, self.max_batch - running)
 
     def take(self, free_slots: int, now: float) -> tuple[list[Generation], list[Generation], list[Generation]]:
         """(cancelled, expired, joining) among the waiting: the cancelled and those past their deadline

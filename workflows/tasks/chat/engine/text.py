@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_PENDING = 8  # tokens without new text before they are read anyway: a UTF-8 character is at most 4 bytes
+
 
 @dataclass
 class TextState:
@@ -14,8 +16,10 @@ class TextState:
     window (from `prefix` to the end) and keeps its new characters once they no longer end in U+FFFD.
     `emitted` counts the characters handed out: text that may still be the start of a stop string waits.
 
-    Bounded per token: the window is a few tokens, a stop string is searched for only where it could end
-    in the new text, and the text held back is at most the longest stop string (whose length the server
+    Bounded per token: the window is a few tokens (tokens that give no text, such as special tokens
+    skipped, or bytes that never complete a character, are read anyway once MAX_PENDING of them wait:
+    as text, U+FFFD included, or as nothing), a stop string is searched for only where it could end in
+    the new text, and the text held back is at most the longest stop string (whose length the server
     caps: serve.generate.max_stop_chars)."""
 
     stop: tuple[str, ...]
@@ -31,7 +35,7 @@ class TextState:
         self.ids.append(token)
         before = tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
         window = tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if len(window) <= len(before) or window.endswith("\ufffd"):
+        if (len(window) <= len(before) or window.endswith("\ufffd")) and len(self.ids) - self.read < MAX_PENDING:
             return  # a character still incomplete (or a special token): wait for the next token
         start = len(self.text)
         self.text += window[len(before):]

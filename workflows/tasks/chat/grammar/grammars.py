@@ -15,7 +15,10 @@ schema exactly (a keyword llguidance does not implement is a 400 naming it); oth
 are ignored and the rest of the schema still constrains.
 
 Each request (each choice of one) gets its own matcher, deep-copied from a compiled one kept per grammar
-text (an app sends the same schema again and again); rows without a constraint are untouched.
+text (an app sends the same schema again and again); a grammar that failed to compile is kept too, so a
+client resending it costs a lookup. Each grammar is compiled once, with llguidance's limits set below its
+defaults (LIMITS: a mask step's lexer work and Earley items, the lexer's states, the grammar's size), and
+llguidance releases the GIL while it compiles or computes a mask. Rows without a constraint are untouched.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from workflows.tasks.chat.grammar.token_text import TokenText
 # llguidance's JSON options: compact, Python's separators
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_ERROR_CHARS = 300
+# llguidance's ParserLimits (defaults in its docs): a mask step at most ~50k lexer fuel and 20k Earley items
+# (a few ms, not the default's ~15 ms, in the decode thread beside every other row), 100k lexer states, a
+# grammar of 200k symbols; verbose errors off (the message names the failure, not the parser's state)
+LIMITS = {"step_lexer_fuel": 50_000, "step_max_items": 20_000, "max_lexer_states": 100_000,
+          "max_grammar_size": 200_000, "verbose_errors": False}
 
 
 class GrammarError(ValueError):
@@ -101,28 +109,37 @@ class Grammars:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         except (ValueError, RuntimeError):  # a slow tokenizer, or a decoder llguidance does not know
             self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary(tokenizer, vocab_size, eos)))
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> matcher, or its error text
         self._cache, self._lock = cache, threading.Lock()
+        self.compiles = 0  # grammars compiled (not found in the cache): for tests
 
-    def constraint(self, grammar: str, param: str) -> GrammarConstraint:
-        """A fresh constraint (its own matcher state) for `grammar`; GrammarError if it does not compile."""
+    def compiled(self, grammar: str, param: str) -> Any:
+        """`grammar`'s compiled matcher (from the cache, or compiled now, once); GrammarError naming `param`
+        if it does not compile (kept as well: the same text is refused again without compiling)."""
         with self._lock:
             matcher = self._compiled.get(grammar)
             if matcher is not None:
                 self._compiled.move_to_end(grammar)
         if matcher is None:
-            from llguidance import LLMatcher
+            from llguidance import LLMatcher, LLParserLimits
 
-            error = LLMatcher.validate_grammar(grammar, self.tokenizer)
-            if error:
-                raise GrammarError(f"{param}: {error[:MAX_ERROR_CHARS]}", param)
-            matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
-            if matcher.is_error():
-                raise GrammarError(f"{param}: {matcher.get_error()[:MAX_ERROR_CHARS]}", param)
+            self.compiles += 1
+            compiled = LLMatcher(self.tokenizer, grammar, limits=LLParserLimits(**LIMITS), log_level=0)
+            matcher = compiled.get_error()[:MAX_ERROR_CHARS] if compiled.is_error() else compiled
             with self._lock:
                 self._compiled[grammar] = matcher
                 while len(self._compiled) > self._cache:
                     self._compiled.popitem(last=False)
+        if isinstance(matcher, str):
+            raise GrammarError(f"{param}: {matcher}", param)
+        return matcher
+
+    def constraint(self, grammar: str, param: str) -> GrammarConstraint:
+        """A fresh constraint (its own matcher state) for `grammar`; GrammarError if it does not compile."""
+        return self.fresh(self.compiled(grammar, param))
+
+    def fresh(self, matcher) -> GrammarConstraint:
+        """A constraint of its own (a copy of the compiled matcher's start state)."""
         return GrammarConstraint(matcher.deep_copy(), self.vocab_size)
 
 

@@ -1,6 +1,7 @@
 """The chat wing's OpenAI-compatible API: what a served chat model answers over HTTP.
 
-It owns OpenAI's request bodies, every field honoured or refused (`protocol`); the routes mounted on the
+It owns OpenAI's request bodies, every field honoured or refused, every list bounded (`protocol`, its
+messages, tools and response formats in `parts`); the routes mounted on the
 replica's app, their errors in OpenAI's shape and the multiplexed loading of adapters (`routes`); a
 request turned into the engine's rows (`plan`: prompts, each choice's SamplingParams and grammar); tool
 calls through the chat template and read back from the answer (`tools`); and the answer in OpenAI's

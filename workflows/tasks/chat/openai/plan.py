@@ -1,7 +1,10 @@
-"""What one request asks of the engine: its prompts' token ids, each choice's SamplingParams (a grammar
-constraint of its own included), and how its answer is shaped. Built off the event loop, in the tokenizing
-thread of the served model's `prompts` (workflows.tasks.chat.serving.prompts, which `prompts` below
-stands for): rendering a template, tokenizing and compiling a grammar take milliseconds to a second.
+"""What one request asks of the engine: its prompts' token ids, each choice's SamplingParams, the grammar
+its choices are constrained by (text, and the field it comes from), and how its answer is shaped. Built
+off the event loop, in the tokenizing thread of the served model's `prompts`
+(workflows.tasks.chat.serving.prompts, which `prompts` below stands for): rendering a template and
+tokenizing take milliseconds. The grammar is compiled after, in a thread of its own (`prompts.constraints`),
+so that a request without one never waits behind another's compile; its schemas are at most
+serve.generate.max_schema_bytes (each, and together), which bounds that compile.
 
 Choices: n per prompt, each a row of its own (prompt-major: prompt p's choice j is choice p * n + j),
 choice j seeded with seed + j (modulo 2^64), so one seed gives n different samples and the same n again.
@@ -17,6 +20,7 @@ Constraints (workflows.tasks.chat.grammar), in order:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -43,6 +47,7 @@ class Plan:
     prompts: list[list[int]]  # token ids, one list per prompt
     params: list[SamplingParams]  # one per choice (row), prompt-major
     shape: AnswerShape
+    grammar: tuple[str, str] | None = None  # (llguidance grammar, the request field it comes from)
 
 
 def base_params(req: GenerateRequest, gen: GenerateConfig, vocab: int, logprobs: int | None) -> SamplingParams:
@@ -82,24 +87,38 @@ def seeded(params: SamplingParams, j: int) -> SamplingParams:
 
 def chat_plan(prompts, req: ChatRequest, gen: GenerateConfig) -> Plan:
     n = rows(req, gen, 1)
+    check_schema_sizes(req, gen)
     mode, callable_ = req.tool_mode()
     shown = [t.model_dump(exclude_none=True) for t in req.tools or []] if mode != "none" else []
     ids = prompts.chat_ids([m.as_template_input() for m in req.messages], shown or None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = base_params(req, gen, prompts.vocab_size, logprobs)
     text = constraint_grammar(req, mode, callable_)
-    choices = []
-    for j in range(n):
-        p = seeded(params, j)
-        if text is not None:
-            p = replace(p, constraint=prompts.grammars().constraint(*text))
-        choices.append(p)
     shape = AnswerShape(logprobs=logprobs is not None, token_text=prompts.token_text if logprobs is not None
                         else None, eos=frozenset(prompts.eos), choices_per_prompt=n,
                         tools={t.function.name for t in callable_} if mode != "none" else None,
                         parallel_tool_calls=req.parallel_tool_calls is not False,
                         obfuscation=bool(req.stream_options and req.stream_options.include_obfuscation))
-    return Plan([ids], choices, shape)
+    return Plan([ids], [seeded(params, j) for j in range(n)], shape, text)
+
+
+def check_schema_sizes(req: ChatRequest, gen: GenerateConfig) -> None:
+    """Each schema of the request (response_format's, each tool's parameters), and all together, within
+    serve.generate.max_schema_bytes as compact JSON, or a 400 naming the field."""
+    limit, total = gen.max_schema_bytes, 0
+    schemas = [(f"tools.{i}.function.parameters", t.function.parameters) for i, t in enumerate(req.tools or [])]
+    if isinstance(req.response_format, JsonSchemaFormat):
+        schemas.append(("response_format.json_schema.schema", req.response_format.json_schema.schema_))
+    for field, schema in schemas:
+        size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode()) if schema else 0
+        total += size
+        if size > limit:
+            raise BadRequest(f"{field}: the schema is {size} bytes as compact JSON; this server takes at most "
+                             f"{limit} (serve.generate.max_schema_bytes)", field)
+    if total > limit:
+        field = "tools" if req.tools else "response_format"
+        raise BadRequest(f"{field}: the request's schemas are {total} bytes together as compact JSON; this server "
+                         f"takes at most {limit} (serve.generate.max_schema_bytes)", field)
 
 
 def constraint_grammar(req: ChatRequest, mode: str, callable_: list) -> tuple[str, str] | None:

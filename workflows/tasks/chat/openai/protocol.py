@@ -1,205 +1,49 @@
 """OpenAI's chat and text completion request bodies, as this server reads them: every field of OpenAI's
 API is declared, and is either honoured or refused with a 400 that names it; a field OpenAI does not
 define is a 400 too (never dropped). `null` means the default wherever OpenAI allows it. What each field
-does here: docs/guides/serve.md (chat models).
+does here: docs/guides/serve.md (chat models). Messages, tools and response formats: parts.py.
 
-Limits that depend on the server (serve.generate: max_tokens, max_n; the vocabulary for logit_bias and
-token-id prompts) are checked by the route, workflows.tasks.chat.openai.routes.
+Every list a body may hold is bounded (messages, content parts, tools, allowed tools, tool calls, stop
+strings, logit_bias, prompts) before its items are validated, so that a body costs about what parsing its
+JSON costs, whatever it holds (docs/guides/serve.md). Limits that depend on the server (serve.generate:
+max_tokens, max_n, max_schema_bytes; the vocabulary for logit_bias and token-id prompts) are checked by
+the route, workflows.tasks.chat.openai.routes.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from workflows.tasks.chat.engine import MAX_LOGPROBS
+from workflows.tasks.chat.openai.parts import (
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    MAX_STOPS,
+    MAX_TOOLS,
+    AllowedToolsChoice,
+    BadRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    Message,
+    NamedToolChoice,
+    ResponseFormat,
+    StreamOptions,
+    Strict,
+    Tool,
+    ToolChoice,
+    bounded,
+    unsupported,
+)
+
+__all__ = ["AllowedToolsChoice", "BadRequest", "ChatRequest", "CompletionRequest", "GenerateRequest",
+           "JsonObjectFormat", "JsonSchemaFormat", "Message", "NamedToolChoice", "Tool"]
 
 INT64 = 2**63
-NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-
-
-class BadRequest(ValueError):
-    """A request this server refuses: an HTTP 4xx with OpenAI's error body naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def unsupported(message: str):
-    """A field OpenAI defines that this server does not honour: absent or null only."""
-    def check(v):
-        if v is not None:
-            raise ValueError(message)
-        return v
-    return check
-
-
-# --- messages ----------------------------------------------------------------------------------------------
-
-
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
-class RefusalPart(Strict):
-    type: Literal["refusal"]
-    refusal: str
-
-
-Part = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
-
-
-class FunctionCall(Strict):
-    name: str = Field(..., min_length=1)
-    arguments: str = Field(..., description="JSON text of an object")
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        try:
-            value = json.loads(v)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError("must be the JSON text of an object")
-        return v
-
-
-class ToolCall(Strict):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Part] | None = Field(None, description="text, or text parts (no images: a text model)")
-    name: str | None = Field(None, description="the participant's name, passed to the chat template")
-    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
-    tool_call_id: str | None = Field(None, description="the call a tool message answers")
-    refusal: str | None = None
-    audio: Any = None
-    function_call: Any = None
-
-    _audio = field_validator("audio")(unsupported("audio is not supported (a text model)"))
-    _function_call = field_validator("function_call")(unsupported("deprecated by OpenAI: use tool_calls"))
-
-    @model_validator(mode="after")
-    def _roles(self) -> Message:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("tool_calls: only an assistant message has tool calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("tool_call_id: a tool message names the call it answers")
-        if self.role != "tool" and self.tool_call_id is not None:
-            raise ValueError("tool_call_id: only a tool message answers a call")
-        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
-            raise ValueError("content: required (null only for an assistant message with tool_calls)")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return self.refusal or ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
-
-    def as_template_input(self) -> dict:
-        """The message as a chat template reads it (developer is system; tool calls as OpenAI's dicts)."""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-# --- tools and structured output -----------------------------------------------------------------------------
-
-
-def _name(v: str) -> str:
-    if not NAME.match(v):
-        raise ValueError("letters, digits, _ and -, at most 64")
-    return v
-
-
-Name = Annotated[str, AfterValidator(_name), Field(description="^[a-zA-Z0-9_-]{1,64}$")]
-
-
-class FunctionDef(Strict):
-    name: Name
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
-    strict: bool | None = Field(None, description="compile the parameters schema exactly (else unknown keywords "
-                                "are ignored)")
-
-
-class Tool(Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(Strict):
-    name: str
-
-
-class NamedToolChoice(Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class AllowedTools(Strict):
-    mode: Literal["auto", "required"]
-    tools: list[NamedToolChoice] = Field(..., min_length=1)
-
-
-class AllowedToolsChoice(Strict):
-    type: Literal["allowed_tools"]
-    allowed_tools: AllowedTools
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
-
-
-class JsonSchemaSpec(Strict):
-    name: Name
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema (absent: any JSON)")
-    strict: bool | None = Field(None, description="compile the schema exactly (else unknown keywords are ignored)")
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class TextFormat(Strict):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(Strict):
-    type: Literal["json_object"]
-
-
-class JsonSchemaFormat(Strict):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
-
-
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
-
-
-class StreamOptions(Strict):
-    include_usage: bool | None = Field(None, description="a last chunk with the usage (and choices [])")
-    include_obfuscation: bool | None = Field(None, description="each delta chunk carries an `obfuscation` field "
-                                             "of random characters (normalizes payload sizes)")
+TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() takes '²' and '٣' too
 
 
 # --- requests ------------------------------------------------------------------------------------------------
@@ -217,23 +61,27 @@ class GenerateRequest(Strict):
     n: int | None = Field(None, ge=1, description="choices, each its own row (at most serve.generate.max_n)")
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="repeatable sampling; choice i is seeded "
                              "with seed + i")
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as text) -> bias, -100..100")
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
+                                                description="token id (as text) -> bias, -100..100")
     user: str | None = Field(None, description="an end-user id; does not change the answer")
     ignore_eos: bool | None = Field(None, description="not OpenAI's (vLLM's and llama.cpp's): generate past the "
                                     "end-of-sequence token, up to max_tokens or a stop string (fixed lengths, for "
                                     "benchmarks)")
 
+    _lists = bounded("stop", limit=MAX_STOPS)
+    _bias_entries = bounded("logit_bias", limit=MAX_LOGIT_BIAS)
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys are token ids, not {key[:20]!r}")
+            if not TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys are token ids (ASCII digits), not {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases are between -100 and 100, not {bias}")
         return v
@@ -259,18 +107,18 @@ class GenerateRequest(Strict):
 
 
 class ChatRequest(GenerateRequest):
-    messages: list[Message] = Field(..., min_length=1)
+    messages: list[Message] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="max_tokens' newer name")
     logprobs: bool | None = Field(None, description="each content token's logprob")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: that many most "
                                      "likely alternatives per token")
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = Field(None, max_length=128)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="default true; false: at most one call")
     store: bool | None = Field(None, description="false only: completions are not stored")
-    metadata: dict[str, str] | None = Field(None, description="tags for a stored completion; does not change the "
-                                            "answer")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="tags for a stored completion; does "
+                                            "not change the answer")
     service_tier: Literal["auto", "default"] | None = None
     modalities: list[Literal["text"]] | None = None
     safety_identifier: str | None = Field(None, description="an end-user id; does not change the answer")
@@ -290,6 +138,9 @@ class ChatRequest(GenerateRequest):
     _search = field_validator("web_search_options")(unsupported("web search is not supported"))
     _functions = field_validator("functions")(unsupported("deprecated by OpenAI: use tools"))
     _function_call = field_validator("function_call")(unsupported("deprecated by OpenAI: use tool_choice"))
+    _messages = bounded("messages", limit=MAX_MESSAGES)
+    _tools = bounded("tools", limit=MAX_TOOLS)
+    _metadata_keys = bounded("metadata", limit=16)
 
     @field_validator("store")
     @classmethod
@@ -343,7 +194,8 @@ class ChatRequest(GenerateRequest):
 
 
 class CompletionRequest(GenerateRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | list[int] | Annotated[
+            list[list[int]], Field(max_length=MAX_PROMPTS)] = Field(
         ..., description="a prompt, or several (n choices each): text, or token ids")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and that many "
                                  "most likely alternatives")
@@ -352,6 +204,20 @@ class CompletionRequest(GenerateRequest):
     suffix: Any = None
 
     _suffix = field_validator("suffix")(unsupported("insertion (suffix) is not supported"))
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, v):
+        """Several prompts at most MAX_PROMPTS; one prompt of token ids (bounded by the body's size) all
+        integers, checked here once rather than by each member of the union, item by item."""
+        if not isinstance(v, list) or not v:
+            return v
+        if isinstance(v[0], int) and not isinstance(v[0], bool):
+            if not all(type(t) is int for t in v):
+                raise ValueError("a prompt of token ids holds integers only")
+        elif len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts, not {len(v)}")
+        return v
 
     @field_validator("prompt")
     @classmethod

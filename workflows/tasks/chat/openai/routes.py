@@ -13,26 +13,30 @@ serve.generate.timeout_s passed, with the text so far) and `usage`. A bad reques
 OpenAI's error body, {"error": {"message", "type", "param", "code"}}: a prompt over
 serve.generate.max_prompt_tokens (or the model's context) a 400 with code context_length_exceeded,
 before any compute; more than 4 stop strings, or one over serve.generate.max_stop_chars, a 400 naming
-`stop`. A full engine queue is a 429 with Retry-After, at once; an adapter unloaded under the request a
-503 with Retry-After; a generation the engine failed a 500 (a stream sends the error as its last event
-before `data: [DONE]`); a failure to prefill or sample one request fails it alone. A client that
-disconnects ends its own generations only. The bearer token, the drain on shutdown (503 once stopping,
+`stop`. A full engine queue is a 429 with Retry-After, at once, before the request is planned (requests
+being planned count as waiting; serve.generate.timeout_s counts from arrival); an adapter unloaded under
+the request, or an engine that has stopped, a 503 with Retry-After; a generation the engine failed a
+500 (a stream sends the error as its last event before `data: [DONE]`); a failure to prefill or sample
+one request (non-finite logits included) fails it alone. A client that disconnects ends its own
+generations only. The bearer token, the drain on shutdown (503 once stopping,
 open streams finish) and the request metrics apply as to every route of the app; the engine's own
 metrics are workflows.tasks.chat.serving.metrics'.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request  # at module level: FastAPI resolves the routes' string annotations here
 from pydantic import BaseModel, ValidationError
 
 from workflows.errors import UserError
-from workflows.tasks.chat.engine import ModelNotFound, PromptTooLong, QueueFull
+from workflows.tasks.chat.engine import EngineStopped, ModelNotFound, PromptTooLong, QueueFull
 from workflows.tasks.chat.grammar import GrammarError
 from workflows.tasks.chat.openai.plan import chat_plan, text_plan
 from workflows.tasks.chat.openai.protocol import BadRequest, ChatRequest, CompletionRequest, Message
@@ -109,10 +113,22 @@ async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES
         if size > limit:
             raise BadRequest(f"the body is over {limit} bytes", status=413)
         body.append(chunk)
+    # json.loads, then the model over Python objects: pydantic's own JSON mode builds each list's items again
+    # for a union member or a validator that runs first (20,000 allowed_tools cost 0.5 s so, 30 ms here), and
+    # every list is bounded before its items are validated (protocol.bounded). Both run without the garbage
+    # collector, which a body of many small objects otherwise sets off again and again over the replica's
+    # whole heap (1 MiB of nested arrays: 150-350 ms with it, 27 ms without): benchmarks.request_bodies
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
-        return model.model_validate_json(b"".join(body))
+        return model.model_validate(json.loads(b"".join(body)))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
     except ValidationError as e:
         raise validation_error(e) from None
+    finally:
+        if gc_was_on:
+            gc.enable()
 
 
 # --- the contract -------------------------------------------------------------------------------------
@@ -136,6 +152,11 @@ class OpenAIContract(HttpContract):
 
     def __init__(self, card, gen: GenerateConfig):
         self.card, self.gen = card, gen
+        self.engine = None  # the replica's engine, once the routes are mounted
+
+    def unhealthy(self) -> str | None:
+        """The engine's decode thread has died (a request's tokenizer panicked): nothing can be answered."""
+        return self.engine.stopped if self.engine is not None else None
 
     def openapi(self, document: dict, path: str) -> dict:
         """Declare the request bodies of the routes, which read them themselves (for OpenAI's error shape)."""
@@ -186,7 +207,7 @@ class OpenAIContract(HttpContract):
 
         predictor = server.predictor
         # the model loads now (the replica is healthy once it can answer), its figures go to Prometheus
-        engine = predictor.start_http() if predictor is not None else None
+        engine = self.engine = predictor.start_http() if predictor is not None else None
         adapters = Adapters(server)
 
         async def load_adapter(model_id: str) -> AdapterRef:  # a function: Serve keeps its cache on it
@@ -225,16 +246,18 @@ class OpenAIContract(HttpContract):
             return await self.generate(request, "text", server, loader, engine)
 
     async def generate(self, request: Request, kind: str, server, loader, engine):
-        """One chat ("chat") or text ("text") completion: the body read and planned off the event loop, its
-        adapter loaded through Serve's multiplexing (`loader`), its rows submitted to the engine, and the
-        answer handed to a Completion (which ends the request's count in flight and of its adapter)."""
+        """One chat ("chat") or text ("text") completion: the body read, admitted by the engine (or a 429),
+        planned off the event loop (its grammar compiled in a thread of its own), its adapter loaded
+        through Serve's multiplexing (`loader`), its rows submitted to the engine, and the answer handed to
+        a Completion (which ends the request's count in flight and of its adapter)."""
         from ray import serve
 
+        arrived = time.perf_counter()  # the request's deadline counts from here
         if (refused := server.guard(request)) is not None:
             return as_openai_error(refused)
         predictor = server.predictor
         server.in_flight += 1  # until the answer ends (workflows.serve.drain waits on it): Completion.finish
-        handed = False
+        handed = admitted = False
         try:
             req = await read_json(request, ChatRequest if kind == "chat" else CompletionRequest)
             model_id = predictor.adapters.resolve(await pinned(server, req.model))
@@ -242,8 +265,13 @@ class OpenAIContract(HttpContract):
             if header and header != (model_id or predictor.base_id) and header != req.model:
                 raise BadRequest(f"the serve_multiplexed_model_id header ({header[:80]}) is not the body's "
                                  f"model ({req.model[:80]})", "model")
+            predictor.engine.admit()  # QueueFull at capacity, before any planning
+            admitted = True
             planner = chat_plan if kind == "chat" else text_plan
             plan = await predictor.prompts.encode(lambda r: planner(predictor.prompts, r, self.gen), req)
+            if plan.grammar is not None:
+                constraints = await predictor.prompts.constraints(*plan.grammar, len(plan.params))
+                plan.params = [replace(p, constraint=c) for p, c in zip(plan.params, constraints)]
             adapter = None
             if model_id is not None:
                 adapter = await loader(model_id)  # multiplexed: loaded once, least recently used unloaded
@@ -252,8 +280,10 @@ class OpenAIContract(HttpContract):
             try:
                 n = plan.shape.choices_per_prompt
                 for i, params in enumerate(plan.params):
+                    first, admitted = admitted, False  # the first submit ends the admission's count
                     gens.append(predictor.engine.submit(plan.prompts[i // n], params,
-                                                        adapter.name if adapter else predictor.served_adapter))
+                                                        adapter.name if adapter else predictor.served_adapter,
+                                                        arrived=arrived, admitted=first))
             except BaseException:
                 for g in gens:
                     g.cancel()
@@ -271,11 +301,15 @@ class OpenAIContract(HttpContract):
             return error(404, str(e), "model", "model_not_found")
         except QueueFull as e:
             return error(429, str(e), code="server_busy", headers={"Retry-After": str(e.retry_after_s)})
+        except EngineStopped as e:  # the decode thread died: the health check restarts the replica
+            return error(503, str(e), code="engine_stopped", headers={"Retry-After": "5"})
         except PromptTooLong as e:
             return error(400, str(e), "messages" if kind == "chat" else "prompt", "context_length_exceeded")
         except ValueError as e:  # no chat template, a logit_bias outside the vocabulary
             return error(400, str(e), "messages" if kind == "chat" else "prompt")
         finally:
+            if admitted:
+                predictor.engine.release()
             if not handed:
                 server.in_flight -= 1
         return completion.stream_response() if req.stream else await completion.json_response()
@@ -295,16 +329,23 @@ class Adapters:
 
     def __init__(self, server):
         self.server = server
+        self._missing: dict[str, tuple[str, float]] = {}  # model id -> (why it cannot be read, when): kept briefly
 
     async def load(self, model_id: str) -> AdapterRef:
         import asyncio
 
         predictor = self.server.predictor
         loop = asyncio.get_running_loop()
+        missing = self._missing.get(model_id)
+        if missing is not None and time.monotonic() - missing[1] < self.server.cfg.serve.alias_poll_s:
+            raise ModelNotFound(missing[0])  # a client repeating an unknown version costs no registry read
         try:  # the card first: nothing is downloaded for a version this replica cannot serve
             card = await loop.run_in_executor(None, self.server.read_card, model_id)
         except Exception as e:  # the registry's UserError: no such model or version
-            raise ModelNotFound(str(e).splitlines()[0]) from None
+            if len(self._missing) >= 1024:
+                self._missing.pop(next(iter(self._missing)))
+            self._missing[model_id] = (str(e).splitlines()[0], time.monotonic())
+            raise ModelNotFound(self._missing[model_id][0]) from None
         # off the loop: a served whole model's base is identified by hashing its weights, once
         await loop.run_in_executor(None, predictor.adapters.check_card, model_id, card)
         try:

@@ -20,14 +20,18 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from workflows.tasks.chat.engine import Delta, Generation
+from workflows.tasks.chat.engine import Delta, EngineStopped, Generation
 from workflows.tasks.chat.openai.choices import AnswerShape, Choice
 
 
 def engine_error(e: Exception, retry_after_s: int = 1) -> tuple[int, dict, dict]:
     """(status, OpenAI's error body, headers) for a generation the engine failed: an adapter unloaded
-    under the request (LookupError) is a 503 to retry, anything else a 500; one line, no traceback."""
+    under the request (LookupError) or an engine that stopped (its replica restarts) is a 503 to retry,
+    anything else a 500; one line, no traceback."""
     message = (str(e).splitlines() or [type(e).__name__])[0]
+    if isinstance(e, EngineStopped):
+        return 503, {"error": {"message": message, "type": "server_error", "param": None,
+                               "code": "engine_stopped"}}, {"Retry-After": "5"}
     if isinstance(e, LookupError):
         return 503, {"error": {"message": message, "type": "server_error", "param": None,
                                "code": "model_unavailable"}}, {"Retry-After": str(retry_after_s)}

@@ -3,8 +3,10 @@ logprobs need.
 
 A conversation is rendered by the model's chat template (tools and tool calls as
 workflows.tasks.chat.openai.tools writes them), a text prompt tokenized as it is. Both run in a thread
-of their own, never on the event loop (`encode`), as do the grammars of the tokenizer (llguidance's view
-of the vocabulary takes about a second: `warm_grammars` builds it before the first structured request).
+of their own, never on the event loop (`encode`). A request's grammar compiles in another (`constraints`):
+a request without one never waits behind another's compile (llguidance releases the GIL meanwhile). The
+grammars of the tokenizer (llguidance's view of the vocabulary takes about a second) are built in that
+thread too, by `warm_grammars`, before the first structured request.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Prompts:
         self._grammars: Grammars | None = None
         self._token_text: TokenText | None = None
         self._thread = ThreadPoolExecutor(1, "tokenize")
+        self._grammar_thread = ThreadPoolExecutor(1, "grammar")
 
     @property
     def tokenizer(self):
@@ -103,8 +106,18 @@ class Prompts:
             return self._grammars
 
     def warm_grammars(self) -> None:
-        """Build `grammars()` in the tokenizing thread now, so the first structured request need not."""
-        self._thread.submit(self.grammars)
+        """Build `grammars()` in the grammar thread now, so the first structured request need not."""
+        self._grammar_thread.submit(self.grammars)
+
+    async def constraints(self, grammar: str, param: str, n: int) -> list:
+        """n constraints of their own for `grammar` (compiled once, in the grammar thread; GrammarError
+        naming `param` if it does not compile)."""
+        def build():
+            grammars = self.grammars()
+            compiled = grammars.compiled(grammar, param)
+            return [grammars.fresh(compiled) for _ in range(n)]
+
+        return await asyncio.get_running_loop().run_in_executor(self._grammar_thread, build)
 
     @property
     def token_text(self) -> TokenText:
@@ -115,3 +128,4 @@ class Prompts:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False)
+        self._grammar_thread.shutdown(wait=False)
