@@ -12,6 +12,7 @@ Two kinds, from what each measures:
 - the harness (HARNESS_BENCHMARKS): claims about the project itself: quickstart and digits (the shipped
   configs' pipeline against their plain-PyTorch work), chat (the chat demo's time and exact-match gain),
   madewithml (a reference F1), signing (signed versions' cost beside evaluate and a replica's start),
+  request-bodies (what reading a chat request holds a replica's event loop, whatever its body),
   serve-levers (Serve's flags against the peer), shuffle and images (peers from `make bench-peers`'s .venv-peers).
 The GPU measurement runs without Ray on a CUDA machine (benchmarks/gpu/, `make bench-gpu`); `--render gpu`
 writes its section from the stored gpu-*.json.
@@ -39,7 +40,7 @@ USER_BENCHMARKS = {"data": "benchmarks.data", "train": "benchmarks.train", "tune
 HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmarks.digits",
                       "madewithml": "benchmarks.madewithml", "serve-levers": "benchmarks.serve_levers",
                       "shuffle": "benchmarks.shuffle", "images": "benchmarks.images", "chat": "benchmarks.chat",
-                      "signing": "benchmarks.signing"}
+                      "signing": "benchmarks.signing", "request-bodies": "benchmarks.request_bodies"}
 BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
 
 
