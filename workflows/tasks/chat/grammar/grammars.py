@@ -39,8 +39,8 @@ MAX_ERROR_CHARS = 300
 # llguidance's ParserLimits (defaults in its docs): a mask step at most ~50k lexer fuel and 20k Earley items
 # (a few ms, not the default's ~15 ms, in the decode thread beside every other row), 100k lexer states, a
 # grammar of 200k symbols; verbose errors off (the message names the failure, not the parser's state)
-LIMITS = {"step_lexer_fuel": 50_000, "step_max_items": 20_000, "max_lexer_states": 100_000,
-          "max_grammar_size": 200_000, "verbose_errors": False}
+LIMITS: dict[str, Any] = {"step_lexer_fuel": 50_000, "step_max_items": 20_000, "max_lexer_states": 100_000,
+                          "max_grammar_size": 200_000, "verbose_errors": False}
 
 
 class GrammarError(ValueError):
