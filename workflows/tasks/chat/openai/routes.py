@@ -114,10 +114,10 @@ async def read_json(request, model: type[BaseModel], limit: int = MAX_BODY_BYTES
             raise BadRequest(f"the body is over {limit} bytes", status=413)
         body.append(chunk)
     # json.loads, then the model over Python objects: pydantic's own JSON mode builds each list's items again
-    # for a union member or a validator that runs first (20,000 allowed_tools cost 0.5 s so, 30 ms here), and
-    # every list is bounded before its items are validated (protocol.bounded). Both run without the garbage
-    # collector, which a body of many small objects otherwise sets off again and again over the replica's
-    # whole heap (1 MiB of nested arrays: 150-350 ms with it, 27 ms without): benchmarks.request_bodies
+    # for a union member or a validator that runs first, and every list is bounded before its items are
+    # validated (protocol.bounded). Both run without the garbage collector, which a body of many small objects
+    # otherwise sets off again and again over the replica's whole heap. What a body costs so:
+    # benchmarks.request_bodies
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
