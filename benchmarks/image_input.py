@@ -52,7 +52,8 @@ def main(work: Path, epochs: int, sets: list[str], runs: list[str]) -> None:
                 t0 = time.perf_counter()
                 out = fit(run_cfg, rt.storage, data, run_prefix=f"{name}-{k}-{image_input}")
                 h = out.history
-                row = {"set": name, "input": image_input, "loader_workers": run_cfg.train.decode_workers,
+                processes = run_cfg.train.decode_workers(image_input == "raw")
+                row = {"set": name, "input": image_input, "loader_workers": processes,
                        "train_images": data.counts["train"], "images_per_s": round(
                            sum(e["samples_per_s"] for e in h) / len(h), 1),
                        "val_f1": round(h[-1]["val_f1"], 4), "seconds": round(time.perf_counter() - t0, 1),

@@ -50,7 +50,7 @@ def wine_like(tmp_path, monkeypatch):
     def config(*sets: str):
         return load_config(None, [f"data.source={tmp_path}/raw", f"model.task={TASK}", "model.options.features=[a,b]",
                                   "model.options.label=cultivar", "train.epochs=2", "train.batch_size=8",
-                                  "train.loader_workers=0", "train.num_workers=1", f"cache.dir={tmp_path}/cache",
+                                  "train.num_workers=1", f"cache.dir={tmp_path}/cache",
                                   f"output_dir={tmp_path}/runs", "tracking.enabled=false", *sets])
 
     return data, config
@@ -146,3 +146,33 @@ def test_a_copied_processed_dataset_is_read_where_it_is(wine_like, tmp_path):
     assert found.uri == str(copy) and len(found.files["train"]) == len(TRAIN_FILES)
     assert all(Path(f).is_file() and f.startswith(str(copy / "attempt-1" / "split=")) for s in found.files
                for f in found.files[s])
+
+
+def test_a_stream_runs_validation_reads_the_val_split_in_the_worker(wine_like):
+    """loader=stream: a Ray Train worker's validation rows come from the loader too (no Ray Data in the
+    run): the first train.max_val_rows rows of the split, every one once, whole on each rank or, in
+    shares (val_positions' step), each row on exactly one rank."""
+    from workflows.tasks import get_task
+    from workflows.train.stream_input import StreamInput
+
+    data, config = wine_like
+    cfg = config("train.loader=stream", "evaluate.batch_size=4")
+    val = [[row_ids(b) for b in StreamInput(cfg, data, LOCAL, rank, 2, 60, task=get_task(cfg)).val_batches(
+        rows, share, get_task(cfg).collate(data, train=False))]
+        for rows, share, rank in ((9, slice(None), 0), (7, slice(0, None, 2), 0), (7, slice(1, None, 2), 1))]
+    whole, first, second = ([i for b in v for i in b] for v in val)
+    assert sorted(whole) == list(range(1000, 1009)) and all(len(b) <= 4 for b in val[0])
+    assert sorted(first + second) == list(range(1000, 1007)) and len(first) == 4 and len(second) == 3
+    stream = StreamInput(cfg, data, LOCAL, 0, 1, 60, task=get_task(cfg))
+    collate = get_task(cfg).collate(data, train=False)
+    assert [row_ids(b) for b in stream.val_batches(9, slice(None), collate)] == \
+        [row_ids(b) for b in stream.val_batches(9, slice(None), collate)]  # each validation the same
+
+
+def test_the_loader_decodes_inline_unless_the_task_decodes_in_it(wine_like):
+    """train.loader_workers' default: no process beside the training one for processed rows (nothing to
+    decode; the collate runs in the trainer), the worker's CPUs minus one where the loader decodes."""
+    _, config = wine_like
+    tc = config("train.loader=stream", "train.cpus_per_worker=3").train
+    assert tc.decode_workers(False) == 0 and tc.decode_workers(True) == 2
+    assert config("train.loader_workers=1").train.decode_workers(False) == 1

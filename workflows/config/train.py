@@ -68,8 +68,10 @@ class TrainConfig(Strict):
     )
     loader_workers: int | None = Field(
         None, ge=0,
-        description="loader=stream: decode processes per training worker (0: inline); None: the worker's CPUs "
-        "minus the one it trains on, at least 1 (docs/guides/train.md measures it)",
+        description="loader=stream: decode processes per training worker (0: inline); None: inline when the "
+        "loader reads the processed rows (the collate runs in the training process either way), else (raw "
+        "images decoded in the loader) the worker's CPUs minus the one it trains on, at least 1 "
+        "(docs/guides/train.md measures both)",
     )
     shuffle_window: int = Field(
         4, ge=1, description="loader=stream: shards whose samples are shuffled together (the shuffle buffer)"
@@ -99,10 +101,13 @@ class TrainConfig(Strict):
         """Whether training compiles the model (train.compile, or its default: on GPU only)."""
         return self.use_gpu if self.compile is None else self.compile
 
-    @property
-    def decode_workers(self) -> int:
-        """loader_workers, or its default from the worker's CPUs."""
-        return self.loader_workers if self.loader_workers is not None else max(1, int(self.cpus_per_worker) - 1)
+    def decode_workers(self, decodes: bool) -> int:
+        """loader_workers, or its default: inline for stored rows (a process beside the training one only
+        slices parquet for it, and takes a core from the step), the worker's CPUs minus one for the
+        loader's decoding (`decodes`: the task's stream_source has a per-sample transform)."""
+        if self.loader_workers is not None:
+            return self.loader_workers
+        return max(1, int(self.cpus_per_worker) - 1) if decodes else 0
 
     @property
     def elastic(self) -> bool:

@@ -62,7 +62,8 @@ class WorkerSpec:
 class RayInput:
     """A Ray Train worker's batches: training from its Ray Data shard (seeded local shuffle) or, with
     train.loader=stream, from its share of one global order (workflows.loader); validation from the
-    val split, which reaches every rank whole (ingest_config), at this rank's val_positions."""
+    val split, which reaches every rank whole (ingest_config, or read by the loader), at this rank's
+    val_positions."""
 
     def __init__(self, cfg: WorkflowConfig, task, spec: WorkerSpec, rank: int, world_size: int):
         import ray.train
@@ -74,11 +75,11 @@ class RayInput:
                                    task)
                        if tc.loader == "stream" else None)
         self.train_shard = ray.train.get_dataset_shard("train") if self.stream is None else None
-        self.val_shard = ray.train.get_dataset_shard("val")
+        self.val_shard = ray.train.get_dataset_shard("val") if self.stream is None else None
         self.eval_batch = ray_collate(task.collate(spec.data, train=False))
         self.rank = rank
-        val_rows = min(spec.data.counts["val"], tc.max_val_rows or spec.data.counts["val"])
-        self.share = val_positions(val_rows, rank, world_size)
+        self.val_rows = min(spec.data.counts["val"], tc.max_val_rows or spec.data.counts["val"])
+        self.share = val_positions(self.val_rows, rank, world_size)
 
     def train(self, epoch: int, skip: int):
         # The shard's rows come in a fixed order (preserve_order, see fit); the shuffle is seeded
@@ -96,6 +97,9 @@ class RayInput:
         )
 
     def val(self):
+        if self.stream is not None:
+            return self.stream.val_batches(self.val_rows, self.share, self.eval_batch)
+        assert self.val_shard is not None
         size = self.cfg.evaluate.batch_size
         if self.share == slice(None):
             return self.val_shard.iter_torch_batches(batch_size=size, collate_fn=self.eval_batch)

@@ -73,9 +73,12 @@ class StreamInput:
         index = head(index, rows)
         self.rank, self.on_samples, self.task, self.data, self.seed = rank, on_samples, task, data, tc.seed
         self.loader = StreamLoader(index, storage, cache, transform, batch_size=tc.batch_size,
-                                   num_workers=tc.decode_workers, seed=tc.seed, rank=rank, world_size=world_size,
-                                   shuffle_window=tc.shuffle_window, pin_memory=gpu_training(tc))
+                                   num_workers=tc.decode_workers(transform is not None), seed=tc.seed, rank=rank,
+                                   world_size=world_size, shuffle_window=tc.shuffle_window,
+                                   pin_memory=gpu_training(tc))
         self.samples = len(index)
+        self.cfg, self.storage, self.cache = cfg, storage, cache
+        self._val: StreamLoader | None = None
 
     def train_batches(self, epoch: int, start: int) -> Iterator[dict]:
         """The epoch's training batches from global position `start`, through the task's training
@@ -101,6 +104,21 @@ class StreamInput:
             if stand_in:
                 out[STAND_IN] = torch.ones(())
             yield out
+
+    def val_batches(self, rows: int, share: slice, collate: Callable) -> Iterator[dict]:
+        """The val split's first `rows` rows (train.max_val_rows, as Ray Data's `limit` keeps them), read
+        in this process like the training rows: the same seeded order on every rank (each reads the whole
+        split), this rank's positions `share` of it (worker_setup.val_positions), through the task's
+        evaluation collate. A task's val metrics are sums over rows, so the order leaves them as they are."""
+        step = share.step or 1
+        if self._val is None:  # the index read once, the loader's batches a multiple of the share's step
+            index = head(parquet_index(self.data.files["val"], self.storage, self.cache), rows)
+            self._val = StreamLoader(index, self.storage, self.cache, batch_size=self.cfg.evaluate.batch_size * step,
+                                     num_workers=0, seed=self.seed, shuffle_window=self.cfg.train.shuffle_window)
+        self._val.set_epoch(0)
+        for batch in self._val:
+            batch.pop("sample")
+            yield collate(batch if step == 1 else {k: v[share] for k, v in batch.items()})
 
     @property
     def consumed(self) -> int:

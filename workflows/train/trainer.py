@@ -155,8 +155,8 @@ def resume_point(cfg: WorkflowConfig, storage: StorageContext, prefix: str) -> s
 
 
 def _worker_datasets(cfg: WorkflowConfig, task, data: ProcessedDataset, storage: StorageContext) -> tuple[dict, int]:
-    """The Ray datasets the workers are handed ("train" only with loader=ray_data, in a seeded block
-    order; "val" always), within train.max_rows and the like (row_limits) and as the task prepares
+    """The Ray datasets the workers are handed with loader=ray_data ("train" in a seeded block order,
+    "val"; none with loader=stream), within train.max_rows and the like (row_limits) and as the task prepares
     them, and how many training examples they hold. UserError for fewer examples than workers."""
     tc = cfg.train
     train_ds = data.read("train", storage, num_cpus=0, cache=cfg.cache)
@@ -179,7 +179,7 @@ def _worker_datasets(cfg: WorkflowConfig, task, data: ProcessedDataset, storage:
                         "train.num_workers, bring more data, or (a causal LM) lower model.options.seq_len")
     if tc.loader == "ray_data":
         return {"train": mixed_block_order(train_ds, tc.seed), "val": val_ds}, train_rows
-    return {"val": val_ds}, train_rows
+    return {}, train_rows  # loader=stream: each worker reads both splits itself (no Ray Data start)
 
 
 def _torch_trainer(tc, spec: WorkerSpec, run_config, datasets: dict):
