@@ -93,17 +93,17 @@ def test_evaluate_split_reads_the_model_card_once_and_evaluates_that_version(tmp
     import workflows.evaluate
     import workflows.runtime
     from workflows import registry
-    from workflows.dataset import ProcessedDataset
+    from workflows.dataset import SplitRows
 
     sets = _registry_with_models(tmp_path)
     reads, evaluated = [], []
     real_card = registry.model_card
     monkeypatch.setattr(registry, "model_card", lambda *a: reads.append(a[-1]) or real_card(*a))
     monkeypatch.setattr(workflows.runtime, "init_ray", lambda cfg: False)  # no Ray: the reads are replaced
-    monkeypatch.setattr(ProcessedDataset, "read", lambda self, split, ctx, cache=None: f"{self.version}/{split} rows")
 
     def evaluate_dataset(cfg, model_spec, card, ds, label_column=None):
-        evaluated.append((model_spec, card.version, ds))
+        assert isinstance(ds, SplitRows)  # the split, read as evaluate_dataset chooses
+        evaluated.append((model_spec, card.version, f"{ds.data.version}/{ds.split} rows"))
         metrics = classification_metrics(["a", "b"], ["a", "a"], ["a", "b"])
         return {"rows": 2, **metrics, "baseline": {"majority_label": "a", **metrics["weighted"]}}
 

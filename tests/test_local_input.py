@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from tests.test_plugin_task import PLUGINS as EXAMPLES
@@ -176,3 +177,37 @@ def test_the_loader_decodes_inline_unless_the_task_decodes_in_it(wine_like):
     tc = config("train.loader=stream", "train.cpus_per_worker=3").train
     assert tc.decode_workers(False) == 0 and tc.decode_workers(True) == 2
     assert config("train.loader_workers=1").train.decode_workers(False) == 1
+
+
+def test_a_small_split_is_read_for_evaluation_here_unless_its_columns_are_tensors(wine_like, tmp_path):
+    """Evaluation of a small processed split (SplitRows) reads the plain columns it scores in this
+    process, every row in file order; a tensor column (Ray's extension type) is left to Ray Data."""
+    import pyarrow.parquet as pq
+
+    from workflows.dataset import SplitRows
+
+    data, _ = wine_like
+    rows = SplitRows(data, "train", LOCAL)
+    assert rows.names() == {"a", "b", "label_id"} and rows.rows == 60
+    assert rows.frame(["a", "label_id"])["a"].tolist() == list(range(60))
+    tensor = pa.ExtensionArray.from_storage(Tensorish(), pa.array([[1, 2], [3, 4]]))
+    pq.write_table(pa.table({"ids": tensor, "label_id": [0, 1]}), tmp_path / "t.parquet")
+    data.files["val"] = [str(tmp_path / "t.parquet")]
+    assert SplitRows(data, "val", LOCAL).frame(["ids", "label_id"]) is None
+    assert SplitRows(data, "val", LOCAL).frame(["label_id"])["label_id"].tolist() == [0, 1]
+    with pytest.raises(Exception, match="no rows in split 'test'"):
+        SplitRows(data, "test", LOCAL).names()
+
+
+class Tensorish(pa.ExtensionType):
+    """An extension type as Ray Data's tensor columns are, unregistered (as a reader without ray.data sees one)."""
+
+    def __init__(self):
+        super().__init__(pa.list_(pa.int64()), "test.tensorish")
+
+    def __arrow_ext_serialize__(self):
+        return b""
+
+    @classmethod
+    def __arrow_ext_deserialize__(cls, storage_type, serialized):
+        return cls()

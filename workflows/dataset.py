@@ -106,6 +106,55 @@ class ProcessedDataset:
         return read_shards(files, "parquet", ctx, cache, num_cpus=num_cpus, check_schemas=False)  # written by us
 
 
+@dataclass(frozen=True)
+class SplitRows:
+    """One split of a processed dataset, for evaluation to read as suits it: `frame` reads the named
+    columns in this process (a small split: a Ray Data job would only add its executor's start),
+    `dataset` is the Ray Dataset (`ProcessedDataset.read`)."""
+
+    data: ProcessedDataset
+    split: str
+    ctx: StorageContext
+    cache: Any = None  # the config's CacheConfig: reads through the node's shard cache when it is on
+
+    @property
+    def rows(self) -> int:
+        return self.data.counts.get(self.split, 0)
+
+    def dataset(self):
+        return self.data.read(self.split, self.ctx, cache=self.cache)
+
+    def _parquet(self, uri: str, **read):
+        import pyarrow.parquet as pq
+
+        shards = self.cache.shard_cache(self.ctx) if self.cache is not None and self.cache.enabled else None
+        if shards is not None:
+            with shards.open_local(uri) as local:
+                return pq.read_schema(local) if not read else pq.read_table(local, **read)
+        fs, path = filesystem(uri, self.ctx)
+        with fs.open(path, "rb") as f:
+            return pq.read_schema(f) if not read else pq.read_table(f, **read)
+
+    def names(self) -> set[str]:
+        """The split's columns (the first file's schema: a processed split's files share one)."""
+        files = self.data.files.get(self.split) or []
+        if not files:
+            raise UserError(f"processed dataset {self.data.version} has no rows in split {self.split!r}")
+        return set(self._parquet(files[0]).names)
+
+    def frame(self, columns: list[str]):
+        """These columns of every row as a pandas DataFrame, in file order; None when one of them is a
+        tensor column (an extension type: its pandas form is Ray Data's to give)."""
+        import pandas as pd
+        import pyarrow as pa
+
+        tables = [self._parquet(f, columns=columns) for f in self.data.files[self.split]]
+        if any(isinstance(t.schema.field(c).type, pa.ExtensionType) or (t.schema.field(c).metadata or {}).get(
+                b"ARROW:extension:name") for t in tables[:1] for c in columns):
+            return None
+        return pd.concat([t.to_pandas() for t in tables], ignore_index=True)
+
+
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # about half a million file entries
 _Text = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from workflows.dataset import SplitRows
 from workflows.errors import UserError
 from workflows.model_card import ModelCard
 from workflows.serve.predictor import BatchPredictor
@@ -21,21 +22,26 @@ from workflows.tasks import task_for_card
 def evaluate_dataset(
     cfg, model_spec: str, card: ModelCard, ds, label_column: str | None = None, concurrency: int = 1
 ) -> dict:
-    """Run the model over a Ray Dataset of rows (the model's input columns + label) and score it
-    with its task; `card` is the registered version's (registry.model_card)."""
+    """Run the model over rows (the model's input columns + label) and score it with its task: a Ray
+    Dataset, or a processed split (SplitRows) whose plain columns a small split has read here;
+    `card` is the registered version's (registry.model_card)."""
     import ray.data
 
     task = task_for_card(cfg, card)
     label_column = label_column or card.label_column
-    names = set(ds.schema().names)
+    split = ds if isinstance(ds, SplitRows) else None
+    names = split.names() if split is not None else set(ds.schema().names)
     inputs = task.serving.input_columns(card, names)
     missing = [c for c in [*inputs, label_column] if c not in names]
     if missing:
         raise UserError(f"evaluation data lacks column(s) {missing} the model needs (has {sorted(names)})")
-    ds = ds.select_columns([*inputs, label_column])
     args, size = (cfg.model_dump(mode="json"), model_spec), cfg.evaluate.batch_size
     cap = cfg.evaluate.in_process_max_rows
-    head = ds.limit(cap + 1).to_pandas() if cap else None
+    wanted = [*inputs, str(label_column)]
+    head = split.frame(wanted) if split is not None and 0 < split.rows <= cap else None
+    if head is None:
+        ds = (split.dataset() if split is not None else ds).select_columns(wanted)
+        head = ds.limit(cap + 1).to_pandas() if cap else None
     if head is not None and len(head) <= cap:
         # a small split: the same predictor, called here, skips the actor's start and model load
         predict = BatchPredictor(*args)

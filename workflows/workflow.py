@@ -32,7 +32,7 @@ import requests
 
 from workflows import registry
 from workflows.config import WorkflowConfig, load_config
-from workflows.dataset import ProcessedDataset
+from workflows.dataset import ProcessedDataset, SplitRows
 from workflows.errors import UserError
 from workflows.pipeline.stages import (
     Trained,
@@ -319,7 +319,7 @@ class Workflow:
         rt = self.runtime
         spec = self._spec(model)
         card, _, data = model_split(rt.cfg, rt.storage, spec, split)
-        metrics = stage_evaluate(rt, spec, data.read(split, rt.storage, cache=rt.cfg.cache), write_back=write_back,
+        metrics = stage_evaluate(rt, spec, SplitRows(data, split, rt.storage, rt.cfg.cache), write_back=write_back,
                                  card=card)
         headline = task_for_card(rt.cfg, card).evaluation.headline(metrics)
         return _report(f"{card.name}:{card.version}", split, metrics, headline)

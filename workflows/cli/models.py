@@ -28,6 +28,7 @@ def evaluate(
 ):
     """Weighted and per-class precision/recall/F1 and the confusion matrix of a registered model on
     labelled data: any URI, or a split of the model's own processed dataset (--split test: held out)."""
+    from workflows.dataset import SplitRows
     from workflows.pipeline.stages import stage_evaluate
     from workflows.preprocess.sources import list_shards, read_dataset
 
@@ -46,7 +47,7 @@ def evaluate(
 
     def body(rt):
         if split is not None:
-            uri, ds = found["uri"], found["data"].read(split, rt.storage, cache=rt.cfg.cache)
+            uri, ds = found["uri"], SplitRows(found["data"], split, rt.storage, rt.cfg.cache)
         else:
             shards, fmt = list_shards(data, rt.storage)
             uri, ds = data, read_dataset(shards, fmt, rt.storage, rt.cfg.cache)

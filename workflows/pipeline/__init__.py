@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from workflows.dataset import SplitRows
 from workflows.pipeline.promote import stage_promote
 from workflows.pipeline.stages import (
     demo_rows,
@@ -71,7 +72,7 @@ def _pipeline(rt: Runtime) -> dict:
     with ThreadPoolExecutor(1, thread_name_prefix="serve") as pool:
         serving = pool.submit(timed, "serve", stage_serve, rt, spec, demo_rows(data, rt, cfg.serve.demo_requests)) \
             if cfg.serve.enabled else None
-        test_ds = data.read("test", rt.storage, cache=cfg.cache)
+        test_ds = SplitRows(data, "test", rt.storage, cfg.cache)
         metrics = timed("evaluate", stage_evaluate, rt, spec, test_ds, write_back=True)
         name, value, against = get_task(cfg).evaluation.headline(metrics)
         summary["evaluate"] = {
