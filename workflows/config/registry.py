@@ -12,8 +12,8 @@ class EvaluateConfig(Strict):
     batch_size: int = Field(64, ge=1)
     in_process_max_rows: int = Field(
         2000, ge=0, description="score a dataset of at most this many rows in the calling process, not in a "
-        "Ray Data actor pool (an actor's start and model load cost more than scoring a few thousand rows); "
-        "0: always the pool")
+        "Ray Data actor pool (an actor's start and model load cost more than scoring a few thousand rows), a "
+        "processed split's plain columns read there too, without a Ray Data job; 0: always the pool")
 
 
 class PromoteConfig(Strict):
