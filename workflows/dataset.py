@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from workflows.errors import UserError
 from workflows.storage.confine import MAX_NAME_CHARS, first_error, plain_segments, relative_under, shown
-from workflows.storage.shards import read_shards
+from workflows.storage.shards import read_parquet, read_shards
 from workflows.storage.uri import (
     StorageContext,
     exists,
@@ -124,35 +124,40 @@ class SplitRows:
     def dataset(self):
         return self.data.read(self.split, self.ctx, cache=self.cache)
 
-    def _parquet(self, uri: str, **read):
+    def _shard_cache(self):
+        return self.cache.shard_cache(self.ctx) if self.cache is not None and self.cache.enabled else None
+
+    def _schema(self):
+        """The split's schema (the first file's: a processed split's files share one)."""
         import pyarrow.parquet as pq
 
-        shards = self.cache.shard_cache(self.ctx) if self.cache is not None and self.cache.enabled else None
-        if shards is not None:
-            with shards.open_local(uri) as local:
-                return pq.read_schema(local) if not read else pq.read_table(local, **read)
-        fs, path = filesystem(uri, self.ctx)
-        with fs.open(path, "rb") as f:
-            return pq.read_schema(f) if not read else pq.read_table(f, **read)
-
-    def names(self) -> set[str]:
-        """The split's columns (the first file's schema: a processed split's files share one)."""
         files = self.data.files.get(self.split) or []
         if not files:
             raise UserError(f"processed dataset {self.data.version} has no rows in split {self.split!r}")
-        return set(self._parquet(files[0]).names)
+        if (shards := self._shard_cache()) is not None:
+            with shards.open_local(files[0]) as local:
+                return pq.read_schema(local)
+        fs, path = filesystem(files[0], self.ctx)
+        with fs.open(path, "rb") as f:
+            return pq.read_schema(f)
+
+    def names(self) -> set[str]:
+        return set(self._schema().names)
 
     def frame(self, columns: list[str]):
         """These columns of every row as a pandas DataFrame, in file order; None when one of them is a
-        tensor column (an extension type: its pandas form is Ray Data's to give)."""
+        tensor column (an extension type, or its metadata where ray.data has not registered the type:
+        its pandas form is Ray Data's to give)."""
         import pandas as pd
         import pyarrow as pa
 
-        tables = [self._parquet(f, columns=columns) for f in self.data.files[self.split]]
-        if any(isinstance(t.schema.field(c).type, pa.ExtensionType) or (t.schema.field(c).metadata or {}).get(
-                b"ARROW:extension:name") for t in tables[:1] for c in columns):
+        schema = self._schema()
+        if any(isinstance(schema.field(c).type, pa.ExtensionType)
+               or b"ARROW:extension:name" in (schema.field(c).metadata or {}) for c in columns):
             return None
-        return pd.concat([t.to_pandas() for t in tables], ignore_index=True)
+        shards = self._shard_cache()
+        return pd.concat([read_parquet(f, self.ctx, columns, shards).to_pandas() for f in self.data.files[self.split]],
+                         ignore_index=True)
 
 
 MANIFEST = "manifest.json"
