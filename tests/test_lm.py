@@ -83,7 +83,9 @@ def test_ray_train_pretrains_a_causal_lm_with_fsdp(ray_cluster, tiny_cfg):
     from workflows.runtime import runtime
     from workflows.train.trainer import fit
 
+    # train.loader=ray_data: the quickstart's stream loader reads stored rows, an LM trains on blocks made from them
     cfg = tiny_cfg("model.task=causal_lm", "model.options={size: tiny, seq_len: 32}", "train.strategy=fsdp",
+                   "train.loader=ray_data",
                    "train.epochs=3", "train.lr=3e-3", "train.max_train_rows=1000", "train.warmup_fraction=0")
     with runtime(cfg) as rt:
         data = stage_preprocess(rt)
