@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from workflows.errors import UserError
 from workflows.storage.confine import MAX_NAME_CHARS, first_error, plain_segments, relative_under, shown
-from workflows.storage.shards import read_parquet, read_shards
+from workflows.storage.shards import read_parquet, read_parquet_schema, read_shards
 from workflows.storage.uri import (
     StorageContext,
     exists,
@@ -100,10 +101,15 @@ class ProcessedDataset:
         `num_cpus=0` for training ingest: the reads are light and I/O-bound, and on a small machine
         the train workers hold every CPU, so reads that wait for a CPU would never run.
         """
+        return read_shards(self.split_files(split), "parquet", ctx, cache, num_cpus=num_cpus,
+                           check_schemas=False)  # written by us
+
+    def split_files(self, split: str) -> list[str]:
+        """The files the manifest lists for one split; UserError naming the split when it lists none."""
         files = self.files.get(split) or []
         if not files:
             raise UserError(f"processed dataset {self.version} has no rows in split {split!r}")
-        return read_shards(files, "parquet", ctx, cache, num_cpus=num_cpus, check_schemas=False)  # written by us
+        return files
 
 
 @dataclass(frozen=True)
@@ -124,25 +130,17 @@ class SplitRows:
     def dataset(self):
         return self.data.read(self.split, self.ctx, cache=self.cache)
 
+    @cached_property
     def _shard_cache(self):
         return self.cache.shard_cache(self.ctx) if self.cache is not None and self.cache.enabled else None
 
+    @cached_property
     def _schema(self):
-        """The split's schema (the first file's: a processed split's files share one)."""
-        import pyarrow.parquet as pq
-
-        files = self.data.files.get(self.split) or []
-        if not files:
-            raise UserError(f"processed dataset {self.data.version} has no rows in split {self.split!r}")
-        if (shards := self._shard_cache()) is not None:
-            with shards.open_local(files[0]) as local:
-                return pq.read_schema(local)
-        fs, path = filesystem(files[0], self.ctx)
-        with fs.open(path, "rb") as f:
-            return pq.read_schema(f)
+        """The split's schema (the first file's: a processed split's files share one), read once."""
+        return read_parquet_schema(self.data.split_files(self.split)[0], self.ctx, self._shard_cache)
 
     def names(self) -> set[str]:
-        return set(self._schema().names)
+        return set(self._schema.names)
 
     def frame(self, columns: list[str]):
         """These columns of every row as a pandas DataFrame, in file order; None when one of them is a
@@ -151,13 +149,12 @@ class SplitRows:
         import pandas as pd
         import pyarrow as pa
 
-        schema = self._schema()
+        schema = self._schema
         if any(isinstance(schema.field(c).type, pa.ExtensionType)
                or b"ARROW:extension:name" in (schema.field(c).metadata or {}) for c in columns):
             return None
-        shards = self._shard_cache()
-        return pd.concat([read_parquet(f, self.ctx, columns, shards).to_pandas() for f in self.data.files[self.split]],
-                         ignore_index=True)
+        return pd.concat([read_parquet(f, self.ctx, columns, self._shard_cache).to_pandas()
+                          for f in self.data.split_files(self.split)], ignore_index=True)
 
 
 MANIFEST = "manifest.json"

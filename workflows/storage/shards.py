@@ -131,12 +131,23 @@ def read_parquet(uri: str, ctx: StorageContext, columns: list[str] | None = None
     for the few rows a process reads itself, where a Ray Data job would cost more than the read."""
     import pyarrow.parquet as pq
 
+    return _parquet(uri, ctx, shard_cache, lambda source: pq.read_table(source, columns=columns))
+
+
+def read_parquet_schema(uri: str, ctx: StorageContext, shard_cache=None):
+    """One parquet file's schema (its footer), through `shard_cache` if given, as read_parquet reads."""
+    import pyarrow.parquet as pq
+
+    return _parquet(uri, ctx, shard_cache, pq.read_schema)
+
+
+def _parquet(uri: str, ctx: StorageContext, shard_cache, read):
     if shard_cache is not None:
         with shard_cache.open_local(uri) as local:
-            return pq.read_table(local, columns=columns)
+            return read(local)
     fs, path = filesystem(uri, ctx)
     with fs.open(path, "rb") as f:
-        return pq.read_table(f, columns=columns)
+        return read(f)
 
 
 def _read_one(

@@ -165,12 +165,13 @@ def _worker_datasets(cfg: WorkflowConfig, task, data: ProcessedDataset, storage:
     if train_limit is not None:
         train_ds = train_ds.limit(train_limit)
         train_rows = train_limit
-    val_ds = data.read("val", storage, num_cpus=0, cache=cfg.cache)
-    if val_limit is not None:
-        val_ds = val_ds.limit(val_limit)
     prepared = task.dataset.prepare(train_ds)
     if prepared is not train_ds and tc.loader == "stream":
         raise stream_refused(cfg)
+    # the val split only where it is handed over (loader=stream: each worker reads it itself)
+    val_ds = data.read("val", storage, num_cpus=0, cache=cfg.cache) if tc.loader == "ray_data" else None
+    if val_ds is not None and val_limit is not None:
+        val_ds = val_ds.limit(val_limit)
     if prepared is not train_ds:  # rows become other examples (a causal LM's blocks): count them
         train_ds, val_ds = prepared, task.dataset.prepare(val_ds)
         train_rows = train_ds.count()
