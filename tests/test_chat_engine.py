@@ -74,7 +74,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny, engine)
     """While a 40-token prompt is prefilled 9 tokens a step (the chunk of 8 plus one per decoding row), a
     decoding request gets a token at every step; both get the tokens they get alone."""
     tok = tiny[1]
-    e = engine(max_batch=2, prefill_chunk=8, max_prefill_tokens=64)
+    e = engine(max_batch=2, prefill_chunk=8, max_prefill_tokens=64, mixed_step_ratio=None)
     short, long = words(tok, 6), words(tok, 40)
     alone = {}
     for name, p in (("short", short), ("long", long)):
@@ -99,7 +99,7 @@ def test_a_step_beside_decoding_rows_prefills_a_chunk_plus_one_per_decoding_row_
     prefills at most one chunk plus a token per decoding row. Every request gets the tokens it gets alone."""
     tok = tiny[1]
     watcher = Recorder()
-    e = engine(max_batch=6, prefill_chunk=3, max_prefill_tokens=64, metrics=watcher)
+    e = engine(max_batch=6, prefill_chunk=3, max_prefill_tokens=64, mixed_step_ratio=None, metrics=watcher)
     running, burst = [words(tok, 5), words(tok, 7)], [words(tok, n) for n in (11, 9, 13, 10)]
     alone = []
     for p in running + burst:

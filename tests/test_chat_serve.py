@@ -60,7 +60,7 @@ def test_greedy_tokens_are_the_same_alone_and_beside_requests_that_come_and_go(t
     for token, what it gets alone, which is what `generate` gives."""
     _, model, tokenizer = tiny
     ps = prompts(tokenizer, 6)
-    e = engine(max_batch=4, prefill_chunk=chunk)
+    e = engine(max_batch=4, prefill_chunk=chunk, mixed_step_ratio=None)  # chunks in tokens, as named
     e.eos = set()  # run every request to its max_tokens: the lengths differ by design
     alone = []
     for p in ps:
@@ -293,7 +293,7 @@ def test_adapters_beside_the_base_in_one_batch_each_as_alone(tiny, tmp_path):
     model_dir, _, tokenizer = tiny
     for i in (1, 2):
         build_lora(model_dir, tmp_path / f"lora{i}", seed=i)
-    predictor = served(model_dir, max_batch=3, prefill_chunk=2)
+    predictor = served(model_dir, max_batch=3, prefill_chunk=2, mixed_step_ratio="null")  # 2 tokens a step
     try:
         e = predictor.engine
         e.eos = set()

@@ -56,13 +56,17 @@ class GenerateConfig(Strict):
                                   "response_format's and tools' parameters, and all of them together, as compact "
                                   "JSON): a larger one is a 400 naming the field (a grammar's compile time grows "
                                   "with its schema)")
-    prefill_chunk: int = Field(24, ge=1, description="while other requests decode, a step prefills at most "
-                               "prefill_chunk prompt tokens plus one per decoding request, and prefill_chunk more "
-                               "for each joining request beyond the decoding ones: long prompts are prefilled in "
-                               "chunks between decode steps; set to the prompt tokens whose compute costs about as "
-                               "much as reading the weights once (a dozen or two on a CPU, e.g. 512 on a GPU), a "
-                               "step with no more requests joining than decoding costs at most about twice a "
-                               "decode-only step")
+    mixed_step_ratio: float | None = Field(1.7, gt=1, description="while other requests decode, a step prefills the "
+                                    "prompt tokens whose cost, learned from the steps that ran, keeps it within this "
+                                    "many times a decode-only step of the same requests (that much again for each "
+                                    "joining request beyond the decoding ones; at least one token): a stream's token "
+                                    "gap stays within about this ratio while long prompts join; null: "
+                                    "prefill_chunk's token budget always")
+    prefill_chunk: int = Field(24, ge=1, description="until a replica's step costs are learned (its first "
+                               "steps), a step beside decoding requests prefills at most prefill_chunk prompt tokens "
+                               "plus one per decoding request, and prefill_chunk more for each joining request "
+                               "beyond the decoding ones: about the prompt tokens whose compute costs as much as "
+                               "reading the weights once (a dozen or two on a CPU, e.g. 512 on a GPU)")
     max_prefill_tokens: int = Field(512, ge=1, description="prompt tokens prefilled in a step when no request is "
                                     "decoding: requests that arrive together are prefilled together, in one forward")
     prepack_weights: bool = Field(True, description="on a CPU, the engine computes fp32 Linear layers with a "

@@ -18,6 +18,7 @@ Modules:
 - `device`: where a model's weights are, and their dtype;
 - `scheduler`: admission (a bounded queue, deadlines) and the tokens of each step (prefill in chunks
   beside decoding);
+- `costs`: what a step costs, learned from the steps that ran (the prefill budget in time);
 - `cache`: the KV cache written in place (a slot per request) and the attention that reads it;
 - `linear`: fp32 Linear layers computing with weights packed once for oneDNN (on a CPU);
 - `sampler`: the next token of every row together on the model's device (logit bias, penalties,

@@ -1,7 +1,11 @@
-"""One forward of a step's tokens: every token a batch row of its own (input_ids [tokens, 1]) with its own
-position id and, for a peft model, its request's adapter name; the slot attention reads and writes the
-cache by the step's plan (workflows.tasks.chat.engine.cache); `logits_to_keep` keeps the output head to
-the tokens whose next token is needed. See workflows.tasks.chat.engine.loop.
+"""One forward of a step's tokens. Every token of the step is a batch row of its own, input_ids
+[tokens, 1], with its own position id (so rotary embeddings are the row's own), and, for a peft model,
+its request's adapter name (`adapter_names` per token: peft mixes adapters across the batch dimension). The model's
+attention is the slot attention of workflows.tasks.chat.engine.cache, which writes each token's keys
+and values into its request's slot and attends over that slot alone. So a step is one forward: the
+weights are read once for the decode tokens and the prefill chunks together, no row is padded to
+another's length, and mixed adapters work as in any peft batch. `logits_to_keep` (a boolean per
+token) keeps the output head to the tokens whose next token is needed.
 """
 
 from __future__ import annotations

@@ -3,18 +3,10 @@ model with LoRA adapters, mixed per request) while callers submit requests from 
 
 A step: requests join free slots (workflows.tasks.chat.engine.scheduler); the scheduler picks the
 step's tokens (a token per decoding row, prompt chunks of the rows still prefilling); one forward of
-the model computes them all; the sampler (workflows.tasks.chat.engine.sampler) picks the next token of
-each row that needs one; each row's text advances (detokenized, stop strings found), and rows that
-ended leave their slots.
-
-The forward. Every token of the step is a batch row of its own, input_ids [tokens, 1], with its own
-position id (so rotary embeddings are the row's own), and, for a peft model, its request's adapter
-name (`adapter_names` per token: peft mixes adapters across the batch dimension). The model's
-attention is the slot attention of workflows.tasks.chat.engine.cache, which writes each token's keys
-and values into its request's slot and attends over that slot alone. So a step is one forward: the
-weights are read once for the decode tokens and the prefill chunks together, no row is padded to
-another's length, and mixed adapters work as in any peft batch. `logits_to_keep` (a boolean per
-token) keeps the output head to the tokens whose next token is needed.
+the model computes them all (workflows.tasks.chat.engine.forward); the sampler
+(workflows.tasks.chat.engine.sampler) picks the next token of each row that needs one; each row's text
+advances (detokenized, stop strings found), and rows that ended leave their slots; what the step cost
+is learned for the next steps' prefill budget (workflows.tasks.chat.engine.costs).
 
 Every tensor the engine makes is made on the model's device, so the cache and the logits stay there;
 only the chosen token ids (and requested log probabilities) come back to the host, once per step.
@@ -38,6 +30,7 @@ from typing import Any
 import torch
 
 from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, use_slot_attention
+from workflows.tasks.chat.engine.costs import StepShape
 from workflows.tasks.chat.engine.device import model_device, model_dtype
 from workflows.tasks.chat.engine.forward import step_logits
 from workflows.tasks.chat.engine.linear import pack_linears
@@ -68,14 +61,15 @@ class Engine:
     max_batch: requests decoded together (the cache's slots); max_queue: requests waiting beyond the
     batch's free slots (one more is QueueFull); max_context: positions one request may use, its prompt
     and its answer (at most the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong
-    beyond); prefill_chunk, max_prefill_tokens: the scheduler's prefill budgets per step; timeout_s:
+    beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens: the scheduler's prefill budgets per
+    step (in time, in tokens until the costs are known, and at most); timeout_s:
     each request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
     layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, timeout_s: float | None = None,
-                 metrics: EngineMetrics | None = None, prepack: bool = True):
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = 1.7,
+                 timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = model_device(model)  # where every tensor the engine makes goes
         check_full_attention(model.config)
@@ -95,7 +89,7 @@ class Engine:
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
         self.cache = SlotCache(model.config, max_batch, self.max_context, self.device, model_dtype(model))
         self.sampler = Sampler(self.vocab_size, max_batch, self.device)
-        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens)
+        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens, mixed_step_ratio)
         # for benchmarks and tests: steps run, tokens sampled, decoding rows summed over steps, prompts
         # prefilled, the most rows in a step, prompt and decode tokens through the model
         # row_steps / decode_steps: the mean batch of the steps that decoded (a step may only prefill)
@@ -296,6 +290,7 @@ class Engine:
         if not self._rows:
             return
         use_slot_attention(self.model)  # a command may have wrapped the model (peft) or unwrapped it
+        start = time.perf_counter()  # from here on, what the step's tokens cost (planned, computed, sampled)
         step = self.scheduler.plan(self._rows, BASE)
         plan = self.cache.plan(step.slots, step.positions, step.decode, [(first, n) for _, first, n in step.prefills])
         logits = step_logits(self.model, self.device, step, plan)
@@ -310,7 +305,12 @@ class Engine:
         report.decode_tokens = len(step.decoding)
         stats["max_rows"] = max(stats["max_rows"], len(self._rows))  # requests in the batch (holding slots)
         self._sample(step, logits, report)
-        self._rows = [r for r in self._rows if r.gen.finish_reason is None]
+        seconds = time.perf_counter() - start
+        self._rows = [r for r in self._rows if r.gen.finish_reason is None]  # first: the ended ones' callers go on
+        if self.scheduler.costs is not None:  # what this step cost: the next steps' prefill budget
+            n = report.prefill_tokens  # the step's first tokens
+            self.scheduler.costs.observe(StepShape(len(step.decoding), n, sum(step.positions[:n]) + n, sum(
+                step.keep[first + k - 1] for _, first, k in step.prefills)), seconds)
         stats["row_steps"] += len(step.decoding)
         stats["decode_steps"] += bool(step.decoding)
         stats["prefill_tokens"] += report.prefill_tokens

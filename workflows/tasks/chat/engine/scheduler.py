@@ -6,18 +6,19 @@ beyond it `submit` raises QueueFull at once) and joins the batch at the next ste
 running, ends with "timeout"; a cancelled one with "cancelled".
 
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
-prefilling, in order of arrival, up to a budget. While rows decode, the budget is one token per decoding
-row plus `prefill_chunk`, and `prefill_chunk` more for each prefilling row beyond the decoding ones (at
-most `max_prefill_tokens`). `prefill_chunk` is meant as the prompt tokens whose compute costs about as
-much as reading the weights once (a dozen or two on a CPU, hundreds on a GPU): while no more requests
-prefill than decode, a step then costs at most about twice a decode-only step of the same rows (its
-per-token work doubled, plus one more weights' worth), so a running stream's token gap at most doubles
-while others join, and a long prompt is prefilled in chunks between decode steps. When more requests
-prefill than decode (a burst beside a few streams), each prefilling row beyond them adds a chunk to the
-step: the few wait longer for a step rather than the many waiting many steps for their first token and
-the batch running part-empty meanwhile. With no row decoding, the budget is `max_prefill_tokens`.
-Requests that join together are prefilled together, and every token of a step goes through the model in
-one forward.
+prefilling, in order of arrival, up to a budget. While rows decode, the budget is in time: the prompt
+tokens whose predicted cost keeps the step within `mixed_step_ratio` times a decode-only step of the same
+rows, that much again for each prefilling row beyond the decoding ones (a burst beside a few streams:
+the few wait longer for a step rather than the many waiting many steps for their first token and the
+batch running part-empty meanwhile), at least one token each step; the costs are learned from the steps
+that ran (workflows.tasks.chat.engine.costs: a long prompt's attention over its own context, and its
+logits, counted), so the bound holds however fast steps become. Until they are known (a replica's first
+steps), or always with `mixed_step_ratio` None, the budget is in tokens: one per decoding row plus
+`prefill_chunk`, and `prefill_chunk` more for each prefilling row beyond the decoding ones. With no row
+decoding, the budget is `max_prefill_tokens` (at most that, always). A running stream's token gap so
+stays within about `mixed_step_ratio` of its decode steps while others join, and a long prompt is
+prefilled in chunks between decode steps. Requests that join together are prefilled together, and every
+token of a step goes through the model in one forward.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from workflows.tasks.chat.engine.costs import StepCosts
 from workflows.tasks.chat.engine.requests import Generation
 from workflows.tasks.chat.engine.sampler import RowSampling
 from workflows.tasks.chat.engine.text import TextState
@@ -78,13 +80,15 @@ class StepTokens:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int):
+    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int,
+                 mixed_step_ratio: float | None = 1.7):
         if prefill_chunk < 1 or max_prefill_tokens < prefill_chunk:
             raise ValueError(f"prefill_chunk ({prefill_chunk}) must be at least 1 and at most max_prefill_tokens "
                              f"({max_prefill_tokens})")
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self.waiting: deque[Generation] = deque()
+        self.costs = StepCosts(mixed_step_ratio) if mixed_step_ratio else None  # None: the token budget always
         self.planning = 0  # requests admitted but still being planned (template, tokens, grammar): they wait too
 
     def room(self, running: int) -> bool:
@@ -107,16 +111,21 @@ class Scheduler:
         step = StepTokens()
         step.decoding = decoding = [r for r in rows if not r.prefilling]
         budget = self.max_prefill_tokens
-        if decoding:
-            excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
+        excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
+        costs = self.costs if decoding and self.costs is not None and self.costs.ready else None
+        seconds = costs.allowance(len(decoding), excess) if costs is not None else 0.0
+        if decoding and costs is None:
             budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
         for row in rows:
-            if budget <= 0:
+            if budget <= 0 or costs is not None and seconds <= 0 and step.prefills:
                 break
             if not row.prefilling:
                 continue
             prompt = row.gen.prompt
             n = min(budget, len(prompt) - row.done)
+            if costs is not None:
+                n, cost = costs.prompt_tokens(seconds, row.done, n)
+                seconds -= cost
             first = len(step.ids)
             step.add(row, prompt[row.done:row.done + n], row.done, row.gen.adapter or base, row.done + n == len(prompt))
             step.prefills.append((row, first, n))

@@ -1,0 +1,150 @@
+"""The prefill budget in time (#71): a step beside decoding rows takes the prompt tokens whose cost,
+learned from the steps that ran, keeps it within serve.generate.mixed_step_ratio of a decode-only step,
+so a long prompt joining running streams never stalls them, however fast or slow steps are."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from tests.chat_serve_task import build_tiny_chat
+from tests.helpers import wait_until
+from workflows.tasks.chat.engine import Engine, SamplingParams
+from workflows.tasks.chat.engine.costs import READY, REFIT, StepCosts, StepShape
+from workflows.tasks.chat.engine.metrics import EngineMetrics
+
+
+def test_the_costs_are_learned_and_the_budget_keeps_a_step_within_the_ratio():
+    """Mixed steps of a known cost over the decode-only step (plus noise, and a few stalls the fit must
+    leave out): the fit finds it, and the tokens it grants a prompt at any position cost at most
+    ratio - 1 times the decode-only step, long contexts taking fewer."""
+    decode = 0.005
+    truth = (0.0015, 0.00002, 2e-8, 0.0002)  # seconds: any prefill, a prompt token, an attended position, an ending
+    costs, rng = StepCosts(1.7), torch.Generator().manual_seed(0)
+    for _ in range(5):
+        costs.observe(StepShape(8, 0, 0, 0), decode)
+    assert not costs.ready
+    for i in range(8 * REFIT):
+        prompt = int(torch.randint(1, 600, (1,), generator=rng))
+        position = int(torch.randint(0, 1500, (1,), generator=rng))
+        ended = int(torch.rand((), generator=rng) < 0.3)
+        shape = StepShape(8, prompt, prompt * position + prompt * (prompt + 1) // 2, ended)
+        extra = sum(c * f for c, f in zip(truth, shape.features()))
+        stall = 0.04 if i % 9 == 4 else 0.0  # a collection, a preempted core
+        costs.observe(shape, decode + extra * (1 + 0.02 * float(torch.randn((), generator=rng))) + stall)
+    assert costs.ready and READY <= 2 * REFIT
+    assert costs.coef is not None and all(abs(c - t) <= 0.15 * t for c, t in zip(costs.coef[:3], truth)), costs.coef
+    for prompt, position in ((1, 0), (24, 100), (300, 1200)):  # what it predicts, the ending's small term too
+        shape = StepShape(8, prompt, prompt * position + prompt * (prompt + 1) // 2, 1)
+        true = sum(c * f for c, f in zip(truth, shape.features()))
+        assert costs.coef[0] + costs.cost(prompt, position, ends=True) == pytest.approx(true, rel=0.1)
+    allowance = costs.allowance(8, excess=0)
+    assert costs.bias == pytest.approx(1.0, abs=0.05)  # the fit right, the recent steps' correction near none
+    assert allowance == pytest.approx(0.7 * decode / costs.bias - costs.coef[0])
+    granted = []
+    for position in (0, 500, 1400):
+        k, cost = costs.prompt_tokens(allowance, position, remaining=1500)
+        assert 1 <= k < 1500 and cost <= allowance
+        assert costs.cost(k + 1, position, ends=False) > allowance
+        granted.append(k)
+    assert granted[0] > granted[1] > granted[2]
+    assert costs.prompt_tokens(allowance, 0, remaining=5)[0] == 5
+    assert costs.prompt_tokens(0.0, 1000, remaining=50)[0] == 1  # every prompt advances
+    assert costs.allowance(8, excess=3) > 2 * allowance  # a burst beside few streams: more for each row beyond
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A tiny Llama wider than the other tests' (its steps cost compute, not only Python), with room for
+    a 1,500-token prompt."""
+    return build_tiny_chat(tmp_path_factory.mktemp("tinychat-wide"), hidden=256, context=2048)
+
+
+class Steps(EngineMetrics):
+    """Each step's prompt and decode tokens, as the engine reports them."""
+
+    def __init__(self):
+        self.shapes: list[tuple[int, int]] = []
+
+    def step(self, report):
+        self.shapes.append((report.prefill_tokens, report.decode_tokens))
+
+    def rejected(self, reason, adapter=None):
+        pass
+
+
+def learned_engine(wide, metrics=None) -> tuple[Engine, list[int]]:
+    """An engine whose token budget (prefill_chunk 256) was sized for a faster device, after its first
+    mixed steps (on that budget: prompts of many lengths joining 4 streams) taught it their costs."""
+    model, tokenizer = wide
+    torch.set_num_threads(1)
+    engine = Engine(model, tokenizer, max_batch=9, prefill_chunk=256, max_prefill_tokens=2048, metrics=metrics)
+    engine.eos = set()
+    vocab = [t for t in range(3, len(tokenizer)) if t != tokenizer.eos_token_id]
+    prompt = [vocab[(7 * i) % len(vocab)] for i in range(1500)]
+    never_ends = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    streams = [engine.submit(prompt[i:i + 8], never_ends, deadline=False) for i in range(4)]
+    wait_until(lambda: all(len(r.tokens) >= 3 for r in streams), 60, "four rows decoding", every=0.02)
+    for n in (40, 700, 120, 300, 1200, 600, 80, 200, 450, 20, 900, 60):
+        engine.submit(prompt[:n], SamplingParams(max_tokens=2, temperature=0), deadline=False).result(120)
+    for r in streams:
+        r.cancel()
+    wait_until(lambda: not engine._rows, 30, "the streams to leave", every=0.02)
+    return engine, prompt
+
+
+def join(engine: Engine, prompt: list[int], shift: int = 0) -> tuple[list[float], list[float]]:
+    """8 rows decoding, then the 1,500-token prompt joins them: (the rows' token gaps while it was
+    prefilled, their other gaps)."""
+    rows = [engine.submit(prompt[shift + i:shift + i + 8], SamplingParams(max_tokens=300, temperature=0,
+                                                                          ignore_eos=True), deadline=False)
+            for i in range(8)]
+    wait_until(lambda: all(len(r.tokens) >= 10 for r in rows), 60, "eight rows decoding", every=0.02)
+    long = engine.submit(prompt[shift:] + prompt[:shift], SamplingParams(max_tokens=4, temperature=0), deadline=False)
+    long.result(120)
+    for r in rows:
+        r.result(120)
+    joined, first = long.times["submitted"], long.times["first_token"]
+    gaps = [(b, b - a) for r in rows for a, b in zip(r.token_times, r.token_times[1:])]
+    return [g for t, g in gaps if joined <= t <= first], [g for t, g in gaps if not joined <= t <= first]
+
+
+def test_a_long_prompt_joining_decoding_rows_is_prefilled_in_the_chunks_its_learned_costs_allow(wide):
+    """The costs are learned from the replica's own steps; then a 1,500-token prompt joining 8 decoding
+    rows is prefilled in chunks the time budget grants (never the token budget's 256 at once), every
+    row getting a token at every step meanwhile, and the budget does not starve it."""
+    steps = Steps()
+    engine, prompt = learned_engine(wide, steps)
+    try:
+        costs = engine.scheduler.costs
+        assert costs is not None and costs.ready
+        first = len(steps.shapes)
+        during, usual = join(engine, prompt)
+        beside = [p for p, d in steps.shapes[first:] if p and d == 8]
+        assert sum(beside) >= 1500 - 256 and len(beside) >= 8, beside  # chunks beside the rows, not one step
+        assert max(beside) < 256, beside
+        assert len(during) >= 8 * len(beside) - 8  # the rows got a token at every step of it
+    finally:
+        engine.close()
+
+
+@pytest.mark.extended
+def test_a_long_prompt_joining_decoding_rows_keeps_their_token_gaps_near_the_ratio(wide):
+    """The timing (outside the gate: a timed check, on a loaded machine it is noise): while the long
+    prompt is prefilled beside 8 decoding rows, their token gaps stay near mixed_step_ratio (1.7) times
+    their gaps before and after it. Judged on the median and the 90th percentile, the better of two
+    joins: on this 2-core VM the decode-only steps of this model alone reach 1.8-4.5x their median at
+    their slowest (measured), so no scheduler bounds the single slowest gap; the token budget of 256 alone
+    gave 4.9x at the median."""
+    engine, prompt = learned_engine(wide)
+    try:
+        ratios = []
+        for shift in (0, 500):
+            during, usual = join(engine, prompt, shift)
+            typical = statistics.median(usual)
+            ratios.append((statistics.median(during) / typical, statistics.quantiles(during, n=10)[-1] / typical))
+        assert any(p50 <= 1.9 and p90 <= 3 for p50, p90 in ratios), ratios
+    finally:
+        engine.close()

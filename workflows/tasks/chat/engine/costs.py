@@ -1,0 +1,148 @@
+"""What prompt tokens cost beside decoding rows, learned from the steps that ran: the scheduler's
+prefill budget in time.
+
+Two measurements, both of this replica's own steps: a decode-only step's seconds, a moving average per
+number of decoding rows (`decode_seconds`); and what prompt tokens add to a step of decoding rows, the
+extra of each such mixed step over the decode-only step of its rows, fitted by least squares (kept
+non-negative, and refitted once without the steps it misses by far: a collection or a preempted core
+is not a cost of prompt tokens) over the last WINDOW mixed steps as s + p·prompt + q·attended +
+r·ended: `s` what any prefill adds to a step (the prompt rows' attention calls and masks: measured a
+third of a decode step on a tiny model, little on a real one), `prompt` the prompt tokens, `attended`
+the positions they attend over (each its context so far: a long prompt's later chunks cost more),
+`ended` the prompts the step finishes (their logits). Fitting mixed steps alone measures what the
+budget spends, as it is spent (a lone prefill step costs less than the same tokens beside decoding rows).
+
+The budget of a step beside decoding rows (`allowance`, `prompt_tokens`): the prompt tokens whose
+predicted extra, at the position where each prefilling row's prompt continues, is within `ratio - 1`
+times those rows' decode-only step (the nearest row count's where this one has not run yet), that much
+again for each prefilling row beyond the decoding ones (a burst beside a few streams: the few wait
+longer for a step rather than the many for their first token), and at least one token (every prompt
+advances). Until READY mixed steps have been seen (a replica's first), the scheduler's token budget
+applies, and its steps are the first measurements.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+WINDOW, REFIT, READY = 128, 4, 6
+RECENT = 15  # decode-only steps per row count, and mixed steps' misses, whose median is taken
+MISS = (0.5, 2.0)  # the bounds of the correction the recent mixed steps apply to the fit
+OUTLIER = 4.0  # a step whose residual exceeds this many times the median residual is left out of the refit
+
+
+@dataclass(frozen=True)
+class StepShape:
+    decoding: int  # decoding rows
+    prompt: int  # prompt tokens prefilled
+    attended: int  # positions the prompt tokens attend over, summed
+    ended: int  # prompts the step finishes (their logits computed)
+
+    def features(self) -> list[float]:
+        return [1.0, float(self.prompt), float(self.attended), float(self.ended)]
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0, by dropping the most negative term and refitting
+    (four terms at most: no solver needed)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(0)
+    while active:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (coef >= 0).all():
+            break
+        del active[int(np.argmin(coef))]
+    out = np.zeros(x.shape[1])
+    out[active] = coef
+    return out
+
+
+class StepCosts:
+    """The measured decode-only step, the fitted cost of prompt tokens beside it, and the prompt tokens a
+    prefilling row may take (`prompt_tokens`)."""
+
+    def __init__(self, ratio: float):
+        self.ratio = ratio
+        self._decode: dict[int, deque[float]] = {}  # decoding rows -> their recent decode-only steps' seconds
+        self.decode_seconds: dict[int, float] = {}  # decoding rows -> the median of those
+        self._mixed: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
+        self._since_fit = 0
+        # s, p, q, r: seconds any prefill, a prompt token, an attended position, a prompt's ending
+        self.coef: np.ndarray | None = None
+        self._misses: deque[float] = deque(maxlen=RECENT)  # recent mixed steps' extra over the fit's prediction
+        self.bias = 1.0  # the median of those, bounded: what the fit misses as the steps come
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if not shape.decoding:
+            return  # a prefill-only step: nothing decoding waits on it
+        if not shape.prompt:  # medians, not means: a collection or a preempted core is not the step's cost
+            recent = self._decode.setdefault(shape.decoding, deque(maxlen=RECENT))
+            recent.append(seconds)
+            self.decode_seconds[shape.decoding] = float(np.median(recent))
+            return
+        base = self.decode_step(shape.decoding)
+        if base is None:
+            return
+        extra = seconds - base
+        if self.coef is not None:  # what the fit misses as the steps come (a context longer than it saw)
+            predicted = float(np.dot(self.coef, shape.features()))
+            if predicted > 0:
+                self._misses.append(extra / predicted)
+                self.bias = min(max(float(np.median(self._misses)), MISS[0]), MISS[1])
+        self._mixed.append((shape.features(), extra))
+        self._since_fit += 1
+        if self._since_fit >= REFIT and len(self._mixed) >= READY:
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        x = np.array([f for f, _ in self._mixed])
+        y = np.array([s for _, s in self._mixed])
+        coef = _nonnegative_fit(x, y)
+        residual = np.abs(x @ coef - y)
+        kept = residual <= OUTLIER * max(float(np.median(residual)), 1e-6)
+        if kept.sum() >= READY and not kept.all():
+            coef = _nonnegative_fit(x[kept], y[kept])
+        # prompt tokens must cost something to budget them
+        self.coef = coef if coef[1] > 0 or coef[2] > 0 else None
+
+    @property
+    def ready(self) -> bool:
+        return self.coef is not None
+
+    def decode_step(self, rows: int) -> float | None:
+        """The decode-only step of `rows` rows as measured (the nearest row count's), or None before any."""
+        if not self.decode_seconds:
+            return None
+        return self.decode_seconds[min(self.decode_seconds, key=lambda n: abs(n - rows))]
+
+    def allowance(self, decode_rows: int, excess: int) -> float:
+        """Seconds a step of `decode_rows` decoding rows may spend on prompt tokens, beyond what any
+        prefill adds to it."""
+        assert self.coef is not None
+        spare = (self.ratio - 1) * (self.decode_step(decode_rows) or 0.0) * max(1, excess)
+        return spare / self.bias - self.coef[0]
+
+    def cost(self, tokens: int, position: int, ends: bool) -> float:
+        """Predicted seconds `tokens` prompt tokens add to a step beyond its fixed prefill cost,
+        continuing at `position` (their logits counted when they end the prompt)."""
+        assert self.coef is not None
+        _, p, q, r = self.coef
+        return p * tokens + q * (tokens * position + tokens * (tokens + 1) / 2) + (r if ends else 0.0)
+
+    def prompt_tokens(self, allowance: float, position: int, remaining: int) -> tuple[int, float]:
+        """(tokens, their predicted seconds) of a prompt continuing at `position` with `remaining` tokens
+        left, within `allowance` seconds: the largest k whose cost is within it, at least 1."""
+        assert self.coef is not None
+        _, p, q, _ = self.coef
+        # the root of q/2·k² + (p + q·(position + 1/2))·k = allowance, then one down if the logits tip it over
+        a, b = q / 2, p + q * (position + 0.5)
+        room = max(allowance, 0.0)
+        k = room / b if a == 0 else (-b + (b * b + 4 * a * room) ** 0.5) / (2 * a)
+        k = max(1, min(remaining, int(k)))
+        if k > 1 and self.cost(k, position, k == remaining) > allowance:
+            k -= 1
+        return k, self.cost(k, position, k == remaining)
