@@ -13,6 +13,8 @@ Two kinds, from what each measures:
   configs' pipeline against their plain-PyTorch work), chat (the chat demo's time and exact-match gain),
   madewithml (a reference F1), signing (signed versions' cost beside evaluate and a replica's start),
   request-bodies (what reading a chat request holds a replica's event loop, whatever its body),
+  prefill-join (a long prompt joining running streams: their token gaps under each prefill budget),
+  step-profile (where the engine's step goes: torch.profiler of its decode and mixed steps),
   serve-levers (Serve's flags against the peer), shuffle and images (peers from `make bench-peers`'s .venv-peers).
 The GPU measurement runs without Ray on a CUDA machine (benchmarks/gpu/, `make bench-gpu`); `--render gpu`
 writes its section from the stored gpu-*.json.
@@ -40,7 +42,8 @@ USER_BENCHMARKS = {"data": "benchmarks.data", "train": "benchmarks.train", "tune
 HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmarks.digits",
                       "madewithml": "benchmarks.madewithml", "serve-levers": "benchmarks.serve_levers",
                       "shuffle": "benchmarks.shuffle", "images": "benchmarks.images", "chat": "benchmarks.chat",
-                      "signing": "benchmarks.signing", "request-bodies": "benchmarks.request_bodies"}
+                      "signing": "benchmarks.signing", "request-bodies": "benchmarks.request_bodies",
+                      "prefill-join": "benchmarks.prefill_join", "step-profile": "benchmarks.step_profile"}
 BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
 
 

@@ -1,0 +1,181 @@
+"""Where a step of the engine's forward goes: torch.profiler over its steps, SmolLM2-135M fp32 as served.
+
+The chat config's base model, its linears packed as a replica packs them, the engine built from
+serve.generate and called directly on these cores. Three kinds of step, each profiled over STEPS steps
+in the engine's own thread (started and stopped there between two steps, `Engine.call`): decode-only at
+1 row and at 16 rows (every row decoding, nothing joining), and mixed (a 1,500-token prompt prefilled
+beside 16 decoding rows, chunked by the time budget). Per kind: the step's wall time, the operators it
+runs (their count and self CPU time per step, grouped: matmuls, attention, elementwise and norms, cache
+and indexing, sampling, the rest), and what the operators do not account for (Python, dispatch,
+allocation): the table the compiled forward (#71) is judged against.
+"""
+
+from __future__ import annotations
+
+import time
+
+STEPS = 24
+KINDS = ("decode_1", "decode_16", "mixed_16")
+FIGURES = ("decode_16_ms", "decode_16_ops", "decode_16_outside_ops_share")
+GROUPS = {  # operator name (without "aten::") -> group; what is not here is "other"
+    "matmul (linear, mm, addmm, bmm, oneDNN packed)": ("linear", "mm", "addmm", "bmm", "matmul",
+                                                       "mkldnn_linear", "_mkl_linear", "_linear_pointwise"),
+    "attention (scaled_dot_product_attention)": (
+        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_attention_math", "softmax", "_softmax"),
+    "elementwise and norms (mul, add, silu, rsqrt, pow, mean, neg, cat)": (
+        "mul", "add", "silu", "rsqrt", "pow", "mean", "neg", "cat", "sub", "div", "mul_", "add_", "silu_",
+        "to", "_to_copy", "embedding", "cos", "sin"),
+    "cache and indexing (index_select, index_copy, copy, views)": (
+        "index_select", "index_copy_", "index_put_", "_index_put_impl_", "copy_", "index", "slice", "select",
+        "view", "reshape",
+        "transpose", "expand", "unsqueeze", "contiguous", "as_strided", "narrow", "repeat", "clone",
+        "_unsafe_view", "t", "permute", "squeeze", "empty", "zeros", "fill_", "new_zeros", "arange",
+        "masked_fill_", "le", "lt", "ge", "where", "empty_like", "detach", "alias", "_reshape_alias",
+        "lift_fresh",
+        "resolve_conj", "resolve_neg", "split", "chunk", "stack", "full", "scalar_tensor", "item",
+        "_local_scalar_dense", "tensor"),
+    "sampling (argmax, topk, gather, multinomial)": ("argmax", "topk", "gather", "multinomial", "sort", "cumsum",
+                                                     "max", "log_softmax", "exponential_", "isfinite", "all", "any"),
+}
+
+
+def _group(name: str) -> str:
+    op = name.split("::", 1)[-1]
+    return next((g for g, ops in GROUPS.items() if op in ops), "other")
+
+
+def _profile(engine, steps: int) -> dict:
+    """Profile the next `steps` steps of `engine` in its own thread: wall ms a step, and per group the
+    operators' count and self CPU ms a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def steps_ms() -> tuple[int, float]:  # steps run and wall ms a step, from the engine's count
+        first, t0 = engine.stats["steps"], time.perf_counter()
+        while engine.stats["steps"] < first + steps:
+            time.sleep(0.02)  # a poll that seldom takes the GIL from the engine
+        ran = engine.stats["steps"] - first
+        return ran, 1e3 * (time.perf_counter() - t0) / ran
+
+    _, plain_ms = steps_ms()  # the same steps unprofiled: the profiler's per-operator cost inflates the wall
+    prof = profile(activities=[ProfilerActivity.CPU])
+    engine.call(prof.__enter__).result(120)
+    ran, profiled_ms = steps_ms()
+    engine.call(lambda: prof.__exit__(None, None, None)).result(120)
+    groups: dict[str, list[float]] = {}
+    top: list[tuple[str, int, float]] = []
+    for event in prof.key_averages():
+        if "::" not in event.key:  # the profiler's own ranges (ProfilerStep, record_function)
+            continue
+        g = groups.setdefault(_group(event.key), [0, 0.0])
+        g[0] += event.count
+        g[1] += event.self_cpu_time_total / 1e3
+        top.append((event.key, event.count, event.self_cpu_time_total / 1e3))
+    per = {g: {"ops": round(c / ran, 1), "ms": round(ms / ran, 2)} for g, (c, ms) in groups.items()}
+    op_ms = sum(v["ms"] for v in per.values())
+    top.sort(key=lambda t: -t[2])
+    return {"steps": ran, "step_ms": round(plain_ms, 1), "profiled_step_ms": round(profiled_ms, 1),
+            "ops": round(sum(c for c, _ in groups.values()) / ran), "groups": per,
+            "top": [{"op": k, "calls": round(c / ran, 1), "ms": round(ms / ran, 2)} for k, c, ms in top[:15]],
+            "outside_ops_ms": round(max(plain_ms - op_ms, 0.0), 1),
+            "outside_ops_share": round(max(1 - op_ms / plain_ms, 0.0), 2)}
+
+
+def _wait(predicate, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError("the engine did not get there in time")
+        time.sleep(0.01)
+
+
+def run(config: str | None, overrides: list[str]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workflows.config import load_config
+    from workflows.tasks.chat.engine import Engine, SamplingParams
+    from workflows.tasks.chat.training.smollm2 import smollm2_dir
+
+    cfg = load_config(config or "chat", overrides)
+    base = smollm2_dir(cfg.cache.resolved_dir())
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    gen = cfg.serve.generate
+    engine = Engine(model, tokenizer, max_batch=17, max_context=2048, prefill_chunk=gen.prefill_chunk,
+                    max_prefill_tokens=gen.max_prefill_tokens, mixed_step_ratio=gen.mixed_step_ratio,
+                    prepack=gen.prepack_weights)
+    text = " ".join(f"Question {i}: what does a scheduler owe the streams it already runs?" for i in range(200))
+    prompt = tokenizer(text)["input_ids"][:1500]
+    long_run = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    kinds: dict[str, dict] = {}
+    try:
+        for rows in (1, 16):
+            gens = [engine.submit(prompt[7 * i:7 * i + 16], long_run, deadline=False) for i in range(rows)]
+            _wait(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
+            kinds[f"decode_{rows}"] = _profile(engine, STEPS)
+            if rows == 16:  # the 16 keep decoding: a long prompt joins them
+                long = engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0), deadline=False)
+                costs = engine.scheduler.costs  # its first mixed steps are on the token budget: past them
+                _wait(lambda: costs is None or costs.ready, 300)
+                kinds["mixed_16"] = _profile(engine, min(STEPS, 8))
+                long.result(600)
+            for g in gens:
+                g.cancel()
+            _wait(lambda: not engine._rows, 120)
+    finally:
+        engine.close()
+    d16 = kinds["decode_16"]
+    return {"kinds": kinds, "threads": torch.get_num_threads(), "decode_16_ms": d16["step_ms"],
+            "decode_16_ops": d16["ops"], "decode_16_outside_ops_share": d16["outside_ops_share"],
+            "mixed_over_decode_16": round(kinds["mixed_16"]["step_ms"] / d16["step_ms"], 2)}
+
+
+def markdown(r: dict) -> str:
+    from benchmarks.quickstart import load
+
+    kinds = r["kinds"]
+    names = list(GROUPS) + ["other"]
+    head = " | ".join(f"{k.replace('_', ' at ')} (ms, ops)" for k in KINDS)
+    lines = []
+    for g in names:
+        cells = [f"{kinds[k]['groups'].get(g, {}).get('ms', 0):.1f}, {kinds[k]['groups'].get(g, {}).get('ops', 0):.0f}"
+                 for k in KINDS]
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    lines.append("| not in any operator (Python, dispatch, allocation) | "
+                 + " | ".join(f"{kinds[k]['outside_ops_ms']:.1f} ({100 * kinds[k]['outside_ops_share']:.0f}%)"
+                              for k in KINDS) + " |")
+    lines.append("| **the step (wall)** | " + " | ".join(f"**{kinds[k]['step_ms']:.1f}**, {kinds[k]['ops']}"
+                                                      for k in KINDS) + " |")
+    table = "\n".join(lines)
+    top = "\n".join(f"| `{t['op']}` | {t['calls']:.0f} | {t['ms']:.2f} |" for t in kinds["decode_16"]["top"][:10])
+    return f"""## The engine's step, profiled: where a decode step's time goes
+
+`{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs{load(r)})
+
+SmolLM2-135M fp32, linears packed as served, the engine called directly with {r["threads"]} threads;
+torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 rows; mixed: a 1,500-token
+prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
+Per step: each group's self CPU
+time and operator count (as profiled); what no operator accounts for (Python, dispatch, allocation) is
+the wall time of the same kind of steps unprofiled, less the operators' time.
+
+| per step | {head} |
+| --- | --- | --- | --- |
+{table}
+
+A mixed step took {r["mixed_over_decode_16"]:.2f}x a decode-only step of the same 16 rows (its costs learned
+from the replica's first mixed steps).
+
+The ten costliest operators of a decode step at 16 rows (self CPU time):
+
+| operator | calls a step | ms a step |
+| --- | --- | --- |
+{top}
+"""  # noqa: E501 (markdown table rows: one line each)
+
+
+if __name__ == "__main__":
+    from benchmarks.record import main
+
+    main("step-profile")
