@@ -12,11 +12,14 @@ allocation): the table the compiled forward (#71) is judged against.
 
 from __future__ import annotations
 
+import statistics
 import time
 
-STEPS = 24
-KINDS = ("decode_1", "decode_16", "mixed_16")
-FIGURES = ("decode_16_ms", "decode_16_ops", "decode_16_outside_ops_share")
+STEPS, REPEATS = 24, 3
+KINDS = ("decode_1_packed", "decode_1", "decode_16", "mixed_16")
+LABELS = {"decode_1_packed": "decode at 1, packed weights", "decode_1": "decode at 1", "decode_16": "decode at 16",
+          "mixed_16": "mixed at 16"}
+FIGURES = ("one_row_unpacked_over_packed", "decode_16_ms", "decode_16_ops", "decode_16_outside_ops_share")
 GROUPS = {  # operator name (without "aten::") -> group; what is not here is "other"
     "matmul (linear, mm, addmm, bmm, oneDNN packed)": ("linear", "mm", "addmm", "bmm", "matmul",
                                                        "mkldnn_linear", "_mkl_linear", "_linear_pointwise"),
@@ -45,22 +48,24 @@ def _group(name: str) -> str:
     return next((g for g, ops in GROUPS.items() if op in ops), "other")
 
 
+def _steps_ms(engine, steps: int) -> tuple[int, float]:
+    """The next `steps` steps of `engine`: (steps run, wall ms a step), from the engine's count."""
+    first, t0 = engine.stats["steps"], time.perf_counter()
+    while engine.stats["steps"] < first + steps:
+        time.sleep(0.02)  # a poll that seldom takes the GIL from the engine
+    ran = engine.stats["steps"] - first
+    return ran, 1e3 * (time.perf_counter() - t0) / ran
+
+
 def _profile(engine, steps: int) -> dict:
     """Profile the next `steps` steps of `engine` in its own thread: wall ms a step, and per group the
     operators' count and self CPU ms a step."""
     from torch.profiler import ProfilerActivity, profile
 
-    def steps_ms() -> tuple[int, float]:  # steps run and wall ms a step, from the engine's count
-        first, t0 = engine.stats["steps"], time.perf_counter()
-        while engine.stats["steps"] < first + steps:
-            time.sleep(0.02)  # a poll that seldom takes the GIL from the engine
-        ran = engine.stats["steps"] - first
-        return ran, 1e3 * (time.perf_counter() - t0) / ran
-
-    _, plain_ms = steps_ms()  # the same steps unprofiled: the profiler's per-operator cost inflates the wall
+    _, plain_ms = _steps_ms(engine, steps)  # the same steps unprofiled: the profiler's cost inflates the wall
     prof = profile(activities=[ProfilerActivity.CPU])
     engine.call(prof.__enter__).result(120)
-    ran, profiled_ms = steps_ms()
+    ran, profiled_ms = _steps_ms(engine, steps)
     engine.call(lambda: prof.__exit__(None, None, None)).result(120)
     groups: dict[str, list[float]] = {}
     top: list[tuple[str, int, float]] = []
@@ -79,6 +84,26 @@ def _profile(engine, steps: int) -> dict:
             "top": [{"op": k, "calls": round(c / ran, 1), "ms": round(ms / ran, 2)} for k, c, ms in top[:15]],
             "outside_ops_ms": round(max(plain_ms - op_ms, 0.0), 1),
             "outside_ops_share": round(max(1 - op_ms / plain_ms, 0.0), 2)}
+
+
+def _packed_or_not(engine, kinds: dict) -> dict[str, list[float]]:
+    """Decode steps of one row computing with the packed weights and with the weights themselves
+    (linear.UNPACKED_ROWS 0 against its default), REPEATS times interleaved, then the packed one
+    profiled: wall ms a step of each."""
+    from workflows.tasks.chat.engine import linear
+
+    default = linear.UNPACKED_ROWS
+    walls: dict[str, list[float]] = {"packed": [], "unpacked": []}
+    try:
+        for _ in range(REPEATS):
+            for name, rows in (("packed", 0), ("unpacked", default)):
+                linear.UNPACKED_ROWS = rows
+                walls[name].append(round(_steps_ms(engine, STEPS)[1], 1))
+        linear.UNPACKED_ROWS = 0
+        kinds["decode_1_packed"] = _profile(engine, STEPS)
+    finally:
+        linear.UNPACKED_ROWS = default
+    return walls
 
 
 def _wait(predicate, seconds: float) -> None:
@@ -109,10 +134,16 @@ def run(config: str | None, overrides: list[str]) -> dict:
     prompt = tokenizer(text)["input_ids"][:1500]
     long_run = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     kinds: dict[str, dict] = {}
+    walls: dict[str, list[float]] = {}
     try:
+        # the cache grows (by doubling, every layer's keys and values zeroed and copied) the first time a
+        # request reaches a length: once per replica, not a step's cost, so out of the profiled steps
+        engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), deadline=False).result(600)
         for rows in (1, 16):
             gens = [engine.submit(prompt[7 * i:7 * i + 16], long_run, deadline=False) for i in range(rows)]
             _wait(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
+            if rows == 1:  # a lone stream's linears: the weights themselves (the default) against the packed copy
+                walls = _packed_or_not(engine, kinds)
             kinds[f"decode_{rows}"] = _profile(engine, STEPS)
             if rows == 16:  # the 16 keep decoding: a long prompt joins them
                 long = engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0), deadline=False)
@@ -126,7 +157,9 @@ def run(config: str | None, overrides: list[str]) -> dict:
     finally:
         engine.close()
     d16 = kinds["decode_16"]
-    return {"kinds": kinds, "threads": torch.get_num_threads(), "decode_16_ms": d16["step_ms"],
+    unpacked = statistics.median(walls["unpacked"]) / statistics.median(walls["packed"])
+    return {"one_row_walls_ms": walls, "one_row_unpacked_over_packed": round(unpacked, 3), "kinds": kinds,
+            "threads": torch.get_num_threads(), "decode_16_ms": d16["step_ms"],
             "decode_16_ops": d16["ops"], "decode_16_outside_ops_share": d16["outside_ops_share"],
             "mixed_over_decode_16": round(kinds["mixed_16"]["step_ms"] / d16["step_ms"], 2)}
 
@@ -136,7 +169,8 @@ def markdown(r: dict) -> str:
 
     kinds = r["kinds"]
     names = list(GROUPS) + ["other"]
-    head = " | ".join(f"{k.replace('_', ' at ')} (ms, ops)" for k in KINDS)
+    head = " | ".join(f"{LABELS[k]} (ms, ops)" for k in KINDS)
+    rule = " --- |" * (len(KINDS) + 1)
     lines = []
     for g in names:
         cells = [f"{kinds[k]['groups'].get(g, {}).get('ms', 0):.1f}, {kinds[k]['groups'].get(g, {}).get('ops', 0):.0f}"
@@ -158,14 +192,19 @@ torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 ro
 prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
 Per step: each group's self CPU
 time and operator count (as profiled); what no operator accounts for (Python, dispatch, allocation) is
-the wall time of the same kind of steps unprofiled, less the operators' time.
+the wall time of the same kind of steps unprofiled, less the operators' time. The cache was grown to the
+long prompt's length first (it grows by doubling, once per replica: not a step's cost).
 
 | per step | {head} |
-| --- | --- | --- | --- |
+|{rule}
 {table}
 
 A mixed step took {r["mixed_over_decode_16"]:.2f}x a decode-only step of the same 16 rows (its costs learned
-from the replica's first mixed steps).
+from the replica's first mixed steps; one window of steps each: the prefill-join section measures that ratio
+with repeats). A lone stream's decode step computes with the weights themselves
+(MKL's matrix-vector path: `linear.UNPACKED_ROWS`), its wall time {r["one_row_unpacked_over_packed"]:.2f}x that of
+the same step on the packed copy (the medians of {len(r["one_row_walls_ms"]["packed"])} runs of {r["kinds"]["decode_1"]["steps"]} steps each,
+interleaved: {r["one_row_walls_ms"]["unpacked"]} against {r["one_row_walls_ms"]["packed"]} ms).
 
 The ten costliest operators of a decode step at 16 rows (self CPU time):
 

@@ -71,7 +71,8 @@ class GenerateConfig(Strict):
                                     "decoding: requests that arrive together are prefilled together, in one forward")
     prepack_weights: bool = Field(True, description="on a CPU, the engine computes fp32 Linear layers with a "
                                   "copy of their weights packed once for oneDNN, not re-laid out by every matmul "
-                                  "(faster decode steps, most at many rows): the replica holds those weights "
+                                  "(faster steps of 3 tokens or more; a step of 1 or 2 reads the weights themselves, "
+                                  "MKL's matrix-vector path being faster there): the replica holds those weights "
                                   "twice; false: one copy")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
                               "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "

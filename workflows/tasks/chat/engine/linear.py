@@ -20,6 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# up to this many rows (a step's tokens) MKL's own matrix-vector path reads the weight faster than oneDNN's
+# packed one: measured here (2 cores, SmolLM2-135M's layer shapes) 19 against 13 GB/s at 1 row, 17 against 11
+# at 2; from 4 rows on the packed one is as fast or faster (docs/BENCHMARKS.md, "The engine's step, profiled")
+UNPACKED_ROWS = 2
+
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -44,7 +49,10 @@ class PackedLinear(torch.nn.Linear):
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, self.bias)
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed[0], self.bias, "none", [], "")
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] <= UNPACKED_ROWS:
+            return F.linear(x, w, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(rows, packed[0], self.bias, "none", [], "")
         return y.view(*shape[:-1], y.shape[-1])
 
 
