@@ -33,7 +33,8 @@ def _engine(model, tokenizer, gen, ratio, chunk):
                   mixed_step_ratio=ratio, prepack=gen.prepack_weights)
 
 
-def _wait(predicate, seconds: float) -> None:
+def wait_for(predicate, seconds: float) -> None:
+    """Poll `predicate` every 20 ms (seldom taking the GIL from the engine's thread) until true."""
     end = time.monotonic() + seconds
     while not predicate():
         if time.monotonic() > end:
@@ -47,12 +48,12 @@ def _first_steps(engine, prompt: list[int]) -> None:
 
     streams = [engine.submit(prompt[i:i + 8], SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True),
                              deadline=False) for i in range(4)]
-    _wait(lambda: all(len(r.tokens) >= 3 for r in streams), 120)
+    wait_for(lambda: all(len(r.tokens) >= 3 for r in streams), 120)
     for n in (40, 700, 120, 300, 1200, 80, 450):
         engine.submit(prompt[:n], SamplingParams(max_tokens=2, temperature=0), deadline=False).result(600)
     for r in streams:
         r.cancel()
-    _wait(lambda: not engine._rows, 120)
+    wait_for(lambda: not engine._rows, 120)
 
 
 def _join(engine, prompt: list[int], shift: int) -> dict:
@@ -60,7 +61,7 @@ def _join(engine, prompt: list[int], shift: int) -> dict:
 
     rows = [engine.submit(prompt[shift + 9 * i:shift + 9 * i + 16], SamplingParams(
         max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True), deadline=False) for i in range(STREAMS)]
-    _wait(lambda: all(len(r.tokens) >= 16 for r in rows), 300)
+    wait_for(lambda: all(len(r.tokens) >= 16 for r in rows), 300)
     long = engine.submit(prompt[shift:] + prompt[:shift], SamplingParams(max_tokens=4, temperature=0), deadline=False)
     long.result(600)
     for r in rows:

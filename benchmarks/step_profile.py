@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from benchmarks.prefill_join import wait_for
+
 STEPS, REPEATS = 24, 3
 KINDS = ("decode_1_packed", "decode_1", "decode_16", "mixed_16")
 LABELS = {"decode_1_packed": "decode at 1, packed weights", "decode_1": "decode at 1", "decode_16": "decode at 16",
@@ -106,14 +108,6 @@ def _packed_or_not(engine, kinds: dict) -> dict[str, list[float]]:
     return walls
 
 
-def _wait(predicate, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > end:
-            raise TimeoutError("the engine did not get there in time")
-        time.sleep(0.01)
-
-
 def run(config: str | None, overrides: list[str]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -141,19 +135,19 @@ def run(config: str | None, overrides: list[str]) -> dict:
         engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), deadline=False).result(600)
         for rows in (1, 16):
             gens = [engine.submit(prompt[7 * i:7 * i + 16], long_run, deadline=False) for i in range(rows)]
-            _wait(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
+            wait_for(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
             if rows == 1:  # a lone stream's linears: the weights themselves (the default) against the packed copy
                 walls = _packed_or_not(engine, kinds)
             kinds[f"decode_{rows}"] = _profile(engine, STEPS)
             if rows == 16:  # the 16 keep decoding: a long prompt joins them
                 long = engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0), deadline=False)
                 costs = engine.scheduler.costs  # its first mixed steps are on the token budget: past them
-                _wait(lambda: costs is None or costs.ready, 300)
+                wait_for(lambda: costs is None or costs.ready, 300)
                 kinds["mixed_16"] = _profile(engine, min(STEPS, 8))
                 long.result(600)
             for g in gens:
                 g.cancel()
-            _wait(lambda: not engine._rows, 120)
+            wait_for(lambda: not engine._rows, 120)
     finally:
         engine.close()
     d16 = kinds["decode_16"]
