@@ -15,6 +15,7 @@ Two kinds, from what each measures:
   request-bodies (what reading a chat request holds a replica's event loop, whatever its body),
   prefill-join (a long prompt joining running streams: their token gaps under each prefill budget),
   step-profile (where the engine's step goes: torch.profiler of its decode and mixed steps),
+  openmp-pool (the engine's decode steps with the building thread's OpenMP pool released or kept),
   serve-levers (Serve's flags against the peer), shuffle and images (peers from `make bench-peers`'s .venv-peers).
 The GPU measurement runs without Ray on a CUDA machine (benchmarks/gpu/, `make bench-gpu`); `--render gpu`
 writes its section from the stored gpu-*.json.
@@ -43,7 +44,8 @@ HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmar
                       "madewithml": "benchmarks.madewithml", "serve-levers": "benchmarks.serve_levers",
                       "shuffle": "benchmarks.shuffle", "images": "benchmarks.images", "chat": "benchmarks.chat",
                       "signing": "benchmarks.signing", "request-bodies": "benchmarks.request_bodies",
-                      "prefill-join": "benchmarks.prefill_join", "step-profile": "benchmarks.step_profile"}
+                      "prefill-join": "benchmarks.prefill_join", "step-profile": "benchmarks.step_profile",
+                      "openmp-pool": "benchmarks.openmp_pool"}
 BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
 
 

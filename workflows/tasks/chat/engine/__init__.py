@@ -21,6 +21,7 @@ Modules:
 - `costs`: what a step costs, learned from the steps that ran (the prefill budget in time);
 - `cache`: the KV cache written in place (a slot per request) and the attention that reads it;
 - `linear`: fp32 Linear layers computing with weights packed once for oneDNN (on a CPU);
+- `threads`: the decode thread's OpenMP workers its own (the building thread's pool released);
 - `sampler`: the next token of every row together on the model's device (logit bias, penalties,
   constraints, greedy or temperature and top-p, log probabilities);
 - `params`: a request's sampling settings (`SamplingParams`, `TokenConstraint`) and its seeded generator;

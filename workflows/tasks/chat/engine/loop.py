@@ -47,6 +47,7 @@ from workflows.tasks.chat.engine.requests import (
 from workflows.tasks.chat.engine.sampler import Sampler
 from workflows.tasks.chat.engine.scheduler import Row, Scheduler, StepTokens
 from workflows.tasks.chat.engine.text import TextState
+from workflows.tasks.chat.engine.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
@@ -104,6 +105,7 @@ class Engine:
         self._joining: list[Generation] = []  # taken from the queue for the step running now
         self._closed = False
         self.stopped: str | None = None  # why the decode thread ended, once it has
+        release_openmp_pool()  # the steps' OpenMP threads: the decode thread's alone (engine.threads)
         self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
         self._thread.start()
 
