@@ -7,7 +7,8 @@ row names. Each join: 8 streams decoding (256 tokens each, eos ignored), then a 
 joins them; the streams' token gaps while it is prefilled (from its arrival to its first token) against
 their other gaps (their median), and its time to first token. Before its joins an engine runs its first
 mixed steps (prompts of many lengths joining 4 streams): the time budget learns its costs from them, as
-a replica from its first requests. Rows interleaved, REPEATS joins each.
+a replica from its first requests. One engine at a time, as a replica has one (each closed before the
+next is built); rows interleaved, REPEATS joins each.
 """
 
 from __future__ import annotations
@@ -90,17 +91,15 @@ def run(config: str | None, overrides: list[str]) -> dict:
     prompt = tokenizer(text)["input_ids"][:LONG]
     gen = cfg.serve.generate
     joins: dict[str, list[dict]] = {name: [] for name in ROWS}
-    engines = {}
-    try:
+    for repeat in range(REPEATS):  # interleaved: every row sees the same machine
         for name, (_, ratio, chunk) in ROWS.items():
-            engines[name] = _engine(model, tokenizer, gen, ratio, chunk)
-            _first_steps(engines[name], prompt)
-        for repeat in range(REPEATS):  # interleaved: every row sees the same machine
-            for name in ROWS:
-                joins[name].append(_join(engines[name], prompt, shift=300 * repeat))
-    finally:
-        for engine in engines.values():
-            engine.close()
+            # an engine at a time, as a replica has one: its first steps, a join, closed (its threads gone)
+            engine = _engine(model, tokenizer, gen, ratio, chunk)
+            try:
+                _first_steps(engine, prompt)
+                joins[name].append(_join(engine, prompt, shift=300 * repeat))
+            finally:
+                engine.close()
     rows = []
     for name, (label, _, _) in ROWS.items():
         js = joins[name]

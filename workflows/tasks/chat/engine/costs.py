@@ -17,8 +17,10 @@ predicted extra, at the position where each prefilling row's prompt continues, i
 times those rows' decode-only step (the nearest row count's where this one has not run yet), that much
 again for each prefilling row beyond the decoding ones (a burst beside a few streams: the few wait
 longer for a step rather than the many for their first token), and at least one token (every prompt
-advances). Until READY mixed steps have been seen (a replica's first), the scheduler's token budget
-applies, and its steps are the first measurements.
+advances), and at most TRUST times the most prompt tokens a measured mixed step had (the fit is
+trusted near what it saw; the room grows as larger steps are measured). Until READY mixed steps have
+been seen (a replica's first), the scheduler's token budget applies, and its steps are the first
+measurements.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ WINDOW, REFIT, READY = 128, 4, 6
 RECENT = 15  # decode-only steps per row count, and mixed steps' misses, whose median is taken
 MISS = (0.5, 2.0)  # the bounds of the correction the recent mixed steps apply to the fit
 OUTLIER = 4.0  # a step whose residual exceeds this many times the median residual is left out of the refit
+# a prompt row takes at most this many times the most prompt tokens a measured mixed step had: the fit is
+# trusted near what it saw (the token budget's first steps all alike, what any prefill costs and what a
+# token costs are not told apart), and the room grows as larger steps are measured
+TRUST = 2
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class StepCosts:
         self.decode_seconds: dict[int, float] = {}  # decoding rows -> the median of those
         self._mixed: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
+        self.widest = 0  # the most prompt tokens of a mixed step in the window, at the last fit
         # s, p, q, r: seconds any prefill, a prompt token, an attended position, a prompt's ending
         self.coef: np.ndarray | None = None
         self._misses: deque[float] = deque(maxlen=RECENT)  # recent mixed steps' extra over the fit's prediction
@@ -100,6 +107,7 @@ class StepCosts:
     def _fit(self) -> None:
         self._since_fit = 0
         x = np.array([f for f, _ in self._mixed])
+        self.widest = int(x[:, 1].max())
         y = np.array([s for _, s in self._mixed])
         coef = _nonnegative_fit(x, y)
         residual = np.abs(x @ coef - y)
@@ -142,7 +150,7 @@ class StepCosts:
         a, b = q / 2, p + q * (position + 0.5)
         room = max(allowance, 0.0)
         k = room / b if a == 0 else (-b + (b * b + 4 * a * room) ** 0.5) / (2 * a)
-        k = max(1, min(remaining, int(k)))
+        k = max(1, min(remaining, int(k), TRUST * self.widest))
         if k > 1 and self.cost(k, position, k == remaining) > allowance:
             k -= 1
         return k, self.cost(k, position, k == remaining)

@@ -201,6 +201,8 @@ class Engine:
             log.critical("the engine's decode thread died: %r", e)
             self.stopped = f"the engine's decode thread died ({type(e).__name__}); the replica must restart"
             self._fail_pending(EngineStopped(self.stopped))
+        finally:
+            release_openmp_pool()  # an ended engine leaves no OpenMP threads to throttle the next one's
 
     def _fail_pending(self, error: BaseException) -> None:
         """Fail every request in the batch or waiting, and every command queued: the thread is ending."""
