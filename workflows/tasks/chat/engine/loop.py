@@ -1,12 +1,10 @@
 """The decode loop: one thread per engine runs steps over a Hugging Face causal LM (optionally a peft
 model with LoRA adapters, mixed per request) while callers submit requests from any thread.
 
-A step: requests join free slots (workflows.tasks.chat.engine.scheduler); the scheduler picks the
-step's tokens (a token per decoding row, prompt chunks of the rows still prefilling); one forward of
-the model computes them all (workflows.tasks.chat.engine.forward); the sampler
-(workflows.tasks.chat.engine.sampler) picks the next token of each row that needs one; each row's text
-advances (detokenized, stop strings found), and rows that ended leave their slots; what the step cost
-is learned for the next steps' prefill budget (workflows.tasks.chat.engine.costs).
+A step (modules of workflows.tasks.chat.engine): requests join free slots; the `scheduler` picks its
+tokens (one per decoding row, prompt chunks of the rows prefilling); one `forward` computes them all; the
+`sampler` picks each row's next token; texts advance (detokenized, stop strings found), rows that ended
+leave their slots, and what the step cost is learned for the next ones' prefill budget (`costs`).
 
 Every tensor the engine makes is made on the model's device, so the cache and the logits stay there;
 only the chosen token ids (and requested log probabilities) come back to the host, once per step.
