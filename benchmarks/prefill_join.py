@@ -59,6 +59,7 @@ def _first_steps(engine, prompt: list[int]) -> None:
 
 def _join(engine, prompt: list[int], shift: int) -> dict:
     from workflows.tasks.chat.engine import SamplingParams
+    from workflows.tasks.chat.engine.measure import gaps_while_prefilled
 
     rows = [engine.submit(prompt[shift + 9 * i:shift + 9 * i + 16], SamplingParams(
         max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True), deadline=False) for i in range(STREAMS)]
@@ -67,13 +68,12 @@ def _join(engine, prompt: list[int], shift: int) -> dict:
     long.result(600)
     for r in rows:
         r.result(600)
-    joined, first = long.times["submitted"], long.times["first_token"]
-    gaps = [(b, b - a) for r in rows for a, b in zip(r.token_times, r.token_times[1:])]
-    during = sorted(g for t, g in gaps if joined <= t <= first)
-    usual = statistics.median(g for t, g in gaps if not joined <= t <= first)
+    during, outside = gaps_while_prefilled(rows, long)
+    during.sort()
+    usual = statistics.median(outside)
     return {"usual_ms": 1e3 * usual, "p50": statistics.median(during) / usual,
             "p90": statistics.quantiles(during, n=10)[-1] / usual, "max": during[-1] / usual,
-            "ttft_s": first - joined, "steps": len(during) // STREAMS}
+            "ttft_s": long.times["first_token"] - long.times["submitted"], "steps": len(during) // STREAMS}
 
 
 def run(config: str | None, overrides: list[str]) -> dict:

@@ -1,9 +1,10 @@
 """Where a step of the engine's forward goes: torch.profiler over its steps, SmolLM2-135M fp32 as served.
 
 The chat config's base model, its linears packed as a replica packs them, the engine built from
-serve.generate and called directly on these cores. Three kinds of step, each profiled over STEPS steps
+serve.generate and called directly on these cores. Four kinds of step, each profiled over STEPS steps
 in the engine's own thread (started and stopped there between two steps, `Engine.call`): decode-only at
-1 row and at 16 rows (every row decoding, nothing joining), and mixed (a 1,500-token prompt prefilled
+1 row (on the packed weights and on the weights themselves) and at 16 rows (every row decoding, nothing
+joining), and mixed (a 1,500-token prompt prefilled
 beside 16 decoding rows, chunked by the time budget). Per kind: the step's wall time, the operators it
 runs (their count and self CPU time per step, grouped: matmuls, attention, elementwise and norms, cache
 and indexing, sampling, the rest), and what the operators do not account for (Python, dispatch,
@@ -184,8 +185,7 @@ def markdown(r: dict) -> str:
 SmolLM2-135M fp32, linears packed as served, the engine called directly with {r["threads"]} threads;
 torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 rows; mixed: a 1,500-token
 prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
-Per step: each group's self CPU
-time and operator count (as profiled); what no operator accounts for (Python, dispatch, allocation) is
+Per step: each group's self CPU time and operator count (as profiled); what no operator accounts for (Python, dispatch, allocation) is
 the wall time of the same kind of steps unprofiled, less the operators' time. The cache was grown to the
 long prompt's length first (it grows by doubling, once per replica: not a step's cost).
 

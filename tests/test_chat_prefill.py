@@ -13,6 +13,7 @@ from tests.chat_serve_task import build_tiny_chat
 from tests.helpers import wait_until
 from workflows.tasks.chat.engine import Engine, SamplingParams
 from workflows.tasks.chat.engine.costs import READY, REFIT, StepCosts, StepShape
+from workflows.tasks.chat.engine.measure import gaps_while_prefilled
 from workflows.tasks.chat.engine.metrics import EngineMetrics
 
 
@@ -106,9 +107,7 @@ def join(engine: Engine, prompt: list[int], shift: int = 0) -> tuple[list[float]
     long.result(120)
     for r in rows:
         r.result(120)
-    joined, first = long.times["submitted"], long.times["first_token"]
-    gaps = [(b, b - a) for r in rows for a, b in zip(r.token_times, r.token_times[1:])]
-    return [g for t, g in gaps if joined <= t <= first], [g for t, g in gaps if not joined <= t <= first]
+    return gaps_while_prefilled(rows, long)
 
 
 def test_a_long_prompt_joining_decoding_rows_is_prefilled_in_the_chunks_its_learned_costs_allow(wide):

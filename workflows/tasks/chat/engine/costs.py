@@ -1,8 +1,8 @@
 """What prompt tokens cost beside decoding rows, learned from the steps that ran: the scheduler's
 prefill budget in time.
 
-Two measurements, both of this replica's own steps: a decode-only step's seconds, a moving average per
-number of decoding rows (`decode_seconds`); and what prompt tokens add to a step of decoding rows, the
+Two measurements, both of this replica's own steps: a decode-only step's seconds, the median of the
+recent ones per number of decoding rows (`decode_seconds`); and what prompt tokens add to a step of decoding rows, the
 extra of each such mixed step over the decode-only step of its rows, fitted by least squares (kept
 non-negative, and refitted once without the steps it misses by far: a collection or a preempted core
 is not a cost of prompt tokens) over the last WINDOW mixed steps as s + p·prompt + q·attended +

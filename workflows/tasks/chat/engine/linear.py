@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 # up to this many rows (a step's tokens) MKL's own matrix-vector path reads the weight faster than oneDNN's
-# packed one: measured here (2 cores, SmolLM2-135M's layer shapes) 19 against 13 GB/s at 1 row, 17 against 11
-# at 2; from 4 rows on the packed one is as fast or faster (docs/BENCHMARKS.md, "The engine's step, profiled")
+# packed one; from 4 rows on the packed one is as fast or faster (a lone stream's step both ways:
+# benchmarks/step_profile.py, docs/BENCHMARKS.md "The engine's step, profiled")
 UNPACKED_ROWS = 2
 
 

@@ -23,6 +23,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def gaps_while_prefilled(rows: Sequence, joined) -> tuple[list[float], list[float]]:
+    """The token gaps of `rows` (Generations) split by when each ends: (while `joined`, a request that
+    joined them, was prefilled: from its submission to its first token; the others)."""
+    start, end = joined.times["submitted"], joined.times["first_token"]
+    gaps = [(b, b - a) for r in rows for a, b in zip(r.token_times, r.token_times[1:])]
+    return [g for t, g in gaps if start <= t <= end], [g for t, g in gaps if not start <= t <= end]
+
+
 def engine_run(engine: Engine, prompts: list[list[int]], max_tokens: int,
                arrivals_s: Sequence[float] | None = None) -> dict:
     """Every prompt through `engine`, each submitted at its arrival time (seconds from the start; default:

@@ -6,9 +6,8 @@ thread that ever ran a parallel region. The thread that loaded and packed the mo
 command's) keeps its pool once the engine's thread has one of its own; with more pool threads than
 cores, libgomp makes every idle worker stop spinning after about a thousand turns (its "throttled" spin,
 whatever OMP_WAIT_POLICY or GOMP_SPINCOUNT say), so each of a step's ~200 short matmuls waits for its
-workers to wake. Measured on 2 cores, SmolLM2-135M's linears at 16 rows: 76-90 ms a pass from a
-second thread with the first thread's pool alive (1.3 cores busy) against 45-60 ms with it released
-(1.95 cores busy), as fast as from the first thread alone. `release_openmp_pool` releases the calling
+workers to wake (benchmarks/openmp_pool.py measures a stream's token gap with the pool kept and
+released: docs/BENCHMARKS.md, "The engine's thread and OpenMP"). `release_openmp_pool` releases the calling
 thread's pool (OpenMP 5's `omp_pause_resource_all`; torch has no call for it): the engine calls it
 where it is built, before its own thread starts, once the model is loaded and packed.
 """
