@@ -477,7 +477,7 @@ def chat_server(ray_cluster, tmp_path_factory):
                       {"task": TASK, "export": "adapter", "base": {**same, "sha256": "0" * 64}})
     drainer = drain.create()  # as `workflows serve` does: replicas find it and drain on stop
     opts = deployment_options(cfg)
-    opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"CHAT_TOKEN": TOKEN}}
+    opts["ray_actor_options"]["runtime_env"]["env_vars"]["CHAT_TOKEN"] = TOKEN
     deployment: Any = ModelServer
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(deployment.options(**opts).bind(cfg.model_dump(mode="json"), "tinychat:1"), name="chat",
@@ -566,6 +566,20 @@ ADD_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}},
                    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+@pytest.mark.integration
+def test_the_replica_runs_at_a_servers_niceness_not_rays_workers(chat_server):
+    """Ray starts its workers at niceness 15; the replica answers clients at 0 (serve.replica_niceness), so a
+    client or a batch job on the same node does not outrun it."""
+    import psutil
+
+    replicas = [p for p in psutil.process_iter(["cmdline"])
+                if (p.info["cmdline"] or [""])[0].startswith("ray::ServeReplica:chat:ModelServer")]
+    assert replicas, "no replica process found"
+    assert {p.nice() for p in replicas} == {0}
+    workers = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::Serve")]
+    assert any(p.nice() == 15 for p in workers), "Ray's own Serve processes keep its default (so the test can fail)"
 
 
 @pytest.mark.integration

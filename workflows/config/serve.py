@@ -94,6 +94,10 @@ class ServeConfig(Strict):
     autoscaling: AutoscalingConfig | None = None
     cpus_per_replica: float = Field(1, gt=0)
     gpus_per_replica: float = Field(0, ge=0)
+    replica_niceness: int | None = Field(
+        0, ge=0, le=19, description="the replicas' CPU niceness: 0, as a server's process; Ray starts its workers at "
+        "15 (below its own processes), where a client or a batch job on the same node outruns them; null keeps Ray's"
+    )
     precision: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="fp32; bf16 (GPU replicas, and CPUs with AVX512-BF16 or AMX); int8 dynamic quantization "
         "of Linear layers (CPU, classifiers)"
