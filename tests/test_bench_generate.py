@@ -14,7 +14,9 @@ from tests.chat_serve_task import build_tiny_chat
 from tests.conftest import ROOT
 
 TOP_KEYS = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
-            "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16")
+            "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16",
+            "vs_vllm_c1", "vs_vllm_c16", "itl_p50_vs_vllm_c1", "ttft_c16_vs_best_peer", "lora_vs_base_c16",
+            "lora_vs_vllm_lora_c16", "overload_itl_p99_vs_closed_loop")
 
 
 def bench(tmp_path, *settings: str) -> tuple[dict, str]:
@@ -76,13 +78,17 @@ def test_bench_generate_writes_every_row_and_key(tmp_path):
 def test_bench_generate_through_workflows_serve(tmp_path):
     stored, _ = bench(tmp_path, "paths=http,engine,static", "load=0.9", "overload=4", "overload_requests=12")
     check_rows(stored, ["http_c1", "http_c16", "http_sampled_c16", "http_natural_c16", "http_json_c1", "http_json_c16",
-                        "http_poisson", "http_overload", "engine_c16", "static", "static_natural", "static_packed"])
+                        "http_lora_c16", "http_mixed_c16", "http_poisson", "http_overload", "engine_c16", "static",
+                        "static_natural", "static_packed"])
+    # the adapter's rows: requests naming bench-lora (a LoRA adapter of bench-base), alone and in turn with the base
+    assert [r["models"] for r in stored["rows"][6:8]] == ["adapter", "mixed"]
+    assert stored["lora_vs_base_c16"] > 0 and stored["mixed_vs_base_c16"] > 0
     for key in ("http_vs_static_c16", "http_vs_static_natural_c16", "http_vs_static_packed_c16",
-                "itl_p99_over_p50_c16", "ttft_c16_over_c1",
+                "itl_p99_over_p50_c16", "ttft_c16_over_c1", "overload_itl_p99_vs_closed_loop",
                 "sampled_vs_greedy", "http_vs_engine_c16", "json_schema_vs_unconstrained_c1",
                 "json_schema_vs_unconstrained_c16"):
         assert stored[key] > 0, key
     assert stored["rows"][4]["output"] == "json_schema" and stored["rows"][1]["output"] == "unconstrained"
-    overload = stored["rows"][7]
+    overload = stored["rows"][9]
     assert overload["requests"] + overload["refused"] == 12 and stored["overload_requests"] == 12
     assert stored["model"] == "bench-base:1" and "workflows serve --model bench-base:1" in stored["servers"]["http"]

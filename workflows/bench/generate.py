@@ -52,13 +52,14 @@ from pathlib import Path
 from typing import Any
 
 from workflows.bench.generate_local import GREEDY, SAMPLED, engine_run, figures, static_run, transformers_step
+from workflows.bench.generate_models import Served, served_model
 from workflows.bench.generate_report import mean_context, report
 from workflows.bench.generate_servers import Server, peer_command, serve_command
 from workflows.bench.roofline import matmul_rate, memory_bandwidth
 
 DEFAULTS: dict[str, Any] = {"requests": 32, "serial_requests": 8, "max_tokens": 64, "repeats": 2, "static_batch": 16,
                             "concurrency": "1,8,16,32", "threads": 0, "paths": "http,engine,static,peer", "model": "",
-                            "load": "0.9", "overload": "4", "overload_requests": 0}
+                            "load": "0.9", "overload": "4", "overload_requests": 0, "lora": 1}
 PATHS = ("http", "engine", "static", "peer")
 TEXT_SETTINGS = ("model", "paths", "concurrency")
 FLOAT_SETTINGS = ("load", "overload")
@@ -78,13 +79,14 @@ class Row:
     structured: bool = False  # response_format json_schema (STRUCTURED), against the same row unconstrained
     requests: int = 0  # 0: the bench's `requests`
     engine_weights: bool = False  # static batching on the engine's model (its packed linears), not a plain copy
+    models: str = "base"  # what its requests name: the base | adapter (a LoRA adapter of it) | mixed (in turn)
     runs: list[dict] = field(default_factory=list)
 
     def settings(self) -> dict:
         return {"concurrency": self.concurrency, "arrivals": f"poisson x{self.rate} capacity" if self.rate else
                 "closed loop", "sampling": "temperature 0.7, top_p 0.9" if self.sampled else "greedy",
                 "lengths": "natural (eos honoured)" if self.natural else "fixed (eos ignored)",
-                "output": "json_schema" if self.structured else "unconstrained"}
+                "output": "json_schema" if self.structured else "unconstrained", "models": self.models}
 
 
 @dataclass
@@ -93,7 +95,7 @@ class HttpPeer:
 
     name: str  # row key prefix: llama_cpp, vllm
     label: str
-    start: Callable[[Path, str], Server]  # (log directory, the served version's folder) -> its server, not started
+    start: Callable[[Path, Served], Server]  # (log directory, what ours serves) -> its server, not started
     model: str = "peer"  # the "model" its requests name
     levels: tuple[int, ...] = (1, 16)
     extra: dict = field(default_factory=dict)  # fields its requests add (e.g. llama.cpp's cache_prompt)
@@ -138,11 +140,17 @@ def settings(overrides: list[str]) -> tuple[dict, list[str]]:
             except ValueError:
                 raise UserError(f"bench generate: {key} is a number >= 0, got {value!r}") from None
             out[key] = value
-        elif not value.isdigit() or (int(value) == 0 and key not in ("threads", "overload_requests")):
+        elif not value.isdigit() or (int(value) == 0 and key not in ("threads", "overload_requests", "lora")):
             raise UserError(f"bench generate: {key} must be a positive integer, got {value!r}")
         else:
             out[key] = int(value)
     return out, rest
+
+
+def has_adapter(opts: dict) -> bool:
+    """Whether the run registers an adapter of its own for the adapter rows: `lora` on, over HTTP, on the
+    config's base model (a registered `model` may be an adapter itself)."""
+    return bool(opts["lora"]) and "http" in str(opts["paths"]).split(",") and not opts["model"]
 
 
 def questions(n: int) -> list[list[dict]]:
@@ -154,10 +162,10 @@ def questions(n: int) -> list[list[dict]]:
 
 
 # --- how each path is driven: a run's result is {tokens, seconds, ttft, itl, rejected...} ----------------
-def client_run(url: str, model: str, messages: list[list[dict]], row: Row, max_tokens: int, rate: float | None,
+def client_run(url: str, models: list[str], messages: list[list[dict]], row: Row, max_tokens: int, rate: float | None,
                api_key: str | None = None, extra: dict | None = None) -> dict:
     """The row's requests from a client process (workflows.bench.generate_client)."""
-    job = {"base_url": url, "model": model, "api_key": api_key, "messages": messages, "requests": len(messages),
+    job = {"base_url": url, "models": models, "api_key": api_key, "messages": messages, "requests": len(messages),
            "extra_body": {**(extra or {}), **({"response_format": structured(max_tokens)} if row.structured else {})},
            "max_tokens": max_tokens, "ignore_eos": not row.natural, "concurrency": row.concurrency, "rate": rate,
            "seed": 0 if row.sampled else None, **(SAMPLED if row.sampled else GREEDY)}
@@ -179,32 +187,6 @@ def client_run(url: str, model: str, messages: list[list[dict]], row: Row, max_t
     return result
 
 
-# --- the served model ---------------------------------------------------------------------------------
-def served_model(cfg, config: str, config_overrides: list[str], opts: dict,
-                 scratch: Path) -> tuple[str, list[str], str, Any]:
-    """(the model spec `workflows serve` serves, the config overrides that reach its store, the version's
-    local directory, its card): a registered chat model named by `model`, or the config's base model
-    registered into a scratch store (a local directory) as bench-base."""
-    from workflows import registry
-    from workflows.runtime import runtime
-    from workflows.tasks.chat.training.model import resolve_dir
-
-    if opts["model"]:
-        with runtime(cfg, ray_needed=False) as rt:
-            model_dir, card = registry.fetch(rt.cfg, rt.storage, opts["model"])
-        return f"{card.name}:{card.version}", [], model_dir, card
-    from workflows.config import load_config
-    from workflows.storage.uri import StorageContext
-
-    store = [f"storage.root={scratch / 'store'}", "storage.embedded.enabled=false"]
-    local = load_config(config, [*config_overrides, *store])
-    base = resolve_dir(cfg.model.name_or_path, cfg)
-    ref = registry.register(local, StorageContext.from_config(local.storage), base, "bench-base",
-                            {"task": cfg.model.task})
-    model_dir, card = registry.fetch(local, StorageContext.from_config(local.storage), f"{ref.name}:{ref.version}")
-    return f"{ref.name}:{ref.version}", store, model_dir, card
-
-
 def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict, packed: bool = False) -> list[Row]:
     """The rows of one repeat, in the order they run."""
     mid = 16 if 16 in levels else max(levels)
@@ -216,6 +198,11 @@ def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict, 
                  Row(f"http_natural_c{mid}", "http", "ours: workflows serve, HTTP + SSE", mid, natural=True)]
         rows += [Row(f"http_json_c{c}", "http", "ours: workflows serve, HTTP + SSE, json_schema", c, structured=True)
                  for c in sorted({1, mid})]
+        if opts["lora"]:  # a LoRA adapter of the served base: its requests alone, and in turn with the base's
+            rows += [Row(f"http_lora_c{mid}", "http", "ours: workflows serve, HTTP + SSE, a LoRA adapter", mid,
+                         models="adapter"),
+                     Row(f"http_mixed_c{mid}", "http", "ours: workflows serve, HTTP + SSE, the adapter and the base "
+                         "in turn", mid, models="mixed")]
         if float(opts["load"]):
             rows.append(Row("http_poisson", "http", "ours: workflows serve, HTTP + SSE", top, rate=float(opts["load"])))
         if float(opts["overload"]):
@@ -266,7 +253,10 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     logs = Path(cfg.cache.resolved_dir()) / "bench-generate"
     model_dir = None
     try:
-        spec, store, model_dir, card = served_model(cfg, config, config_overrides, opts, scratch)
+        lora = has_adapter(opts)
+        opts["lora"] = int(lora)
+        served = served_model(cfg, config, config_overrides, opts, scratch, adapter=lora)
+        spec, store, model_dir, card = served.spec, served.store, served.model_dir, served.card
         task = task_for_card(cfg, card)
         predictor: Any = task.serving.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
         engine = predictor.engine  # built as the replica builds it
@@ -292,8 +282,10 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             servers["peer"] = Server("the one-at-a-time peer", peer_command(model_dir, peer_port, threads), peer_port,
                                      logs / "peer.log")
         for p in peers:
-            servers[p.name] = p.start(logs, model_dir)
+            servers[p.name] = p.start(logs, served)
         names = {"http": spec, **{p.name: p.model for p in peers}, "peer": "peer"}
+        in_turn = {"base": lambda path: [names[path]], "adapter": lambda path: [served.adapter],
+                   "mixed": lambda path: [served.adapter, names[path]]}
         extras = {p.name: p.extra for p in peers}
 
         def n_of(row: Row) -> int:
@@ -323,7 +315,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 return static_run(model if row.engine_weights else plain, pad, prompts[:n], tokens, row.concurrency,
                                   row.sampled, eos if row.natural else None)
             rate = row.rate * capacity["http"] if row.rate else None
-            return client_run(servers[row.path].url, names[row.path], convs[:n], row, tokens, rate,
+            return client_run(servers[row.path].url, in_turn[row.models](row.path), convs[:n], row, tokens, rate,
                               api_key if row.path == "http" else None, extras.get(row.path))
 
         flops: list[float] = []

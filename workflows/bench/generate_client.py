@@ -9,6 +9,9 @@ peer, llama.cpp's server, vLLM), so their figures differ by the server alone. Tw
 - open loop (`rate`, requests/s): requests sent at Poisson arrival times (exponential gaps, seeded),
   whatever is in flight; a rejected request (429, 503) is recorded with the time its answer took.
 
+The job names the models its requests ask for (`models`): request i asks for models[i % len]: one
+model, or a base and its adapter in turn (a batch of both).
+
 Per request: when it was sent, when each chunk that carried text arrived (time to first token and the
 gaps between tokens, as the client sees them), the completion tokens the server's usage counted, the
 finish reason, or the HTTP status and answer time of a refusal. Times are seconds from the job's start.
@@ -24,16 +27,17 @@ import time
 from typing import Any
 
 
-async def one(client, job: dict, messages: list, t0: float) -> dict:
+async def one(client, job: dict, messages: list, t0: float, model: str) -> dict:
     import openai
 
     extra: dict[str, Any] = {**job.get("extra_body", {}), **({"ignore_eos": True} if job.get("ignore_eos") else {})}
     sent = time.perf_counter()
-    out: dict[str, Any] = {"sent": sent - t0, "chunks": [], "tokens": 0, "status": 200, "finish_reason": None}
+    out: dict[str, Any] = {"sent": sent - t0, "chunks": [], "tokens": 0, "status": 200, "finish_reason": None,
+                           "model": model}
     for attempt in (1, 2):
         try:
             stream = await client.chat.completions.create(
-                model=job["model"], messages=messages, max_tokens=job["max_tokens"], temperature=job["temperature"],
+                model=model, messages=messages, max_tokens=job["max_tokens"], temperature=job["temperature"],
                 top_p=job["top_p"], seed=job.get("seed"), stream=True, stream_options={"include_usage": True},
                 extra_body=extra)
             async for chunk in stream:
@@ -65,7 +69,7 @@ async def run(job: dict) -> dict:
     import httpx2
     import openai
 
-    prompts, n = job["messages"], job["requests"]
+    prompts, n, models = job["messages"], job["requests"], job["models"]
     # connections enough for every request in flight: the client must not queue what the server should
     limits = httpx2.Limits(max_connections=max(64, n), max_keepalive_connections=max(64, n))
     client = openai.AsyncOpenAI(base_url=job["base_url"], api_key=job.get("api_key") or "none", max_retries=0,
@@ -82,7 +86,8 @@ async def run(job: dict) -> dict:
                 delay = at - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(client, job, prompts[i % len(prompts)], t0)))
+                request = one(client, job, prompts[i % len(prompts)], t0, models[i % len(models)])
+                tasks.append(asyncio.create_task(request))
             results = list(await asyncio.gather(*tasks))
         else:
             todo = list(range(n))
@@ -90,7 +95,7 @@ async def run(job: dict) -> dict:
             async def worker():
                 while todo:
                     i = todo.pop(0)
-                    results.append(await one(client, job, prompts[i % len(prompts)], t0))
+                    results.append(await one(client, job, prompts[i % len(prompts)], t0, models[i % len(models)]))
 
             await asyncio.gather(*(worker() for _ in range(min(job["concurrency"], n))))
     return {"seconds": time.perf_counter() - t0, "requests": results}
