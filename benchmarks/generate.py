@@ -15,7 +15,8 @@ from workflows.bench import generate
 
 FIGURES = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
            "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "json_schema_vs_unconstrained_c1",
-           "json_schema_vs_unconstrained_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16")
+           "json_schema_vs_unconstrained_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16", "vs_vllm_c1", "vs_vllm_c16",
+           "itl_p50_vs_vllm_c1", "ttft_c16_vs_best_peer", "lora_vs_base_c16", "lora_vs_vllm_lora_c16")
 TEXT = {
     "http_vs_static_c16": "output tokens/s at 16 over HTTP against static batching, fixed lengths",
     "http_vs_static_natural_c16": "the same with natural stopping (eos honoured)",
@@ -36,6 +37,17 @@ TEXT = {
     "ttft_p50_vs_peer": "time to first token p50 at 1 over HTTP against the one-at-a-time peer",
     "vs_llama_cpp_c1": "tokens/s at 1 over HTTP against llama.cpp's server",
     "vs_llama_cpp_c16": "tokens/s at 16 over HTTP against llama.cpp's server",
+    "vs_vllm_c1": "tokens/s at 1 over HTTP against vLLM's CPU build (compiled, as it runs by default)",
+    "vs_vllm_c16": "the same at 16",
+    "itl_p50_vs_vllm_c1": "inter-token latency p50 at 1 against vLLM's",
+    "vs_vllm_eager_c1": "tokens/s at 1 against vLLM with --enforce-eager (its kernels without its compile)",
+    "vs_vllm_eager_c16": "the same at 16",
+    "ttft_c16_vs_best_peer": "time to first token p50 at 16 against the best peer's in this run",
+    "lora_vs_base_c16": "tokens/s at 16 of requests naming a LoRA adapter of the base against the base's",
+    "mixed_vs_base_c16": "the same with the adapter's and the base's requests in turn (one batch)",
+    "lora_vs_vllm_lora_c16": "the adapter's tokens/s at 16 against vLLM's with --enable-lora, the same adapter",
+    "overload_itl_p99_vs_closed_loop": "overload row: the admitted ones' inter-token p99 against the closed loop "
+                                       "at the batch size",
 }
 
 

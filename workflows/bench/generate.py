@@ -19,6 +19,10 @@ What runs where (each a process of its own but the in-process paths):
   request at a time, reached by the same client;
 - the project's harness (benchmarks/generate.py) adds llama.cpp's server and vLLM the same way (`peers`).
 
+With `lora=1` (the default) on the config's base model, a LoRA adapter of it is registered beside it
+(workflows.bench.generate_models) and two `http` rows name it: every request (`http_lora_c16`), and the
+adapter and the base in turn, one batch holding both (`http_mixed_c16`).
+
 A row is a path and its settings (workflows.bench.generate.Row): closed-loop concurrency (each client sends
 its next request when its previous one ended) or Poisson arrivals at a rate; greedy or sampled
 (temperature 0.7, top_p 0.9); fixed lengths (`ignore_eos`: every request makes max_tokens tokens) or
