@@ -122,15 +122,16 @@ def available_peers(overrides: list[str]) -> tuple[list[HttpPeer], dict[str, str
     # the check's verdict is its last line (the lines before: the base model's conversion, on a new node)
     status = VLLM_STATUS.read_text().strip().splitlines()[-1] if VLLM_STATUS.exists() else \
         "not built (make bench-peers-generate)"
+    adapter = has_adapter(settings([o for o in overrides if not o.startswith("peers=")])[0])
     for name, kind in VLLM_KINDS.items():
-        if name in names and status == "ok":
-            peers.append(vllm(threads, kind))
-        elif name in names:
+        if name not in names:
+            continue
+        if status != "ok":
             missing[name] = status
-    opts, _ = settings([o for o in overrides if not o.startswith("peers=")])
-    if any(p.name == "vllm_lora" for p in peers) and not has_adapter(opts):
-        peers = [p for p in peers if p.name != "vllm_lora"]
-        missing["vllm_lora"] = "this run has no adapter of its own (lora=0, no http path, or a model= is served)"
+        elif kind == "lora" and not adapter:
+            missing[name] = "this run has no adapter of its own (lora=0, no http path, or a model= is served)"
+        else:
+            peers.append(vllm(threads, kind))
     return peers, missing
 
 

@@ -202,7 +202,7 @@ def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict, 
                  Row(f"http_natural_c{mid}", "http", "ours: workflows serve, HTTP + SSE", mid, natural=True)]
         rows += [Row(f"http_json_c{c}", "http", "ours: workflows serve, HTTP + SSE, json_schema", c, structured=True)
                  for c in sorted({1, mid})]
-        if opts["lora"]:  # a LoRA adapter of the served base: its requests alone, and in turn with the base's
+        if has_adapter(opts):  # a LoRA adapter of the served base: its requests alone, and in turn with the base's
             rows += [Row(f"http_lora_c{mid}", "http", "ours: workflows serve, HTTP + SSE, a LoRA adapter", mid,
                          models="adapter"),
                      Row(f"http_mixed_c{mid}", "http", "ours: workflows serve, HTTP + SSE, the adapter and the base "
@@ -257,9 +257,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     logs = Path(cfg.cache.resolved_dir()) / "bench-generate"
     model_dir = None
     try:
-        lora = has_adapter(opts)
-        opts["lora"] = int(lora)
-        served = served_model(cfg, config, config_overrides, opts, scratch, adapter=lora)
+        served = served_model(cfg, config, config_overrides, opts, scratch, adapter=has_adapter(opts))
         spec, store, model_dir, card = served.spec, served.store, served.model_dir, served.card
         task = task_for_card(cfg, card)
         predictor: Any = task.serving.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)

@@ -32,8 +32,7 @@ async def one(client, job: dict, messages: list, t0: float, model: str) -> dict:
 
     extra: dict[str, Any] = {**job.get("extra_body", {}), **({"ignore_eos": True} if job.get("ignore_eos") else {})}
     sent = time.perf_counter()
-    out: dict[str, Any] = {"sent": sent - t0, "chunks": [], "tokens": 0, "status": 200, "finish_reason": None,
-                           "model": model}
+    out: dict[str, Any] = {"sent": sent - t0, "chunks": [], "tokens": 0, "status": 200, "finish_reason": None}
     for attempt in (1, 2):
         try:
             stream = await client.chat.completions.create(
