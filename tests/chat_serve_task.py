@@ -74,14 +74,10 @@ class HookedServing(ChatServing):
     def predictor(self, model_dir, card, threads=None, precision="fp32"):
         predictor = super().predictor(model_dir, card, threads=threads, precision=precision)
         opts, engine = self.options, predictor.engine
-        if opts.step_delay_s:
-            forward = engine.model.forward
-
-            def slow(*args, **kwargs):
-                time.sleep(opts.step_delay_s)
-                return forward(*args, **kwargs)
-
-            engine.model.forward = slow
+        if opts.step_delay_s:  # whichever forward a step runs: the model's (eager) or the compiled one
+            for owner, name in ((engine.model, "forward"), (engine.compiled, "hidden")):
+                if owner is not None:
+                    setattr(owner, name, _slowed(getattr(owner, name), opts.step_delay_s))
         if opts.finish_log:
             def record(gen):
                 with open(opts.finish_log, "a") as f:
@@ -90,6 +86,14 @@ class HookedServing(ChatServing):
 
             engine.on_finish = record
         return predictor
+
+
+def _slowed(fn, delay_s: float):
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return fn(*args, **kwargs)
+
+    return slow
 
 
 class HookedChatTask(ChatTask):

@@ -236,7 +236,13 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     for unsupported in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"attention with {unsupported}: the engine's cache serves full attention only")
-    plan, layer = slot_plan, module.layer_idx
+    return attend(slot_plan, module.layer_idx, query, key, value, scaling), None
+
+
+def attend(plan: StepPlan, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """Layer `layer`'s slot attention of a step (the eager model's and the compiled forward's): writes
+    the step's keys and values into their slots, returns [tokens, 1, heads, dim]."""
     plan.layers_seen += 1
     cache = plan.cache
     keys, values = cache.keys[layer], cache.values[layer]
@@ -255,7 +261,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         if not plan.dense:
             o = o.index_select(0, plan.decode_slots)
         if plan.decode_only:  # nothing else attends this step: no `out` to copy into
-            return o.reshape(n, 1, heads, dim), None
+            return o.reshape(n, 1, heads, dim)
         decoded = o.reshape(n, heads, dim)
     out = query.new_empty(tokens, heads, dim)
     if decoded is not None:
@@ -279,7 +285,7 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, group * count, dim), keys[slot:slot + 1, :, :end],
                                            values[slot:slot + 1, :, :end], attn_mask=mask, scale=scaling)
         out[start:start + count] = o.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
-    return out.unsqueeze(1), None
+    return out.unsqueeze(1)
 
 
 def use_slot_attention(model) -> None:

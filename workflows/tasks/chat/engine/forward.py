@@ -6,6 +6,9 @@ and values into its request's slot and attends over that slot alone. So a step i
 weights are read once for the decode tokens and the prefill chunks together, no row is padded to
 another's length, and mixed adapters work as in any peft batch. `logits_to_keep` (a boolean per
 token) keeps the output head to the tokens whose next token is needed.
+
+A step whose tokens are all base rows runs the compiled forward where the engine has one
+(workflows.tasks.chat.engine.compiled): the same attention and cache, the layers one graph.
 """
 
 from __future__ import annotations
@@ -15,20 +18,29 @@ from typing import Any
 import torch
 
 from workflows.tasks.chat.engine.cache import StepPlan, check_plan_used
+from workflows.tasks.chat.engine.compiled import CompiledForward
 from workflows.tasks.chat.engine.scheduler import StepTokens
 
 
-def step_logits(model, device: torch.device, step: StepTokens, plan: StepPlan) -> torch.Tensor:
-    """Logits [tokens kept, vocab] of the step's tokens, in one forward."""
-    keep = torch.tensor(step.keep, device=device)[:, None]
+def step_logits(model, device: torch.device, step: StepTokens, plan: StepPlan, base: str,
+                compiled: CompiledForward | None = None) -> tuple[torch.Tensor, bool]:
+    """Logits [tokens kept, vocab] of the step's tokens, in one forward; and whether it ran compiled (a
+    compiled engine's step with a LoRA adapter's row, or one that would recompile, runs eagerly)."""
+    keep = torch.tensor(step.keep, device=device)
+    if compiled is not None and all(a == base for a in step.adapters) and compiled.current():
+        hidden = compiled.hidden(torch.tensor(step.ids, device=device), torch.tensor(step.positions, device=device),
+                                 plan)
+        if hidden is not None:
+            check_plan_used(plan)
+            return compiled.head(hidden[keep]), True
     kwargs: dict[str, Any] = {}
     if getattr(model, "peft_config", None):  # a peft model: each token's adapter (or none)
         kwargs["adapter_names"] = step.adapters
     out = model(input_ids=torch.tensor(step.ids, device=device)[:, None],
                 position_ids=torch.tensor(step.positions, device=device)[:, None], use_cache=False,
-                logits_to_keep=keep, slot_plan=plan, **kwargs)
+                logits_to_keep=keep[:, None], slot_plan=plan, **kwargs)
     check_plan_used(plan)
     logits = out.logits
     if logits.dim() == 3:  # a model that slices its logits itself: [tokens, 1, vocab]
-        logits = logits[:, -1][keep[:, 0]]
-    return logits
+        logits = logits[:, -1][keep]
+    return logits, False

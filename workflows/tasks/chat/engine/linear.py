@@ -17,8 +17,12 @@ weight changed (in place or replaced) since, it is an ordinary nn.Linear again.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # up to this many rows (a step's tokens) MKL's own matrix-vector path reads the weight faster than oneDNN's
 # packed one; from 4 rows on the packed one is as fast or faster (a lone stream's step both ways:
@@ -83,4 +87,6 @@ def pack_linears(model: torch.nn.Module) -> int:
             with torch.no_grad():
                 module._packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), source(w))
         held += w.numel() * w.element_size()
+    if held:
+        log.info("fp32 linear weights packed for oneDNN: %.0f MB held a second time", held / 1e6)
     return held

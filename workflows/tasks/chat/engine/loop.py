@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, use_slot_attention
+from workflows.tasks.chat.engine.compiled import build as build_compiled
 from workflows.tasks.chat.engine.costs import StepShape
 from workflows.tasks.chat.engine.device import model_device, model_dtype
 from workflows.tasks.chat.engine.forward import step_logits
@@ -63,37 +64,36 @@ class Engine:
     beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens: the scheduler's prefill budgets per
     step (in time, in tokens until the costs are known, and at most); timeout_s:
     each request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
-    layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear)."""
+    layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear); forward:
+    "compiled", "auto" or "eager" (workflows.tasks.chat.engine.compiled)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = 1.7,
-                 timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True):
+                 timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True,
+                 forward: str = "eager"):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = model_device(model)  # where every tensor the engine makes goes
         check_full_attention(model.config)
         use_slot_attention(model)
-        self.packed_bytes = pack_linears(model) if prepack and self.device.type == "cpu" else 0
-        if self.packed_bytes:
-            log.info("fp32 linear weights packed for oneDNN: %.0f MB held a second time", self.packed_bytes / 1e6)
+        self.packed_bytes = pack_linears(model) if prepack and self.device.type == "cpu" else 0  # logged there
         self.max_batch, self.max_queue, self.retry_after_s = max_batch, max_queue, retry_after_s
         context = int(getattr(model.config, "max_position_embeddings", 2048))
-        self.max_context = min(max_context or context, context)
+        self.max_context, self.timeout_s = min(max_context or context, context), timeout_s
         self.max_prompt_tokens = min(max_prompt_tokens or self.max_context, self.max_context - 1)
-        self.timeout_s = timeout_s
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
         self.cache = SlotCache(model.config, max_batch, self.max_context, self.device, model_dtype(model))
+        self.compiled = build_compiled(model, forward, self.cache)  # compiled for any step, before any request
         self.sampler = Sampler(self.vocab_size, max_batch, self.device)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens, mixed_step_ratio)
-        # for benchmarks and tests: steps run, tokens sampled, decoding rows summed over steps, prompts
-        # prefilled, the most rows in a step, prompt and decode tokens through the model
-        # row_steps / decode_steps: the mean batch of the steps that decoded (a step may only prefill)
+        # for benchmarks and tests: steps run, tokens sampled, decoding rows summed over steps (over decode_steps: the
+        # mean batch), prompts prefilled, the most rows in a step, prompt and decode tokens computed, steps compiled
         self.stats = {"steps": 0, "tokens": 0, "row_steps": 0, "decode_steps": 0, "prefills": 0, "max_rows": 0,
-                      "prefill_tokens": 0, "decode_tokens": 0}
+                      "prefill_tokens": 0, "decode_tokens": 0, "compiled_steps": 0}
         self.metrics = metrics or EngineMetrics()
         self.on_finish: Callable[[Generation], None] | None = None  # called in the decode thread as one ends
         self._ids = itertools.count()
@@ -295,9 +295,10 @@ class Engine:
         start = time.perf_counter()  # from here on, what the step's tokens cost (planned, computed, sampled)
         step = self.scheduler.plan(self._rows, BASE)
         plan = self.cache.plan(step.slots, step.positions, step.decode, [(first, n) for _, first, n in step.prefills])
-        logits = step_logits(self.model, self.device, step, plan)
+        logits, ran_compiled = step_logits(self.model, self.device, step, plan, BASE, self.compiled)
         stats = self.stats
         stats["steps"] += 1  # a row that ends now ends at this count, one that joins next starts there
+        stats["compiled_steps"] += ran_compiled
         for row, _, n in step.prefills:
             row.done += n
             row.pos = row.done
@@ -382,16 +383,15 @@ class Engine:
 
     def _fail(self, gen: Generation, e: BaseException) -> None:
         log.error("request %d failed: %r", gen.id, e)
-        gen.finish_reason = "error"
-        gen.steps = (gen.steps[0], self.stats["steps"])
-        gen.times["finished"] = time.perf_counter()
-        gen._push(e)
+        self._ended(gen, "error", e)
 
-    def _finish(self, gen: Generation, last: Delta, report: StepReport) -> None:
-        gen.finish_reason = last.finish_reason
-        gen.steps = (gen.steps[0], self.stats["steps"])
+    def _ended(self, gen: Generation, reason: str | None, last: Delta | BaseException) -> None:
+        gen.finish_reason, gen.steps = reason, (gen.steps[0], self.stats["steps"])
         gen.times["finished"] = time.perf_counter()
         gen._push(last)
+
+    def _finish(self, gen: Generation, last: Delta, report: StepReport) -> None:
+        self._ended(gen, last.finish_reason, last)
         report.finished.append(gen)
         if self.on_finish is not None:
             try:

@@ -1,0 +1,196 @@
+"""The engine's compiled forward (#71) on tiny decoders, without Ray: the tokens the eager forward gives,
+alone and batched; no step recompiles after warm-up (and one that would runs eagerly); LoRA adapter rows
+beside base rows; weights changed after compiling; the setting that chooses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.chat_serve_task import WORDS, build_lora, build_tiny_chat
+from workflows.tasks.chat.engine import Engine, SamplingParams
+from workflows.tasks.chat.engine import compiled as compiled_forward
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, model, tokenizer) of the tiny chat model (GQA: 4 heads over 2 key/value heads)."""
+    out = tmp_path_factory.mktemp("tinychat")
+    model, tokenizer = build_tiny_chat(out)
+    return str(out), model, tokenizer
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0)
+
+
+def words(tokenizer, n: int, shift: int = 0) -> list[int]:
+    return tokenizer(" ".join(WORDS[(i * 7 + shift) % len(WORDS)] for i in range(n))).input_ids[:n]
+
+
+def run(e: Engine, prompts: list[list[int]], n: int = 12, adapters=None, together: bool = True) -> list[list[int]]:
+    """Greedy tokens of `prompts` on `e`: submitted together (one batch) or one after another (alone)."""
+    adapters = adapters or [None] * len(prompts)
+    if not together:
+        return [run(e, [p], n, [a])[0] for p, a in zip(prompts, adapters)]
+    gens = [e.submit(p, greedy(n), a) for p, a in zip(prompts, adapters)]
+    for g in gens:
+        g.result(120)
+    return [g.tokens for g in gens]
+
+
+def graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["stats"].values()) + sum(counters["frames"].values())
+
+
+def test_compiled_steps_give_the_eager_tokens_alone_and_batched_and_never_recompile(tiny):
+    """Prompts of 3 to 140 tokens (the last grows the cache past its first 128 positions), prefilled 3 tokens a
+    step beside decoding rows and then decoded together: every step runs compiled, each row's tokens are those
+    of the eager forward alone, and no step after warm-up compiles anything; a call that would recompile (ids
+    of another dtype) is refused and its step left to the eager forward."""
+    _, model, tokenizer = tiny
+    prompts = [words(tokenizer, n, shift) for shift, n in enumerate((3, 9, 40, 140))]
+    eager = Engine(model, tokenizer, max_batch=4, forward="eager", prefill_chunk=3, mixed_step_ratio=None)
+    compiled = Engine(model, tokenizer, max_batch=4, forward="compiled", prefill_chunk=3, mixed_step_ratio=None)
+    try:
+        for e in (eager, compiled):
+            e.eos = set()
+        assert eager.compiled is None and compiled.compiled is not None and compiled.compiled.warm
+        before = graphs()
+        alone = run(eager, prompts, together=False)
+        assert run(compiled, prompts, together=False) == alone
+        assert run(compiled, prompts) == alone
+        stats = compiled.stats
+        assert stats["compiled_steps"] == stats["steps"] > 4 * 12 and stats["max_rows"] == 4
+        assert compiled.compiled.refused == 0 and graphs() == before  # nothing compiled after warm-up
+
+        def int32_ids():
+            with torch.inference_mode():
+                plan = compiled.cache.plan([0], [0], [0], [])
+                return compiled.compiled.hidden(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                                                plan)
+
+        refused = compiled.call(int32_ids).result(60)
+        assert refused is None and compiled.compiled.refused == 1 and graphs() == before
+    finally:
+        eager.close()
+        compiled.close()
+
+
+@pytest.fixture(scope="module")
+def own(tiny):
+    """A compiled engine over a model of its own (loaded from the tiny model's directory)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, _, tokenizer = tiny
+    e = Engine(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, max_batch=4, forward="compiled",
+               prefill_chunk=3, mixed_step_ratio=None)
+    e.eos = set()
+    yield e
+    e.close()
+
+
+def test_adapter_rows_run_eagerly_beside_base_rows_each_as_alone(tiny, own, tmp_path):
+    """A LoRA adapter loaded into the compiled engine's model (peft wraps its layers): a step with an
+    adapter's row runs the eager forward (peft's mixed-adapter batch), a step of base rows alone still runs
+    compiled, and in a batch mixing them each row decodes what it decodes alone."""
+    from workflows.tasks.chat.adapters import load_adapter
+
+    model_dir, model, tokenizer = tiny
+    build_lora(model_dir, tmp_path / "lora", seed=3)
+
+    def load():
+        own.model = load_adapter(own.model, str(tmp_path / "lora"), "one").eval()
+
+    own.call(load).result(60)
+    p = words(tokenizer, 11)
+    steps, compiled_steps = own.stats["steps"], own.stats["compiled_steps"]
+    base_alone = run(own, [p])[0]
+    assert own.stats["compiled_steps"] - compiled_steps == own.stats["steps"] - steps  # base rows: compiled
+    eager = Engine(model, tokenizer, forward="eager")
+    eager.eos = set()
+    try:
+        assert run(eager, [p]) == [base_alone]
+    finally:
+        eager.close()
+    steps, compiled_steps = own.stats["steps"], own.stats["compiled_steps"]
+    adapter_alone = run(own, [p], adapters=["one"])[0]
+    assert adapter_alone != base_alone and own.stats["compiled_steps"] == compiled_steps  # adapter rows: eager
+    assert run(own, [p, p, p], adapters=["one", None, "one"]) == [adapter_alone, base_alone, adapter_alone]
+    assert own.compiled.refused == 0
+
+
+def test_weights_changed_after_compiling_are_computed_eagerly(tiny, own):
+    """The compiled graph holds the weights as constants: once one is changed in place, steps run the eager
+    forward, with the weights as they are now."""
+    _, _, tokenizer = tiny
+    p = words(tokenizer, 7, shift=2)
+    before = run(own, [p])[0]
+    assert own.compiled.current()
+
+    def change():  # the base weight of a projection (peft may wrap it), in place
+        base = own.model.get_base_model() if hasattr(own.model, "get_base_model") else own.model
+        with torch.no_grad():
+            compiled_forward._linear(base.model.layers[1].mlp.down_proj).weight.mul_(-3)
+
+    own.call(change).result(60)
+    compiled_steps = own.stats["compiled_steps"]
+    after = run(own, [p])[0]
+    assert not own.compiled.current() and own.stats["compiled_steps"] == compiled_steps
+    assert after != before
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_the_other_llama_laid_decoders_compile_to_their_eager_tokens(tiny, kind):
+    """Qwen2 (biases on q, k and v) and Mistral, laid out as Llama: compiled, the tokens of the eager forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, _, tokenizer = tiny
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(kind, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, sliding_window=None, use_sliding_window=False)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    prompts = [words(tokenizer, n, n) for n in (5, 17)]
+    engines = [Engine(model, tokenizer, max_batch=2, forward=f) for f in ("eager", "compiled")]
+    try:
+        for e in engines:
+            e.eos = set()
+        assert run(engines[1], prompts) == run(engines[0], prompts, together=False)
+        assert engines[1].stats["compiled_steps"] == engines[1].stats["steps"]
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_the_forward_setting_chooses_compiled_eager_or_auto(tiny, tmp_path):
+    """eager: none compiled; compiled: a model it does not know is a clear error naming the setting; auto:
+    compiled only where measured (fp32 on a CPU), so bf16 weights run eagerly; a typo names the field."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from workflows.config import load_config
+    from workflows.errors import UserError
+    from workflows.tasks.chat.engine.cache import SlotCache
+
+    _, model, _ = tiny
+    cache = SlotCache(model.config, 1, 16, torch.device("cpu"), torch.float32)
+    assert compiled_forward.build(model, "eager", cache) is None
+    with pytest.raises(ValueError, match="forward 'fast'"):
+        compiled_forward.build(model, "fast", cache)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(NotImplementedError, match="serve.generate.forward=compiled: model_type 'gpt2'"):
+        compiled_forward.build(gpt2, "compiled", cache)
+    assert compiled_forward.build(gpt2, "auto", cache) is None
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert compiled_forward.build(bf16, "auto", cache) is None
+    with pytest.raises(UserError, match="serve.generate.forward"):
+        load_config("chat", ["serve.generate.forward=fast"])
+    assert load_config("chat", []).serve.generate.forward == "auto"

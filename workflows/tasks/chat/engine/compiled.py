@@ -1,0 +1,255 @@
+"""A compiled forward of a step's tokens: the decoder's layers as one inductor graph, its weights frozen.
+
+Why: transformers' eager Llama runs some 37 small operators a layer (RMSNorm, rotary, seven projections,
+residual adds), each dispatched from Python: at a decode step of a 135M model on a CPU that is a third
+of the step beside the matmuls (docs/BENCHMARKS.md, "The engine's step, profiled"). Compiled with
+inductor, with the weights frozen (constants of the graph), the elementwise work is fused into a few C++
+loops, the q, k and v projections are one matmul and so are the gate and up projections (the weights
+concatenated, folded once as constants), and every matmul computes with its weight packed for oneDNN
+(inductor's freezing packs them as `engine.linear` does for the eager model). The attention is the
+engine's slot attention (workflows.tasks.chat.engine.cache) as a `torch.library` custom op: opaque to
+the compiler, so the graph does not break around it, and it reads the step's plan (which slots, which
+positions) from the step that runs it, not from the graph's inputs.
+
+The token count is dynamic: one graph for any step of two tokens or more and one for a single token,
+both compiled when the engine is built (`warm_up`), never per request: after warm-up a call that would
+recompile raises instead (torch.compiler's "fail_on_recompile" stance) and that step runs eagerly,
+counted (`refused`). Steps where a token names a LoRA adapter run eagerly too (peft's mixed-adapter
+forward chooses its rows in Python); as vLLM does, which turns its compile off whenever LoRA is on.
+
+The layers it knows: transformers' Llama layout (q/k/v/o and gate/up/down projections, RMSNorm before
+attention and MLP, rotary embeddings from the model's own rotary module, so its scaling kind is the
+model's), which Llama, Mistral and Qwen2 share (`ARCHITECTURES`). Another model runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+from workflows.tasks.chat.engine.cache import StepPlan, attend
+from workflows.tasks.chat.engine.device import model_device, model_dtype
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")  # model_type values laid out as transformers' Llama
+_step = threading.local()  # the plan of the step running in this thread, read by the attention op
+
+
+@torch.library.custom_op("workflows_chat::slot_attention", mutates_args=())
+def slot_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                      scaling: float) -> torch.Tensor:
+    """query [tokens, heads, dim], key and value [tokens, kv_heads, dim] -> [tokens, heads * dim]. It writes
+    the cache of the running step's plan (state the compiler does not see: the op is opaque, and a layer's
+    cache is read and written by that layer's call alone, which its output depends on)."""
+    out = attend(_step.plan, layer, query[:, :, None], key[:, :, None], value[:, :, None], scaling)
+    return out.reshape(query.shape[0], -1)
+
+
+@slot_attention_op.register_fake
+def _(query, key, value, layer, scaling):
+    return query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
+
+
+def unsupported(model) -> str | None:
+    """Why the compiled forward cannot run `model` (None where it can)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        return f"model_type {getattr(config, 'model_type', None)!r} (compiled: {', '.join(ARCHITECTURES)})"
+    inner = getattr(base, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(base).__name__} is not laid out as transformers' Llama"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(hasattr(attn, a) for a in ("q_norm", "k_norm")) or not all(
+                hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return f"{type(layer).__name__} has layers the compiled forward does not know"
+    if model_device(model).type != "cpu":
+        return f"weights on {model_device(model).type} (the compiled forward is measured on CPUs only)"
+    return None
+
+
+def _linear(module) -> torch.nn.Linear:
+    """A projection's own Linear (a peft LoRA layer's base layer: the compiled forward runs base rows)."""
+    return getattr(module, "base_layer", module)
+
+
+class Decoder(torch.nn.Module):
+    """The decoder's layers over a step's tokens (a batch of one-token rows): ids [tokens], positions
+    [tokens] -> the final norm's hidden states [tokens, hidden]. It holds the model's own weights (no copy)."""
+
+    def __init__(self, model, positions: int):
+        super().__init__()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner = base.model
+        self.register_buffer("embed", inner.embed_tokens.weight.detach(), persistent=False)
+        self.register_buffer("norm_w", inner.norm.weight.detach(), persistent=False)
+        self.norm_eps = inner.norm.variance_epsilon
+        self.layers_ = []
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v, o = (_linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            gate, up, down = (_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+            weights = {"q": q.weight, "k": k.weight, "v": v.weight, "o": o.weight, "gate": gate.weight,
+                       "up": up.weight, "down": down.weight, "ln1": layer.input_layernorm.weight,
+                       "ln2": layer.post_attention_layernorm.weight}
+            for name, b in (("qb", q.bias), ("kb", k.bias), ("vb", v.bias), ("ob", o.bias), ("gateb", gate.bias),
+                            ("upb", up.bias), ("downb", down.bias)):
+                weights[name] = b
+            for name, w in weights.items():  # detached: the storage and version the model's, not its grad flag
+                if w is not None:
+                    self.register_buffer(f"l{i}_{name}", w.detach(), persistent=False)
+            self.layers_.append((i, weights["qb"] is not None, weights["ob"] is not None,
+                                 weights["gateb"] is not None, layer.input_layernorm.variance_epsilon,
+                                 layer.post_attention_layernorm.variance_epsilon, attn.scaling, mlp.act_fn))
+        self.heads, self.kv_heads, self.head_dim = _heads(base.config, inner.layers[0].self_attn)
+        with torch.no_grad():  # the model's own rotary embedding (its scaling kind) at every position
+            probe = torch.zeros(1, dtype=self.embed.dtype, device=self.embed.device)
+            cos, sin = inner.rotary_emb(probe, torch.arange(positions, device=self.embed.device)[None])
+        self.register_buffer("cos", cos[0], persistent=False)
+        self.register_buffer("sin", sin[0], persistent=False)
+
+    def _p(self, i: int, name: str) -> torch.Tensor:
+        return getattr(self, f"l{i}_{name}")
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, self.embed)
+        n, hd = ids.shape[0], self.head_dim
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        q_width, kv_width = self.heads * hd, self.kv_heads * hd
+        for i, qkv_bias, o_bias, mlp_bias, eps1, eps2, scaling, act in self.layers_:
+            p = self._p
+            x = _rms(h, p(i, "ln1"), eps1)
+            # one matmul for q, k and v: the concatenation of constants is folded once by the compiler
+            qkv = F.linear(x, torch.cat([p(i, "q"), p(i, "k"), p(i, "v")]),
+                           torch.cat([p(i, "qb"), p(i, "kb"), p(i, "vb")]) if qkv_bias else None)
+            q = _rotate(qkv[:, :q_width].view(n, self.heads, hd), cos, sin)
+            k = _rotate(qkv[:, q_width:q_width + kv_width].view(n, self.kv_heads, hd), cos, sin)
+            v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, hd)
+            a = torch.ops.workflows_chat.slot_attention(q, k, v, i, scaling)
+            h = h + F.linear(a, p(i, "o"), p(i, "ob") if o_bias else None)
+            x = _rms(h, p(i, "ln2"), eps2)
+            gu = F.linear(x, torch.cat([p(i, "gate"), p(i, "up")]),
+                          torch.cat([p(i, "gateb"), p(i, "upb")]) if mlp_bias else None)
+            width = gu.shape[-1] // 2
+            h = h + F.linear(act(gu[:, :width]) * gu[:, width:], p(i, "down"), p(i, "downb") if mlp_bias else None)
+        return _rms(h, self.norm_w, self.norm_eps)
+
+
+def _own_code(fn):
+    """`fn` with a code object of its own (torch.compile keeps its graphs per code object)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _heads(config, attn) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, attn.head_dim
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, as it computes (in fp32, then back to the input's dtype)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [tokens, heads, dim] (transformers' rotate_half layout)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+class CompiledForward:
+    """The compiled decoder of a model and its output head; `logits` of a step of base rows."""
+
+    def __init__(self, model, positions: int):
+        self.model = model
+        self.decoder = Decoder(model, positions)
+        self.head = model.get_output_embeddings()
+        self._frozen = [t for name, t in self.decoder.named_buffers() if name not in ("cos", "sin")]
+        self._sources = self._weights_now()
+        # dynamic: one graph for every token count of 2 or more (1 is a graph of its own); the forward's code an
+        # object of its own, so that its graphs and their guards (and their count's limit) are this engine's alone
+        self._fn = torch.compile(_own_code(Decoder.forward), dynamic=True)
+        self.warm = False
+        self.refused = 0  # steps that would have recompiled after warm-up, run eagerly instead
+
+    def _weights_now(self) -> list[tuple]:
+        return [(t.data_ptr(), t._version) for t in self._frozen]
+
+    def current(self) -> bool:
+        """The frozen weights are still the model's (none replaced or changed in place since)."""
+        return self._weights_now() == self._sources
+
+    def warm_up(self, cache) -> None:
+        """Compile both graphs (a single token, and several) on the cache's first slots, before any request
+        holds one (a request writes a position's keys before it reads them)."""
+        device = cache.device
+        # freezing: the weights are constants of the graphs, so inductor folds the concatenations and packs every
+        # matmul's weight once. A global setting (read outside torch.compile's options), so set while compiling
+        # only: no other compile in the process (a training step's) sees it
+        with torch._inductor.config.patch(freezing=True), torch.compiler.set_stance("default"):
+            self._warm_up(cache, device)
+        self.warm = True
+
+    def _warm_up(self, cache, device) -> None:
+        for n in (2, 1):
+            with torch.inference_mode():  # inputs made as a step makes them (inference tensors: a guard)
+                plan = cache.plan(list(range(n)), [0] * n, list(range(n)), [])
+                ids, positions = (torch.zeros(n, dtype=torch.long, device=device) for _ in range(2))  # not one
+                self._call(ids, positions, plan)  # tensor twice: their aliasing is a guard too
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        _step.plan = plan
+        try:
+            with torch.inference_mode():  # as every step runs (grad mode is one of the graphs' guards)
+                return self._fn(self.decoder, ids, positions)
+        finally:
+            _step.plan = None
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
+        """The final hidden states of a step's tokens, or None where the graph would recompile (the step
+        then runs eagerly)."""
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._call(ids, positions, plan)
+        except RuntimeError as e:  # torch raises a plain RuntimeError for the stance, before running anything
+            if "fail_on_recompile" not in str(e):
+                raise
+            self.refused += 1
+            log.warning("the compiled forward would recompile for a step of %d tokens: the step runs eagerly (%s)",
+                        ids.shape[0], " ".join(str(e).split("guard failure(s):", 1)[-1].split())[:300])
+            plan.layers_seen = 0
+            return None
+
+
+FORWARDS = ("auto", "compiled", "eager")
+
+
+def build(model, forward: str, cache) -> CompiledForward | None:
+    """The compiled forward `forward` asks for (serve.generate.forward), warmed up on `cache`: "eager",
+    none; "compiled", one or a clear error; "auto", one where the model, its dtype and its device are those
+    it is measured on (an fp32 Llama-laid decoder on a CPU), else none (on a GPU until measured there)."""
+    if forward not in FORWARDS:
+        raise ValueError(f"forward {forward!r}: one of {', '.join(FORWARDS)}")
+    if forward == "eager":
+        return None
+    why = unsupported(model)
+    if why is None and forward == "auto" and model_dtype(model) != torch.float32:
+        why = f"{model_dtype(model)} weights (auto compiles fp32, where it is measured)"
+    if why is not None:
+        if forward == "compiled":
+            raise NotImplementedError(f"serve.generate.forward=compiled: {why}; set it to eager or auto")
+        log.info("the engine's forward runs eagerly: %s", why)
+        return None
+    started = time.perf_counter()
+    made = CompiledForward(model, cache.max_tokens)
+    made.warm_up(cache)
+    log.info("the engine's forward compiled in %.1f s", time.perf_counter() - started)
+    return made
