@@ -94,34 +94,52 @@ def own(tiny):
     e.close()
 
 
-def test_adapter_rows_run_eagerly_beside_base_rows_each_as_alone(tiny, own, tmp_path):
-    """A LoRA adapter loaded into the compiled engine's model (peft wraps its layers): a step with an
-    adapter's row runs the eager forward (peft's mixed-adapter batch), a step of base rows alone still runs
-    compiled, and in a batch mixing them each row decodes what it decodes alone."""
+def test_adapter_rows_run_compiled_beside_base_rows_with_peft_s_tokens(tiny, own, tmp_path):
+    """Two LoRA adapters loaded into the compiled engine's model (peft wraps its layers): their rows run in the
+    compiled graph (the adapters' matrices its lora op), alone and in one batch with base rows and each
+    other, each with the tokens peft's own forward gives them; a DoRA adapter's rows are left to peft's
+    forward (which refuses them in a mixed batch)."""
+    from transformers import AutoModelForCausalLM
+
     from workflows.tasks.chat.adapters import load_adapter
 
-    model_dir, model, tokenizer = tiny
-    build_lora(model_dir, tmp_path / "lora", seed=3)
+    model_dir, _, tokenizer = tiny
+    for seed, name in ((3, "one"), (4, "two")):
+        build_lora(model_dir, tmp_path / name, seed=seed)
 
     def load():
-        own.model = load_adapter(own.model, str(tmp_path / "lora"), "one").eval()
+        for name in ("one", "two"):
+            own.model = load_adapter(own.model, str(tmp_path / name), name).eval()
 
     own.call(load).result(60)
-    p = words(tokenizer, 11)
-    steps, compiled_steps = own.stats["steps"], own.stats["compiled_steps"]
-    base_alone = run(own, [p])[0]
-    assert own.stats["compiled_steps"] - compiled_steps == own.stats["steps"] - steps  # base rows: compiled
-    eager = Engine(model, tokenizer, forward="eager")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    for name in ("one", "two"):
+        reference = load_adapter(reference, str(tmp_path / name), name).eval()
+    eager = Engine(reference, tokenizer, forward="eager")
     eager.eos = set()
+    p = words(tokenizer, 11)
     try:
-        assert run(eager, [p]) == [base_alone]
+        alone = {a: run(eager, [p], adapters=[a])[0] for a in (None, "one", "two")}
     finally:
         eager.close()
-    steps, compiled_steps = own.stats["steps"], own.stats["compiled_steps"]
-    adapter_alone = run(own, [p], adapters=["one"])[0]
-    assert adapter_alone != base_alone and own.stats["compiled_steps"] == compiled_steps  # adapter rows: eager
-    assert run(own, [p, p, p], adapters=["one", None, "one"]) == [adapter_alone, base_alone, adapter_alone]
-    assert own.compiled.refused == 0
+    assert len({tuple(t) for t in alone.values()}) == 3  # the adapters change what the model says
+    steps = own.stats["steps"]
+    assert {a: run(own, [p], adapters=[a])[0] for a in alone} == alone
+    order = ["one", None, "two", "one"]
+    assert run(own, [p] * 4, adapters=order) == [alone[a] for a in order]
+    assert own.stats["compiled_steps"] == own.stats["steps"] > steps and own.compiled.refused == 0
+
+    from peft import LoraConfig
+
+    # DoRA (the platform's adapter loading refuses it: added with peft itself, as a user's own code could)
+    own.call(lambda: own.model.add_adapter("dora", LoraConfig(r=4, target_modules=["q_proj"], use_dora=True,
+                                                              init_lora_weights=False))).result(60)
+    compiled_steps = own.stats["compiled_steps"]
+    g = own.submit(p, greedy(4), "dora")
+    with pytest.raises(ValueError, match="DoRA"):  # peft's forward ran it, and refuses DoRA in a mixed batch
+        g.result(60)
+    assert own.stats["compiled_steps"] == compiled_steps
+    own.call(lambda: own.model.delete_adapter("dora")).result(60)
 
 
 def test_weights_changed_after_compiling_are_computed_eagerly(tiny, own):

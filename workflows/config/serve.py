@@ -76,10 +76,10 @@ class GenerateConfig(Strict):
                                   "twice; false: one copy")
     forward: Literal["auto", "compiled", "eager"] = Field(
         "auto", description="the model's forward in the engine's steps: compiled (inductor, weights frozen and "
-        "packed, the layers one graph; compiled when the replica starts, never per request; steps with a LoRA "
-        "adapter's row run eagerly), eager (transformers' modules), or auto: compiled for an fp32 Llama-laid "
-        "decoder (Llama, Mistral, Qwen2) on a CPU, where it is measured; eager elsewhere (a GPU, bf16, other "
-        "models) until measured there")
+        "packed, the layers one graph, LoRA adapters' rows in it beside base rows; compiled when the replica "
+        "starts, never per request), eager (transformers' modules and peft's), or auto: compiled for an fp32 "
+        "Llama-laid decoder (Llama, Mistral, Qwen2) on a CPU, where it is measured; eager elsewhere (a GPU, "
+        "bf16, other models) until measured there")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
                               "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "
                               "recently used unloaded)")

@@ -16,6 +16,7 @@ Modules:
 - `loop`: the Engine, its decode thread, one forward per step;
 - `forward`: one forward of a step's tokens (the model's call, or the compiled one);
 - `compiled`: the decoder's layers compiled with inductor (weights frozen and packed, attention a custom op);
+- `lora`: LoRA adapters' rows in the compiled forward (their matrices a custom op, per row);
 - `device`: where a model's weights are, and their dtype;
 - `scheduler`: admission (a bounded queue, deadlines) and the tokens of each step (prefill in chunks
   beside decoding);

@@ -12,10 +12,12 @@ the compiler, so the graph does not break around it, and it reads the step's pla
 positions) from the step that runs it, not from the graph's inputs.
 
 The token count is dynamic: one graph for any step of two tokens or more and one for a single token,
-both compiled when the engine is built (`warm_up`), never per request: after warm-up a call that would
-recompile raises instead (torch.compiler's "fail_on_recompile" stance) and that step runs eagerly,
-counted (`refused`). Steps where a token names a LoRA adapter run eagerly too (peft's mixed-adapter
-forward chooses its rows in Python); as vLLM does, which turns its compile off whenever LoRA is on.
+each with and without LoRA adapters' deltas (workflows.tasks.chat.engine.lora: another opaque op, so a
+step's adapters, mixed per row with base rows, run in the graph too; vLLM turns its compile off whenever
+LoRA is on), all four compiled when the engine is built (`warm_up`), never per request: after warm-up a
+call that would recompile raises instead (torch.compiler's "fail_on_recompile" stance) and that step
+runs eagerly, counted (`refused`), as do steps with an adapter the graph cannot compute (DoRA) and steps
+after the model's weights changed in place (the graph holds them as constants).
 
 The layers it knows: transformers' Llama layout (q/k/v/o and gate/up/down projections, RMSNorm before
 attention and MLP, rotary embeddings from the model's own rotary module, so its scaling kind is the
@@ -34,6 +36,8 @@ import torch.nn.functional as F
 
 from workflows.tasks.chat.engine.cache import StepPlan, attend
 from workflows.tasks.chat.engine.device import model_device, model_dtype
+from workflows.tasks.chat.engine.lora import Adapters, AdapterStep, lora_delta
+from workflows.tasks.chat.engine.lora import current as lora_step
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +122,8 @@ class Decoder(torch.nn.Module):
     def _p(self, i: int, name: str) -> torch.Tensor:
         return getattr(self, f"l{i}_{name}")
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, lora: bool) -> torch.Tensor:
+        """`lora`: the graph adds the step's LoRA adapters' deltas (workflows.tasks.chat.engine.lora)."""
         h = F.embedding(ids, self.embed)
         n, hd = ids.shape[0], self.head_dim
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
@@ -129,16 +134,23 @@ class Decoder(torch.nn.Module):
             # one matmul for q, k and v: the concatenation of constants is folded once by the compiler
             qkv = F.linear(x, torch.cat([p(i, "q"), p(i, "k"), p(i, "v")]),
                            torch.cat([p(i, "qb"), p(i, "kb"), p(i, "vb")]) if qkv_bias else None)
+            if lora:
+                qkv = qkv + lora_delta(x, i, 0, qkv.shape[-1])
             q = _rotate(qkv[:, :q_width].view(n, self.heads, hd), cos, sin)
             k = _rotate(qkv[:, q_width:q_width + kv_width].view(n, self.kv_heads, hd), cos, sin)
             v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, hd)
-            a = torch.ops.workflows_chat.slot_attention(q, k, v, i, scaling)
-            h = h + F.linear(a, p(i, "o"), p(i, "ob") if o_bias else None)
+            a = slot_attention_op(q, k, v, i, scaling)
+            o = F.linear(a, p(i, "o"), p(i, "ob") if o_bias else None)
+            h = h + (o + lora_delta(a, i, 1, o.shape[-1]) if lora else o)
             x = _rms(h, p(i, "ln2"), eps2)
             gu = F.linear(x, torch.cat([p(i, "gate"), p(i, "up")]),
                           torch.cat([p(i, "gateb"), p(i, "upb")]) if mlp_bias else None)
+            if lora:
+                gu = gu + lora_delta(x, i, 2, gu.shape[-1])
             width = gu.shape[-1] // 2
-            h = h + F.linear(act(gu[:, :width]) * gu[:, width:], p(i, "down"), p(i, "downb") if mlp_bias else None)
+            m = act(gu[:, :width]) * gu[:, width:]
+            d = F.linear(m, p(i, "down"), p(i, "downb") if mlp_bias else None)
+            h = h + (d + lora_delta(m, i, 3, d.shape[-1]) if lora else d)
         return _rms(h, self.norm_w, self.norm_eps)
 
 
@@ -166,7 +178,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class CompiledForward:
-    """The compiled decoder of a model and its output head; `logits` of a step of base rows."""
+    """The compiled decoder of a model, its output head, and the tables of its LoRA adapters (`adapters`)."""
 
     def __init__(self, model, positions: int):
         self.model = model
@@ -177,6 +189,7 @@ class CompiledForward:
         # dynamic: one graph for every token count of 2 or more (1 is a graph of its own); the forward's code an
         # object of its own, so that its graphs and their guards (and their count's limit) are this engine's alone
         self._fn = torch.compile(_own_code(Decoder.forward), dynamic=True)
+        self.adapters = Adapters()
         self.warm = False
         self.refused = 0  # steps that would have recompiled after warm-up, run eagerly instead
 
@@ -188,8 +201,9 @@ class CompiledForward:
         return self._weights_now() == self._sources
 
     def warm_up(self, cache) -> None:
-        """Compile both graphs (a single token, and several) on the cache's first slots, before any request
-        holds one (a request writes a position's keys before it reads them)."""
+        """Compile the four graphs (a single token or several; with LoRA adapters' deltas or without) on the
+        cache's first slots, before any request holds one (a request writes a position's keys before it
+        reads them)."""
         device = cache.device
         # freezing: the weights are constants of the graphs, so inductor folds the concatenations and packs every
         # matmul's weight once. A global setting (read outside torch.compile's options), so set while compiling
@@ -199,26 +213,29 @@ class CompiledForward:
         self.warm = True
 
     def _warm_up(self, cache, device) -> None:
-        for n in (2, 1):
+        for n, lora in ((2, False), (1, False), (2, True), (1, True)):
             with torch.inference_mode():  # inputs made as a step makes them (inference tensors: a guard)
-                plan = cache.plan(list(range(n)), [0] * n, list(range(n)), [])
+                plan = cache.plan([0] * n, list(range(n)), [], [(0, n)])  # slot 0's first n positions: a cache
+                # of one slot warms up too (the graphs do not depend on what the attention op is planned to do)
                 ids, positions = (torch.zeros(n, dtype=torch.long, device=device) for _ in range(2))  # not one
-                self._call(ids, positions, plan)  # tensor twice: their aliasing is a guard too
+                self._call(ids, positions, plan, AdapterStep() if lora else None)  # tensor twice: aliasing is a guard
 
-    def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        _step.plan = plan
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
+              adapters: AdapterStep | None) -> torch.Tensor:
+        _step.plan, lora_step.lora = plan, adapters
         try:
             with torch.inference_mode():  # as every step runs (grad mode is one of the graphs' guards)
-                return self._fn(self.decoder, ids, positions)
+                return self._fn(self.decoder, ids, positions, adapters is not None)
         finally:
-            _step.plan = None
+            _step.plan = lora_step.lora = None
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
-        """The final hidden states of a step's tokens, or None where the graph would recompile (the step
-        then runs eagerly)."""
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
+               adapters: AdapterStep | None = None) -> torch.Tensor | None:
+        """The final hidden states of a step's tokens (`adapters`: its rows' LoRA adapters, None for base rows
+        only), or None where the graph would recompile (the step then runs eagerly)."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._call(ids, positions, plan)
+                return self._call(ids, positions, plan, adapters)
         except RuntimeError as e:  # torch raises a plain RuntimeError for the stance, before running anything
             if "fail_on_recompile" not in str(e):
                 raise

@@ -7,8 +7,9 @@ weights are read once for the decode tokens and the prefill chunks together, no 
 another's length, and mixed adapters work as in any peft batch. `logits_to_keep` (a boolean per
 token) keeps the output head to the tokens whose next token is needed.
 
-A step whose tokens are all base rows runs the compiled forward where the engine has one
-(workflows.tasks.chat.engine.compiled): the same attention and cache, the layers one graph.
+A step runs the compiled forward where the engine has one (workflows.tasks.chat.engine.compiled): the
+same attention and cache, the layers one graph, LoRA adapters' rows beside base rows in it
+(workflows.tasks.chat.engine.lora).
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ from workflows.tasks.chat.engine.scheduler import StepTokens
 def step_logits(model, device: torch.device, step: StepTokens, plan: StepPlan, base: str,
                 compiled: CompiledForward | None = None) -> tuple[torch.Tensor, bool]:
     """Logits [tokens kept, vocab] of the step's tokens, in one forward; and whether it ran compiled (a
-    compiled engine's step with a LoRA adapter's row, or one that would recompile, runs eagerly)."""
+    compiled engine's step with an adapter the graph cannot compute, or one that would recompile, runs
+    eagerly)."""
     keep = torch.tensor(step.keep, device=device)
-    if compiled is not None and all(a == base for a in step.adapters) and compiled.current():
-        hidden = compiled.hidden(torch.tensor(step.ids, device=device), torch.tensor(step.positions, device=device),
-                                 plan)
-        if hidden is not None:
-            check_plan_used(plan)
-            return compiled.head(hidden[keep]), True
+    if compiled is not None and compiled.current():
+        adapted = any(a != base for a in step.adapters)  # rows with LoRA adapters: their deltas in the graph
+        adapters = compiled.adapters.step(model, step.adapters, base) if adapted else None
+        if adapters is not None or not adapted:  # (None when adapted: one the graph cannot compute)
+            hidden = compiled.hidden(torch.tensor(step.ids, device=device),
+                                     torch.tensor(step.positions, device=device), plan, adapters)
+            if hidden is not None:
+                check_plan_used(plan)
+                return compiled.head(hidden[keep]), True
     kwargs: dict[str, Any] = {}
     if getattr(model, "peft_config", None):  # a peft model: each token's adapter (or none)
         kwargs["adapter_names"] = step.adapters
