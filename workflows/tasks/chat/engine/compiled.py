@@ -34,8 +34,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from workflows.tasks.chat.engine.cache import StepPlan, attend
+from workflows.tasks.chat.engine.cache import StepPlan, attend, attention_shape
 from workflows.tasks.chat.engine.device import model_device, model_dtype
+from workflows.tasks.chat.engine.linear import source
 from workflows.tasks.chat.engine.lora import Adapters, AdapterStep, lora_delta
 from workflows.tasks.chat.engine.lora import current as lora_step
 
@@ -112,7 +113,7 @@ class Decoder(torch.nn.Module):
             self.layers_.append((i, weights["qb"] is not None, weights["ob"] is not None,
                                  weights["gateb"] is not None, layer.input_layernorm.variance_epsilon,
                                  layer.post_attention_layernorm.variance_epsilon, attn.scaling, mlp.act_fn))
-        self.heads, self.kv_heads, self.head_dim = _heads(base.config, inner.layers[0].self_attn)
+        _, self.heads, self.kv_heads, self.head_dim = attention_shape(base.config)  # the cache's own reading
         with torch.no_grad():  # the model's own rotary embedding (its scaling kind) at every position
             probe = torch.zeros(1, dtype=self.embed.dtype, device=self.embed.device)
             cos, sin = inner.rotary_emb(probe, torch.arange(positions, device=self.embed.device)[None])
@@ -159,12 +160,6 @@ def _own_code(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _heads(config, attn) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return heads, kv_heads, attn.head_dim
-
-
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm, as it computes (in fp32, then back to the input's dtype)."""
     x32 = x.float()
@@ -181,7 +176,6 @@ class CompiledForward:
     """The compiled decoder of a model, its output head, and the tables of its LoRA adapters (`adapters`)."""
 
     def __init__(self, model, positions: int):
-        self.model = model
         self.decoder = Decoder(model, positions)
         self.head = model.get_output_embeddings()
         self._frozen = [t for name, t in self.decoder.named_buffers() if name not in ("cos", "sin")]
@@ -194,7 +188,7 @@ class CompiledForward:
         self.refused = 0  # steps that would have recompiled after warm-up, run eagerly instead
 
     def _weights_now(self) -> list[tuple]:
-        return [(t.data_ptr(), t._version) for t in self._frozen]
+        return [source(t) for t in self._frozen]
 
     def current(self) -> bool:
         """The frozen weights are still the model's (none replaced or changed in place since)."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workflows.tasks.chat.engine.device import model_device
+
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 current = threading.local()  # `lora`: the AdapterStep of the step running in this thread
 
@@ -103,14 +105,7 @@ class Adapters:
             if held[1] is None:
                 return None
             rows = None if len(names) == 1 and base not in adapters else torch.tensor(
-                [i for i, a in enumerate(adapters) if a == name], device=model_device_of(held[1]))
+                [i for i, a in enumerate(adapters) if a == name], device=model_device(model))
             step.adapters.append((rows, held[1]))
         return step
 
-
-def model_device_of(table: list) -> torch.device:
-    for groups in table:
-        for parts in groups:
-            if parts:
-                return parts[0][1].device
-    return torch.device("cpu")
