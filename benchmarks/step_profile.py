@@ -1,14 +1,15 @@
 """Where a step of the engine's forward goes: torch.profiler over its steps, SmolLM2-135M fp32 as served.
 
 The chat config's base model, its linears packed as a replica packs them, the engine built from
-serve.generate and called directly on these cores. Four kinds of step, each profiled over STEPS steps
-in the engine's own thread (started and stopped there between two steps, `Engine.call`): decode-only at
-1 row (on the packed weights and on the weights themselves) and at 16 rows (every row decoding, nothing
-joining), and mixed (a 1,500-token prompt prefilled
-beside 16 decoding rows, chunked by the time budget). Per kind: the step's wall time, the operators it
-runs (their count and self CPU time per step, grouped: matmuls, attention, elementwise and norms, cache
-and indexing, sampling, the rest), and what the operators do not account for (Python, dispatch,
-allocation): the table the compiled forward (#71) is judged against.
+serve.generate and called directly on these cores, first with its forward eager (transformers' modules),
+then compiled (workflows.tasks.chat.engine.compiled), one engine at a time on the same weights. Kinds of
+step, each profiled over STEPS steps in the engine's own thread (started and stopped there between two
+steps, `Engine.call`): decode-only at 1 row (eager: on the packed weights and on the weights themselves)
+and at 16 rows (every row decoding, nothing joining), and mixed (a 1,500-token prompt prefilled beside
+16 decoding rows, chunked by the time budget). Per kind: the step's wall time, the operators it runs
+(their count and self CPU time per step, grouped: matmuls, attention, elementwise and norms, cache and
+indexing, sampling, the compiled graph's fused loops and torch.compile's runtime, the rest), and what
+the operators do not account for (Python, dispatch, allocation): before and after the compile.
 """
 
 from __future__ import annotations
@@ -19,16 +20,27 @@ import time
 from benchmarks.prefill_join import wait_for
 
 STEPS, REPEATS = 24, 3
-KINDS = ("decode_1_packed", "decode_1", "decode_16", "mixed_16")
+KINDS = ("decode_1_packed", "decode_1", "decode_16", "mixed_16", "decode_1_compiled", "decode_16_compiled",
+         "mixed_16_compiled")
 LABELS = {"decode_1_packed": "decode at 1, packed weights", "decode_1": "decode at 1", "decode_16": "decode at 16",
-          "mixed_16": "mixed at 16"}
-FIGURES = ("one_row_unpacked_over_packed", "decode_16_ms", "decode_16_ops", "decode_16_outside_ops_share")
+          "mixed_16": "mixed at 16", "decode_1_compiled": "compiled: decode at 1",
+          "decode_16_compiled": "compiled: decode at 16", "mixed_16_compiled": "compiled: mixed at 16"}
+FIGURES = ("one_row_unpacked_over_packed", "decode_16_ms", "decode_16_ops", "decode_16_outside_ops_share",
+           "decode_16_compiled_ms", "compiled_speedup_decode_1", "compiled_speedup_decode_16",
+           "compiled_speedup_mixed_16")
+# the compiled graph's own ranges (no "::" in their names): its fused loops run inside the graph's call; the rest
+# is torch.compile's runtime (the guards' check, its wrappers)
+COMPILED = {"## Call CompiledFxGraph": "inductor's fused loops (norms, rotary, SiLU, residuals: the graph's call)",
+            "TorchDynamo Cache Lookup": "torch.compile's runtime (guards, wrappers)",
+            "Torch-Compiled Region": "torch.compile's runtime (guards, wrappers)",
+            "Pregraph bytecode": "torch.compile's runtime (guards, wrappers)",
+            "AOTDispatcher Runtime Wrapper Prologue": "torch.compile's runtime (guards, wrappers)"}
 GROUPS = {  # operator name (without "aten::") -> group; what is not here is "other"
     "matmul (linear, mm, addmm, bmm, oneDNN packed)": ("linear", "mm", "addmm", "bmm", "matmul",
                                                        "mkldnn_linear", "_mkl_linear", "_linear_pointwise"),
     "attention (scaled_dot_product_attention)": (
         "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_attention_math", "softmax", "_softmax"),
+        "_scaled_dot_product_attention_math", "softmax", "_softmax", "slot_attention"),
     "elementwise and norms (mul, add, silu, rsqrt, pow, mean, neg, cat)": (
         "mul", "add", "silu", "rsqrt", "pow", "mean", "neg", "cat", "sub", "div", "mul_", "add_", "silu_",
         "to", "_to_copy", "embedding", "cos", "sin"),
@@ -46,7 +58,11 @@ GROUPS = {  # operator name (without "aten::") -> group; what is not here is "ot
 }
 
 
-def _group(name: str) -> str:
+def _group(name: str) -> str | None:
+    """The group of a profiled event; None for the profiler's own ranges (ProfilerStep, record_function)."""
+    compiled = next((g for prefix, g in COMPILED.items() if name.startswith(prefix)), None)
+    if compiled or "::" not in name:
+        return compiled
     op = name.split("::", 1)[-1]
     return next((g for g, ops in GROUPS.items() if op in ops), "other")
 
@@ -73,9 +89,9 @@ def _profile(engine, steps: int) -> dict:
     groups: dict[str, list[float]] = {}
     top: list[tuple[str, int, float]] = []
     for event in prof.key_averages():
-        if "::" not in event.key:  # the profiler's own ranges (ProfilerStep, record_function)
+        if (group := _group(event.key)) is None:
             continue
-        g = groups.setdefault(_group(event.key), [0, 0.0])
+        g = groups.setdefault(group, [0, 0.0])
         g[0] += event.count
         g[1] += event.self_cpu_time_total / 1e3
         top.append((event.key, event.count, event.self_cpu_time_total / 1e3))
@@ -109,12 +125,44 @@ def _packed_or_not(engine, kinds: dict) -> dict[str, list[float]]:
     return walls
 
 
+def _profile_kinds(engine, prompt: list[int], kinds: dict, suffix: str = "") -> dict[str, list[float]]:
+    """Profile `engine`'s decode steps at 1 and 16 rows and its mixed steps into kinds[<kind><suffix>]; for
+    the eager forward (no suffix) also a lone stream's steps on packed and unpacked weights (their walls)."""
+    from workflows.tasks.chat.engine import SamplingParams
+    from workflows.tasks.chat.engine.costs import RECENT
+
+    long_run = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    walls: dict[str, list[float]] = {}
+    # the cache grows (by doubling, every layer's keys and values zeroed and copied) the first time a
+    # request reaches a length: once per replica, not a step's cost, so out of the profiled steps
+    engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), deadline=False).result(600)
+    for rows in (1, 16):
+        gens = [engine.submit(prompt[7 * i:7 * i + 16], long_run, deadline=False) for i in range(rows)]
+        wait_for(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
+        if rows == 1 and not suffix:  # a lone stream's linears: the weights themselves (the default) or packed
+            walls = _packed_or_not(engine, kinds)
+        kinds[f"decode_{rows}{suffix}"] = _profile(engine, STEPS)
+        if rows == 16:  # the 16 keep decoding: a long prompt joins them
+            # first unprofiled decode steps again: the budget prices prompt tokens over the recent decode-only
+            # steps, and the profiler's own cost would make every prompt token look free
+            _steps_ms(engine, RECENT)
+            long = engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0), deadline=False)
+            costs = engine.scheduler.costs  # its first mixed steps are on the token budget: past them
+            wait_for(lambda: costs is None or costs.ready, 300)
+            kinds[f"mixed_16{suffix}"] = _profile(engine, min(STEPS, 8))
+            long.result(600)
+        for g in gens:
+            g.cancel()
+        wait_for(lambda: not engine._rows, 120)
+    return walls
+
+
 def run(config: str | None, overrides: list[str]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workflows.config import load_config
-    from workflows.tasks.chat.engine import Engine, SamplingParams
+    from workflows.tasks.chat.engine import Engine
     from workflows.tasks.chat.training.smollm2 import smollm2_dir
 
     cfg = load_config(config or "chat", overrides)
@@ -122,48 +170,41 @@ def run(config: str | None, overrides: list[str]) -> dict:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(base)
     gen = cfg.serve.generate
-    engine = Engine(model, tokenizer, max_batch=17, max_context=2048, prefill_chunk=gen.prefill_chunk,
-                    max_prefill_tokens=gen.max_prefill_tokens, mixed_step_ratio=gen.mixed_step_ratio,
-                    prepack=gen.prepack_weights)
     text = " ".join(f"Question {i}: what does a scheduler owe the streams it already runs?" for i in range(200))
     prompt = tokenizer(text)["input_ids"][:1500]
-    long_run = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     kinds: dict[str, dict] = {}
     walls: dict[str, list[float]] = {}
-    try:
-        # the cache grows (by doubling, every layer's keys and values zeroed and copied) the first time a
-        # request reaches a length: once per replica, not a step's cost, so out of the profiled steps
-        engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), deadline=False).result(600)
-        for rows in (1, 16):
-            gens = [engine.submit(prompt[7 * i:7 * i + 16], long_run, deadline=False) for i in range(rows)]
-            wait_for(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
-            if rows == 1:  # a lone stream's linears: the weights themselves (the default) against the packed copy
-                walls = _packed_or_not(engine, kinds)
-            kinds[f"decode_{rows}"] = _profile(engine, STEPS)
-            if rows == 16:  # the 16 keep decoding: a long prompt joins them
-                long = engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0), deadline=False)
-                costs = engine.scheduler.costs  # its first mixed steps are on the token budget: past them
-                wait_for(lambda: costs is None or costs.ready, 300)
-                kinds["mixed_16"] = _profile(engine, min(STEPS, 8))
-                long.result(600)
-            for g in gens:
-                g.cancel()
-            wait_for(lambda: not engine._rows, 120)
-    finally:
-        engine.close()
-    d16 = kinds["decode_16"]
+    compile_s, refused = None, None
+    for forward, suffix in (("eager", ""), ("compiled", "_compiled")):  # one engine at a time, on the same weights
+        started = time.perf_counter()
+        engine = Engine(model, tokenizer, max_batch=17, max_context=2048, prefill_chunk=gen.prefill_chunk,
+                        max_prefill_tokens=gen.max_prefill_tokens, mixed_step_ratio=gen.mixed_step_ratio,
+                        prepack=gen.prepack_weights, forward=forward)
+        built_s = time.perf_counter() - started
+        try:
+            walls = _profile_kinds(engine, prompt, kinds, suffix) or walls
+        finally:
+            engine.close()
+        if engine.compiled is not None:
+            compile_s = round(built_s, 1)
+            refused = engine.compiled.refused
+    d16, c16 = kinds["decode_16"], kinds["decode_16_compiled"]
     unpacked = statistics.median(walls["unpacked"]) / statistics.median(walls["packed"])
+    speedups = {f"compiled_speedup_{k}": round(kinds[k]["step_ms"] / kinds[f"{k}_compiled"]["step_ms"], 2)
+                for k in ("decode_1", "decode_16", "mixed_16")}
     return {"one_row_walls_ms": walls, "one_row_unpacked_over_packed": round(unpacked, 3), "kinds": kinds,
             "threads": torch.get_num_threads(), "decode_16_ms": d16["step_ms"],
             "decode_16_ops": d16["ops"], "decode_16_outside_ops_share": d16["outside_ops_share"],
-            "mixed_over_decode_16": round(kinds["mixed_16"]["step_ms"] / d16["step_ms"], 2)}
+            "mixed_over_decode_16": round(kinds["mixed_16"]["step_ms"] / d16["step_ms"], 2),
+            "decode_16_compiled_ms": c16["step_ms"], "compile_s": compile_s, "compiled_refused": refused,
+            **speedups}
 
 
 def markdown(r: dict) -> str:
     from benchmarks.quickstart import load
 
     kinds = r["kinds"]
-    names = list(GROUPS) + ["other"]
+    names = list(GROUPS) + list(dict.fromkeys(COMPILED.values())) + ["other"]
     head = " | ".join(f"{LABELS[k]} (ms, ops)" for k in KINDS)
     rule = " --- |" * (len(KINDS) + 1)
     lines = []
@@ -177,14 +218,18 @@ def markdown(r: dict) -> str:
     lines.append("| **the step (wall)** | " + " | ".join(f"**{kinds[k]['step_ms']:.1f}**, {kinds[k]['ops']}"
                                                       for k in KINDS) + " |")
     table = "\n".join(lines)
-    top = "\n".join(f"| `{t['op']}` | {t['calls']:.0f} | {t['ms']:.2f} |" for t in kinds["decode_16"]["top"][:10])
+    top, top_compiled = ("\n".join(f"| `{t['op']}` | {t['calls']:.0f} | {t['ms']:.2f} |" for t in kinds[k]["top"][:10])
+                         for k in ("decode_16", "decode_16_compiled"))
     return f"""## The engine's step, profiled: where a decode step's time goes
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs{load(r)})
 
-SmolLM2-135M fp32, linears packed as served, the engine called directly with {r["threads"]} threads;
+SmolLM2-135M fp32, linears packed as served, the engine called directly with {r["threads"]} threads, its forward
+eager (transformers' modules) and then compiled (`serve.generate.forward`, workflows.tasks.chat.engine.compiled:
+compiled in {r["compile_s"]} s when the engine was built; {r["compiled_refused"]} steps refused a recompile);
 torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 rows; mixed: a 1,500-token
 prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
+In the compiled graph inductor's fused loops are not operators the profiler sees: their time is the graph's call.
 Per step: each group's self CPU time and operator count (as profiled); what no operator accounts for (Python, dispatch, allocation) is
 the wall time of the same kind of steps unprofiled, less the operators' time. The cache was grown to the
 long prompt's length first (it grows by doubling, once per replica: not a step's cost).
@@ -193,6 +238,8 @@ long prompt's length first (it grows by doubling, once per replica: not a step's
 |{rule}
 {table}
 
+Compiled, a step took {1 / r["compiled_speedup_decode_1"]:.2f}x the eager one's time at 1 row,
+{1 / r["compiled_speedup_decode_16"]:.2f}x at 16 and {1 / r["compiled_speedup_mixed_16"]:.2f}x mixed (one window each).
 A mixed step took {r["mixed_over_decode_16"]:.2f}x a decode-only step of the same 16 rows (its costs learned
 from the replica's first mixed steps; one window of steps each: the prefill-join section measures that ratio
 with repeats). A lone stream's decode step computes with the weights themselves
@@ -200,11 +247,15 @@ with repeats). A lone stream's decode step computes with the weights themselves
 the same step on the packed copy (the medians of {len(r["one_row_walls_ms"]["packed"])} runs of {r["kinds"]["decode_1"]["steps"]} steps each,
 interleaved: {r["one_row_walls_ms"]["unpacked"]} against {r["one_row_walls_ms"]["packed"]} ms).
 
-The ten costliest operators of a decode step at 16 rows (self CPU time):
+The ten costliest operators of a decode step at 16 rows, eager and compiled (self CPU time):
 
 | operator | calls a step | ms a step |
 | --- | --- | --- |
 {top}
+
+| operator (compiled) | calls a step | ms a step |
+| --- | --- | --- |
+{top_compiled}
 """  # noqa: E501 (markdown table rows: one line each)
 
 
