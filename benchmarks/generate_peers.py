@@ -82,7 +82,7 @@ def vllm(threads: int, kind: str = "") -> HttpPeer:
             rank = json.loads((Path(served.adapter_dir) / "adapter_config.json").read_text())["r"]
             command += ["--enable-lora", "--lora-modules", f"{ADAPTER}={served.adapter_dir}", "--max-loras", "1",
                         "--max-lora-rank", str(rank)]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         return Server(name, command, port, logs / f"{name}.log", env=env)
 
     label = {"": "vLLM CPU (vllm-cpu), fp32, HTTP + SSE", "eager": "vLLM CPU, fp32, --enforce-eager, HTTP + SSE",
