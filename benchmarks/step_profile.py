@@ -226,7 +226,7 @@ def markdown(r: dict) -> str:
 
 SmolLM2-135M fp32, linears packed as served, the engine called directly with {r["threads"]} threads, its forward
 eager (transformers' modules) and then compiled (`serve.generate.forward`, workflows.tasks.chat.engine.compiled:
-compiled in {r["compile_s"]} s when the engine was built; {r["compiled_refused"]} steps refused a recompile);
+the engine built, its four graphs compiled, in {r["compile_s"]} s; {r["compiled_refused"]} steps refused a recompile);
 torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 rows; mixed: a 1,500-token
 prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
 In the compiled graph inductor's fused loops are not operators the profiler sees: their time is the graph's call.
@@ -239,7 +239,8 @@ long prompt's length first (it grows by doubling, once per replica: not a step's
 {table}
 
 Compiled, a step took {1 / r["compiled_speedup_decode_1"]:.2f}x the eager one's time at 1 row,
-{1 / r["compiled_speedup_decode_16"]:.2f}x at 16 and {1 / r["compiled_speedup_mixed_16"]:.2f}x mixed (one window each).
+{1 / r["compiled_speedup_decode_16"]:.2f}x at 16 and {1 / r["compiled_speedup_mixed_16"]:.2f}x mixed (one window each; a mixed
+step's prompt tokens are what each engine's learned budget gave it, not the same count).
 A mixed step took {r["mixed_over_decode_16"]:.2f}x a decode-only step of the same 16 rows (its costs learned
 from the replica's first mixed steps; one window of steps each: the prefill-join section measures that ratio
 with repeats). A lone stream's decode step computes with the weights themselves
