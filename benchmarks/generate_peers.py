@@ -27,6 +27,7 @@ from workflows.bench.generate import HttpPeer, has_adapter, settings
 from workflows.bench.generate_models import ADAPTER, Served
 from workflows.bench.generate_servers import Server
 from workflows.errors import UserError
+from workflows.tasks.chat.vllm_engine.model_files import vllm_folder
 
 PEERS_DIR = Path(os.environ.get("GEN_PEERS_DIR", ".peers-gen"))
 LLAMA_SERVER = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server"
@@ -70,7 +71,7 @@ def vllm(threads: int, kind: str = "") -> HttpPeer:
 
     def start(logs: Path, served: Served) -> Server:
         port = free_port()
-        folder = plain_config(Path(served.model_dir), logs / f"{name}-model")
+        folder = vllm_folder(served.model_dir, logs / f"{name}-model")
         command = [str(VLLM_PYTHON.absolute()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                    "--served-model-name", "peer", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                    "--max-model-len", "2048", "--no-enable-prefix-caching"]
@@ -89,23 +90,6 @@ def vllm(threads: int, kind: str = "") -> HttpPeer:
              "lora": "vLLM CPU, fp32, --enable-lora, the LoRA adapter, HTTP + SSE"}[kind]
     return HttpPeer(name, label, start, model=ADAPTER if kind == "lora" else "peer",
                     levels=(16,) if kind == "lora" else (1, 16))
-
-
-def plain_config(model_dir: Path, out: Path) -> Path:
-    """The model folder as vLLM reads it: its files linked, its config.json without the `quantization_config`
-    the GGUF conversion leaves in it (the weights are fp32; vLLM would look for GGUF weights)."""
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        target = out / f.name
-        if f.name != "config.json":
-            target.unlink(missing_ok=True)  # a link of an earlier run's (now removed) folder
-            target.symlink_to(f.absolute())
-    config = json.loads((model_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 def available_peers(overrides: list[str]) -> tuple[list[HttpPeer], dict[str, str]]:

@@ -83,12 +83,33 @@ class GenerateConfig(Strict):
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
                               "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "
                               "recently used unloaded)")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin", description="the engine behind the OpenAI routes: builtin (ours: torch and transformers only, one "
+        "device) or vllm (vLLM's engine in a Ray actor running the vLLM venv's Python, `make vllm`: tensor and "
+        "pipeline parallelism, CUDA graphs, paged attention; the same routes, limits and metrics)")
+    vllm_python: str | None = Field(None, description="engine=vllm: the Python of the venv holding vllm and ray "
+                                    "(`make vllm` builds .venv-vllm); null: $WORKFLOWS_VLLM_PYTHON, else the "
+                                    "checkout's .venv-vllm/bin/python")
+    tensor_parallel_size: int = Field(1, ge=1, description="engine=vllm: GPUs each layer is split over")
+    pipeline_parallel_size: int = Field(1, ge=1, description="engine=vllm: stages the layers are split into (on "
+                                        "GPUs of one node or of several: one Ray placement group per replica)")
+    kv_cache_gib: int = Field(1, ge=1, description="engine=vllm on a CPU: the KV cache's memory (whole GiB, vLLM's "
+                                "VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="engine=vllm on GPUs: the fraction of each "
+                                          "GPU's memory vLLM may use (weights, activations, KV cache)")
+    max_lora_rank: int = Field(64, ge=1, description="engine=vllm: the largest LoRA rank an adapter may have (vLLM "
+                               "sizes its adapter buffers by it; one of 1, 8, 16, 32, 64, 128, 256, 320, 512)")
 
     @model_validator(mode="after")
     def _chunks(self):
         if self.max_prefill_tokens < self.prefill_chunk:
             raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) is below prefill_chunk "
                              f"({self.prefill_chunk})")
+        if self.engine != "vllm" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size need engine: vllm (the builtin engine "
+                             "runs on one device)")
+        if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            raise ValueError(f"max_lora_rank {self.max_lora_rank}: vLLM takes 1, 8, 16, 32, 64, 128, 256, 320 or 512")
         return self
 
 
@@ -155,3 +176,15 @@ class ServeConfig(Strict):
         "unknown: a 404 without a registry read each time)")
     generate: GenerateConfig = GenerateConfig()
 
+
+    @model_validator(mode="after")
+    def _vllm_gpus(self):
+        gen = self.generate
+        spans = gen.tensor_parallel_size * gen.pipeline_parallel_size
+        if gen.engine == "vllm" and self.gpus_per_replica and self.gpus_per_replica != spans:
+            raise ValueError(f"gpus_per_replica ({self.gpus_per_replica}) with generate.engine: vllm is the GPUs one "
+                             f"replica's vLLM spans: tensor_parallel_size x pipeline_parallel_size ({spans})")
+        if spans > 1 and not self.gpus_per_replica:
+            raise ValueError("generate.tensor_parallel_size and pipeline_parallel_size split a model over GPUs: set "
+                             "gpus_per_replica to their product")
+        return self

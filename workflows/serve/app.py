@@ -187,7 +187,9 @@ def deployment_options(cfg: WorkflowConfig) -> dict:
         opts["autoscaling_config"] = sc.autoscaling.model_dump()
     else:
         opts["num_replicas"] = sc.num_replicas
-    opts.update(task_class(cfg.model.task)(cfg).serving.deployment_options())
+    extra = dict(task_class(cfg.model.task)(cfg).serving.deployment_options())
+    opts["ray_actor_options"].update(extra.pop("ray_actor_options", {}))
+    opts.update(extra)
     return opts
 
 

@@ -153,8 +153,11 @@ class ChatServing(ServingSeam):
         them); beyond that Serve keeps at most a batch's worth waiting per caller, and refuses the rest
         with 429 and the same Retry-After. So no request waits without bound."""
         gen = self.cfg.serve.generate
-        return {"max_ongoing_requests": 2 * gen.max_batch + gen.max_queue, "max_queued_requests": gen.max_batch,
-                "backpressure_config": {"status_code": 429, "retry_after_s": gen.retry_after_s}}
+        options = {"max_ongoing_requests": 2 * gen.max_batch + gen.max_queue, "max_queued_requests": gen.max_batch,
+                   "backpressure_config": {"status_code": 429, "retry_after_s": gen.retry_after_s}}
+        if gen.engine == "vllm" and self.cfg.serve.gpus_per_replica:  # vLLM's placement group holds the GPUs
+            options["ray_actor_options"] = {"num_gpus": 0}
+        return options
 
     def input_columns(self, card, available):
         from workflows.tasks.chat.training.scoring import PROCESSED

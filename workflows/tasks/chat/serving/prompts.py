@@ -24,6 +24,7 @@ from workflows.tasks.chat.engine import Engine
 from workflows.tasks.chat.grammar import GrammarError, Grammars, TokenText
 from workflows.tasks.chat.openai.protocol import BadRequest
 from workflows.tasks.chat.openai.tools import render, template_reads_tools
+from workflows.tasks.chat.vllm_engine.grammar_text import GrammarText
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,8 @@ class Prompts:
     # --- what structured output and logprobs need (built on first use, in the tokenizing thread) -----
     @property
     def vocab_size(self) -> int:
-        """The width of the model's logits (its config's vocab_size)."""
-        return int(self._engine().model.config.vocab_size)
+        """The width of the model's logits."""
+        return int(self._engine().vocab_size)
 
     @property
     def eos(self) -> set[int]:
@@ -111,10 +112,15 @@ class Prompts:
 
     async def constraints(self, grammar: str, param: str, n: int) -> list:
         """n constraints of their own for `grammar` (compiled once, in the grammar thread; GrammarError
-        naming `param` if it does not compile)."""
+        naming `param` if it does not compile). An engine that enforces grammars itself (vLLM's, through
+        llguidance too) gets the checked grammar's text."""
+        as_text = getattr(self._engine(), "constraints_as_text", False)
+
         def build():
             grammars = self.grammars()
-            compiled = grammars.compiled(grammar, param)
+            compiled = grammars.compiled(grammar, param)  # the 400 naming `param`, whichever engine
+            if as_text:
+                return [GrammarText.of(grammar)] * n
             return [grammars.fresh(compiled) for _ in range(n)]
 
         return await asyncio.get_running_loop().run_in_executor(self._grammar_thread, build)

@@ -117,6 +117,9 @@ class ServedAdapters(Mapping[str, str]):
         self._retiring.discard(model_id)
         engine = self._engine()
 
+        if hasattr(engine, "add_adapter"):  # an engine that loads adapter files itself (vLLM's): checked there
+            return self._add_files(engine, model_id, model_dir, name)
+
         def load():
             if name not in self._loaded:
                 try:
@@ -132,6 +135,27 @@ class ServedAdapters(Mapping[str, str]):
             return name
 
         return engine.call(load)
+
+    def _add_files(self, engine, model_id: str, model_dir: str, name: str):
+        from concurrent.futures import Future
+
+        done: Future = Future()
+
+        def loaded(fut):
+            if fut.exception() is not None:
+                with self._lock:
+                    if self._names.get(model_id) == name:
+                        del self._names[model_id]
+                done.set_exception(fut.exception())
+            else:
+                self._loaded.add(name)
+                done.set_result(name)
+
+        if name in self._loaded:
+            done.set_result(name)
+        else:
+            engine.add_adapter(name, model_dir).add_done_callback(loaded)
+        return done
 
     def using(self, model_id: str | None, delta: int) -> None:
         """A request starts (+1) or stops (-1) using an adapter; on the event loop."""
@@ -157,6 +181,11 @@ class ServedAdapters(Mapping[str, str]):
         with self._lock:
             name = self._names.pop(model_id, None)
         engine = self._engine()
+
+        if hasattr(engine, "remove_adapter"):
+            self._loaded.discard(name)
+            engine.remove_adapter(name)
+            return
 
         def delete():
             model = engine.model
