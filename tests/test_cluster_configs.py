@@ -201,10 +201,11 @@ def test_the_manifests_exist():
         "rayjob-pipeline.yaml",
         "rayjob-train.yaml",
         "rayservice.yaml",
+        "rayservice-vllm.yaml",
         "cronjob-retrain.yaml",
     }
     kinds = sorted(doc["kind"] for _, _, doc in all_docs())
-    assert kinds == ["RayCluster", "RayJob", "RayJob", "RayJob", "RayService"]
+    assert kinds == ["RayCluster", "RayJob", "RayJob", "RayJob", "RayService", "RayService"]
 
 
 @pytest.mark.parametrize("name", [p.name for p in MANIFESTS])
@@ -487,15 +488,16 @@ def test_the_retrain_cronjob_creates_the_gated_pipeline_rayjob_on_its_schedule()
     assert job["spec"]["shutdownAfterJobFinishes"] is True
 
 
-def serve_config() -> dict:
-    (doc,) = manifest("rayservice.yaml")
+def serve_config(name: str = "rayservice.yaml") -> dict:
+    (doc,) = manifest(name)
     return yaml.safe_load(doc["spec"]["serveConfigV2"])
 
 
-def test_rayservice_serve_config_is_a_valid_ray_serve_config():
+@pytest.mark.parametrize("name", ["rayservice.yaml", "rayservice-vllm.yaml"])
+def test_rayservice_serve_config_is_a_valid_ray_serve_config(name):
     from ray.serve.schema import DeploymentSchema, HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
 
-    raw = serve_config()
+    raw = serve_config(name)
     ServeDeploySchema.model_validate(raw)
     # Serve's schemas ignore unknown keys: make a misspelt one an error here.
     assert set(raw) <= set(ServeDeploySchema.model_fields), set(raw) - set(ServeDeploySchema.model_fields)
@@ -511,6 +513,25 @@ def test_rayservice_serve_config_is_a_valid_ray_serve_config():
     from workflows.config import check_name
 
     check_name(app["args"]["model"].split(":")[0], "model name")
+
+
+def test_the_vllm_rayservice_spans_two_gpus_of_a_node_with_tensor_parallelism():
+    """The 8B-class chat model's RayService: vLLM's engine, tensor-parallel over 2 GPUs, a replica per
+    node of 2 GPUs (its vLLM worker's placement group holds them: the replica asks for none)."""
+    from workflows.config import load_config
+    from workflows.tasks.chat import ChatTask
+
+    (app,) = serve_config("rayservice-vllm.yaml")["applications"]
+    cfg = load_config(repo_path(app["args"]["config"]), app["args"]["set"])
+    gen = cfg.serve.generate
+    assert gen.engine == "vllm" and gen.tensor_parallel_size == 2 and cfg.serve.gpus_per_replica == 2
+    assert gen.vllm_python == "/app/.venv-vllm/bin/python" and cfg.serve.auth_token_env
+    assert ChatTask(cfg).serving.deployment_options()["ray_actor_options"] == {"num_gpus": 0}
+    (doc,) = manifest("rayservice-vllm.yaml")
+    (group,) = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {e["name"] for e in container["env"]} >= {cfg.serve.auth_token_env}
 
 
 def test_rayservice_builder_builds_the_configured_deployments():

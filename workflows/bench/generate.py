@@ -233,6 +233,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
     import torch
 
     from workflows.config import load_config
+    from workflows.errors import UserError
     from workflows.net import free_port
     from workflows.tasks import task_for_card
     from workflows.tasks.chat.training.model import load_trained, pad_id
@@ -261,16 +262,21 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         spec, store, model_dir, card = served.spec, served.store, served.model_dir, served.card
         task = task_for_card(cfg, card)
         predictor: Any = task.serving.predictor(model_dir, card, threads=threads, precision=cfg.serve.precision)
-        engine = predictor.engine  # built as the replica builds it
-        model, tok = engine.model, predictor.prompts.tokenizer
+        in_process = bool({"engine", "static"} & paths)  # the builtin engine's own rows
+        if in_process and gen.engine != "builtin":
+            raise UserError(f"bench generate: paths engine and static measure the builtin engine; with "
+                            f"serve.generate.engine={gen.engine}, paths=http")
+        engine = predictor.engine if in_process else None  # built as the replica builds it
+        model = engine.model if engine is not None else load_trained(model_dir, card, cfg)  # its size, its dtype
+        tok = predictor.prompts.tokenizer
         # static batching runs on the model as transformers loads it, in the served precision: the
         # engine's own (its linears packed) only in the static_packed row
         plain = load_trained(model_dir, card, cfg).to(dtype=model.dtype, device=model.device) \
-            if "static" in paths and engine.packed_bytes else model
+            if "static" in paths and engine is not None and engine.packed_bytes else model
         rows = plan(levels, paths, peers, opts, packed=plain is not model)
         convs = questions(max(opts["requests"], opts["overload_requests"]))
         prompts = [predictor.prompts.chat_ids(m) for m in convs]
-        pad, eos = pad_id(tok), set(engine.eos)
+        pad, eos = pad_id(tok), set(engine.eos if engine is not None else ())
         port = free_port()
         api_key = os.environ.get(cfg.serve.auth_token_env) if cfg.serve.auth_token_env else None
         serve_sets = [*config_overrides, *store, "serve.enabled=true", f"serve.port={port}",
@@ -346,12 +352,14 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 capacity.pop("http", None)
                 flops.append(matmul_rate(dtype=model.dtype))  # the served precision's matmuls
                 bandwidth.append(memory_bandwidth())
-                if "engine" in paths:  # transformers' own decode step on the engine's weights, in its thread
+                # transformers' own decode step on the engine's weights, in its thread
+                if engine is not None and "engine" in paths:
                     reference.append(engine.call(lambda: transformers_step(model, max(levels), context)).result())
         finally:
             for server in reversed(started):
                 server.stop()
-            engine.close()
+            if engine is not None:
+                engine.close()
         return report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth, reference,
                       {name: s.command for name, s in servers.items()})
     finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -97,6 +97,11 @@ class GenerateConfig(Strict):
                                 "VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="engine=vllm on GPUs: the fraction of each "
                                           "GPU's memory vLLM may use (weights, activations, KV cache)")
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict, description="engine=vllm: vLLM's engine "
+                                             "arguments (AsyncEngineArgs fields, e.g. enforce_eager, "
+                                             "enable_prefix_caching, enable_lora: false for a whole model without "
+                                             "adapters, where vLLM's CPU build then compiles), over the ones these "
+                                             "settings give")
     max_lora_rank: int = Field(64, ge=1, description="engine=vllm: the largest LoRA rank an adapter may have (vLLM "
                                "sizes its adapter buffers by it; one of 1, 8, 16, 32, 64, 128, 256, 320, 512)")
 

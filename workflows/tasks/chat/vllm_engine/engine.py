@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from workflows.errors import UserError
 from workflows.tasks.chat.engine import (
                                          Delta,
                                          EngineMetrics,
@@ -44,8 +45,9 @@ class VllmEngine:
     constraints_as_text = True  # grammars go to vLLM as Lark text (GrammarText), not as our matchers
 
     def __init__(self, actor, info: dict[str, Any], eos: set[int], *, max_batch: int, max_queue: int,
-                 retry_after_s: int, max_prompt_tokens: int, timeout_s: float | None, work_dir: str):
-        self.actor, self.eos, self.work_dir = actor, eos, work_dir
+                 retry_after_s: int, max_prompt_tokens: int, timeout_s: float | None, work_dir: str,
+                 lora: bool = True):
+        self.actor, self.eos, self.work_dir, self.lora = actor, eos, work_dir, lora
         self.vocab_size, self.max_context = int(info["vocab_size"]), int(info["max_model_len"])
         self.max_prompt_tokens = min(max_prompt_tokens, self.max_context - 1)
         self.max_batch, self.max_queue, self.retry_after_s = max_batch, max_queue, retry_after_s
@@ -125,6 +127,11 @@ class VllmEngine:
     def add_adapter(self, name: str, model_dir: str) -> Future:
         """Load the registered adapter in `model_dir` into vLLM as `name` (a Future): its files as our
         checks read them (model_files.checked_adapter), never the bucket's as they are."""
+        if not self.lora:
+            refused: Future = Future()
+            refused.set_exception(UserError("this replica's vLLM engine takes no LoRA adapters "
+                                            "(serve.generate.vllm_engine_args.enable_lora is false)"))
+            return refused
         lora_id = next(self._lora_ids)
 
         async def add():

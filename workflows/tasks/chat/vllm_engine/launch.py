@@ -54,7 +54,7 @@ def engine_args(gen, precision: str, on_gpu: bool, context: int | None) -> dict:
         args["gpu_memory_utilization"] = gen.gpu_memory_utilization
         if parallel > 1:
             args["distributed_executor_backend"] = "ray"  # its workers in the replica's placement group
-    return args
+    return {**args, **gen.vllm_engine_args}
 
 
 def model_context(folder: Path) -> int | None:
@@ -98,6 +98,9 @@ def start_vllm_engine(model_dir: str, base_dir: str, gen, precision: str, tokeni
     from ray import cloudpickle
 
     python = vllm_python(gen)
+    if is_adapter(model_dir) and not gen.vllm_engine_args.get("enable_lora", True):
+        raise UserError("serve.generate.vllm_engine_args.enable_lora=false: the served model is a LoRA adapter, which "
+                        "vLLM serves with enable_lora only")
     work = tempfile.mkdtemp(prefix="workflows-vllm-")
     try:
         folder = vllm_folder(base_dir, Path(work) / "model")
@@ -108,7 +111,8 @@ def start_vllm_engine(model_dir: str, base_dir: str, gen, precision: str, tokeni
         log.info("vLLM %s engine ready: %s (context %d)", info["version"], folder, info["max_model_len"])
         engine = VllmEngine(actor, info, eos, max_batch=gen.max_batch, max_queue=gen.max_queue,
                             retry_after_s=gen.retry_after_s, max_prompt_tokens=gen.max_prompt_tokens,
-                            timeout_s=gen.timeout_s, work_dir=work)
+                            timeout_s=gen.timeout_s, work_dir=work,
+                            lora=bool(gen.vllm_engine_args.get("enable_lora", True)))
         if is_adapter(model_dir):  # the registered adapter, served as peft's "default" is by the builtin engine
             engine.add_adapter("default", model_dir).result(timeout=START_TIMEOUT_S)
         return engine
