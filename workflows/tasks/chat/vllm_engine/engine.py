@@ -60,9 +60,11 @@ class VllmEngine:
         self._in_flight: dict[int, tuple[Generation, asyncio.Task | None]] = {}  # its task once started
         self._planning = 0
         self._closed = False
-        self._loop = asyncio.new_event_loop()  # drives the actor's streams, whatever thread submits
+        self._news_of: dict[str, asyncio.Queue] = {}  # request id -> its news (the stream loop's only)
+        self._loop = asyncio.new_event_loop()  # drives the worker's stream, whatever thread submits
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-streams", daemon=True)
         self._thread.start()
+        self._listener = asyncio.run_coroutine_threadsafe(self._listen(), self._loop)
 
     # --- callers' side (the builtin engine's contract) ---------------------------------------------
     def admit(self, adapter: str | None = None) -> None:
@@ -157,6 +159,7 @@ class VllmEngine:
         for _, task in list(self._in_flight.values()):
             if task is not None:
                 self._loop.call_soon_threadsafe(task.cancel)
+        self._listener.cancel()
         try:
             ray.get(self.actor.shutdown.remote(), timeout=timeout)
         except Exception as e:  # the actor is gone already
@@ -183,19 +186,40 @@ class VllmEngine:
         if gen.cancelled:
             task.cancel()
 
+    async def _listen(self) -> None:
+        """The worker's one stream of every request's news, handed to each request's queue; if it ends (the
+        worker died) the engine has stopped: nothing pending waits, /healthz says so."""
+        try:
+            async for ref in self.actor.outputs.remote():
+                for request_id, item in await ref:
+                    if (news := self._news_of.get(request_id)) is not None:
+                        news.put_nowait(item)
+            raise RuntimeError("the stream ended")
+        except BaseException as e:
+            if not self._closed:
+                log.critical("the vLLM worker's stream ended: %r", e)
+                self.stopped = f"the vLLM engine's worker stopped ({type(e).__name__}); the replica must restart"
+            for news in list(self._news_of.values()):
+                news.put_nowait({"error": self.stopped or "the engine is closed"})
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
     async def _drive(self, gen: Generation) -> None:
         request_id = f"{gen.id}-{id(self)}"
-        stream = self.actor.generate.remote(request_id, gen.prompt, vllm_params(gen.params, self.eos), gen.adapter)
+        news: asyncio.Queue = asyncio.Queue()
+        self._news_of[request_id] = news
         reason: str | None = None
         try:
             left = gen.deadline - time.perf_counter() if gen.deadline is not None else None
             async with asyncio.timeout(left):
-                async for ref in stream:
-                    item = await ref
+                await self.actor.submit.remote(request_id, gen.prompt, vllm_params(gen.params, self.eos), gen.adapter)
+                while True:
+                    item = await news.get()
+                    if "error" in item:
+                        raise RuntimeError(item["error"])
                     self._news(gen, item)
                     if item["finish_reason"] is not None:
                         return
-            reason = "length"  # the stream ended without saying why
         except TimeoutError:
             reason = "timeout"
         except asyncio.CancelledError:
@@ -205,6 +229,7 @@ class VllmEngine:
             self._end(gen, "error", e)
             return
         finally:
+            self._news_of.pop(request_id, None)
             with self._lock:
                 self._in_flight.pop(gen.id, None)
         self.actor.abort.remote(request_id)

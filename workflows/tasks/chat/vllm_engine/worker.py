@@ -1,5 +1,5 @@
 """The vLLM side of the vLLM engine: a Ray actor that owns vLLM's `AsyncLLM` (its EngineCore in a process of
-its own) and streams each request's news as plain dicts.
+its own), takes requests (`submit`) and streams every request's news as plain dicts in one stream (`outputs`).
 
 It runs in the vLLM venv's Python (Ray's runtime_env `py_executable`) and imports nothing of workflows: the
 class is shipped by value (cloudpickle), so that venv needs vllm and ray only. vLLM pins transformers,
@@ -8,6 +8,7 @@ llguidance and fastapi below the product's (docs/guides/serving.md), hence the v
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -27,6 +28,8 @@ class VllmWorker:
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **engine_args))
         self.loras: dict[str, Any] = {}  # name -> LoRARequest
+        self._news: asyncio.Queue = asyncio.Queue()
+        self._tasks: dict[str, asyncio.Future] = {}
 
     async def ready(self) -> dict[str, Any]:
         """What the replica needs of the engine once built: its vocabulary and context."""
@@ -50,9 +53,8 @@ class VllmWorker:
         if request is not None:
             await self.llm.remove_lora(request.lora_int_id)
 
-    async def generate(self, request_id: str, prompt: list[int], params: dict[str, Any], adapter: str | None):
-        """Stream one request: a dict per vLLM output ({"text", "token_ids", "logprobs", "finish_reason",
-        "cached"}), its text and tokens new since the last. `params`: vLLM SamplingParams' fields, and
+    async def submit(self, request_id: str, prompt: list[int], params: dict[str, Any], adapter: str | None) -> None:
+        """Start one request; its news comes through `outputs`. `params`: vLLM SamplingParams' fields, and
         `grammar` (llguidance's Lark text, through vLLM's guidance backend)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -62,14 +64,39 @@ class VllmWorker:
         sampling = SamplingParams(**params, output_kind=RequestOutputKind.DELTA,
                                   structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else None)
         lora = self.loras[adapter] if adapter is not None else None
-        async for out in self.llm.generate({"prompt_token_ids": prompt}, sampling, request_id, lora_request=lora):
-            choice = out.outputs[0]
-            yield {"text": choice.text, "token_ids": list(choice.token_ids),
-                   "logprobs": _logprobs(choice.logprobs, params.get("logprobs")),
-                   "finish_reason": FINISHED.get(choice.finish_reason, choice.finish_reason) if out.finished
-                   else None}
+        self._tasks[request_id] = asyncio.ensure_future(self._run(request_id, prompt, sampling, lora))
+
+    async def _run(self, request_id: str, prompt: list[int], sampling, lora) -> None:
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": prompt}, sampling, request_id, lora_request=lora):
+                choice = out.outputs[0]
+                self._news.put_nowait((request_id, {
+                    "text": choice.text, "token_ids": list(choice.token_ids),
+                    "logprobs": _logprobs(choice.logprobs, sampling.logprobs),
+                    "finish_reason": FINISHED.get(choice.finish_reason, choice.finish_reason) if out.finished
+                    else None}))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # that request's alone: vLLM refused it (a grammar its backend cannot read, ...)
+            cause = e.__cause__ or e
+            self._news.put_nowait((request_id, {"error": f"{type(cause).__name__}: {str(cause)[:500]}"}))
+        finally:
+            self._tasks.pop(request_id, None)
+
+    async def outputs(self):
+        """Every request's news as it comes, in batches: [(request_id, {"text", "token_ids", "logprobs",
+        "finish_reason"} or {"error"})], what has come since the last batch (one Ray object per engine step
+        for all requests, not one per request)."""
+        while True:
+            batch = [await self._news.get()]
+            while not self._news.empty():
+                batch.append(self._news.get_nowait())
+            yield batch
 
     async def abort(self, request_id: str) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
         await self.llm.abort(request_id)
 
     def shutdown(self) -> None:
