@@ -16,7 +16,8 @@ from workflows.bench import generate
 FIGURES = ("http_vs_static_c16", "http_vs_static_natural_c16", "itl_p99_over_p50_c16", "ttft_c16_over_c1",
            "decode_vs_roofline", "sampled_vs_greedy", "http_vs_engine_c16", "json_schema_vs_unconstrained_c1",
            "json_schema_vs_unconstrained_c16", "vs_llama_cpp_c1", "vs_llama_cpp_c16", "vs_vllm_c1", "vs_vllm_c16",
-           "itl_p50_vs_vllm_c1", "ttft_c16_vs_best_peer", "lora_vs_base_c16", "lora_vs_vllm_lora_c16")
+           "itl_p50_vs_vllm_c1", "ttft_c16_vs_best_peer", "lora_vs_base_c16", "lora_vs_vllm_lora_c16",
+           "vllm_engine_vs_vllm_server_c1", "vllm_engine_vs_vllm_server_c16")
 TEXT = {
     "http_vs_static_c16": "output tokens/s at 16 over HTTP against static batching, fixed lengths",
     "http_vs_static_natural_c16": "the same with natural stopping (eos honoured)",
@@ -48,7 +49,15 @@ TEXT = {
     "lora_vs_vllm_lora_c16": "the adapter's tokens/s at 16 against vLLM's with --enable-lora, the same adapter",
     "overload_itl_p99_vs_closed_loop": "overload row: the admitted ones' inter-token p99 against the closed loop "
                                        "at the batch size",
+    "vllm_engine_vs_vllm_server_c1": "serve.generate.engine=vllm: tokens/s at 1 over our API against vLLM's own "
+                                     "server, the same weights",
+    "vllm_engine_vs_vllm_server_c16": "the same at 16",
+    "itl_p50_vllm_engine_vs_vllm_server_c1": "serve.generate.engine=vllm: inter-token latency p50 at 1 against "
+                                             "vLLM's own server's",
 }
+
+
+ENGINE_WORDS = {"builtin": "our engine", "vllm": "vLLM's engine behind our API (serve.generate.engine=vllm)"}
 
 
 def measured_from(step: dict) -> str:
@@ -131,7 +140,8 @@ def markdown(r: dict) -> str:
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load
 {r["machine"]["load_average"]["before"]}). {r["model"]} ({r["base"]}, {r["params"] / 1e6:.1f}M params, {r["precision"]},
-attention {r["attn_implementation"]}), served with a batch of {r["max_batch"]} and a queue of {r["max_queue"]};
+attention {r["attn_implementation"]}), served by {ENGINE_WORDS[r.get("engine", "builtin")]} with a batch of {r["max_batch"]}
+and a queue of {r["max_queue"]};
 {r["requests"]} chat questions (mean {r["prompt_tokens_mean"]} prompt tokens; {r["serial_requests"]} in rows at
 concurrency 1), at most {r["max_tokens"]} new tokens each: exactly that many with fixed lengths (`ignore_eos`),
 the answers' own lengths with natural stopping. Rows interleaved, {r["repeats"]} repeats after a warm-up of each

@@ -99,3 +99,48 @@ def _slowed(fn, delay_s: float):
 class HookedChatTask(ChatTask):
     Options = HookedOptions
     Serving = HookedServing
+
+
+def register_chat_models(cfg, ctx, base, tmp, name: str, task: str) -> None:
+    """The base model in `base` as `name`, the adapters `support` and `pirate` (folders under `tmp`) as the chat
+    task's export registers them (export=adapter, the base by its name and the sha256 of its weights: a
+    replica reads the card before it downloads a version), and `stranger`: support's files on another base."""
+    from workflows import registry
+    from workflows.tasks.chat.training.model import weights_sha256
+
+    registry.register(cfg, ctx, str(base), name, {"task": task})
+    same = {"name_or_path": f"registry:{name}:1", "sha256": weights_sha256(str(base))}
+    for adapter in ("support", "pirate"):
+        registry.register(cfg, ctx, str(tmp / adapter), adapter, {"task": task, "export": "adapter", "base": same})
+    registry.register(cfg, ctx, str(tmp / "support"), "stranger",
+                      {"task": task, "export": "adapter", "base": {**same, "sha256": "0" * 64}})
+
+
+def deploy_chat(cfg, spec: str, app: str, port: int, token: str, timeout_s: float) -> str:
+    """`spec` served by the generic app (workflows.serve.app.ModelServer) as application `app` on 127.0.0.1:port
+    behind `token` (serve.auth_token_env names CHAT_TOKEN), once healthy; its URL."""
+    from typing import Any
+
+    from ray import serve
+
+    from tests.helpers import wait_until
+    from workflows.serve.app import ModelServer, deployment_options
+
+    opts = deployment_options(cfg)
+    opts["ray_actor_options"]["runtime_env"]["env_vars"]["CHAT_TOKEN"] = token
+    deployment: Any = ModelServer
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(deployment.options(**opts).bind(cfg.model_dump(mode="json"), spec), name=app, route_prefix="/",
+              blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: healthy(url), timeout_s, f"{spec}'s replica")
+    return url
+
+
+def healthy(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{url}/healthz", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False

@@ -213,6 +213,13 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("over HTTP and {}x at 1, where a step", ("generate-bf16",), _bf16_vs_llama(1)),
     ("kept their exact match in bf16 ({}, as in fp32", ("chat",), _bf16_exact_match),
     ("the same text) at {}x fp32's tokens/s", ("chat",), _bf16_speed),
+    # the serving guide's two engines
+    ("Our API over vLLM's engine gave {}x vLLM's own server's tokens/s at 16", ("generate-vllm-engine",),
+     lambda r: f"{r['generate-vllm-engine']['vllm_engine_vs_vllm_server_c16']:.2f}"),
+    ("vLLM's own server's tokens/s at 16 and {}x at 1", ("generate-vllm-engine",),
+     lambda r: f"{r['generate-vllm-engine']['vllm_engine_vs_vllm_server_c1']:.2f}"),
+    ("requests naming an adapter got {}x the tokens/s of vLLM's server with `--enable-lora`", ("generate",),
+     lambda r: f"{r['generate']['lora_vs_vllm_lora_c16']:.2f}"),
 ]
 # figures written as `N.Nx` in the README that no benchmark measured: goals, and this machine's RAM
 NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]

@@ -8,13 +8,13 @@ import asyncio
 import json
 import time
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from tests.chat_serve_task import build_lora, build_tiny_chat
+from tests.chat_serve_task import build_lora, build_tiny_chat, deploy_chat, register_chat_models
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 from workflows.tasks.chat.engine import Engine, QueueFull, SamplingParams, TextState
@@ -446,12 +446,9 @@ def chat_server(ray_cluster, tmp_path_factory):
     from ray import serve
 
     from tests.helpers import free_port
-    from workflows import registry
     from workflows.config import load_config
     from workflows.serve import drain
-    from workflows.serve.app import ModelServer, deployment_options
     from workflows.storage.uri import StorageContext
-    from workflows.tasks.chat.training.model import weights_sha256
 
     tmp = tmp_path_factory.mktemp("chat-serve")
     base = tmp / "tinychat"
@@ -467,23 +464,9 @@ def chat_server(ray_cluster, tmp_path_factory):
         "serve.generate.max_prompt_tokens=192", "serve.generate.max_stop_chars=16",
         f"serve.generate.timeout_s={DEADLINE_S}"])
     ctx = StorageContext.from_config(cfg.storage)
-    registry.register(cfg, ctx, str(base), "tinychat", {"task": TASK})
-    # adapters' cards as the chat task's export writes them: export=adapter, and the base by its name and
-    # the sha256 of its weights (a replica reads the card before it downloads a version)
-    same = {"name_or_path": "registry:tinychat:1", "sha256": weights_sha256(str(base))}
-    for name in ("support", "pirate"):
-        registry.register(cfg, ctx, str(tmp / name), name, {"task": TASK, "export": "adapter", "base": same})
-    registry.register(cfg, ctx, str(tmp / "support"), "stranger",
-                      {"task": TASK, "export": "adapter", "base": {**same, "sha256": "0" * 64}})
+    register_chat_models(cfg, ctx, base, tmp, "tinychat", TASK)
     drainer = drain.create()  # as `workflows serve` does: replicas find it and drain on stop
-    opts = deployment_options(cfg)
-    opts["ray_actor_options"]["runtime_env"]["env_vars"]["CHAT_TOKEN"] = TOKEN
-    deployment: Any = ModelServer
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(deployment.options(**opts).bind(cfg.model_dump(mode="json"), "tinychat:1"), name="chat",
-              route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _healthy(url), 300, "the chat model's replica")
+    url = deploy_chat(cfg, "tinychat:1", "chat", port, TOKEN, 300)
     yield SimpleNamespace(url=url, tmp=tmp, base=base, drainer=drainer)
     serve.delete("chat")
     serve.shutdown()
@@ -517,15 +500,6 @@ def _hostile_adapters(chat_server) -> list[str]:
             (folder / "adapter_config.json").write_text(json.dumps({**doc, **change}))
         registry.register(cfg, StorageContext(), str(folder), name, {"task": TASK, "export": "adapter", "base": same})
     return list(changes)
-
-
-def _healthy(url: str) -> bool:
-    import requests
-
-    try:
-        return requests.get(f"{url}/healthz", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def _generate_metrics(pick) -> dict:

@@ -16,13 +16,12 @@ import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 
-from tests.chat_serve_task import build_lora
+from tests.chat_serve_task import build_lora, deploy_chat, register_chat_models
 from tests.conftest import ROOT
-from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 CHAT = ROOT / "configs" / "chat.yaml"
@@ -36,7 +35,7 @@ def vllm_python() -> str:
     import subprocess
 
     python = ROOT / ".venv-vllm" / "bin" / "python"
-    if not python.exists():
+    if not (ROOT / ".venv-vllm" / ".installed").exists():  # make's stamp: the install finished
         made = subprocess.run(["make", "vllm"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
         assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
     return str(python)
@@ -47,11 +46,8 @@ def vllm_server(ray_cluster, tmp_path_factory):
     from ray import serve
 
     from tests.helpers import free_port
-    from workflows import registry
     from workflows.config import load_config
-    from workflows.serve.app import ModelServer, deployment_options
     from workflows.storage.uri import StorageContext
-    from workflows.tasks.chat.training.model import weights_sha256
     from workflows.tasks.chat.training.smollm2 import smollm2_dir
 
     tmp = tmp_path_factory.mktemp("chat-vllm")
@@ -65,34 +61,12 @@ def vllm_server(ray_cluster, tmp_path_factory):
               "serve.generate.max_prompt_tokens=512", f"serve.generate.timeout_s={DEADLINE_S}",
               f"serve.generate.vllm_python={vllm_python()}", "serve.generate.max_lora_rank=8"]
     cfg = load_config(CHAT, [*common, f"serve.port={port}", "serve.generate.engine=vllm"])
-    ctx = StorageContext.from_config(cfg.storage)
-    registry.register(cfg, ctx, str(base), "smol", {"task": "chat"})
-    same = {"name_or_path": "registry:smol:1", "sha256": weights_sha256(str(base))}
-    for adapter in ("support", "pirate"):
-        registry.register(cfg, ctx, str(tmp / adapter), adapter, {"task": "chat", "export": "adapter", "base": same})
-    registry.register(cfg, ctx, str(tmp / "support"), "stranger",
-                      {"task": "chat", "export": "adapter", "base": {**same, "sha256": "0" * 64}})
-    opts = deployment_options(cfg)
-    opts["ray_actor_options"]["runtime_env"]["env_vars"]["CHAT_TOKEN"] = TOKEN
-    deployment: Any = ModelServer
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(deployment.options(**opts).bind(cfg.model_dump(mode="json"), "smol:1"), name="chat-vllm",
-              route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _healthy(url), 600, "the vLLM engine's replica")
+    register_chat_models(cfg, StorageContext.from_config(cfg.storage), base, tmp, "smol", "chat")
+    url = deploy_chat(cfg, "smol:1", "chat-vllm", port, TOKEN, 600)
     builtin = load_config(CHAT, [*common, "serve.generate.engine=builtin"])
     yield SimpleNamespace(url=url, tmp=tmp, base=base, cfg=cfg, builtin=builtin)
     serve.delete("chat-vllm")
     serve.shutdown()
-
-
-def _healthy(url: str) -> bool:
-    import requests
-
-    try:
-        return requests.get(f"{url}/healthz", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def _client(url: str):

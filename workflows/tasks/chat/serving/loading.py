@@ -27,20 +27,21 @@ def native_cpu_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def load_engine(model_dir: str, card, cfg, precision: str, tokenizer):
-    """The engine serve.generate.engine names over the registered model in `model_dir`."""
+def load_engine(model_dir: str, card, cfg, precision: str, tokenizer, threads: int | None = None):
+    """The engine serve.generate.engine names over the registered model in `model_dir`; `threads`: the CPU
+    threads it computes with, if not the replica's (serve.cpus_per_replica)."""
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"serve.precision={precision}: a chat model is served in fp32 or bf16")
-    return ENGINES[cfg.serve.generate.engine](model_dir, card, cfg, precision, tokenizer)
+    return ENGINES[cfg.serve.generate.engine](model_dir, card, cfg, precision, tokenizer, threads)
 
 
-def builtin_engine(model_dir: str, card, cfg, precision: str, tokenizer) -> Engine:
+def builtin_engine(model_dir: str, card, cfg, precision: str, tokenizer, threads: int | None = None) -> Engine:
     """The engine over the registered model in `model_dir`: on the replica's GPU when it has one (SDPA
     attention there: load_causal_lm), in bf16 when `precision` says so; the engine makes its inputs
     where the model is."""
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"serve.precision={precision}: a chat model is served in fp32 or bf16")
-    model, device = serving_model(load_trained(model_dir, card, cfg), precision, threads=None)
+    model, device = serving_model(load_trained(model_dir, card, cfg), precision, threads=None)  # the caller's
     if precision == "bf16" and device.type == "cpu" and not native_cpu_bf16():
         log.warning("serve.precision=bf16 on a CPU without AVX512-BF16 or AMX: its bf16 matmuls "
                     "are emulated and slower than fp32 (docs/guides/serve.md)")
@@ -52,7 +53,7 @@ def builtin_engine(model_dir: str, card, cfg, precision: str, tokenizer) -> Engi
                   timeout_s=gen.timeout_s, prepack=gen.prepack_weights, forward=gen.forward)
 
 
-def vllm_engine(model_dir: str, card, cfg, precision: str, tokenizer):
+def vllm_engine(model_dir: str, card, cfg, precision: str, tokenizer, threads: int | None = None):
     """vLLM's engine over the registered model: its base's folder (the card's, checked by sha256, for an
     adapter), on serve.gpus_per_replica GPUs (a placement group of its own) when it names some, else beside
     the replica on its CPUs."""
@@ -66,9 +67,10 @@ def vllm_engine(model_dir: str, card, cfg, precision: str, tokenizer):
     except OSError:  # no generation_config.json
         eos = None
     eos = eos if eos is not None else tokenizer.eos_token_id
-    return start_vllm_engine(model_dir, base_dir, cfg.serve.generate, precision, tokenizer,
-                             set(eos if isinstance(eos, list) else [eos]) - {None}, cfg.serve.cpus_per_replica,
-                             on_gpu=bool(cfg.serve.gpus_per_replica))
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    return start_vllm_engine(model_dir, base_dir, cfg.serve.generate, precision, tokenizer, eos_ids,
+                             threads or cfg.serve.cpus_per_replica, on_gpu=bool(cfg.serve.gpus_per_replica),
+                             niceness=cfg.serve.replica_niceness)
 
 
 ENGINES = {"builtin": builtin_engine, "vllm": vllm_engine}

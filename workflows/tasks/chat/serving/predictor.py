@@ -58,7 +58,8 @@ class ChatPredictor(Predictor):
         """The continuous-batching engine over the model (`load_engine`), loaded on first use."""
         with self._lock:
             if self._engine is None:
-                self._engine = load_engine(self.model_dir, self.card, self.cfg, self.precision, self.prompts.tokenizer)
+                self._engine = load_engine(self.model_dir, self.card, self.cfg, self.precision, self.prompts.tokenizer,
+                                           self.threads)
             return self._engine
 
     def start_http(self) -> Engine:

@@ -60,7 +60,7 @@ class VllmEngine:
         self._in_flight: dict[int, tuple[Generation, asyncio.Task | None]] = {}  # its task once started
         self._planning = 0
         self._closed = False
-        self._news_of: dict[str, asyncio.Queue] = {}  # request id -> its news (the stream loop's only)
+        self._live: dict[str, tuple[Generation, asyncio.Future]] = {}  # request id -> (its request, its end)
         self._loop = asyncio.new_event_loop()  # drives the worker's stream, whatever thread submits
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-streams", daemon=True)
         self._thread.start()
@@ -187,39 +187,48 @@ class VllmEngine:
             task.cancel()
 
     async def _listen(self) -> None:
-        """The worker's one stream of every request's news, handed to each request's queue; if it ends (the
-        worker died) the engine has stopped: nothing pending waits, /healthz says so."""
+        """The worker's one stream of every request's news: each batch (what came since the last) advances
+        its requests and is reported as one step (the metrics' calls once per batch, not per request). If
+        the stream ends (the worker died) the engine has stopped: nothing pending waits, /healthz says so."""
         try:
             async for ref in self.actor.outputs.remote():
+                report = StepReport()
                 for request_id, item in await ref:
-                    if (news := self._news_of.get(request_id)) is not None:
-                        news.put_nowait(item)
+                    live = self._live.get(request_id)
+                    if live is None or live[1].done():  # ended here already (cancelled, its deadline)
+                        continue
+                    gen, done = live
+                    if "error" in item:
+                        done.set_exception(RuntimeError(item["error"]))
+                    elif self._news(gen, item, report):
+                        done.set_result(None)
+                load = self.load()
+                report.running, report.waiting = load["running"], load["waiting"]
+                self.metrics.step(report)
             raise RuntimeError("the stream ended")
         except BaseException as e:
             if not self._closed:
                 log.critical("the vLLM worker's stream ended: %r", e)
                 self.stopped = f"the vLLM engine's worker stopped ({type(e).__name__}); the replica must restart"
-            for news in list(self._news_of.values()):
-                news.put_nowait({"error": self.stopped or "the engine is closed"})
+            for _, done in list(self._live.values()):
+                if not done.done():
+                    done.set_exception(EngineStopped(self.stopped or "the engine is closed"))
             if isinstance(e, asyncio.CancelledError):
                 raise
 
     async def _drive(self, gen: Generation) -> None:
+        """One request: submitted to the worker, then waited on (the listener advances it) until it ends, its
+        deadline passes (aborted in vLLM, "timeout") or its caller cancels it ("cancelled")."""
         request_id = f"{gen.id}-{id(self)}"
-        news: asyncio.Queue = asyncio.Queue()
-        self._news_of[request_id] = news
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._live[request_id] = (gen, done)
         reason: str | None = None
         try:
             left = gen.deadline - time.perf_counter() if gen.deadline is not None else None
             async with asyncio.timeout(left):
                 await self.actor.submit.remote(request_id, gen.prompt, vllm_params(gen.params, self.eos), gen.adapter)
-                while True:
-                    item = await news.get()
-                    if "error" in item:
-                        raise RuntimeError(item["error"])
-                    self._news(gen, item)
-                    if item["finish_reason"] is not None:
-                        return
+                await done
+                return
         except TimeoutError:
             reason = "timeout"
         except asyncio.CancelledError:
@@ -229,17 +238,16 @@ class VllmEngine:
             self._end(gen, "error", e)
             return
         finally:
-            self._news_of.pop(request_id, None)
+            self._live.pop(request_id, None)
             with self._lock:
                 self._in_flight.pop(gen.id, None)
         self.actor.abort.remote(request_id)
         self._end(gen, reason, Delta("", reason))
 
-    def _news(self, gen: Generation, item: dict) -> None:
-        """One output of vLLM's for a request: its tokens timed and counted, its delta sent, the figures
-        reported."""
+    def _news(self, gen: Generation, item: dict, report: StepReport) -> bool:
+        """One output of vLLM's for a request: its tokens timed and counted, its delta sent, its figures in
+        `report`; whether it ended the request."""
         now = time.perf_counter()
-        report = StepReport()
         ids = item["token_ids"]
         for _ in ids:
             if not gen.token_times:
@@ -251,20 +259,18 @@ class VllmEngine:
             gen.token_times.append(now)
         gen.tokens.extend(ids)
         gen.completion_tokens += len(ids)
-        report.decode_tokens = len(ids)
+        report.decode_tokens += len(ids)
         logprobs = ([TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in item["logprobs"]]
                     if item["logprobs"] is not None else None)
         shown = [t for t in ids if t not in self.eos or gen.params.ignore_eos]
         if logprobs is not None:
             logprobs = [lp for t, lp in zip(ids, logprobs) if t in shown]
         delta = Delta(item["text"], item["finish_reason"], shown, logprobs)
-        if item["finish_reason"] is not None:
-            self._end(gen, item["finish_reason"], delta, report)
-        else:
+        if item["finish_reason"] is None:
             gen._push(delta)
-        load = self.load()
-        report.running, report.waiting = load["running"], load["waiting"]
-        self.metrics.step(report)
+            return False
+        self._end(gen, item["finish_reason"], delta, report)
+        return True
 
     def _end(self, gen: Generation, reason: str, last: Delta | BaseException, report: StepReport | None = None) -> None:
         gen.finish_reason = reason

@@ -64,7 +64,7 @@ def model_context(folder: Path) -> int | None:
     return int(context) if context else None
 
 
-def worker_options(python: str, gen, cpus: float, on_gpu: bool) -> dict:
+def worker_options(python: str, gen, cpus: float, on_gpu: bool, niceness: int | None = None) -> dict:
     """The worker actor's Ray options: the vLLM venv's Python; on a CPU beside the replica (its CPUs are the
     replica's: it asks for none); on GPUs a placement group of one GPU per rank, its first bundle the
     worker's (vLLM's Ray executor places the other ranks in the same group)."""
@@ -73,7 +73,8 @@ def worker_options(python: str, gen, cpus: float, on_gpu: bool) -> dict:
 
     threads = str(max(int(cpus), 1))
     env = {"OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(gen.kv_cache_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           **({"RAY_worker_niceness": str(niceness)} if niceness is not None else {})}  # the replica's, not Ray's 15
     options: dict = {"runtime_env": {"py_executable": python, "env_vars": env}, "max_concurrency": 1000}
     parallel = gen.tensor_parallel_size * gen.pipeline_parallel_size
     if on_gpu:
@@ -90,7 +91,7 @@ def worker_options(python: str, gen, cpus: float, on_gpu: bool) -> dict:
 
 
 def start_vllm_engine(model_dir: str, base_dir: str, gen, precision: str, tokenizer, eos: set[int],
-                      cpus: float, on_gpu: bool) -> VllmEngine:
+                      cpus: float, on_gpu: bool, niceness: int | None = None) -> VllmEngine:
     """vLLM's engine for the registered model in `model_dir` (a whole model, or an adapter on `base_dir`,
     served as the adapter "default"), started and ready; its folders live in a temporary directory the
     engine removes when it closes."""
@@ -105,7 +106,7 @@ def start_vllm_engine(model_dir: str, base_dir: str, gen, precision: str, tokeni
     try:
         folder = vllm_folder(base_dir, Path(work) / "model")
         cloudpickle.register_pickle_by_value(sys.modules[VllmWorker.__module__])  # that venv has no workflows
-        actor = ray.remote(VllmWorker).options(**worker_options(python, gen, cpus, on_gpu)).remote(
+        actor = ray.remote(VllmWorker).options(**worker_options(python, gen, cpus, on_gpu, niceness)).remote(
             str(folder), engine_args(gen, precision, on_gpu, model_context(folder)), {})
         info = ray.get(actor.ready.remote(), timeout=START_TIMEOUT_S)
         log.info("vLLM %s engine ready: %s (context %d)", info["version"], folder, info["max_model_len"])
