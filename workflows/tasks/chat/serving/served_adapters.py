@@ -137,6 +137,8 @@ class ServedAdapters(Mapping[str, str]):
         return engine.call(load)
 
     def _add_files(self, engine, model_id: str, model_dir: str, name: str):
+        """`add` for an engine that loads an adapter's files itself (its `add_adapter`: vLLM's, which reads
+        the files our checks rewrote): a Future of its name, and nothing listed if it fails."""
         from concurrent.futures import Future
 
         done: Future = Future()
@@ -149,6 +151,8 @@ class ServedAdapters(Mapping[str, str]):
                 done.set_exception(fut.exception())
             else:
                 self._loaded.add(name)
+                with self._lock:  # a load of the same id that failed first took it off
+                    self._names[model_id] = name
                 done.set_result(name)
 
         if name in self._loaded:
