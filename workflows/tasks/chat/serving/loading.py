@@ -68,7 +68,7 @@ def vllm_engine(model_dir: str, card, cfg, precision: str, tokenizer, threads: i
         eos = None
     eos = eos if eos is not None else tokenizer.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    return start_vllm_engine(model_dir, base_dir, cfg.serve.generate, precision, tokenizer, eos_ids,
+    return start_vllm_engine(model_dir, base_dir, cfg.serve.generate, precision, eos_ids,
                              threads or cfg.serve.cpus_per_replica, on_gpu=bool(cfg.serve.gpus_per_replica),
                              niceness=cfg.serve.replica_niceness)
 

@@ -226,7 +226,7 @@ class VllmEngine:
         try:
             left = gen.deadline - time.perf_counter() if gen.deadline is not None else None
             async with asyncio.timeout(left):
-                await self.actor.submit.remote(request_id, gen.prompt, vllm_params(gen.params, self.eos), gen.adapter)
+                await self.actor.submit.remote(request_id, gen.prompt, vllm_params(gen.params), gen.adapter)
                 await done
                 return
         except TimeoutError:
@@ -282,7 +282,7 @@ class VllmEngine:
             self.metrics.step(StepReport(finished=[gen]))
 
 
-def vllm_params(params: SamplingParams, eos: set[int]) -> dict[str, Any]:
+def vllm_params(params: SamplingParams) -> dict[str, Any]:
     """A request's settings as vLLM's SamplingParams fields (and `grammar`, a GrammarText's Lark text)."""
     out: dict[str, Any] = {
         "max_tokens": params.max_tokens, "temperature": 0.0 if params.greedy else params.temperature,

@@ -90,7 +90,7 @@ def worker_options(python: str, gen, cpus: float, on_gpu: bool, niceness: int | 
     return options
 
 
-def start_vllm_engine(model_dir: str, base_dir: str, gen, precision: str, tokenizer, eos: set[int],
+def start_vllm_engine(model_dir: str, base_dir: str, gen, precision: str, eos: set[int],
                       cpus: float, on_gpu: bool, niceness: int | None = None) -> VllmEngine:
     """vLLM's engine for the registered model in `model_dir` (a whole model, or an adapter on `base_dir`,
     served as the adapter "default"), started and ready; its folders live in a temporary directory the
