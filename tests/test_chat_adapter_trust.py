@@ -257,3 +257,32 @@ def test_error_bodies_name_the_model_never_a_storage_uri_or_local_path(tiny, tmp
         assert "tiny:1" in str(e.value) and str(tmp_path) not in str(e.value), str(e.value)
     finally:
         predictor.close()
+
+
+def test_vllm_reads_the_adapter_the_checks_read_never_the_buckets_files(tiny, tmp_path):
+    """engine=vllm: vLLM loads adapter folders itself, so it gets one rebuilt from what the checks passed
+    (the allow-listed config, the rank-checked safetensors matrices); a rank above the engine's buffers
+    (serve.generate.max_lora_rank) is refused naming the setting, before anything is written. No vLLM needed."""
+    from safetensors.torch import load_file
+
+    from workflows.tasks.chat.vllm_engine.model_files import checked_adapter
+
+    _, _, good = tiny
+    adapter = _edited(tmp_path, good, revision="main", inference_mode=True)
+    (adapter / "README.md").write_text("a file vLLM never sees")
+    out = tmp_path / "vllm"
+    out.mkdir()
+    folder = checked_adapter(str(adapter), str(out), max_rank=8)
+    assert sorted(p.name for p in out.joinpath(folder).iterdir()) == ["adapter_config.json",
+                                                                      "adapter_model.safetensors"]
+    doc = json.loads((out / folder / "adapter_config.json").read_text())
+    source = json.loads((good / "adapter_config.json").read_text())
+    assert set(doc) == {"peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "bias"}
+    assert (doc["r"], doc["lora_alpha"], doc["target_modules"]) == (source["r"], source["lora_alpha"],
+                                                                     sorted(source["target_modules"]))
+    theirs, ours = load_file(good / "adapter_model.safetensors"), load_file(out / folder / "adapter_model.safetensors")
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+    with pytest.raises(UserError, match=r"r: 4 is above this server's serve.generate.max_lora_rank \(1\)"):
+        checked_adapter(str(adapter), str(out), max_rank=1)
+    assert len(list(out.iterdir())) == 1  # only the first folder

@@ -102,8 +102,10 @@ class GenerateConfig(Strict):
                                              "enable_prefix_caching, enable_lora: false for a whole model without "
                                              "adapters, where vLLM's CPU build then compiles), over the ones these "
                                              "settings give")
-    max_lora_rank: int = Field(64, ge=1, description="engine=vllm: the largest LoRA rank an adapter may have (vLLM "
-                               "sizes its adapter buffers by it; one of 1, 8, 16, 32, 64, 128, 256, 320, 512)")
+    max_lora_rank: int = Field(16, ge=1, description="engine=vllm: the largest LoRA rank an adapter may have, "
+                               "above it refused naming this setting (vLLM's default; vLLM pads every adapter to it, "
+                               "and its CPU build's LoRA cost grows with it; one of 1, 8, 16, 32, 64, 128, 256, "
+                               "320, 512)")
 
     @model_validator(mode="after")
     def _chunks(self):

@@ -40,14 +40,15 @@ log = logging.getLogger(__name__)
 
 class VllmEngine:
     """Requests to one vLLM engine (`actor`: a started worker.VllmWorker); `info`: its `ready()` answer;
-    `eos`: the model's end-of-sequence ids (left out of a delta's token ids, as the builtin engine does)."""
+    `eos`: the model's end-of-sequence ids (left out of a delta's token ids, as the builtin engine does);
+    `max_lora_rank`: the largest adapter rank vLLM was started for, None when it takes no adapters."""
 
     constraints_as_text = True  # grammars go to vLLM as Lark text (GrammarText), not as our matchers
 
     def __init__(self, actor, info: dict[str, Any], eos: set[int], *, max_batch: int, max_queue: int,
                  retry_after_s: int, max_prompt_tokens: int, timeout_s: float | None, work_dir: str,
-                 lora: bool = True):
-        self.actor, self.eos, self.work_dir, self.lora = actor, eos, work_dir, lora
+                 max_lora_rank: int | None = 16):
+        self.actor, self.eos, self.work_dir, self.max_lora_rank = actor, eos, work_dir, max_lora_rank
         self.vocab_size, self.max_context = int(info["vocab_size"]), int(info["max_model_len"])
         self.max_prompt_tokens = min(max_prompt_tokens, self.max_context - 1)
         self.max_batch, self.max_queue, self.retry_after_s = max_batch, max_queue, retry_after_s
@@ -129,15 +130,15 @@ class VllmEngine:
     def add_adapter(self, name: str, model_dir: str) -> Future:
         """Load the registered adapter in `model_dir` into vLLM as `name` (a Future): its files as our
         checks read them (model_files.checked_adapter), never the bucket's as they are."""
-        if not self.lora:
+        if self.max_lora_rank is None:
             refused: Future = Future()
             refused.set_exception(UserError("this replica's vLLM engine takes no LoRA adapters "
                                             "(serve.generate.vllm_engine_args.enable_lora is false)"))
             return refused
-        lora_id = next(self._lora_ids)
+        lora_id, max_rank = next(self._lora_ids), self.max_lora_rank
 
         async def add():
-            folder = await asyncio.to_thread(checked_adapter, model_dir, self.work_dir)
+            folder = await asyncio.to_thread(checked_adapter, model_dir, self.work_dir, max_rank)
             await self.actor.add_lora.remote(name, lora_id, folder)
             return name
 

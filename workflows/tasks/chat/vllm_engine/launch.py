@@ -106,14 +106,15 @@ def start_vllm_engine(model_dir: str, base_dir: str, gen, precision: str, eos: s
     try:
         folder = vllm_folder(base_dir, Path(work) / "model")
         cloudpickle.register_pickle_by_value(sys.modules[VllmWorker.__module__])  # that venv has no workflows
+        args = engine_args(gen, precision, on_gpu, model_context(folder))
         actor = ray.remote(VllmWorker).options(**worker_options(python, gen, cpus, on_gpu, niceness)).remote(
-            str(folder), engine_args(gen, precision, on_gpu, model_context(folder)), {})
+            str(folder), args, {})
         info = ray.get(actor.ready.remote(), timeout=START_TIMEOUT_S)
         log.info("vLLM %s engine ready: %s (context %d)", info["version"], folder, info["max_model_len"])
         engine = VllmEngine(actor, info, eos, max_batch=gen.max_batch, max_queue=gen.max_queue,
                             retry_after_s=gen.retry_after_s, max_prompt_tokens=gen.max_prompt_tokens,
                             timeout_s=gen.timeout_s, work_dir=work,
-                            lora=bool(gen.vllm_engine_args.get("enable_lora", True)))
+                            max_lora_rank=int(args["max_lora_rank"]) if args["enable_lora"] else None)
         if is_adapter(model_dir):  # the registered adapter, served as peft's "default" is by the builtin engine
             engine.add_adapter("default", model_dir).result(timeout=START_TIMEOUT_S)
         return engine

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from workflows.errors import UserError
 from workflows.tasks.chat.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, adapter_weights
 
 
@@ -36,12 +37,16 @@ def vllm_folder(model_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
-def checked_adapter(model_dir: str, parent: str) -> str:
+def checked_adapter(model_dir: str, parent: str, max_rank: int) -> str:
     """A folder under `parent` holding the adapter in `model_dir` as the checks read it (its config rebuilt
-    from the allow-list, its weights the rank-checked safetensors matrices): the one vLLM loads."""
+    from the allow-list, its weights the rank-checked safetensors matrices): the one vLLM loads. A rank above
+    `max_rank` (the engine's buffers') is refused naming the setting."""
     from safetensors.torch import save_file
 
     config = adapter_config(model_dir)  # UserError naming the key, before anything is written
+    if config.r > max_rank:
+        raise UserError(f"{ADAPTER_CONFIG}: r: {config.r} is above this server's serve.generate.max_lora_rank "
+                        f"({max_rank})")
     weights = adapter_weights(model_dir, config.r)
     out = tempfile.mkdtemp(prefix="adapter-", dir=parent)
     try:
