@@ -85,11 +85,15 @@ def held_out_conversations(cfg, system_prompt: str | None) -> list[tuple[list[di
     return out
 
 
-def served_precisions(tmp: str, config: str, overrides: list[str], model: str, repeats: int = REPEATS) -> dict:
+def served_runs(tmp: str, config: str, overrides: list[str], model: str,
+                variants: dict[str, tuple[list[str], str]], repeats: int) -> tuple[dict, list[str], int]:
     """The registered `model`'s held-out answers through its serving engine (ChatPredictor.predict, as the
-    serve stage and batch prediction reach it) in each serve.precision, greedy, up to the evaluation's
-    max_new_tokens: exact match (the evaluation's comparison) and tokens/s, the precisions interleaved."""
+    serve stage and batch prediction reach it) in each variant ({name: (config overrides, serve.precision)}),
+    greedy, up to the evaluation's max_new_tokens, the variants interleaved and repeated: ({name: [{"exact_match",
+    "tokens_per_s", "texts"} per repeat]}, the reference answers, max_tokens)."""
     import time
+
+    import ray
 
     from workflows import registry
     from workflows.config import load_config
@@ -102,14 +106,16 @@ def served_precisions(tmp: str, config: str, overrides: list[str], model: str, r
     with runtime(cfg, ray_needed=False) as rt:
         model_dir, card = registry.fetch(rt.cfg, rt.storage, model)
     new_tokens = task_for_card(cfg, card).options.max_new_tokens  # the serving engine's cap, as evaluated
-    cfg = load_config(config, [*sets, f"serve.generate.max_tokens={new_tokens}"])
-    task = task_for_card(cfg, card)
-    held_out = held_out_conversations(cfg, task.options.system_prompt)
+    sets = [*sets, f"serve.generate.max_tokens={new_tokens}"]
+    held_out = held_out_conversations(cfg, task_for_card(load_config(config, sets), card).options.system_prompt)
     instances = [{"messages": messages} for messages, _ in held_out]
     answers = [answer for _, answer in held_out]
-    runs: dict[str, list[dict]] = {p: [] for p in PRECISIONS}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(repeats):
-        for precision in PRECISIONS:
+        for name, (extra, precision) in variants.items():
+            task = task_for_card(load_config(config, [*sets, *extra]), card)
+            if task.cfg.serve.generate.engine != "builtin" and not ray.is_initialized():  # its engine is an actor
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
             predictor: Any = task.serving.predictor(model_dir, card, threads=os.cpu_count(), precision=precision)
             engine = predictor.engine  # loaded before the clock starts
             predictor.predict(instances[:2])  # warm-up
@@ -118,16 +124,28 @@ def served_precisions(tmp: str, config: str, overrides: list[str], model: str, r
             seconds = time.perf_counter() - t0
             engine.close()
             tokens = sum(o["completion_tokens"] for o in out)
-            runs[precision].append({"exact_match": round(exact_match(answers, [o["text"] for o in out]), 4),
-                                    "tokens_per_s": round(tokens / seconds, 2), "texts": [o["text"] for o in out]})
-    figures = {}
-    for precision, done in runs.items():
+            runs[name].append({"exact_match": round(exact_match(answers, [o["text"] for o in out]), 4),
+                               "tokens_per_s": round(tokens / seconds, 2), "texts": [o["text"] for o in out]})
+    return runs, answers, new_tokens
+
+
+def figures_of(runs: dict[str, list[dict]]) -> dict:
+    """Each variant's exact match (its first run's; every run's beside) and median tokens/s."""
+    out = {}
+    for name, done in runs.items():
         speeds = sorted(r["tokens_per_s"] for r in done)
-        figures[precision] = {"exact_match": done[0]["exact_match"],
-                              "exact_match_runs": [r["exact_match"] for r in done],
-                              "tokens_per_s": speeds[len(speeds) // 2], "tokens_per_s_runs": speeds}
+        out[name] = {"exact_match": done[0]["exact_match"], "exact_match_runs": [r["exact_match"] for r in done],
+                     "tokens_per_s": speeds[len(speeds) // 2], "tokens_per_s_runs": speeds}
+    return out
+
+
+def served_precisions(tmp: str, config: str, overrides: list[str], model: str, repeats: int = REPEATS) -> dict:
+    """Exact match and tokens/s of the served answers in each serve.precision (served_runs)."""
+    runs, answers, new_tokens = served_runs(tmp, config, overrides, model, {p: ([], p) for p in PRECISIONS},
+                                            repeats)
+    figures = figures_of(runs)
     fp32, bf16 = runs["fp32"][0]["texts"], runs["bf16"][0]["texts"]
-    return {"rows": len(held_out), "max_tokens": new_tokens, "repeats": repeats, **figures,
+    return {"rows": len(answers), "max_tokens": new_tokens, "repeats": repeats, **figures,
             "bf16_same_answers": sum(a == b for a, b in zip(fp32, bf16)),
             "bf16_vs_fp32_tokens_per_s": round(figures["bf16"]["tokens_per_s"] / figures["fp32"]["tokens_per_s"], 3),
             "bf16_exact_match_change": round(figures["bf16"]["exact_match"] - figures["fp32"]["exact_match"], 4)}

@@ -11,6 +11,7 @@ Two kinds, from what each measures:
   serve what only the project's claims need (the preprocessing speedup on one node; the latency figure);
 - the harness (HARNESS_BENCHMARKS): claims about the project itself: quickstart and digits (the shipped
   configs' pipeline against their plain-PyTorch work), chat (the chat demo's time and exact-match gain),
+  chat-engines (the chat demo's answers through the builtin engine and vLLM's),
   madewithml (a reference F1), signing (signed versions' cost beside evaluate and a replica's start),
   request-bodies (what reading a chat request holds a replica's event loop, whatever its body),
   prefill-join (a long prompt joining running streams: their token gaps under each prefill budget),
@@ -43,6 +44,7 @@ USER_BENCHMARKS = {"data": "benchmarks.data", "train": "benchmarks.train", "tune
 HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmarks.digits",
                       "madewithml": "benchmarks.madewithml", "serve-levers": "benchmarks.serve_levers",
                       "shuffle": "benchmarks.shuffle", "images": "benchmarks.images", "chat": "benchmarks.chat",
+                      "chat-engines": "benchmarks.chat_engines",
                       "signing": "benchmarks.signing", "request-bodies": "benchmarks.request_bodies",
                       "prefill-join": "benchmarks.prefill_join", "step-profile": "benchmarks.step_profile",
                       "openmp-pool": "benchmarks.openmp_pool"}

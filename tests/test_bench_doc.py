@@ -218,6 +218,8 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
      lambda r: f"{r['generate-vllm-engine']['vllm_engine_vs_vllm_server_c16']:.2f}"),
     ("vLLM's own server's tokens/s at 16 and {}x at 1", ("generate-vllm-engine",),
      lambda r: f"{r['generate-vllm-engine']['vllm_engine_vs_vllm_server_c1']:.2f}"),
+    ("with vLLM's engine at {}x the builtin engine's", ("chat-engines",),
+     lambda r: f"{r['chat-engines']['vllm_vs_builtin_tokens_per_s']:.2f}"),
     ("requests naming an adapter got {}x the tokens/s of vLLM's server with `--enable-lora`", ("generate",),
      lambda r: f"{r['generate']['lora_vs_vllm_lora_c16']:.2f}"),
 ]
