@@ -182,10 +182,19 @@ class VllmEngine:
     # --- the stream loop --------------------------------------------------------------------------
     async def _start(self, gen: Generation) -> None:
         task = asyncio.ensure_future(self._drive(gen))
+        task.add_done_callback(lambda _: self._end_unstarted(gen))
         with self._lock:
             self._in_flight[gen.id] = (gen, task)
         if gen.cancelled:
             task.cancel()
+
+    def _end_unstarted(self, gen: Generation) -> None:
+        """A task cancelled before its first step never ran `_drive` (nor its cleanup), and nothing of it
+        reached vLLM: its request ends here, cancelled, instead of holding a place in the batch for good."""
+        if gen.finish_reason is None:
+            with self._lock:
+                self._in_flight.pop(gen.id, None)
+            self._end(gen, "cancelled", Delta("", "cancelled"))
 
     async def _listen(self) -> None:
         """The worker's one stream of every request's news: each batch (what came since the last) advances
