@@ -47,11 +47,6 @@ def run(config: str | None, overrides: list[str]) -> dict:
             "goals_met": {"vllm_exact_match_change": abs(change) <= GOALS["vllm_exact_match_change"]}}
 
 
-def speed_caveat(threads: dict) -> str:
-    return "" if threads["vllm"] == threads["builtin"] else (
-        f", with {threads['vllm']} thread(s) for vLLM against {threads['builtin']} for ours: not a speed comparison")
-
-
 def markdown(r: dict) -> str:
     b, v, threads, la = r["builtin"], r["vllm"], r["threads"], r["load_average"]
     return f"""## Chat on either engine: the demo's adapter through the builtin engine and vLLM's
@@ -61,7 +56,7 @@ def markdown(r: dict) -> str:
 model ({r["model"]}: a LoRA adapter of SmolLM2-135M-Instruct) answers its {r["rows"]} held-out conversations
 through `ChatPredictor.predict` (what `workflows predict` and the serve stage reach), greedy, at most
 {r["max_tokens"]} new tokens, with `serve.generate.engine` builtin and vllm (vLLM's CPU build in its own venv,
-the adapter through its LoRA at `serve.generate.max_lora_rank` {r.get("max_lora_rank", 16)}), the engines interleaved,
+the adapter through its LoRA at `serve.generate.max_lora_rank` {r["max_lora_rank"]}), the engines interleaved,
 {r["repeats"]} repeats.
 
 | engine | CPU threads | exact match (each run) | tokens/s (median; runs) |
@@ -73,7 +68,7 @@ The same answer text from both engines: {r["vllm_same_answers"]} of {r["rows"]}.
 builtin: {r["vllm_exact_match_change"]:+.4f} (goal: within {r["goals"]["vllm_exact_match_change"]}:
 {"met" if r["goals_met"]["vllm_exact_match_change"] else "**not met**"}); vLLM's tokens/s over the builtin
 engine's: {r["vllm_vs_builtin_tokens_per_s"]:.2f}x (batch prediction, LoRA on: vLLM's CPU build runs without its
-compile then){speed_caveat(threads)}.
+compile then).
 """  # noqa: E501 (markdown table rows: one line each)
 
 
