@@ -125,12 +125,11 @@ def deploy_chat(cfg, spec: str, app: str, port: int, token: str, timeout_s: floa
 
     from tests.helpers import wait_until
     from workflows.serve.app import ModelServer, deployment_options
-    from workflows.serve.ingress import start_serve
 
     opts = deployment_options(cfg)
     opts["ray_actor_options"]["runtime_env"]["env_vars"]["CHAT_TOKEN"] = token
     deployment: Any = ModelServer
-    start_serve(cfg, {"host": "127.0.0.1", "port": port}, {})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(deployment.options(**opts).bind(cfg.model_dump(mode="json"), spec), name=app, route_prefix="/",
               blocking=False)
     url = f"http://127.0.0.1:{port}"

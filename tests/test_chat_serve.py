@@ -543,24 +543,17 @@ ADD_TOOL = {"type": "function", "function": {
 
 
 @pytest.mark.integration
-def test_the_replica_and_its_ingress_run_at_a_servers_niceness_not_rays_workers(chat_server):
-    """Ray starts its workers at niceness 15; the replica, and Serve's controller and proxy that every request
-    and token passes through, run at 0 (serve.replica_niceness), so neither a client or a batch job on the same
-    node nor the busy replica itself outruns the ingress (streams would arrive in bursts)."""
-    import os
-
+def test_the_replica_runs_at_a_servers_niceness_not_rays_workers(chat_server):
+    """Ray starts its workers at niceness 15; the replica answers clients at 0 (serve.replica_niceness), so a
+    client or a batch job on the same node does not outrun it."""
     import psutil
-    import ray
 
-    def serving(prefix: str) -> list:
-        return [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(prefix)]
-
-    for prefix in ("ray::ServeReplica:chat:ModelServer", "ray::ProxyActor", "ray::ServeController"):
-        found = serving(prefix)
-        assert found, f"no {prefix} process found"
-        assert {p.nice() for p in found} == {0}, prefix
-    # a plain task keeps Ray's default (so the test can fail)
-    assert ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote()) == 15
+    replicas = [p for p in psutil.process_iter(["cmdline"])
+                if (p.info["cmdline"] or [""])[0].startswith("ray::ServeReplica:chat:ModelServer")]
+    assert replicas, "no replica process found"
+    assert {p.nice() for p in replicas} == {0}
+    workers = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::Serve")]
+    assert any(p.nice() == 15 for p in workers), "Ray's own Serve processes keep its default (so the test can fail)"
 
 
 @pytest.mark.integration

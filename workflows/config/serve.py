@@ -129,10 +129,8 @@ class ServeConfig(Strict):
     cpus_per_replica: float = Field(1, gt=0)
     gpus_per_replica: float = Field(0, ge=0)
     replica_niceness: int | None = Field(
-        0, ge=0, le=19, description="the CPU niceness of the replicas and of Serve's controller and proxies (HAProxy "
-        "too), which every request passes through: 0, as a server's processes; Ray starts its workers at 15 (below "
-        "its own processes), where a client, a batch job or a busy replica on the same node outruns them; null keeps "
-        "Ray's"
+        0, ge=0, le=19, description="the replicas' CPU niceness: 0, as a server's process; Ray starts its workers at "
+        "15 (below its own processes), where a client or a batch job on the same node outruns them; null keeps Ray's"
     )
     precision: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="fp32; bf16 (GPU replicas, and CPUs with AVX512-BF16 or AMX); int8 dynamic quantization "

@@ -176,7 +176,8 @@ def deployment_options(cfg: WorkflowConfig) -> dict:
             "num_cpus": sc.cpus_per_replica,
             **({"num_gpus": sc.gpus_per_replica} if sc.gpus_per_replica else {}),
             # the raylet starts a worker at the niceness its runtime_env names (as Ray's job supervisor does)
-            **({"runtime_env": {"env_vars": nice}} if (nice := ingress.serving_niceness(cfg)) else {}),
+            **({"runtime_env": {"env_vars": {"RAY_worker_niceness": str(sc.replica_niceness)}}}
+               if sc.replica_niceness is not None else {}),
         },
         # Serve's default of 5 ongoing requests would silently cap batches below max_batch_size.
         "max_ongoing_requests": max(2 * sc.max_batch_size, 32),

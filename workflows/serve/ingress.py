@@ -140,17 +140,15 @@ def start_serve(cfg, http_options: dict, logging_config: dict, pick=port_env, at
     UserError. Elsewhere (the Python proxy, a cluster joined, whose ingress is its own) one plain start."""
     from ray import serve
 
-    nice = serving_niceness(cfg)
     if cluster_address(cfg) or os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-        serve.start(http_options=http_options, logging_config=logging_config,
-                    **({"controller_options": {"runtime_env": {"env_vars": nice}}} if nice else {}))
+        serve.start(http_options=http_options, logging_config=logging_config)
         return 1
     failure = ""
     for attempt in range(1, attempts + 1):
         ports = {k: v for k, v in {**START_ENV, **pick()}.items() if k not in os.environ}
         try:
             serve.start(http_options=http_options, logging_config=logging_config,
-                        controller_options={"runtime_env": {"env_vars": {**ports, **nice}}})
+                        controller_options={"runtime_env": {"env_vars": ports}})
             return attempt
         except Exception as e:  # Ray wraps the manager's error (RayTaskError of a RuntimeError)
             failure = _start_failure(e)
@@ -161,15 +159,6 @@ def start_serve(cfg, http_options: dict, logging_config: dict, pick=port_env, at
             say(f"serve: the ingress did not start ({failure}); starting it again with new ports")
     raise UserError(f"serve: the ingress did not start in {attempts} attempts (last: {failure}); another process "
                     "keeps taking its ports, or a RAY_SERVE_*_PORT set in the environment is taken")
-
-
-def serving_niceness(cfg) -> dict[str, str]:
-    """The environment that starts Serve's controller, and so the proxies it starts (they inherit its
-    runtime_env; HAProxy is the manager's child), at the replicas' niceness: at Ray's default of 15 the
-    ingress every token passes through waits behind a busy replica on a small node, and streams arrive
-    in bursts. {} when serve.replica_niceness is null (Ray's default kept)."""
-    n = cfg.serve.replica_niceness
-    return {} if n is None else {"RAY_worker_niceness": str(n)}
 
 
 def _start_failure(e: Exception) -> str:
