@@ -41,7 +41,7 @@ def test_the_costs_are_learned_and_the_budget_keeps_a_step_within_the_ratio():
         shape = StepShape(8, prompt, prompt * position + prompt * (prompt + 1) // 2, 1)
         true = sum(c * f for c, f in zip(truth, shape.features()))
         assert costs.coef[0] + costs.cost(prompt, position, ends=True) == pytest.approx(true, rel=0.1)
-    allowance = costs.allowance(8, excess=0)
+    allowance = costs.allowance(8)
     assert costs.bias == pytest.approx(1.0, abs=0.05)  # the fit right, the recent steps' correction near none
     assert allowance == pytest.approx(0.7 * decode / costs.bias - costs.coef[0])
     granted = []
@@ -53,7 +53,38 @@ def test_the_costs_are_learned_and_the_budget_keeps_a_step_within_the_ratio():
     assert granted[0] > granted[1] > granted[2]
     assert costs.prompt_tokens(allowance, 0, remaining=5)[0] == 5
     assert costs.prompt_tokens(0.0, 1000, remaining=50)[0] == 1  # every prompt advances
-    assert costs.allowance(8, excess=3) > 2 * allowance  # a burst beside few streams: more for each row beyond
+
+
+def test_a_wave_of_joining_rows_beside_few_streams_gets_the_same_time_budget():
+    """Six prompts joining one decoding row: the step's prompt tokens still cost at most the allowance of
+    a step of one decoding row (a wave is prefilled over more steps, the stream's gap bounded as ever)."""
+    from types import SimpleNamespace
+
+    from workflows.tasks.chat.engine.scheduler import Row, Scheduler
+
+    decode, truth = 0.02, (0.001, 0.0002, 1e-8, 0.0005)
+    scheduler = Scheduler(max_batch=8, max_queue=0, prefill_chunk=24, max_prefill_tokens=2048)
+    costs = scheduler.costs
+    assert costs is not None
+    costs.observe(StepShape(1, 0, 0, 0), decode)
+    for i in range(READY + REFIT):
+        prompt = 20 + 40 * i
+        shape = StepShape(1, prompt, prompt * (prompt + 1) // 2, 0)
+        costs.observe(shape, decode + sum(c * f for c, f in zip(truth, shape.features())))
+    assert costs.ready
+
+    def row(slot: int, prompt: int, done: int) -> Row:
+        gen = SimpleNamespace(prompt=list(range(prompt)), adapter=None)
+        return Row(gen, slot, sampling=None, text=None, limit=8, done=done, pos=done, last=5)  # type: ignore[arg-type]
+
+    rows = [row(0, 10, 10)] + [row(slot, 400, 0) for slot in range(1, 7)]
+    step = scheduler.plan(rows, "base")
+    granted = [n for _, _, n in step.prefills]
+    assert granted and len(step.decode) == 1
+    spent = sum(costs.cost(n, 0, False) for n in granted)
+    bound = (costs.ratio - 1) * decode / costs.bias - costs.coef[0]  # a step of one decoding row's allowance
+    # within it, but for the one token a row the budget's rest reaches always gets
+    assert spent <= bound + costs.cost(1, 0, False), (granted, spent, bound)
 
 
 @pytest.fixture(scope="module")

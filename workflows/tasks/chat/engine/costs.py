@@ -14,11 +14,12 @@ budget spends, as it is spent (a lone prefill step costs less than the same toke
 
 The budget of a step beside decoding rows (`allowance`, `prompt_tokens`): the prompt tokens whose
 predicted extra, at the position where each prefilling row's prompt continues, is within `ratio - 1`
-times those rows' decode-only step (the nearest row count's where this one has not run yet), that much
-again for each prefilling row beyond the decoding ones (a burst beside a few streams: the few wait
-longer for a step rather than the many for their first token), and at least one token (every prompt
-advances), and at most TRUST times the most prompt tokens a measured mixed step had (the fit is
-trusted near what it saw; the room grows as larger steps are measured). Until READY mixed steps have
+times those rows' decode-only step (the nearest row count's where this one has not run yet), however
+many rows are joining (a wave of them beside a few streams is prefilled over more steps: measured in a
+closed loop of 16, a multiple of the budget for such waves cost the streams' gaps and the joiners'
+first tokens more than the 7% tokens/s it gained), and at least one token (every prompt advances), and
+at most TRUST times the most prompt tokens a measured mixed step had (the fit is trusted near what it
+saw; the room grows as larger steps are measured). Until READY mixed steps have
 been seen (a replica's first), the scheduler's token budget applies, and its steps are the first
 measurements.
 """
@@ -127,11 +128,11 @@ class StepCosts:
             return None
         return self.decode_seconds[min(self.decode_seconds, key=lambda n: abs(n - rows))]
 
-    def allowance(self, decode_rows: int, excess: int) -> float:
+    def allowance(self, decode_rows: int) -> float:
         """Seconds a step of `decode_rows` decoding rows may spend on prompt tokens, beyond what any
         prefill adds to it."""
         assert self.coef is not None
-        spare = (self.ratio - 1) * (self.decode_step(decode_rows) or 0.0) * max(1, excess)
+        spare = (self.ratio - 1) * (self.decode_step(decode_rows) or 0.0)
         return spare / self.bias - self.coef[0]
 
     def cost(self, tokens: int, position: int, ends: bool) -> float:

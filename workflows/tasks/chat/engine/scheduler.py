@@ -8,9 +8,7 @@ running, ends with "timeout"; a cancelled one with "cancelled".
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
 prefilling, in order of arrival, up to a budget. While rows decode, the budget is in time: the prompt
 tokens whose predicted cost keeps the step within `mixed_step_ratio` times a decode-only step of the same
-rows, that much again for each prefilling row beyond the decoding ones (a burst beside a few streams:
-the few wait longer for a step rather than the many waiting many steps for their first token and the
-batch running part-empty meanwhile), at least one token each step; the costs are learned from the steps
+rows, however many rows are joining, at least one token each step; the costs are learned from the steps
 that ran (workflows.tasks.chat.engine.costs: a long prompt's attention over its own context, and its
 logits, counted), so the bound holds however fast steps become. Until they are known (a replica's first
 steps), or always with `mixed_step_ratio` None, the budget is in tokens: one per decoding row plus
@@ -111,10 +109,10 @@ class Scheduler:
         step = StepTokens()
         step.decoding = decoding = [r for r in rows if not r.prefilling]
         budget = self.max_prefill_tokens
-        excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
         costs = self.costs if decoding and self.costs is not None and self.costs.ready else None
-        seconds = costs.allowance(len(decoding), excess) if costs is not None else 0.0
+        seconds = costs.allowance(len(decoding)) if costs is not None else 0.0
         if decoding and costs is None:
+            excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
             budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
         for row in rows:
             if budget <= 0 or costs is not None and seconds <= 0 and step.prefills:
