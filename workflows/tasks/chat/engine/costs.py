@@ -15,13 +15,11 @@ budget spends, as it is spent (a lone prefill step costs less than the same toke
 The budget of a step beside decoding rows (`allowance`, `prompt_tokens`): the prompt tokens whose
 predicted extra, at the position where each prefilling row's prompt continues, is within `ratio - 1`
 times those rows' decode-only step (the nearest row count's where this one has not run yet), however
-many rows are joining (a wave of them beside a few streams is prefilled over more steps: measured in a
-closed loop of 16, a multiple of the budget for such waves cost the streams' gaps and the joiners'
-first tokens more than the 7% tokens/s it gained), and at least one token (every prompt advances), and
-at most TRUST times the most prompt tokens a measured mixed step had (the fit is trusted near what it
-saw; the room grows as larger steps are measured). Until READY mixed steps have
-been seen (a replica's first), the scheduler's token budget applies, and its steps are the first
-measurements.
+many rows are joining (a wave of them beside a few streams is prefilled over more steps, the streams'
+gaps bounded as ever), and at least one token (every prompt advances), and at most TRUST times the
+most prompt tokens a measured mixed step had (the fit is trusted near what it saw; the room grows as
+larger steps are measured). Until READY mixed steps have been seen (a replica's first), the
+scheduler's token budget applies, and its steps are the first measurements.
 """
 
 from __future__ import annotations
