@@ -52,8 +52,21 @@ def check_rows(stored: dict, expected: list[str]) -> None:
 
 
 @pytest.mark.integration  # a server process (the peer) on 127.0.0.1, the client in another
-def test_bench_generate_writes_every_row_and_key(tmp_path):
+def test_bench_generate_writes_every_row_and_key(tmp_path, monkeypatch):
+    import threading
+
+    from workflows.bench import generate
+
+    ran_in: list[str] = []  # the thread of each in-process computation beside the engine's own steps
+
+    def traced(fn):
+        return lambda *a, **kw: (ran_in.append(threading.current_thread().name), fn(*a, **kw))[1]
+
+    for name in ("static_run", "matmul_rate", "memory_bandwidth", "transformers_step"):
+        monkeypatch.setattr(generate, name, traced(getattr(generate, name)))
     stored, text = bench(tmp_path, "paths=engine,static,peer")
+    # all in the engine's thread: the process holds one OpenMP pool (a second throttles the engine's steps)
+    assert len(ran_in) == 7 and set(ran_in) == {"generate"}, ran_in  # static: warm-up + 3 rows; 3 probes
     check_rows(stored, ["engine_c16", "static", "static_natural", "static_packed", "peer"])  # its fp32 linears packed
     assert stored["rows"][-1]["prompt_tokens_mean"] > 0  # as the server counted them
     assert stored["http_vs_static_c16"] is None and stored["meets_goals"]["http_vs_static_c16"] is False

@@ -229,6 +229,14 @@ def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict, 
     return rows
 
 
+def on_engine_thread(engine, fn: Callable[[], Any]) -> Any:
+    """`fn()` where the in-process engine's steps run, between them (or here without one): the bench's
+    every computation in one thread, so the process holds one OpenMP pool. A second pool, this thread's,
+    throttles the other's idle workers (workflows.tasks.chat.engine.threads): every step of the engine's
+    rows and of static batching beside it would wait on its workers waking."""
+    return engine.call(fn).result() if engine is not None else fn()
+
+
 def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None = None) -> dict:
     import torch
 
@@ -271,7 +279,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         tok = predictor.prompts.tokenizer
         # static batching runs on the model as transformers loads it, in the served precision: the
         # engine's own (its linears packed) only in the static_packed row
-        plain = load_trained(model_dir, card, cfg).to(dtype=model.dtype, device=model.device) \
+        plain = on_engine_thread(engine, lambda: load_trained(model_dir, card, cfg).to(
+            dtype=model.dtype, device=model.device)) \
             if "static" in paths and engine is not None and engine.packed_bytes else model
         rows = plan(levels, paths, peers, opts, packed=plain is not model)
         convs = questions(max(opts["requests"], opts["overload_requests"]))
@@ -320,8 +329,9 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             if row.path == "engine":
                 return engine_run(engine, prompts[:n], tokens, row.concurrency, row.sampled, row.natural)
             if row.path == "static":
-                return static_run(model if row.engine_weights else plain, pad, prompts[:n], tokens, row.concurrency,
-                                  row.sampled, eos if row.natural else None)
+                return on_engine_thread(engine, lambda: static_run(
+                    model if row.engine_weights else plain, pad, prompts[:n], tokens, row.concurrency, row.sampled,
+                    eos if row.natural else None))
             rate = row.rate * capacity["http"] if row.rate else None
             return client_run(servers[row.path].url, in_turn[row.models](row.path), convs[:n], row, tokens, rate,
                               api_key if row.path == "http" else None, extras.get(row.path))
@@ -350,8 +360,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                     if row.key == f"http_c{max(levels)}":
                         capacity["http"] = result["requests_per_s"]
                 capacity.pop("http", None)
-                flops.append(matmul_rate(dtype=model.dtype))  # the served precision's matmuls
-                bandwidth.append(memory_bandwidth())
+                flops.append(on_engine_thread(engine, lambda: matmul_rate(dtype=model.dtype)))  # served precision's
+                bandwidth.append(on_engine_thread(engine, memory_bandwidth))
                 # transformers' own decode step on the engine's weights, in its thread
                 if engine is not None and "engine" in paths:
                     reference.append(engine.call(lambda: transformers_step(model, max(levels), context)).result())
