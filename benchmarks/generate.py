@@ -136,6 +136,8 @@ def markdown(r: dict) -> str:
         roof += (" Transformers' own decode step of as many rows on the engine's weights (a `StaticCache` forward, "
                  "as `generate` runs it, in the engine's thread; the median of 12, the best of the repeats) took "
                  f"{1000 * step['transformers_step_s']:.0f} ms.")
+    # a result without `warm_ups` warmed the first row of each path alone
+    warmed = f"the first row of each kind ({', '.join(r['warm_ups'])}), so of each" if r.get("warm_ups") else "each"
     return f"""## Generation: ours over HTTP beside the engine, static batching and peers
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs, {r["threads"]} threads per path, load
@@ -144,7 +146,7 @@ attention {r["attn_implementation"]}), served by {ENGINE_WORDS[r.get("engine", "
 and a queue of {r["max_queue"]};
 {r["requests"]} chat questions (mean {r["prompt_tokens_mean"]} prompt tokens; {r["serial_requests"]} in rows at
 concurrency 1), at most {r["max_tokens"]} new tokens each: exactly that many with fixed lengths (`ignore_eos`),
-the answers' own lengths with natural stopping. Rows interleaved, {r["repeats"]} repeats after a warm-up of each
+the answers' own lengths with natural stopping. Rows interleaved, {r["repeats"]} repeats after a warm-up of {warmed}
 path; tokens/s is the median over repeats, latencies the percentiles over every request. Over HTTP, the
 official `openai` client streams (SSE) from a process of its own and times each token's chunk as it arrives; the
 in-process paths time tokens as they are sampled. Poisson rows send requests at a multiple of the capacity

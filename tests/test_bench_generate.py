@@ -66,7 +66,9 @@ def test_bench_generate_writes_every_row_and_key(tmp_path, monkeypatch):
         monkeypatch.setattr(generate, name, traced(getattr(generate, name)))
     stored, text = bench(tmp_path, "paths=engine,static,peer")
     # all in the engine's thread: the process holds one OpenMP pool (a second throttles the engine's steps)
-    assert len(ran_in) == 7 and set(ran_in) == {"generate"}, ran_in  # static: warm-up + 3 rows; 3 probes
+    assert len(ran_in) == 8 and set(ran_in) == {"generate"}, ran_in  # static: 2 warm-ups + 3 rows; 3 probes
+    # a warm-up of each kind of row: each path, and on it its own weights (each model, structured output)
+    assert stored["warm_ups"] == ["engine_c16", "static", "static_packed", "peer"]
     check_rows(stored, ["engine_c16", "static", "static_natural", "static_packed", "peer"])  # its fp32 linears packed
     assert stored["rows"][-1]["prompt_tokens_mean"] > 0  # as the server counted them
     assert stored["http_vs_static_c16"] is None and stored["meets_goals"]["http_vs_static_c16"] is False
@@ -96,6 +98,9 @@ def test_bench_generate_through_workflows_serve(tmp_path):
     # the adapter's rows: requests naming bench-lora (a LoRA adapter of bench-base), alone and in turn with the base
     assert [r["models"] for r in stored["rows"][6:8]] == ["adapter", "mixed"]
     assert stored["lora_vs_base_c16"] > 0 and stored["mixed_vs_base_c16"] > 0
+    # the adapter is loaded by the first request naming it: in a warm-up, not in the first repeat's row
+    assert stored["warm_ups"] == ["http_c1", "http_json_c1", "http_lora_c16", "http_mixed_c16", "engine_c16", "static",
+                                  "static_packed"]
     for key in ("http_vs_static_c16", "http_vs_static_natural_c16", "http_vs_static_packed_c16",
                 "itl_p99_over_p50_c16", "ttft_c16_over_c1", "overload_itl_p99_vs_closed_loop",
                 "sampled_vs_greedy", "http_vs_engine_c16", "json_schema_vs_unconstrained_c1",

@@ -27,7 +27,8 @@ A row is a path and its settings (workflows.bench.generate.Row): closed-loop con
 its next request when its previous one ended) or Poisson arrivals at a rate; greedy or sampled
 (temperature 0.7, top_p 0.9); fixed lengths (`ignore_eos`: every request makes max_tokens tokens) or
 natural stopping (EOS honoured, up to max_tokens). Rows run interleaved (each row once, then again)
-`repeats` times, after a warm-up of each path that is not counted. The Poisson rates come from the
+`repeats` times, after a warm-up that is not counted (`warm_ups`: each path, and on it each model its
+requests name, structured output and the engine's own weights). The Poisson rates come from the
 capacity measured in the same repeat (requests/s over HTTP at the top concurrency): `load` times it near
 capacity, `overload` times it for the overload row (`overload_requests` of them, by default 3x the engine's batch plus
 queue, so that some are refused: how fast their answer came).
@@ -229,6 +230,17 @@ def plan(levels: list[int], paths: set[str], peers: list[HttpPeer], opts: dict, 
     return rows
 
 
+def warm_ups(rows: list[Row]) -> list[Row]:
+    """The first row of each kind whose first requests load what later ones find loaded: each path, and on
+    it each model its requests name (a LoRA adapter is loaded by the first request naming it), structured
+    output, the engine's own weights. The first repeat's rows then measure what every later one does."""
+    first: dict[tuple, Row] = {}
+    for r in rows:
+        if not r.rate:
+            first.setdefault((r.path, r.models, r.structured, r.engine_weights), r)
+    return list(first.values())
+
+
 def on_engine_thread(engine, fn: Callable[[], Any]) -> Any:
     """`fn()` where the in-process engine's steps run, between them (or here without one): the bench's
     every computation in one thread, so the process holds one OpenMP pool. A second pool, this thread's,
@@ -347,8 +359,9 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 started.append(server)
                 if server is not servers.get("http"):
                     server.pause()
-            for path in dict.fromkeys(r.path for r in rows):  # warm-up: first calls allocate, load kernels
-                measure(next(r for r in rows if r.path == path and not r.rate), 2, 4)
+            warmed = warm_ups(rows)
+            for row in warmed:  # not counted: first calls allocate, load kernels, an adapter
+                measure(row, 2, 4)
             for _ in range(opts["repeats"]):
                 for row in rows:
                     if row.rate and "http" not in capacity:
@@ -370,8 +383,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 server.stop()
             if engine is not None:
                 engine.close()
-        return report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth, reference,
-                      {name: s.command for name, s in servers.items()})
+        return {**report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth, reference,
+                         {name: s.command for name, s in servers.items()}), "warm_ups": [r.key for r in warmed]}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if model_dir and not opts["model"]:  # the scratch version's copy in the model cache, new each run
