@@ -373,11 +373,12 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                     if row.key == f"http_c{max(levels)}":
                         capacity["http"] = result["requests_per_s"]
                 capacity.pop("http", None)
-                flops.append(on_engine_thread(engine, lambda: matmul_rate(dtype=model.dtype)))  # served precision's
+                # the served precision's matmuls
+                flops.append(on_engine_thread(engine, lambda: matmul_rate(dtype=model.dtype)))
                 bandwidth.append(on_engine_thread(engine, memory_bandwidth))
                 # transformers' own decode step on the engine's weights, in its thread
                 if engine is not None and "engine" in paths:
-                    reference.append(engine.call(lambda: transformers_step(model, max(levels), context)).result())
+                    reference.append(on_engine_thread(engine, lambda: transformers_step(model, max(levels), context)))
         finally:
             for server in reversed(started):
                 server.stop()
