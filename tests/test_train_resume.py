@@ -37,6 +37,7 @@ from workflows.train.checkpoint import (
     read_state,
 )
 from workflows.train.export import download_checkpoint
+from workflows.train.ray_worker import restart_point
 from workflows.train.trainer import fit, latest_checkpoint
 
 # Same process, same thread count, same data order and seeds: the losses should agree to float
@@ -146,6 +147,12 @@ def test_a_checkpoint_cut_short_in_upload_is_never_resumed_from(run):
     assert fs.exists(f"{run_dir}/checkpoint_2000-01-02_00-00-00/.metadata")  # looks like a checkpoint
 
     assert latest_checkpoint(run.cfg, run.rt.storage, "cut") == f"s3://{run_dir}/checkpoint_2000-01-01_00-00-00"
+    # a restarted group of that run resumes from the same one, whatever Ray Train's controller collected
+    restart = restart_point(f"s3://{run_dir}", run.rt.storage)
+    assert restart is not None and restart.path.endswith(f"{run_dir}/checkpoint_2000-01-01_00-00-00")
+    with private_copy(restart) as d:
+        assert read_state(d)["epoch"] == 0
+    assert restart_point(f"s3://{run_dir}-none", run.rt.storage) is None  # a first start: no checkpoint
     with tempfile.TemporaryDirectory() as d:  # read directly, it is refused with what is missing
         local = download_checkpoint(f"s3://{run_dir}/checkpoint_2000-01-02_00-00-00", run.rt.storage, d)
         with pytest.raises(UserError, match=f"incomplete checkpoint .*{shard} missing"):
@@ -171,7 +178,10 @@ def test_ranks_on_one_node_each_read_a_checkpoint_from_their_own_copy(run):
 
 
 @pytest.mark.integration
-def test_killed_worker_is_restarted_from_the_last_checkpoint(run):
+def test_killed_worker_is_restarted_from_the_last_checkpoint(run, monkeypatch):
+    # Ray Train's controller takes in a report when it polls the ranks; polling every 20 s (not 2 s),
+    # the kill below lands before it took in epoch 0's, the case a restart must not lose
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "20")
     marker = run.tmp / "killed-once"
     assert run.cfg.train.max_failures >= 1
     # SIGKILL worker rank 1 in the middle of epoch 1 (its second step), once

@@ -129,6 +129,26 @@ def latest_local(root: str) -> str | None:
     return os.path.join(root, found[-1]) if found else None
 
 
+def newest_stored(fs, run: str) -> str | None:
+    """The newest complete `checkpoint_*` folder of a Ray Train run's directory `run` on the fsspec
+    `fs` (Ray names them by time), or None: a folder that lacks any file its train_state.json lists (a
+    crash during upload) is passed over."""
+    try:
+        entries = fs.ls(run, detail=True)
+    except FileNotFoundError:
+        return None
+    found = sorted((e["name"] for e in entries
+                    if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")),
+                   reverse=True)
+    for c in found:
+        listing = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(c, detail=True) if e["type"] == "file"}
+        state = (parse_state(fs.cat_file(f"{c}/{STATE_FILE}", end=MAX_STATE_BYTES + 1), c)
+                 if STATE_FILE in listing else None)
+        if not missing(listing, state):
+            return c
+    return None
+
+
 def check_complete(directory: str) -> None:
     absent = missing_locally(directory)
     if absent:

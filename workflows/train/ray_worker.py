@@ -18,10 +18,10 @@ from workflows.cluster_scoped import per_cluster
 from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
 from workflows.seeds import augment_seed, data_seed
-from workflows.storage.uri import StorageContext, pyarrow_filesystem, write_json
+from workflows.storage.uri import StorageContext, filesystem, pyarrow_filesystem, write_json
 from workflows.tasks import get_task
 from workflows.tracking.run_logger import RunLogger, TrackingSpec
-from workflows.train.checkpoint import private_copy
+from workflows.train.checkpoint import newest_stored, private_copy
 from workflows.train.engine import Trainer
 from workflows.train.report import STEP_CHECKPOINT
 from workflows.train.stream_input import SampleHook, StreamInput
@@ -169,8 +169,8 @@ class RayTrainWorker(Trainer):
 def worker_loop(config: dict[str, WorkerSpec]) -> None:
     """Runs on every Ray Train worker: an engine.Trainer fed by the worker's Ray Data shards.
 
-    After a worker failure Ray Train restarts the group and `get_checkpoint()` returns the last
-    reported checkpoint, so training continues with the next epoch, not from scratch.
+    After a worker failure Ray Train restarts the group, which resumes from the newest checkpoint the
+    run stored (`restart_point`), so training continues after it, not from scratch.
     """
     import ray.train
     import ray.train.torch
@@ -189,9 +189,9 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     trainer = RayTrainWorker(cfg, task, spec.data, device, source, spec.train_rows, logger,
                              spec=spec, stream=source.stream, started_at=started_at)
 
-    # After a worker failure Ray hands back the run's last reported checkpoint; otherwise, with
-    # `--resume`, the checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
-    checkpoint = ray.train.get_checkpoint()
+    # After a worker failure, the newest checkpoint this run stored; otherwise, with `--resume`, the
+    # checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
+    checkpoint = restart_point(spec.run_uri, spec.storage) or ray.train.get_checkpoint()
     if checkpoint is None and spec.resume_from:
         fs, path = pyarrow_filesystem(spec.resume_from, spec.storage)
         checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
@@ -210,6 +210,20 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     finally:
         if logger is not None:
             logger.close(timeout=30)
+
+
+def restart_point(run_uri: str, storage: StorageContext):
+    """The newest complete checkpoint in this run's directory (a restarted group's), or None (a first
+    start). Not Ray Train's `get_checkpoint()` alone: its controller takes a report in only when it
+    polls every rank (every 2 s), so a rank that dies after reporting and before that poll loses a
+    checkpoint that is already whole in storage, and the restarted group would train its epoch again."""
+    import ray.train
+
+    found = newest_stored(*filesystem(run_uri, storage))
+    if found is None:
+        return None
+    fs, path = pyarrow_filesystem(f"{run_uri}/{found.rsplit('/', 1)[-1]}", storage)
+    return ray.train.Checkpoint(path=path, filesystem=fs)
 
 
 @per_cluster  # one Gauge per process and cluster: Ray metrics register by name with the core worker

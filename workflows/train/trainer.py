@@ -124,20 +124,9 @@ def latest_checkpoint(cfg: WorkflowConfig, ctx: StorageContext, prefix: str) -> 
     except FileNotFoundError:
         return None
     for run in runs:
-        checkpoints = sorted(
-            (
-                e["name"]
-                for e in fs.ls(run, detail=True)
-                if e["type"] == "directory" and e["name"].rsplit("/", 1)[-1].startswith("checkpoint_")
-            ),
-            reverse=True,
-        )
-        for c in checkpoints:
-            listing = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(c, detail=True) if e["type"] == "file"}
-            state = (ckpt.parse_state(fs.cat_file(f"{c}/{ckpt.STATE_FILE}", end=ckpt.MAX_STATE_BYTES + 1), c)
-                     if ckpt.STATE_FILE in listing else None)
-            if not ckpt.missing(listing, state):
-                return with_protocol(cfg.storage.root, c)
+        found = ckpt.newest_stored(fs, run)
+        if found is not None:
+            return with_protocol(cfg.storage.root, found)
     return None
 
 
