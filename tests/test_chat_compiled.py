@@ -142,6 +142,63 @@ def test_adapter_rows_run_compiled_beside_base_rows_with_peft_s_tokens(tiny, own
     own.call(lambda: own.model.delete_adapter("dora")).result(60)
 
 
+def test_adapters_of_other_ranks_and_modules_and_a_reloaded_one_run_compiled_with_peft_s_tokens(tiny, own, tmp_path):
+    """Beside the adapters of the test above (rank 4 on q, v and o): one of rank 12 on all seven projections
+    with a bias on B (added with peft itself: the platform's loading has no lora_bias), then the first one
+    loaded again under its name with other weights: every step compiled, with no recompile, and each row's
+    tokens those of peft's own forward alone; the reloaded adapter's rows compute its new weights."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from workflows.tasks.chat.adapters import load_adapter, remove_adapter
+
+    model_dir, _, tokenizer = tiny
+    for seed, name in ((3, "one"), (5, "again")):
+        build_lora(model_dir, tmp_path / name, seed=seed)
+    wide = LoraConfig(r=12, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"], lora_bias=True,
+                      init_lora_weights=False)
+
+    def add_wide(model):
+        torch.manual_seed(6)
+        model.add_adapter("wide", wide)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name and "wide" in name:
+                    param.normal_(0, 0.3)
+        return model.eval()
+
+    def load():
+        if "one" not in getattr(own.model, "peft_config", {}):  # (this test alone: the test above loads it)
+            own.model = load_adapter(own.model, str(tmp_path / "one"), "one").eval()
+        own.model = add_wide(own.model)
+
+    own.call(load).result(60)
+    reference = add_wide(load_adapter(AutoModelForCausalLM.from_pretrained(model_dir), str(tmp_path / "one"), "one"))
+    reference = load_adapter(reference, str(tmp_path / "again"), "again").eval()
+    eager = Engine(reference, tokenizer, forward="eager")
+    eager.eos = set()
+    p = words(tokenizer, 9, shift=3)
+    try:
+        alone = {a: run(eager, [p], adapters=[a])[0] for a in (None, "one", "wide", "again")}
+    finally:
+        eager.close()
+    assert len({tuple(t) for t in alone.values()}) == 4
+    steps, compiled_steps, refused = own.stats["steps"], own.stats["compiled_steps"], own.compiled.refused
+    order = ["wide", None, "one", "wide"]
+    assert run(own, [p] * 4, adapters=order) == [alone[a] for a in order]
+    assert run(own, [p], adapters=["wide"])[0] == alone["wide"]  # one token a step: the single-token graph
+
+    def reload():  # "one" again, with the weights of "again"
+        own.model = load_adapter(remove_adapter(own.model, "one", unwrap=False), str(tmp_path / "again"), "one")
+
+    own.call(reload).result(60)
+    assert run(own, [p, p], adapters=["one", "wide"]) == [alone["again"], alone["wide"]]
+    assert own.stats["compiled_steps"] - compiled_steps == own.stats["steps"] - steps > 0
+    assert own.compiled.refused == refused
+    own.call(lambda: remove_adapter(own.model, "wide", unwrap=False)).result(60)
+
+
 def test_weights_changed_after_compiling_are_computed_eagerly(tiny, own):
     """The compiled graph holds the weights as constants: once one is changed in place, steps run the eager
     forward, with the weights as they are now."""

@@ -12,9 +12,9 @@ the compiler, so the graph does not break around it, and it reads the step's pla
 positions) from the step that runs it, not from the graph's inputs.
 
 The token count is dynamic: one graph for any step of two tokens or more and one for a single token,
-each with and without LoRA adapters' deltas (workflows.tasks.chat.engine.lora: another opaque op, so a
-step's adapters, mixed per row with base rows, run in the graph too; vLLM turns its compile off whenever
-LoRA is on), all four compiled when the engine is built (`warm_up`), never per request: after warm-up a
+each with and without LoRA adapters' deltas (workflows.tasks.chat.engine.lora: the step's adapters are
+inputs of the graph, so their rows, mixed per row with base rows, run in it too; vLLM turns its compile
+off whenever LoRA is on), all four compiled when the engine is built (`warm_up`), never per request: after warm-up a
 call that would recompile raises instead (torch.compiler's "fail_on_recompile" stance) and that step
 runs eagerly, counted (`refused`), as do steps with an adapter the graph cannot compute (DoRA) and steps
 after the model's weights changed in place (the graph holds them as constants).
@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from workflows.tasks.chat.engine.cache import StepPlan, attend, attention_shape
 from workflows.tasks.chat.engine.device import model_device, model_dtype
 from workflows.tasks.chat.engine.linear import source
-from workflows.tasks.chat.engine.lora import Adapters, AdapterStep, lora_delta
-from workflows.tasks.chat.engine.lora import current as lora_step
+from workflows.tasks.chat.engine.lora import Adapters, AdapterStep, delta, warm_up_step
 
 log = logging.getLogger(__name__)
 
@@ -123,35 +122,43 @@ class Decoder(torch.nn.Module):
     def _p(self, i: int, name: str) -> torch.Tensor:
         return getattr(self, f"l{i}_{name}")
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, lora: bool) -> torch.Tensor:
-        """`lora`: the graph adds the step's LoRA adapters' deltas (workflows.tasks.chat.engine.lora)."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, lora: tuple | None) -> torch.Tensor:
+        """`lora`: the step's LoRA adapters' inputs (lora.AdapterStep.inputs), their deltas added to each
+        projection group; None: base tokens only."""
         h = F.embedding(ids, self.embed)
         n, hd = ids.shape[0], self.head_dim
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         q_width, kv_width = self.heads * hd, self.kv_heads * hd
+        if lora is not None:  # per group: A, B, the tokens' masks, B's bias per adapter
+            rows = lora[16]
+            la, lb, masks, lbias = lora[0:4], lora[4:8], [m[rows] for m in lora[8:12]], lora[12:16]
         for i, qkv_bias, o_bias, mlp_bias, eps1, eps2, scaling, act in self.layers_:
             p = self._p
             x = _rms(h, p(i, "ln1"), eps1)
             # one matmul for q, k and v: the concatenation of constants is folded once by the compiler
             qkv = F.linear(x, torch.cat([p(i, "q"), p(i, "k"), p(i, "v")]),
                            torch.cat([p(i, "qb"), p(i, "kb"), p(i, "vb")]) if qkv_bias else None)
-            if lora:
-                qkv = qkv + lora_delta(x, i, 0, qkv.shape[-1])
+            if lora is not None:
+                qkv = qkv + delta(x, la[0][i], lb[0][i], masks[0], lbias[0][i][rows])
             q = _rotate(qkv[:, :q_width].view(n, self.heads, hd), cos, sin)
             k = _rotate(qkv[:, q_width:q_width + kv_width].view(n, self.kv_heads, hd), cos, sin)
             v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, hd)
             a = slot_attention_op(q, k, v, i, scaling)
             o = F.linear(a, p(i, "o"), p(i, "ob") if o_bias else None)
-            h = h + (o + lora_delta(a, i, 1, o.shape[-1]) if lora else o)
+            if lora is not None:
+                o = o + delta(a, la[1][i], lb[1][i], masks[1], lbias[1][i][rows])
+            h = h + o
             x = _rms(h, p(i, "ln2"), eps2)
             gu = F.linear(x, torch.cat([p(i, "gate"), p(i, "up")]),
                           torch.cat([p(i, "gateb"), p(i, "upb")]) if mlp_bias else None)
-            if lora:
-                gu = gu + lora_delta(x, i, 2, gu.shape[-1])
+            if lora is not None:
+                gu = gu + delta(x, la[2][i], lb[2][i], masks[2], lbias[2][i][rows])
             width = gu.shape[-1] // 2
             m = act(gu[:, :width]) * gu[:, width:]
             d = F.linear(m, p(i, "down"), p(i, "downb") if mlp_bias else None)
-            h = h + (d + lora_delta(m, i, 3, d.shape[-1]) if lora else d)
+            if lora is not None:
+                d = d + delta(m, la[3][i], lb[3][i], masks[3], lbias[3][i][rows])
+            h = h + d
         return _rms(h, self.norm_w, self.norm_eps)
 
 
@@ -201,8 +208,11 @@ class CompiledForward:
         device = cache.device
         # freezing: the weights are constants of the graphs, so inductor folds the concatenations and packs every
         # matmul's weight once. A global setting (read outside torch.compile's options), so set while compiling
-        # only: no other compile in the process (a training step's) sees it
-        with torch._inductor.config.patch(freezing=True), torch.compiler.set_stance("default"):
+        # only: no other compile in the process (a training step's) sees it. No duck shapes: a size of the LoRA
+        # inputs equal to another (a model width) while compiling is not made the same symbol, which would tie
+        # the graph to that size
+        with torch._inductor.config.patch(freezing=True), torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch.compiler.set_stance("default"):
             self._warm_up(cache, device)
         self.warm = True
 
@@ -212,16 +222,17 @@ class CompiledForward:
                 plan = cache.plan([0] * n, list(range(n)), [], [(0, n)])  # slot 0's first n positions: a cache
                 # of one slot warms up too (the graphs do not depend on what the attention op is planned to do)
                 ids, positions = (torch.zeros(n, dtype=torch.long, device=device) for _ in range(2))  # not one
-                self._call(ids, positions, plan, AdapterStep() if lora else None)  # tensor twice: aliasing is a guard
+                # tensor twice: aliasing is a guard
+                self._call(ids, positions, plan, warm_up_step(self.decoder, n) if lora else None)
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
               adapters: AdapterStep | None) -> torch.Tensor:
-        _step.plan, lora_step.lora = plan, adapters
+        _step.plan = plan
         try:
             with torch.inference_mode():  # as every step runs (grad mode is one of the graphs' guards)
-                return self._fn(self.decoder, ids, positions, adapters is not None)
+                return self._fn(self.decoder, ids, positions, None if adapters is None else adapters.inputs())
         finally:
-            _step.plan = lora_step.lora = None
+            _step.plan = None
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
                adapters: AdapterStep | None = None) -> torch.Tensor | None:

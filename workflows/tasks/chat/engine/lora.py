@@ -1,19 +1,25 @@
 """LoRA adapters in the compiled forward: each row's adapter, in the same graph as the base rows.
 
 peft's mixed-adapter forward picks each adapter's rows in Python at every projection, which a compiled
-graph cannot hold (the rows change every step). Here the adapters' matrices are the graph's opaque
-`workflows_chat::lora_delta` op, as the slot attention is: for a layer's projection group (q, k and v
-together; o; gate and up together; down) it returns what the step's adapters add to the group's output,
-row by row (zeros for base rows), from the step's `AdapterStep` (which adapter's rows are which), set by
-the step that runs it. What it computes is peft's vanilla LoRA, B(A(x)) x scaling (+ B's bias): an
-adapter peft computes otherwise (DoRA and other variants), or one on modules the compiled forward does
-not know (the embedding, the head), is not `compilable` and its rows run the eager forward.
+graph cannot hold (the rows change every step). Here a step's adapters are inputs of the graph, the way
+multi-adapter servers batch them (Punica, S-LoRA): for each of a layer's projection groups (q, k and v
+together; o; gate and up together; down) the A matrices of the step's adapters stacked by rows, each
+adapter a block of columns of their product with the group's input, which a per-token mask scales by the
+adapter's scaling (zero outside the token's adapter: base tokens get zeros), then one matmul by the B
+matrices (block-diagonal over the group's projections) and the B bias of each token's adapter. So an
+adapted projection is two small matmuls and elementwise work the compiler fuses, and the inputs of a set
+of adapters are made once (`Adapters`), not per step.
+
+What it computes is peft's vanilla LoRA, B(A(x)) x scaling (+ B's bias): an adapter peft computes
+otherwise (DoRA and other variants), or one on modules the compiled forward does not know (the
+embedding, the head), is not `compilable` and its rows run the eager forward.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,38 +27,36 @@ import torch.nn.functional as F
 from workflows.tasks.chat.engine.device import model_device
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-current = threading.local()  # `lora`: the AdapterStep of the step running in this thread
+# each adapter's columns in a group: its rank rounded up to this (so that no column count is 0 or 1, which the
+# compiler would specialize a graph on, and the blocks stay aligned for vector loads)
+RANK_ALIGN = 8
+# a group's columns at least this many, zeros beyond its adapters': the graph with a single token is compiled for
+# more than 16 (inductor computes a [1, k] x [k, n] matmul with k <= 16 elementwise, and guards on which it is)
+MIN_COLUMNS = 24
+SETS_KEPT = 4  # the stacked inputs of this many sets of adapters are kept (a step's set is mostly the last one's)
 
 
 @dataclass
 class AdapterStep:
-    """The adapters of a step's rows: (token indices, or None for every token; the adapter's table)."""
+    """A step's adapters, as the compiled graph takes them: per projection group, `a` [layers, columns, in],
+    `b` [layers, out, columns] (scaled per column by `masks`), `masks` [adapters + 1, columns] (each adapter's
+    scaling at its own columns, the last row zeros: base tokens) and `bias` [layers, adapters + 1, out] (B's
+    bias times the scaling); `rows` [tokens]: each token's adapter, its row of `masks` and `bias`."""
 
-    adapters: list[tuple[torch.Tensor | None, list]] = field(default_factory=list)
+    a: tuple[torch.Tensor, ...]
+    b: tuple[torch.Tensor, ...]
+    masks: tuple[torch.Tensor, ...]
+    bias: tuple[torch.Tensor, ...]
+    rows: torch.Tensor
 
-
-@torch.library.custom_op("workflows_chat::lora_delta", mutates_args=())
-def lora_delta(x: torch.Tensor, layer: int, group: int, width: int) -> torch.Tensor:
-    """x [tokens, in] -> [tokens, width]: what the step's adapters add to layer `layer`'s projection group
-    `group` (GROUPS), each adapter to its own rows."""
-    out = x.new_zeros(x.shape[0], width)
-    for rows, table in current.lora.adapters:
-        parts = table[layer][group]
-        if not parts:
-            continue
-        xs = x if rows is None else x.index_select(0, rows)
-        for offset, a, b, bias, scale in parts:
-            delta = F.linear(F.linear(xs, a), b, bias) * scale
-            if rows is None:
-                out[:, offset:offset + delta.shape[1]] += delta
-            else:
-                out[:, offset:offset + delta.shape[1]].index_add_(0, rows, delta)
-    return out
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        return (*self.a, *self.b, *self.masks, *self.bias, self.rows)
 
 
-@lora_delta.register_fake
-def _(x, layer, group, width):
-    return x.new_empty(x.shape[0], width)
+def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What a layer's adapters add to a projection group's output: x [tokens, in], `a` [columns, in], `b` [out,
+    columns], `mask` [tokens, columns] and `bias` [tokens, out], the tokens' rows of a step's masks and bias."""
+    return F.linear(F.linear(x, a) * mask, b) + bias
 
 
 def adapter_table(model, name: str) -> list | None:
@@ -82,18 +86,58 @@ def adapter_table(model, name: str) -> list | None:
     return table if adapted == found else None  # an adapted module outside the seven projections: eager
 
 
+def group_shapes(decoder) -> list[tuple[int, list[int]]]:
+    """Per projection group, its input width and its projections' output widths, from the compiled decoder."""
+    p = decoder._p
+    return [(p(0, names[0]).shape[1], [p(0, n).shape[0] for n in names])
+            for names in (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))]
+
+
+def stacked(tables: list[list], shapes: list[tuple[int, list[int]]], layers: int, device, dtype) -> AdapterStep:
+    """The graph's inputs for a set of adapters (their `adapter_table`s, in the order of their mask rows), `rows`
+    left empty: per group, every adapter's A and B at its own block of columns, for each of the group's
+    projections, zeros where it does not adapt that projection in a layer."""
+    a_s, b_s, masks, biases = [], [], [], []
+    for g, (width_in, widths) in enumerate(shapes):
+        ranks = [max([a.shape[0] for layer in t for _, a, *_ in layer[g]] or [0]) for t in tables]
+        blocks = [-(-max(r, 1) // RANK_ALIGN) * RANK_ALIGN for r in ranks]
+        columns = max(sum(blocks) * len(widths), MIN_COLUMNS)
+        a = torch.zeros(layers, columns, width_in, device=device, dtype=dtype)
+        b = torch.zeros(layers, sum(widths), columns, device=device, dtype=dtype)
+        mask = torch.zeros(len(tables) + 1, columns, device=device, dtype=dtype)
+        bias = torch.zeros(layers, len(tables) + 1, sum(widths), device=device, dtype=dtype)
+        starts = [sum(widths[:k]) for k in range(len(widths))]
+        for j, table in enumerate(tables):
+            for i, layer in enumerate(table):
+                for offset, la, lb, lbias, scale in layer[g]:
+                    k = starts.index(offset)  # which projection of the group
+                    col = k * sum(blocks) + sum(blocks[:j])
+                    r = la.shape[0]
+                    a[i, col:col + r] = la
+                    b[i, offset:offset + lb.shape[0], col:col + r] = lb
+                    mask[j, col:col + r] = scale
+                    if lbias is not None:
+                        bias[i, j, offset:offset + lb.shape[0]] = lbias * scale
+        a_s.append(a)
+        b_s.append(b)
+        masks.append(mask)
+        biases.append(bias)
+    return AdapterStep(tuple(a_s), tuple(b_s), tuple(masks), tuple(biases), torch.zeros(0, dtype=torch.long))
+
+
 class Adapters:
     """The tables of the adapters a model holds, made on first use and made again when the adapter is
-    loaded again (its config object replaced)."""
+    loaded again (its config object replaced), and the graph's inputs of the last few sets of them."""
 
-    def __init__(self):
-        self._tables: dict[str, tuple[object, list | None]] = {}
+    def __init__(self) -> None:
+        self._tables: dict[str, tuple[object, list | None, int]] = {}  # name: (config, table, when made)
+        self._sets: OrderedDict[tuple, AdapterStep] = OrderedDict()  # ((name, when made), ...): inputs
+        self._made = itertools.count()
 
-    def step(self, model, adapters: list[str], base: str) -> AdapterStep | None:
+    def step(self, model, decoder, adapters: list[str], base: str) -> AdapterStep | None:
         """The AdapterStep of a step whose tokens have these adapters (`base` for none); None where one of
         them is not compilable."""
         names = sorted(set(adapters) - {base})
-        step = AdapterStep()
         configs = getattr(model, "peft_config", None) or {}
         for gone in set(self._tables) - set(configs):  # an unloaded adapter's matrices are not kept alive here
             del self._tables[gone]
@@ -101,11 +145,38 @@ class Adapters:
             config = configs.get(name)
             held = self._tables.get(name)
             if held is None or held[0] is not config:
-                held = self._tables[name] = (config, adapter_table(model, name) if config is not None else None)
+                table = adapter_table(model, name) if config is not None else None
+                held = self._tables[name] = (config, table, next(self._made))
             if held[1] is None:
                 return None
-            rows = None if len(names) == 1 and base not in adapters else torch.tensor(
-                [i for i, a in enumerate(adapters) if a == name], device=model_device(model))
-            step.adapters.append((rows, held[1]))
-        return step
+        made = {(name, held[2]) for name, held in self._tables.items()}
+        for old in [k for k in self._sets if not made.issuperset(k)]:  # a set with an adapter unloaded or replaced
+            del self._sets[old]
+        with torch.inference_mode():  # as the warm-up's inputs were made (inference tensors: a guard)
+            return self._step(model, decoder, names, adapters, base)
 
+    def _step(self, model, decoder, names: list[str], adapters: list[str], base: str) -> AdapterStep:
+        key = tuple((name, self._tables[name][2]) for name in names)
+        found = self._sets.pop(key, None)
+        if found is None:
+            tables = [t for t in (self._tables[name][1] for name in names) if t is not None]
+            found = stacked(tables, group_shapes(decoder), len(tables[0]), model_device(model), decoder.embed.dtype)
+        self._sets[key] = found
+        for old in list(self._sets)[:-SETS_KEPT]:
+            del self._sets[old]
+        index = {name: j for j, name in enumerate(names)}
+        rows = torch.tensor([index.get(a, len(names)) for a in adapters], device=model_device(model))
+        return AdapterStep(found.a, found.b, found.masks, found.bias, rows)
+
+
+def warm_up_step(decoder, tokens: int) -> AdapterStep:
+    """Inputs of the graph's shapes for a compile (zeros): two adapters, columns of other counts per group."""
+    shapes, layers = group_shapes(decoder), len(decoder.layers_)
+    device, dtype = decoder.embed.device, decoder.embed.dtype
+    columns, adapters = (48, 40, 32, 24), 2  # per group; a mask row per adapter and one for base tokens
+    return AdapterStep(
+        tuple(torch.zeros(layers, c, w_in, device=device, dtype=dtype) for c, (w_in, _) in zip(columns, shapes)),
+        tuple(torch.zeros(layers, sum(w), c, device=device, dtype=dtype) for c, (_, w) in zip(columns, shapes)),
+        tuple(torch.zeros(adapters + 1, c, device=device, dtype=dtype) for c in columns),
+        tuple(torch.zeros(layers, adapters + 1, sum(w), device=device, dtype=dtype) for _, w in shapes),
+        torch.zeros(tokens, dtype=torch.long, device=device))
