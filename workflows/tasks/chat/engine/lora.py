@@ -88,9 +88,9 @@ def adapter_table(model, name: str) -> list | None:
 
 def group_shapes(decoder) -> list[tuple[int, list[int]]]:
     """Per projection group, its input width and its projections' output widths, from the compiled decoder."""
-    p = decoder._p
-    return [(p(0, names[0]).shape[1], [p(0, n).shape[0] for n in names])
-            for names in (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))]
+    p = decoder._p  # its weights are named as the projections, without "_proj"
+    names = [[proj.removesuffix("_proj") for proj in group] for group in GROUPS]
+    return [(p(0, group[0]).shape[1], [p(0, n).shape[0] for n in group]) for group in names]
 
 
 def stacked(tables: list[list], shapes: list[tuple[int, list[int]]], layers: int, device, dtype) -> AdapterStep:
@@ -153,9 +153,9 @@ class Adapters:
         for old in [k for k in self._sets if not made.issuperset(k)]:  # a set with an adapter unloaded or replaced
             del self._sets[old]
         with torch.inference_mode():  # as the warm-up's inputs were made (inference tensors: a guard)
-            return self._step(model, decoder, names, adapters, base)
+            return self._step(model, decoder, names, adapters)
 
-    def _step(self, model, decoder, names: list[str], adapters: list[str], base: str) -> AdapterStep:
+    def _step(self, model, decoder, names: list[str], adapters: list[str]) -> AdapterStep:
         key = tuple((name, self._tables[name][2]) for name in names)
         found = self._sets.pop(key, None)
         if found is None:
