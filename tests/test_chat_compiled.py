@@ -76,6 +76,19 @@ def test_compiled_steps_give_the_eager_tokens_alone_and_batched_and_never_recomp
 
         refused = compiled.call(int32_ids).result(60)
         assert refused is None and compiled.compiled.refused == 1 and graphs() == before
+
+        def one_token_ops():  # a lone stream's step: the same graph, its matmuls oneDNN's packed op (not MKL's)
+            from torch.profiler import ProfilerActivity, profile
+
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                plan = compiled.cache.plan([0], [0], [0], [])
+                assert compiled.compiled.hidden(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                                plan) is not None
+            return {e.name for e in prof.events()}
+
+        ops = compiled.call(one_token_ops).result(60)
+        assert "mkldnn::_linear_pointwise" in ops and "mkl::_mkl_linear" not in ops, sorted(ops)
+        assert compiled.compiled.refused == 1 and graphs() == before
     finally:
         eager.close()
         compiled.close()

@@ -437,14 +437,21 @@ def test_packed_linears_compute_with_their_weights_and_follow_changes_to_them():
         assert torch.equal(model[0](xb), F.linear(xb, model[0].weight, model[0].bias))
 
 
-def test_a_step_of_one_or_two_tokens_computes_with_the_weight_itself_and_more_with_the_packed_copy():
-    """Up to UNPACKED_ROWS rows, MKL's matrix-vector path reads a weight faster than oneDNN's packed one
-    (measured: docs/BENCHMARKS.md): a packed linear runs F.linear there, the packed op beyond it."""
+@pytest.mark.parametrize("unpacked_rows", [None, 2])
+def test_a_packed_linear_computes_packed_beyond_unpacked_rows_and_with_the_weight_up_to_them(monkeypatch,
+                                                                                               unpacked_rows):
+    """By default (UNPACKED_ROWS 0) every row count runs oneDNN's packed op, a single row's too (faster there
+    than MKL's matrix-vector path: docs/BENCHMARKS.md); with UNPACKED_ROWS set, up to that many rows run
+    F.linear on the weight itself."""
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from workflows.tasks.chat.engine.linear import UNPACKED_ROWS, pack_linears, packing_available
+    from workflows.tasks.chat.engine import linear
+    from workflows.tasks.chat.engine.linear import pack_linears, packing_available
 
+    if unpacked_rows is not None:
+        monkeypatch.setattr(linear, "UNPACKED_ROWS", unpacked_rows)
+    limit = linear.UNPACKED_ROWS
     if not packing_available():
         pytest.skip("this torch has no oneDNN")
     torch.manual_seed(0)
@@ -452,13 +459,14 @@ def test_a_step_of_one_or_two_tokens_computes_with_the_weight_itself_and_more_wi
     pack_linears(torch.nn.Sequential(layer))
     ran = {}
     with torch.inference_mode():
-        for rows in (1, UNPACKED_ROWS, UNPACKED_ROWS + 1, 16):
+        for rows in (1, 2, 3, 16):
             x = torch.randn(rows, 1, 24)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 y = layer(x)
             ran[rows] = any(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
             assert torch.allclose(y, F.linear(x, layer.weight, layer.bias), atol=1e-5)
-    assert ran == {1: False, UNPACKED_ROWS: False, UNPACKED_ROWS + 1: True, 16: True}
+    assert ran == {rows: rows > limit for rows in (1, 2, 3, 16)}
+    assert limit == (0 if unpacked_rows is None else unpacked_rows)
 
 
 def test_the_engine_packs_fp32_cpu_linears_unless_told_not_to(tmp_path):

@@ -71,9 +71,8 @@ class GenerateConfig(Strict):
                                     "decoding: requests that arrive together are prefilled together, in one forward")
     prepack_weights: bool = Field(True, description="on a CPU, the engine computes fp32 Linear layers with a "
                                   "copy of their weights packed once for oneDNN, not re-laid out by every matmul "
-                                  "(faster steps of 3 tokens or more; a step of 1 or 2 reads the weights themselves, "
-                                  "MKL's matrix-vector path being faster there): the replica holds those weights "
-                                  "twice; false: one copy")
+                                  "(faster steps, a lone stream's too): the replica holds those weights twice; false: "
+                                  "one copy")
     forward: Literal["auto", "compiled", "eager"] = Field(
         "auto", description="the model's forward in the engine's steps: compiled (inductor, weights frozen and "
         "packed, the layers one graph, LoRA adapters' rows in it beside base rows; compiled when the replica "

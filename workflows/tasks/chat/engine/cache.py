@@ -123,6 +123,11 @@ class SlotCache:
         write_slot = torch.tensor(slots, device=device)
         write_pos = torch.tensor(positions, device=device)
         plan = StepPlan(self, write_slot, write_pos)
+        # each token's row of every key/value head in a layer's storage seen as [slots * kv_heads * capacity, dim]:
+        # a step's writes one index_copy_ a layer, not an advanced-index assignment (a few times dearer, every layer)
+        heads = torch.arange(self.kv_heads, device=device)
+        rows = (write_slot[:, None] * self.kv_heads + heads) * self.capacity + write_pos[:, None]
+        plan.write_rows = rows.reshape(-1)
         if decode:
             # a row much longer than the others attends alone, so that it does not widen what they all read
             ordered = sorted(positions[i] for i in decode)
@@ -141,8 +146,9 @@ class SlotCache:
             plan.dense = dec_slots == list(range(rows))
             plan.decode_slots = None if plan.dense else torch.tensor(dec_slots, device=device)
             plan.decode_rows, plan.decode_len = rows, length
-            span = torch.arange(length, device=device)
-            plan.decode_mask = (span[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
+            if min(lengths) < length:  # rows of one length (a lone stream's) attend to every position: no mask
+                span = torch.arange(length, device=device)
+                plan.decode_mask = (span[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
         if prefills:
             # chunks of similar lengths attend together (their keys gathered, a few positions each); one
             # much longer than the others (a long prompt's later chunks) attends alone over its own slot
@@ -213,7 +219,9 @@ class StepPlan:
     decode_only: bool = False  # the decode tokens are all the step's tokens, in order
     decode_rows: int = 0  # slots 0..decode_rows-1 take part in the decode attention
     decode_len: int = 0  # positions 0..decode_len-1 are read
-    decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends
+    decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends (None: all)
+    write_rows: torch.Tensor | None = None  # [tokens * kv_heads]: where each token's key (value) heads go in a
+    # layer's storage flattened to rows of head_dim
     prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
     alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
     prefill_group: PrefillGroup | None = None  # prefill chunks attending together
@@ -246,9 +254,9 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, key: torch.Tensor, v
     plan.layers_seen += 1
     cache = plan.cache
     keys, values = cache.keys[layer], cache.values[layer]
-    keys[plan.write_slot, :, plan.write_pos] = key[:, :, 0]
-    values[plan.write_slot, :, plan.write_pos] = value[:, :, 0]
     tokens, heads, _, dim = query.shape
+    keys.view(-1, dim).index_copy_(0, plan.write_rows, key.reshape(-1, dim))
+    values.view(-1, dim).index_copy_(0, plan.write_rows, value.reshape(-1, dim))
     kv_heads, group = cache.kv_heads, cache.group
     decoded = None
     if plan.decode_tokens is not None:

@@ -11,10 +11,11 @@ engine's slot attention (workflows.tasks.chat.engine.cache) as a `torch.library`
 the compiler, so the graph does not break around it, and it reads the step's plan (which slots, which
 positions) from the step that runs it, not from the graph's inputs.
 
-The token count is dynamic: one graph for any step of two tokens or more and one for a single token,
-each with and without LoRA adapters' deltas (workflows.tasks.chat.engine.lora: the step's adapters are
-inputs of the graph, so their rows, mixed per row with base rows, run in it too; vLLM turns its compile
-off whenever LoRA is on), all four compiled when the engine is built (`warm_up`), never per request: after warm-up a
+The token count is dynamic, a single token's included (size-oblivious: no graph of its own for 1, whose
+matmuls inductor would hand to MKL's packed path, slower than oneDNN's at one row on the CPUs measured):
+one graph with LoRA adapters' deltas and one without (workflows.tasks.chat.engine.lora: the step's
+adapters are inputs of the graph, so their rows, mixed per row with base rows, run in it too; vLLM turns its
+compile off whenever LoRA is on), both compiled when the engine is built (`warm_up`), never per request: after warm-up a
 call that would recompile raises instead (torch.compiler's "fail_on_recompile" stance) and that step
 runs eagerly, counted (`refused`), as do steps with an adapter the graph cannot compute (DoRA) and steps
 after the model's weights changed in place (the graph holds them as constants).
@@ -128,7 +129,6 @@ class Decoder(torch.nn.Module):
         h = F.embedding(ids, self.embed)
         n, hd = ids.shape[0], self.head_dim
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        q_width, kv_width = self.heads * hd, self.kv_heads * hd
         if lora is not None:  # per group: A, B, the tokens' masks, B's bias per adapter
             rows = lora[16]
             la, lb, masks, lbias = lora[0:4], lora[4:8], [m[rows] for m in lora[8:12]], lora[12:16]
@@ -140,9 +140,11 @@ class Decoder(torch.nn.Module):
                            torch.cat([p(i, "qb"), p(i, "kb"), p(i, "vb")]) if qkv_bias else None)
             if lora is not None:
                 qkv = qkv + delta(x, la[0][i], lb[0][i], masks[0], lbias[0][i][rows])
-            q = _rotate(qkv[:, :q_width].view(n, self.heads, hd), cos, sin)
-            k = _rotate(qkv[:, q_width:q_width + kv_width].view(n, self.kv_heads, hd), cos, sin)
-            v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, hd)
+            # split after the view: a view of a column slice would guard the token count against 1
+            qkv = qkv.view(n, self.heads + 2 * self.kv_heads, hd)
+            q = _rotate(qkv[:, :self.heads], cos, sin)
+            k = _rotate(qkv[:, self.heads:self.heads + self.kv_heads], cos, sin)
+            v = qkv[:, self.heads + self.kv_heads:]
             a = slot_attention_op(q, k, v, i, scaling)
             o = F.linear(a, p(i, "o"), p(i, "ob") if o_bias else None)
             if lora is not None:
@@ -187,7 +189,7 @@ class CompiledForward:
         self.head = model.get_output_embeddings()
         self._frozen = [t for name, t in self.decoder.named_buffers() if name not in ("cos", "sin")]
         self._sources = self._weights_now()
-        # dynamic: one graph for every token count of 2 or more (1 is a graph of its own); the forward's code an
+        # dynamic: one graph for every token count (warm_up: size-oblivious); the forward's code an
         # object of its own, so that its graphs and their guards (and their count's limit) are this engine's alone
         self._fn = torch.compile(_own_code(Decoder.forward), dynamic=True)
         self.adapters = Adapters()
@@ -202,7 +204,7 @@ class CompiledForward:
         return self._weights_now() == self._sources
 
     def warm_up(self, cache) -> None:
-        """Compile the four graphs (a single token or several; with LoRA adapters' deltas or without) on the
+        """Compile the two graphs (with LoRA adapters' deltas or without, any token count) on the
         cache's first slots, before any request holds one (a request writes a position's keys before it
         reads them)."""
         device = cache.device
@@ -210,14 +212,16 @@ class CompiledForward:
         # matmul's weight once. A global setting (read outside torch.compile's options), so set while compiling
         # only: no other compile in the process (a training step's) sees it. No duck shapes: a size of the LoRA
         # inputs equal to another (a model width) while compiling is not made the same symbol, which would tie
-        # the graph to that size
-        with torch._inductor.config.patch(freezing=True), torch.fx.experimental._config.patch(use_duck_shape=False), \
+        # the graph to that size. Size-oblivious: the token count is not specialized at 1, so a lone stream's
+        # step runs the same graph, its matmuls oneDNN's packed ones (a graph of 1 token, static, would run MKL's)
+        with torch._inductor.config.patch(freezing=True), \
+                torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True), \
                 torch.compiler.set_stance("default"):
             self._warm_up(cache, device)
         self.warm = True
 
     def _warm_up(self, cache, device) -> None:
-        for n, lora in ((2, False), (1, False), (2, True), (1, True)):
+        for n, lora in ((2, False), (2, True)):
             with torch.inference_mode():  # inputs made as a step makes them (inference tensors: a guard)
                 plan = cache.plan([0] * n, list(range(n)), [], [(0, n)])  # slot 0's first n positions: a cache
                 # of one slot warms up too (the graphs do not depend on what the attention op is planned to do)

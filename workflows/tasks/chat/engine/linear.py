@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# up to this many rows (a step's tokens) MKL's own matrix-vector path reads the weight faster than oneDNN's
-# packed one; from 4 rows on the packed one is as fast or faster (a lone stream's step both ways:
-# benchmarks/step_profile.py, docs/BENCHMARKS.md "The engine's step, profiled")
-UNPACKED_ROWS = 2
+# up to this many rows (a step's tokens) a packed layer computes with the weight itself (MKL's matrix-vector
+# path): none, since oneDNN's packed kernel reads the weight faster at every row count, a lone stream's too
+# (a step both ways: benchmarks/step_profile.py, docs/BENCHMARKS.md "The engine's step, profiled")
+UNPACKED_ROWS = 0
 
 
 def packing_available() -> bool:

@@ -30,8 +30,8 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 # each adapter's columns in a group: its rank rounded up to this (so that no column count is 0 or 1, which the
 # compiler would specialize a graph on, and the blocks stay aligned for vector loads)
 RANK_ALIGN = 8
-# a group's columns at least this many, zeros beyond its adapters': the graph with a single token is compiled for
-# more than 16 (inductor computes a [1, k] x [k, n] matmul with k <= 16 elementwise, and guards on which it is)
+# a group's columns at least this many, zeros beyond its adapters': more than 16, so the graph never guards on
+# inductor's choice for a [1, k] x [k, n] matmul (with k <= 16 it computes one elementwise)
 MIN_COLUMNS = 24
 SETS_KEPT = 4  # the stacked inputs of this many sets of adapters are kept (a step's set is mostly the last one's)
 
