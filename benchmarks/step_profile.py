@@ -4,7 +4,7 @@ The chat config's base model, its linears packed as a replica packs them, the en
 serve.generate and called directly on these cores, first with its forward eager (transformers' modules),
 then compiled (workflows.tasks.chat.engine.compiled), one engine at a time on the same weights. Kinds of
 step, each profiled over STEPS steps in the engine's own thread (started and stopped there between two
-steps, `Engine.call`): decode-only at 1 row (eager: on the packed weights and on the weights themselves)
+steps, `Engine.call`): decode-only at 1 row (eager: on the packed weights, the default, and on the weights themselves)
 and at 16 rows (every row decoding, nothing joining), and mixed (a 1,500-token prompt prefilled beside
 16 decoding rows, chunked by the time budget). Per kind: the step's wall time, the operators it runs
 (their count and self CPU time per step, grouped: matmuls, attention, elementwise and norms, cache and
@@ -20,9 +20,10 @@ import time
 from benchmarks.prefill_join import wait_for
 
 STEPS, REPEATS = 24, 3
-KINDS = ("decode_1_packed", "decode_1", "decode_16", "mixed_16", "decode_1_compiled", "decode_16_compiled",
+KINDS = ("decode_1_unpacked", "decode_1", "decode_16", "mixed_16", "decode_1_compiled", "decode_16_compiled",
          "mixed_16_compiled")
-LABELS = {"decode_1_packed": "decode at 1, packed weights", "decode_1": "decode at 1", "decode_16": "decode at 16",
+LABELS = {"decode_1_unpacked": "decode at 1, weights unpacked (MKL)", "decode_1": "decode at 1",
+          "decode_16": "decode at 16",
           "mixed_16": "mixed at 16", "decode_1_compiled": "compiled: decode at 1",
           "decode_16_compiled": "compiled: decode at 16", "mixed_16_compiled": "compiled: mixed at 16"}
 FIGURES = ("one_row_unpacked_over_packed", "decode_16_ms", "decode_16_ops", "decode_16_outside_ops_share",
@@ -107,19 +108,19 @@ def _profile(engine, steps: int) -> dict:
 
 def _packed_or_not(engine, kinds: dict) -> dict[str, list[float]]:
     """Decode steps of one row computing with the packed weights and with the weights themselves
-    (linear.UNPACKED_ROWS 0 against its default), REPEATS times interleaved, then the packed one
-    profiled: wall ms a step of each."""
+    (linear.UNPACKED_ROWS 0, the default, against 2: MKL's matrix-vector path), REPEATS times interleaved,
+    then the unpacked one profiled: wall ms a step of each."""
     from workflows.tasks.chat.engine import linear
 
     default = linear.UNPACKED_ROWS
     walls: dict[str, list[float]] = {"packed": [], "unpacked": []}
     try:
         for _ in range(REPEATS):
-            for name, rows in (("packed", 0), ("unpacked", default)):
+            for name, rows in (("packed", 0), ("unpacked", 2)):
                 linear.UNPACKED_ROWS = rows
                 walls[name].append(round(_steps_ms(engine, STEPS)[1], 1))
-        linear.UNPACKED_ROWS = 0
-        kinds["decode_1_packed"] = _profile(engine, STEPS)
+        linear.UNPACKED_ROWS = 2
+        kinds["decode_1_unpacked"] = _profile(engine, STEPS)
     finally:
         linear.UNPACKED_ROWS = default
     return walls
@@ -139,7 +140,7 @@ def _profile_kinds(engine, prompt: list[int], kinds: dict, suffix: str = "") -> 
     for rows in (1, 16):
         gens = [engine.submit(prompt[7 * i:7 * i + 16], long_run, deadline=False) for i in range(rows)]
         wait_for(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
-        if rows == 1 and not suffix:  # a lone stream's linears: the weights themselves (the default) or packed
+        if rows == 1 and not suffix:  # a lone stream's linears: packed (the default) or the weights themselves
             walls = _packed_or_not(engine, kinds)
         kinds[f"decode_{rows}{suffix}"] = _profile(engine, STEPS)
         if rows == 16:  # the 16 keep decoding: a long prompt joins them
@@ -226,7 +227,7 @@ def markdown(r: dict) -> str:
 
 SmolLM2-135M fp32, linears packed as served, the engine called directly with {r["threads"]} threads, its forward
 eager (transformers' modules) and then compiled (`serve.generate.forward`, workflows.tasks.chat.engine.compiled:
-the engine built, its four graphs compiled, in {r["compile_s"]} s; {r["compiled_refused"]} steps refused a recompile);
+the engine built, its graphs compiled, in {r["compile_s"]} s; {r["compiled_refused"]} steps refused a recompile);
 torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 rows; mixed: a 1,500-token
 prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
 In the compiled graph inductor's fused loops are not operators the profiler sees: their time is the graph's call.
@@ -243,9 +244,9 @@ Compiled, a step took {1 / r["compiled_speedup_decode_1"]:.2f}x the eager one's 
 step's prompt tokens are what each engine's learned budget gave it, not the same count).
 A mixed step took {r["mixed_over_decode_16"]:.2f}x a decode-only step of the same 16 rows (its costs learned
 from the replica's first mixed steps; one window of steps each: the prefill-join section measures that ratio
-with repeats). A lone stream's decode step computes with the weights themselves
-(MKL's matrix-vector path: `linear.UNPACKED_ROWS`), its wall time {r["one_row_unpacked_over_packed"]:.2f}x that of
-the same step on the packed copy (the medians of {len(r["one_row_walls_ms"]["packed"])} runs of {r["kinds"]["decode_1"]["steps"]} steps each,
+with repeats). A lone stream's eager decode step computing with the weights themselves
+(MKL's matrix-vector path: `linear.UNPACKED_ROWS` 2) took {r["one_row_unpacked_over_packed"]:.2f}x the time of
+the same step on the packed copy, the default (the medians of {len(r["one_row_walls_ms"]["packed"])} runs of {r["kinds"]["decode_1"]["steps"]} steps each,
 interleaved: {r["one_row_walls_ms"]["unpacked"]} against {r["one_row_walls_ms"]["packed"]} ms).
 
 The ten costliest operators of a decode step at 16 rows, eager and compiled (self CPU time):
