@@ -120,14 +120,12 @@ class SlotCache:
         (consecutive tokens of one row at consecutive positions)."""
         device = self.device
         self.reserve(max(positions) + 1)
-        write_slot = torch.tensor(slots, device=device)
-        write_pos = torch.tensor(positions, device=device)
-        plan = StepPlan(self, write_slot, write_pos)
         # each token's row of every key/value head in a layer's storage seen as [slots * kv_heads * capacity, dim]:
         # a step's writes one index_copy_ a layer, not an advanced-index assignment (a few times dearer, every layer)
         heads = torch.arange(self.kv_heads, device=device)
-        rows = (write_slot[:, None] * self.kv_heads + heads) * self.capacity + write_pos[:, None]
-        plan.write_rows = rows.reshape(-1)
+        slot_heads = torch.tensor(slots, device=device)[:, None] * self.kv_heads + heads
+        at = slot_heads * self.capacity + torch.tensor(positions, device=device)[:, None]
+        plan = StepPlan(self, at.reshape(-1))
         if decode:
             # a row much longer than the others attends alone, so that it does not widen what they all read
             ordered = sorted(positions[i] for i in decode)
@@ -211,8 +209,8 @@ class StepPlan:
     """Where a step's tokens write their keys and values, and what each attends to (SlotCache.plan)."""
 
     cache: SlotCache
-    write_slot: torch.Tensor  # [tokens]
-    write_pos: torch.Tensor  # [tokens]
+    write_rows: torch.Tensor  # [tokens * kv_heads]: where each token's key (value) heads go in a layer's storage
+    # flattened to rows of head_dim
     decode_tokens: torch.Tensor | None = None  # [n]: the decode tokens' indices in the step
     decode_slots: torch.Tensor | None = None  # [n]: their slots, None when they are slots 0..n-1 in order
     dense: bool = False
@@ -220,8 +218,6 @@ class StepPlan:
     decode_rows: int = 0  # slots 0..decode_rows-1 take part in the decode attention
     decode_len: int = 0  # positions 0..decode_len-1 are read
     decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends (None: all)
-    write_rows: torch.Tensor | None = None  # [tokens * kv_heads]: where each token's key (value) heads go in a
-    # layer's storage flattened to rows of head_dim
     prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
     alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
     prefill_group: PrefillGroup | None = None  # prefill chunks attending together
