@@ -55,6 +55,32 @@ def test_the_costs_are_learned_and_the_budget_keeps_a_step_within_the_ratio():
     assert costs.prompt_tokens(0.0, 1000, remaining=50)[0] == 1  # every prompt advances
 
 
+def test_adapted_steps_are_priced_against_adapted_decode_steps():
+    """A replica serving base and LoRA adapter rows in turn: an adapted step computes the adapters' deltas, so
+    its decode-only step takes longer. Its mixed steps' prompt tokens are priced over the adapted decode step,
+    not the base one (which would make every prompt token look dear and shrink the adapter rows' budget), and
+    an adapted step's allowance is a share of the adapted decode step."""
+    base_decode, adapted_decode, per_token = 0.060, 0.080, 0.001
+    costs, rng = StepCosts(1.7), torch.Generator().manual_seed(0)
+    for _ in range(5):
+        costs.observe(StepShape(16, 0, 0, 0), base_decode)
+        costs.observe(StepShape(16, 0, 0, 0, adapted=True), adapted_decode)
+    for i in range(8 * REFIT):
+        adapted = i % 2 == 1
+        prompt = int(torch.randint(4, 60, (1,), generator=rng))
+        shape = StepShape(16, prompt, prompt * (prompt + 1) // 2, 0, adapted=adapted)
+        costs.observe(shape, (adapted_decode if adapted else base_decode) + 0.002 + per_token * prompt)
+    assert costs.ready and costs.coef is not None
+    assert costs.coef[1] == pytest.approx(per_token, rel=0.1)
+    assert costs.decode_step(16, adapted=True) == adapted_decode
+    assert costs.decode_step(15, adapted=False) == base_decode  # the nearest row count of the kind
+    assert costs.allowance(16, adapted=True) == pytest.approx(0.7 * adapted_decode / costs.bias - costs.coef[0])
+    assert costs.allowance(16, adapted=True) > costs.allowance(16)
+    fresh = StepCosts(1.7)
+    fresh.observe(StepShape(4, 0, 0, 0), base_decode)
+    assert fresh.decode_step(4, adapted=True) == base_decode  # no adapted step yet: the other kind's
+
+
 def test_a_wave_of_joining_rows_beside_few_streams_gets_the_same_time_budget():
     """Six prompts joining one decoding row: the step's prompt tokens still cost at most the allowance of
     a step of one decoding row (a wave is prefilled over more steps, the stream's gap bounded as ever)."""

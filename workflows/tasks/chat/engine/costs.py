@@ -2,7 +2,11 @@
 prefill budget in time.
 
 Two measurements, both of this replica's own steps: a decode-only step's seconds, the median of the
-recent ones per number of decoding rows (`decode_seconds`); and what prompt tokens add to a step of decoding rows, the
+recent ones per number of decoding rows and per kind of step, with LoRA adapters' rows or without
+(`decode_seconds`: an adapted step computes every adapter's deltas, so the same rows take longer, and a
+mixed step measured against the other kind's decode step would price its prompt tokens wrongly: far too
+dear for adapted rows, whose budget then shrinks and their prompts crawl); and what prompt tokens add to
+a step of decoding rows, the
 extra of each such mixed step over the decode-only step of its rows, fitted by least squares (kept
 non-negative, and refitted once without the steps it misses by far: a collection or a preempted core
 is not a cost of prompt tokens) over the last WINDOW mixed steps as s + p·prompt + q·attended +
@@ -14,7 +18,8 @@ budget spends, as it is spent (a lone prefill step costs less than the same toke
 
 The budget of a step beside decoding rows (`allowance`, `prompt_tokens`): the prompt tokens whose
 predicted extra, at the position where each prefilling row's prompt continues, is within `ratio - 1`
-times those rows' decode-only step (the nearest row count's where this one has not run yet), however
+times those rows' decode-only step of the step's kind (the nearest row count's where this one has not run
+yet; the other kind's where this kind has not run at all), however
 many rows are joining (a wave of them beside a few streams is prefilled over more steps, the streams'
 gaps bounded as ever), and at least one token (every prompt advances), and at most TRUST times the
 most prompt tokens a measured mixed step had (the fit is trusted near what it saw; the room grows as
@@ -45,6 +50,7 @@ class StepShape:
     prompt: int  # prompt tokens prefilled
     attended: int  # positions the prompt tokens attend over, summed
     ended: int  # prompts the step finishes (their logits computed)
+    adapted: bool = False  # some token of the step has a LoRA adapter (the step computes adapters' deltas)
 
     def features(self) -> list[float]:
         return [1.0, float(self.prompt), float(self.attended), float(self.ended)]
@@ -71,8 +77,9 @@ class StepCosts:
 
     def __init__(self, ratio: float):
         self.ratio = ratio
-        self._decode: dict[int, deque[float]] = {}  # decoding rows -> their recent decode-only steps' seconds
-        self.decode_seconds: dict[int, float] = {}  # decoding rows -> the median of those
+        # (decoding rows, adapted) -> their recent decode-only steps' seconds, and the median of those
+        self._decode: dict[tuple[int, bool], deque[float]] = {}
+        self.decode_seconds: dict[tuple[int, bool], float] = {}
         self._mixed: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
         self.widest = 0  # the most prompt tokens of a mixed step in the window, at the last fit
@@ -85,11 +92,12 @@ class StepCosts:
         if not shape.decoding:
             return  # a prefill-only step: nothing decoding waits on it
         if not shape.prompt:  # medians, not means: a collection or a preempted core is not the step's cost
-            recent = self._decode.setdefault(shape.decoding, deque(maxlen=RECENT))
+            key = (shape.decoding, shape.adapted)
+            recent = self._decode.setdefault(key, deque(maxlen=RECENT))
             recent.append(seconds)
-            self.decode_seconds[shape.decoding] = float(np.median(recent))
+            self.decode_seconds[key] = float(np.median(recent))
             return
-        base = self.decode_step(shape.decoding)
+        base = self.decode_step(shape.decoding, shape.adapted)
         if base is None:
             return
         extra = seconds - base
@@ -120,17 +128,19 @@ class StepCosts:
     def ready(self) -> bool:
         return self.coef is not None
 
-    def decode_step(self, rows: int) -> float | None:
-        """The decode-only step of `rows` rows as measured (the nearest row count's), or None before any."""
+    def decode_step(self, rows: int, adapted: bool = False) -> float | None:
+        """The decode-only step of `rows` rows of this kind (`adapted`) as measured: the nearest row
+        count's of the kind, the other kind's where this one has not run; None before any."""
         if not self.decode_seconds:
             return None
-        return self.decode_seconds[min(self.decode_seconds, key=lambda n: abs(n - rows))]
+        kind = [k for k in self.decode_seconds if k[1] == adapted] or list(self.decode_seconds)
+        return self.decode_seconds[min(kind, key=lambda k: (abs(k[0] - rows), k[1] != adapted))]
 
-    def allowance(self, decode_rows: int) -> float:
-        """Seconds a step of `decode_rows` decoding rows may spend on prompt tokens, beyond what any
-        prefill adds to it."""
+    def allowance(self, decode_rows: int, adapted: bool = False) -> float:
+        """Seconds a step of `decode_rows` decoding rows (`adapted`: with LoRA adapters' rows) may spend
+        on prompt tokens, beyond what any prefill adds to it."""
         assert self.coef is not None
-        spare = (self.ratio - 1) * (self.decode_step(decode_rows) or 0.0)
+        spare = (self.ratio - 1) * (self.decode_step(decode_rows, adapted) or 0.0)
         return spare / self.bias - self.coef[0]
 
     def cost(self, tokens: int, position: int, ends: bool) -> float:

@@ -313,7 +313,8 @@ class Engine:
         if self.scheduler.costs is not None:  # what this step cost: the next steps' prefill budget
             n = report.prefill_tokens  # the step's first tokens
             self.scheduler.costs.observe(StepShape(len(step.decoding), n, sum(step.positions[:n]) + n, sum(
-                step.keep[first + k - 1] for _, first, k in step.prefills)), seconds)
+                step.keep[first + k - 1] for _, first, k in step.prefills), any(a != BASE for a in step.adapters)),
+                seconds)
         stats["row_steps"] += len(step.decoding)
         stats["decode_steps"] += bool(step.decoding)
         stats["prefill_tokens"] += report.prefill_tokens

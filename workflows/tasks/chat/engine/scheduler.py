@@ -110,7 +110,9 @@ class Scheduler:
         step.decoding = decoding = [r for r in rows if not r.prefilling]
         budget = self.max_prefill_tokens
         costs = self.costs if decoding and self.costs is not None and self.costs.ready else None
-        seconds = costs.allowance(len(decoding)) if costs is not None else 0.0
+        # the step's kind: adapted where a row that may take part has an adapter (its graph computes the deltas)
+        adapted = any(r.gen.adapter not in (None, base) for r in rows)
+        seconds = costs.allowance(len(decoding), adapted) if costs is not None else 0.0
         if decoding and costs is None:
             excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
             budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
