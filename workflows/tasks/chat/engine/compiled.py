@@ -129,9 +129,9 @@ class Decoder(torch.nn.Module):
         h = F.embedding(ids, self.embed)
         n, hd = ids.shape[0], self.head_dim
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        if lora is not None:  # per group: A, B, the tokens' masks, B's bias per adapter
-            rows = lora[16]
-            la, lb, masks, lbias = lora[0:4], lora[4:8], [m[rows] for m in lora[8:12]], lora[12:16]
+        if lora is not None:  # per group: A, B (its bias in its last columns), the tokens' masks
+            rows = lora[12]
+            la, lb, masks = lora[0:4], lora[4:8], [m[rows] for m in lora[8:12]]
         for i, qkv_bias, o_bias, mlp_bias, eps1, eps2, scaling, act in self.layers_:
             p = self._p
             x = _rms(h, p(i, "ln1"), eps1)
@@ -139,7 +139,7 @@ class Decoder(torch.nn.Module):
             qkv = F.linear(x, torch.cat([p(i, "q"), p(i, "k"), p(i, "v")]),
                            torch.cat([p(i, "qb"), p(i, "kb"), p(i, "vb")]) if qkv_bias else None)
             if lora is not None:
-                qkv = qkv + delta(x, la[0][i], lb[0][i], masks[0], lbias[0][i][rows])
+                qkv = qkv + delta(x, la[0][i], lb[0][i], masks[0])
             # split after the view: a view of a column slice would guard the token count against 1
             qkv = qkv.view(n, self.heads + 2 * self.kv_heads, hd)
             q = _rotate(qkv[:, :self.heads], cos, sin)
@@ -148,18 +148,18 @@ class Decoder(torch.nn.Module):
             a = slot_attention_op(q, k, v, i, scaling)
             o = F.linear(a, p(i, "o"), p(i, "ob") if o_bias else None)
             if lora is not None:
-                o = o + delta(a, la[1][i], lb[1][i], masks[1], lbias[1][i][rows])
+                o = o + delta(a, la[1][i], lb[1][i], masks[1])
             h = h + o
             x = _rms(h, p(i, "ln2"), eps2)
             gu = F.linear(x, torch.cat([p(i, "gate"), p(i, "up")]),
                           torch.cat([p(i, "gateb"), p(i, "upb")]) if mlp_bias else None)
             if lora is not None:
-                gu = gu + delta(x, la[2][i], lb[2][i], masks[2], lbias[2][i][rows])
+                gu = gu + delta(x, la[2][i], lb[2][i], masks[2])
             width = gu.shape[-1] // 2
             m = act(gu[:, :width]) * gu[:, width:]
             d = F.linear(m, p(i, "down"), p(i, "downb") if mlp_bias else None)
             if lora is not None:
-                d = d + delta(m, la[3][i], lb[3][i], masks[3], lbias[3][i][rows])
+                d = d + delta(m, la[3][i], lb[3][i], masks[3])
             h = h + d
         return _rms(h, self.norm_w, self.norm_eps)
 

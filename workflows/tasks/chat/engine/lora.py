@@ -6,9 +6,12 @@ multi-adapter servers batch them (Punica, S-LoRA): for each of a layer's project
 together; o; gate and up together; down) the A matrices of the step's adapters stacked by rows, each
 adapter a block of columns of their product with the group's input, which a per-token mask scales by the
 adapter's scaling (zero outside the token's adapter: base tokens get zeros), then one matmul by the B
-matrices (block-diagonal over the group's projections) and the B bias of each token's adapter. So an
-adapted projection is two small matmuls and elementwise work the compiler fuses, and the inputs of a set
-of adapters are made once (`Adapters`), not per step.
+matrices (block-diagonal over the group's projections). B's bias rides in that matmul: a column of ones per
+adapter after the blocks, which the mask keeps for the token's own adapter alone, and B's bias (times the
+scaling) as those columns of B, so no layer gathers a bias per token (a gather and an add per projection
+group and layer, a fifth of the deltas' cost). So an adapted projection is two small matmuls and
+elementwise work the compiler fuses, and the inputs of a set of adapters are made once (`Adapters`), not
+per step.
 
 What it computes is peft's vanilla LoRA, B(A(x)) x scaling (+ B's bias): an adapter peft computes
 otherwise (DoRA and other variants), or one on modules the compiled forward does not know (the
@@ -39,24 +42,26 @@ SETS_KEPT = 4  # the stacked inputs of this many sets of adapters are kept (a st
 @dataclass
 class AdapterStep:
     """A step's adapters, as the compiled graph takes them: per projection group, `a` [layers, columns, in],
-    `b` [layers, out, columns] (scaled per column by `masks`), `masks` [adapters + 1, columns] (each adapter's
-    scaling at its own columns, the last row zeros: base tokens) and `bias` [layers, adapters + 1, out] (B's
-    bias times the scaling); `rows` [tokens]: each token's adapter, its row of `masks` and `bias`."""
+    `b` [layers, out, columns + adapters + 1] (its last columns B's bias times the scaling, one per adapter,
+    zeros for base tokens) and `masks` [adapters + 1, columns + adapters + 1] (each adapter's scaling at its
+    own columns and a one at its bias column; the last row base tokens': zeros but that one); `rows`
+    [tokens]: each token's adapter, its row of `masks`."""
 
     a: tuple[torch.Tensor, ...]
     b: tuple[torch.Tensor, ...]
     masks: tuple[torch.Tensor, ...]
-    bias: tuple[torch.Tensor, ...]
     rows: torch.Tensor
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
-        return (*self.a, *self.b, *self.masks, *self.bias, self.rows)
+        return (*self.a, *self.b, *self.masks, self.rows)
 
 
-def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """What a layer's adapters add to a projection group's output: x [tokens, in], `a` [columns, in], `b` [out,
-    columns], `mask` [tokens, columns] and `bias` [tokens, out], the tokens' rows of a step's masks and bias."""
-    return F.linear(F.linear(x, a) * mask, b) + bias
+    columns + adapters + 1] and `mask` [tokens, columns + adapters + 1], the tokens' rows of a step's masks."""
+    h = F.linear(x, a)
+    ones = h.new_ones(h.shape[0], mask.shape[1] - h.shape[1])  # the bias columns: the mask keeps the token's own
+    return F.linear(torch.cat([h, ones], 1) * mask, b)
 
 
 def adapter_table(model, name: str) -> list | None:
@@ -97,15 +102,17 @@ def stacked(tables: list[list], shapes: list[tuple[int, list[int]]], layers: int
     """The graph's inputs for a set of adapters (their `adapter_table`s, in the order of their mask rows), `rows`
     left empty: per group, every adapter's A and B at its own block of columns, for each of the group's
     projections, zeros where it does not adapt that projection in a layer."""
-    a_s, b_s, masks, biases = [], [], [], []
+    a_s, b_s, masks = [], [], []
+    sets = len(tables) + 1  # a mask row per adapter and one for base tokens, and as many bias columns
+    width = -(-sets // RANK_ALIGN) * RANK_ALIGN  # the bias columns, aligned as the blocks (zeros beyond `sets`)
     for g, (width_in, widths) in enumerate(shapes):
         ranks = [max([a.shape[0] for layer in t for _, a, *_ in layer[g]] or [0]) for t in tables]
         blocks = [-(-max(r, 1) // RANK_ALIGN) * RANK_ALIGN for r in ranks]
         columns = max(sum(blocks) * len(widths), MIN_COLUMNS)
         a = torch.zeros(layers, columns, width_in, device=device, dtype=dtype)
-        b = torch.zeros(layers, sum(widths), columns, device=device, dtype=dtype)
-        mask = torch.zeros(len(tables) + 1, columns, device=device, dtype=dtype)
-        bias = torch.zeros(layers, len(tables) + 1, sum(widths), device=device, dtype=dtype)
+        b = torch.zeros(layers, sum(widths), columns + width, device=device, dtype=dtype)
+        mask = torch.zeros(sets, columns + width, device=device, dtype=dtype)
+        mask[:, columns:columns + sets] = torch.eye(sets, device=device, dtype=dtype)
         starts = [sum(widths[:k]) for k in range(len(widths))]
         for j, table in enumerate(tables):
             for i, layer in enumerate(table):
@@ -117,12 +124,11 @@ def stacked(tables: list[list], shapes: list[tuple[int, list[int]]], layers: int
                     b[i, offset:offset + lb.shape[0], col:col + r] = lb
                     mask[j, col:col + r] = scale
                     if lbias is not None:
-                        bias[i, j, offset:offset + lb.shape[0]] = lbias * scale
+                        b[i, offset:offset + lb.shape[0], columns + j] = lbias * scale
         a_s.append(a)
         b_s.append(b)
         masks.append(mask)
-        biases.append(bias)
-    return AdapterStep(tuple(a_s), tuple(b_s), tuple(masks), tuple(biases), torch.zeros(0, dtype=torch.long))
+    return AdapterStep(tuple(a_s), tuple(b_s), tuple(masks), torch.zeros(0, dtype=torch.long))
 
 
 class Adapters:
@@ -166,17 +172,17 @@ class Adapters:
             del self._sets[old]
         index = {name: j for j, name in enumerate(names)}
         rows = torch.tensor([index.get(a, len(names)) for a in adapters], device=model_device(model))
-        return AdapterStep(found.a, found.b, found.masks, found.bias, rows)
+        return AdapterStep(found.a, found.b, found.masks, rows)
 
 
 def warm_up_step(decoder, tokens: int) -> AdapterStep:
     """Inputs of the graph's shapes for a compile (zeros): two adapters, columns of other counts per group."""
     shapes, layers = group_shapes(decoder), len(decoder.layers_)
     device, dtype = decoder.embed.device, decoder.embed.dtype
-    columns, adapters = (48, 40, 32, 24), 2  # per group; a mask row per adapter and one for base tokens
+    # per group; a mask row per adapter and for base tokens, their bias columns aligned (other counts than the blocks)
+    columns, sets, width = (48, 40, 32, 24), 3, 16
     return AdapterStep(
         tuple(torch.zeros(layers, c, w_in, device=device, dtype=dtype) for c, (w_in, _) in zip(columns, shapes)),
-        tuple(torch.zeros(layers, sum(w), c, device=device, dtype=dtype) for c, (_, w) in zip(columns, shapes)),
-        tuple(torch.zeros(adapters + 1, c, device=device, dtype=dtype) for c in columns),
-        tuple(torch.zeros(layers, adapters + 1, sum(w), device=device, dtype=dtype) for _, w in shapes),
+        tuple(torch.zeros(layers, sum(w), c + width, device=device, dtype=dtype) for c, (_, w) in zip(columns, shapes)),
+        tuple(torch.zeros(sets, c + width, device=device, dtype=dtype) for c in columns),
         torch.zeros(tokens, dtype=torch.long, device=device))
