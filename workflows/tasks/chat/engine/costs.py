@@ -6,15 +6,15 @@ recent ones per number of decoding rows and per kind of step, with LoRA adapters
 (`decode_seconds`: an adapted step computes every adapter's deltas, so the same rows take longer, and a
 mixed step measured against the other kind's decode step would price its prompt tokens wrongly: far too
 dear for adapted rows, whose budget then shrinks and their prompts crawl); and what prompt tokens add to
-a step of decoding rows, the
-extra of each such mixed step over the decode-only step of its rows, fitted by least squares (kept
-non-negative, and refitted once without the steps it misses by far: a collection or a preempted core
-is not a cost of prompt tokens) over the last WINDOW mixed steps as s + p·prompt + q·attended +
-r·ended: `s` what any prefill adds to a step (the prompt rows' attention calls and masks: measured a
-third of a decode step on a tiny model, little on a real one), `prompt` the prompt tokens, `attended`
-the positions they attend over (each its context so far: a long prompt's later chunks cost more),
-`ended` the prompts the step finishes (their logits). Fitting mixed steps alone measures what the
-budget spends, as it is spent (a lone prefill step costs less than the same tokens beside decoding rows).
+a step of decoding rows, the extra of each such mixed step over the decode-only step of its rows (and
+kind), fitted by least squares (kept non-negative, and refitted once without the steps it misses by far:
+a collection or a preempted core is not a cost of prompt tokens) over the last WINDOW mixed steps as s +
+p·prompt + q·attended + r·ended: `s` what any prefill adds to a step (the prompt rows' attention calls
+and masks: measured a third of a decode step on a tiny model, little on a real one), `prompt` the prompt
+tokens, `attended` the positions they attend over (each its context so far: a long prompt's later chunks
+cost more), `ended` the prompts the step finishes (their logits). Fitting mixed steps alone measures
+what the budget spends, as it is spent (a lone prefill step costs less than the same tokens beside
+decoding rows).
 
 The budget of a step beside decoding rows (`allowance`, `prompt_tokens`): the prompt tokens whose
 predicted extra, at the position where each prefilling row's prompt continues, is within `ratio - 1`

@@ -30,7 +30,7 @@ def step_logits(model, device: torch.device, step: StepTokens, plan: StepPlan, b
     eagerly)."""
     keep = torch.tensor(step.keep, device=device)
     if compiled is not None and compiled.current():
-        adapted = any(a != base for a in step.adapters)  # rows with LoRA adapters: their deltas in the graph
+        adapted = step.adapted(base)  # rows with LoRA adapters: their deltas in the graph
         adapters = compiled.adapters.step(model, compiled.decoder, step.adapters, base) if adapted else None
         if adapters is not None or not adapted:  # (None when adapted: one the graph cannot compute)
             hidden = compiled.hidden(torch.tensor(step.ids, device=device),

@@ -312,8 +312,8 @@ class Engine:
         self._rows = [r for r in self._rows if r.gen.finish_reason is None]  # first: the ended ones' callers go on
         if self.scheduler.costs is not None:  # what this step cost: the next steps' prefill budget
             n, ends = report.prefill_tokens, sum(step.keep[first + k - 1] for _, first, k in step.prefills)
-            self.scheduler.costs.observe(StepShape(len(step.decoding), n, sum(step.positions[:n]) + n, ends, any(
-                a != BASE for a in step.adapters)), seconds)  # prompt tokens first: their positions lead the step's
+            shape = StepShape(len(step.decoding), n, sum(step.positions[:n]) + n, ends, step.adapted(BASE))
+            self.scheduler.costs.observe(shape, seconds)  # prompt tokens first: their positions lead the step's
         stats["row_steps"] += len(step.decoding)
         stats["decode_steps"] += bool(step.decoding)
         stats["prefill_tokens"] += report.prefill_tokens

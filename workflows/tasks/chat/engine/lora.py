@@ -8,10 +8,9 @@ adapter a block of columns of their product with the group's input, which a per-
 adapter's scaling (zero outside the token's adapter: base tokens get zeros), then one matmul by the B
 matrices (block-diagonal over the group's projections). B's bias rides in that matmul: a column of ones per
 adapter after the blocks, which the mask keeps for the token's own adapter alone, and B's bias (times the
-scaling) as those columns of B, so no layer gathers a bias per token (a gather and an add per projection
-group and layer, a fifth of the deltas' cost). So an adapted projection is two small matmuls and
-elementwise work the compiler fuses, and the inputs of a set of adapters are made once (`Adapters`), not
-per step.
+scaling) as those columns of B (as many as the mask rows, padded to RANK_ALIGN), so no layer gathers a
+bias per token. So an adapted projection is two small matmuls and elementwise work the compiler fuses, and
+the inputs of a set of adapters are made once (`Adapters`), not per step.
 
 What it computes is peft's vanilla LoRA, B(A(x)) x scaling (+ B's bias): an adapter peft computes
 otherwise (DoRA and other variants), or one on modules the compiled forward does not know (the
@@ -42,10 +41,10 @@ SETS_KEPT = 4  # the stacked inputs of this many sets of adapters are kept (a st
 @dataclass
 class AdapterStep:
     """A step's adapters, as the compiled graph takes them: per projection group, `a` [layers, columns, in],
-    `b` [layers, out, columns + adapters + 1] (its last columns B's bias times the scaling, one per adapter,
-    zeros for base tokens) and `masks` [adapters + 1, columns + adapters + 1] (each adapter's scaling at its
-    own columns and a one at its bias column; the last row base tokens': zeros but that one); `rows`
-    [tokens]: each token's adapter, its row of `masks`."""
+    `b` [layers, out, columns + bias columns] (the bias columns: B's bias times the scaling, one per adapter,
+    zeros for base tokens and beyond, adapters + 1 padded to RANK_ALIGN) and `masks` [adapters + 1, columns +
+    bias columns] (each adapter's scaling at its own columns and a one at its bias column; the last row base
+    tokens': zeros but that one); `rows` [tokens]: each token's adapter, its row of `masks`."""
 
     a: tuple[torch.Tensor, ...]
     b: tuple[torch.Tensor, ...]
@@ -58,7 +57,7 @@ class AdapterStep:
 
 def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """What a layer's adapters add to a projection group's output: x [tokens, in], `a` [columns, in], `b` [out,
-    columns + adapters + 1] and `mask` [tokens, columns + adapters + 1], the tokens' rows of a step's masks."""
+    columns + bias columns] and `mask` [tokens, columns + bias columns], the tokens' rows of a step's masks."""
     h = F.linear(x, a)
     ones = h.new_ones(h.shape[0], mask.shape[1] - h.shape[1])  # the bias columns: the mask keeps the token's own
     return F.linear(torch.cat([h, ones], 1) * mask, b)

@@ -76,6 +76,10 @@ class StepTokens:
         if keep_last:
             self.sampled.append(row)
 
+    def adapted(self, base: str) -> bool:
+        """Some token of the step has a LoRA adapter (`base`: peft's name for none): the step computes deltas."""
+        return any(a != base for a in self.adapters)
+
 
 class Scheduler:
     def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int,
@@ -111,8 +115,8 @@ class Scheduler:
         budget = self.max_prefill_tokens
         costs = self.costs if decoding and self.costs is not None and self.costs.ready else None
         # the step's kind: adapted where a row that may take part has an adapter (its graph computes the deltas)
-        adapted = any(r.gen.adapter not in (None, base) for r in rows)
-        seconds = costs.allowance(len(decoding), adapted) if costs is not None else 0.0
+        seconds = costs.allowance(len(decoding), any(r.gen.adapter not in (None, base) for r in rows)) \
+            if costs is not None else 0.0
         if decoding and costs is None:
             excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
             budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
