@@ -12,7 +12,7 @@ import torch
 from tests.chat_serve_task import build_tiny_chat
 from tests.helpers import wait_until
 from workflows.tasks.chat.engine import Engine, SamplingParams
-from workflows.tasks.chat.engine.costs import READY, REFIT, StepCosts, StepShape
+from workflows.tasks.chat.engine.costs import FLOOR, READY, REFIT, StepCosts, StepShape
 from workflows.tasks.chat.engine.measure import gaps_while_prefilled
 from workflows.tasks.chat.engine.metrics import EngineMetrics
 
@@ -79,6 +79,52 @@ def test_adapted_steps_are_priced_against_adapted_decode_steps():
     fresh = StepCosts(1.7)
     fresh.observe(StepShape(4, 0, 0, 0), base_decode)
     assert fresh.decode_step(4, adapted=True) == base_decode  # no adapted step yet: the other kind's
+
+
+def test_mixed_steps_of_more_rows_than_measured_alone_are_priced_again_once_they_are():
+    """A replica's load grows from 8 streams to 16: its first mixed steps of 16 rows come before any
+    decode-only step of 16, so they are priced over the step of 8 and their prompt tokens look dear (a
+    fixed cost of the 16 rows' extra 20 ms). Once decode-only steps of 16 are measured, the next fit prices
+    the window's steps over them: the fixed cost is the true one again, not for WINDOW steps more. Between
+    measured row counts the decode-only step is the line between them."""
+    decode8, decode16, fixed, per_token = 0.040, 0.060, 0.002, 0.001
+    costs, rng = StepCosts(1.7), torch.Generator().manual_seed(0)
+    for _ in range(5):
+        costs.observe(StepShape(8, 0, 0, 0), decode8)
+
+    def mixed(rows: int, decode: float) -> None:
+        prompt = int(torch.randint(4, 60, (1,), generator=rng))
+        costs.observe(StepShape(rows, prompt, prompt * (prompt + 1) // 2, 0), decode + fixed + per_token * prompt)
+
+    for _ in range(4 * REFIT):
+        mixed(16, decode16)
+    assert costs.coef is not None and costs.coef[0] > fixed + 0.01  # priced over the step of 8 rows: too dear
+    for _ in range(5):
+        costs.observe(StepShape(16, 0, 0, 0), decode16)
+    assert costs.decode_step(12) == pytest.approx((decode8 + decode16) / 2)
+    for _ in range(REFIT):
+        mixed(16, decode16)
+    assert costs.coef[0] == pytest.approx(fixed, abs=0.001) and costs.coef[1] == pytest.approx(per_token, rel=0.1)
+    # beyond the most rows measured alone: theirs, and a prompt token's cost for each row more
+    assert costs.decode_step(20) == pytest.approx(decode16 + 4 * costs.coef[1])
+
+
+def test_steps_of_a_few_prompt_tokens_never_starve_the_prompts():
+    """Mixed steps that each took one to three prompt tokens, with a noisy extra the fit charges to the fixed
+    part: the allowance still keeps half the step's room for prompt tokens, so they get many a step, not one
+    (which would keep the steps too small to learn otherwise)."""
+    decode, rng = 0.045, torch.Generator().manual_seed(0)
+    costs = StepCosts(1.5)
+    for _ in range(5):
+        costs.observe(StepShape(8, 0, 0, 0), decode)
+    for _ in range(8 * REFIT):
+        prompt = int(torch.randint(1, 4, (1,), generator=rng))
+        costs.observe(StepShape(8, prompt, 40 * prompt, 0),
+                      decode + 0.02 + 0.0005 * prompt + 0.002 * float(torch.rand((), generator=rng)))
+    assert costs.coef is not None and costs.coef[0] * costs.bias >= 0.5 * decode * 0.5  # the fixed part over half
+    allowance = costs.allowance(8)
+    assert allowance == pytest.approx(FLOOR * 0.5 * decode / costs.bias)
+    assert costs.prompt_tokens(allowance, 40, remaining=60)[0] > 4
 
 
 def test_a_wave_of_joining_rows_beside_few_streams_gets_the_same_time_budget():
@@ -189,7 +235,7 @@ def test_a_long_prompt_joining_decoding_rows_is_prefilled_in_the_chunks_its_lear
 @pytest.mark.extended
 def test_a_long_prompt_joining_decoding_rows_keeps_their_token_gaps_near_the_ratio(wide):
     """The timing (outside the gate: a timed check, on a loaded machine it is noise): while the long
-    prompt is prefilled beside 8 decoding rows, their token gaps stay near mixed_step_ratio (1.7) times
+    prompt is prefilled beside 8 decoding rows, their token gaps stay near mixed_step_ratio (the default) times
     their gaps before and after it. Judged on the median and the 90th percentile, the better of two
     joins: on this 2-core VM the decode-only steps of this model alone reach 1.8-4.5x their median at
     their slowest (measured), so no scheduler bounds the single slowest gap; the token budget of 256 alone

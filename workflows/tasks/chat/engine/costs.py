@@ -1,5 +1,5 @@
-"""What prompt tokens cost beside decoding rows, learned from the steps that ran: the scheduler's
-prefill budget in time.
+"""What prompt tokens cost beside decoding rows, learned from the steps that ran: the scheduler's prefill
+budget in time.
 
 Two measurements, both of this replica's own steps: a decode-only step's seconds, the median of the
 recent ones per number of decoding rows and per kind of step, with LoRA adapters' rows or without
@@ -7,24 +7,26 @@ recent ones per number of decoding rows and per kind of step, with LoRA adapters
 mixed step measured against the other kind's decode step would price its prompt tokens wrongly: far too
 dear for adapted rows, whose budget then shrinks and their prompts crawl); and what prompt tokens add to
 a step of decoding rows, the extra of each such mixed step over the decode-only step of its rows (and
-kind), fitted by least squares (kept non-negative, and refitted once without the steps it misses by far:
-a collection or a preempted core is not a cost of prompt tokens) over the last WINDOW mixed steps as s +
-p·prompt + q·attended + r·ended: `s` what any prefill adds to a step (the prompt rows' attention calls
-and masks: measured a third of a decode step on a tiny model, little on a real one), `prompt` the prompt
-tokens, `attended` the positions they attend over (each its context so far: a long prompt's later chunks
-cost more), `ended` the prompts the step finishes (their logits). Fitting mixed steps alone measures
-what the budget spends, as it is spent (a lone prefill step costs less than the same tokens beside
-decoding rows).
+kind; `decode_step`: between the row counts measured, the line between them), priced again at each fit
+over the decode-only steps measured by then (the first mixed steps of more rows than any decode-only step
+so far, as a replica's load grows, would otherwise leave a fixed cost too dear in the window, and its
+prompts would crawl for WINDOW steps), fitted by least squares (kept non-negative, and refitted once
+without the steps it misses by far: a collection or a preempted core is not a cost of prompt tokens) over
+the last WINDOW mixed steps as s + p·prompt + q·attended + r·ended: `s` what any prefill adds to a step
+(the prompt rows' attention calls and masks: measured a third of a decode step on a tiny model, little on
+a real one), `prompt` the prompt tokens, `attended` the positions they attend over (each its context so
+far: a long prompt's later chunks cost more), `ended` the prompts the step finishes (their logits).
+Fitting mixed steps alone measures what the budget spends, as it is spent (a lone prefill step costs less
+than the same tokens beside decoding rows).
 
 The budget of a step beside decoding rows (`allowance`, `prompt_tokens`): the prompt tokens whose
 predicted extra, at the position where each prefilling row's prompt continues, is within `ratio - 1`
-times those rows' decode-only step of the step's kind (the nearest row count's where this one has not run
-yet; the other kind's where this kind has not run at all), however
-many rows are joining (a wave of them beside a few streams is prefilled over more steps, the streams'
-gaps bounded as ever), and at least one token (every prompt advances), and at most TRUST times the
-most prompt tokens a measured mixed step had (the fit is trusted near what it saw; the room grows as
-larger steps are measured). Until READY mixed steps have been seen (a replica's first), the
-scheduler's token budget applies, and its steps are the first measurements.
+times those rows' decode-only step of the step's kind (`decode_step`; the other kind's where this kind
+has not run at all), however many rows are joining (a wave of them beside a few streams is prefilled over
+more steps, the streams' gaps bounded as ever), and at least one token (every prompt advances), and at
+most TRUST times the most prompt tokens a measured mixed step had (the fit is trusted near what it saw;
+the room grows as larger steps are measured). Until READY mixed steps have been seen (a replica's first),
+the scheduler's token budget applies, and its steps are the first measurements.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ OUTLIER = 4.0  # a step whose residual exceeds this many times the median residu
 # trusted near what it saw (the token budget's first steps all alike, what any prefill costs and what a
 # token costs are not told apart), and the room grows as larger steps are measured
 TRUST = 2
+FLOOR = 0.5  # the share of a step's room beside decoding rows kept for prompt tokens, whatever the fixed part
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,9 @@ class StepCosts:
         # (decoding rows, adapted) -> their recent decode-only steps' seconds, and the median of those
         self._decode: dict[tuple[int, bool], deque[float]] = {}
         self.decode_seconds: dict[tuple[int, bool], float] = {}
-        self._mixed: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
+        # the recent mixed steps: their features, seconds, decoding rows and kind; each fit prices them over the
+        # decode-only steps measured by then (a step of rows not yet measured alone is priced again once they are)
+        self._mixed: deque[tuple[list[float], float, int, bool]] = deque(maxlen=WINDOW)
         self._since_fit = 0
         self.widest = 0  # the most prompt tokens of a mixed step in the window, at the last fit
         # s, p, q, r: seconds any prefill, a prompt token, an attended position, a prompt's ending
@@ -106,16 +111,17 @@ class StepCosts:
             if predicted > 0:
                 self._misses.append(extra / predicted)
                 self.bias = min(max(float(np.median(self._misses)), MISS[0]), MISS[1])
-        self._mixed.append((shape.features(), extra))
+        self._mixed.append((shape.features(), seconds, shape.decoding, shape.adapted))
         self._since_fit += 1
         if self._since_fit >= REFIT and len(self._mixed) >= READY:
             self._fit()
 
     def _fit(self) -> None:
         self._since_fit = 0
-        x = np.array([f for f, _ in self._mixed])
+        x = np.array([f for f, *_ in self._mixed])
         self.widest = int(x[:, 1].max())
-        y = np.array([s for _, s in self._mixed])
+        decode = {k: self.decode_step(*k) or 0.0 for k in {(rows, adapted) for _, _, rows, adapted in self._mixed}}
+        y = np.array([s - decode[rows, adapted] for _, s, rows, adapted in self._mixed])
         coef = _nonnegative_fit(x, y)
         residual = np.abs(x @ coef - y)
         kept = residual <= OUTLIER * max(float(np.median(residual)), 1e-6)
@@ -129,19 +135,35 @@ class StepCosts:
         return self.coef is not None
 
     def decode_step(self, rows: int, adapted: bool = False) -> float | None:
-        """The decode-only step of `rows` rows of this kind (`adapted`) as measured: the nearest row
-        count's of the kind, the other kind's where this one has not run; None before any."""
-        if not self.decode_seconds:
+        """The decode-only step of `rows` rows of this kind (`adapted`; the other kind's where this one has
+        not run), None before any: as measured, or between two measured row counts the line between them;
+        below the fewest measured, theirs (a smaller step reads the same weights); beyond the most, theirs
+        and what a prompt token costs for each row more (as fitted: a decoding row is one more token through
+        the same matmuls), so a step of more rows than any that ran alone is not priced as a smaller one."""
+        measured = sorted((k[0], v) for k, v in self.decode_seconds.items() if k[1] == adapted) or \
+            sorted((k[0], v) for k, v in self.decode_seconds.items())
+        if not measured:
             return None
-        kind = [k for k in self.decode_seconds if k[1] == adapted] or list(self.decode_seconds)
-        return self.decode_seconds[min(kind, key=lambda k: (abs(k[0] - rows), k[1] != adapted))]
+        below = [m for m in measured if m[0] <= rows]
+        above = [m for m in measured if m[0] >= rows]
+        if not below:
+            return above[0][1]
+        r0, s0 = below[-1]
+        if not above:
+            return s0 + (rows - r0) * (self.coef[1] if self.coef is not None else 0.0)
+        r1, s1 = above[0]
+        return s0 if r1 == r0 else s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
 
     def allowance(self, decode_rows: int, adapted: bool = False) -> float:
         """Seconds a step of `decode_rows` decoding rows (`adapted`: with LoRA adapters' rows) may spend
-        on prompt tokens, beyond what any prefill adds to it."""
+        on prompt tokens, beyond what any prefill adds to it: at least half the step's room (FLOOR). Steps
+        that each took a token or a few cannot tell what any prefill adds from what a token costs (the two
+        grow together), and a fit that charged the whole room to the first would grant a token a step: the
+        prompts crawl, decoding rows drain while they wait, and the steps stay too small to learn otherwise
+        (measured: a closed loop of 16 fell to 4 decoding rows and 12 prompts a token at a time)."""
         assert self.coef is not None
-        spare = (self.ratio - 1) * (self.decode_step(decode_rows, adapted) or 0.0)
-        return spare / self.bias - self.coef[0]
+        spare = (self.ratio - 1) * (self.decode_step(decode_rows, adapted) or 0.0) / self.bias
+        return spare - min(self.coef[0], (1 - FLOOR) * spare)
 
     def cost(self, tokens: int, position: int, ends: bool) -> float:
         """Predicted seconds `tokens` prompt tokens add to a step beyond its fixed prefill cost,
