@@ -56,11 +56,11 @@ class GenerateConfig(Strict):
                                   "response_format's and tools' parameters, and all of them together, as compact "
                                   "JSON): a larger one is a 400 naming the field (a grammar's compile time grows "
                                   "with its schema)")
-    mixed_step_ratio: float | None = Field(1.7, gt=1, description="while other requests decode, a step prefills the "
+    mixed_step_ratio: float | None = Field(1.5, gt=1, description="while other requests decode, a step prefills the "
                                     "prompt tokens whose cost, learned from the steps that ran, keeps it within this "
-                                    "many times a decode-only step of the same requests (that much again for each "
-                                    "joining request beyond the decoding ones; at least one token): a stream's token "
-                                    "gap stays within about this ratio while long prompts join; null: "
+                                    "many times a decode-only step of the same requests, however many join (at least "
+                                    "one token): a stream's token gap stays within about this ratio while prompts "
+                                    "join; higher prefills faster (a sooner first token) with wider gaps; null: "
                                     "prefill_chunk's token budget always")
     prefill_chunk: int = Field(24, ge=1, description="until a replica's step costs are learned (its first "
                                "steps), a step beside decoding requests prefills at most prefill_chunk prompt tokens "

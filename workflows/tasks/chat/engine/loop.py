@@ -69,7 +69,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = 1.7,
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = 1.5,
                  timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True,
                  forward: str = "eager"):
         self.model, self.tokenizer = model.eval(), tokenizer

@@ -83,7 +83,7 @@ class StepTokens:
 
 class Scheduler:
     def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int,
-                 mixed_step_ratio: float | None = 1.7):
+                 mixed_step_ratio: float | None = 1.5):
         if prefill_chunk < 1 or max_prefill_tokens < prefill_chunk:
             raise ValueError(f"prefill_chunk ({prefill_chunk}) must be at least 1 and at most max_prefill_tokens "
                              f"({max_prefill_tokens})")
