@@ -123,7 +123,7 @@ def markdown(r: dict) -> str:
 
 `{r["command"]}` ({r["measured_at"]}, {r["machine"]["cpus"]} CPUs{load(r)})
 
-SmolLM2-135M fp32 (its forward, serve.generate.forward, and linears as served), the engine called directly with {r["threads"]} threads: 8
+SmolLM2-135M fp32 (linears packed, as served), the engine called directly with {r["threads"]} threads: 8
 streams decoding, then a 1,500-token prompt joins them; the streams' token gaps while it is prefilled,
 over their median gap outside it (the medians of {r["repeats"]} joins per row, rows interleaved), and the
 long prompt's time to first token. Each engine first ran its own first mixed steps (prompts of many
