@@ -44,7 +44,7 @@ from workflows.tasks.chat.engine.requests import (
     TokenLogprob,
 )
 from workflows.tasks.chat.engine.sampler import Sampler
-from workflows.tasks.chat.engine.scheduler import Row, Scheduler, StepTokens
+from workflows.tasks.chat.engine.scheduler import MIXED_STEP_RATIO, Row, Scheduler, StepTokens
 from workflows.tasks.chat.engine.text import TextState
 from workflows.tasks.chat.engine.threads import release_openmp_pool
 
@@ -69,7 +69,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = 1.5,
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = MIXED_STEP_RATIO,
                  timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True,
                  forward: str = "eager"):
         self.model, self.tokenizer = model.eval(), tokenizer

@@ -81,9 +81,12 @@ class StepTokens:
         return any(a != base for a in self.adapters)
 
 
+MIXED_STEP_RATIO = 1.5  # the default of serve.generate.mixed_step_ratio (workflows.config.serve)
+
+
 class Scheduler:
     def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int,
-                 mixed_step_ratio: float | None = 1.5):
+                 mixed_step_ratio: float | None = MIXED_STEP_RATIO):
         if prefill_chunk < 1 or max_prefill_tokens < prefill_chunk:
             raise ValueError(f"prefill_chunk ({prefill_chunk}) must be at least 1 and at most max_prefill_tokens "
                              f"({max_prefill_tokens})")
