@@ -70,6 +70,18 @@ __ready() {  # $1: log, $2: pid, $3: what says it is ready (log: `workflows` pri
   done
   echo "background command not ready in 600 s:" >&2; cat "$1" >&2; return 1
 }
+__sigint() {  # why process $1 did not act on SIGINT: ignored, caught, pending (blocked in every thread)
+  local st=/proc/$1/status ign cgt pnd t b cmd all=1
+  ign=$(awk '/^SigIgn/{print $2}' "$st" 2>/dev/null || true) cgt=$(awk '/^SigCgt/{print $2}' "$st" 2>/dev/null || true)
+  pnd=$(awk '/^ShdPnd/{print $2}' "$st" 2>/dev/null || true)
+  [ -n "$ign" ] && [ -n "$cgt" ] && [ -n "$pnd" ] || return 0
+  for t in /proc/$1/task/*/status; do
+    b=$(awk '/^SigBlk/{print $2}' "$t" 2>/dev/null || true); [ -n "$b" ] && (( 0x$b & 2 )) || all=0
+  done
+  cmd=$(tr '\0\n' '  ' <"/proc/$1/cmdline" 2>/dev/null | cut -c1-160 || true)
+  echo "README: pid $1 ($cmd): SIGINT ignored $(( (0x$ign >> 1) & 1 )), caught $(( (0x$cgt >> 1) & 1 )),"\
+    "pending $(( (0x$pnd >> 1) & 1 )), blocked in every thread $all" >&2
+}
 __stop() {  # Ctrl-C to each background command, newest first; each must exit 0 within 120 s of it
   # (a clean stop, Serve's included, takes seconds; 120: with both cores held by other tests, TEST_WORKERS=2)
   local rc=$? bad=0 i p s
@@ -78,7 +90,8 @@ __stop() {  # Ctrl-C to each background command, newest first; each must exit 0 
     for _ in $(seq 120); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
     if kill -0 "$p" 2>/dev/null; then
       # where it waits: the stacks of the job's Python processes ($p is the job's bash; those not Python fail)
-      for q in $(pgrep -g "$p" 2>/dev/null); do py-spy dump --pid "$q" >&2 2>/dev/null || true; done
+      # and what each did with the signal
+      for q in $(pgrep -g "$p" 2>/dev/null); do __sigint "$q"; py-spy dump --pid "$q" >&2 2>/dev/null || true; done
       kill -KILL -- "-$p" 2>/dev/null || true
       echo "README: still running 120 s after Ctrl-C: ${__cmds[i]}" >&2; bad=1
     fi
@@ -150,6 +163,9 @@ def test_the_runner_fails_a_block_whose_command_ctrl_c_does_not_stop_with_exit_0
         env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_RC": "hang"}
         res = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
         assert res.returncode != 0 and "still running 120 s after Ctrl-C: workflows serve" in res.stderr, res.stderr
+        # what it did with the signal is said: the fake's bash ignores SIGINT (trap '')
+        assert re.search(r"README: pid \d+ \(bash .*workflows serve .*\): SIGINT ignored 1, caught 0, pending 0, "
+                         r"blocked in every thread 0", res.stderr), res.stderr
         return
     if fails:
         with pytest.raises(AssertionError, match=f"exited {fake_rc} after Ctrl-C: workflows serve --model m"):
