@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -189,6 +190,13 @@ def shim(bin_dir: Path, overrides: list[str]) -> None:
     path.chmod(0o755)
 
 
+def _as_from_a_terminal() -> None:
+    """The block's shell gets Ctrl-C's default disposition, as from a user's terminal. A test process may
+    ignore SIGINT (a command run in it that was stopped leaves the stop's SIG_IGN behind), and a shell
+    started ignoring it cannot undo that: `serve run` would then ignore Ctrl-C too."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_block(block: Block, cwd: Path, bin_dir: Path, env: dict, substitutions: dict, timeout: float = 900):
     """Run the block with bash in `cwd`; `env` adds to this process's environment ("" unsets)."""
     if (bin_dir / "workflows").exists() and not (cwd / ".venv" / "bin" / "workflows").exists():
@@ -203,7 +211,7 @@ def run_block(block: Block, cwd: Path, bin_dir: Path, env: dict, substitutions: 
     }
     full_env = {k: v for k, v in full_env.items() if v != ""}
     res = subprocess.run(["bash", "-c", block.script(substitutions)], cwd=cwd, env=full_env, capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, preexec_fn=_as_from_a_terminal)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(cwd.glob("background-*.log")))
     assert res.returncode == 0, (
         f"README block at line {block.line} ({block.kind}) failed, exit {res.returncode}:\n{block.body}\n"
