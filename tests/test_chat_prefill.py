@@ -250,3 +250,15 @@ def test_a_long_prompt_joining_decoding_rows_keeps_their_token_gaps_near_the_rat
         assert any(p50 <= 1.9 and p90 <= 3 for p50, p90 in ratios), ratios
     finally:
         engine.close()
+
+
+def test_the_engine_defaults_are_the_configs():
+    """An engine built without the config (tests, benches, a user's own code) budgets its prefill as a
+    replica does by default: the engine's constants are serve.generate's defaults."""
+    from workflows.config.serve import GenerateConfig
+    from workflows.tasks.chat.engine.loop import MAX_PREFILL_TOKENS, PREFILL_CHUNK
+    from workflows.tasks.chat.engine.scheduler import MIXED_STEP_RATIO
+
+    defaults = GenerateConfig()
+    assert (defaults.prefill_chunk, defaults.max_prefill_tokens, defaults.mixed_step_ratio) == \
+        (PREFILL_CHUNK, MAX_PREFILL_TOKENS, MIXED_STEP_RATIO)
