@@ -110,3 +110,14 @@ def test_bench_generate_through_workflows_serve(tmp_path):
     overload = stored["rows"][9]
     assert overload["requests"] + overload["refused"] == 12 and stored["overload_requests"] == 12
     assert stored["model"] == "bench-base:1" and "workflows serve --model bench-base:1" in stored["servers"]["http"]
+
+
+def test_the_attention_named_is_the_served_engines_whatever_this_process_loaded():
+    """A run without in-process paths loads the plain transformers model (eager attention) for its
+    sizes; the server computed with the engine's: that is what the section names."""
+    from workflows.bench.generate_report import served_attention
+    from workflows.config import load_config
+    from workflows.tasks.chat.engine.cache import ATTENTION
+
+    assert served_attention(load_config("chat", [])) == ATTENTION
+    assert served_attention(load_config("chat", ["serve.generate.engine=vllm"])) == "vllm's own"

@@ -97,6 +97,16 @@ def peer_keys(get, mid: int, top: int) -> dict[str, float | None]:
     }
 
 
+def served_attention(cfg) -> str:
+    """The attention the served model computes with: the builtin engine always runs its slot attention,
+    whatever this process loaded (a run without in-process paths loads the plain transformers model)."""
+    if cfg.serve.generate.engine == "builtin":
+        from workflows.tasks.chat.engine.cache import ATTENTION
+
+        return ATTENTION
+    return f"{cfg.serve.generate.engine}'s own"
+
+
 def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec: str, cfg, threads: int,
            flops: list[float], bandwidth: list[float], reference: list[float], commands: dict) -> dict:
     table = [summary(r) for r in rows if r.runs]
@@ -148,10 +158,9 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
             keys[new] = keys.pop(old)
     goals = {k: GOALS.get(k) for k in keys}
     meets = {k: meets_goal(v, goals[k]) for k, v in keys.items()}
-    config_ = model.config
     return {"model": spec, "base": cfg.model.name_or_path, "params": sum(p.numel() for p in model.parameters()),
             "threads": threads, "precision": cfg.serve.precision, "engine": cfg.serve.generate.engine,
-            "attn_implementation": getattr(config_, "_attn_implementation", None),
+            "attn_implementation": served_attention(cfg),
             "requests": opts["requests"], "serial_requests": opts["serial_requests"], "max_tokens": max_tokens,
             "repeats": opts["repeats"], "static_batch": opts["static_batch"], "load": float(opts["load"]),
             "overload": float(opts["overload"]), "overload_requests": opts["overload_requests"],
