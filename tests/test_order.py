@@ -263,30 +263,3 @@ def test_every_validation_row_is_scored():
     assert len({len(s) for s in shares}) <= 2 and sum(map(len, shares)) == n
     assert sorted(np.concatenate(shares).tolist()) == big.tolist()
     assert (big[val_positions(n, 0, 1)] == big).all()
-
-
-def test_the_stored_order_does_not_follow_which_task_finished_first(ray_cluster, tiny_cfg, tmp_path):
-    """The same rows and seed are stored in the same order whichever read or map task finished first
-    (a processed dataset's version names only its inputs): within a runtime, Ray Data hands blocks on
-    in their order."""
-    import ray.data
-
-    from workflows.dataset import shuffled
-
-    def slow_block(batch, slow: int):  # defined here: Ray's workers cannot import a test module
-        import time
-
-        if int(batch["block"][0]) == slow:
-            time.sleep(1.5)  # this block's task finishes last
-        return batch
-
-    cfg = tiny_cfg(f"storage.embedded.data_dir={tmp_path / 's3'}")
-    rows = [{"block": b, "row": b * 100 + i} for b in range(4) for i in range(100)]
-    orders = []
-    with runtime(cfg):
-        for slow in (0, 3):
-            ds = ray.data.from_items(rows, override_num_blocks=4).map_batches(
-                slow_block, fn_args=(slow,), batch_size=None).materialize()
-            orders.append([r["row"] for r in shuffled(ds, seed=7).take_all()])
-    assert sorted(orders[0]) == sorted(orders[1]) == list(range(400))
-    assert orders[0] == orders[1]

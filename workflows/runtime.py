@@ -186,22 +186,6 @@ def _port_or_free(port: int) -> int:
     return free_port(preferred=port)
 
 
-def _keep_row_order() -> Callable[[], None]:
-    """Ray Data in this process hands blocks on in their order, not in the order their tasks finish:
-    what a command writes (a processed dataset, whose version names only its inputs: the same version
-    must hold the same rows in the same order, or the same command trains another model) and what it
-    takes first (the demo rows) then depend on the data and the seed only. The previous setting comes
-    back with the runtime's end (its undo, returned)."""
-    import ray.data
-
-    options = ray.data.DataContext.get_current().execution_options
-    before, options.preserve_order = options.preserve_order, True
-
-    def undo() -> None:
-        options.preserve_order = before
-    return undo
-
-
 @contextmanager
 def runtime(
     cfg: WorkflowConfig, ray_needed: bool = True, before_ray: Callable[[StorageContext], object] | None = None
@@ -210,7 +194,7 @@ def runtime(
     between: checks that need only the store (a model that is not registered, an output that is
     not empty) fail in a second instead of after Ray has started."""
     check_task(cfg)  # a plug-in that does not import stops here, before the store or Ray starts
-    embedded, started_ray, outside, ordered = None, False, None, None
+    embedded, started_ray, outside = None, False, None
     if cfg.storage.embedded.enabled:
         e = cfg.storage.embedded
         embedded = EmbeddedS3(e.data_dir, e.host, e.port)
@@ -234,11 +218,8 @@ def runtime(
             tracking = Tracking(cfg, storage, warn)  # opens the store while Ray starts
         if ray_needed:
             started_ray = init_ray(cfg)
-        ordered = _keep_row_order() if ray_needed else None
         yield Runtime(cfg, storage, embedded, tracking=tracking)
     finally:
-        if ordered is not None:
-            ordered()
         if tracking is not None:
             tracking.close()  # before the embedded endpoint stops: artifacts may still be uploading
         if started_ray:  # now, not at interpreter exit: a stopped command's Ray is gone when it exits
