@@ -192,7 +192,7 @@ def shim(bin_dir: Path, overrides: list[str]) -> None:
 
 def _as_from_a_terminal() -> None:
     """The block's shell gets Ctrl-C's default disposition, as from a user's terminal. A test process may
-    ignore SIGINT (inherited: a non-interactive shell starts what it runs in the background ignoring it), and
+    ignore SIGINT (workflows.stop ignores it once a stop begins, in whatever process runs the command), and
     a shell started ignoring it cannot undo that: `serve run` would then ignore Ctrl-C too."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 

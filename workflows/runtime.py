@@ -142,7 +142,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         say(f"ray: shipping the plug-in task's module {shipped['py_modules'][0]} to the cluster's workers")
     with ingress.scoped_env(cluster_env):
         info = ray.init(**kwargs)
-    stop.reinstall()  # ray.init replaced the SIGTERM handler with one that exits wherever it lands
+    stop.install()  # ray.init replaced the SIGTERM handler with one that exits wherever it lands
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

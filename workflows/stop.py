@@ -10,10 +10,6 @@ Python runs a signal's handler wherever the main thread is, a `__del__` or a wea
 (Ray Data's iterators shut their executor down in `__del__`); an exception raised there is only printed
 (sys.unraisablehook) and the command would run on. A Stopped lost that way is raised again: the
 signal is sent once more, from a thread, once the hook has returned.
-
-The handlers are a command's (`command()`), not the process's: when the command ends, those that were
-there before come back, so a process that runs commands in-process (a notebook's kernel, a test) still
-answers Ctrl-C after one was stopped, and a `Workflow` opened in a notebook keeps the kernel's own.
 """
 
 from __future__ import annotations
@@ -22,8 +18,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 
 class Stopped(KeyboardInterrupt):
@@ -67,41 +61,12 @@ def _unraisable(unraisable) -> None:
 _default_unraisable = sys.unraisablehook
 
 
-_commands = 0  # commands running in this process
-
-
-def _install() -> None:
-    signal.signal(signal.SIGTERM, _handler)
-    signal.signal(signal.SIGINT, _handler)
-    sys.unraisablehook = _unraisable
-
-
-@contextmanager
-def command() -> Iterator[None]:
-    """While it runs, SIGTERM and SIGINT raise `Stopped` (main thread only: Python delivers signals
-    there); afterwards the handlers and the unraisable hook that were there before are put back."""
-    global _commands
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
-    _commands += 1
-    _install()
-    try:
-        yield
-    finally:
-        _commands -= 1
-        for signum, handler in ((signal.SIGINT, before[0]), (signal.SIGTERM, before[1])):
-            if handler is not None:  # None: not set from Python, which cannot put it back
-                signal.signal(signum, handler)
-        sys.unraisablehook = before[2]
-
-
-def reinstall() -> None:
-    """After `ray.init()`, which replaced SIGTERM's handler: a command's handlers again. Outside a
-    command (a `Workflow` in a notebook) Ray's and the process's own handlers stay."""
-    if _commands and threading.current_thread() is threading.main_thread():
-        _install()
+def install() -> None:
+    """Route SIGTERM and SIGINT to `Stopped` (main thread only: Python delivers signals there)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _handler)
+        signal.signal(signal.SIGINT, _handler)
+        sys.unraisablehook = _unraisable
 
 
 def exit_code(e: KeyboardInterrupt) -> int:

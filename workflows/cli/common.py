@@ -23,27 +23,27 @@ def _run(fn: Callable[[], object]) -> None:
     """User errors in one line (exit 2). Once Ray's output goes to a log file, any failure also
     shows the log's last lines, and an unexpected exception's traceback goes into the log (exit 1).
     SIGTERM/SIGINT: what was started is shut down, one line, exit 143/130 (workflows.stop)."""
-    with stop.command():
-        try:
-            fn()
-        except KeyboardInterrupt as e:
-            log = console.active_log()
-            console.echo(f"stopped by {stop.signal_name(e)}" + (f"; Ray's output is in {log.path}" if log else ""))
-            raise typer.Exit(stop.exit_code(e)) from None
-        except typer.Exit:
-            raise
-        except Exception as e:
-            ue, log = find_user_error(e), console.active_log()
-            if ue is None:
-                if log is None:
-                    raise
-                log.log_exception()
-            console.echo(f"error: {ue if ue is not None else _one_line(e)}")
-            console.show_log_tail()
-            raise typer.Exit(2 if ue is not None else 1) from e
-        finally:
-            if (log := console.active_log()) is not None:
-                log.finish()
+    stop.install()
+    try:
+        fn()
+    except KeyboardInterrupt as e:
+        log = console.active_log()
+        console.echo(f"stopped by {stop.signal_name(e)}" + (f"; Ray's output is in {log.path}" if log else ""))
+        raise typer.Exit(stop.exit_code(e)) from None
+    except typer.Exit:
+        raise
+    except Exception as e:
+        ue, log = find_user_error(e), console.active_log()
+        if ue is None:
+            if log is None:
+                raise
+            log.log_exception()
+        console.echo(f"error: {ue if ue is not None else _one_line(e)}")
+        console.show_log_tail()
+        raise typer.Exit(2 if ue is not None else 1) from e
+    finally:
+        if (log := console.active_log()) is not None:
+            log.finish()
 
 
 def _one_line(e: BaseException) -> str:
