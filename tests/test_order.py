@@ -263,3 +263,34 @@ def test_every_validation_row_is_scored():
     assert len({len(s) for s in shares}) <= 2 and sum(map(len, shares)) == n
     assert sorted(np.concatenate(shares).tolist()) == big.tolist()
     assert (big[val_positions(n, 0, 1)] == big).all()
+
+
+def test_the_stored_order_does_not_follow_which_task_finished_first(ray_cluster, tmp_path):
+    """The same shards and seed give the same shuffled rows whichever read task finished first (a
+    processed dataset's version names only its inputs): a dataset read from shards hands its blocks
+    on in their order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from workflows.dataset import shuffled
+    from workflows.preprocess.sources import list_shards, read_dataset
+    from workflows.storage.uri import StorageContext
+
+    def slow_block(batch, slow: int):  # defined here: Ray's workers cannot import a test module
+        import time
+
+        if int(batch["shard"][0]) == slow:
+            time.sleep(1.5)  # this shard's task finishes last
+        return batch
+
+    for s in range(4):
+        pq.write_table(pa.table({"shard": [s] * 100, "row": [s * 100 + i for i in range(100)]}),
+                       tmp_path / f"part-{s}.parquet")
+    shards, fmt = list_shards(str(tmp_path), StorageContext())
+    orders = []
+    for slow in (0, 3):
+        ds = read_dataset(shards, fmt, StorageContext()).map_batches(
+            slow_block, fn_args=(slow,), batch_size=None, batch_format="pandas").materialize()
+        orders.append([r["row"] for r in shuffled(ds, seed=7).take_all()])
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(400))
+    assert orders[0] == orders[1]

@@ -66,9 +66,16 @@ def read_dataset(shards: list[Shard], fmt: str, ctx: StorageContext, cache=None,
 
     "tar" and "image" shards read as rows (key, image: the encoded bytes, label); see
     storage/shards.py. `shards_per_task` defaults to SHARDS_PER_TASK's value for the format, else 1.
+    The rows come in the shards' order.
     """
     per_task = shards_per_task or SHARDS_PER_TASK.get(fmt, 1)
-    return read_shards(list(shards), fmt, ctx, cache, required_columns=required_columns, shards_per_task=per_task)
+    ds = read_shards(list(shards), fmt, ctx, cache, required_columns=required_columns, shards_per_task=per_task)
+    # Blocks go on in their shards' order, not in the order their tasks finish (the context is this
+    # dataset's and what is derived from it, not the process's): what is built from the rows (a
+    # processed dataset, whose version names only its inputs and seed; batch predictions; the first
+    # rows shown) is the same on every run.
+    ds.context.execution_options.preserve_order = True
+    return ds
 
 
 def _listing(fs, path: str) -> dict:
