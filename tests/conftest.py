@@ -22,6 +22,7 @@ SHARED = ROOT.parent / "shared"
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")  # as workflows.runtime sets it
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # as workflows.runtime sets it for a local cluster
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # parallel workers (`make test`: pytest -n 2): every local cluster, the session's and each
     # command's, takes a dashboard port the OS picks, not 8265 first (two starting at once would

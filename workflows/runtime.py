@@ -120,6 +120,10 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         # cluster (unset, empty or "local" here, or overridden by ray.address=local) or the one that
         # the last `ray start` on this machine recorded (anyone's), while saying nothing.
         kwargs["address"] = "local"
+        # Ray Train ends a run whose workers finished at its controller's next poll of them, every 2 s by
+        # default; on one machine a poll costs next to nothing, so each run (the final training, every tune
+        # trial) ends sooner. Ray Train hands the driver's value on to its controller.
+        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
         console.own_local_cluster()  # Ray's token-authentication line: once per machine, not per command
         # Read by Serve's processes as they start (the cluster's environment) and by serve.run here.
         haproxy = ingress.use_haproxy(cfg.serve)
