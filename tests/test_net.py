@@ -97,3 +97,25 @@ def test_a_preferred_port_of_zero_means_any_free_port():
     assert port > 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_port_whose_closed_connections_wait_out_their_close_is_free():
+    """A server that closed its connections first leaves them in TIME_WAIT for a minute; the port is free for
+    the next server, which binds it with SO_REUSEADDR as servers do (HAProxy, uvicorn): a second `workflows
+    pipeline` right after the first is not refused serve.port."""
+    from workflows.net import port_free
+
+    port = free_port()
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = server.accept()
+            conn.close()  # the server's end closes first: it waits in TIME_WAIT
+            assert client.recv(1) == b""
+    assert port_free("127.0.0.1", port)
+    with socket.socket() as again:  # and a server binds it
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+        again.listen()

@@ -24,8 +24,11 @@ _pick = random.SystemRandom()  # not the `random` a test or a library seeds: two
 
 
 def port_free(host: str, port: int) -> bool:
-    """Whether `port` can be bound on `host` now."""
+    """Whether a server can bind `port` on `host` now. With SO_REUSEADDR, as servers bind (HAProxy,
+    uvicorn, Ray's): connections the last server closed, waiting out their close (TIME_WAIT, a
+    minute), do not hold the port; a listener does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
