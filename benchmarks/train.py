@@ -22,11 +22,12 @@ def markdown(r: dict) -> str:
             f"{x['load_average_before_after'][1]:.1f} |"
         )
 
-    versus = "Ray Train, num_workers auto" if a else "Ray FSDP2"  # results from before auto compared FSDP2
+    runner = a.get("runner", "Ray Train") if a else ""  # runs before auto's one actor trained under Ray Train
+    versus = f"{runner}, num_workers auto" if a else "Ray FSDP2"  # results from before auto compared FSDP2
     plain_batch = r.get("global_batch", r["ray_workers"] * r["batch_per_worker"])
     auto = several = ""
     if a:
-        auto = row(f"Ray Train, num_workers auto ({r['auto_layout']}), batch {r['global_batch']}", a) + "\n"
+        auto = row(f"{runner}, num_workers auto ({r['auto_layout']}), batch {r['global_batch']}", a) + "\n"
         several = (f"| `auto_vs_several_workers_epoch_ratio` (auto's mean epoch ÷ the faster {r['ray_workers']}-worker "
                    f"one) | {r['auto_vs_several_workers_epoch_ratio']:.3f} | <= 1 ({_met(r['auto_is_fastest'])}) |\n")
 

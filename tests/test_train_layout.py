@@ -103,3 +103,44 @@ def test_auto_trains_one_worker_with_the_clusters_cpus(ray_cluster, tiny_cfg):
         rows = min(data.counts["train"], cfg.train.max_train_rows or data.counts["train"])
         assert out.history[-1]["samples"] == rows  # one worker saw every row of the epoch
         assert out.best_checkpoint_uri.startswith("s3://workflows/runs/") and 0 <= out.best_metrics["val_f1"] <= 1
+
+
+@pytest.mark.integration
+def test_one_worker_of_cpus_trains_in_one_actor_and_goes_on_after_its_death(ray_cluster, tiny_cfg, tmp_path):
+    """auto's one worker of CPUs trains in one actor, not under Ray Train (no Train controller starts): killed in
+    its second epoch, a new actor goes on from the first epoch's checkpoint, and the run keeps its newest
+    checkpoint only (num_to_keep 1, checkpoint_select last), which export reads as Ray Train's."""
+    from ray.util.state import list_actors
+
+    from reliability.faults import TrainFault
+    from workflows.pipeline.stages import stage_preprocess
+    from workflows.runtime import runtime
+    from workflows.storage.uri import filesystem
+    from workflows.train.checkpoint import consolidated_model_state
+    from workflows.train.export import download_checkpoint
+    from workflows.train.trainer import fit
+
+    def controllers() -> int:  # this cluster's (each test worker runs one), started by this driver
+        import ray
+
+        return len(list_actors(address=f"http://{ray._private.worker.get_dashboard_url()}", limit=1000,
+                               filters=[("class_name", "=", "TrainController"),
+                                        ("job_id", "=", ray.get_runtime_context().get_job_id())]))
+
+    cfg = tiny_cfg("train.num_workers=auto", "train.epochs=3", "train.max_failures=1", "train.checkpoint_select=last")
+    with runtime(cfg) as rt:
+        data = stage_preprocess(rt)
+        before = controllers()
+        out = fit(cfg, rt.storage, data, run_prefix="in-actor",
+                  on_step=TrainFault(epoch=1, step=0, action="kill", once=str(tmp_path / "fired")))
+        assert controllers() == before
+        assert (tmp_path / "fired").exists()  # the fault fired: the first actor died in epoch 1
+        assert [h["epoch"] for h in out.history] == [0, 1, 2]
+        assert [h["resumed_from_epoch"] for h in out.history] == [None, 0, 0]  # the new actor went on from epoch 0
+        assert out.best_metrics["epoch"] == 2 and out.history[-1]["samples"] == cfg.train.max_train_rows
+        fs, path = filesystem(out.run_uri, rt.storage)
+        kept = [name for name in (p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+                if name.startswith("checkpoint_")]
+        assert len(kept) == 1 and out.best_checkpoint_uri.endswith("/" + kept[0])
+        with tempfile.TemporaryDirectory() as d:
+            assert consolidated_model_state(download_checkpoint(out.best_checkpoint_uri, rt.storage, d))

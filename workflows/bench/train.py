@@ -126,6 +126,7 @@ def _ray_child(argv: list[str]) -> None:
     from workflows.config import load_config
     from workflows.runtime import runtime
     from workflows.train.layout import resolved
+    from workflows.train.local_run import runs_here
     from workflows.train.standalone import find_dataset
     from workflows.train.trainer import fit
 
@@ -138,8 +139,8 @@ def _ray_child(argv: list[str]) -> None:
     with runtime(cfg) as rt:
         data = find_dataset(cfg, rt.storage)
         fit_start = time.time()
-        cfg = resolved(cfg)[0]  # what fit runs: train.num_workers auto chosen for this cluster
-        out = fit(cfg, rt.storage, data, run_prefix=f"bench-{cfg.train.strategy}")
+        asked, cfg = cfg, resolved(cfg)[0]  # what fit runs: train.num_workers auto chosen for this cluster
+        out = fit(asked, rt.storage, data, run_prefix=f"bench-{cfg.train.strategy}")
     result = {
         "history": out.history,
         "fit_seconds": round(out.seconds, 2),
@@ -147,8 +148,9 @@ def _ray_child(argv: list[str]) -> None:
         "strategy": cfg.train.strategy,
         "batch_size": cfg.train.batch_size,
         "torch_threads": cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker)),
-        "startup_seconds": round(fit_start - PROCESS_START, 2),
-    }  # before fit: interpreter, store, ray.init
+        "startup_seconds": round(fit_start - PROCESS_START, 2),  # before fit: interpreter, store, ray.init
+        "runner": "one Ray actor" if runs_here(asked, cfg, None) else "Ray Train",
+    }
     Path(args.output).write_text(json.dumps(result, indent=2))
 
 

@@ -13,7 +13,8 @@ class TrainConfig(Strict):
     num_workers: int | tuple[int, int] | Literal["auto"] = Field(
         "auto",
         description="training workers: auto (chosen for the cluster when the run starts, printed: one worker per "
-        "GPU; on CPUs one worker per node with the node's free CPUs, so one on a laptop), a number, or [min, max] "
+        "GPU; on CPUs one worker per node with the node's free CPUs, so one on a laptop, which trains in one actor "
+        "without Ray Train's worker group), a number, or [min, max] "
         "for an elastic group (Ray Train resizes it within the range as workers are lost or resources come and "
         "go; needs train.loader=stream)",
     )

@@ -240,7 +240,8 @@ def stage_train(rt: Runtime, data: ProcessedDataset, params: dict[str, Any] | No
 
 
 def train(s: Stage, data: ProcessedDataset, resume: bool = False):
-    """Fit the model with Ray Train; its epochs, loss curve and outcome go to the stage's summary and run."""
+    """Fit the model (Ray Train; auto's one worker of CPUs in one actor, train.local_run); its epochs, loss curve
+    and outcome go to the stage's summary and run."""
     from workflows.progress import EpochProgress
     from workflows.train.layout import described, layout_summary, resolved
     from workflows.train.loop import epoch_line
@@ -252,7 +253,7 @@ def train(s: Stage, data: ProcessedDataset, resume: bool = False):
     say(f"train: {described(tc, why)}, {tc.epochs} epoch(s), lr={tc.lr:.2e}, batch {tc.batch_size}/worker on "
         f"{data.counts['train']} rows")
     with s.work():
-        outcome = fit(cfg, s.rt.storage, data, resume=resume,
+        outcome = fit(s.cfg, s.rt.storage, data, resume=resume,  # fit resolves auto as `cfg` shows it
                       callbacks=[EpochProgress(tc.epochs, get_task(s.cfg).score[0])], tracking=s.run.spec())
     for h in outcome.history:
         say(f"train:   {epoch_line(h)}")

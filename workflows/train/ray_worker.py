@@ -148,12 +148,10 @@ class RayTrainWorker(Trainer):
         self.step_checkpoints["seconds"] += time.perf_counter() - t0
 
     def end_of_epoch(self, epoch: int, metrics: dict) -> None:
-        import ray.train
-
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
             self.save_checkpoint(d, epoch, metrics)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+            self.publish(d, metrics)
         # where the run's time went (the summary's breakdown): this process's start, the
         # checkpoint's save and upload
         self.history[-1].update(worker_started_at=self.started_at, checkpoint_seconds=time.perf_counter() - t0,
@@ -164,6 +162,13 @@ class RayTrainWorker(Trainer):
         if self.rank == 0:  # every epoch's metrics and step losses, for summaries and curves
             write_json(f"{self.spec.run_uri}/history.json", self.history, self.spec.storage)
             record_throughput(self.spec.run_uri.rsplit("/", 1)[-1], metrics)
+
+    def publish(self, directory: str, metrics: dict) -> None:
+        """The epoch's checkpoint (in `directory`) and metrics to Ray Train, which uploads the checkpoint
+        into the run's directory and keeps the best train.num_to_keep."""
+        import ray.train
+
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
 def worker_loop(config: dict[str, WorkerSpec]) -> None:
@@ -189,27 +194,41 @@ def worker_loop(config: dict[str, WorkerSpec]) -> None:
     trainer = RayTrainWorker(cfg, task, spec.data, device, source, spec.train_rows, logger,
                              spec=spec, stream=source.stream, started_at=started_at)
 
-    # After a worker failure, the newest checkpoint this run stored; otherwise, with `--resume`, the
-    # checkpoint of an earlier run (Train V2 has no resume_from_checkpoint).
-    checkpoint = restart_point(spec.run_uri, spec.storage) or ray.train.get_checkpoint()
-    if checkpoint is None and spec.resume_from:
-        fs, path = pyarrow_filesystem(spec.resume_from, spec.storage)
-        checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
     try:
-        trainer.build(probe=checkpoint is None)
-        if checkpoint is not None:
-            with private_copy(checkpoint) as d:
-                trainer.resume(d)
-        if checkpoint is not None and trainer.start_epoch >= cfg.train.epochs:
-            # a finished run resumed (or a restart after the last report): nothing left to train,
-            # report its final state again so that this run has a result and a checkpoint
-            assert trainer.resumed_from is not None and trainer.saved is not None  # a checkpoint was loaded
-            trainer.end_of_epoch(trainer.resumed_from, trainer.saved["metrics"])
-            return
-        trainer.fit()
+        if not started(trainer, starting_checkpoint(spec, ray.train.get_checkpoint())):
+            trainer.fit()
     finally:
         if logger is not None:
             logger.close(timeout=30)
+
+
+def starting_checkpoint(spec: WorkerSpec, given=None):
+    """The checkpoint a run's worker starts from: after a failure, the newest this run stored (or
+    `given`, Ray Train's); otherwise, with `--resume`, the checkpoint of an earlier run (Train V2 has
+    no resume_from_checkpoint); None: from scratch."""
+    import ray.train
+
+    checkpoint = restart_point(spec.run_uri, spec.storage) or given
+    if checkpoint is None and spec.resume_from:
+        fs, path = pyarrow_filesystem(spec.resume_from, spec.storage)
+        checkpoint = ray.train.Checkpoint(path=path, filesystem=fs)
+    return checkpoint
+
+
+def started(trainer: RayTrainWorker, checkpoint) -> bool:
+    """Build the trainer and load `checkpoint` (None: none) into it. True when that checkpoint ends the run:
+    a finished run resumed (or a restart after the last report) has nothing left to train, and its final
+    state is reported again, so that this run has a result and a checkpoint."""
+    trainer.build(probe=checkpoint is None)
+    if checkpoint is None:
+        return False
+    with private_copy(checkpoint) as d:
+        trainer.resume(d)
+    if trainer.start_epoch < trainer.cfg.train.epochs:
+        return False
+    assert trainer.resumed_from is not None and trainer.saved is not None  # a checkpoint was loaded
+    trainer.end_of_epoch(trainer.resumed_from, trainer.saved["metrics"])
+    return True
 
 
 def restart_point(run_uri: str, storage: StorageContext):

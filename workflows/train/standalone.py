@@ -39,6 +39,7 @@ from workflows.loader.columns import column_values
 from workflows.parallel import exit_rank, world
 from workflows.runtime import runtime
 from workflows.seeds import augment_seed, data_seed
+from workflows.storage import cache_stats
 from workflows.storage.atomic import atomic_write
 from workflows.storage.shards import read_parquet
 from workflows.storage.uri import StorageContext, exists, join
@@ -97,6 +98,18 @@ def read_rows(files: list[str], storage: StorageContext, columns: tuple[str, ...
     if limit is not None:
         table = table.slice(0, limit)
     return {c: column_values(table.column(c)) for c in columns}
+
+
+def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg: WorkflowConfig,
+               limit: int | None) -> dict[str, list]:
+    """The first `limit` rows of a split (the rows Ray Data's `limit` keeps with preserve_order),
+    through this node's shard cache, counted in the cluster's cache totals like Ray Data reads."""
+    shard_cache = cfg.cache.shard_cache(storage) if cfg.cache.enabled else None
+    before = shard_cache.stats() if shard_cache is not None else None
+    rows = read_rows(data.files[split], storage, get_task(cfg).columns, limit, shard_cache=shard_cache)
+    if shard_cache is not None:
+        cache_stats.report(before, shard_cache.stats())
+    return rows
 
 
 def row_count(rows: dict[str, Any]) -> int:

@@ -22,6 +22,7 @@ from workflows.storage.uri import StorageContext, exists, filesystem, pyarrow_fi
 from workflows.tasks import get_task
 from workflows.tracking.run_logger import TrackingSpec
 from workflows.train import checkpoint as ckpt
+from workflows.train.local_run import fit_here, runs_here
 from workflows.train.ray_worker import RankStepHook, WorkerSpec, worker_loop
 from workflows.train.report import is_step_checkpoint
 from workflows.train.stream_input import SampleHook, stream_refused
@@ -211,14 +212,16 @@ def fit(
 
     from workflows.train.layout import resolved
 
-    cfg = resolved(cfg)[0]  # train.num_workers auto: chosen for this cluster
+    asked, cfg = cfg, resolved(cfg)[0]  # train.num_workers auto: chosen for this cluster
     tc = cfg.train
     if check:
         check_resources(tc.min_workers, tc.cpus_per_worker, tc.use_gpu)
     task = get_task(cfg)
     task.training.check(data)
 
-    datasets, train_rows = _worker_datasets(cfg, task, data, storage)
+    in_actor = runs_here(asked, cfg, on_samples)  # one worker of CPUs: one actor, no Ray Train (local_run)
+    datasets, train_rows = ({}, row_limits(tc, data.counts["train"])[0] or data.counts["train"]) if in_actor \
+        else _worker_datasets(cfg, task, data, storage)
     prefix = run_prefix or f"{cfg.name}-train"
     resume_from = resume_point(cfg, storage, prefix) if resume else None
     metric, mode = task.score
@@ -250,17 +253,21 @@ def fit(
         callbacks=callbacks or None,
     )
     t0 = time.time()
-    result = _torch_trainer(tc, spec, run_config, datasets).fit()
+    if in_actor:
+        kept: list = fit_here(cfg, spec, callbacks or [], metric, mode)
+    else:
+        kept = [(with_protocol(cfg.storage.root, c.path), m)
+                for c, m in _torch_trainer(tc, spec, run_config, datasets).fit().best_checkpoints]
     fit_seconds = time.time() - t0
-    if not result.best_checkpoints:
+    if not kept:
         raise RuntimeError(f"training run {run_name} finished without a checkpoint")
-    best, best_metrics = select_checkpoint(result.best_checkpoints, tc.checkpoint_select, metric, mode)
+    best_uri, best_metrics = select_checkpoint(kept, tc.checkpoint_select, metric, mode)
     history_uri = f"{run_uri}/history.json"
     history = read_json(history_uri, storage) if exists(history_uri, storage) else []
     return TrainOutcome(
         run_name=run_name,
         run_uri=run_uri,
-        best_checkpoint_uri=with_protocol(cfg.storage.root, best.path),
+        best_checkpoint_uri=best_uri,
         best_metrics=dict(best_metrics),
         history=history,
         seconds=fit_seconds,

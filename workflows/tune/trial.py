@@ -20,27 +20,14 @@ from typing import Any
 
 from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
-from workflows.storage import cache_stats
 from workflows.storage.uri import StorageContext
 from workflows.tasks import get_task
 from workflows.tracking.run_logger import RunLogger, TrackingSpec
 from workflows.tracking.session import config_params
 from workflows.train.checkpoint import private_copy
 from workflows.train.engine import Trainer
-from workflows.train.standalone import local_input, read_rows
+from workflows.train.standalone import local_input, read_split
 from workflows.train.worker_setup import set_torch_threads
-
-
-def read_split(data: ProcessedDataset, split: str, storage: StorageContext, cfg: WorkflowConfig,
-               limit: int | None) -> dict[str, list]:
-    """The first `limit` rows of a split (the rows Ray Data's `limit` keeps with preserve_order),
-    through this node's shard cache, counted in the cluster's cache totals like Ray Data reads."""
-    shard_cache = cfg.cache.shard_cache(storage) if cfg.cache.enabled else None
-    before = shard_cache.stats() if shard_cache is not None else None
-    rows = read_rows(data.files[split], storage, get_task(cfg).columns, limit, shard_cache=shard_cache)
-    if shard_cache is not None:
-        cache_stats.report(before, shard_cache.stats())
-    return rows
 
 
 def trial_logger(cfg: WorkflowConfig, tracking: TrackingSpec | None, dataset_version: str) -> RunLogger | nullcontext:
