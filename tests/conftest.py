@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers import tiny_overrides
 
+pytest_plugins = ["tests.hang_watch"]  # a hung test fails with its threads' stacks, not the whole run
+
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 DIGITS = ROOT / "configs" / "digits.yaml"
