@@ -102,6 +102,14 @@ def pytest_runtest_teardown(item):
     yield from _watched(item, "teardown")
 
 
+def pytest_unconfigure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        try:
+            os.rmdir(os.environ.get(DIR_ENV, ""))  # only when empty: a dump stays to be read
+        except OSError:
+            pass
+
+
 def pytest_terminal_summary(terminalreporter):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return

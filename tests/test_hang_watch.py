@@ -49,6 +49,11 @@ def test_after():
     assert f"hung: {dump.name}" in out.stdout and "wait_for_ever" in out.stdout  # printed in the summary
 
 
+def test_a_run_without_a_hang_leaves_no_folder(tmp_path):
+    out, dumps = run_pytest(tmp_path, "def test_quick():\n    pass\n")
+    assert out.returncode == 0 and not dumps and not (tmp_path / "hangs").exists(), out.stdout
+
+
 def test_a_main_thread_that_swallows_the_exception_ends_the_process(tmp_path):
     out, dumps = run_pytest(tmp_path, """
 import time
