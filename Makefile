@@ -34,7 +34,9 @@ demo: install
 # groups). Much of a test's time is waiting (process starts, Ray and Serve readiness), which two
 # workers overlap even on 2 cores. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+# --max-worker-restart=0: a worker that dies (tests/hang_watch.py ends one whose test hung) ends the run with
+# its summary; xdist's replacement worker under loadgroup was seen to wait for ever with the run unfinished
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0
 LINT = $(BIN)/ruff check workflows tests reliability examples benchmarks && $(BIN)/mypy
 
 test: install

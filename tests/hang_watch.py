@@ -1,8 +1,9 @@
 """A test phase (setup, call, teardown) that runs past HANG_SECONDS is taken as hung: every thread's
 stack (Python's, and native frames through py-spy where it can attach) is written to a file, the
 test fails there with an exception raised in its main thread, and the run goes on. If the main
-thread does not take the exception within GRACE_SECONDS (a thread holding the interpreter), the
-worker process exits so that xdist replaces it. The run's terminal summary prints every dump.
+thread does not take the exception within GRACE_SECONDS (a wait inside C++ that checks no signals, as
+in Ray's GlobalStateAccessor), the worker process exits, which ends the run (the Makefile's
+--max-worker-restart=0). The run's terminal summary prints every dump.
 
 Without it a hang anywhere in `make test` stops the whole run until CI's time limit, with no test
 named and no stack to read (seen: Ray Train fits in a long-lived test process that never return).
