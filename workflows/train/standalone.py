@@ -56,6 +56,7 @@ from workflows.train.worker_setup import (
     row_limits,
     set_torch_threads,
     torchrun_device,
+    train_rows_kept,
     val_positions,
 )
 
@@ -208,7 +209,7 @@ def local_input(cfg: WorkflowConfig, task, data: ProcessedDataset, storage: Stor
     if tc.loader == "stream":
         if type(task.dataset).prepare_rows is not DatasetSeam.prepare_rows:
             raise stream_refused(cfg)
-        rows = train_limit if train_limit is not None else data.counts["train"]
+        rows = train_rows_kept(tc, data.counts["train"])
         stream = StreamInput(cfg, data, storage, rank, world_size, rows, task=task)
         return RowsInput(cfg, task, data, {}, val_rows, rank, stream), rows
     train_rows = task.dataset.prepare_rows(read("train", train_limit))

@@ -26,7 +26,7 @@ from workflows.train.local_run import fit_here, runs_here
 from workflows.train.ray_worker import RankStepHook, WorkerSpec, worker_loop
 from workflows.train.report import is_step_checkpoint
 from workflows.train.stream_input import SampleHook, stream_refused
-from workflows.train.worker_setup import row_limits
+from workflows.train.worker_setup import row_limits, train_rows_kept
 
 
 def select_checkpoint(checkpoints: list[tuple[Any, dict]], select: str, metric: str, mode: str) -> tuple[Any, dict]:
@@ -220,7 +220,7 @@ def fit(
     task.training.check(data)
 
     in_actor = runs_here(asked, cfg, on_samples)  # one worker of CPUs: one actor, no Ray Train (local_run)
-    datasets, train_rows = ({}, row_limits(tc, data.counts["train"])[0] or data.counts["train"]) if in_actor \
+    datasets, train_rows = ({}, train_rows_kept(tc, data.counts["train"])) if in_actor \
         else _worker_datasets(cfg, task, data, storage)
     prefix = run_prefix or f"{cfg.name}-train"
     resume_from = resume_point(cfg, storage, prefix) if resume else None

@@ -26,6 +26,12 @@ def row_limits(tc, train_rows: int) -> tuple[int | None, int | None]:
     return train, tc.max_val_rows
 
 
+def train_rows_kept(tc, train_rows: int) -> int:
+    """How many of the split's `train_rows` training rows a run keeps (row_limits' train limit, else all)."""
+    limit = row_limits(tc, train_rows)[0]
+    return limit if limit is not None else train_rows
+
+
 # Validation rows per rank below which every rank scores the whole split (val_positions)
 VAL_SHARE_MIN_ROWS_PER_RANK = 1024
 
