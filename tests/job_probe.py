@@ -11,6 +11,7 @@ import ray
 
 ROOT = Path(__file__).resolve().parent.parent  # the job's working directory: this checkout, uploaded
 sys.path.insert(0, str(ROOT))
+from workflows.cluster_state import alive_nodes  # noqa: E402
 from workflows.config import load_config  # noqa: E402
 from workflows.runtime import runtime  # noqa: E402
 
@@ -28,5 +29,5 @@ cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
 assert cfg.ray.address is None, cfg.ray.address
 with runtime(cfg):
     task_node = ray.get(node_id.remote(), timeout=180)
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    nodes = [n.node_id for n in alive_nodes()]
     print("probe:", json.dumps({"gcs": ray.get_runtime_context().gcs_address, "nodes": nodes, "task_node": task_node}))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows import console, stop
+from workflows.cluster_state import cluster_resources
 from workflows.config import WorkflowConfig, dump_config
 from workflows.config.cluster import cluster_address
 from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
@@ -150,7 +151,7 @@ def init_ray(cfg: WorkflowConfig) -> bool:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    resources = ray.cluster_resources()
+    resources = cluster_resources()
     where = f"joined {address}" if address else "started a local cluster"
     say(
         f"ray: {where}, {resources.get('CPU', 0):g} CPU(s), {resources.get('GPU', 0):g} GPU(s); "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from workflows import registry
+from workflows.cluster_state import cluster_resources
 from workflows.errors import UserError, surface_user_errors
 from workflows.preprocess.sources import list_shards, read_dataset
 from workflows.serve.predictor import BatchPredictor
@@ -46,7 +47,7 @@ def predict_batch(rt, model_spec: str, data_uri: str, output_uri: str, concurren
         raise UserError(f"{data_uri} lacks column(s) {missing} that model {spec} reads (has {sorted(names)})")
 
     t0 = time.time()
-    workers = concurrency or max(1, min(4, int(ray.cluster_resources().get("CPU", 1))))
+    workers = concurrency or max(1, min(4, int(cluster_resources().get("CPU", 1))))
     scored = ds.map_batches(BatchPredictor, fn_constructor_args=(cfg.model_dump(mode="json"), spec),
                             batch_format="pandas", batch_size=cfg.evaluate.batch_size,
                             compute=ray.data.ActorPoolStrategy(size=workers))

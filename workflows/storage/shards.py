@@ -10,6 +10,7 @@ import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workflows.cluster_state import alive_nodes
 from workflows.errors import UserError
 from workflows.storage import cache_stats
 from workflows.storage.transfer import object_version
@@ -357,9 +358,8 @@ def shard_placement(shards: list[Shard]) -> dict[str, list[Shard]]:
     cache keeps serving it (a later epoch, job or tuning trial fetches nothing). The affinity is
     soft: if that node is busy or gone, another reads the shard (and caches it).
     """
-    import ray
 
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+    nodes = [n.node_id for n in alive_nodes() if n.resources.get("CPU", 0) > 0]
     if len(nodes) <= 1:
         return {}
     groups: dict[str, list[Shard]] = {}

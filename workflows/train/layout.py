@@ -13,6 +13,7 @@ A number or an elastic [min, max] in the config is used as it is.
 
 from __future__ import annotations
 
+from workflows.cluster_state import available_per_node
 from workflows.config import WorkflowConfig
 from workflows.errors import UserError
 
@@ -24,7 +25,7 @@ def resolved(cfg: WorkflowConfig) -> tuple[WorkflowConfig, str | None]:
     else as given; why, in words, when chosen)."""
     if cfg.train.num_workers != AUTO:
         return cfg, None
-    update, why = choose(cfg.train, _nodes())
+    update, why = choose(cfg.train, available_per_node())
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=update)}), why
 
 
@@ -59,9 +60,3 @@ def layout_summary(tc, why: str | None) -> dict:
     return {"num_workers": tc.num_workers, "cpus_per_worker": tc.cpus_per_worker, "why": why}
 
 
-def _nodes() -> list[dict]:
-    """The resources free now on each alive node of the Ray cluster (what a worker group can get): Ray's
-    per-node availability (a DeveloperAPI; ray.available_resources() sums the nodes)."""
-    from ray._private.state import available_resources_per_node
-
-    return [dict(r) for r in available_resources_per_node().values()]

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from workflows.cluster_state import cluster_resources
 from workflows.config import WorkflowConfig
 from workflows.dataset import ProcessedDataset
 from workflows.errors import UserError
@@ -95,9 +96,7 @@ def time_breakdown(history: list[dict], fit_started: float, fit_seconds: float) 
 
 def check_resources(num_workers: int, cpus_per_worker: float, use_gpu: bool, what: str = "train") -> None:
     """Fail fast with the numbers instead of waiting for resources that never come."""
-    import ray
-
-    total = ray.cluster_resources()
+    total = cluster_resources()
     need_cpu = num_workers * cpus_per_worker
     if need_cpu > total.get("CPU", 0):
         raise UserError(

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from workflows.cluster_state import cluster_resources
 from workflows.config import SearchDim, WorkflowConfig
 from workflows.config.tune import OPTION_PREFIX
 from workflows.dataset import ProcessedDataset
@@ -72,9 +73,7 @@ def with_task_metric(cfg: WorkflowConfig) -> WorkflowConfig:
 
 def max_concurrent_trials(cfg: WorkflowConfig) -> int:
     """As many trials as the cluster's CPUs hold at once; at least 1, or fail fast."""
-    import ray
-
-    cpus = ray.cluster_resources().get("CPU", 0)
+    cpus = cluster_resources().get("CPU", 0)
     per_trial = cfg.tune.num_workers * cfg.train.cpus_per_worker
     if per_trial > cpus:
         raise UserError(
