@@ -127,6 +127,31 @@ def test_a_signal_that_lands_in_a_destructor_still_stops_the_command():
     assert "Exception ignored" not in res.stderr, res.stderr
 
 
+EXIT_WITHOUT_TEARDOWN = """
+import atexit, concurrent.futures, sys, threading, time
+from workflows.cli import exit_without_teardown
+out = sys.argv[1]
+atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+concurrent.futures.ThreadPoolExecutor(2).submit(int).result()  # an idle worker, as Ray Data's leave
+threading.Thread(target=lambda: (time.sleep(0.5), open(out + ".thread", "w").write("done"))).start()
+sys.stdout.write("the last line, unflushed")
+exit_without_teardown(3)
+"""
+
+
+def test_a_command_s_end_skips_teardown_but_not_its_threads_atexit_or_output(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = str(tmp_path / "out")
+    res = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_TEARDOWN, out], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert (res.returncode, res.stdout) == (3, "the last line, unflushed"), res.stderr[-2000:]
+    assert Path(out + ".atexit").read_text() == "ran" and Path(out + ".thread").read_text() == "done"
+
+
 @pytest.mark.integration
 def test_sigterm_stops_a_long_command_in_one_line_and_leaves_no_ray(tmp_path):
     """SIGTERM to a command mid-run (preprocess, once Ray is up): Ray shut down, one line, exit 143."""
