@@ -358,7 +358,6 @@ def shard_placement(shards: list[Shard]) -> dict[str, list[Shard]]:
     cache keeps serving it (a later epoch, job or tuning trial fetches nothing). The affinity is
     soft: if that node is busy or gone, another reads the shard (and caches it).
     """
-
     nodes = [n.node_id for n in alive_nodes() if n.resources.get("CPU", 0) > 0]
     if len(nodes) <= 1:
         return {}
