@@ -75,3 +75,16 @@ def test_the_product_asks_the_cluster_only_through_cluster_state():
             if ray_call or ray_import:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found
+
+
+def test_no_subprocess_forks_a_driver_through_a_preexec_fn():
+    """Popen's preexec_fn forks the whole calling process and runs every at-fork handler in it; in a Ray
+    driver gRPC's are the suspects of requests to the GCS lost for ever (the test run's hangs, each right
+    after one). Spawns without one (vfork) run none."""
+    found = []
+    for folder in ("workflows", "tests", "reliability", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.keyword) and node.arg == "preexec_fn":
+                    found.append(f"{path.relative_to(ROOT)}:{node.value.lineno}")
+    assert not found, found

@@ -23,6 +23,7 @@ What the test changes around the commands, and only this:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -190,11 +191,21 @@ def shim(bin_dir: Path, overrides: list[str]) -> None:
     path.chmod(0o755)
 
 
-def _as_from_a_terminal() -> None:
+@contextlib.contextmanager
+def _as_from_a_terminal():
     """The block's shell gets Ctrl-C's default disposition, as from a user's terminal. A test process may
     ignore SIGINT (workflows.stop ignores it once a stop begins, in whatever process runs the command), and
-    a shell started ignoring it cannot undo that: `serve run` would then ignore Ctrl-C too."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    a shell started ignoring it cannot undo that: `serve run` would then ignore Ctrl-C too. Python's own
+    handler, set here meanwhile, is reset by exec; a preexec_fn would fork this whole process (a Ray
+    driver: gRPC's at-fork handlers are the suspects of its GCS requests lost for ever)."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run_block(block: Block, cwd: Path, bin_dir: Path, env: dict, substitutions: dict, timeout: float = 900):
@@ -210,8 +221,9 @@ def run_block(block: Block, cwd: Path, bin_dir: Path, env: dict, substitutions: 
         **env,
     }
     full_env = {k: v for k, v in full_env.items() if v != ""}
-    res = subprocess.run(["bash", "-c", block.script(substitutions)], cwd=cwd, env=full_env, capture_output=True,
-                         text=True, timeout=timeout, preexec_fn=_as_from_a_terminal)
+    with _as_from_a_terminal():
+        res = subprocess.run(["bash", "-c", block.script(substitutions)], cwd=cwd, env=full_env, capture_output=True,
+                             text=True, timeout=timeout)
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(cwd.glob("background-*.log")))
     assert res.returncode == 0, (
         f"README block at line {block.line} ({block.kind}) failed, exit {res.returncode}:\n{block.body}\n"

@@ -17,13 +17,11 @@ the running endpoint instead of starting a second copy of the data.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -112,11 +110,11 @@ class EmbeddedS3:
         for _attempt in range(3):
             port = self.port or free_port(self.host)
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "workflows.storage.s3_server", "-H", self.host, "-p", str(port)],
+                [sys.executable, "-m", "workflows.storage.s3_server", "-H", self.host, "-p", str(port),
+                 "--parent", str(os.getpid())],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
             )
             url = f"http://{self.host}:{port}"
             deadline = time.time() + 60
@@ -279,15 +277,6 @@ def endpoint_traffic(endpoint_url: str, reset: bool = False) -> dict:
     r = requests.post(url, timeout=10) if reset else requests.get(url, timeout=10)
     r.raise_for_status()
     return r.json()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the parent process dies (Linux). Strictly, when
-    the thread that started it ends: an endpoint is started from a thread that outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 __all__ = ["EmbeddedS3", "EMBEDDED_KEY", "endpoint_traffic", "running_endpoint"]

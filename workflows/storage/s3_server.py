@@ -157,6 +157,21 @@ def conditional_puts_are_atomic() -> None:
     S3Response.put_object = put_object  # type: ignore[method-assign]
 
 
+def die_with_parent(parent: int) -> None:
+    """Get SIGKILL when the thread that started this process ends (PR_SET_PDEATHSIG), or exit now if
+    `parent` is gone already. Armed here, not in a preexec_fn: Popen with one forks the whole parent,
+    running every at-fork handler in it: in a Ray driver, gRPC's are the suspects of GCS requests lost for ever."""
+    import ctypes
+    import sys
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+    if os.getppid() != parent:  # it died before the signal was armed
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import run_simple
@@ -164,7 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-H", "--host", default="127.0.0.1")
     parser.add_argument("-p", "--port", type=int, required=True)
+    parser.add_argument("--parent", type=int, help="the process whose death ends this server (Linux)")
     args = parser.parse_args(argv)
+    if args.parent:
+        die_with_parent(args.parent)
     os.environ.setdefault("MOTO_PORT", str(args.port))  # moto builds some URLs from it
     # Its parent persists the objects, then kills it (and PR_SET_PDEATHSIG kills it with the parent):
     # a Ctrl-C or SIGTERM to the whole process group or cgroup must not end it before that.
