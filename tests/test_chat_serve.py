@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from types import SimpleNamespace
 from typing import Literal
@@ -108,6 +109,31 @@ def test_cancel_stops_that_request_only(tiny, engine):
     assert gone.result(30) [1] == "cancelled" and len(gone.tokens) < 200
     assert kept.result(60)[1] == "length" and kept.tokens == ref.tokens
     assert e.load() == {"running": 0, "waiting": 0, "planning": 0}
+
+
+def test_a_request_that_ended_stops_counting_once_its_caller_has_the_answer(tiny, engine):
+    """The decode thread held where a request has ended (its caller has the answer) but its row has not
+    yet left the batch: it no longer counts as running, and its row's place goes to the next ones."""
+    _, _, tokenizer = tiny
+    p = prompts(tokenizer, 1)[0]
+    e = engine(max_batch=1, max_queue=1)
+    e.eos = set()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        held.set()
+        release.wait(30)
+
+    e.on_finish = lambda gen: hold()  # the decode thread, as the request ends, before its row is dropped
+    try:
+        assert e.submit(p, greedy(2)).result(60)[1] == "length"
+        wait_until(held.is_set, 30, "the decode thread held after the step that ended the request")
+        assert e.load() == {"running": 0, "waiting": 0, "planning": 0}
+        queued = [e.submit(p, greedy(2)) for _ in range(2)]  # the batch's free row, then the queue's place
+    finally:
+        e.on_finish = None
+        release.set()
+    assert [g.result(60)[1] for g in queued] == ["length", "length"]
 
 
 def test_a_full_queue_refuses_with_a_retry_after(tiny, engine):

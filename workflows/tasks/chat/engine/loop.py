@@ -159,7 +159,7 @@ class Engine:
     def _refuse_if_full(self, adapter: str | None) -> None:  # under the lock
         if self._closed or self.stopped:
             raise EngineStopped(self.stopped or "the engine is closed")
-        if not self.scheduler.room(len(self._rows)):
+        if not self.scheduler.room(self._running()):
             self.metrics.rejected("queue_full", adapter)
             raise QueueFull(len(self.scheduler.waiting) + self.scheduler.planning, self.retry_after_s)
 
@@ -177,8 +177,13 @@ class Engine:
     def load(self) -> dict[str, int]:
         """Requests in the batch, waiting, and admitted while being planned (a snapshot)."""
         with self._cond:
-            return {"running": len(self._rows), "waiting": len(self.scheduler.waiting),
+            return {"running": self._running(), "waiting": len(self.scheduler.waiting),
                     "planning": self.scheduler.planning}
+
+    def _running(self) -> int:
+        """Rows still generating: a row that ended in a step stays in `_rows` until the next one, but its
+        caller may already have its answer, and so may the next request to arrive."""
+        return sum(1 for r in self._rows if r.gen.finish_reason is None)
 
     def close(self, timeout: float = 10) -> None:
         with self._cond:
@@ -250,8 +255,8 @@ class Engine:
                     self.cache.release(row.slot)
                 self._rows = []
             report.seconds = time.perf_counter() - started
-            report.running, report.waiting = len(self._rows), len(self.scheduler.waiting)
-            report.cache_tokens = sum(r.pos for r in self._rows)
+            report.running, report.waiting = self._running(), len(self.scheduler.waiting)
+            report.cache_tokens = sum(r.pos for r in self._rows if r.gen.finish_reason is None)
             report.cache_capacity_tokens = self.cache.slots * self.cache.capacity
             try:
                 self.metrics.step(report)
