@@ -159,7 +159,7 @@ class Engine:
     def _refuse_if_full(self, adapter: str | None) -> None:  # under the lock
         if self._closed or self.stopped:
             raise EngineStopped(self.stopped or "the engine is closed")
-        if not self.scheduler.room(self._running()):
+        if not self.scheduler.room(len(self._rows)):
             self.metrics.rejected("queue_full", adapter)
             raise QueueFull(len(self.scheduler.waiting) + self.scheduler.planning, self.retry_after_s)
 
@@ -177,13 +177,8 @@ class Engine:
     def load(self) -> dict[str, int]:
         """Requests in the batch, waiting, and admitted while being planned (a snapshot)."""
         with self._cond:
-            return {"running": self._running(), "waiting": len(self.scheduler.waiting),
+            return {"running": len(self._rows), "waiting": len(self.scheduler.waiting),
                     "planning": self.scheduler.planning}
-
-    def _running(self) -> int:
-        """Rows still generating: a row that ended in a step stays in `_rows` until the next one, but its
-        caller may already have its answer, and so may the next request to arrive."""
-        return sum(1 for r in self._rows if r.gen.finish_reason is None)
 
     def close(self, timeout: float = 10) -> None:
         with self._cond:
@@ -255,8 +250,8 @@ class Engine:
                     self.cache.release(row.slot)
                 self._rows = []
             report.seconds = time.perf_counter() - started
-            report.running, report.waiting = self._running(), len(self.scheduler.waiting)
-            report.cache_tokens = sum(r.pos for r in self._rows if r.gen.finish_reason is None)
+            report.running, report.waiting = len(self._rows), len(self.scheduler.waiting)
+            report.cache_tokens = sum(r.pos for r in self._rows)
             report.cache_capacity_tokens = self.cache.slots * self.cache.capacity
             try:
                 self.metrics.step(report)
@@ -287,12 +282,11 @@ class Engine:
 
     def _step(self, joining: list[Generation], report: StepReport) -> None:
         t0 = time.perf_counter()
-        for row in self._rows:  # rows that end before the step: cancelled, or past their deadline
+        for row in list(self._rows):  # rows that end before the step: cancelled, or past their deadline
             if row.gen.cancelled:
                 self._end(row, Delta("", "cancelled"), report)
             elif row.gen.deadline is not None and row.gen.deadline <= t0:
                 self._end(row, Delta(row.text.delta(final=True), "timeout"), report)
-        self._rows = [r for r in self._rows if r.gen.finish_reason is None]
         self._join(joining, report)
         if not self._rows:
             return
@@ -314,7 +308,6 @@ class Engine:
         stats["max_rows"] = max(stats["max_rows"], len(self._rows))  # requests in the batch (holding slots)
         self._sample(step, logits, report)
         seconds = time.perf_counter() - start
-        self._rows = [r for r in self._rows if r.gen.finish_reason is None]  # first: the ended ones' callers go on
         if self.scheduler.costs is not None:  # what this step cost: the next steps' prefill budget
             n, ends = report.prefill_tokens, sum(step.keep[first + k - 1] for _, first, k in step.prefills)
             shape = StepShape(len(step.decoding), n, sum(step.positions[:n]) + n, ends, step.adapted(BASE))
@@ -377,7 +370,9 @@ class Engine:
             gen._push(Delta(row.text.delta(final=False), None, ids, logprobs))
 
     def _end(self, row: Row, last: Delta | None, report: StepReport, error: BaseException | None = None) -> None:
-        """A row leaves the batch: its slot is free (nothing is copied); its request ends with `last`, or fails."""
+        """A row leaves the batch (before its caller hears: it no longer counts as running, load() nor room for
+        the next request): its slot is free (nothing is copied); its request ends with `last`, or fails."""
+        self._rows = [r for r in self._rows if r is not row]
         self.cache.release(row.slot)
         if error is not None:
             self._fail(row.gen, error)
