@@ -112,8 +112,8 @@ def test_cancel_stops_that_request_only(tiny, engine):
 
 
 def test_a_request_that_ended_stops_counting_once_its_caller_has_the_answer(tiny, engine):
-    """The decode thread held where a request has ended (its caller has the answer) but its row has not
-    yet left the batch: it no longer counts as running, and its row's place goes to the next ones."""
+    """The decode thread held as a request ends, its step not over (the caller already has the answer):
+    the request no longer counts as running, and its row's place goes to the next ones."""
     _, _, tokenizer = tiny
     p = prompts(tokenizer, 1)[0]
     e = engine(max_batch=1, max_queue=1)
@@ -124,7 +124,7 @@ def test_a_request_that_ended_stops_counting_once_its_caller_has_the_answer(tiny
         held.set()
         release.wait(30)
 
-    e.on_finish = lambda gen: hold()  # the decode thread, as the request ends, before its row is dropped
+    e.on_finish = lambda gen: hold()  # in the decode thread, as the request ends, mid-step
     try:
         assert e.submit(p, greedy(2)).result(60)[1] == "length"
         wait_until(held.is_set, 30, "the decode thread held after the step that ended the request")
