@@ -127,7 +127,7 @@ def test_a_request_that_ended_stops_counting_once_its_caller_has_the_answer(tiny
     e.on_finish = lambda gen: hold()  # in the decode thread, as the request ends, mid-step
     try:
         assert e.submit(p, greedy(2)).result(60)[1] == "length"
-        wait_until(held.is_set, 30, "the decode thread held after the step that ended the request")
+        wait_until(held.is_set, 30, "the decode thread held as the request ended")
         assert e.load() == {"running": 0, "waiting": 0, "planning": 0}
         queued = [e.submit(p, greedy(2)) for _ in range(2)]  # the batch's free row, then the queue's place
     finally:

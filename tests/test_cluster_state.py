@@ -26,21 +26,20 @@ def test_the_cluster_as_ray_describes_it(ray_cluster):
 # A GCS stopped (SIGSTOP: the connection stays open, nothing answers) is the lost reply ray.nodes() waits
 # on for ever; its own cluster, in a process of its own, so the session's cluster goes on.
 STOPPED_GCS = """
-import os, signal, time, psutil, ray
+import signal, time, psutil, ray
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 from workflows import cluster_state as cs
 cs.TIMEOUT_S = 2.0
 gcs, = [p for p in psutil.Process().children(recursive=True) if p.name() == "gcs_server"]  # ray.init started it
 assert len(cs.alive_nodes()) == 1
-def stopped(pid):  # every thread of it: the stop reaches each thread as it next runs
-    tasks = os.listdir(f"/proc/{pid}/task")
-    return all(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
+def stopped(proc):  # every thread of it: the stop reaches each thread as it next runs
+    return all(psutil.Process(t.id).status() == psutil.STATUS_STOPPED for t in proc.threads())
 gcs.send_signal(signal.SIGSTOP)
 try:
     deadline = time.monotonic() + 30
-    while not stopped(gcs.pid) and time.monotonic() < deadline:
+    while not stopped(gcs) and time.monotonic() < deadline:
         time.sleep(0.01)
-    print("STOPPED", stopped(gcs.pid))
+    print("STOPPED", stopped(gcs))
     for query in (cs.alive_nodes, cs.cluster_resources, cs.available_per_node):
         t = time.monotonic()
         try:

@@ -370,8 +370,8 @@ class Engine:
             gen._push(Delta(row.text.delta(final=False), None, ids, logprobs))
 
     def _end(self, row: Row, last: Delta | None, report: StepReport, error: BaseException | None = None) -> None:
-        """A row leaves the batch (before its caller hears: it no longer counts as running, load() nor room for
-        the next request): its slot is free (nothing is copied); its request ends with `last`, or fails."""
+        """A row leaves the batch before its caller hears (so neither load() nor admission counts it once its
+        answer is out): its slot is free (nothing is copied); its request ends with `last`, or fails."""
         self._rows = [r for r in self._rows if r is not row]
         self.cache.release(row.slot)
         if error is not None:
