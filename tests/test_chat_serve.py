@@ -531,18 +531,11 @@ def _hostile_adapters(chat_server) -> list[str]:
 def _generate_metrics(pick) -> dict:
     """{sample name: [(labels, value)]} of every `ray_workflows_generate_*` sample on the session's node(s),
     or None if `pick` of it is falsy."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from workflows.cluster_state import alive_nodes
+    from workflows.cluster_state import metric_samples
 
     out: dict = {}
-    for node in alive_nodes():
-        text = requests.get(f"http://{node.address}:{node.metrics_export_port}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith("ray_workflows_generate_"):
-                    out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    for sample in metric_samples("ray_workflows_generate_"):
+        out.setdefault(sample["name"], []).append((sample["labels"], sample["value"]))
     return out if pick(out) else None
 
 

@@ -57,6 +57,21 @@ def alive_nodes() -> list[Node]:
     return sorted(nodes, key=lambda n: n.node_id)
 
 
+def metric_samples(prefix: str) -> list[dict]:
+    """The Prometheus samples named `prefix`* that every alive node exports now (its metrics export
+    port): {name, labels, value, node} each."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rows = []
+    for node in alive_nodes():
+        text = requests.get(f"http://{node.address}:{node.metrics_export_port}/metrics", timeout=10).text
+        rows += [{"name": s.name, "labels": s.labels, "value": s.value, "node": node.address}
+                 for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name.startswith(prefix)]
+    return rows
+
+
 def cluster_resources() -> dict[str, float]:
     """The alive nodes' resources summed, as ray.cluster_resources() gives them."""
     total: dict[str, float] = {}

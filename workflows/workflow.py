@@ -31,7 +31,7 @@ import pandas as pd
 import requests
 
 from workflows import registry
-from workflows.cluster_state import alive_nodes
+from workflows.cluster_state import metric_samples
 from workflows.config import WorkflowConfig, load_config
 from workflows.dataset import ProcessedDataset, SplitRows
 from workflows.errors import UserError
@@ -340,18 +340,10 @@ class Workflow:
         """The Prometheus samples named `prefix`* of every live Ray node (its metrics export port): one
         row a sample (name, labels, value). Ray exports every few seconds: `wait_for` names metrics
         to wait for, up to `timeout` seconds."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         _ = self.runtime  # started
         wanted, deadline = set(wait_for), time.time() + timeout
         while True:
-            rows = []
-            for node in alive_nodes():
-                url = f"http://{node.address}:{node.metrics_export_port}/metrics"
-                for family in text_string_to_metric_families(requests.get(url, timeout=10).text):
-                    rows += [{"name": s.name, "labels": s.labels, "value": s.value, "node": node.address}
-                             for s in family.samples if s.name.startswith(prefix)]
-            frame = pd.DataFrame(rows, columns=["name", "labels", "value", "node"])
+            frame = pd.DataFrame(metric_samples(prefix), columns=["name", "labels", "value", "node"])
             if wanted <= set(frame["name"]) or time.time() > deadline:
                 return frame
             time.sleep(2)
