@@ -10,6 +10,8 @@ outside the gate; a peer that is not built is left out of the run, and the secti
 
 from __future__ import annotations
 
+import re
+
 from benchmarks.generate_peers import available_peers
 from workflows.bench import generate
 
@@ -55,6 +57,18 @@ TEXT = {
     "itl_p50_vllm_engine_vs_vllm_server_c1": "serve.generate.engine=vllm: inter-token latency p50 at 1 against "
                                              "vLLM's own server's",
 }
+
+AT_MID = ("sampled_vs_greedy", "tokens_per_s_vs_one_at_a_time")  # measured at the run's middle concurrency
+
+
+def describe(key: str, mid: int) -> str:
+    """A figure's words, at the concurrency the run measured it (`mid`, 16 unless a variant's levels
+    leave it out): a key of another level is its 16's words at that level."""
+    level = re.fullmatch(r"(.+?)_c(\d+)(_.+)?", key)
+    if key not in TEXT and level and (at16 := f"{level[1]}_c16{level[3] or ''}") in TEXT:
+        return TEXT[at16].replace("at 16", f"at {level[2]}")
+    text = TEXT.get(key, key)
+    return text.replace("at 16", f"at {mid}") if key in AT_MID else text
 
 
 ENGINE_WORDS = {"builtin": "our engine", "vllm": "vLLM's engine behind our API (serve.generate.engine=vllm)"}
@@ -112,7 +126,7 @@ def markdown(r: dict) -> str:
         v, g, met = r.get(key), r["goals"].get(key), r["meets_goals"].get(key)
         shown = "n/a" if v is None else f"**{v:.2f}**"
         verdict = "reported" if g is None else ("met" if met else "**not met**")
-        return f"| {key} | {TEXT.get(key, key)} | {shown} | {g or ''} | {verdict} |"
+        return f"| {key} | {describe(key, r.get('mid', 16))} | {shown} | {g or ''} | {verdict} |"
 
     keys = [*FIGURES, *sorted(set(r["goals"]) - set(FIGURES))]
     goals = "\n".join(goal(k) for k in keys if r.get(k) is not None)

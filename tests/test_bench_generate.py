@@ -121,3 +121,17 @@ def test_the_attention_named_is_the_served_engines_whatever_this_process_loaded(
 
     assert served_attention(load_config("chat", [])) == ATTENTION
     assert served_attention(load_config("chat", ["serve.generate.engine=vllm"])) == "vllm's own"
+
+
+def test_a_figure_is_described_at_the_concurrency_the_run_measured_it():
+    """A variant run at other levels (`--set concurrency=1`) names its figures at those levels, not at 16."""
+    from benchmarks.generate import TEXT, describe
+
+    engine = "over HTTP with SSE against the engine called directly"
+    assert describe("http_vs_engine_c16", 16) == f"tokens/s at 16 {engine}"
+    assert describe("http_vs_engine_c1", 1) == f"tokens/s at 1 {engine}"
+    assert describe("ttft_c8_over_c1", 8) == "time to first token p50 at 8 over that at 1, over HTTP"
+    assert describe("sampled_vs_greedy", 1).endswith("over greedy at 1, over HTTP")
+    assert describe("sampled_vs_greedy", 16) == TEXT["sampled_vs_greedy"]
+    assert describe("decode_vs_roofline", 1) == TEXT["decode_vs_roofline"]
+    assert describe("a_new_figure_c4", 4) == "a_new_figure_c4"  # no words: its key

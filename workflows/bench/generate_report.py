@@ -148,9 +148,11 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
         f"json_schema_vs_unconstrained_c{mid}": ratio(get(f"http_json_c{mid}", "tokens_per_s"),
                                                       get(f"http_c{mid}", "tokens_per_s")),
         "vs_llama_cpp_c1": ratio(get("http_c1", "tokens_per_s"), get("llama_cpp_c1", "tokens_per_s")),
-        "vs_llama_cpp_c16": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"llama_cpp_c{mid}", "tokens_per_s")),
+        f"vs_llama_cpp_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"llama_cpp_c{mid}", "tokens_per_s")),
         **peer_keys(get, mid, top),
     }
+    if mid == 1:  # a run at 1 alone: nothing to divide by its own level
+        del keys["ttft_c1_over_c1"]
     if cfg.serve.generate.engine == "vllm":  # ours is vLLM's engine here: its ratios to vLLM's server are our layer's
         for old, new in (("vs_vllm_c1", "vllm_engine_vs_vllm_server_c1"),
                          (f"vs_vllm_c{mid}", f"vllm_engine_vs_vllm_server_c{mid}"),
@@ -164,7 +166,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
             "requests": opts["requests"], "serial_requests": opts["serial_requests"], "max_tokens": max_tokens,
             "repeats": opts["repeats"], "static_batch": opts["static_batch"], "load": float(opts["load"]),
             "overload": float(opts["overload"]), "overload_requests": opts["overload_requests"],
-            "max_batch": cfg.serve.generate.max_batch, "max_queue": cfg.serve.generate.max_queue,
+            "max_batch": cfg.serve.generate.max_batch, "max_queue": cfg.serve.generate.max_queue, "mid": mid,
             "prompt_tokens_mean": round(prompt_mean(prompts, opts), 1),
             "matmul_flops_per_s": round(best_flops), "matmul_flops_per_s_runs": [round(f) for f in flops],
             "matmul_dtype": str(model.dtype).removeprefix("torch."),
