@@ -1,6 +1,7 @@
 """The engine's compiled forward (#71) on tiny decoders, without Ray: the tokens the eager forward gives,
 alone and batched; no step recompiles after warm-up (and one that would runs eagerly); LoRA adapter rows
-beside base rows; weights changed after compiling; the setting that chooses it."""
+beside base rows, and a lone base stream on the one-token graph; weights changed after compiling; the settings
+that choose them."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def test_compiled_steps_give_the_eager_tokens_alone_and_batched_and_never_recomp
         refused = compiled.call(int32_ids).result(60)
         assert refused is None and compiled.compiled.refused == 1 and graphs() == before
 
-        def one_token_ops():  # a lone stream's step: the same graph, its matmuls oneDNN's packed op (not MKL's)
+        def one_token_ops():  # a lone stream's step without the one-token graph (off for a model this small): the
+            # dynamic graph, its matmuls oneDNN's packed op (not MKL's)
             from torch.profiler import ProfilerActivity, profile
 
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -94,14 +96,30 @@ def test_compiled_steps_give_the_eager_tokens_alone_and_batched_and_never_recomp
         compiled.close()
 
 
+def test_the_one_token_graph_is_on_where_a_model_s_layers_outgrow_the_caches(tiny):
+    """one_token_graph auto: on for SmolLM2-135M's shape (425 MB of layers), off for the tiny model; on and off
+    as set; a typo is a clear error (the graph's tokens and steps: the adapter tests, on `own`)."""
+    _, model, _ = tiny
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):  # SmolLM2-135M's shape, no weights
+        smollm2 = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3))
+    assert compiled_forward.one_token_graph(smollm2, "auto") and not compiled_forward.one_token_graph(smollm2, "off")
+    assert not compiled_forward.one_token_graph(model, "auto") and compiled_forward.one_token_graph(model, "on")
+    with pytest.raises(ValueError, match="one_token 'yes'"):
+        compiled_forward.build(model, "eager", None, "yes")
+
+
 @pytest.fixture(scope="module")
 def own(tiny):
-    """A compiled engine over a model of its own (loaded from the tiny model's directory)."""
+    """A compiled engine over a model of its own (loaded from the tiny model's directory), with the one-token
+    graph (a lone base stream's decode steps run it, any other step the dynamic graphs)."""
     from transformers import AutoModelForCausalLM
 
     model_dir, _, tokenizer = tiny
     e = Engine(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, max_batch=4, forward="compiled",
-               prefill_chunk=3, mixed_step_ratio=None)
+               prefill_chunk=3, mixed_step_ratio=None, one_token_graph="on")
     e.eos = set()
     yield e
     e.close()
@@ -136,11 +154,21 @@ def test_adapter_rows_run_compiled_beside_base_rows_with_peft_s_tokens(tiny, own
     finally:
         eager.close()
     assert len({tuple(t) for t in alone.values()}) == 3  # the adapters change what the model says
-    steps = own.stats["steps"]
-    assert {a: run(own, [p], adapters=[a])[0] for a in alone} == alone
+    steps, before = own.stats["steps"], graphs()
+    one_token_steps = []
+    for a in alone:
+        assert run(own, [p], adapters=[a])[0] == alone[a]
+        one_token_steps.append(own.compiled.one_token_steps)
+    assert one_token_steps[0] >= 11 and one_token_steps[0] == one_token_steps[-1]  # the base row's decode alone
+    own.compiled.one_token = False  # switched off between steps: the dynamic graph runs them, with the same tokens
+    try:
+        assert run(own, [p])[0] == alone[None] and own.compiled.one_token_steps == one_token_steps[0]
+    finally:
+        own.compiled.one_token = True
     order = ["one", None, "two", "one"]
     assert run(own, [p] * 4, adapters=order) == [alone[a] for a in order]
     assert own.stats["compiled_steps"] == own.stats["steps"] > steps and own.compiled.refused == 0
+    assert graphs() == before  # nothing compiled after warm-up, the one-token graph's steps included
 
     from peft import LoraConfig
 
@@ -281,4 +309,6 @@ def test_the_forward_setting_chooses_compiled_eager_or_auto(tiny, tmp_path):
     assert compiled_forward.build(bf16, "auto", cache) is None
     with pytest.raises(UserError, match="serve.generate.forward"):
         load_config("chat", ["serve.generate.forward=fast"])
+    with pytest.raises(UserError, match="serve.generate.one_token_graph"):
+        load_config("chat", ["serve.generate.one_token_graph=yes"])
     assert load_config("chat", []).serve.generate.forward == "auto"

@@ -11,11 +11,16 @@ engine's slot attention (workflows.tasks.chat.engine.cache) as a `torch.library`
 the compiler, so the graph does not break around it, and it reads the step's plan (which slots, which
 positions) from the step that runs it, not from the graph's inputs.
 
-The token count is dynamic, a single token's included (size-oblivious: no graph of its own for 1, whose
-matmuls inductor would hand to MKL's packed path, slower than oneDNN's at one row on the CPUs measured):
-one graph with LoRA adapters' deltas and one without (workflows.tasks.chat.engine.lora: the step's
+The token count is dynamic, a single token's included (size-oblivious: the token count is not specialized at
+1): one graph with LoRA adapters' deltas and one without (workflows.tasks.chat.engine.lora: the step's
 adapters are inputs of the graph, so their rows, mixed per row with base rows, run in it too; vLLM turns its
-compile off whenever LoRA is on), both compiled when the engine is built (`warm_up`), never per request: after warm-up a
+compile off whenever LoRA is on). A third graph, optional (`one_token`), is static at one token without adapters: a
+lone stream's decode step, which reads every weight for one row, so its speed is the rate its matmuls read
+weights at. There inductor autotunes each matmul between its C++ GEMM template (a micro-kernel over the frozen
+weight, blocked for it) and ATen's, and the template reads them faster than oneDNN's packed op (on SmolLM2-135M
+on 2 cores: a lone stream's step 1.37x faster, docs/BENCHMARKS.md); it is not the dynamic graphs' choice, since
+at 16 rows the template with a dynamic row count was 3x slower than oneDNN. All are compiled when the engine is
+built (`warm_up`), never per request: after warm-up a
 call that would recompile raises instead (torch.compiler's "fail_on_recompile" stance) and that step
 runs eagerly, counted (`refused`), as do steps with an adapter the graph cannot compute (DoRA) and steps
 after the model's weights changed in place (the graph holds them as constants).
@@ -43,6 +48,7 @@ from workflows.tasks.chat.engine.lora import Adapters, AdapterStep, delta, warm_
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")  # model_type values laid out as transformers' Llama
+AUTOTUNED = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}  # one-token graph
 _step = threading.local()  # the plan of the step running in this thread, read by the attention op
 
 
@@ -184,7 +190,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class CompiledForward:
     """The compiled decoder of a model, its output head, and the tables of its LoRA adapters (`adapters`)."""
 
-    def __init__(self, model, positions: int):
+    def __init__(self, model, positions: int, one_token: bool = False):
         self.decoder = Decoder(model, positions)
         self.head = model.get_output_embeddings()
         self._frozen = [t for name, t in self.decoder.named_buffers() if name not in ("cos", "sin")]
@@ -192,6 +198,10 @@ class CompiledForward:
         # dynamic: one graph for every token count (warm_up: size-oblivious); the forward's code an
         # object of its own, so that its graphs and their guards (and their count's limit) are this engine's alone
         self._fn = torch.compile(_own_code(Decoder.forward), dynamic=True)
+        # static: one token without adapters, a lone stream's decode step (its matmuls autotuned at warm-up)
+        self._one = torch.compile(_own_code(Decoder.forward), dynamic=False) if one_token else None
+        self.one_token = one_token  # steps of one token run it (set between steps: the dynamic graph runs them)
+        self.one_token_steps, self.one_token_compile_s = 0, 0.0  # steps it ran; its warm-up's seconds
         self.adapters = Adapters()
         self.warm = False
         self.refused = 0  # steps that would have recompiled after warm-up, run eagerly instead
@@ -204,8 +214,8 @@ class CompiledForward:
         return self._weights_now() == self._sources
 
     def warm_up(self, cache) -> None:
-        """Compile the two graphs (with LoRA adapters' deltas or without, any token count) on the
-        cache's first slots, before any request holds one (a request writes a position's keys before it
+        """Compile the graphs (with LoRA adapters' deltas or without, any token count; the one-token graph) on
+        the cache's first slots, before any request holds one (a request writes a position's keys before it
         reads them)."""
         device = cache.device
         # freezing: the weights are constants of the graphs, so inductor folds the concatenations and packs every
@@ -218,7 +228,14 @@ class CompiledForward:
                 torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True), \
                 torch.compiler.set_stance("default"):
             self._warm_up(cache, device)
-        self.warm = True
+        if self._one is not None:  # each matmul's kernel measured: inductor's C++ GEMM template or ATen's
+            started = time.perf_counter()
+            with torch._inductor.config.patch(**AUTOTUNED), torch.compiler.set_stance("default"), \
+                    torch.inference_mode():
+                ids, positions = (torch.zeros(1, dtype=torch.long, device=device) for _ in range(2))
+                self._call(ids, positions, cache.plan([0], [0], [0], []), None)
+            self.one_token_compile_s = time.perf_counter() - started
+        self.warm, self.one_token_steps = True, 0
 
     def _warm_up(self, cache, device) -> None:
         for n, lora in ((2, False), (2, True)):
@@ -231,10 +248,14 @@ class CompiledForward:
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
               adapters: AdapterStep | None) -> torch.Tensor:
+        one = self.one_token and adapters is None and ids.shape[0] == 1
+        fn = self._one if self._one is not None and one else self._fn
         _step.plan = plan
         try:
             with torch.inference_mode():  # as every step runs (grad mode is one of the graphs' guards)
-                return self._fn(self.decoder, ids, positions, None if adapters is None else adapters.inputs())
+                out = fn(self.decoder, ids, positions, None if adapters is None else adapters.inputs())
+            self.one_token_steps += one
+            return out
         finally:
             _step.plan = None
 
@@ -256,14 +277,20 @@ class CompiledForward:
 
 
 FORWARDS = ("auto", "compiled", "eager")
+ONE_TOKEN = ("auto", "on", "off")
+ONE_TOKEN_AUTO_BYTES = 64 << 20  # layers' weights well beyond a CPU's caches: a one-token step bound by reading them
 
 
-def build(model, forward: str, cache) -> CompiledForward | None:
+def build(model, forward: str, cache, one_token: str = "auto") -> CompiledForward | None:
     """The compiled forward `forward` asks for (serve.generate.forward), warmed up on `cache`: "eager",
     none; "compiled", one or a clear error; "auto", one where the model, its dtype and its device are those
-    it is measured on (an fp32 Llama-laid decoder on a CPU), else none (on a GPU until measured there)."""
+    it is measured on (an fp32 Llama-laid decoder on a CPU), else none (on a GPU until measured there).
+    `one_token` (serve.generate.one_token_graph): its one-token graph "on", "off", or "auto": on where the
+    layers' weights exceed ONE_TOKEN_AUTO_BYTES (SmolLM2-135M's are 425 MB, a tiny test model's some KB)."""
     if forward not in FORWARDS:
         raise ValueError(f"forward {forward!r}: one of {', '.join(FORWARDS)}")
+    if one_token not in ONE_TOKEN:
+        raise ValueError(f"one_token {one_token!r}: one of {', '.join(ONE_TOKEN)}")
     if forward == "eager":
         return None
     why = unsupported(model)
@@ -275,7 +302,16 @@ def build(model, forward: str, cache) -> CompiledForward | None:
         log.info("the engine's forward runs eagerly: %s", why)
         return None
     started = time.perf_counter()
-    made = CompiledForward(model, cache.max_tokens)
+    made = CompiledForward(model, cache.max_tokens, one_token_graph(model, one_token))
     made.warm_up(cache)
-    log.info("the engine's forward compiled in %.1f s", time.perf_counter() - started)
+    log.info("the engine's forward compiled in %.1f s (its one-token graph in %.1f s)", time.perf_counter() - started,
+             made.one_token_compile_s)
     return made
+
+
+def one_token_graph(model, one_token: str) -> bool:
+    """Whether a compiled forward of `model` has its one-token graph (`one_token`: "on", "off" or "auto")."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # the decoder layers' weights (not the embeddings, of which a step gathers a row a token)
+    layers = sum(p.numel() * p.element_size() for p in base.model.layers.parameters())
+    return one_token == "on" or (one_token == "auto" and layers > ONE_TOKEN_AUTO_BYTES)

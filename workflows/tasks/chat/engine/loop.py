@@ -64,14 +64,14 @@ class Engine:
     beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens: the scheduler's prefill budgets per
     step (in time, in tokens until the costs are known, and at most); timeout_s:
     each request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
-    layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear); forward:
-    "compiled", "auto" or "eager" (workflows.tasks.chat.engine.compiled)."""
+    layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear); forward ("compiled",
+    "auto" or "eager") and one_token_graph ("auto", "on", "off"): workflows.tasks.chat.engine.compiled."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = MIXED_STEP_RATIO,
                  timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True,
-                 forward: str = "eager"):
+                 forward: str = "eager", one_token_graph: str = "auto"):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = model_device(model)  # where every tensor the engine makes goes
         check_full_attention(model.config)
@@ -87,7 +87,7 @@ class Engine:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
         self.cache = SlotCache(model.config, max_batch, self.max_context, self.device, model_dtype(model))
-        self.compiled = build_compiled(model, forward, self.cache)  # compiled for any step, before any request
+        self.compiled = build_compiled(model, forward, self.cache, one_token_graph)  # before any request
         self.sampler = Sampler(self.vocab_size, max_batch, self.device)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens, mixed_step_ratio)
         # for benchmarks and tests: steps run, tokens sampled, decoding rows summed over steps (over decode_steps: the
