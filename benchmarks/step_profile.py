@@ -4,9 +4,10 @@ The chat config's base model, its linears packed as a replica packs them, the en
 serve.generate and called directly on these cores, first with its forward eager (transformers' modules),
 then compiled (workflows.tasks.chat.engine.compiled), one engine at a time on the same weights. Kinds of
 step, each profiled over STEPS steps in the engine's own thread (started and stopped there between two
-steps, `Engine.call`): decode-only at 1 row (eager: on the packed weights, the default, and on the weights themselves)
-and at 16 rows (every row decoding, nothing joining), and mixed (a 1,500-token prompt prefilled beside
-16 decoding rows, chunked by the time budget). Per kind: the step's wall time, the operators it runs
+steps, `Engine.call`): decode-only at 1 row (eager: on the packed weights, the default, and on the weights themselves;
+compiled: on its one-token graph, the default for this model, and on the dynamic graph) and at 16 rows
+(every row decoding, nothing joining), and mixed (a 1,500-token prompt prefilled beside 16 decoding rows,
+chunked by the time budget). Per kind: the step's wall time, the operators it runs
 (their count and self CPU time per step, grouped: matmuls, attention, elementwise and norms, cache and
 indexing, sampling, the compiled graph's fused loops and torch.compile's runtime, the rest), and what
 the operators do not account for (Python, dispatch, allocation): before and after the compile.
@@ -20,15 +21,16 @@ import time
 from benchmarks.prefill_join import wait_for
 
 STEPS, REPEATS = 24, 3
-KINDS = ("decode_1_unpacked", "decode_1", "decode_16", "mixed_16", "decode_1_compiled", "decode_16_compiled",
-         "mixed_16_compiled")
+KINDS = ("decode_1_unpacked", "decode_1", "decode_16", "mixed_16", "decode_1_compiled_dynamic", "decode_1_compiled",
+         "decode_16_compiled", "mixed_16_compiled")
 LABELS = {"decode_1_unpacked": "decode at 1, weights unpacked (MKL)", "decode_1": "decode at 1",
           "decode_16": "decode at 16",
-          "mixed_16": "mixed at 16", "decode_1_compiled": "compiled: decode at 1",
+          "mixed_16": "mixed at 16", "decode_1_compiled": "compiled, one-token graph: decode at 1",
+          "decode_1_compiled_dynamic": "compiled, no one-token graph: decode at 1",
           "decode_16_compiled": "compiled: decode at 16", "mixed_16_compiled": "compiled: mixed at 16"}
 FIGURES = ("one_row_unpacked_over_packed", "decode_16_ms", "decode_16_ops", "decode_16_outside_ops_share",
            "decode_16_compiled_ms", "compiled_speedup_decode_1", "compiled_speedup_decode_16",
-           "compiled_speedup_mixed_16")
+           "compiled_speedup_mixed_16", "one_token_speedup_decode_1")
 # the compiled graph's own ranges (no "::" in their names): its fused loops run inside the graph's call; the rest
 # is torch.compile's runtime (the guards' check, its wrappers)
 COMPILED = {"## Call CompiledFxGraph": "inductor's fused loops (norms, rotary, SiLU, residuals: the graph's call)",
@@ -126,9 +128,28 @@ def _packed_or_not(engine, kinds: dict) -> dict[str, list[float]]:
     return walls
 
 
+def _one_token_or_not(engine, kinds: dict) -> dict[str, list[float]]:
+    """A compiled engine's decode steps of one row on its one-token graph and on the dynamic graph
+    (CompiledForward.one_token switched between steps), REPEATS times interleaved, the order alternating, then
+    the dynamic graph's profiled: wall ms a step of each."""
+    compiled = engine.compiled
+    walls: dict[str, list[float]] = {"one_token": [], "dynamic": []}
+    try:
+        for repeat in range(REPEATS):
+            for name in ("one_token", "dynamic")[::1 if repeat % 2 == 0 else -1]:
+                engine.call(lambda: setattr(compiled, "one_token", name == "one_token")).result(120)
+                walls[name].append(round(_steps_ms(engine, STEPS)[1], 1))
+        engine.call(lambda: setattr(compiled, "one_token", False)).result(120)
+        kinds["decode_1_compiled_dynamic"] = _profile(engine, STEPS)
+    finally:
+        engine.call(lambda: setattr(compiled, "one_token", True)).result(120)
+    return walls
+
+
 def _profile_kinds(engine, prompt: list[int], kinds: dict, suffix: str = "") -> dict[str, list[float]]:
     """Profile `engine`'s decode steps at 1 and 16 rows and its mixed steps into kinds[<kind><suffix>]; for
-    the eager forward (no suffix) also a lone stream's steps on packed and unpacked weights (their walls)."""
+    the eager forward (no suffix) also a lone stream's steps on packed and unpacked weights, for the compiled
+    one on its one-token graph and on the dynamic graph (their walls)."""
     from workflows.tasks.chat.engine import SamplingParams
     from workflows.tasks.chat.engine.costs import RECENT
 
@@ -142,6 +163,8 @@ def _profile_kinds(engine, prompt: list[int], kinds: dict, suffix: str = "") -> 
         wait_for(lambda: all(len(g.tokens) >= 8 for g in gens), 300)
         if rows == 1 and not suffix:  # a lone stream's linears: packed (the default) or the weights themselves
             walls = _packed_or_not(engine, kinds)
+        elif rows == 1 and engine.compiled is not None and engine.compiled.one_token:
+            walls = _one_token_or_not(engine, kinds)
         kinds[f"decode_{rows}{suffix}"] = _profile(engine, STEPS)
         if rows == 16:  # the 16 keep decoding: a long prompt joins them
             # first unprofiled decode steps again: the budget prices prompt tokens over the recent decode-only
@@ -175,22 +198,23 @@ def run(config: str | None, overrides: list[str]) -> dict:
     prompt = tokenizer(text)["input_ids"][:1500]
     kinds: dict[str, dict] = {}
     walls: dict[str, list[float]] = {}
-    compile_s, refused = None, None
+    compile_s, refused, one_token_s = None, None, None
     for forward, suffix in (("eager", ""), ("compiled", "_compiled")):  # one engine at a time, on the same weights
         started = time.perf_counter()
         engine = Engine(model, tokenizer, max_batch=17, max_context=2048, prefill_chunk=gen.prefill_chunk,
                         max_prefill_tokens=gen.max_prefill_tokens, mixed_step_ratio=gen.mixed_step_ratio,
-                        prepack=gen.prepack_weights, forward=forward)
+                        prepack=gen.prepack_weights, forward=forward, one_token_graph=gen.one_token_graph)
         built_s = time.perf_counter() - started
         try:
-            walls = _profile_kinds(engine, prompt, kinds, suffix) or walls
+            walls.update(_profile_kinds(engine, prompt, kinds, suffix))
         finally:
             engine.close()
         if engine.compiled is not None:
             compile_s = round(built_s, 1)
-            refused = engine.compiled.refused
+            refused, one_token_s = engine.compiled.refused, round(engine.compiled.one_token_compile_s, 1)
     d16, c16 = kinds["decode_16"], kinds["decode_16_compiled"]
     unpacked = statistics.median(walls["unpacked"]) / statistics.median(walls["packed"])
+    one_token = statistics.median(walls["dynamic"]) / statistics.median(walls["one_token"])
     speedups = {f"compiled_speedup_{k}": round(kinds[k]["step_ms"] / kinds[f"{k}_compiled"]["step_ms"], 2)
                 for k in ("decode_1", "decode_16", "mixed_16")}
     return {"one_row_walls_ms": walls, "one_row_unpacked_over_packed": round(unpacked, 3), "kinds": kinds,
@@ -198,6 +222,7 @@ def run(config: str | None, overrides: list[str]) -> dict:
             "decode_16_ops": d16["ops"], "decode_16_outside_ops_share": d16["outside_ops_share"],
             "mixed_over_decode_16": round(kinds["mixed_16"]["step_ms"] / d16["step_ms"], 2),
             "decode_16_compiled_ms": c16["step_ms"], "compile_s": compile_s, "compiled_refused": refused,
+            "one_token_compile_s": one_token_s, "one_token_speedup_decode_1": round(one_token, 2),
             **speedups}
 
 
@@ -227,10 +252,13 @@ def markdown(r: dict) -> str:
 
 SmolLM2-135M fp32, linears packed as served, the engine called directly with {r["threads"]} threads, its forward
 eager (transformers' modules) and then compiled (`serve.generate.forward`, workflows.tasks.chat.engine.compiled:
-the engine built, its graphs compiled, in {r["compile_s"]} s; {r["compiled_refused"]} steps refused a recompile);
+the engine built, its graphs compiled, in {r["compile_s"]} s, its one-token graph's autotuned matmuls in
+{r["one_token_compile_s"]} s of them; {r["compiled_refused"]} steps refused a recompile);
 torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 rows; mixed: a 1,500-token
 prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
-In the compiled graph inductor's fused loops are not operators the profiler sees: their time is the graph's call.
+In the compiled graph inductor's fused loops are not operators the profiler sees: their time is the graph's call;
+on the one-token graph its matmuls too (the C++ template's kernels are loops of the graph: the matmul left is the
+output head's, outside the graphs).
 Per step: each group's self CPU time and operator count (as profiled); what no operator accounts for (Python, dispatch, allocation) is
 the wall time of the same kind of steps unprofiled, less the operators' time. The cache was grown to the
 long prompt's length first (it grows by doubling, once per replica: not a step's cost).
@@ -248,6 +276,11 @@ with repeats). A lone stream's eager decode step computing with the weights them
 (MKL's matrix-vector path: `linear.UNPACKED_ROWS` 2) took {r["one_row_unpacked_over_packed"]:.2f}x the time of
 the same step on the packed copy, the default (the medians of {len(r["one_row_walls_ms"]["packed"])} runs of {r["kinds"]["decode_1"]["steps"]} steps each,
 interleaved: {r["one_row_walls_ms"]["unpacked"]} against {r["one_row_walls_ms"]["packed"]} ms).
+Compiled, a lone stream's decode step on the one-token graph (static, its matmuls autotuned between inductor's
+C++ GEMM template and ATen's: `serve.generate.one_token_graph`) took {1 / r["one_token_speedup_decode_1"]:.2f}x
+the time of the same step on the dynamic graph (oneDNN's packed matmuls; the medians of
+{len(r["one_row_walls_ms"]["one_token"])} runs of {r["kinds"]["decode_1_compiled"]["steps"]} steps each, interleaved, the
+order alternating: {r["one_row_walls_ms"]["one_token"]} against {r["one_row_walls_ms"]["dynamic"]} ms).
 
 The ten costliest operators of a decode step at 16 rows, eager and compiled (self CPU time):
 

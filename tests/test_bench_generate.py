@@ -135,3 +135,14 @@ def test_a_figure_is_described_at_the_concurrency_the_run_measured_it():
     assert describe("sampled_vs_greedy", 16) == TEXT["sampled_vs_greedy"]
     assert describe("decode_vs_roofline", 1) == TEXT["decode_vs_roofline"]
     assert describe("a_new_figure_c4", 4) == "a_new_figure_c4"  # no words: its key
+
+
+def test_a_goal_set_at_one_concurrency_is_not_judged_in_a_run_at_another():
+    """tokens/s against the one-at-a-time peer has its goal at 16, the decode step's roofline at 32: a run at 1
+    reports them unjudged; the full run (1, 8, 16, 32) judges them, and the goals of other figures either way."""
+    from workflows.bench.generate_report import GOALS, goals_at
+
+    keys = ["tokens_per_s_vs_one_at_a_time", "decode_vs_roofline", "vs_vllm_c1"]
+    assert goals_at(keys, 16, 32) == {k: GOALS[k] for k in keys}
+    assert goals_at(keys, 1, 1) == {"tokens_per_s_vs_one_at_a_time": None, "decode_vs_roofline": None,
+                                    "vs_vllm_c1": (">=", 1.0)}

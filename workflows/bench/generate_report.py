@@ -28,8 +28,18 @@ GOALS: dict[str, tuple[str, float] | None] = {
     "lora_vs_base_c16": (">=", 0.8), "mixed_vs_base_c16": None, "lora_vs_vllm_lora_c16": (">=", 1.0),
     "vllm_engine_vs_vllm_server_c1": None, "vllm_engine_vs_vllm_server_c16": (">=", 0.95),
     "itl_p50_vllm_engine_vs_vllm_server_c1": None}
+# goals set at one level of the full run (its middle concurrency, 16; its top, 32): a run at other levels
+# reports these figures without judging them
+GOAL_LEVELS = {"tokens_per_s_vs_one_at_a_time": ("mid", 16), "decode_vs_roofline": ("top", 32)}
 # the peers' rows whose time to first token at 16 the best peer's is taken from
 TTFT_PEERS = ("vllm", "vllm_eager", "llama_cpp")
+
+
+def goals_at(keys, mid: int, top: int) -> dict[str, tuple[str, float] | None]:
+    """Each figure's goal in a run whose middle and top concurrencies are `mid` and `top`."""
+    levels = {"mid": mid, "top": top}
+    return {k: None if k in GOAL_LEVELS and levels[GOAL_LEVELS[k][0]] != GOAL_LEVELS[k][1] else GOALS.get(k)
+            for k in keys}
 
 
 def summary(row: Row) -> dict:
@@ -158,7 +168,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
                          (f"vs_vllm_c{mid}", f"vllm_engine_vs_vllm_server_c{mid}"),
                          ("itl_p50_vs_vllm_c1", "itl_p50_vllm_engine_vs_vllm_server_c1")):
             keys[new] = keys.pop(old)
-    goals = {k: GOALS.get(k) for k in keys}
+    goals = goals_at(keys, mid, top)
     meets = {k: meets_goal(v, goals[k]) for k, v in keys.items()}
     return {"model": spec, "base": cfg.model.name_or_path, "params": sum(p.numel() for p in model.parameters()),
             "threads": threads, "precision": cfg.serve.precision, "engine": cfg.serve.generate.engine,
