@@ -257,8 +257,8 @@ the engine built, its graphs compiled, in {r["compile_s"]} s, its one-token grap
 torch.profiler in the engine's thread over its steps (decode-only at 1 and 16 rows; mixed: a 1,500-token
 prompt prefilled beside 16 decoding rows, chunked by the time budget once it has learned the costs).
 In the compiled graph inductor's fused loops are not operators the profiler sees: their time is the graph's call;
-on the one-token graph its matmuls too (the C++ template's kernels are loops of the graph: the matmul left is the
-output head's, outside the graphs).
+on the one-token graph its matmuls too, the output head's included (the C++ template's kernels are loops of the
+graph; elsewhere the head runs outside the graphs, on its packed weight).
 Per step: each group's self CPU time and operator count (as profiled); what no operator accounts for (Python, dispatch, allocation) is
 the wall time of the same kind of steps unprofiled, less the operators' time. The cache was grown to the
 long prompt's length first (it grows by doubling, once per replica: not a step's cost).
@@ -277,7 +277,7 @@ with repeats). A lone stream's eager decode step computing with the weights them
 the same step on the packed copy, the default (the medians of {len(r["one_row_walls_ms"]["packed"])} runs of {r["kinds"]["decode_1"]["steps"]} steps each,
 interleaved: {r["one_row_walls_ms"]["unpacked"]} against {r["one_row_walls_ms"]["packed"]} ms).
 Compiled, a lone stream's decode step on the one-token graph (static, its matmuls autotuned between inductor's
-C++ GEMM template and ATen's: `serve.generate.one_token_graph`) took {1 / r["one_token_speedup_decode_1"]:.2f}x
+C++ GEMM template and ATen's, the output head in it: `serve.generate.one_token_graph`) took {1 / r["one_token_speedup_decode_1"]:.2f}x
 the time of the same step on the dynamic graph (oneDNN's packed matmuls; the medians of
 {len(r["one_row_walls_ms"]["one_token"])} runs of {r["kinds"]["decode_1_compiled"]["steps"]} steps each, interleaved, the
 order alternating: {r["one_row_walls_ms"]["one_token"]} against {r["one_row_walls_ms"]["dynamic"]} ms).

@@ -72,8 +72,8 @@ def test_compiled_steps_give_the_eager_tokens_alone_and_batched_and_never_recomp
         def int32_ids():
             with torch.inference_mode():
                 plan = compiled.cache.plan([0], [0], [0], [])
-                return compiled.compiled.hidden(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
-                                                plan)
+                return compiled.compiled.logits(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                                                plan, torch.zeros(1, dtype=torch.long))
 
         refused = compiled.call(int32_ids).result(60)
         assert refused is None and compiled.compiled.refused == 1 and graphs() == before
@@ -84,8 +84,8 @@ def test_compiled_steps_give_the_eager_tokens_alone_and_batched_and_never_recomp
 
             with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 plan = compiled.cache.plan([0], [0], [0], [])
-                assert compiled.compiled.hidden(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                                                plan) is not None
+                assert compiled.compiled.logits(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                                plan, torch.zeros(1, dtype=torch.long)) is not None
             return {e.name for e in prof.events()}
 
         ops = compiled.call(one_token_ops).result(60)

@@ -14,13 +14,13 @@ positions) from the step that runs it, not from the graph's inputs.
 The token count is dynamic, a single token's included (size-oblivious: the token count is not specialized at
 1): one graph with LoRA adapters' deltas and one without (workflows.tasks.chat.engine.lora: the step's
 adapters are inputs of the graph, so their rows, mixed per row with base rows, run in it too; vLLM turns its
-compile off whenever LoRA is on). A third graph, optional (`one_token`), is static at one token without adapters: a
-lone stream's decode step, which reads every weight for one row, so its speed is the rate its matmuls read
-weights at. There inductor autotunes each matmul between its C++ GEMM template (a micro-kernel over the frozen
-weight, blocked for it) and ATen's, and the template reads them faster than oneDNN's packed op (on SmolLM2-135M
-on 2 cores: a lone stream's step 1.37x faster, docs/BENCHMARKS.md); it is not the dynamic graphs' choice, since
-at 16 rows the template with a dynamic row count was 3x slower than oneDNN. All are compiled when the engine is
-built (`warm_up`), never per request: after warm-up a
+compile off whenever LoRA is on). A third graph, optional (`one_token`), is static at one token without adapters,
+the output head in it: a lone stream's decode step, which reads every weight for one row, so its speed is the rate
+its matmuls read weights at. There inductor autotunes each matmul between its C++ GEMM template (a micro-kernel
+over the frozen weight, blocked for it) and ATen's, and the template reads them faster than oneDNN's packed op
+(on SmolLM2-135M on 2 cores: a lone stream's step in 0.52x the time, docs/BENCHMARKS.md); it is not the dynamic
+graphs' choice, since at 16 rows the template with a dynamic row count was 3x slower than oneDNN (and static at
+16 rows, no faster). All are compiled when the engine is built (`warm_up`), never per request: after warm-up a
 call that would recompile raises instead (torch.compiler's "fail_on_recompile" stance) and that step
 runs eagerly, counted (`refused`), as do steps with an adapter the graph cannot compute (DoRA) and steps
 after the model's weights changed in place (the graph holds them as constants).
@@ -125,6 +125,9 @@ class Decoder(torch.nn.Module):
             cos, sin = inner.rotary_emb(probe, torch.arange(positions, device=self.embed.device)[None])
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)
+        head = _linear(model.get_output_embeddings())  # (the one-token graph's: `logits`)
+        self.register_buffer("head_w", head.weight.detach(), persistent=False)
+        self.register_buffer("head_b", None if head.bias is None else head.bias.detach(), persistent=False)
 
     def _p(self, i: int, name: str) -> torch.Tensor:
         return getattr(self, f"l{i}_{name}")
@@ -169,6 +172,10 @@ class Decoder(torch.nn.Module):
             h = h + d
         return _rms(h, self.norm_w, self.norm_eps)
 
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The output head over `forward`'s hidden states of base tokens: [tokens, vocab]."""
+        return F.linear(self.forward(ids, positions, None), self.head_w, self.head_b)
+
 
 def _own_code(fn):
     """`fn` with a code object of its own (torch.compile keeps its graphs per code object)."""
@@ -198,8 +205,9 @@ class CompiledForward:
         # dynamic: one graph for every token count (warm_up: size-oblivious); the forward's code an
         # object of its own, so that its graphs and their guards (and their count's limit) are this engine's alone
         self._fn = torch.compile(_own_code(Decoder.forward), dynamic=True)
-        # static: one token without adapters, a lone stream's decode step (its matmuls autotuned at warm-up)
-        self._one = torch.compile(_own_code(Decoder.forward), dynamic=False) if one_token else None
+        # static: one token without adapters, a lone stream's decode step, its output head included (a fifth of
+        # SmolLM2-135M's weights: its matmul at one row autotuned too)
+        self._one = torch.compile(_own_code(Decoder.logits), dynamic=False) if one_token else None
         self.one_token = one_token  # steps of one token run it (set between steps: the dynamic graph runs them)
         self.one_token_steps, self.one_token_compile_s = 0, 0.0  # steps it ran; its warm-up's seconds
         self.adapters = Adapters()
@@ -246,26 +254,31 @@ class CompiledForward:
                 # tensor twice: aliasing is a guard
                 self._call(ids, positions, plan, warm_up_step(self.decoder, n) if lora else None)
 
+    def _on_one_token(self, ids: torch.Tensor, adapters: AdapterStep | None) -> bool:
+        return self._one is not None and self.one_token and adapters is None and ids.shape[0] == 1
+
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
               adapters: AdapterStep | None) -> torch.Tensor:
-        one = self.one_token and adapters is None and ids.shape[0] == 1
-        fn = self._one if self._one is not None and one else self._fn
+        """The final hidden states of the step's tokens; on the one-token graph, their logits."""
         _step.plan = plan
         try:
             with torch.inference_mode():  # as every step runs (grad mode is one of the graphs' guards)
-                out = fn(self.decoder, ids, positions, None if adapters is None else adapters.inputs())
-            self.one_token_steps += one
-            return out
+                if self._one is not None and self._on_one_token(ids, adapters):
+                    self.one_token_steps += 1
+                    return self._one(self.decoder, ids, positions)
+                return self._fn(self.decoder, ids, positions, None if adapters is None else adapters.inputs())
         finally:
             _step.plan = None
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan, keep: torch.Tensor,
                adapters: AdapterStep | None = None) -> torch.Tensor | None:
-        """The final hidden states of a step's tokens (`adapters`: its rows' LoRA adapters, None for base rows
+        """The logits of a step's tokens at `keep` (`adapters`: its rows' LoRA adapters, None for base rows
         only), or None where the graph would recompile (the step then runs eagerly)."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._call(ids, positions, plan, adapters)
+                if self._on_one_token(ids, adapters):
+                    return self._call(ids, positions, plan, adapters)[keep]
+                return self.head(self._call(ids, positions, plan, adapters)[keep])
         except RuntimeError as e:  # torch raises a plain RuntimeError for the stance, before running anything
             if "fail_on_recompile" not in str(e):
                 raise

@@ -33,11 +33,11 @@ def step_logits(model, device: torch.device, step: StepTokens, plan: StepPlan, b
         adapted = step.adapted(base)  # rows with LoRA adapters: their deltas in the graph
         adapters = compiled.adapters.step(model, compiled.decoder, step.adapters, base) if adapted else None
         if adapters is not None or not adapted:  # (None when adapted: one the graph cannot compute)
-            hidden = compiled.hidden(torch.tensor(step.ids, device=device),
-                                     torch.tensor(step.positions, device=device), plan, adapters)
-            if hidden is not None:
+            logits = compiled.logits(torch.tensor(step.ids, device=device),
+                                     torch.tensor(step.positions, device=device), plan, keep, adapters)
+            if logits is not None:
                 check_plan_used(plan)
-                return compiled.head(hidden[keep]), True
+                return logits, True
     kwargs: dict[str, Any] = {}
     if getattr(model, "peft_config", None):  # a peft model: each token's adapter (or none)
         kwargs["adapter_names"] = step.adapters
