@@ -75,7 +75,7 @@ class HookedServing(ChatServing):
         predictor = super().predictor(model_dir, card, threads=threads, precision=precision)
         opts, engine = self.options, predictor.engine
         if opts.step_delay_s:  # whichever forward a step runs: the model's (eager) or the compiled one
-            for owner, name in ((engine.model, "forward"), (engine.compiled, "hidden")):
+            for owner, name in ((engine.model, "forward"), (engine.compiled, "logits")):
                 if owner is not None:
                     setattr(owner, name, _slowed(getattr(owner, name), opts.step_delay_s))
         if opts.finish_log:

@@ -121,6 +121,11 @@ def _row(r: dict, row: str) -> float:
     return next(x["tokens_per_s"] for x in r["generate"]["rows"] if x["row"] == row)
 
 
+def _c1_row(r: dict, row: str) -> float:
+    """The concurrency-1 generate run's tokens/s of one row."""
+    return next(x["tokens_per_s"] for x in r["generate-c1-overhead"]["rows"] if x["row"] == row)
+
+
 def _bf16_vs_llama(concurrency: int):
     return lambda r: f"{r['generate-bf16'][f'vs_llama_cpp_c{concurrency}']:.2f}"
 
@@ -182,6 +187,13 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
      lambda r: f"{_row(r, 'vllm_c1') / _row(r, 'http_c1'):.2f}"),
     ("our tokens/s at concurrency 1 and {}x at 16 (", ("generate",),
      lambda r: f"{_row(r, 'vllm_c16') / _row(r, 'http_c16'):.2f}"),
+    ("(2026-12-06) ours gave {} tokens/s over HTTP", ("generate-c1-overhead",),
+     lambda r: f"{_c1_row(r, 'http_c1'):.1f}"),
+    ("HTTP against vLLM's {} (", ("generate-c1-overhead",), lambda r: f"{_c1_row(r, 'vllm_c1'):.1f}"),
+    ("against vLLM's 19.6 ({}x)", ("generate-c1-overhead",),
+     lambda r: f"{r['generate-c1-overhead']['vs_vllm_c1']:.2f}"),
+    ("a lone stream's step took {}x the dynamic graph's", ("step-profile",),
+     lambda r: f"{1 / r['step-profile']['one_token_speedup_decode_1']:.2f}"),
     ("At concurrency 16 over HTTP it gives {}x the output tokens/s of static batching", ("generate",),
      lambda r: f"{r['generate']['http_vs_static_c16']:.2f}"),
     ("packed weights it gives {}x", ("generate",), lambda r: f"{r['generate']['http_vs_static_packed_c16']:.2f}"),

@@ -83,8 +83,8 @@ class GenerateConfig(Strict):
         "auto", description="with the forward compiled: a graph of its own for steps of one token without adapters "
         "(a lone stream's decode), its matmuls autotuned when the replica starts between inductor's C++ GEMM "
         "template and ATen's (SmolLM2-135M on 2 cores: a lone stream's step 0.52x the time, its replica ready "
-        "half a minute later, 0.6 GB more resident); auto: on where the decoder layers' weights exceed 64 MiB, "
-        "beyond a CPU's caches")
+        "half a minute later, holding a copy more of the weights); auto: on where the decoder layers' weights "
+        "exceed 64 MiB, beyond a CPU's caches")
     max_adapters: int = Field(4, ge=1, description="LoRA adapters (registered versions a request names as its "
                               "model, NAME:VERSION) held at once by a replica (Ray Serve model multiplexing, least "
                               "recently used unloaded)")
