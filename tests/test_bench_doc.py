@@ -116,14 +116,9 @@ def _packed_speedup(r: dict) -> str:
     return f"{_row(r, 'static_packed') / _row(r, 'static'):.2f}"
 
 
-def _row(r: dict, row: str) -> float:
-    """The generate run's tokens/s of one row."""
-    return next(x["tokens_per_s"] for x in r["generate"]["rows"] if x["row"] == row)
-
-
-def _c1_row(r: dict, row: str) -> float:
-    """The concurrency-1 generate run's tokens/s of one row."""
-    return next(x["tokens_per_s"] for x in r["generate-c1-overhead"]["rows"] if x["row"] == row)
+def _row(r: dict, row: str, run: str = "generate") -> float:
+    """A generate run's tokens/s of one row (`run`: its results file, the full run's by default)."""
+    return next(x["tokens_per_s"] for x in r[run]["rows"] if x["row"] == row)
 
 
 def _bf16_vs_llama(concurrency: int):
@@ -188,8 +183,9 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("our tokens/s at concurrency 1 and {}x at 16 (", ("generate",),
      lambda r: f"{_row(r, 'vllm_c16') / _row(r, 'http_c16'):.2f}"),
     ("(2026-12-06) ours gave {} tokens/s over HTTP", ("generate-c1-overhead",),
-     lambda r: f"{_c1_row(r, 'http_c1'):.1f}"),
-    ("HTTP against vLLM's {} (", ("generate-c1-overhead",), lambda r: f"{_c1_row(r, 'vllm_c1'):.1f}"),
+     lambda r: f"{_row(r, 'http_c1', 'generate-c1-overhead'):.1f}"),
+    ("HTTP against vLLM's {} (", ("generate-c1-overhead",),
+     lambda r: f"{_row(r, 'vllm_c1', 'generate-c1-overhead'):.1f}"),
     ("against vLLM's 19.6 ({}x)", ("generate-c1-overhead",),
      lambda r: f"{r['generate-c1-overhead']['vs_vllm_c1']:.2f}"),
     ("a lone stream's step took {}x the dynamic graph's", ("step-profile",),

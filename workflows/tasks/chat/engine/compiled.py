@@ -241,7 +241,8 @@ class CompiledForward:
             with torch._inductor.config.patch(**AUTOTUNED), torch.compiler.set_stance("default"), \
                     torch.inference_mode():
                 ids, positions = (torch.zeros(1, dtype=torch.long, device=device) for _ in range(2))
-                self._call(ids, positions, cache.plan([0], [0], [0], []), None)
+                keep = torch.zeros(1, dtype=torch.long, device=device)
+                self._call(ids, positions, cache.plan([0], [0], [0], []), keep, None)
             self.one_token_compile_s = time.perf_counter() - started
         self.warm, self.one_token_steps = True, 0
 
@@ -252,23 +253,24 @@ class CompiledForward:
                 # of one slot warms up too (the graphs do not depend on what the attention op is planned to do)
                 ids, positions = (torch.zeros(n, dtype=torch.long, device=device) for _ in range(2))  # not one
                 # tensor twice: aliasing is a guard
-                self._call(ids, positions, plan, warm_up_step(self.decoder, n) if lora else None)
+                keep = torch.tensor([n - 1], device=device)  # a step's last token (the head runs eagerly)
+                self._call(ids, positions, plan, keep, warm_up_step(self.decoder, n) if lora else None)
 
-    def _on_one_token(self, ids: torch.Tensor, adapters: AdapterStep | None) -> bool:
-        return self._one is not None and self.one_token and adapters is None and ids.shape[0] == 1
-
-    def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan,
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan, keep: torch.Tensor,
               adapters: AdapterStep | None) -> torch.Tensor:
-        """The final hidden states of the step's tokens; on the one-token graph, their logits."""
+        """The logits of the step's tokens at `keep`: from the one-token graph (its head in it) for one base
+        token, else the output head over the dynamic graph's hidden states."""
+        one = self._one if self.one_token and adapters is None and ids.shape[0] == 1 else None
         _step.plan = plan
         try:
             with torch.inference_mode():  # as every step runs (grad mode is one of the graphs' guards)
-                if self._one is not None and self._on_one_token(ids, adapters):
+                if one is not None:
                     self.one_token_steps += 1
-                    return self._one(self.decoder, ids, positions)
-                return self._fn(self.decoder, ids, positions, None if adapters is None else adapters.inputs())
+                    return one(self.decoder, ids, positions)[keep]
+                hidden = self._fn(self.decoder, ids, positions, None if adapters is None else adapters.inputs())
         finally:
             _step.plan = None
+        return self.head(hidden[keep])
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, plan: StepPlan, keep: torch.Tensor,
                adapters: AdapterStep | None = None) -> torch.Tensor | None:
@@ -276,9 +278,7 @@ class CompiledForward:
         only), or None where the graph would recompile (the step then runs eagerly)."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                if self._on_one_token(ids, adapters):
-                    return self._call(ids, positions, plan, adapters)[keep]
-                return self.head(self._call(ids, positions, plan, adapters)[keep])
+                return self._call(ids, positions, plan, keep, adapters)
         except RuntimeError as e:  # torch raises a plain RuntimeError for the stance, before running anything
             if "fail_on_recompile" not in str(e):
                 raise
