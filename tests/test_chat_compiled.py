@@ -312,3 +312,26 @@ def test_the_forward_setting_chooses_compiled_eager_or_auto(tiny, tmp_path):
     with pytest.raises(UserError, match="serve.generate.one_token_graph"):
         load_config("chat", ["serve.generate.one_token_graph=yes"])
     assert load_config("chat", []).serve.generate.forward == "auto"
+
+
+def test_decode_attention_in_fp32_is_sdpa_s_over_the_slots_views_and_other_dtypes_run_sdpa():
+    import torch.nn.functional as F
+
+    from workflows.tasks.chat.engine.cache import decode_attention
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(6, 2, 40, 16), torch.randn(6, 2, 40, 16)  # a layer's slots: 6 of 40 positions
+    q = torch.randn(5, 2, 3, 16)  # 5 rows, 2 key/value heads of 3 query heads each
+    k, v = keys[:5, :, :24], values[:5, :, :24]  # views over the slots' first 24 positions, as a step reads them
+    lengths = torch.tensor([24, 3, 17, 1, 9])
+    mask = (torch.arange(24)[None, :] < lengths[:, None])[:, None, None, :]
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    for m, b in ((mask, bias), (None, None)):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3)
+        got = decode_attention(q, k, v, m, b, 0.3)
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+    # a row of one position attends to it alone: its value, whatever the query
+    assert torch.allclose(decode_attention(q, k, v, mask, bias, 0.3)[3], values[3, :, :1].expand(2, 3, 16), atol=1e-6)
+    half = [t.to(torch.bfloat16) for t in (q, k, v)]
+    assert torch.equal(decode_attention(*half, mask, None, 0.3),
+                       F.scaled_dot_product_attention(*half, attn_mask=mask, scale=0.3))

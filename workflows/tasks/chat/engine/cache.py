@@ -14,7 +14,7 @@ for why). The model's attention modules compute q, k, v and rotary embeddings as
 attention function registered here with transformers' `AttentionInterface` (ATTENTION, set as the
 model's attention implementation by `use`); it receives the step's `StepPlan` as the `slot_plan`
 keyword the model forwards to every attention call, writes the step's keys and values into their
-slots, then runs torch's scaled_dot_product_attention:
+slots, then attends (torch's scaled_dot_product_attention; decode tokens in fp32, `decode_attention`):
 - decode tokens together: their queries against the slots' first L positions (a view, no gather),
   masked to each row's own length; a slot without a decode token this step attends to position 0
   only, and its output is dropped; a row more than twice as long as the median (plus 64) attends
@@ -147,6 +147,9 @@ class SlotCache:
             if min(lengths) < length:  # rows of one length (a lone stream's) attend to every position: no mask
                 span = torch.arange(length, device=device)
                 plan.decode_mask = (span[None, :] < torch.tensor(lengths, device=device)[:, None])[:, None, None, :]
+                if self.dtype == torch.float32:  # an additive mask, once a step, for every layer's scores
+                    plan.decode_bias = torch.zeros(plan.decode_mask.shape, dtype=self.dtype, device=device)
+                    plan.decode_bias.masked_fill_(~plan.decode_mask, float("-inf"))
         if prefills:
             # chunks of similar lengths attend together (their keys gathered, a few positions each); one
             # much longer than the others (a long prompt's later chunks) attends alone over its own slot
@@ -218,6 +221,7 @@ class StepPlan:
     decode_rows: int = 0  # slots 0..decode_rows-1 take part in the decode attention
     decode_len: int = 0  # positions 0..decode_len-1 are read
     decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends (None: all)
+    decode_bias: torch.Tensor | None = None  # the same as 0 and -inf (fp32 caches: decode_attention's)
     prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
     alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
     prefill_group: PrefillGroup | None = None  # prefill chunks attending together
@@ -260,8 +264,8 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, key: torch.Tensor, v
         q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).reshape(n, kv_heads, group, dim)
         if not plan.dense:
             q = q.new_zeros(rows, kv_heads, group, dim).index_copy_(0, plan.decode_slots, q)
-        o = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length],
-                                           attn_mask=plan.decode_mask, scale=scaling)
+        o = decode_attention(q, keys[:rows, :, :length], values[:rows, :, :length], plan.decode_mask,
+                             plan.decode_bias, scaling)
         if not plan.dense:
             o = o.index_select(0, plan.decode_slots)
         if plan.decode_only:  # nothing else attends this step: no `out` to copy into
@@ -272,8 +276,8 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, key: torch.Tensor, v
         out.index_copy_(0, plan.decode_tokens, decoded)
     for index, slot, length in plan.alone:
         q = query[index, :, 0].reshape(1, kv_heads, group, dim)
-        o = F.scaled_dot_product_attention(q, keys[slot:slot + 1, :, :length], values[slot:slot + 1, :, :length],
-                                           scale=scaling)
+        o = decode_attention(q, keys[slot:slot + 1, :, :length], values[slot:slot + 1, :, :length], None, None,
+                             scaling)
         out[index] = o.reshape(heads, dim)
     if (pg := plan.prefill_group) is not None:
         rows, widest = pg.slots.shape[0], pg.widest
@@ -290,6 +294,24 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, key: torch.Tensor, v
                                            values[slot:slot + 1, :, :end], attn_mask=mask, scale=scaling)
         out[start:start + count] = o.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
     return out.unsqueeze(1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     bias: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """Decode tokens' attention: q [rows, kv_heads, group, dim] over k, v [rows, kv_heads, length, dim] (views
+    of the slots), `mask` [rows, 1, 1, length] (True: attended; `bias` the same as 0 and -inf) or None.
+
+    In fp32, two batched matmuls and a softmax: a query row per head against a few hundred keys is too small
+    for SDPA's CPU flash kernel, whose blocking and buffers cost more than the arithmetic (16 rows of
+    SmolLM2's heads at 100 positions, 2 threads: 0.16 against 0.29 ms a layer; at one row the same). Other
+    dtypes (bf16, fp16) keep SDPA, which accumulates its softmax in fp32."""
+    if q.dtype != torch.float32 or (mask is not None and bias is None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores.mul_(q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if bias is not None:
+        scores.add_(bias)
+    return torch.matmul(torch.softmax(scores, -1), v)
 
 
 def use_slot_attention(model) -> None:
