@@ -12,7 +12,7 @@ import torch
 from tests.chat_serve_task import build_tiny_chat
 from tests.helpers import wait_until
 from workflows.tasks.chat.engine import Engine, SamplingParams
-from workflows.tasks.chat.engine.costs import FLOOR, READY, REFIT, StepCosts, StepShape
+from workflows.tasks.chat.engine.costs import FLOOR, READY, REFIT, WINDOW, StepCosts, StepShape
 from workflows.tasks.chat.engine.measure import gaps_while_prefilled
 from workflows.tasks.chat.engine.metrics import EngineMetrics
 
@@ -53,6 +53,11 @@ def test_the_costs_are_learned_and_the_budget_keeps_a_step_within_the_ratio():
     assert granted[0] > granted[1] > granted[2]
     assert costs.prompt_tokens(allowance, 0, remaining=5)[0] == 5
     assert costs.prompt_tokens(0.0, 1000, remaining=50)[0] == 1  # every prompt advances
+    for size in range(1, 2 * WINDOW + 1):  # then only steps whose prompt tokens look free (a loaded machine's noise)
+        costs.observe(StepShape(8, size % 100 + 1, size % 100 + 1, 0), decode + 0.004 - 0.00002 * (size % 100))
+        if size == WINDOW:  # the window holds those alone: its fits find the tokens free
+            learned = list(costs.coef)
+    assert costs.ready and list(costs.coef) == learned  # the last fit that priced them stays
 
 
 def test_adapted_steps_are_priced_against_adapted_decode_steps():

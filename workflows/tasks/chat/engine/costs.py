@@ -127,8 +127,10 @@ class StepCosts:
         kept = residual <= OUTLIER * max(float(np.median(residual)), 1e-6)
         if kept.sum() >= READY and not kept.all():
             coef = _nonnegative_fit(x[kept], y[kept])
-        # prompt tokens must cost something to budget them
-        self.coef = coef if coef[1] > 0 or coef[2] > 0 else None
+        # prompt tokens must cost something to budget them: a fit that finds them free (the window's steps drowned
+        # in a loaded machine's noise) keeps the last fit that did not, so a budget learned is not lost to noise
+        if coef[1] > 0 or coef[2] > 0:
+            self.coef = coef
 
     @property
     def ready(self) -> bool:
