@@ -92,14 +92,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(tiny, engine)
     assert len(during) >= 4, (len(during), a.token_times, b.times)
 
 
-def test_a_step_beside_decoding_rows_prefills_a_chunk_plus_one_per_decoding_row_and_a_chunk_per_excess_joiner(
-        tiny, engine):
-    """Four prompts joining at once beside two decoding rows: while more rows prefill than decode, each one
-    beyond the decoding ones adds a chunk to the step's budget; once no more prefill than decode, a step
-    prefills at most one chunk plus a token per decoding row. Every request gets the tokens it gets alone."""
+def joining_two_decoding_rows(tiny, engine, **settings) -> list[tuple[int, int, int]]:
+    """Four prompts joining at once beside two decoding rows, on the token budget (prefill_chunk 3): every
+    request gets the tokens it gets alone; the steps that prefilled beside decoding rows (prompt tokens,
+    decoding rows, rows after the step)."""
     tok = tiny[1]
     watcher = Recorder()
-    e = engine(max_batch=6, prefill_chunk=3, max_prefill_tokens=64, mixed_step_ratio=None, metrics=watcher)
+    e = engine(max_batch=6, prefill_chunk=3, max_prefill_tokens=64, mixed_step_ratio=None, metrics=watcher,
+               **settings)
     running, burst = [words(tok, 5), words(tok, 7)], [words(tok, n) for n in (11, 9, 13, 10)]
     alone = []
     for p in running + burst:
@@ -115,11 +115,27 @@ def test_a_step_beside_decoding_rows_prefills_a_chunk_plus_one_per_decoding_row_
     assert [g.result(60) and g.tokens for g in first + later] == alone
     steps = [(r.prefill_tokens, r.decode_tokens, r.running) for r in watcher.reports]
     beside = [(p, d, n) for p, d, n in steps if p and d]
+    assert sum(p for p, _, _ in beside) == sum(map(len, burst)), steps
+    return beside
+
+
+def test_a_step_beside_decoding_rows_prefills_a_chunk_plus_one_per_decoding_row_and_a_chunk_per_excess_joiner(
+        tiny, engine):
+    """Without waves (prefill_wave null): while more rows prefill than decode, each one beyond the decoding
+    ones adds a chunk to the step's budget; once no more prefill than decode, a step prefills at most one
+    chunk plus a token per decoding row."""
+    beside = joining_two_decoding_rows(tiny, engine, prefill_wave=None)
     # the first such step: 2 decoding, 4 prefilling -> 2 + 3 * (4 - 2) tokens
-    assert beside and beside[0][:2] == (2 + 3 * 2, 2), steps
+    assert beside[0][:2] == (2 + 3 * 2, 2) and len(beside) >= 4, beside
     for p, d, n in beside:  # n - d rows were prefilling at that step (the running count is after it)
-        assert p <= d + 3 * max(1, n - 2 * d), steps
-    assert sum(p for p, _, _ in beside) == sum(map(len, burst)) and len(beside) >= 4, steps
+        assert p <= d + 3 * max(1, n - 2 * d), beside
+
+
+def test_a_wave_of_prompts_beside_few_decoding_rows_is_prefilled_in_one_step(tiny, engine):
+    """Four prompts joining two decoding rows are a wave (prefill_wave 2): one step prefills all of them, the
+    two streams waiting that one step, and all six decode in step from then on."""
+    beside = joining_two_decoding_rows(tiny, engine)
+    assert [d for _, d, _ in beside] == [2], beside
 
 
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(tiny, engine):

@@ -132,36 +132,46 @@ def test_steps_of_a_few_prompt_tokens_never_starve_the_prompts():
     assert costs.prompt_tokens(allowance, 40, remaining=60)[0] > 4
 
 
-def test_a_wave_of_joining_rows_beside_few_streams_gets_the_same_time_budget():
-    """Six prompts joining one decoding row: the step's prompt tokens still cost at most the allowance of
-    a step of one decoding row (a wave is prefilled over more steps, the stream's gap bounded as ever)."""
+def test_prompts_beside_streams_get_the_time_budget_and_a_wave_beside_few_streams_joins_at_once():
+    """Prompts joining one decoding row, fewer than prefill_wave (2) per decoding row: the step's prompt tokens
+    cost at most the allowance of a step of one decoding row. Six joining it are a wave: the step takes
+    max_prefill_tokens of their prompts at once (held to the time budget, they would join a few tokens a
+    step, the batch part-empty meanwhile); with prefill_wave null they get the time budget too."""
     from types import SimpleNamespace
 
     from workflows.tasks.chat.engine.scheduler import Row, Scheduler
 
     decode, truth = 0.02, (0.001, 0.0002, 1e-8, 0.0005)
-    scheduler = Scheduler(max_batch=8, max_queue=0, prefill_chunk=24, max_prefill_tokens=2048)
-    costs = scheduler.costs
-    assert costs is not None
-    costs.observe(StepShape(1, 0, 0, 0), decode)
-    for i in range(READY + REFIT):
-        prompt = 20 + 40 * i
-        shape = StepShape(1, prompt, prompt * (prompt + 1) // 2, 0)
-        costs.observe(shape, decode + sum(c * f for c, f in zip(truth, shape.features())))
-    assert costs.ready
+
+    def scheduler(wave: float | None) -> Scheduler:
+        made = Scheduler(max_batch=8, max_queue=0, prefill_chunk=24, max_prefill_tokens=2048, prefill_wave=wave)
+        assert made.costs is not None
+        made.costs.observe(StepShape(1, 0, 0, 0), decode)
+        for i in range(READY + REFIT):
+            prompt = 20 + 40 * i
+            shape = StepShape(1, prompt, prompt * (prompt + 1) // 2, 0)
+            made.costs.observe(shape, decode + sum(c * f for c, f in zip(truth, shape.features())))
+        assert made.costs.ready
+        return made
 
     def row(slot: int, prompt: int, done: int) -> Row:
         gen = SimpleNamespace(prompt=list(range(prompt)), adapter=None)
         return Row(gen, slot, sampling=None, text=None, limit=8, done=done, pos=done, last=5)  # type: ignore[arg-type]
 
-    rows = [row(0, 10, 10)] + [row(slot, 400, 0) for slot in range(1, 7)]
-    step = scheduler.plan(rows, "base")
-    granted = [n for _, _, n in step.prefills]
-    assert granted and len(step.decode) == 1
-    spent = sum(costs.cost(n, 0, False) for n in granted)
-    bound = (costs.ratio - 1) * decode / costs.bias - costs.coef[0]  # a step of one decoding row's allowance
-    # within it, but for the one token a row the budget's rest reaches always gets
-    assert spent <= bound + costs.cost(1, 0, False), (granted, spent, bound)
+    def granted(made: Scheduler, joining: int) -> list[int]:
+        step = made.plan([row(0, 10, 10)] + [row(slot, 400, 0) for slot in range(1, joining + 1)], "base")
+        assert len(step.decode) == 1
+        return [n for _, _, n in step.prefills]
+
+    for made, joining in ((scheduler(2.0), 1), (scheduler(None), 6)):
+        costs = made.costs
+        assert costs is not None and costs.coef is not None
+        spent = sum(costs.cost(n, 0, False) for n in granted(made, joining))
+        bound = (costs.ratio - 1) * decode / costs.bias - costs.coef[0]  # a step of one decoding row's allowance
+        # within it, but for the one token a row the budget's rest reaches always gets
+        assert 0 < spent <= bound + costs.cost(1, 0, False), (joining, spent, bound)
+    assert granted(scheduler(2.0), 6) == [400] * 5 + [48]  # a wave: max_prefill_tokens, in order of arrival
+    assert sum(granted(scheduler(2.0), 2)) == 800  # two per decoding row: a wave too
 
 
 @pytest.fixture(scope="module")

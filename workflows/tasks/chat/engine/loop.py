@@ -44,14 +44,13 @@ from workflows.tasks.chat.engine.requests import (
     TokenLogprob,
 )
 from workflows.tasks.chat.engine.sampler import Sampler
-from workflows.tasks.chat.engine.scheduler import MIXED_STEP_RATIO, Row, Scheduler, StepTokens
+from workflows.tasks.chat.engine.scheduler import MIXED_STEP_RATIO, PREFILL_WAVE, Row, Scheduler, StepTokens
 from workflows.tasks.chat.engine.text import TextState
 from workflows.tasks.chat.engine.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
-PREFILL_CHUNK = 24  # defaults of serve.generate.prefill_chunk and max_prefill_tokens (workflows.config.serve)
-MAX_PREFILL_TOKENS = 512
+PREFILL_CHUNK, MAX_PREFILL_TOKENS = 24, 2048  # serve.generate's defaults (workflows.config.serve)
 
 
 class Engine:
@@ -61,8 +60,8 @@ class Engine:
     max_batch: requests decoded together (the cache's slots); max_queue: requests waiting beyond the
     batch's free slots (one more is QueueFull); max_context: positions one request may use, its prompt
     and its answer (at most the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong
-    beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens: the scheduler's prefill budgets per
-    step (in time, in tokens until the costs are known, and at most); timeout_s:
+    beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens, prefill_wave: the scheduler's prefill
+    budgets per step (in time, in tokens until the costs are known, at most, and when a wave joins); timeout_s:
     each request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
     layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear); forward ("compiled",
     "auto" or "eager") and one_token_graph ("auto", "on", "off"): workflows.tasks.chat.engine.compiled."""
@@ -70,6 +69,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = MIXED_STEP_RATIO,
+                 prefill_wave: float | None = PREFILL_WAVE,
                  timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True,
                  forward: str = "eager", one_token_graph: str = "auto"):
         self.model, self.tokenizer = model.eval(), tokenizer
@@ -89,9 +89,9 @@ class Engine:
         self.cache = SlotCache(model.config, max_batch, self.max_context, self.device, model_dtype(model))
         self.compiled = build_compiled(model, forward, self.cache, one_token_graph)  # before any request
         self.sampler = Sampler(self.vocab_size, max_batch, self.device)
-        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens, mixed_step_ratio)
-        # for benchmarks and tests: steps run, tokens sampled, decoding rows summed over steps (over decode_steps: the
-        # mean batch), prompts prefilled, the most rows in a step, prompt and decode tokens computed, steps compiled
+        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens, mixed_step_ratio,
+                                   prefill_wave)
+        # for benchmarks and tests (row_steps: decoding rows summed over steps; over decode_steps, the mean batch)
         self.stats = {"steps": 0, "tokens": 0, "row_steps": 0, "decode_steps": 0, "prefills": 0, "max_rows": 0,
                       "prefill_tokens": 0, "decode_tokens": 0, "compiled_steps": 0}
         self.metrics = metrics or EngineMetrics()

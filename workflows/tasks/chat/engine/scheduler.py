@@ -8,15 +8,22 @@ running, ends with "timeout"; a cancelled one with "cancelled".
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
 prefilling, in order of arrival, up to a budget. While rows decode, the budget is in time: the prompt
 tokens whose predicted cost keeps the step within `mixed_step_ratio` times a decode-only step of the same
-rows, however many rows are joining, at least one token each step; the costs are learned from the steps
-that ran (workflows.tasks.chat.engine.costs: a long prompt's attention over its own context, and its
-logits, counted), so the bound holds however fast steps become. Until they are known (a replica's first
+rows, however many rows are joining (but for a wave: below), at least one token each step; the costs are
+learned from the steps that ran (workflows.tasks.chat.engine.costs: a long prompt's attention over its own
+context, and its logits, counted), so the bound holds however fast steps become. Until they are known (a replica's first
 steps), or always with `mixed_step_ratio` None, the budget is in tokens: one per decoding row plus
 `prefill_chunk`, and `prefill_chunk` more for each prefilling row beyond the decoding ones. With no row
 decoding, the budget is `max_prefill_tokens` (at most that, always). A running stream's token gap so
 stays within about `mixed_step_ratio` of its decode steps while others join, and a long prompt is
 prefilled in chunks between decode steps. Requests that join together are prefilled together, and every
 token of a step goes through the model in one forward.
+
+A wave: where the rows still prefilling are at least `prefill_wave` times the decoding ones, the step takes
+up to `max_prefill_tokens` of their prompts, the decoding rows' gap growing by that one step. Held to the
+time budget, a wave of prompts beside a few streams would join a few tokens a step over many steps: the
+batch runs part-empty meanwhile, and its requests then end (and closed-loop clients' next ones arrive) as
+staggered as they joined, so it stays part-empty. Measured on 2 cores (SmolLM2-135M, 16 closed-loop
+clients): 11-12 of 16 rows decoded a step at the time budget alone, 15.8 with waves.
 """
 
 from __future__ import annotations
@@ -81,12 +88,12 @@ class StepTokens:
         return any(a != base for a in self.adapters)
 
 
-MIXED_STEP_RATIO = 1.5  # the default of serve.generate.mixed_step_ratio (workflows.config.serve)
+MIXED_STEP_RATIO, PREFILL_WAVE = 1.5, 2.0  # serve.generate's defaults (workflows.config.serve)
 
 
 class Scheduler:
     def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int,
-                 mixed_step_ratio: float | None = MIXED_STEP_RATIO):
+                 mixed_step_ratio: float | None = MIXED_STEP_RATIO, prefill_wave: float | None = PREFILL_WAVE):
         if prefill_chunk < 1 or max_prefill_tokens < prefill_chunk:
             raise ValueError(f"prefill_chunk ({prefill_chunk}) must be at least 1 and at most max_prefill_tokens "
                              f"({max_prefill_tokens})")
@@ -95,6 +102,7 @@ class Scheduler:
         self.waiting: deque[Generation] = deque()
         self.costs = StepCosts(mixed_step_ratio) if mixed_step_ratio else None  # None: the token budget always
         self.planning = 0  # requests admitted but still being planned (template, tokens, grammar): they wait too
+        self.wave = prefill_wave  # prefilling rows per decoding one from which a step takes a wave; None: never
 
     def room(self, running: int) -> bool:
         """Whether one more request may wait: a request the batch can take at its next step does not
@@ -116,11 +124,12 @@ class Scheduler:
         step = StepTokens()
         step.decoding = decoding = [r for r in rows if not r.prefilling]
         budget = self.max_prefill_tokens
-        costs = self.costs if decoding and self.costs is not None and self.costs.ready else None
+        wave = self.wave is not None and len(rows) - len(decoding) >= self.wave * len(decoding)
+        costs = self.costs if decoding and not wave and self.costs is not None and self.costs.ready else None
         # the step's kind: adapted where a row that may take part has an adapter (its graph computes the deltas)
         seconds = costs.allowance(len(decoding), any(r.gen.adapter not in (None, base) for r in rows)) \
             if costs is not None else 0.0
-        if decoding and costs is None:
+        if decoding and costs is None and not wave:
             excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
             budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
         for row in rows:
