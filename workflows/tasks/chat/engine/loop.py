@@ -61,8 +61,8 @@ class Engine:
     batch's free slots (one more is QueueFull); max_context: positions one request may use, its prompt
     and its answer (at most the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong
     beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens, prefill_wave: the scheduler's prefill
-    budgets per step (in time, in tokens until the costs are known, at most, and when a wave joins); timeout_s:
-    each request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
+    budgets per step (in time, in tokens until the costs are known, at most, and a wave's); timeout_s: each
+    request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
     layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear); forward ("compiled",
     "auto" or "eager") and one_token_graph ("auto", "on", "off"): workflows.tasks.chat.engine.compiled."""
 

@@ -10,10 +10,10 @@ prefilling, in order of arrival, up to a budget. While rows decode, the budget i
 tokens whose predicted cost keeps the step within `mixed_step_ratio` times a decode-only step of the same
 rows, however many rows are joining (but for a wave: below), at least one token each step; the costs are
 learned from the steps that ran (workflows.tasks.chat.engine.costs: a long prompt's attention over its own
-context, and its logits, counted), so the bound holds however fast steps become. Until they are known (a replica's first
-steps), or always with `mixed_step_ratio` None, the budget is in tokens: one per decoding row plus
-`prefill_chunk`, and `prefill_chunk` more for each prefilling row beyond the decoding ones. With no row
-decoding, the budget is `max_prefill_tokens` (at most that, always). A running stream's token gap so
+context, and its logits, counted), so the bound holds however fast steps become. Until they are known (a
+replica's first steps), or always with `mixed_step_ratio` None, the budget is in tokens: one per decoding
+row plus `prefill_chunk`, and `prefill_chunk` more for each prefilling row beyond the decoding ones. With no
+row decoding, the budget is `max_prefill_tokens` (at most that, always). A running stream's token gap so
 stays within about `mixed_step_ratio` of its decode steps while others join, and a long prompt is
 prefilled in chunks between decode steps. Requests that join together are prefilled together, and every
 token of a step goes through the model in one forward.
