@@ -125,11 +125,12 @@ class Scheduler:
         step.decoding = decoding = [r for r in rows if not r.prefilling]
         budget = self.max_prefill_tokens
         wave = self.wave is not None and len(rows) - len(decoding) >= self.wave * len(decoding)
-        costs = self.costs if decoding and not wave and self.costs is not None and self.costs.ready else None
+        held = bool(decoding) and not wave  # beside decoding rows, no wave joining: a budget below max_prefill_tokens
+        costs = self.costs if held and self.costs is not None and self.costs.ready else None
         # the step's kind: adapted where a row that may take part has an adapter (its graph computes the deltas)
         seconds = costs.allowance(len(decoding), any(r.gen.adapter not in (None, base) for r in rows)) \
             if costs is not None else 0.0
-        if decoding and costs is None and not wave:
+        if held and costs is None:
             excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
             budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
         for row in rows:
