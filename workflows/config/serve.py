@@ -74,9 +74,8 @@ class GenerateConfig(Strict):
                                        "are at least this many times those decoding prefills them as a wave, up to "
                                        "max_prefill_tokens, beyond mixed_step_ratio's budget: the few decoding "
                                        "requests' gap grows by that one step, and the batch does not run part-empty "
-                                       "while a wave joins a few tokens a step (then ending as staggered; 2 cores, "
-                                       "SmolLM2-135M, 16 closed-loop clients: 15.8 of 16 rows decoding a step, "
-                                       "11-12 without); null: never")
+                                       "while a wave joins a few tokens a step (then ending as staggered); null: "
+                                       "never")
     prepack_weights: bool = Field(True, description="on a CPU, the engine computes fp32 Linear layers with a "
                                   "copy of their weights packed once for oneDNN, not re-laid out by every matmul "
                                   "(faster steps, a lone stream's too): the replica holds those weights twice; false: "

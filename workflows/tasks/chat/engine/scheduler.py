@@ -22,8 +22,7 @@ A wave: where the rows still prefilling are at least `prefill_wave` times the de
 up to `max_prefill_tokens` of their prompts, the decoding rows' gap growing by that one step. Held to the
 time budget, a wave of prompts beside a few streams would join a few tokens a step over many steps: the
 batch runs part-empty meanwhile, and its requests then end (and closed-loop clients' next ones arrive) as
-staggered as they joined, so it stays part-empty. Measured on 2 cores (SmolLM2-135M, 16 closed-loop
-clients): 11-12 of 16 rows decoded a step at the time budget alone, 15.8 with waves.
+staggered as they joined, so it stays part-empty.
 """
 
 from __future__ import annotations
