@@ -167,11 +167,13 @@ def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_d
     LoRA: the pipeline (in the session's cluster) also serves the adapter on its base, OpenAI-compatible,
     which the `openai` client streams from, and `workflows predict` writes completions of a prompts file."""
     overrides = [*chat_overrides(tmp_path, tiny_dir), f"model.options.finetune={finetune}", "train.strategy=fsdp"]
+    ray_join = None
     if finetune == "full":
         overrides += ["train.lr=2e-3", "serve.enabled=false"]
         res = run_cli("pipeline", "--config", str(CHAT), *sets(overrides), timeout=900)
     else:
-        ray_join = request.getfixturevalue("ray_join")  # the session's cluster: Serve outlives the command
+        # the session's cluster: Serve outlives the command, and the later commands start no Ray of their own
+        ray_join = request.getfixturevalue("ray_join")
         try:
             res = run_cli("pipeline", "--config", str(CHAT), *sets([*overrides, *ray_join.overrides]),
                           env=ray_join.env, timeout=900)
@@ -199,14 +201,15 @@ def test_chat_pipeline_on_two_fsdp2_workers_registers_the_validated_model(tiny_d
 
     # training lowered the loss below the random base model's, which evaluation reports beside it
     assert summary["evaluate"]["headline"]["name"] == "exact match"
-    held_out_beats_the_base_and_val_is_the_card(tmp_path, model_dir, manifest, card, overrides)
+    held_out_beats_the_base_and_val_is_the_card(tmp_path, model_dir, manifest, card, overrides, ray_join)
 
-    if finetune == "lora":
+    if ray_join is not None:
         # resuming the finished run loads its last checkpoint into new LoRA adapters on 2 workers and
         # registers it again: the same adapter weights, not the new adapters' initial ones
         from safetensors.torch import load_file
 
-        res = run_cli("train", "--config", str(CHAT), "--resume", *sets(overrides), timeout=600)
+        res = run_cli("train", "--config", str(CHAT), "--resume", *sets([*overrides, *ray_join.overrides]),
+                      env=ray_join.env, timeout=600)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
         again = model_dir.parent / "v2"
         first, second = (load_file(d / "adapter_model.safetensors") for d in (model_dir, again))
