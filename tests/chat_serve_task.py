@@ -15,6 +15,10 @@ import time
 from workflows.tasks.chat import ChatOptions, ChatServing, ChatTask
 
 WORDS = "hello world the a cat dog sat on mat is big small red blue green one two three four five".split()
+# The serving tests run the tiny model's forward eagerly: compiling it (serve.generate.forward auto, about 10 s of
+# inductor per engine on 2 cores) is what tests/test_chat_compiled.py tests (tokens as eager, adapters, no
+# recompiles), and the chat pipeline test serves the demo's path compiled (its replica, `workflows predict`).
+EAGER = "serve.generate.forward=eager"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

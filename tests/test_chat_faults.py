@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.chat_serve_task import build_tiny_chat
+from tests.chat_serve_task import EAGER, build_tiny_chat
 from workflows.tasks.chat.engine import Engine, SamplingParams
 
 torch.set_num_threads(1)
@@ -105,7 +105,8 @@ def test_one_requests_failure_to_sample_fails_it_alone(tiny, engine):
 
 
 def served(model_dir: str, **generate):
-    """The chat task's predictor of a whole model registered as tiny:1 (nothing loaded yet)."""
+    """The chat task's predictor of a whole model registered as tiny:1 (nothing loaded yet), its forward eager
+    (EAGER)."""
     from types import SimpleNamespace
 
     from tests.conftest import ROOT
@@ -113,7 +114,8 @@ def served(model_dir: str, **generate):
     from workflows.tasks.chat import ChatTask
     from workflows.tasks.chat.serving import ChatPredictor
 
-    cfg = load_config(ROOT / "configs" / "chat.yaml", [f"serve.generate.{k}={v}" for k, v in generate.items()])
+    sets = [EAGER, *(f"serve.generate.{k}={v}" for k, v in generate.items())]
+    cfg = load_config(ROOT / "configs" / "chat.yaml", sets)
     return ChatPredictor(ChatTask(cfg), model_dir, SimpleNamespace(name="tiny", version=1))
 
 

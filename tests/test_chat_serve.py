@@ -15,7 +15,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from tests.chat_serve_task import build_lora, build_tiny_chat, deploy_chat, register_chat_models
+from tests.chat_serve_task import EAGER, build_lora, build_tiny_chat, deploy_chat, register_chat_models
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 from workflows.tasks.chat.engine import Engine, QueueFull, SamplingParams, TextState
@@ -245,13 +245,14 @@ def test_ignore_eos_runs_past_the_end_of_sequence_to_max_tokens(tiny, engine):
 
 def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str, ...] = (), **generate):
     """The chat task's predictor of a registered directory, by default a whole model registered as
-    tiny:1 (nothing loaded yet); `base`: the config's model.name_or_path; `extra`: config overrides."""
+    tiny:1 (nothing loaded yet), its forward eager (EAGER); `base`: the config's model.name_or_path; `extra`:
+    config overrides."""
     from workflows.config import load_config
     from workflows.tasks.chat import ChatTask
     from workflows.tasks.chat.serving import ChatPredictor
 
     sets = [f"serve.generate.{k}={v}" for k, v in generate.items()] + ([f"model.name_or_path={base}"] if base else [])
-    cfg = load_config(CHAT, [*sets, *extra])
+    cfg = load_config(CHAT, [EAGER, *sets, *extra])
     return ChatPredictor(ChatTask(cfg), model_dir, card or SimpleNamespace(name="tiny", version=1))
 
 
@@ -483,7 +484,8 @@ def chat_server(ray_cluster, tmp_path_factory):
         build_lora(base, tmp / name, seed)
     port = free_port()
     cfg = load_config(CHAT, [
-        "storage.embedded.enabled=false", "serve.enabled=true", f"storage.root={tmp}/store", f"cache.dir={tmp}/cache",
+        EAGER, "storage.embedded.enabled=false", "serve.enabled=true", f"storage.root={tmp}/store",
+        f"cache.dir={tmp}/cache",
         f"model.task={TASK}", f"model.options.step_delay_s={STEP_S}", f"model.options.finish_log={tmp}/finished.jsonl",
         f"serve.port={port}", "serve.auth_token_env=CHAT_TOKEN", "serve.generate.max_batch=2",
         "serve.generate.max_queue=1", f"serve.generate.max_tokens={MAX_TOKENS}", "serve.generate.retry_after_s=2",
