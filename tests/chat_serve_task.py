@@ -4,7 +4,8 @@
 here, a ChatML chat template and eos = pad = <|im_end|>, saved with save_pretrained. `build_lora`: a
 random LoRA adapter of it (peft, safetensors). `HookedChatTask`: the chat task with two test hooks
 (model.options): each model step slowed down, and each generation's end recorded, so that a test can
-watch a disconnect stop one generation.
+watch a disconnect stop one generation. `served`: the chat task's predictor of a registered directory, as a
+replica builds it, its forward eager (EAGER).
 """
 
 from __future__ import annotations
@@ -103,6 +104,21 @@ def _slowed(fn, delay_s: float):
 class HookedChatTask(ChatTask):
     Options = HookedOptions
     Serving = HookedServing
+
+
+def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str, ...] = (), **generate):
+    """The chat task's predictor of a registered directory, by default a whole model registered as
+    tiny:1 (nothing loaded yet), its forward eager (EAGER); `base`: the config's model.name_or_path; `extra`:
+    config overrides."""
+    from types import SimpleNamespace
+
+    from tests.conftest import ROOT
+    from workflows.config import load_config
+    from workflows.tasks.chat.serving import ChatPredictor
+
+    sets = [f"serve.generate.{k}={v}" for k, v in generate.items()] + ([f"model.name_or_path={base}"] if base else [])
+    cfg = load_config(ROOT / "configs" / "chat.yaml", [EAGER, *sets, *extra])
+    return ChatPredictor(ChatTask(cfg), model_dir, card or SimpleNamespace(name="tiny", version=1))
 
 
 def register_chat_models(cfg, ctx, base, tmp, name: str, task: str) -> None:

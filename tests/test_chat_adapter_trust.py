@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from tests.chat_serve_task import build_lora, build_tiny_chat
-from tests.test_chat_faults import prompt, served
+from tests.chat_serve_task import build_lora, build_tiny_chat, served
+from tests.test_chat_faults import prompt
 from workflows.errors import UserError
 from workflows.tasks.chat.engine import SamplingParams
 

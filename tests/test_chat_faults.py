@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.chat_serve_task import EAGER, build_tiny_chat
+from tests.chat_serve_task import build_tiny_chat, served
 from workflows.tasks.chat.engine import Engine, SamplingParams
 
 torch.set_num_threads(1)
@@ -102,21 +102,6 @@ def test_one_requests_failure_to_sample_fails_it_alone(tiny, engine):
     again = e.submit(p, SamplingParams(max_tokens=8, temperature=0))
     again.result(60)
     assert again.tokens == alone.tokens
-
-
-def served(model_dir: str, **generate):
-    """The chat task's predictor of a whole model registered as tiny:1 (nothing loaded yet), its forward eager
-    (EAGER)."""
-    from types import SimpleNamespace
-
-    from tests.conftest import ROOT
-    from workflows.config import load_config
-    from workflows.tasks.chat import ChatTask
-    from workflows.tasks.chat.serving import ChatPredictor
-
-    sets = [EAGER, *(f"serve.generate.{k}={v}" for k, v in generate.items())]
-    cfg = load_config(ROOT / "configs" / "chat.yaml", sets)
-    return ChatPredictor(ChatTask(cfg), model_dir, SimpleNamespace(name="tiny", version=1))
 
 
 def test_deleting_the_last_adapter_of_a_whole_model_leaves_the_replica_serving(tiny, tmp_path):

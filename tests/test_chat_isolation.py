@@ -19,8 +19,8 @@ import pytest
 import requests
 import torch
 
+from tests.chat_serve_task import served
 from tests.helpers import wait_until
-from tests.test_chat_faults import served
 from workflows.net import free_port
 from workflows.tasks.chat.engine import EngineStopped, SamplingParams, TextState
 

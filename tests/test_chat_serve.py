@@ -15,7 +15,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from tests.chat_serve_task import EAGER, build_lora, build_tiny_chat, deploy_chat, register_chat_models
+from tests.chat_serve_task import EAGER, build_lora, build_tiny_chat, deploy_chat, register_chat_models, served
 from tests.conftest import ROOT
 from tests.helpers import wait_until
 from workflows.tasks.chat.engine import Engine, QueueFull, SamplingParams, TextState
@@ -241,19 +241,6 @@ def test_ignore_eos_runs_past_the_end_of_sequence_to_max_tokens(tiny, engine):
     stopped.result(60), running.result(60)
     assert (stopped.finish_reason, len(stopped.tokens)) == ("stop", 1)
     assert (running.finish_reason, running.tokens) == ("length", first.tokens[:8])
-
-
-def served(model_dir: str, card=None, base: str | None = None, extra: tuple[str, ...] = (), **generate):
-    """The chat task's predictor of a registered directory, by default a whole model registered as
-    tiny:1 (nothing loaded yet), its forward eager (EAGER); `base`: the config's model.name_or_path; `extra`:
-    config overrides."""
-    from workflows.config import load_config
-    from workflows.tasks.chat import ChatTask
-    from workflows.tasks.chat.serving import ChatPredictor
-
-    sets = [f"serve.generate.{k}={v}" for k, v in generate.items()] + ([f"model.name_or_path={base}"] if base else [])
-    cfg = load_config(CHAT, [EAGER, *sets, *extra])
-    return ChatPredictor(ChatTask(cfg), model_dir, card or SimpleNamespace(name="tiny", version=1))
 
 
 def test_bf16_serving_on_a_cpu_keeps_the_weights_cache_and_answers_in_bf16(tiny, monkeypatch, caplog):
