@@ -99,6 +99,7 @@ def ray_cluster():
     """One real local Ray cluster (2 CPUs, as on CI) shared by every test that needs Ray."""
     import ray
 
+    from workflows.ray_start import start_local
     from workflows.runtime import _port_or_free, dashboard_port
 
     if not ray.is_initialized():
@@ -114,8 +115,9 @@ def ray_cluster():
         # address="local": a cluster of the session's own. Without it ray.init() joins the cluster in
         # /tmp/ray/ray_current_cluster (any `ray start` on the machine: another checkout's suite,
         # cluster/local/start.sh) and refuses num_cpus for it.
-        ray.init(address="local", num_cpus=2, logging_level=logging.WARNING, log_to_driver=False,
-                 dashboard_port=port)
+        # as init_ray does: started again if its node timed out starting (a busy machine, workflows.ray_start)
+        start_local(lambda: ray.init(address="local", num_cpus=2, logging_level=logging.WARNING, log_to_driver=False,
+                                     dashboard_port=port))
         # the cluster's processes have it; commands the tests start must find their own cluster
         os.environ.pop("RAY_API_SERVER_ADDRESS")
     ctx = ray.data.DataContext.get_current()

@@ -18,6 +18,7 @@ from workflows.config import WorkflowConfig, dump_config
 from workflows.config.cluster import cluster_address
 from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.net import free_port
+from workflows.ray_start import start_local
 from workflows.serve import ingress
 from workflows.storage import cache_stats
 from workflows.storage.atomic import atomic_write
@@ -132,7 +133,14 @@ def init_ray(cfg: WorkflowConfig) -> bool:
         cluster_env = ingress.cluster_env(haproxy)
         if not cfg.ray.dashboard:
             kwargs["include_dashboard"] = False
-        else:
+        if cfg.ray.num_cpus:
+            kwargs["num_cpus"] = cfg.ray.num_cpus
+    if address and (shipped := plugin_runtime_env(cfg)) is not None:
+        kwargs["runtime_env"] = shipped
+        say(f"ray: shipping the plug-in task's module {shipped['py_modules'][0]} to the cluster's workers")
+
+    def start() -> Any:
+        if not address and cfg.ray.dashboard:
             # A second local cluster on this machine (a test suite, another command) must not lose
             # its dashboard to a port conflict: Ray Train V2 needs the state API it serves.
             kwargs["dashboard_port"] = _port_or_free(dashboard_port(cfg))
@@ -140,13 +148,10 @@ def init_ray(cfg: WorkflowConfig) -> bool:
             # alive) finds the dashboard by auto-detection, which fails once a machine runs two
             # clusters: the cleaner then never frees a dead trial's resources. Workers inherit this.
             os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{kwargs['dashboard_port']}"
-        if cfg.ray.num_cpus:
-            kwargs["num_cpus"] = cfg.ray.num_cpus
-    if address and (shipped := plugin_runtime_env(cfg)) is not None:
-        kwargs["runtime_env"] = shipped
-        say(f"ray: shipping the plug-in task's module {shipped['py_modules'][0]} to the cluster's workers")
-    with ingress.scoped_env(cluster_env):
-        info = ray.init(**kwargs)
+        with ingress.scoped_env(cluster_env):
+            return ray.init(**kwargs)
+
+    info = start() if address else start_local(start)
     stop.install()  # ray.init replaced the SIGTERM handler with one that exits wherever it lands
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False

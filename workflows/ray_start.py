@@ -1,0 +1,76 @@
+"""Starting a local Ray cluster on a busy machine: once more when its node died starting up.
+
+Ray 2.60's raylet gives the dashboard agent a fixed 15 s to write its port file and aborts when it has
+not (ray-project/ray#65983, no setting changes it); on a loaded 2-core machine the agent's imports can
+take longer. `ray.init` then says only "The current node timed out during startup", after a wait of
+its own, and leaves the processes it did start running (GCS, dashboard, monitors): it had not yet
+recorded its node, so `ray.shutdown()` cannot stop them. Ray retries none of it, so this module does:
+it stops what the failed start left, then starts again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import psutil
+
+from workflows.console import warn
+
+T = TypeVar("T")
+STARTUP_TIMEOUT = "The current node timed out during startup"  # Ray's message (ray/_private/node.py)
+ATTEMPTS = 2
+
+
+def start_local(start: Callable[[], T], attempts: int = ATTEMPTS) -> T:
+    """`start()` (a `ray.init` of a local cluster); when Ray's node timed out starting, the processes
+    it left stopped and `start()` called again, up to `attempts` times in all. `start` picks its ports
+    anew on each call: the failed start's dashboard may still hold its port a moment."""
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in _descendants()}
+        try:
+            return start()
+        except Exception as e:
+            if STARTUP_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            left = stop_left_behind(before)
+            warn(f"ray: the local cluster's node did not start in time (a busy machine: Ray gives its dashboard "
+                 f"agent 15 s); stopped the {left} process(es) it left, starting it again "
+                 f"({attempt + 1} of {attempts})")
+    raise AssertionError("unreachable")
+
+
+def stop_left_behind(before: set[int]) -> int:
+    """Stop this process's descendants not in `before` (pids), and any process that names their Ray
+    session (the raylet's children outlive it, reparented); returns how many were stopped."""
+    new = [p for p in _descendants() if p.pid not in before]
+    sessions = {s for p in new for s in _sessions(p)}
+    others = [p for p in psutil.process_iter() if p.pid not in before and p not in new
+              and sessions & set(_sessions(p))]
+    procs = new + others
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return len(procs)
+
+
+def _descendants() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def _sessions(p: psutil.Process) -> list[str]:
+    """The Ray session names (session_<time>_<pid>) in a process's command line."""
+    try:
+        cmdline = p.cmdline()
+    except psutil.Error:  # gone, a zombie, or not ours to read
+        return []
+    return [part for arg in cmdline for part in arg.split("/") if part.startswith("session_") and "=" not in part]
