@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. docs/ARCHITECTURE.md's table lists the same layers in the same order.
 LAYERS: list[tuple[str, ...]] = [
     ("workflows", "errors", "seeds", "net", "console", "stop", "overrides", "cluster_scoped", "cluster_state",
-     "model_card", "parallel"),
+     "model_card", "parallel", "ray_start"),
     ("storage",),
     ("config",),
     ("dataset", "loader", "plots", "tracking", "registry", "registry_aliases", "registry_history", "registry_signing",
