@@ -103,9 +103,6 @@ def ray_cluster():
     from workflows.runtime import _port_or_free, dashboard_port
 
     if not ray.is_initialized():
-        port = _port_or_free(dashboard_port())
-        # as workflows.runtime.init_ray does: the state API must not auto-detect among clusters
-        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         # as on the clusters `workflows serve` starts: Serve's proxy gets 20 s per readiness check, not 5
         # (on 2 busy cores the README's commands on this cluster saw their proxy killed at start)
         from workflows.serve.ingress import START_ENV
@@ -115,9 +112,15 @@ def ray_cluster():
         # address="local": a cluster of the session's own. Without it ray.init() joins the cluster in
         # /tmp/ray/ray_current_cluster (any `ray start` on the machine: another checkout's suite,
         # cluster/local/start.sh) and refuses num_cpus for it.
+        def start():
+            port = _port_or_free(dashboard_port())  # per attempt, as init_ray picks it
+            # as workflows.runtime.init_ray does: the state API must not auto-detect among clusters
+            os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+            return ray.init(address="local", num_cpus=2, logging_level=logging.WARNING, log_to_driver=False,
+                            dashboard_port=port)
+
         # as init_ray does: started again if its node timed out starting (a busy machine, workflows.ray_start)
-        start_local(lambda: ray.init(address="local", num_cpus=2, logging_level=logging.WARNING, log_to_driver=False,
-                                     dashboard_port=port))
+        start_local(start)
         # the cluster's processes have it; commands the tests start must find their own cluster
         os.environ.pop("RAY_API_SERVER_ADDRESS")
     ctx = ray.data.DataContext.get_current()

@@ -37,8 +37,9 @@ ray.shutdown()
 def test_a_node_that_times_out_starting_is_stopped_and_started_again(tmp_path):
     marker = tmp_path / "marker"
     marker.write_text("armed")
+    path = [str(ROOT / "tests" / "slow_agent"), os.environ.get("PYTHONPATH")]  # no empty entry (the cwd)
     env = {**os.environ, "RAY_ADDRESS": "", "WORKFLOWS_DASHBOARD_PORT": "0", "SLOW_AGENT_MARKER": str(marker),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "slow_agent"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(filter(None, path))}
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     agent = marker.read_text()
