@@ -58,6 +58,17 @@ TEXT = {
                                              "vLLM's own server's",
 }
 
+
+def alone(r: dict) -> str:
+    """How the servers were kept off each other's rows: a result without `http_starts` kept `workflows serve`
+    up throughout, beside every row."""
+    if not r.get("http_starts"):
+        return ""
+    return (f" No row ran beside another server: the peers sat paused (SIGSTOP) outside their rows, and `workflows "
+            f"serve` was started for each repeat's HTTP rows and stopped before the others ({r['http_starts']} "
+            "starts, each warmed as the first).")
+
+
 AT_MID = ("sampled_vs_greedy", "tokens_per_s_vs_one_at_a_time")  # measured at the run's middle concurrency
 
 
@@ -164,7 +175,7 @@ the answers' own lengths with natural stopping. Rows interleaved, {r["repeats"]}
 path; tokens/s is the median over repeats, latencies the percentiles over every request. Over HTTP, the
 official `openai` client streams (SSE) from a process of its own and times each token's chunk as it arrives; the
 in-process paths time tokens as they are sampled. Poisson rows send requests at a multiple of the capacity
-measured in the same repeat (requests/s at the top concurrency over HTTP).
+measured in the same repeat (requests/s at the top concurrency over HTTP).{alone(r)}
 
 | path | what runs | arrivals, concurrency | sampling | lengths | output tokens/s | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | refused |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |

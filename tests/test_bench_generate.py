@@ -38,11 +38,12 @@ def bench(tmp_path, *settings: str) -> tuple[dict, str]:
     return stored, doc.read_text()
 
 
-def check_rows(stored: dict, expected: list[str]) -> None:
+def check_rows(stored: dict, expected: list[str], repeats: int = 1) -> None:
     assert [r["row"] for r in stored["rows"]] == expected
     for row in stored["rows"]:
-        if row["arrivals"] == "closed loop":  # every request answered: 2 at concurrency 1, else 8
-            assert row["requests"] == (2 if row["concurrency"] == 1 else 8), row
+        if row["arrivals"] == "closed loop":  # every request answered: 2 at concurrency 1, else 8, each repeat
+            assert row["requests"] == (2 if row["concurrency"] == 1 else 8) * repeats, row
+        assert row["servers_beside"] == [], row  # no server ran beside another path's row
         if row["lengths"].startswith("fixed"):
             assert row["tokens"] == row["requests"] * 3, row  # every request produced max_tokens: eos ignored
         else:
@@ -91,10 +92,13 @@ def test_bench_generate_writes_every_row_and_key(tmp_path, monkeypatch):
 
 @pytest.mark.extended  # `workflows serve` in its own process: a Ray cluster and Serve (a minute or more)
 def test_bench_generate_through_workflows_serve(tmp_path):
-    stored, _ = bench(tmp_path, "paths=http,engine,static", "load=0.9", "overload=4", "overload_requests=12")
+    stored, text = bench(tmp_path, "paths=http,engine,static", "load=0.9", "overload=4", "overload_requests=12",
+                         "repeats=2")
     check_rows(stored, ["http_c1", "http_c16", "http_sampled_c16", "http_natural_c16", "http_json_c1", "http_json_c16",
                         "http_lora_c16", "http_mixed_c16", "http_poisson", "http_overload", "engine_c16", "static",
-                        "static_natural", "static_packed"])
+                        "static_natural", "static_packed"], repeats=2)
+    # `workflows serve` is up for its own rows alone: started for each repeat's, stopped before the engine's
+    assert stored["http_starts"] == 2 and "(2 starts, each warmed as the first)" in text
     # the adapter's rows: requests naming bench-lora (a LoRA adapter of bench-base), alone and in turn with the base
     assert [r["models"] for r in stored["rows"][6:8]] == ["adapter", "mixed"]
     assert stored["lora_vs_base_c16"] > 0 and stored["mixed_vs_base_c16"] > 0
@@ -108,7 +112,7 @@ def test_bench_generate_through_workflows_serve(tmp_path):
         assert stored[key] > 0, key
     assert stored["rows"][4]["output"] == "json_schema" and stored["rows"][1]["output"] == "unconstrained"
     overload = stored["rows"][9]
-    assert overload["requests"] + overload["refused"] == 12 and stored["overload_requests"] == 12
+    assert overload["requests"] + overload["refused"] == 2 * 12 and stored["overload_requests"] == 12
     assert stored["model"] == "bench-base:1" and "workflows serve --model bench-base:1" in stored["servers"]["http"]
 
 

@@ -28,7 +28,10 @@ its next request when its previous one ended) or Poisson arrivals at a rate; gre
 (temperature 0.7, top_p 0.9); fixed lengths (`ignore_eos`: every request makes max_tokens tokens) or
 natural stopping (EOS honoured, up to max_tokens). Rows run interleaved (each row once, then again)
 `repeats` times, after a warm-up that is not counted (`warm_ups`: each path, and on it each model its
-requests name, structured output and the engine's own weights). The Poisson rates come from the
+requests name, structured output and the engine's own weights). No row runs beside another server: the
+peers sit paused (SIGSTOP) outside their rows, and `workflows serve`, which cannot be paused, is started
+for each repeat's HTTP rows (and their warm-ups) and stopped before the rest (each row's `servers_beside`
+says what ran beside it). The Poisson rates come from the
 capacity measured in the same repeat (requests/s over HTTP at the top concurrency): `load` times it near
 capacity, `overload` times it for the overload row (`overload_requests` of them, by default 3x the engine's batch plus
 queue, so that some are refused: how fast their answer came).
@@ -326,13 +329,14 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
 
         def measure(row: Row, n: int, tokens: int) -> dict:
             """The row's run, its peer server resumed for it: peers sit paused (SIGSTOP) outside their rows.
-            `workflows serve` runs throughout (Ray's processes cannot be frozen without failing its health
-            checks): its idle cost lies on every other row."""
+            `workflows serve` is up for its own rows alone (Ray's processes cannot be frozen without failing
+            its health checks, and idle they still take CPU from the rows beside them)."""
             own = servers.get(row.path) if row.path != "http" else None
             if own is not None:
                 own.resume()
             try:
-                return run_row(row, n, tokens)
+                beside = sorted(name for name, s in servers.items() if s.running and name != row.path)
+                return {**run_row(row, n, tokens), "beside": beside}
             finally:
                 if own is not None:
                     own.pause()
@@ -352,26 +356,44 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         bandwidth: list[float] = []
         reference: list[float] = []  # seconds of transformers' decode step at the top concurrency
         context = round(mean_context(prompts, opts))
+
+        def measure_rows(some: list[Row]) -> None:
+            for row in some:
+                if row.rate and "http" not in capacity:
+                    continue
+                result = measure(row, n_of(row), max_tokens)
+                row.runs.append(result)
+                print(f"bench generate: {row.key} (repeat {len(row.runs)}): {result['tokens_per_s']:.1f} tokens/s, "
+                      f"{len(result.get('refused', []))} refused", file=sys.stderr, flush=True)
+                if row.key == f"http_c{max(levels)}":
+                    capacity["http"] = result["requests_per_s"]
+
+        def warm(some: list[Row]) -> None:
+            for row in some:  # not counted: first calls allocate, load kernels, an adapter
+                measure(row, 2, 4)
+
+        ours = servers.get("http")
+        http_rows, other_rows = [r for r in rows if r.path == "http"], [r for r in rows if r.path != "http"]
+        warmed = warm_ups(rows)
         started = []
         try:
             for server in servers.values():
-                server.start()
-                started.append(server)
-                if server is not servers.get("http"):
+                if server is not ours:
+                    server.start()
+                    started.append(server)
                     server.pause()
-            warmed = warm_ups(rows)
-            for row in warmed:  # not counted: first calls allocate, load kernels, an adapter
-                measure(row, 2, 4)
+            warm([r for r in warmed if r.path != "http"])
             for _ in range(opts["repeats"]):
-                for row in rows:
-                    if row.rate and "http" not in capacity:
-                        continue
-                    result = measure(row, n_of(row), max_tokens)
-                    row.runs.append(result)
-                    print(f"bench generate: {row.key} (repeat {len(row.runs)}): {result['tokens_per_s']:.1f} tokens/s, "
-                          f"{len(result.get('refused', []))} refused", file=sys.stderr, flush=True)
-                    if row.key == f"http_c{max(levels)}":
-                        capacity["http"] = result["requests_per_s"]
+                # each repeat: `workflows serve` started (then warmed, as a new replica needs), its rows, then
+                # stopped before the others, so that no other row runs beside it
+                if ours is not None and not ours.running:
+                    ours.start()
+                    started += [] if ours in started else [ours]
+                    warm([r for r in warmed if r.path == "http"])
+                measure_rows(http_rows)
+                if ours is not None and other_rows:
+                    ours.stop()
+                measure_rows(other_rows)
                 capacity.pop("http", None)
                 # the served precision's matmuls
                 flops.append(on_engine_thread(engine, lambda: matmul_rate(dtype=model.dtype)))
@@ -385,7 +407,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             if engine is not None:
                 engine.close()
         return {**report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth, reference,
-                         {name: s.command for name, s in servers.items()}), "warm_ups": [r.key for r in warmed]}
+                         {name: s.command for name, s in servers.items()}), "warm_ups": [r.key for r in warmed],
+                "http_starts": ours.starts if ours is not None else 0}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if model_dir and not opts["model"]:  # the scratch version's copy in the model cache, new each run

@@ -51,7 +51,8 @@ def summary(row: Row) -> dict:
            "tokens_per_s_runs": [round(r["tokens_per_s"], 2) for r in row.runs],
            "ttft_s_p50": round(percentile(ttft, 0.5), 4), "ttft_s_p99": round(percentile(ttft, 0.99), 4),
            "itl_s_p50": round(percentile(itl, 0.5), 4), "itl_s_p99": round(percentile(itl, 0.99), 4),
-           "tokens": sum(r["tokens"] for r in row.runs), "requests": sum(len(r["ttft"]) for r in row.runs)}
+           "tokens": sum(r["tokens"] for r in row.runs), "requests": sum(len(r["ttft"]) for r in row.runs),
+           "servers_beside": sorted({name for r in row.runs for name in r.get("beside", [])})}
     if row.rate:
         out["refused"] = len(refused)
         out["refused_answer_s_max"] = round(max((x["answer_s"] for x in refused), default=0.0), 4)

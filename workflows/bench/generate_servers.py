@@ -29,6 +29,8 @@ class Server:
         self.health = f"http://127.0.0.1:{port}{health}"
         self.env, self.timeout_s = env, timeout_s
         self.proc: subprocess.Popen | None = None
+        self.starts = 0  # a server started again appends to its log
+        self.paused = False
 
     def __enter__(self) -> Server:
         self.start()
@@ -41,7 +43,9 @@ class Server:
         import requests
 
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "wb") as out:  # the child holds its own descriptor
+        self.starts += 1
+        self.paused = False
+        with open(self.log, "wb" if self.starts == 1 else "ab") as out:  # the child holds its own descriptor
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **(self.env or {})}, start_new_session=True)
         deadline = time.monotonic() + self.timeout_s
@@ -58,13 +62,20 @@ class Server:
         self.stop()
         raise UserError(f"bench generate: {self.name} not ready after {self.timeout_s:.0f} s:\n{self.tail()}")
 
+    @property
+    def running(self) -> bool:
+        """Started, not exited, not paused: a process that can take the CPU."""
+        return self.proc is not None and self.proc.poll() is None and not self.paused
+
     def pause(self) -> None:
         """SIGSTOP to its process group while other rows run: an idle server that polls (vLLM's CPU worker
         spins at a quarter of a core) must not take the measured one's CPU."""
         self._signal_group(signal.SIGSTOP)
+        self.paused = True
 
     def resume(self) -> None:
         self._signal_group(signal.SIGCONT)
+        self.paused = False
 
     def _signal_group(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
