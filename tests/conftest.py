@@ -99,7 +99,7 @@ def ray_cluster():
     """One real local Ray cluster (2 CPUs, as on CI) shared by every test that needs Ray."""
     import ray
 
-    from workflows.ray_start import start_local
+    from workflows.ray_start import shutdown_local, start_local
     from workflows.runtime import _port_or_free, dashboard_port
 
     if not ray.is_initialized():
@@ -126,7 +126,7 @@ def ray_cluster():
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     yield ray
-    ray.shutdown()
+    shutdown_local()  # as a command's runtime does: no worker of the session outlives it
 
 
 @dataclass

@@ -6,10 +6,17 @@ take longer. `ray.init` then says only "The current node timed out during startu
 its own, and leaves the processes it did start running (GCS, dashboard, monitors): it had not yet
 recorded its node, so `ray.shutdown()` cannot stop them. Ray retries none of it, so this module does:
 it stops what the failed start left, then starts again.
+
+And stopping one (`shutdown_local`): a worker whose exit hangs after it left the cluster outlives
+`ray.shutdown()`. Ray 2.60's core worker can deadlock in its own destructor (`~Publisher`, seen after
+a test run: a `ray::TrainController` whose job had ended, 590 MB, for good), and the raylet, which
+counts it gone once it disconnected, never kills it; so the session's processes that outlive the
+shutdown are stopped here.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -48,6 +55,28 @@ def stop_left_behind(before: set[int]) -> int:
     others = [p for p in psutil.process_iter() if p.pid not in before and p not in new
               and sessions & set(_sessions(p))]
     procs = new + others
+    _stop(procs)
+    return len(procs)
+
+
+def shutdown_local(grace_s: float = 5.0) -> int:
+    """`ray.shutdown()` of the local cluster this process started, then stop its processes that are still
+    running `grace_s` later (terminate, then kill); returns how many were stopped."""
+    import ray
+
+    procs = [p for p in _descendants() if _of_ray(p)]
+    ray.shutdown()
+    deadline = time.monotonic() + grace_s
+    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive:
+        titles = ", ".join(sorted({_title(p) for p in alive}))
+        _stop(alive)
+        warn(f"ray: stopped {len(alive)} process(es) of the local cluster that outlived its shutdown ({titles})")
+    return len(alive)
+
+
+def _stop(procs: list[psutil.Process]) -> None:
     for p in procs:
         try:
             p.terminate()
@@ -60,7 +89,28 @@ def stop_left_behind(before: set[int]) -> int:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-    return len(procs)
+
+
+def _running(p: psutil.Process) -> bool:
+    """Not exited; a zombie (exited, its parent yet to reap it) takes nothing and cannot be stopped."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # gone
+        return False
+
+
+def _of_ray(p: psutil.Process) -> bool:
+    """A process of a Ray session: a worker (titled `ray::...`) or one naming its session (raylet, GCS,
+    dashboard, monitors)."""
+    return _title(p).startswith("ray::") or bool(_sessions(p))
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        cmdline = p.cmdline()
+    except psutil.Error:
+        return ""
+    return cmdline[0] if cmdline else ""
 
 
 def _descendants() -> list[psutil.Process]:

@@ -18,7 +18,7 @@ from workflows.config import WorkflowConfig, dump_config
 from workflows.config.cluster import cluster_address
 from workflows.console import say, warn  # noqa: F401  (say is imported from here by the stages)
 from workflows.net import free_port
-from workflows.ray_start import start_local
+from workflows.ray_start import shutdown_local, start_local
 from workflows.serve import ingress
 from workflows.storage import cache_stats
 from workflows.storage.atomic import atomic_write
@@ -233,8 +233,6 @@ def runtime(
         if tracking is not None:
             tracking.close()  # before the embedded endpoint stops: artifacts may still be uploading
         if started_ray:  # now, not at interpreter exit: a stopped command's Ray is gone when it exits
-            import ray
-
-            ray.shutdown()
+            shutdown_local()  # and what of a local cluster outlives ray.shutdown (workflows.ray_start)
         if embedded is not None:
             embedded.stop()
