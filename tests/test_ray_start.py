@@ -85,7 +85,7 @@ print("after the runtime:", alive, flush=True)
 
 
 @pytest.mark.integration
-@pytest.mark.extended  # ~30 s: a cluster's start, and the 5 s grace and 5 s terminate of the hung worker
+@pytest.mark.extended  # ~20 s: a cluster's start, and the 5 s grace and 5 s terminate of the hung worker
 def test_a_worker_whose_exit_hangs_does_not_outlive_the_runtime(tmp_path):
     import psutil
 
