@@ -51,9 +51,9 @@ def stop_left_behind(before: set[int]) -> int:
     """Stop this process's descendants not in `before` (pids), and any process that names their Ray
     session (the raylet's children outlive it, reparented); returns how many were stopped."""
     new = [p for p in _descendants() if p.pid not in before]
-    sessions = {s for p in new for s in _sessions(p)}
+    sessions = {s for p in new for s in _sessions(_cmdline(p))}
     others = [p for p in psutil.process_iter() if p.pid not in before and p not in new
-              and sessions & set(_sessions(p))]
+              and sessions & set(_sessions(_cmdline(p)))]
     procs = new + others
     _stop(procs)
     return len(procs)
@@ -70,7 +70,7 @@ def shutdown_local(grace_s: float = 5.0) -> int:
     while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     if alive:
-        titles = ", ".join(sorted({_title(p) for p in alive}))
+        titles = ", ".join(sorted({_title(_cmdline(p)) for p in alive}))
         _stop(alive)
         warn(f"ray: stopped {len(alive)} process(es) of the local cluster that outlived its shutdown ({titles})")
     return len(alive)
@@ -102,25 +102,25 @@ def _running(p: psutil.Process) -> bool:
 def _of_ray(p: psutil.Process) -> bool:
     """A process of a Ray session: a worker (titled `ray::...`) or one naming its session (raylet, GCS,
     dashboard, monitors)."""
-    return _title(p).startswith("ray::") or bool(_sessions(p))
+    cmdline = _cmdline(p)
+    return _title(cmdline).startswith("ray::") or bool(_sessions(cmdline))
 
 
-def _title(p: psutil.Process) -> str:
-    try:
-        cmdline = p.cmdline()
-    except psutil.Error:
-        return ""
+def _title(cmdline: list[str]) -> str:
     return cmdline[0] if cmdline else ""
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:  # gone, a zombie, or not ours to read
+        return []
 
 
 def _descendants() -> list[psutil.Process]:
     return psutil.Process().children(recursive=True)
 
 
-def _sessions(p: psutil.Process) -> list[str]:
+def _sessions(cmdline: list[str]) -> list[str]:
     """The Ray session names (session_<time>_<pid>) in a process's command line."""
-    try:
-        cmdline = p.cmdline()
-    except psutil.Error:  # gone, a zombie, or not ours to read
-        return []
     return [part for arg in cmdline for part in arg.split("/") if part.startswith("session_") and "=" not in part]
