@@ -375,12 +375,10 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         ours = servers.get("http")
         http_rows, other_rows = [r for r in rows if r.path == "http"], [r for r in rows if r.path != "http"]
         warmed = warm_ups(rows)
-        started = []
         try:
             for server in servers.values():
                 if server is not ours:
                     server.start()
-                    started.append(server)
                     server.pause()
             warm([r for r in warmed if r.path != "http"])
             for _ in range(opts["repeats"]):
@@ -388,7 +386,6 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 # stopped before the others, so that no other row runs beside it
                 if ours is not None and not ours.running:
                     ours.start()
-                    started += [] if ours in started else [ours]
                     warm([r for r in warmed if r.path == "http"])
                 measure_rows(http_rows)
                 if ours is not None and other_rows:
@@ -402,7 +399,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 if engine is not None and "engine" in paths:
                     reference.append(on_engine_thread(engine, lambda: transformers_step(model, max(levels), context)))
         finally:
-            for server in reversed(started):
+            for server in servers.values():  # any not started, or stopped already, is left as it is
                 server.stop()
             if engine is not None:
                 engine.close()

@@ -93,7 +93,8 @@ class Server:
     def stop(self, timeout_s: float = 60) -> None:
         """SIGTERM to the server (`workflows serve` drains and stops Ray, as on Ctrl-C; SIGINT would be ignored
         by a server started from a background job), then SIGTERM and SIGKILL to the process group it started
-        in; what of that group is left once it exited is killed too."""
+        in; what of that group is left once it exited is killed too. Once stopped, it is not signalled again
+        (its group's id may have gone to another process)."""
         if self.proc is None:
             return
         pid = self.proc.pid
@@ -111,6 +112,7 @@ class Server:
             os.killpg(pid, signal.SIGKILL)  # the group's leftovers (none once Ray shut down)
         except (ProcessLookupError, PermissionError):
             pass
+        self.proc = None
 
 
 def serve_command(config: str, overrides: list[str], spec: str) -> list[str]:
