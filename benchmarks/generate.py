@@ -65,8 +65,18 @@ def alone(r: dict) -> str:
     if not r.get("http_starts"):
         return ""
     return (f" No row ran beside another server: the peers sat paused (SIGSTOP) outside their rows, and `workflows "
-            f"serve` was started for each repeat's HTTP rows and stopped before the others ({r['http_starts']} "
-            "starts, each warmed as the first).")
+            "serve` was up for the HTTP rows alone, started for them and stopped before any other row "
+            f"({r['http_starts']} starts, each warmed as the first)." + mirrored(r))
+
+
+def mirrored(r: dict) -> str:
+    """Whether every second repeat ran the rows in the mirrored order (other rows reversed, then HTTP)."""
+    order = r.get("order") or []
+    if len(order) < 2 or order[1] == order[0]:
+        return ""
+    return (" Every second repeat ran the rows mirrored, the other rows first in reverse and then the HTTP rows, so "
+            "that each row's mean time in the run is about its middle: a slow drift of the machine's speed does not "
+            "tilt a ratio of rows run minutes apart.")
 
 
 AT_MID = ("sampled_vs_greedy", "tokens_per_s_vs_one_at_a_time")  # measured at the run's middle concurrency

@@ -99,6 +99,12 @@ def test_bench_generate_through_workflows_serve(tmp_path):
                         "static_natural", "static_packed"], repeats=2)
     # `workflows serve` is up for its own rows alone: started for each repeat's, stopped before the engine's
     assert stored["http_starts"] == 2 and "(2 starts, each warmed as the first)" in text
+    # the second repeat mirrors the first: the other rows first, in reverse, then the HTTP rows (the server started
+    # again for them): each row's mean time in the run about its middle
+    http, others = stored["order"][0][:10], stored["order"][0][10:]
+    assert all(k.startswith("http_") for k in http) and others == ["engine_c16", "static", "static_natural",
+                                                                   "static_packed"]
+    assert stored["order"][1] == others[::-1] + http and "Every second repeat ran the rows mirrored" in text
     # the adapter's rows: requests naming bench-lora (a LoRA adapter of bench-base), alone and in turn with the base
     assert [r["models"] for r in stored["rows"][6:8]] == ["adapter", "mixed"]
     assert stored["lora_vs_base_c16"] > 0 and stored["mixed_vs_base_c16"] > 0

@@ -31,7 +31,9 @@ natural stopping (EOS honoured, up to max_tokens). Rows run interleaved (each ro
 requests name, structured output and the engine's own weights). No row runs beside another server: the
 peers sit paused (SIGSTOP) outside their rows, and `workflows serve`, which cannot be paused, is started
 for each repeat's HTTP rows (and their warm-ups) and stopped before the rest (each row's `servers_beside`
-says what ran beside it). The Poisson rates come from the
+says what ran beside it). Every second repeat mirrors the order: the other rows first, in reverse, then the
+HTTP rows (`order` in the result), so that every row's mean time in the run is about its middle and a slow
+drift of the machine's speed does not tilt a ratio of rows run minutes apart. The Poisson rates come from the
 capacity measured in the same repeat (requests/s over HTTP at the top concurrency): `load` times it near
 capacity, `overload` times it for the overload row (`overload_requests` of them, by default 3x the engine's batch plus
 queue, so that some are refused: how fast their answer came).
@@ -357,12 +359,15 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         reference: list[float] = []  # seconds of transformers' decode step at the top concurrency
         context = round(mean_context(prompts, opts))
 
+        order: list[list[str]] = []  # each repeat's rows, in the order they ran
+
         def measure_rows(some: list[Row]) -> None:
             for row in some:
                 if row.rate and "http" not in capacity:
                     continue
                 result = measure(row, n_of(row), max_tokens)
                 row.runs.append(result)
+                order[-1].append(row.key)
                 print(f"bench generate: {row.key} (repeat {len(row.runs)}): {result['tokens_per_s']:.1f} tokens/s, "
                       f"{len(result.get('refused', []))} refused", file=sys.stderr, flush=True)
                 if row.key == f"http_c{max(levels)}":
@@ -371,6 +376,14 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         def warm(some: list[Row]) -> None:
             for row in some:  # not counted: first calls allocate, load kernels, an adapter
                 measure(row, 2, 4)
+
+        def probe() -> None:  # every server stopped or paused (but ours with paths=http alone)
+            # the served precision's matmuls
+            flops.append(on_engine_thread(engine, lambda: matmul_rate(dtype=model.dtype)))
+            bandwidth.append(on_engine_thread(engine, memory_bandwidth))
+            # transformers' own decode step on the engine's weights, in its thread
+            if engine is not None and "engine" in paths:
+                reference.append(on_engine_thread(engine, lambda: transformers_step(model, max(levels), context)))
 
         ours = servers.get("http")
         http_rows, other_rows = [r for r in rows if r.path == "http"], [r for r in rows if r.path != "http"]
@@ -381,23 +394,27 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                     server.start()
                     server.pause()
             warm([r for r in warmed if r.path != "http"])
-            for _ in range(opts["repeats"]):
-                # each repeat: `workflows serve` started (then warmed, as a new replica needs), its rows, then
-                # stopped before the others, so that no other row runs beside it
+            for repeat in range(opts["repeats"]):
+                order.append([])
+                # `workflows serve` up for its own rows alone: started (then warmed, as a new replica needs) for
+                # each repeat's, stopped before the others. Every second repeat runs the others first, in reverse,
+                # then the HTTP rows, so that each row's mean time in the run is about the middle: the machine's
+                # speed drifts over minutes (its matmul rate and bandwidth, measured each repeat, by 10-30%), and
+                # a ratio of rows run minutes apart in every repeat would carry that drift
+                mirrored = repeat % 2 == 1 and ours is not None and bool(other_rows)
+                if mirrored:
+                    measure_rows(other_rows[::-1])
+                    probe()
                 if ours is not None and not ours.running:
                     ours.start()
                     warm([r for r in warmed if r.path == "http"])
                 measure_rows(http_rows)
-                if ours is not None and other_rows:
-                    ours.stop()
-                measure_rows(other_rows)
+                if not mirrored:
+                    if ours is not None and other_rows:
+                        ours.stop()
+                    measure_rows(other_rows)
+                    probe()
                 capacity.pop("http", None)
-                # the served precision's matmuls
-                flops.append(on_engine_thread(engine, lambda: matmul_rate(dtype=model.dtype)))
-                bandwidth.append(on_engine_thread(engine, memory_bandwidth))
-                # transformers' own decode step on the engine's weights, in its thread
-                if engine is not None and "engine" in paths:
-                    reference.append(on_engine_thread(engine, lambda: transformers_step(model, max(levels), context)))
         finally:
             for server in servers.values():  # any not started, or stopped already, is left as it is
                 server.stop()
@@ -405,7 +422,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
                 engine.close()
         return {**report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth, reference,
                          {name: s.command for name, s in servers.items()}), "warm_ups": [r.key for r in warmed],
-                "http_starts": ours.starts if ours is not None else 0}
+                "http_starts": ours.starts if ours is not None else 0, "order": order}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if model_dir and not opts["model"]:  # the scratch version's copy in the model cache, new each run
