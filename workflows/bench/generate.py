@@ -396,11 +396,8 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             warm([r for r in warmed if r.path != "http"])
             for repeat in range(opts["repeats"]):
                 order.append([])
-                # `workflows serve` up for its own rows alone: started (then warmed, as a new replica needs) for
-                # each repeat's, stopped before the others. Every second repeat runs the others first, in reverse,
-                # then the HTTP rows, so that each row's mean time in the run is about the middle: the machine's
-                # speed drifts over minutes (its matmul rate and bandwidth, measured each repeat, by 10-30%), and
-                # a ratio of rows run minutes apart in every repeat would carry that drift
+                # `workflows serve` up for its own rows alone (started, then warmed, as a new replica needs);
+                # every second repeat mirrored, against the machine's drift (the module's docstring)
                 mirrored = repeat % 2 == 1 and ours is not None and bool(other_rows)
                 if mirrored:
                     measure_rows(other_rows[::-1])
