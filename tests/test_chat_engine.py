@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -136,6 +137,62 @@ def test_a_wave_of_prompts_beside_few_decoding_rows_is_prefilled_in_one_step(tin
     two streams waiting that one step, and all six decode in step from then on."""
     beside = joining_two_decoding_rows(tiny, engine)
     assert [d for _, d, _ in beside] == [2], beside
+
+
+def test_the_next_requests_of_clients_whose_requests_ended_together_join_in_one_step(tiny, engine):
+    """A closed loop's wave: four requests end in one step, their clients' next ones arrive 30 ms apart; the
+    empty batch's step waits for them (join_wait_s), so all four are prefilled together, not the first alone
+    and the others beside its stream. Nothing waits longer than the last of them."""
+    tok = tiny[1]
+    e = engine(max_batch=4, join_wait_s=5.0)
+    release = hold(e)
+    first = [e.submit(words(tok, 6), greedy(2)) for _ in range(4)]
+    release.set()
+    for g in first:
+        g.result(60)
+    assert len({g.steps[1] for g in first}) == 1  # they ended together: the batch emptied
+    nxt = []
+    for n in (5, 8, 11, 7):
+        nxt.append(e.submit(words(tok, n), greedy(3)))
+        time.sleep(0.03)
+    for g in nxt:
+        g.result(60)
+    assert len({g.steps[0] for g in nxt}) == 1, [g.steps for g in nxt]
+    assert nxt[0].times["first_token"] - nxt[-1].times["submitted"] < 2.0  # gathered, not held for join_wait_s
+
+
+def test_a_lone_clients_next_request_and_one_at_an_idle_engine_do_not_wait(tiny, engine):
+    """join_wait_s long: a request reaching an idle engine with none being planned steps at once, and so
+    does a lone client's next request after its last one ended; one being planned holds the step for it,
+    up to join_wait_s at most."""
+    tok = tiny[1]
+    e = engine(max_batch=4, join_wait_s=5.0)
+    for _ in range(3):
+        g = e.submit(words(tok, 6), greedy(2))
+        g.result(60)
+        assert g.times["first_token"] - g.times["submitted"] < 2.0
+    e.admit()  # a request still being planned: the next step waits for it
+    alone = e.submit(words(tok, 5), greedy(2))
+    time.sleep(0.2)
+    assert not alone.tokens
+    planned = e.submit(words(tok, 7), greedy(2), admitted=True)
+    alone.result(60), planned.result(60)
+    assert alone.steps[0] == planned.steps[0]
+    short = engine(max_batch=4, join_wait_s=0.3)
+    short.admit()  # never submitted: the step waits join_wait_s, then runs without it
+    g = short.submit(words(tok, 5), greedy(2))
+    g.result(60)
+    assert 0.3 <= g.times["first_token"] - g.times["submitted"] < 3.0
+    short.release()
+    release = hold(short)
+    ended = [short.submit(words(tok, 6), greedy(2)) for _ in range(4)]
+    release.set()
+    for g in ended:
+        g.result(60)
+    time.sleep(0.5)  # their clients did not come back within join_wait_s: a later request does not wait for them
+    g = short.submit(words(tok, 5), greedy(2))
+    g.result(60)
+    assert g.times["first_token"] - g.times["submitted"] < 0.25
 
 
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(tiny, engine):

@@ -271,9 +271,8 @@ def test_the_engine_defaults_are_the_configs():
     """An engine built without the config (tests, benches, a user's own code) budgets its prefill as a
     replica does by default: the engine's constants are serve.generate's defaults."""
     from workflows.config.serve import GenerateConfig
-    from workflows.tasks.chat.engine.loop import MAX_PREFILL_TOKENS, PREFILL_CHUNK
-    from workflows.tasks.chat.engine.scheduler import MIXED_STEP_RATIO
+    from workflows.tasks.chat.engine.scheduler import DEFAULTS
 
-    defaults = GenerateConfig()
-    assert (defaults.prefill_chunk, defaults.max_prefill_tokens, defaults.mixed_step_ratio) == \
-        (PREFILL_CHUNK, MAX_PREFILL_TOKENS, MIXED_STEP_RATIO)
+    config = GenerateConfig()
+    for name in ("prefill_chunk", "max_prefill_tokens", "mixed_step_ratio", "prefill_wave", "join_wait_s"):
+        assert getattr(config, name) == getattr(DEFAULTS, name), name

@@ -76,6 +76,12 @@ class GenerateConfig(Strict):
                                        "requests' gap grows by that one step, and the batch does not run part-empty "
                                        "while a wave joins a few tokens a step (then ending as staggered); null: "
                                        "never")
+    join_wait_s: float = Field(0.1, ge=0, description="with no request decoding, a step waits up to this long "
+                               "(from the batch emptying or the oldest waiting request's arrival) for the requests "
+                               "still being planned and for the next ones of the clients whose requests just "
+                               "ended, so that requests arriving a few milliseconds apart join in one step, not "
+                               "one alone and the rest beside it on the time budget; a lone client's next request "
+                               "does not wait; 0: never wait")
     prepack_weights: bool = Field(True, description="on a CPU, the engine computes fp32 Linear layers with a "
                                   "copy of their weights packed once for oneDNN, not re-laid out by every matmul "
                                   "(faster steps, a lone stream's too): the replica holds those weights twice; false: "

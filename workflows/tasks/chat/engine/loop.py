@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,6 @@ import torch
 
 from workflows.tasks.chat.engine.cache import SlotCache, check_full_attention, use_slot_attention
 from workflows.tasks.chat.engine.compiled import build as build_compiled
-from workflows.tasks.chat.engine.costs import StepShape
 from workflows.tasks.chat.engine.device import model_device, model_dtype
 from workflows.tasks.chat.engine.forward import step_logits
 from workflows.tasks.chat.engine.linear import pack_linears
@@ -44,13 +44,12 @@ from workflows.tasks.chat.engine.requests import (
     TokenLogprob,
 )
 from workflows.tasks.chat.engine.sampler import Sampler
-from workflows.tasks.chat.engine.scheduler import MIXED_STEP_RATIO, PREFILL_WAVE, Row, Scheduler, StepTokens
+from workflows.tasks.chat.engine.scheduler import DEFAULTS, Row, Scheduler, StepTokens
 from workflows.tasks.chat.engine.text import TextState
 from workflows.tasks.chat.engine.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
-PREFILL_CHUNK, MAX_PREFILL_TOKENS = 24, 2048  # serve.generate's defaults (workflows.config.serve)
 
 
 class Engine:
@@ -60,16 +59,17 @@ class Engine:
     max_batch: requests decoded together (the cache's slots); max_queue: requests waiting beyond the
     batch's free slots (one more is QueueFull); max_context: positions one request may use, its prompt
     and its answer (at most the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong
-    beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens, prefill_wave: the scheduler's prefill
-    budgets per step (in time, in tokens until the costs are known, at most, and a wave's); timeout_s: each
+    beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens, prefill_wave, join_wait_s: the scheduler's
+    (prefill budgets per step, and how long an empty batch's step waits for requests to gather); timeout_s: each
     request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
     layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear); forward ("compiled",
     "auto" or "eager") and one_token_graph ("auto", "on", "off"): workflows.tasks.chat.engine.compiled."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
-                 retry_after_s: int = 1, max_prompt_tokens: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, mixed_step_ratio: float | None = MIXED_STEP_RATIO,
-                 prefill_wave: float | None = PREFILL_WAVE,
+                 retry_after_s: int = 1, max_prompt_tokens: int | None = None,
+                 prefill_chunk: int = DEFAULTS.prefill_chunk, max_prefill_tokens: int = DEFAULTS.max_prefill_tokens,
+                 mixed_step_ratio: float | None = DEFAULTS.mixed_step_ratio,
+                 prefill_wave: float | None = DEFAULTS.prefill_wave, join_wait_s: float = DEFAULTS.join_wait_s,
                  timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True,
                  forward: str = "eager", one_token_graph: str = "auto"):
         self.model, self.tokenizer = model.eval(), tokenizer
@@ -90,7 +90,7 @@ class Engine:
         self.compiled = build_compiled(model, forward, self.cache, one_token_graph)  # before any request
         self.sampler = Sampler(self.vocab_size, max_batch, self.device)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens, mixed_step_ratio,
-                                   prefill_wave)
+                                   prefill_wave, join_wait_s)
         # for benchmarks and tests (row_steps: decoding rows summed over steps; over decode_steps, the mean batch)
         self.stats = {"steps": 0, "tokens": 0, "row_steps": 0, "decode_steps": 0, "prefills": 0, "max_rows": 0,
                       "prefill_tokens": 0, "decode_tokens": 0, "compiled_steps": 0}
@@ -119,6 +119,7 @@ class Engine:
     def release(self) -> None:
         with self._cond:
             self.scheduler.planning -= 1
+            self._cond.notify()  # a step gathering an empty batch's requests waits on those being planned
 
     def submit(self, prompt: list[int], params: SamplingParams, adapter: str | None = None, *,
                deadline: bool = True, arrived: float | None = None, admitted: bool = False) -> Generation:
@@ -220,8 +221,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._closed or self.scheduler.waiting or self._rows or self._commands):
-                    self._cond.wait()
+                while not (self._closed or self._commands) and \
+                        (idle := self.scheduler.idle_s(len(self._rows), self.cache.free_slots(), time.perf_counter())):
+                    self._cond.wait(None if idle == math.inf else idle)  # for work, or an empty batch's to gather
                 if self._closed:
                     break
                 commands, self._commands = self._commands, []
@@ -233,10 +235,8 @@ class Engine:
                 except BaseException as e:  # the caller gets it
                     fut.set_exception(e)
             report = StepReport()
-            for gen in cancelled:
-                self._finish(gen, Delta("", "cancelled"), report)
-            for gen in expired:
-                self._finish(gen, Delta("", "timeout"), report)
+            for gen, reason in [(g, "cancelled") for g in cancelled] + [(g, "timeout") for g in expired]:
+                self._finish(gen, Delta("", reason), report)
             started = time.perf_counter()
             try:
                 with torch.inference_mode():  # the cache, the logits and the sampler's state: no autograd
@@ -251,6 +251,8 @@ class Engine:
                 self._rows = []
             report.seconds = time.perf_counter() - started
             report.running, report.waiting = len(self._rows), len(self.scheduler.waiting)
+            with self._cond:  # the waiting requests' queue, which submit() appends to
+                self.scheduler.stepped(len(report.finished), len(self._rows), started, time.perf_counter())
             report.cache_tokens = sum(r.pos for r in self._rows)
             report.cache_capacity_tokens = self.cache.slots * self.cache.capacity
             try:
@@ -308,10 +310,7 @@ class Engine:
         stats["max_rows"] = max(stats["max_rows"], len(self._rows))  # requests in the batch (holding slots)
         self._sample(step, logits, report)
         seconds = time.perf_counter() - start
-        if self.scheduler.costs is not None:  # what this step cost: the next steps' prefill budget
-            n, ends = report.prefill_tokens, sum(step.keep[first + k - 1] for _, first, k in step.prefills)
-            shape = StepShape(len(step.decoding), n, sum(step.positions[:n]) + n, ends, step.adapted(BASE))
-            self.scheduler.costs.observe(shape, seconds)  # prompt tokens first: their positions lead the step's
+        self.scheduler.observe(step, seconds, BASE)  # what this step cost: the next steps' prefill budget
         stats["row_steps"] += len(step.decoding)
         stats["decode_steps"] += bool(step.decoding)
         stats["prefill_tokens"] += report.prefill_tokens

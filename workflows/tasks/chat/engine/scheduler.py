@@ -18,6 +18,15 @@ stays within about `mixed_step_ratio` of its decode steps while others join, and
 prefilled in chunks between decode steps. Requests that join together are prefilled together, and every
 token of a step goes through the model in one forward.
 
+Gathering: a step that would start an empty batch (no row decoding) waits for more requests while they are
+coming: for the next requests of the clients whose requests the step that emptied it ended (closed-loop clients
+send their next request as the last one ends, a few milliseconds apart), up to `join_wait_s` after it, and for
+requests still being planned, up to `join_wait_s` after the oldest waiting request arrived. They then join in one
+step: a request that started alone would get its first tokens while the others waited, and those joining after
+it, beside its decoding, would be prefilled on the time budget over many steps, the batch part-empty and its
+requests ending as staggered as they joined. A lone client's next request, or a request reaching an idle
+engine with none being planned, never waits.
+
 A wave: where the rows still prefilling are at least `prefill_wave` times the decoding ones, the step takes
 up to `max_prefill_tokens` of their prompts, the decoding rows' gap growing by that one step. Held to the
 time budget, a wave of prompts beside a few streams would join a few tokens a step over many steps: the
@@ -27,10 +36,11 @@ staggered as they joined, so it stays part-empty.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from workflows.tasks.chat.engine.costs import StepCosts
+from workflows.tasks.chat.engine.costs import StepCosts, StepShape
 from workflows.tasks.chat.engine.requests import Generation
 from workflows.tasks.chat.engine.sampler import RowSampling
 from workflows.tasks.chat.engine.text import TextState
@@ -87,12 +97,22 @@ class StepTokens:
         return any(a != base for a in self.adapters)
 
 
-MIXED_STEP_RATIO, PREFILL_WAVE = 1.5, 2.0  # serve.generate's defaults (workflows.config.serve)
+@dataclass(frozen=True)
+class Defaults:  # serve.generate's defaults (workflows.config.serve), for an engine built without the config
+    prefill_chunk: int = 24
+    max_prefill_tokens: int = 2048
+    mixed_step_ratio: float = 1.5
+    prefill_wave: float = 2.0
+    join_wait_s: float = 0.1
+
+
+DEFAULTS = Defaults()
 
 
 class Scheduler:
     def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, max_prefill_tokens: int,
-                 mixed_step_ratio: float | None = MIXED_STEP_RATIO, prefill_wave: float | None = PREFILL_WAVE):
+                 mixed_step_ratio: float | None = DEFAULTS.mixed_step_ratio,
+                 prefill_wave: float | None = DEFAULTS.prefill_wave, join_wait_s: float = DEFAULTS.join_wait_s):
         if prefill_chunk < 1 or max_prefill_tokens < prefill_chunk:
             raise ValueError(f"prefill_chunk ({prefill_chunk}) must be at least 1 and at most max_prefill_tokens "
                              f"({max_prefill_tokens})")
@@ -102,11 +122,48 @@ class Scheduler:
         self.costs = StepCosts(mixed_step_ratio) if mixed_step_ratio else None  # None: the token budget always
         self.planning = 0  # requests admitted but still being planned (template, tokens, grammar): they wait too
         self.wave = prefill_wave  # prefilling rows per decoding one from which a step takes a wave; None: never
+        self.join_wait_s = join_wait_s
+        self.expected, self.emptied = 0, 0.0  # requests an emptied batch's step waits for, and when it emptied
 
     def room(self, running: int) -> bool:
         """Whether one more request may wait: a request the batch can take at its next step does not
         count against max_queue; one still being planned does."""
         return len(self.waiting) + self.planning < self.max_queue + max(0, self.max_batch - running)
+
+    def observe(self, step: StepTokens, seconds: float, base: str) -> None:
+        """What a step of these tokens cost (`seconds`): the next steps' prefill budget (`costs`)."""
+        if self.costs is not None:
+            n = sum(k for _, _, k in step.prefills)  # prompt tokens lead the step: theirs are its first positions
+            ends = sum(step.keep[first + k - 1] for _, first, k in step.prefills)
+            self.costs.observe(StepShape(len(step.decoding), n, sum(step.positions[:n]) + n, ends, step.adapted(base)),
+                               seconds)
+
+    def stepped(self, ended: int, running: int, started: float, now: float) -> None:
+        """After a step (from `started` to `now`) that ended `ended` requests, `running` left in the batch: an
+        emptied batch expects the next requests of the clients of those that ended, beside those that were
+        waiting before the step (one submitted during it may be such a next request: its client heard the end
+        as the step sent it)."""
+        if ended and not running:
+            before = sum(g.times["submitted"] < started for g in self.waiting)
+            self.expected, self.emptied = ended + before, now
+        else:
+            self.expected = 0
+
+    def idle_s(self, running: int, free_slots: int, now: float) -> float:
+        """Seconds the decode thread should wait before its next step (0: step now): for ever with nothing to
+        do; with requests waiting and no row in the batch, while fewer wait than expected (at most the free
+        slots) or some are still being planned, up to join_wait_s (Gathering, above)."""
+        if not (running or self.waiting):
+            return math.inf
+        if running or not self.join_wait_s:
+            return 0.0
+        # the clients whose requests ended are waited for join_wait_s after the batch emptied, those being planned
+        # join_wait_s after the oldest waiting request arrived
+        clients = len(self.waiting) < min(self.expected, free_slots) and now < self.emptied + self.join_wait_s
+        if not (clients or self.planning):
+            return 0.0
+        until = max(self.emptied if clients else 0.0, self.waiting[0].times["submitted"] if self.planning else 0.0)
+        return max(0.0, until + self.join_wait_s - now)
 
     def take(self, free_slots: int, now: float) -> tuple[list[Generation], list[Generation], list[Generation]]:
         """(cancelled, expired, joining) among the waiting: the cancelled and those past their deadline

@@ -50,7 +50,7 @@ def builtin_engine(model_dir: str, card, cfg, precision: str, tokenizer, threads
                   retry_after_s=gen.retry_after_s, max_prompt_tokens=gen.max_prompt_tokens,
                   max_context=gen.max_prompt_tokens + gen.max_tokens, prefill_chunk=gen.prefill_chunk,
                   max_prefill_tokens=gen.max_prefill_tokens, mixed_step_ratio=gen.mixed_step_ratio,
-                  prefill_wave=gen.prefill_wave,
+                  prefill_wave=gen.prefill_wave, join_wait_s=gen.join_wait_s,
                   timeout_s=gen.timeout_s, prepack=gen.prepack_weights, forward=gen.forward,
                   one_token_graph=gen.one_token_graph)
 
