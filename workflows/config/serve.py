@@ -150,6 +150,12 @@ class ServeConfig(Strict):
         0, ge=0, le=19, description="the replicas' CPU niceness: 0, as a server's process; Ray starts its workers at "
         "15 (below its own processes), where a client or a batch job on the same node outruns them; null keeps Ray's"
     )
+    control_plane_niceness: int | None = Field(
+        19, ge=0, le=19, description="the CPU niceness `workflows serve` gives the processes of its own local "
+        "cluster that serve nothing (GCS, dashboard, agents, monitors, Serve's controller and proxy actor) once its "
+        "applications are up, so that they do not preempt the replicas; the raylet and the ingress keep theirs, and "
+        "a cluster it joined is left alone; null leaves them as Ray starts them"
+    )
     precision: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="fp32; bf16 (GPU replicas, and CPUs with AVX512-BF16 or AMX); int8 dynamic quantization "
         "of Linear layers (CPU, classifiers)"
