@@ -571,8 +571,14 @@ def test_the_bench_times_the_engines_decode_steps_with_every_row_decoding(tiny, 
     e = engine(max_batch=4)
     seen = []
     e.metrics = type("Watch", (EngineMetrics,), {"step": lambda self, r: seen.append(r)})()
-    result = engine_run(e, [words(tiny[1], 5 + i) for i in range(4)], 12, 4)
-    steps = result["decode_steps_s"]
+    # the four clients' threads start as the machine lets them: held until all four wait, they join in one step
+    release, out = hold(e), []
+    runner = threading.Thread(target=lambda: out.append(engine_run(e, [words(tiny[1], 5 + i) for i in range(4)], 12, 4)))
+    runner.start()
+    wait_until(lambda: len(e.scheduler.waiting) == 4, 30, "the four clients' requests")
+    release.set()
+    runner.join(120)
+    steps = out[0]["decode_steps_s"]
     full = [r for r in seen if r.decode_tokens == 4 and not r.prefill_tokens]
     assert len(steps) == len(full) >= 6 and all(s > 0 for s in steps)  # 12 tokens: most steps decode all 4
     assert [r.seconds for r in full] == steps and type(e.metrics).__name__ == "Watch"  # the watcher is back
