@@ -112,12 +112,16 @@ def quiet_control_plane(niceness: int) -> list[int]:
 
 def _renice(p: psutil.Process, niceness: int) -> bool:
     try:
-        for thread in p.threads():
+        threads = p.threads()
+    except psutil.Error:  # gone, or not ours to read
+        return False
+    for thread in threads:
+        try:
             if os.getpriority(os.PRIO_PROCESS, thread.id) < niceness:
                 os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
-        return True
-    except (psutil.Error, OSError):  # gone, or exited between the listing and the call
-        return False
+        except OSError:  # the thread ended since the listing
+            continue
+    return True
 
 
 def _children(p: psutil.Process) -> list[psutil.Process]:

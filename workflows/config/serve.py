@@ -152,9 +152,9 @@ class ServeConfig(Strict):
     )
     control_plane_niceness: int | None = Field(
         19, ge=0, le=19, description="the CPU niceness `workflows serve` gives the processes of its own local "
-        "cluster that serve nothing (GCS, dashboard, agents, monitors, Serve's controller and proxy actor) once its "
-        "applications are up, so that they do not preempt the replicas; the raylet and the ingress keep theirs, and "
-        "a cluster it joined is left alone; null leaves them as Ray starts them"
+        "cluster that serve nothing (GCS, dashboard, agents, monitors, Serve's controller, proxy and drain actors) "
+        "once its applications are up, so that they do not preempt the replicas; the raylet and the ingress keep "
+        "theirs, and a cluster it joined is left alone; null leaves them as Ray starts them"
     )
     precision: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="fp32; bf16 (GPU replicas, and CPUs with AVX512-BF16 or AMX); int8 dynamic quantization "
