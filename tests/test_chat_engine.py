@@ -573,7 +573,8 @@ def test_the_bench_times_the_engines_decode_steps_with_every_row_decoding(tiny, 
     e.metrics = type("Watch", (EngineMetrics,), {"step": lambda self, r: seen.append(r)})()
     # the four clients' threads start as the machine lets them: held until all four wait, they join in one step
     release, out = hold(e), []
-    runner = threading.Thread(target=lambda: out.append(engine_run(e, [words(tiny[1], 5 + i) for i in range(4)], 12, 4)))
+    prompts = [words(tiny[1], 5 + i) for i in range(4)]
+    runner = threading.Thread(target=lambda: out.append(engine_run(e, prompts, 12, 4)))
     runner.start()
     wait_until(lambda: len(e.scheduler.waiting) == 4, 30, "the four clients' requests")
     release.set()
