@@ -272,10 +272,30 @@ def test_serve_puts_its_clusters_control_plane_below_the_replica_not_the_raylet_
     import psutil
 
     def niceness(p: psutil.Process) -> set[int]:
-        return {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()}
+        found = set()
+        for t in p.threads():
+            try:
+                found.add(os.getpriority(os.PRIO_PROCESS, t.id))
+            except ProcessLookupError:  # the thread ended since the listing
+                pass
+        return found
+
+    def processes() -> dict[psutil.Process, list[str]] | None:
+        """The command's processes and their command lines; None while one is replaced (an HAProxy reload)."""
+        try:
+            return {p: p.cmdline() for p in psutil.Process(serving.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            return None
+
+    def haproxies() -> list[set[int]] | None:
+        try:
+            found = [niceness(p) for p, c in (processes() or {}).items() if c and Path(c[0]).name == "haproxy"]
+        except psutil.NoSuchProcess:
+            return None
+        return found or None
 
     wait_until(lambda: "at niceness 19, below the replicas" in serving.out.read_text(), 60, "the serve command's quiet")
-    procs = {p: p.cmdline() for p in psutil.Process(serving.proc.pid).children(recursive=True)}
+    procs = wait_until(processes, 30, "the serve command's processes")
 
     def named(predicate) -> list[psutil.Process]:
         found = [p for p, cmdline in procs.items() if cmdline and predicate(cmdline)]
@@ -290,8 +310,8 @@ def test_serve_puts_its_clusters_control_plane_below_the_replica_not_the_raylet_
         assert niceness(p) == {0}, procs[p]
     (raylet,) = named(lambda c: c[0].endswith("/raylet"))
     assert niceness(raylet) == {0}
-    for p in named(lambda c: Path(c[0]).name == "haproxy"):
-        assert niceness(p) == {15}, procs[p]  # Ray's worker niceness, from its manager
+    # Ray's worker niceness, from its manager (read again while a reload replaces the process)
+    assert all(n == {15} for n in wait_until(haproxies, 30, "HAProxy's process"))
 
 
 def test_serve_listens_through_haproxy_on_linux(serving):
