@@ -102,9 +102,9 @@ def quiet_control_plane(niceness: int) -> list[int]:
         if title.startswith("ray::"):
             if not title.startswith(CONTROL_WORKERS):
                 continue
-        elif not _sessions(cmdline) or title.endswith(("/raylet", "/haproxy")):
+        elif not _sessions(cmdline) or title.endswith("/raylet"):  # HAProxy names no session: its manager's child
             continue
-        for proc in (p, *_children(p)):
+        for proc in (p, *_descendants(p)):
             if proc.pid not in quieted and _renice(proc, niceness):
                 quieted.append(proc.pid)
     return quieted
@@ -122,13 +122,6 @@ def _renice(p: psutil.Process, niceness: int) -> bool:
         except OSError:  # the thread ended since the listing
             continue
     return True
-
-
-def _children(p: psutil.Process) -> list[psutil.Process]:
-    try:
-        return p.children(recursive=True)
-    except psutil.Error:
-        return []
 
 
 def _stop(procs: list[psutil.Process]) -> None:
@@ -172,8 +165,12 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
-def _descendants() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
+def _descendants(of: psutil.Process | None = None) -> list[psutil.Process]:
+    """The processes under `of` (this process by default); none once it is gone."""
+    try:
+        return (of or psutil.Process()).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _sessions(cmdline: list[str]) -> list[str]:
