@@ -8,7 +8,8 @@ running, ends with "timeout"; a cancelled one with "cancelled".
 A step's tokens: one per decoding row (its last sampled token), and prompt tokens of the rows still
 prefilling, in order of arrival, up to a budget. While rows decode, the budget is in time: the prompt
 tokens whose predicted cost keeps the step within `mixed_step_ratio` times a decode-only step of the same
-rows, however many rows are joining (but for a wave: below), at least one token each step; the costs are
+rows, however many rows are joining (but for a wave: below), at least one token each step (a later row
+joins a step only where what is left covers two of its tokens, or its last); the costs are
 learned from the steps that ran (workflows.tasks.chat.engine.costs: a long prompt's attention over its own
 context, and its logits, counted), so the bound holds however fast steps become. Until they are known (a
 replica's first steps), or always with `mixed_step_ratio` None, the budget is in tokens: one per decoding
@@ -198,6 +199,10 @@ class Scheduler:
             n = min(budget, len(prompt) - row.done)
             if costs is not None:
                 n, cost = costs.prompt_tokens(seconds, row.done, n)
+                # a later row joins the step only where the rest of the allowance covers two of its tokens (or
+                # its last): a token or so a row would add its own attention call for little progress
+                if step.prefills and (cost > seconds or n < min(2, len(prompt) - row.done)):
+                    break
                 seconds -= cost
             first = len(step.ids)
             step.add(row, prompt[row.done:row.done + n], row.done, row.gen.adapter or base, row.done + n == len(prompt))
