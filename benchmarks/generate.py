@@ -136,11 +136,18 @@ def markdown(r: dict) -> str:
     def rate(x: dict) -> str:
         return x["arrivals"].replace("poisson x", "Poisson, ").replace(" capacity", "x capacity")
 
+    def sent(x: dict) -> str:  # when the slowest refusal was sent in its repeat (none in results without it)
+        slowest = (x.get("refused_slowest") or [{}])[0]
+        if slowest.get("sent_s") is None:
+            return ""
+        return f", sent {slowest['sent_s']:.1f} s into repeat {slowest['repeat'] + 1}'s {slowest['run_s']:.0f} s"
+
     rows = "\n".join(
         f"| {x['row'].split('_c')[0].split('_')[0]} | {x['path']} | {rate(x)}, {x['concurrency']} | "
         f"{x['sampling'].split(',')[0]} | {x['lengths'].split(' ')[0]} | {x['tokens_per_s']:.1f} | "
         f"{ms(x['ttft_s_p50'])} / {ms(x['ttft_s_p99'])} | {ms(x['itl_s_p50'])} / {ms(x['itl_s_p99'])} |"
-        + (f" {x['refused']} refused, slowest answer {ms(x['refused_answer_s_max'])} ms |" if "refused" in x else " |")
+        + (f" {x['refused']} refused, slowest answer {ms(x['refused_answer_s_max'])} ms{sent(x)} |"
+           if "refused" in x else " |")
         for x in r["rows"])
 
     def goal(key: str) -> str:

@@ -119,6 +119,11 @@ def test_bench_generate_through_workflows_serve(tmp_path):
     assert stored["rows"][4]["output"] == "json_schema" and stored["rows"][1]["output"] == "unconstrained"
     overload = stored["rows"][9]
     assert overload["requests"] + overload["refused"] == 2 * 12 and stored["overload_requests"] == 12
+    # the slowest refusals, each placed in its repeat's run (none where every request was answered)
+    slowest = overload["refused_slowest"]
+    assert len(slowest) == min(overload["refused"], 5), slowest
+    assert all(0 <= x["sent_s"] <= x["run_s"] and x["repeat"] in (0, 1) for x in slowest), slowest
+    assert not slowest or slowest[0]["answer_s"] == overload["refused_answer_s_max"]
     assert stored["model"] == "bench-base:1" and "workflows serve --model bench-base:1" in stored["servers"]["http"]
 
 
@@ -156,3 +161,23 @@ def test_a_goal_set_at_one_concurrency_is_not_judged_in_a_run_at_another():
     assert goals_at(keys, 16, 32) == {k: GOALS[k] for k in keys}
     assert goals_at(keys, 1, 1) == {"tokens_per_s_vs_one_at_a_time": None, "decode_vs_roofline": None,
                                     "vs_vllm_c1": (">=", 1.0)}
+
+
+def test_the_overload_rows_slowest_refusals_are_named_with_when_they_were_sent():
+    """A slow refusal is placed in its run (the burst's first seconds, or a steady stretch): the results keep the
+    slowest few with their repeat and send time, and the row's line in the doc says when the slowest was sent."""
+    from benchmarks.generate import markdown
+    from workflows.bench.generate_report import slowest_refusals
+
+    runs = [{"seconds": 40.0, "refused": [{"status": 429, "sent_s": 1.5, "answer_s": 0.02},
+                                          {"status": 429, "sent_s": 3.34, "answer_s": 0.106}]},
+            {"seconds": 38.0, "refused": [{"status": 429, "sent_s": 0.5, "answer_s": 0.07}]}]
+    assert slowest_refusals(runs, 2) == [{"repeat": 0, "sent_s": 3.34, "run_s": 40.0, "answer_s": 0.106},
+                                         {"repeat": 1, "sent_s": 0.5, "run_s": 38.0, "answer_s": 0.07}]
+    stored = json.loads((ROOT / "benchmarks" / "results" / "generate.json").read_text())
+    overload = next(x for x in stored["rows"] if x["row"] == "http_overload")
+    before = markdown(stored)
+    overload["refused_slowest"] = slowest_refusals(runs)
+    line = next(x for x in markdown(stored).splitlines() if "x capacity" in x and " 0 refused" not in x)
+    assert line.endswith(", sent 3.3 s into repeat 1's 40 s |"), line
+    assert line.replace(", sent 3.3 s into repeat 1's 40 s", "") in before.splitlines()  # results without: as before

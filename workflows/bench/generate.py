@@ -193,7 +193,8 @@ def client_run(url: str, models: list[str], messages: list[list[dict]], row: Row
     result = figures(timed, sum(r["tokens"] for r in answered), out["seconds"])
     result["prompt_tokens"] = [r.get("prompt_tokens", 0) for r in answered]
     result["finish"] = [r["finish_reason"] for r in answered]
-    result["refused"] = [{"status": r["status"], "answer_s": r["ended"] - r["sent"]} for r in refused]
+    result["refused"] = [{"status": r["status"], "sent_s": r["sent"], "answer_s": r["ended"] - r["sent"]}
+                         for r in refused]
     return result
 
 

@@ -33,6 +33,7 @@ GOALS: dict[str, tuple[str, float] | None] = {
 GOAL_LEVELS = {"tokens_per_s_vs_one_at_a_time": ("mid", 16), "decode_vs_roofline": ("top", 32)}
 # the peers' rows whose time to first token at 16 the best peer's is taken from
 TTFT_PEERS = ("vllm", "vllm_eager", "llama_cpp")
+SLOWEST = 5  # the overload row's slowest refusals named in the results, with when each was sent
 
 
 def goals_at(keys, mid: int, top: int) -> dict[str, tuple[str, float] | None]:
@@ -58,6 +59,7 @@ def summary(row: Row) -> dict:
         out["refused_answer_s_max"] = round(max((x["answer_s"] for x in refused), default=0.0), 4)
         out["refused_within_100ms"] = sum(x["answer_s"] <= 0.1 for x in refused)
         out["refused_status"] = sorted({x["status"] for x in refused})
+        out["refused_slowest"] = slowest_refusals(row.runs)
     steps = [x for r in row.runs for x in r.get("decode_steps_s", [])]
     if steps:  # the engine's own decode steps with every row decoding and no prompt tokens
         out["decode_step_s_p50"], out["decode_steps"] = round(percentile(steps, 0.5), 4), len(steps)
@@ -65,6 +67,17 @@ def summary(row: Row) -> dict:
     if prompt:
         out["prompt_tokens_mean"] = round(sum(prompt) / len(prompt), 1)
     return out
+
+
+def slowest_refusals(runs: list[dict], n: int = SLOWEST) -> list[dict]:
+    """The `n` slowest refusals of a row's runs: which repeat (0-based), when each was sent (seconds from its
+    run's start, and that run's length) and how long its answer took, so a slow one can be placed in the run
+    (the burst's first seconds, or a steady stretch)."""
+    timed = [(x["answer_s"], i, x.get("sent_s"), r.get("seconds")) for i, r in enumerate(runs)
+             for x in r.get("refused", [])]
+    return [{"repeat": i, "sent_s": None if sent is None else round(sent, 3),
+             "run_s": None if length is None else round(length, 2), "answer_s": round(answer, 4)}
+            for answer, i, sent, length in sorted(timed, key=lambda t: -t[0])[:n]]
 
 
 def prompt_mean(prompts: list[list[int]], opts: dict) -> float:
