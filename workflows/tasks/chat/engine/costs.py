@@ -23,9 +23,10 @@ The budget of a step beside decoding rows (`allowance`, `prompt_tokens`): the pr
 predicted extra, at the position where each prefilling row's prompt continues, is within `ratio - 1`
 times those rows' decode-only step of the step's kind (`decode_step`; the other kind's where this kind
 has not run at all), however many rows are joining (a wave of them beside a few streams is prefilled over
-more steps, the streams' gaps bounded as ever), and at least one token (every prompt advances), and at
-most TRUST times the most prompt tokens a measured mixed step had (the fit is trusted near what it saw;
-the room grows as larger steps are measured). Until READY mixed steps have been seen (a replica's first),
+more steps, the streams' gaps bounded as ever), and at least one token (a step's first prompt row always
+advances; the scheduler gives a later row two tokens or none), and at most TRUST times the most prompt
+tokens a measured mixed step had (the fit is trusted near what it saw; the room grows as larger steps are
+measured). Until READY mixed steps have been seen (a replica's first),
 the scheduler's token budget applies, and its steps are the first measurements.
 """
 
