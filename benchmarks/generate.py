@@ -137,9 +137,9 @@ def markdown(r: dict) -> str:
         return x["arrivals"].replace("poisson x", "Poisson, ").replace(" capacity", "x capacity")
 
     def sent(x: dict) -> str:  # when the slowest refusal was sent in its repeat (none in results without it)
-        slowest = (x.get("refused_slowest") or [{}])[0]
-        if slowest.get("sent_s") is None:
+        if not x.get("refused_slowest"):
             return ""
+        slowest = x["refused_slowest"][0]
         return f", sent {slowest['sent_s']:.1f} s into repeat {slowest['repeat'] + 1}'s {slowest['run_s']:.0f} s"
 
     rows = "\n".join(

@@ -73,11 +73,10 @@ def slowest_refusals(runs: list[dict], n: int = SLOWEST) -> list[dict]:
     """The `n` slowest refusals of a row's runs: which repeat (0-based), when each was sent (seconds from its
     run's start, and that run's length) and how long its answer took, so a slow one can be placed in the run
     (the burst's first seconds, or a steady stretch)."""
-    timed = [(x["answer_s"], i, x.get("sent_s"), r.get("seconds")) for i, r in enumerate(runs)
-             for x in r.get("refused", [])]
-    return [{"repeat": i, "sent_s": None if sent is None else round(sent, 3),
-             "run_s": None if length is None else round(length, 2), "answer_s": round(answer, 4)}
-            for answer, i, sent, length in sorted(timed, key=lambda t: -t[0])[:n]]
+    timed = [(x, i, r["seconds"]) for i, r in enumerate(runs) for x in r.get("refused", [])]
+    slowest = sorted(timed, key=lambda t: -t[0]["answer_s"])[:n]
+    return [{"repeat": i, "sent_s": round(x["sent_s"], 3), "run_s": round(length, 2),
+             "answer_s": round(x["answer_s"], 4)} for x, i, length in slowest]
 
 
 def prompt_mean(prompts: list[list[int]], opts: dict) -> float:

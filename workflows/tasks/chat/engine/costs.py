@@ -26,8 +26,8 @@ has not run at all), however many rows are joining (a wave of them beside a few 
 more steps, the streams' gaps bounded as ever), and at least one token (a step's first prompt row always
 advances; the scheduler gives a later row two tokens or none), and at most TRUST times the most prompt
 tokens a measured mixed step had (the fit is trusted near what it saw; the room grows as larger steps are
-measured). Until READY mixed steps have been seen (a replica's first),
-the scheduler's token budget applies, and its steps are the first measurements.
+measured). Until READY mixed steps have been seen (a replica's first), the scheduler's token budget
+applies, and its steps are the first measurements.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ class Scheduler:
             if costs is not None:
                 n, cost = costs.prompt_tokens(seconds, row.done, n)
                 # a later row joins the step only where the rest of the allowance covers two of its tokens (or
-                # its last): a token or so a row would add its own attention call for little progress
+                # its last): for a single token it would add its own attention call for little progress
                 if step.prefills and (cost > seconds or n < min(2, len(prompt) - row.done)):
                     break
                 seconds -= cost
