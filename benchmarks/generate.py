@@ -30,6 +30,10 @@ TEXT = {
     "ttft_c16_over_c1": "time to first token p50 at 16 over that at 1, over HTTP",
     "decode_vs_roofline": "a decode step at the top concurrency against its roofline",
     "decode_vs_transformers": "a decode step at the top concurrency against transformers' own on the same weights",
+    "decode_vs_matmul_floor": "a decode step at the top concurrency against its matmuls alone (each weight once, "
+                              "nothing else)",
+    "matmul_floor_vs_roofline": "those matmuls alone against the roofline: at most what decode_vs_roofline can read "
+                                "on this machine's matmul kernels",
     "sampled_vs_greedy": "tokens/s sampled (temperature 0.7, top_p 0.9) over greedy at 16, over HTTP",
     "http_vs_engine_c16": "tokens/s at 16 over HTTP with SSE against the engine called directly",
     "json_schema_vs_unconstrained_c1": "tokens/s at 1 with a json_schema response_format against unconstrained",
@@ -178,6 +182,14 @@ def markdown(r: dict) -> str:
         roof += (" Transformers' own decode step of as many rows on the engine's weights (a `StaticCache` forward, "
                  "as `generate` runs it, in the engine's thread; the median of 12, the best of the repeats) took "
                  f"{1000 * step['transformers_step_s']:.0f} ms.")
+    if step.get("matmul_floor_s") and r.get("matmul_floor_vs_roofline"):
+        kernel = {"onednn": "oneDNN's on the weights packed, faster than MKL's here",
+                  "mkl": "MKL's, faster than oneDNN's on the weights packed here"}[step["matmul_floor_kernel"]]
+        roof += (" The step's matmuls alone (each layer's fused q/k/v, its o, its fused gate/up and its down "
+                 f"projection, then the output head, each weight once in the step's order, {step['rows']} rows, "
+                 f"{kernel}; the median of 7, the best of the repeats) took {1000 * step['matmul_floor_s']:.0f} ms, "
+                 f"{step['matmul_floor_flops_per_s'] / 1e9:.0f} GFLOP/s: a step of nothing else would reach "
+                 f"{r['matmul_floor_vs_roofline']:.2f} of the roofline.")
     # a result without `warm_ups` warmed the first row of each path alone
     warmed = f"the first row of each kind ({', '.join(r['warm_ups'])}), so of each" if r.get("warm_ups") else "each"
     return f"""## Generation: ours over HTTP beside the engine, static batching and peers

@@ -63,11 +63,11 @@ def test_bench_generate_writes_every_row_and_key(tmp_path, monkeypatch):
     def traced(fn):
         return lambda *a, **kw: (ran_in.append(threading.current_thread().name), fn(*a, **kw))[1]
 
-    for name in ("static_run", "matmul_rate", "memory_bandwidth", "transformers_step"):
+    for name in ("static_run", "matmul_rate", "memory_bandwidth", "transformers_step", "matmul_floor"):
         monkeypatch.setattr(generate, name, traced(getattr(generate, name)))
     stored, text = bench(tmp_path, "paths=engine,static,peer")
     # all in the engine's thread: the process holds one OpenMP pool (a second throttles the engine's steps)
-    assert len(ran_in) == 8 and set(ran_in) == {"generate"}, ran_in  # static: 2 warm-ups + 3 rows; 3 probes
+    assert len(ran_in) == 9 and set(ran_in) == {"generate"}, ran_in  # static: 2 warm-ups + 3 rows; 4 probes
     # a warm-up of each kind of row: each path, and on it its own weights (each model, structured output)
     assert stored["warm_ups"] == ["engine_c16", "static", "static_packed", "peer"]
     check_rows(stored, ["engine_c16", "static", "static_natural", "static_packed", "peer"])  # its fp32 linears packed
@@ -83,6 +83,12 @@ def test_bench_generate_writes_every_row_and_key(tmp_path, monkeypatch):
     assert len(step["transformers_step_s_runs"]) == 1 and step["transformers_step_s"] > 0
     assert stored["decode_vs_transformers"] == round(step["transformers_step_s"] / step["measured_s"], 3)
     assert "Transformers' own decode step of as many rows" in text
+    # the step's matmuls alone: every weight of the tiny Llama once, at 16 rows, on the faster kernel
+    assert step["matmul_floor_kernel"] in ("onednn", "mkl") and len(step["matmul_floor_s_runs"]) == 1
+    assert stored["decode_vs_matmul_floor"] == round(step["matmul_floor_s"] / step["measured_s"], 3)
+    floor = step["matmul_floor_s"]  # against the roofline's step, which is stored to 5 decimals (a tiny model's: µs)
+    assert stored["matmul_floor_vs_roofline"] == pytest.approx(step["step_s"] / floor, abs=1e-5 / floor + 1e-3)
+    assert "The step's matmuls alone" in text and "| decode_vs_matmul_floor |" in text
     assert "## Generation: ours over HTTP beside the engine, static batching and peers" in text
     assert "| engine_c16 |" not in text and "| engine | ours: the engine called directly" in text
     assert "| decode_vs_roofline |" in text and "| http_vs_static_c16 |" not in text  # a key without its rows: named
@@ -181,3 +187,26 @@ def test_the_overload_rows_slowest_refusals_are_named_with_when_they_were_sent()
     line = next(x for x in markdown(stored).splitlines() if "x capacity" in x and " 0 refused" not in x)
     assert line.endswith(", sent 3.3 s into repeat 1's 40 s |"), line
     assert line.replace(", sent 3.3 s into repeat 1's 40 s", "") in before.splitlines()  # results without: as before
+
+
+def test_the_matmul_floor_times_every_weight_a_decode_step_multiplies_fused_as_the_compiled_step_fuses_them():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from workflows.bench.roofline import decode_step, matmul_floor, step_weights
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    weights = step_weights(model)
+    # per layer: q/k/v as one (32 + 2 x 16 rows), o, gate/up as one, down; then the head (the tied embedding)
+    assert [tuple(w.shape) for w in weights] == [(64, 32), (32, 32), (96, 32), (32, 48)] * 2 + [(96, 32)]
+    assert torch.equal(weights[-1], model.get_input_embeddings().weight)
+    assert weights[-1].data_ptr() != model.get_input_embeddings().weight.data_ptr()  # copies, the model untouched
+    floor = matmul_floor(model, rows=4, repeats=3)
+    assert floor["flops"] == 2 * 4 * decode_step(model, 4, 10)["matmul_weights"]  # the roofline's own weights
+    fastest = round(floor["floor_s"], 5)  # the faster kernel's median
+    assert floor["by_kernel_s"][floor["kernel"]] == fastest and min(floor["by_kernel_s"].values()) == fastest
+    assert floor["flops_per_s"] == floor["flops"] / floor["floor_s"] > 0
+    # a model not laid out as transformers' Llama: no floor, and no error
+    assert matmul_floor(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=96)), rows=4) == {}

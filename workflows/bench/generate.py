@@ -65,7 +65,7 @@ from workflows.bench.generate_local import GREEDY, SAMPLED, engine_run, figures,
 from workflows.bench.generate_models import Served, served_model
 from workflows.bench.generate_report import mean_context, report
 from workflows.bench.generate_servers import Server, peer_command, serve_command
-from workflows.bench.roofline import matmul_rate, memory_bandwidth
+from workflows.bench.roofline import matmul_floor, matmul_rate, memory_bandwidth
 
 DEFAULTS: dict[str, Any] = {"requests": 32, "serial_requests": 8, "max_tokens": 64, "repeats": 2, "static_batch": 16,
                             "concurrency": "1,8,16,32", "threads": 0, "paths": "http,engine,static,peer", "model": "",
@@ -358,6 +358,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
         flops: list[float] = []
         bandwidth: list[float] = []
         reference: list[float] = []  # seconds of transformers' decode step at the top concurrency
+        floors: list[dict] = []  # that step's matmuls alone (roofline.matmul_floor)
         context = round(mean_context(prompts, opts))
 
         order: list[list[str]] = []  # each repeat's rows, in the order they ran
@@ -382,6 +383,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             # the served precision's matmuls
             flops.append(on_engine_thread(engine, lambda: matmul_rate(dtype=model.dtype)))
             bandwidth.append(on_engine_thread(engine, memory_bandwidth))
+            floors.append(on_engine_thread(engine, lambda: matmul_floor(model, max(levels))))
             # transformers' own decode step on the engine's weights, in its thread
             if engine is not None and "engine" in paths:
                 reference.append(on_engine_thread(engine, lambda: transformers_step(model, max(levels), context)))
@@ -419,7 +421,7 @@ def run(config: str | None, overrides: list[str], peers: list[HttpPeer] | None =
             if engine is not None:
                 engine.close()
         return {**report(rows, opts, levels, model, prompts, spec, cfg, threads, flops, bandwidth, reference,
-                         {name: s.command for name, s in servers.items()}), "warm_ups": [r.key for r in warmed],
+                         {name: s.command for name, s in servers.items()}, floors), "warm_ups": [r.key for r in warmed],
                 "http_starts": ours.starts if ours is not None else 0, "order": order}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

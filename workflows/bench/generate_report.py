@@ -22,7 +22,8 @@ GOALS: dict[str, tuple[str, float] | None] = {
     "tokens_per_s_vs_one_at_a_time": (">=", 4.0),
     "ttft_p50_vs_peer": ("<=", 1.2), "json_schema_vs_unconstrained_c1": (">=", 0.85),
     "json_schema_vs_unconstrained_c16": (">=", 0.85), "vs_llama_cpp_c1": None, "vs_llama_cpp_c16": None,
-    "http_vs_static_packed_c16": None, "decode_vs_transformers": None,
+    "http_vs_static_packed_c16": None, "decode_vs_transformers": None, "decode_vs_matmul_floor": None,
+    "matmul_floor_vs_roofline": None,
     "vs_vllm_c1": (">=", 1.0), "vs_vllm_c16": (">=", 1.0), "itl_p50_vs_vllm_c1": ("<=", 1.0),
     "vs_vllm_eager_c1": None, "vs_vllm_eager_c16": None, "ttft_c16_vs_best_peer": ("<=", 1.0),
     "lora_vs_base_c16": (">=", 0.8), "mixed_vs_base_c16": None, "lora_vs_vllm_lora_c16": (">=", 1.0),
@@ -131,7 +132,8 @@ def served_attention(cfg) -> str:
 
 
 def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec: str, cfg, threads: int,
-           flops: list[float], bandwidth: list[float], reference: list[float], commands: dict) -> dict:
+           flops: list[float], bandwidth: list[float], reference: list[float], commands: dict,
+           floors: list[dict] | None = None) -> dict:
     table = [summary(r) for r in rows if r.runs]
     by = {r["row"]: r for r in table}
     mid, top, max_tokens = (16 if 16 in levels else max(levels)), max(levels), opts["max_tokens"]
@@ -147,6 +149,8 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
     measured_from = "decode_step_s_p50" if "decode_step_s_p50" in by.get(f"engine_c{top}", {}) else "itl_s_p50"
     measured_step = get(f"engine_c{top}", measured_from)
     transformers_s = round(min(reference), 5) if reference else None  # its best reading, as the roofline's
+    floor = min((f for f in floors or [] if f.get("floor_s")), key=lambda f: f["floor_s"], default=None)  # its best
+    floor_s = round(floor["floor_s"], 7) if floor else None  # (a tiny model's are some µs)
     overload = by.get("http_overload")
     keys: dict[str, float | None] = {
         f"http_vs_static_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get("static", "tokens_per_s")),
@@ -160,6 +164,8 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
         f"ttft_c{mid}_over_c1": ratio(get(f"http_c{mid}", "ttft_s_p50"), get("http_c1", "ttft_s_p50")),
         "decode_vs_roofline": ratio(limit["step_s"], measured_step) if limit and measured_step else None,
         "decode_vs_transformers": ratio(transformers_s, measured_step),
+        "decode_vs_matmul_floor": ratio(floor_s, measured_step),
+        "matmul_floor_vs_roofline": ratio(limit["step_s"], floor_s) if limit else None,
         "sampled_vs_greedy": ratio(get(f"http_sampled_c{mid}", "tokens_per_s"), get(f"http_c{mid}", "tokens_per_s")),
         f"http_vs_engine_c{mid}": ratio(get(f"http_c{mid}", "tokens_per_s"), get(f"engine_c{mid}", "tokens_per_s")),
         "overload_rejected_within_100ms": (round(overload["refused_within_100ms"] / overload["refused"], 3)
@@ -199,7 +205,11 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
                             "measured_from": f"engine_c{top} {measured_from}",
                             "itl_s_p50": get(f"engine_c{top}", "itl_s_p50"),
                             "transformers_step_s": transformers_s,
-                            "transformers_step_s_runs": [round(r, 5) for r in reference]},
+                            "transformers_step_s_runs": [round(r, 5) for r in reference],
+                            **({"matmul_floor_s": floor_s, "matmul_floor_kernel": floor["kernel"],
+                                "matmul_floor_flops_per_s": round(floor["flops_per_s"]),
+                                "matmul_floor_s_runs": [round(f["floor_s"], 7) for f in floors or [] if f]}
+                               if floor else {})},
             "servers": {k: " ".join(v) for k, v in commands.items()},
             "rows": table, **keys, "goals": {k: (f"{g[0]} {g[1]}" if g else None) for k, g in goals.items()},
             "meets_goals": meets}

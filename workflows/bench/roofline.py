@@ -8,11 +8,19 @@ A decode step of B rows, each with T tokens already in its KV cache, on a Llama-
 - bytes: each of those weights read once per step (however many rows), plus every row's cache read
   once: B x T x 2 (keys, values) x layers x kv_heads x head_dim, in the model's dtype. The embedding
   lookup reads B rows of the table, nothing next to the rest.
+
+The square matmul's rate is more than a step's matmuls of B rows can reach: `matmul_floor` times those
+matmuls alone (each layer's fused projections and the output head, on weights of their own, in the
+step's order), the least time a step computing with this machine's matmul kernels can take.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def decode_step(model, rows: int, context: float) -> dict:
@@ -62,6 +70,60 @@ def memory_bandwidth(mib: int = 512, seconds: float = 1.0) -> float:
         x.sum()
         count += 1
     return x.numel() * 4.0 * count / (time.perf_counter() - t0)
+
+
+def step_weights(model) -> list[torch.Tensor]:
+    """The weights a compiled decode step multiplies, in its order: each decoder layer's fused q/k/v,
+    its o, its fused gate/up and its down projection (workflows.tasks.chat.engine.compiled fuses them
+    the same way), then the output head. Copies: they do not share memory with the model's."""
+    import torch
+
+    layers = model.get_decoder().layers
+    weights = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+    weights.append(model.get_output_embeddings().weight)
+    return [w.detach().clone().contiguous() for w in weights]
+
+
+def matmul_floor(model, rows: int, repeats: int = 7) -> dict:
+    """Seconds of a decode step's matmuls alone at `rows` rows, on this process's torch threads: every
+    weight of `step_weights` once, in order (so they stream from memory as in a step; the model's
+    weights far exceed the caches), each through the faster of MKL's matmul on the plain weight and
+    oneDNN's on the weight packed (`engine.linear`'s kernel), timed as a whole sequence per kernel (the
+    median of `repeats`). Llama-layout models only (q/k/v/o, gate/up/down); an empty dict for another."""
+    import torch
+
+    try:
+        plain = step_weights(model)
+    except AttributeError:
+        return {}
+    x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in plain}
+    kernels = {"mkl": lambda w, a: torch.nn.functional.linear(a, w)}
+    packed: list[torch.Tensor] = []
+    if torch.backends.mkldnn.is_available() and plain[0].dtype == torch.float32:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+        kernels["onednn"] = lambda w, a: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+
+    def run(kernel, weights) -> float:
+        t0 = time.perf_counter()
+        for w, p in zip(plain, weights):
+            kernel(p, x[w.shape[1]])
+        return time.perf_counter() - t0
+
+    seconds: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first of each is a warm-up; the kernels alternate
+            for name, kernel in kernels.items():
+                seconds.setdefault(name, []).append(run(kernel, packed if name == "onednn" else plain))
+    medians = {name: sorted(s[1:])[len(s[1:]) // 2] for name, s in seconds.items()}
+    best = min(medians, key=lambda k: medians[k])
+    flops = 2.0 * rows * sum(w.numel() for w in plain)
+    return {"rows": rows, "floor_s": medians[best], "kernel": best, "flops": flops,
+            "by_kernel_s": {k: round(v, 5) for k, v in medians.items()},
+            "flops_per_s": flops / medians[best]}
 
 
 def roofline(step: dict, flops_per_s: float, bytes_per_s: float) -> dict:
