@@ -9,9 +9,9 @@ A decode step of B rows, each with T tokens already in its KV cache, on a Llama-
   once: B x T x 2 (keys, values) x layers x kv_heads x head_dim, in the model's dtype. The embedding
   lookup reads B rows of the table, nothing next to the rest.
 
-The square matmul's rate is more than a step's matmuls of B rows can reach: `matmul_floor` times those
-matmuls alone (each layer's fused projections and the output head, on weights of their own, in the
-step's order), the least time a step computing with this machine's matmul kernels can take.
+A step's matmuls of B rows run below the square matmul's rate: `matmul_floor` times those matmuls
+alone (each layer's fused projections and the output head, on weights of their own, in the step's
+order), the least time a step computing with this machine's matmul kernels can take.
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ def step_weights(model) -> list[torch.Tensor]:
 def matmul_floor(model, rows: int, repeats: int = 7) -> dict:
     """Seconds of a decode step's matmuls alone at `rows` rows, on this process's torch threads: every
     weight of `step_weights` once, in order (so they stream from memory as in a step; the model's
-    weights far exceed the caches), each through the faster of MKL's matmul on the plain weight and
-    oneDNN's on the weight packed (`engine.linear`'s kernel), timed as a whole sequence per kernel (the
-    median of `repeats`). Llama-layout models only (q/k/v/o, gate/up/down); an empty dict for another."""
+    weights far exceed the caches), the whole sequence through MKL's matmul on the plain weights and
+    through oneDNN's on the weights packed (`engine.linear`'s kernel), alternating, the median of
+    `repeats` each; the faster is kept. Llama-layout models only (q/k/v/o, gate/up/down); an empty dict
+    for another."""
     import torch
 
     try:
