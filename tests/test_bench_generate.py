@@ -182,6 +182,7 @@ def test_the_overload_rows_slowest_refusals_are_named_with_when_they_were_sent()
                                          {"repeat": 1, "sent_s": 0.5, "run_s": 38.0, "answer_s": 0.07}]
     stored = json.loads((ROOT / "benchmarks" / "results" / "generate.json").read_text())
     overload = next(x for x in stored["rows"] if x["row"] == "http_overload")
+    overload.pop("refused_slowest", None)  # results from before the field
     before = markdown(stored)
     overload["refused_slowest"] = slowest_refusals(runs)
     line = next(x for x in markdown(stored).splitlines() if "x capacity" in x and " 0 refused" not in x)
