@@ -355,7 +355,8 @@ def smoke_prepare(dst: Path) -> Path:
         (processed / f"split={split}").mkdir(parents=True)
         part.to_parquet(processed / f"split={split}" / "part-0.parquet")
     manifest = {"uri": str(processed), "version": "smoke", "labels": [], "label_column": "answer",
-                "files": {s: [] for s in counts}, "counts": counts, "label_counts": {}, "source": "smoke",
+                "files": {s: [f"split={s}/part-0.parquet"] for s in counts}, "counts": counts, "label_counts": {},
+                "source": "smoke",
                 "task": "chat", "tokenizer": "smoke", "max_length": 128,
                 "info": {"model": "tiny (smoke)", "tokenizer": tokenizer_identity(str(tok_dir)), "pad_id": pad_id(tok),
                          "eos_id": tok.eos_token_id, "dropped": {"too_long": 0, "invalid": 0}}}

@@ -213,7 +213,8 @@ def smoke_prepare(dst: Path) -> Path:
         (processed / f"split={split}").mkdir(parents=True)
         frame.to_parquet(processed / f"split={split}" / "part-0.parquet")
     manifest = {"uri": str(processed), "version": "smoke", "labels": ["l0", "l1"], "label_column": "label",
-                "files": {s: [] for s, _ in frames}, "counts": {s: len(f) for s, f in frames},
+                "files": {s: [f"split={s}/part-0.parquet"] for s, _ in frames},
+                "counts": {s: len(f) for s, f in frames},
                 "label_counts": {s: f["label"].value_counts().to_dict() for s, f in frames}, "source": "smoke",
                 "text_columns": ["text"], "tokenizer": "minilm", "max_length": 16}
     (processed / "manifest.json").write_text(json.dumps(manifest))
