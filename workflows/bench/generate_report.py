@@ -133,7 +133,7 @@ def served_attention(cfg) -> str:
 
 def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec: str, cfg, threads: int,
            flops: list[float], bandwidth: list[float], reference: list[float], commands: dict,
-           floors: list[dict] | None = None) -> dict:
+           floors: list[dict]) -> dict:
     table = [summary(r) for r in rows if r.runs]
     by = {r["row"]: r for r in table}
     mid, top, max_tokens = (16 if 16 in levels else max(levels)), max(levels), opts["max_tokens"]
@@ -149,7 +149,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
     measured_from = "decode_step_s_p50" if "decode_step_s_p50" in by.get(f"engine_c{top}", {}) else "itl_s_p50"
     measured_step = get(f"engine_c{top}", measured_from)
     transformers_s = round(min(reference), 5) if reference else None  # its best reading, as the roofline's
-    floor = min((f for f in floors or [] if f.get("floor_s")), key=lambda f: f["floor_s"], default=None)  # its best
+    floor = min((f for f in floors if f.get("floor_s")), key=lambda f: f["floor_s"], default=None)  # its best
     floor_s = round(floor["floor_s"], 7) if floor else None  # (a tiny model's are some µs)
     overload = by.get("http_overload")
     keys: dict[str, float | None] = {
@@ -208,7 +208,7 @@ def report(rows: list[Row], opts: dict, levels: list[int], model, prompts, spec:
                             "transformers_step_s_runs": [round(r, 5) for r in reference],
                             **({"matmul_floor_s": floor_s, "matmul_floor_kernel": floor["kernel"],
                                 "matmul_floor_flops_per_s": round(floor["flops_per_s"]),
-                                "matmul_floor_s_runs": [round(f["floor_s"], 7) for f in floors or [] if f]}
+                                "matmul_floor_s_runs": [round(f["floor_s"], 7) for f in floors if f]}
                                if floor else {})},
             "servers": {k: " ".join(v) for k, v in commands.items()},
             "rows": table, **keys, "goals": {k: (f"{g[0]} {g[1]}" if g else None) for k, g in goals.items()},

@@ -16,6 +16,7 @@ order), the least time a step computing with this machine's matmul kernels can t
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,8 @@ def matmul_floor(model, rows: int, repeats: int = 7) -> dict:
     for another."""
     import torch
 
+    from workflows.tasks.chat.engine.linear import packing_available
+
     try:
         plain = step_weights(model)
     except AttributeError:
@@ -104,7 +107,7 @@ def matmul_floor(model, rows: int, repeats: int = 7) -> dict:
     x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in plain}
     kernels = {"mkl": lambda w, a: torch.nn.functional.linear(a, w)}
     packed: list[torch.Tensor] = []
-    if torch.backends.mkldnn.is_available() and plain[0].dtype == torch.float32:
+    if packing_available() and plain[0].dtype == torch.float32:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
         kernels["onednn"] = lambda w, a: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
 
@@ -119,7 +122,7 @@ def matmul_floor(model, rows: int, repeats: int = 7) -> dict:
         for _ in range(repeats + 1):  # the first of each is a warm-up; the kernels alternate
             for name, kernel in kernels.items():
                 seconds.setdefault(name, []).append(run(kernel, packed if name == "onednn" else plain))
-    medians = {name: sorted(s[1:])[len(s[1:]) // 2] for name, s in seconds.items()}
+    medians = {name: statistics.median(s[1:]) for name, s in seconds.items()}
     best = min(medians, key=lambda k: medians[k])
     flops = 2.0 * rows * sum(w.numel() for w in plain)
     return {"rows": rows, "floor_s": medians[best], "kernel": best, "flops": flops,
