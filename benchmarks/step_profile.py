@@ -42,7 +42,7 @@ GROUPS = {  # operator name (without "aten::") -> group; what is not here is "ot
     "matmul (linear, mm, addmm, bmm, oneDNN packed)": ("linear", "mm", "addmm", "bmm", "matmul",
                                                        "mkldnn_linear", "_mkl_linear", "_linear_pointwise"),
     "attention (scaled_dot_product_attention)": (
-        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu", "decode_attention",
         "_scaled_dot_product_attention_math", "softmax", "_softmax", "slot_attention"),
     "elementwise and norms (mul, add, silu, rsqrt, pow, mean, neg, cat)": (
         "mul", "add", "silu", "rsqrt", "pow", "mean", "neg", "cat", "sub", "div", "mul_", "add_", "silu_",

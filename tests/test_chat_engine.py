@@ -212,11 +212,13 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(tiny, engine):
     assert chunked.stats["steps"] > whole.stats["steps"] / len(ps)
 
 
-def test_a_long_request_beside_short_ones_decodes_as_alone(tiny, engine):
-    """A row far longer than the others attends over its own slot alone (the others' attention reads
-    their own lengths only): every row still gets the tokens it gets alone."""
+@pytest.mark.parametrize("kernel", ["kernel", "torch"])
+def test_a_long_request_beside_short_ones_decodes_as_alone(tiny, engine, kernel):
+    """With torch's operators, a row far longer than the others attends over its own slot alone (the
+    others' attention reads their own lengths only); with the kernel, every row reads its own length:
+    every row still gets the tokens it gets alone."""
     tok = tiny[1]
-    e = engine(max_batch=4)
+    e = engine(max_batch=4, attention_kernel=kernel)
     ps = [words(tok, 150), words(tok, 4), words(tok, 6), words(tok, 5)]
     alone = []
     for p in ps:
@@ -228,7 +230,10 @@ def test_a_long_request_beside_short_ones_decodes_as_alone(tiny, engine):
     release.set()
     assert [g.result(60) and g.tokens for g in gens] == alone
     plan = e.cache.plan([0, 1, 2, 3], [150, 4, 6, 5], [0, 1, 2, 3], [])
-    assert [slot for _, slot, _ in plan.alone] == [0] and plan.decode_len == 7
+    if kernel == "torch":
+        assert [slot for _, slot, _ in plan.alone] == [0] and plan.decode_len == 7
+    else:
+        assert plan.kernel_lengths.tolist() == [151, 5, 7, 6] and plan.alone == [] and plan.decode_mask is None
     # prefill chunks likewise: those of similar reach attend together, a far longer one alone
     plan = e.cache.plan([0] * 4 + [1] * 3 + [2] * 2, [140, 141, 142, 143, 0, 1, 2, 3, 4], [], [(0, 4), (4, 3), (7, 2)])
     assert [slot for _, _, slot, _, _ in plan.prefills] == [0] and plan.prefill_group is not None

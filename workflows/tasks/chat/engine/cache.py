@@ -15,10 +15,13 @@ attention function registered here with transformers' `AttentionInterface` (ATTE
 model's attention implementation by `use`); it receives the step's `StepPlan` as the `slot_plan`
 keyword the model forwards to every attention call, writes the step's keys and values into their
 slots, then attends (torch's scaled_dot_product_attention; decode tokens in fp32, `decode_attention`):
-- decode tokens together: their queries against the slots' first L positions (a view, no gather),
-  masked to each row's own length; a slot without a decode token this step attends to position 0
-  only, and its output is dropped; a row more than twice as long as the median (plus 64) attends
-  alone, over its own length, so that one long request does not make every row read its length;
+- decode tokens together: with the engine's kernel (`SlotCache.kernel`: fp32 on a CPU,
+  workflows.tasks.chat.engine.kernels), each token's query heads against its own slot's positions up to
+  its own length, read where they lie, once; with torch's operators, their queries against the slots'
+  first L positions (a view, no gather), masked to each row's own length; a slot without a decode token
+  this step attends to position 0 only, and its output is dropped; a row more than twice as long as the
+  median (plus 64) attends alone, over its own length, so that one long request does not make every row
+  read its length;
 - prefill chunks: each chunk's queries against its own slot up to the chunk's end, causal by
   position; chunks of several rows together in one call (their few positions gathered), a chunk
   much further along than the others alone.
@@ -36,10 +39,13 @@ CPU, workflows/tasks/chat/engine/loop.py). Slots let SDPA read each row's keys w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from workflows.tasks.chat.engine.kernels import decode_attention_kernel
 
 ATTENTION = "workflows_slots"  # the attention implementation name registered with transformers
 
@@ -66,11 +72,15 @@ def check_full_attention(config) -> None:
 class SlotCache:
     """Keys and values of up to `slots` requests, `max_tokens` positions each at most, on `device`."""
 
-    def __init__(self, config, slots: int, max_tokens: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config, slots: int, max_tokens: int, device: torch.device, dtype: torch.dtype,
+                 attention_kernel: str = "auto"):
         self.layers, self.heads, self.kv_heads, self.head_dim = attention_shape(config)
         self.group = self.heads // self.kv_heads
         self.slots, self.max_tokens, self.device, self.dtype = slots, max_tokens, device, dtype
         self.capacity = 0
+        # the decode attention kernel `attention_kernel` chooses (workflows.tasks.chat.engine.kernels); None:
+        # torch's operators
+        self.kernel: Callable[..., torch.Tensor] | None = decode_attention_kernel(attention_kernel, device, dtype)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._free = list(range(slots))  # lowest first: rows stay packed at the start, so views stay short
@@ -126,6 +136,12 @@ class SlotCache:
         slot_heads = torch.tensor(slots, device=device)[:, None] * self.kv_heads + heads
         at = slot_heads * self.capacity + torch.tensor(positions, device=device)[:, None]
         plan = StepPlan(self, at.reshape(-1))
+        if decode and self.kernel is not None:  # each token to its own length, its slot where it lies
+            plan.decode_tokens = torch.tensor(decode, device=device)
+            plan.decode_only = decode == list(range(len(slots)))
+            plan.kernel_slots = torch.tensor([slots[i] for i in decode], device=device)
+            plan.kernel_lengths = torch.tensor([positions[i] + 1 for i in decode], device=device)
+            decode = []
         if decode:
             # a row much longer than the others attends alone, so that it does not widen what they all read
             ordered = sorted(positions[i] for i in decode)
@@ -222,6 +238,8 @@ class StepPlan:
     decode_len: int = 0  # positions 0..decode_len-1 are read
     decode_mask: torch.Tensor | None = None  # [decode_rows, 1, 1, decode_len], True where a row attends (None: all)
     decode_bias: torch.Tensor | None = None  # the same as 0 and -inf (fp32 caches: decode_attention's)
+    kernel_slots: torch.Tensor | None = None  # [n]: with the cache's kernel, the decode tokens' slots
+    kernel_lengths: torch.Tensor | None = None  # [n]: and the positions each reads (its own length)
     prefills: list = None  # type: ignore[assignment]  # (first index, count, slot, end, mask [1, 1, group*count, end])
     alone: list = None  # type: ignore[assignment]  # decode tokens attending alone: (index, slot, length)
     prefill_group: PrefillGroup | None = None  # prefill chunks attending together
@@ -259,7 +277,15 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, key: torch.Tensor, v
     values.view(-1, dim).index_copy_(0, plan.write_rows, value.reshape(-1, dim))
     kv_heads, group = cache.kv_heads, cache.group
     decoded = None
-    if plan.decode_tokens is not None:
+    if plan.kernel_lengths is not None and cache.kernel is not None:
+        n = plan.kernel_lengths.shape[0]
+        q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).reshape(n, kv_heads, group, dim)
+        o = cache.kernel(q.contiguous(), keys, values, plan.kernel_slots, plan.kernel_lengths,
+                         dim ** -0.5 if scaling is None else scaling)
+        if plan.decode_only:  # nothing else attends this step: no `out` to copy into
+            return o.reshape(n, 1, heads, dim)
+        decoded = o.reshape(n, heads, dim)
+    elif plan.decode_tokens is not None:
         n, rows, length = plan.decode_tokens.shape[0], plan.decode_rows, plan.decode_len
         q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).reshape(n, kv_heads, group, dim)
         if not plan.dense:

@@ -56,14 +56,14 @@ class Engine:
     """The decode loop over a causal LM; `submit` from any thread, `call` to change the model between
     steps (load or delete an adapter), `close` to stop.
 
-    max_batch: requests decoded together (the cache's slots); max_queue: requests waiting beyond the
-    batch's free slots (one more is QueueFull); max_context: positions one request may use, its prompt
-    and its answer (at most the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong
-    beyond); mixed_step_ratio, prefill_chunk, max_prefill_tokens, prefill_wave, join_wait_s: the scheduler's
-    (prefill budgets per step, and how long an empty batch's step waits for requests to gather); timeout_s: each
-    request's deadline from its arrival ("timeout" after it); prepack: on a CPU, fp32 Linear
-    layers compute with a packed copy of their weights (workflows.tasks.chat.engine.linear); forward ("compiled",
-    "auto" or "eager") and one_token_graph ("auto", "on", "off"): workflows.tasks.chat.engine.compiled."""
+    max_batch: requests decoded together (the cache's slots); max_queue: requests waiting beyond the batch's free
+    slots (one more is QueueFull); max_context: positions one request may use, its prompt and its answer (at most
+    the model's); max_prompt_tokens: the longest prompt taken (PromptTooLong beyond); mixed_step_ratio,
+    prefill_chunk, max_prefill_tokens, prefill_wave, join_wait_s: the scheduler's (prefill budgets per step, and how
+    long an empty batch's step waits for requests to gather); timeout_s: each request's deadline from its arrival
+    ("timeout" after it); prepack: on a CPU, fp32 Linear layers compute with a packed copy of their weights
+    (engine.linear); forward ("compiled", "auto" or "eager") and one_token_graph ("auto", "on", "off"):
+    engine.compiled; attention_kernel ("auto", "kernel", "torch"): engine.kernels (workflows.tasks.chat.engine)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_queue: int = 32, max_context: int | None = None,
                  retry_after_s: int = 1, max_prompt_tokens: int | None = None,
@@ -71,7 +71,7 @@ class Engine:
                  mixed_step_ratio: float | None = DEFAULTS.mixed_step_ratio,
                  prefill_wave: float | None = DEFAULTS.prefill_wave, join_wait_s: float = DEFAULTS.join_wait_s,
                  timeout_s: float | None = None, metrics: EngineMetrics | None = None, prepack: bool = True,
-                 forward: str = "eager", one_token_graph: str = "auto"):
+                 forward: str = "eager", one_token_graph: str = "auto", attention_kernel: str = "auto"):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = model_device(model)  # where every tensor the engine makes goes
         check_full_attention(model.config)
@@ -86,7 +86,8 @@ class Engine:
         self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
-        self.cache = SlotCache(model.config, max_batch, self.max_context, self.device, model_dtype(model))
+        self.cache = SlotCache(model.config, max_batch, self.max_context, self.device, model_dtype(model),
+                               attention_kernel)
         self.compiled = build_compiled(model, forward, self.cache, one_token_graph)  # before any request
         self.sampler = Sampler(self.vocab_size, max_batch, self.device)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk, max_prefill_tokens, mixed_step_ratio,

@@ -52,7 +52,7 @@ def builtin_engine(model_dir: str, card, cfg, precision: str, tokenizer, threads
                   max_prefill_tokens=gen.max_prefill_tokens, mixed_step_ratio=gen.mixed_step_ratio,
                   prefill_wave=gen.prefill_wave, join_wait_s=gen.join_wait_s,
                   timeout_s=gen.timeout_s, prepack=gen.prepack_weights, forward=gen.forward,
-                  one_token_graph=gen.one_token_graph)
+                  one_token_graph=gen.one_token_graph, attention_kernel=gen.attention_kernel)
 
 
 def vllm_engine(model_dir: str, card, cfg, precision: str, tokenizer, threads: int | None = None):
