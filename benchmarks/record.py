@@ -47,7 +47,7 @@ HARNESS_BENCHMARKS = {"quickstart": "benchmarks.quickstart", "digits": "benchmar
                       "chat-engines": "benchmarks.chat_engines",
                       "signing": "benchmarks.signing", "request-bodies": "benchmarks.request_bodies",
                       "prefill-join": "benchmarks.prefill_join", "step-profile": "benchmarks.step_profile",
-                      "openmp-pool": "benchmarks.openmp_pool"}
+                      "openmp-pool": "benchmarks.openmp_pool", "decode-attention": "benchmarks.decode_attention"}
 BENCHMARKS = {**USER_BENCHMARKS, **HARNESS_BENCHMARKS}
 
 

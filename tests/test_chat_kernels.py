@@ -122,3 +122,12 @@ def test_without_a_compiler_auto_falls_back_to_torchs_operators_and_kernel_says_
     assert done.returncode == 0, done.stderr[-2000:]
     assert "decode attention runs on torch's operators: the kernel is not available" in done.stderr
     assert "refused: serve.generate.attention_kernel=kernel:" in done.stdout
+
+
+def test_the_benchmark_times_both_kinds_on_the_same_step_and_they_agree():
+    """benchmarks/decode_attention.py at a short context: every step timed for both kinds, their outputs equal."""
+    from benchmarks.decode_attention import STEPS, measure
+
+    got = measure(12, 1)
+    assert len(got["ms_runs"]["kernel"]) == len(got["ms_runs"]["torch"]) == STEPS
+    assert got["max_abs_diff"] < 1e-4 and got["speedup"] > 0 and got["layers"] == 30

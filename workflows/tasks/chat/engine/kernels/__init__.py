@@ -2,11 +2,12 @@
 machine with torch's C++ extension builder and loaded as `torch.ops.workflows_kernels.decode_attention`.
 
 Why by hand: a decode token's attention reads its row's keys and values once each, a few query heads per
-key/value head (3 of SmolLM2's 9), so it is bound by reading the cache; torch's CPU operators for it (two
-batched matmuls and a softmax, SDPA with GQA, einsum, flex_attention compiled) all read the cache at about
-half the rate the same views are read at, and they read every row up to the longest row's length, masked
-(docs/BENCHMARKS.md, "decode attention"). The kernel reads each row to its own length, once, its query heads
-together, and takes work items longest first across the step's threads.
+key/value head (3 of SmolLM2's 9), so it is bound by reading the cache. torch's CPU operators for it (two
+batched matmuls and a softmax, SDPA with GQA, einsum, flex_attention compiled: none was faster at these
+shapes) run each small product as a call of its own and read every row up to the longest row's length,
+masked. The kernel reads each row to its own length, once, its query heads together (ATen's vector types and
+Sleef's exp), and takes work items longest first across the step's threads; what it gains:
+docs/BENCHMARKS.md, "The engine's decode attention" (`python -m benchmarks.decode_attention`).
 
 Built where the engine runs on a CPU in fp32 (`decode_attention_kernel`): the compiler inductor already
 needs for the compiled forward, flags for the CPU's vector width (torch's own reading of it, so a cache of
