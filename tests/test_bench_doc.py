@@ -192,6 +192,9 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
      lambda r: f"{r['generate']['ttft_c16_vs_best_peer']:.2f}"),
     ("a lone stream's step took {}x the dynamic graph's", ("step-profile",),
      lambda r: f"{1 / r['step-profile']['one_token_speedup_decode_1']:.2f}"),
+    ("attention in {}x the time of torch's operators at a mean context of 88", ("decode-attention",),
+     lambda r: _attention_time(r, 0)),
+    ("mean context of 88 and {}x at 600", ("decode-attention",), lambda r: _attention_time(r, 1)),
     ("At concurrency 16 over HTTP it gives {}x the output tokens/s of static batching", ("generate",),
      lambda r: f"{r['generate']['http_vs_static_c16']:.2f}"),
     ("packed weights it gives {}x", ("generate",), lambda r: f"{r['generate']['http_vs_static_packed_c16']:.2f}"),
@@ -241,6 +244,12 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
 NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
 # changes after which an older run's figures are no longer what the command gives: a figure from a
 # run before one of these must say the run's date in its paragraph
+def _attention_time(r: dict, i: int) -> str:
+    """The decode attention kernel's time over torch's operators', at the benchmark's i-th context."""
+    ms = r["decode-attention"]["contexts"][i]["ms"]
+    return f"{ms['kernel'] / ms['torch']:.2f}"
+
+
 CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09766c)", {"madewithml", "digits",
                                                                                          "quickstart"}),
            ("2026-11-28T17:00:00Z", "the rolling update driven by an alias move at concurrency 32 (issue 64)",
@@ -249,7 +258,9 @@ CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09
            ("2026-11-29T02:54:00Z", "fp32 linears packed for oneDNN in the engine (9d2114d)", {"generate"}),
            ("2026-11-29T09:48:00Z", "the engine's prefill budget beside decoding rows (d66aaf4)", {"generate"}),
            ("2026-12-02T03:40:00Z", "train.num_workers auto: the quickstart trains one worker of every core",
-            {"quickstart"})]
+            {"quickstart"}),
+           ("2026-12-07T15:00:00Z", "the engine's decode attention kernel (serve.generate.attention_kernel)",
+            {"generate", "step-profile"})]
 
 
 def _readme() -> str:
