@@ -13,7 +13,7 @@ Built where the engine runs on a CPU in fp32 (`decode_attention_kernel`): the co
 needs for the compiled forward, flags for the CPU's vector width (torch's own reading of it, so a cache of
 builds shared by machines of another width is not loaded on them); cached by torch in TORCH_EXTENSIONS_DIR
 (default ~/.cache/torch_extensions), so a replica after the first on a machine loads it in a moment. Where it
-cannot be built (no compiler) the engine says so once and attends with torch's operators.
+cannot be built (no compiler) the engine says so in its log and attends with torch's operators.
 """
 
 from __future__ import annotations
@@ -48,23 +48,29 @@ def _load() -> str | None:
              extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(width, [])], extra_ldflags=["-fopenmp"], verbose=False)
         return None
     except Exception as e:  # no compiler, no ninja, a build error: torch's operators instead
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}"
+        # the compiler's or the shell's own line ("error:", "not found"), not the command or ninja's summary
+        lines = [ln.strip() for ln in str(e).strip().splitlines()] or [""]
+        said = next((ln for ln in lines if "error:" in ln or ln.endswith("not found")), lines[-1])
+        return f"{type(e).__name__}: {said[:300]}"
 
 
 def decode_attention_kernel(choice: str, device: torch.device, dtype: torch.dtype):
     """The kernel `choice` asks for (serve.generate.attention_kernel): "torch", none (torch's operators);
-    "kernel", the kernel or a clear error; "auto", the kernel where it applies (fp32 on a CPU) and builds, else
-    none, said once in the log."""
+    "kernel", the kernel or a clear error; "auto", the kernel where it applies (fp32 on a CPU), else none, and
+    where it applies but cannot be built, none, said in the log."""
     if choice not in KERNELS:
         raise ValueError(f"attention_kernel {choice!r}: one of {', '.join(KERNELS)}")
     if choice == "torch":
         return None
-    why = None if device.type == "cpu" and dtype == torch.float32 else f"{dtype} on {device.type} (the kernel: " \
-                                                                         "fp32 on a CPU)"
-    why = why or _load()
+    if device.type != "cpu" or dtype != torch.float32:  # not what the kernel computes: no build, no warning
+        if choice == "kernel":
+            raise RuntimeError(f"serve.generate.attention_kernel=kernel: {dtype} on {device.type} (the kernel: fp32 "
+                               "on a CPU); set it to auto or torch")
+        return None
+    why = _load()
     if why is None:
         return torch.ops.workflows_kernels.decode_attention
     if choice == "kernel":
         raise RuntimeError(f"serve.generate.attention_kernel=kernel: {why}; set it to auto or torch")
-    log.warning("the engine's decode attention runs on torch's operators: the kernel is not available (%s)", why)
+    log.warning("the engine's decode attention runs on torch's operators: the kernel could not be built (%s)", why)
     return None
