@@ -43,13 +43,12 @@ def measure(context: int, threads: int) -> dict:
     from transformers import AutoConfig
 
     from workflows.config import load_config
-    from workflows.tasks.chat.engine.cache import attend
+    from workflows.tasks.chat.engine.cache import attend, attention_shape
     from workflows.tasks.chat.training.smollm2 import smollm2_dir
 
     torch.set_num_threads(threads)
     config = AutoConfig.from_pretrained(smollm2_dir(load_config("chat", []).cache.resolved_dir(), say=lambda *_: None))
-    layers, heads, kv_heads, dim = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-                                    config.hidden_size // config.num_attention_heads)
+    layers, heads, kv_heads, dim = attention_shape(config)
     lengths = [round(context * (0.6 + 0.8 * i / (ROWS - 1))) for i in range(ROWS)]
     order = list(range(ROWS))
     order = order[::2] + order[1::2]  # slots not in length order

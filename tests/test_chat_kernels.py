@@ -68,9 +68,9 @@ def test_a_steps_attention_with_the_kernel_equals_torchs_operators(kernel):
                                    hidden_size=192)
     g = torch.Generator().manual_seed(0)
     caches = []
-    for k in (kernel, None):
-        cache = SlotCache(config, 6, 256, CPU, torch.float32)
-        cache.kernel = k
+    for choice in ("kernel", "torch"):
+        cache = SlotCache(config, 6, 256, CPU, torch.float32, attention_kernel=choice)
+        assert (cache.kernel is kernel) == (choice == "kernel")
         cache.reserve(128)
         cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=torch.Generator().manual_seed(1)))
         cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=torch.Generator().manual_seed(2)))

@@ -136,27 +136,25 @@ class SlotCache:
         slot_heads = torch.tensor(slots, device=device)[:, None] * self.kv_heads + heads
         at = slot_heads * self.capacity + torch.tensor(positions, device=device)[:, None]
         plan = StepPlan(self, at.reshape(-1))
-        if decode and self.kernel is not None:  # each token to its own length, its slot where it lies
-            plan.decode_tokens = torch.tensor(decode, device=device)
-            plan.decode_only = decode == list(range(len(slots)))
-            plan.kernel_slots = torch.tensor([slots[i] for i in decode], device=device)
-            plan.kernel_lengths = torch.tensor([positions[i] + 1 for i in decode], device=device)
-            decode = []
-        if decode:
+        if decode and self.kernel is None:
             # a row much longer than the others attends alone, so that it does not widen what they all read
             ordered = sorted(positions[i] for i in decode)
             cut = 2 * ordered[len(ordered) // 2] + 64
             plan.alone = [(i, slots[i], positions[i] + 1) for i in decode if positions[i] >= cut]
             decode = [i for i in decode if positions[i] < cut]
         if decode:
+            plan.decode_tokens = torch.tensor(decode, device=device)
+            plan.decode_only = decode == list(range(len(slots)))  # every token of the step, in order
+        if decode and self.kernel is not None:  # each token to its own length, its slot where it lies
+            plan.kernel_slots = torch.tensor([slots[i] for i in decode], device=device)
+            plan.kernel_lengths = torch.tensor([positions[i] + 1 for i in decode], device=device)
+        elif decode:
             rows = max(slots[i] for i in decode) + 1
             length = max(positions[i] for i in decode) + 1
             lengths = [1] * rows  # a slot without a decode token attends to position 0 (its output is dropped)
             for i in decode:
                 lengths[slots[i]] = positions[i] + 1
             dec_slots = [slots[i] for i in decode]
-            plan.decode_tokens = torch.tensor(decode, device=device)
-            plan.decode_only = decode == list(range(len(slots)))  # every token of the step, in order
             plan.dense = dec_slots == list(range(rows))
             plan.decode_slots = None if plan.dense else torch.tensor(dec_slots, device=device)
             plan.decode_rows, plan.decode_len = rows, length
@@ -277,23 +275,20 @@ def attend(plan: StepPlan, layer: int, query: torch.Tensor, key: torch.Tensor, v
     values.view(-1, dim).index_copy_(0, plan.write_rows, value.reshape(-1, dim))
     kv_heads, group = cache.kv_heads, cache.group
     decoded = None
-    if plan.kernel_lengths is not None and cache.kernel is not None:
-        n = plan.kernel_lengths.shape[0]
+    if plan.decode_tokens is not None:
+        n = plan.decode_tokens.shape[0]
         q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).reshape(n, kv_heads, group, dim)
-        o = cache.kernel(q.contiguous(), keys, values, plan.kernel_slots, plan.kernel_lengths,
-                         dim ** -0.5 if scaling is None else scaling)
-        if plan.decode_only:  # nothing else attends this step: no `out` to copy into
-            return o.reshape(n, 1, heads, dim)
-        decoded = o.reshape(n, heads, dim)
-    elif plan.decode_tokens is not None:
-        n, rows, length = plan.decode_tokens.shape[0], plan.decode_rows, plan.decode_len
-        q = (query if plan.decode_only else query.index_select(0, plan.decode_tokens)).reshape(n, kv_heads, group, dim)
-        if not plan.dense:
-            q = q.new_zeros(rows, kv_heads, group, dim).index_copy_(0, plan.decode_slots, q)
-        o = decode_attention(q, keys[:rows, :, :length], values[:rows, :, :length], plan.decode_mask,
-                             plan.decode_bias, scaling)
-        if not plan.dense:
-            o = o.index_select(0, plan.decode_slots)
+        if plan.kernel_lengths is not None and cache.kernel is not None:
+            o = cache.kernel(q.contiguous(), keys, values, plan.kernel_slots, plan.kernel_lengths,
+                             dim ** -0.5 if scaling is None else scaling)
+        else:
+            rows, length = plan.decode_rows, plan.decode_len
+            if not plan.dense:
+                q = q.new_zeros(rows, kv_heads, group, dim).index_copy_(0, plan.decode_slots, q)
+            o = decode_attention(q, keys[:rows, :, :length], values[:rows, :, :length], plan.decode_mask,
+                                 plan.decode_bias, scaling)
+            if not plan.dense:
+                o = o.index_select(0, plan.decode_slots)
         if plan.decode_only:  # nothing else attends this step: no `out` to copy into
             return o.reshape(n, 1, heads, dim)
         decoded = o.reshape(n, heads, dim)

@@ -36,9 +36,7 @@ _FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf
 
 @functools.lru_cache(maxsize=1)
 def _load() -> str | None:
-    """Build (or load the cached build of) the kernel in this process: None once it is registered, else why not."""
-    if hasattr(torch.ops, "workflows_kernels") and hasattr(torch.ops.workflows_kernels, "decode_attention"):
-        return None
+    """Build (or load the cached build of) the kernel, once a process: None once it is registered, else why not."""
     try:
         from torch.utils.cpp_extension import load
 
