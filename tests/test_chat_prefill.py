@@ -176,6 +176,45 @@ def test_prompts_beside_streams_get_the_time_budget_and_a_wave_beside_few_stream
     assert sum(granted(scheduler(2.0), 2)) == 800  # two per decoding row: a wave too
 
 
+def test_before_the_costs_are_learned_a_prompt_token_is_priced_as_a_decoding_row():
+    """A replica's first mixed steps, before the fit: beside 15 decoding rows, the token budget (prefill_chunk
+    plus one per decoding row, 39 tokens) made a step of SmolLM2 on 2 cores 2.4 times a decode-only step. Once
+    decode-only steps of batches SLOPE_SPAN rows apart or more were measured, a prompt token is priced as one
+    more decoding row at their slope, and a step takes those whose price keeps it within the ratio; decode-only
+    steps of one batch size, or of sizes measured no dearer for more rows (noise), leave the token budget."""
+    from types import SimpleNamespace
+
+    from workflows.tasks.chat.engine.costs import SLOPE_SPAN
+    from workflows.tasks.chat.engine.scheduler import Row, Scheduler
+
+    def row(slot: int, done: int, prompt: int = 55) -> Row:
+        gen = SimpleNamespace(prompt=list(range(prompt)), adapter=None)
+        return Row(gen, slot, sampling=None, text=None, limit=64, done=done, pos=done, last=5)  # type: ignore[arg-type]
+
+    def granted(made: Scheduler) -> list[int]:
+        step = made.plan([row(slot, 55) for slot in range(15)] + [row(15, 0)], "base")
+        assert len(step.decode) == 15
+        return [n for _, _, n in step.prefills]
+
+    def scheduler(*decode_steps: tuple[int, float]) -> Scheduler:
+        made = Scheduler(max_batch=32, max_queue=0, prefill_chunk=24, max_prefill_tokens=2048, mixed_step_ratio=1.5)
+        assert made.costs is not None
+        for rows, seconds in decode_steps:
+            made.costs.observe(StepShape(rows, 0, 0, 0), seconds)
+        assert not made.costs.ready
+        return made
+
+    assert granted(scheduler()) == [24 + 15]  # nothing measured: the token budget
+    assert granted(scheduler((16, 0.046))) == [39]  # one batch size: no slope
+    assert granted(scheduler((16, 0.046), (16 - SLOPE_SPAN + 1, 0.040))) == [39]  # too close to tell a row's cost
+    # 4 and 16 rows: a row costs (0.046 - 0.030) / 12 s; 15 rows' step is 0.0447 s; half of it buys 16 rows' worth
+    per_row, step = (0.046 - 0.030) / 12, 0.030 + (0.046 - 0.030) * 11 / 12
+    assert granted(scheduler((16, 0.046), (4, 0.030))) == [int(0.5 * step / per_row)] == [16]
+    assert granted(scheduler((16, 0.046), (4, 0.050))) == [39]  # more rows no dearer: noise, the token budget
+    # a slope that prices a token below the token budget's leaves the token budget: the budget only shrinks
+    assert granted(scheduler((16, 0.046), (2, 0.045))) == [39]
+
+
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """A tiny Llama wider than the other tests' (its steps cost compute, not only Python), with room for

@@ -65,7 +65,9 @@ class GenerateConfig(Strict):
     prefill_chunk: int = Field(24, ge=1, description="until a replica's step costs are learned (its first "
                                "steps), a step beside decoding requests prefills at most prefill_chunk prompt tokens "
                                "plus one per decoding request, and prefill_chunk more for each joining request "
-                               "beyond the decoding ones: about the prompt tokens whose compute costs as much as "
+                               "beyond the decoding ones (fewer where the decode-only steps of batches of "
+                               "different sizes measured so far price a prompt token as a decoding row above "
+                               "mixed_step_ratio's budget): about the prompt tokens whose compute costs as much as "
                                "reading the weights once (a dozen or two on a CPU, e.g. 512 on a GPU)")
     max_prefill_tokens: int = Field(2048, ge=1, description="prompt tokens prefilled in a step when no request is "
                                     "decoding, or a wave joins (prefill_wave): requests that arrive together are "

@@ -46,6 +46,7 @@ OUTLIER = 4.0  # a step whose residual exceeds this many times the median residu
 # token costs are not told apart), and the room grows as larger steps are measured
 TRUST = 2
 FLOOR = 0.5  # the share of a step's room beside decoding rows kept for prompt tokens, whatever the fixed part
+SLOPE_SPAN = 4  # decode-only steps this many rows apart price a row before the fit (`unlearned_tokens`)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,22 @@ class StepCosts:
             return s0 + (rows - r0) * (self.coef[1] if self.coef is not None else 0.0)
         r1, s1 = above[0]
         return s0 if r1 == r0 else s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+    def unlearned_tokens(self, decode_rows: int) -> int | None:
+        """Before the fit (`ready`): the prompt tokens a step beside `decode_rows` decoding rows may take,
+        each priced as one more decoding row, at the slope of the decode-only steps measured so far (a
+        decoding row is one more token through the same matmuls), between the fewest and the most rows of
+        at least two (a lone row's step may run a graph of its own), SLOPE_SPAN rows apart at least; None
+        where none such were measured yet (the scheduler's token budget then)."""
+        measured = sorted((k[0], v) for k, v in self.decode_seconds.items() if k[0] >= 2 and not k[1])
+        if len(measured) < 2 or measured[-1][0] - measured[0][0] < SLOPE_SPAN:
+            return None
+        (r0, s0), (r1, s1) = measured[0], measured[-1]
+        per_row = (s1 - s0) / (r1 - r0)
+        step = self.decode_step(decode_rows)
+        if per_row <= 0 or step is None:  # noise: the steps of more rows measured no dearer
+            return None
+        return max(1, int((self.ratio - 1) * step / per_row))
 
     def allowance(self, decode_rows: int, adapted: bool = False) -> float:
         """Seconds a step of `decode_rows` decoding rows (`adapted`: with LoRA adapters' rows) may spend
