@@ -178,7 +178,7 @@ def test_prompts_beside_streams_get_the_time_budget_and_a_wave_beside_few_stream
 
 def test_before_the_costs_are_learned_a_prompt_token_is_priced_as_a_decoding_row():
     """A replica's first mixed steps, before the fit: beside 15 decoding rows, the token budget (prefill_chunk
-    plus one per decoding row, 39 tokens) made a step of SmolLM2 on 2 cores 2.4 times a decode-only step. Once
+    plus one per decoding row, 39 tokens) makes a step of SmolLM2 on 2 cores about 2.4 times a decode-only step. Once
     decode-only steps of batches SLOPE_SPAN rows apart or more were measured, a prompt token is priced as one
     more decoding row at their slope, and a step takes those whose price keeps it within the ratio; decode-only
     steps of one batch size, or of sizes measured no dearer for more rows (noise), leave the token budget."""
