@@ -125,6 +125,12 @@ def _bf16_vs_llama(concurrency: int):
     return lambda r: f"{r['generate-bf16'][f'vs_llama_cpp_c{concurrency}']:.2f}"
 
 
+def _attention_time(r: dict, i: int) -> str:
+    """The decode attention kernel's time over torch's operators', at the benchmark's i-th context."""
+    ms = r["decode-attention"]["contexts"][i]["ms"]
+    return f"{ms['kernel'] / ms['torch']:.2f}"
+
+
 README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
     ("warm epoch is {}x the best peer's", ("images-cold",), lambda r: f"{r['images-cold']['warm_vs_best_peer']:.2f}"),
     ("runs at {}x WebDataset's steady rate", ("images-cold",), lambda r: "{:.2f}".format(
@@ -244,12 +250,6 @@ README_FIGURES: list[tuple[str, tuple[str, ...], object]] = [
 NOT_MEASURED = [r"the {}x goal", r"the goal is {}x", r"{}x this machine's RAM"]
 # changes after which an older run's figures are no longer what the command gives: a figure from a
 # run before one of these must say the run's date in its paragraph
-def _attention_time(r: dict, i: int) -> str:
-    """The decode attention kernel's time over torch's operators', at the benchmark's i-th context."""
-    ms = r["decode-attention"]["contexts"][i]["ms"]
-    return f"{ms['kernel'] / ms['torch']:.2f}"
-
-
 CHANGES = [("2026-11-26T13:25:32Z", "rows stored in a seeded shuffled order (d09766c)", {"madewithml", "digits",
                                                                                          "quickstart"}),
            ("2026-11-28T17:00:00Z", "the rolling update driven by an alias move at concurrency 32 (issue 64)",
