@@ -190,8 +190,10 @@ class Scheduler:
         if held and costs is None:
             excess = len(rows) - 2 * len(decoding)  # prefilling rows beyond the decoding ones
             budget = min(budget, len(decoding) + self.prefill_chunk * max(1, excess))
-            # a fit not yet ready: the time budget still, each prompt token priced as a decoding row
-            priced = self.costs.unlearned_tokens(len(decoding)) if self.costs is not None else None
+            # a fit not yet ready: the time budget still, each prompt token priced as a decoding row (a step with
+            # no row prefilling has nothing to price)
+            prefilling = len(rows) > len(decoding)
+            priced = self.costs.unlearned_tokens(len(decoding)) if self.costs is not None and prefilling else None
             budget = min(budget, priced or budget)
         for row in rows:
             if budget <= 0 or costs is not None and seconds <= 0 and step.prefills:
